@@ -1,0 +1,444 @@
+"""Model configurations, read once from Hugging Face ``config.json`` files and frozen.
+
+Two kinds:
+- `ModelConfig`: the DeepSeek-V4 family (``model_type`` ``deepseek_v41`` / ``deepseek_v41_text`` for V4.1,
+  ``deepseek_v4`` for the V4-Flash baseline). Field names equal the JSON keys, so a field can be looked up
+  in the file by its name. A V4.1 file keeps the text model under ``text_config``; its keys win over the
+  top level's.
+- `DenseConfig`: a plain attention model (MHA/GQA, or MLA with ``kv_lora_rank``), used only as a
+  byte-count baseline by the planner (e.g. DeepSeek-LLM-67B).
+
+`load_config` resolves a preset name (``v4.1-mini``, ``deepseek-v4.1-flash``, …) or a path. Validation
+errors are `ConfigError` (a ``ValueError``) naming the field and the bad value. This module knows nothing
+of roles or bytes: `kvdiet.layer_plan` derives roles, `kvdiet.cache.spec` derives bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "DenseConfig",
+    "ModelConfig",
+    "RopeScaling",
+    "config_dir",
+    "load_config",
+]
+
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+V4_MODEL_TYPES = ("deepseek_v4",)
+
+
+class ConfigError(ValueError):
+    """A config file or field is invalid; the message names the field and the bad value."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """YaRN parameters (config field ``rope_scaling``; V4 files spell ``rope_type`` as ``type``)."""
+
+    rope_type: str
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A DeepSeek-V4-family text model. Field names are the HF JSON keys (v41-spec §1.1, §1.3).
+
+    Fields absent from a file are ``None`` (V4 files have no ``kv_source_layer_ids``; V4.1 files have no
+    ``num_hash_layers``). ``compress_ratios`` has one entry per layer plus trailing entries for the
+    DSpark/MTP blocks, which are not transformer layers.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    compress_rope_theta: float
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float
+    rope_scaling: RopeScaling | None = None
+    topk_method: str | None = None
+    kv_source_layer_ids: tuple[int, ...] | None = None
+    index_source_layer_ids: tuple[int, ...] | None = None
+    candidate_source_layer_id: int | None = None
+    candidate_topk_blocks: int | None = None
+    candidate_block_size: int | None = None
+    engram_layer_ids: tuple[int, ...] | None = None
+    engram_num_embeddings: tuple[int, ...] | None = None
+    engram_max_ngram_size: int | None = None
+    engram_vocab_size: int | None = None
+    engram_n_heads: int | None = None
+    engram_head_dim: int | None = None
+    engram_pad_token_id: int | None = None
+    engram_compressed_vocab_size: int | None = None
+    num_hash_layers: int | None = None
+    num_nextn_predict_layers: int | None = None
+    dspark_block_size: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    name: str = ""
+
+    @property
+    def is_v41(self) -> bool:
+        """True for V4.1 (CSA2 with shared KV sources), False for the V4 baseline."""
+        return self.model_type in V41_MODEL_TYPES
+
+    @property
+    def layer_ratios(self) -> tuple[int, ...]:
+        """``compress_ratios`` of the transformer layers only (the first ``num_hidden_layers`` entries)."""
+        return self.compress_ratios[: self.num_hidden_layers]
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path, *, name: str | None = None) -> ModelConfig:
+        """Read and validate a HF ``config.json`` (top level or ``text_config``).
+
+        Raises:
+            ConfigError: unreadable file, unsupported ``model_type``, a missing, mistyped or invalid field.
+        """
+        data = _read_json(path)
+        flat = _flatten_text_config(data)
+        model_type = flat.get("model_type")
+        if model_type not in V41_MODEL_TYPES + V4_MODEL_TYPES:
+            raise ConfigError(f"{path}: model_type {model_type!r} is not a DeepSeek-V4-family model")
+        flat["name"] = name if name is not None else Path(path).stem
+        return cls.from_dict(flat)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from an already flattened dict of JSON fields; unknown keys are ignored."""
+        cfg = cls(**_coerce_fields(cls, data))
+        _validate(cfg)
+        return cfg
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A validated copy with some fields changed (the way presets and tests derive configs)."""
+        return ModelConfig.from_dict({**_as_json_dict(self), **changes})
+
+
+@dataclass(frozen=True, slots=True)
+class DenseConfig:
+    """A dense-attention baseline: every layer keeps K and V for every token (or one MLA latent).
+
+    ``kv_lora_rank`` set means MLA (DeepSeek-V2/V3): one latent of ``kv_lora_rank + qk_rope_head_dim``
+    values per layer and token; otherwise MHA/GQA with ``num_key_value_heads`` heads of ``head_dim``
+    (default ``hidden_size // num_attention_heads``) for K and for V. Values are bf16.
+    """
+
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None
+    name: str = ""
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads (``num_key_value_heads``, MHA when absent)."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Per-head dim of K and V."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path, *, name: str | None = None) -> DenseConfig:
+        """Read a dense model's HF ``config.json``.
+
+        Raises:
+            ConfigError: unreadable file or a missing/mistyped field.
+        """
+        flat = _flatten_text_config(_read_json(path))
+        flat["name"] = name if name is not None else Path(path).stem
+        cfg = cls(**_coerce_fields(cls, flat))
+        for field in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+            if getattr(cfg, field) <= 0:
+                raise ConfigError(f"{field} must be > 0, got {getattr(cfg, field)}")
+        if cfg.kv_lora_rank is not None and cfg.qk_rope_head_dim is None:
+            raise ConfigError("kv_lora_rank is set (MLA) but qk_rope_head_dim is missing")
+        return cfg
+
+
+# Preset name -> file in configs/. Real configs keep their HF bytes; mini/micro are written for kvdiet.
+PRESETS: dict[str, str] = {
+    "deepseek-v4.1-flash": "deepseek-v4.1-flash.json",
+    "deepseek-v4-flash": "deepseek-v4-flash-0731.json",
+    "v4.1-mini": "v4.1-mini.json",
+    "v4.1-micro": "v4.1-micro.json",
+    "deepseek-llm-67b": "deepseek-llm-67b.json",
+}
+
+
+def config_dir() -> Path:
+    """The folder holding the shipped configs (inside the wheel, or the repo's ``configs/``)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parents[1] / "configs"):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError(f"no configs folder found next to {here}")
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
+    """Load a preset by name or a config file by path; V4-family files give `ModelConfig`, others `DenseConfig`.
+
+    Raises:
+        ConfigError: unknown preset and no such file, or an invalid config.
+    """
+    text = str(name_or_path)
+    if text in PRESETS:
+        path, name = config_dir() / PRESETS[text], text
+    else:
+        path, name = Path(text), None
+        if not path.is_file():
+            raise ConfigError(f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+    model_type = _flatten_text_config(_read_json(path)).get("model_type")
+    if model_type in V41_MODEL_TYPES + V4_MODEL_TYPES:
+        return ModelConfig.from_hf_json(path, name=name)
+    return DenseConfig.from_hf_json(path, name=name)
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+
+def _read_json(path: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _flatten_text_config(data: dict[str, Any]) -> dict[str, Any]:
+    text = data.get("text_config")
+    flat = {k: v for k, v in data.items() if k != "text_config"}
+    if isinstance(text, dict):
+        flat.update(text)
+    return flat
+
+
+def _coerce_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """Type-check the JSON values for ``cls``'s fields; missing required fields raise."""
+    hints = get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        if field.name not in data or data[field.name] is None:
+            if field.default is dataclasses.MISSING:
+                raise ConfigError(f"missing required field {field.name!r}")
+            continue
+        out[field.name] = _coerce(field.name, data[field.name], hints[field.name])
+    return out
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    if get_origin(hint) in (Union, types.UnionType):
+        (hint,) = [a for a in get_args(hint) if a is not type(None)]
+    if hint is RopeScaling:
+        return _rope_scaling(value)
+    if get_origin(hint) is tuple:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list of integers, got {value!r}")
+        for i, item in enumerate(value):
+            if not _is_int(item):
+                raise ConfigError(f"{name}[{i}] must be an integer, got {item!r}")
+        return tuple(value)
+    if hint is int:
+        if not _is_int(value):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unhandled field type {hint} for {name}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rope_scaling(value: Any) -> RopeScaling:
+    if not isinstance(value, dict):
+        raise ConfigError(f"rope_scaling must be an object, got {value!r}")
+    value = {**value}
+    if "type" in value and "rope_type" not in value:
+        value["rope_type"] = value.pop("type")
+    scaling = RopeScaling(**_coerce_fields(RopeScaling, value))
+    if scaling.rope_type != "yarn":
+        raise ConfigError(f"rope_scaling.rope_type must be 'yarn', got {scaling.rope_type!r}")
+    return scaling
+
+
+def _as_json_dict(cfg: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, RopeScaling):
+            value = dataclasses.asdict(value)
+        out[field.name] = value
+    return out
+
+
+# --- validation -------------------------------------------------------------------------------------
+
+
+def _validate(cfg: ModelConfig) -> None:
+    """Check the fields that the layer plan, caches and formats depend on (v41-spec §1.2)."""
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "max_position_embeddings",
+        "hc_mult",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "q_lora_rank",
+        "o_lora_rank",
+        "o_groups",
+    ):
+        if getattr(cfg, field) <= 0:
+            raise ConfigError(f"{field} must be > 0, got {getattr(cfg, field)}")
+    if cfg.sliding_window <= 0:
+        raise ConfigError(f"sliding_window must be > 0, got {cfg.sliding_window}")
+    if not 0 < cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
+        raise ConfigError(
+            f"qk_rope_head_dim must be even and in (0, head_dim={cfg.head_dim}), got {cfg.qk_rope_head_dim}"
+        )
+    if cfg.num_attention_heads % cfg.o_groups:
+        raise ConfigError(
+            f"num_attention_heads {cfg.num_attention_heads} is not a multiple of o_groups {cfg.o_groups}"
+        )
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise ConfigError(
+            f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds n_routed_experts {cfg.n_routed_experts}"
+        )
+    n = cfg.num_hidden_layers
+    if len(cfg.compress_ratios) < n:
+        raise ConfigError(
+            f"compress_ratios has {len(cfg.compress_ratios)} entries, fewer than num_hidden_layers={n}: "
+            f"{list(cfg.compress_ratios)}"
+        )
+    for i, r in enumerate(cfg.compress_ratios):
+        if r < 0:
+            raise ConfigError(f"compress_ratios[{i}] must be >= 0, got {r}")
+    if cfg.is_v41:
+        _validate_v41_sources(cfg)
+    for field in ("engram_layer_ids", "dspark_target_layer_ids"):
+        for layer in getattr(cfg, field) or ():
+            if not 0 <= layer < n:
+                raise ConfigError(f"{field} entry {layer} is outside [0, num_hidden_layers={n})")
+
+
+def _validate_v41_sources(cfg: ModelConfig) -> None:
+    n, ratios = cfg.num_hidden_layers, cfg.compress_ratios
+    for field in ("kv_source_layer_ids", "index_source_layer_ids"):
+        ids = getattr(cfg, field)
+        if not ids:
+            raise ConfigError(f"{field} is required for model_type {cfg.model_type!r}")
+        if list(ids) != sorted(set(ids)):
+            raise ConfigError(f"{field} must be strictly increasing, got {list(ids)}")
+        for layer in ids:
+            if not 0 <= layer < n:
+                raise ConfigError(f"{field} entry {layer} is outside [0, num_hidden_layers={n})")
+            if ratios[layer] == 0:
+                raise ConfigError(
+                    f"{field} entry {layer} has compress_ratios[{layer}] = 0 (an SWA-only layer)"
+                )
+    kv, idx = cfg.kv_source_layer_ids or (), cfg.index_source_layer_ids or ()
+    missing = sorted(set(kv) - set(idx))
+    if missing:
+        raise ConfigError(
+            f"kv_source_layer_ids {missing} are not in index_source_layer_ids: a KV source "
+            f"must own the indexer that writes its index keys"
+        )
+    for s in idx:
+        below = [k for k in kv if k <= s]
+        if not below:
+            raise ConfigError(f"index_source_layer_ids entry {s} is not at or above any KV source {list(kv)}")
+        if ratios[below[-1]] != ratios[s]:
+            raise ConfigError(
+                f"index source {s} (ratio {ratios[s]}) reads KV source {below[-1]} of ratio "
+                f"{ratios[below[-1]]}"
+            )
+    for layer in range(n):
+        r = ratios[layer]
+        if r == 0:
+            continue
+        below = [k for k in kv if k <= layer]
+        if not below:
+            raise ConfigError(
+                f"layer {layer} has compress_ratios[{layer}] = {r} but no KV source at or "
+                f"below it in {list(kv)}"
+            )
+        if ratios[below[-1]] != r:
+            raise ConfigError(
+                f"layer {layer} (ratio {r}) would read KV source {below[-1]} of ratio {ratios[below[-1]]}"
+            )
+    c = cfg.candidate_source_layer_id
+    if c is not None:
+        if c not in kv or c not in idx:
+            raise ConfigError(f"candidate_source_layer_id {c} must be both a KV and an index source")
+        for field in ("candidate_topk_blocks", "candidate_block_size"):
+            value = getattr(cfg, field)
+            if value is None or value <= 0:
+                raise ConfigError(f"{field} must be > 0 when candidate_source_layer_id is set, got {value}")

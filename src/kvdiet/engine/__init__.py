@@ -1,0 +1,1 @@
+"""Request-level driving of the model: sampling and (for now) single-request generation."""

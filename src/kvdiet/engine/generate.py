@@ -1,0 +1,135 @@
+"""Single-request generation: load a model, prefill a prompt in chunks, decode, and measure.
+
+The offline path behind ``kvdiet generate``. It knows one request at a time; batching, the paged pool,
+tiers and the server come from the engine proper.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from kvdiet.config import ConfigError, ModelConfig, load_config
+from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.model.engram import compressed_token_map
+from kvdiet.model.loader import load_weights
+from kvdiet.model.state import CacheBytes
+from kvdiet.model.transformer import Transformer
+from kvdiet.tokenizer import Tokenizer
+
+__all__ = ["GenerateResult", "generate", "load_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """What one generation did.
+
+    Attributes:
+        prompt_tokens: prompt length in tokens.
+        output_ids: generated token ids.
+        finish_reason: ``"stop"`` (a stop token) or ``"length"`` (max_tokens reached).
+        prefill_seconds / decode_seconds: wall time of each phase.
+        cache: measured cache bytes at the end.
+    """
+
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: str
+    prefill_seconds: float
+    decode_seconds: float
+    cache: CacheBytes
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.output_ids) / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def load_model(
+    name_or_path: str, *, seed: int = 0, weights: str | Path | None = None, exact: bool = False
+) -> tuple[Transformer, Tokenizer | None]:
+    """A V4.1 model (seeded random weights, or ``weights`` from safetensors) and its tokenizer.
+
+    The real DeepSeek tokenizer goes with configs of its vocabulary size (129,280); smaller test configs
+    get none (prompts are then token ids).
+
+    Raises:
+        ConfigError: not a V4.1 config.
+        kvdiet.model.loader.WeightsError: the weights do not fit.
+    """
+    cfg = load_config(name_or_path)
+    if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
+        raise ConfigError(f"{name_or_path!r} is not a DeepSeek-V4.1 config; generate runs V4.1 models only")
+    tokenizer = Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
+    token_map = None
+    if tokenizer is not None and cfg.engram_layer_ids:
+        token_map, _ = compressed_token_map(tokenizer)
+    model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
+    if weights is not None:
+        load_weights(model, weights)
+    return model, tokenizer
+
+
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    chunk_size: int = 512,
+    bounded_replay: bool = True,
+    progress: bool = False,
+) -> GenerateResult:
+    """Prefill ``prompt_ids`` in chunks of ``chunk_size`` tokens, then decode up to ``params.max_tokens``.
+
+    Raises:
+        ValueError: empty or invalid prompt, a prompt plus ``max_tokens`` beyond the context, bad
+            ``chunk_size`` — all before any state exists.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    params.check_vocab(model.cfg.vocab_size)
+    state = model.new_state()
+    ids = model.check_tokens(state, prompt_ids)
+    limit = model.cfg.max_position_embeddings
+    if ids.numel() + params.max_tokens > limit:
+        raise ValueError(
+            f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
+            f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
+        )
+    bar = Progress(
+        TextColumn("prefill"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tokens"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not progress,
+        transient=True,
+    )
+    start = time.perf_counter()
+    with bar:
+        task = bar.add_task("prefill", total=ids.numel())
+        for s in range(0, ids.numel(), chunk_size):
+            logits = model.prefill(state, ids[s : s + chunk_size], bounded_replay=bounded_replay)
+            bar.update(task, advance=min(chunk_size, ids.numel() - s))
+    prefill_s = time.perf_counter() - start
+    generator = torch.Generator().manual_seed(params.seed or 0)
+    out: list[int] = []
+    finish = "length"
+    start = time.perf_counter()
+    while len(out) < params.max_tokens:
+        token = sample(logits, params, generator)
+        out.append(token)
+        if token in params.stop_token_ids:
+            finish = "stop"
+            break
+        if len(out) < params.max_tokens:
+            logits = model.decode([state], [token])[0]
+    decode_s = time.perf_counter() - start
+    return GenerateResult(ids.numel(), out, finish, prefill_s, decode_s, state.cache_bytes())

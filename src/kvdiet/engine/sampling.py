@@ -1,0 +1,65 @@
+"""Sampling parameters (validated up front) and next-token sampling from logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "sample"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick output tokens.
+
+    Attributes:
+        max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only).
+        temperature: 0 = greedy (argmax, lowest id on ties); > 0 divides the logits.
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set whose probability reaches p (1.0 = all).
+        stop_token_ids: generation ends after emitting one of these.
+        seed: seed of the per-request sampling generator (None = 0).
+    Raises:
+        ValueError: any value out of range (named), checked at construction — before any state changes.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming a stop token id outside ``[0, vocab_size)`` (case B27)."""
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """Pick one token id from fp32 ``logits`` [V] under ``params``."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cut = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        sorted_probs[cut] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,245 @@
+"""V4.1 main compressed KV entry ``fp4_e2m1_e4m3x16``: E2M1 values, one E4M3 scale per 16 (NVFP4-style).
+
+Also the FP4 block codec (``Fp4Recipe``, the ``*_fp4`` functions) that ``mxfp4`` reuses with its own scales.
+
+Recipe (v41-spec §5.1, DeepSeek reference kernel ``fp4_act_quant(x, 16, e4m3)``, vLLM ``nvfp4_ds_mla``), per
+block of 16 values, in fp32::
+
+    amax = max(max|x|, 6·2^-9);  s = e4m3(min(amax / 6, 448));  q = RNE_e2m1(clamp(x / s, ±6))
+
+``x / s`` is a true fp32 division. There is **no global scale** (REF has none), so no caller-supplied global
+scale of 0 or 1e-50 can reach the encoder (case B15); each block's scale is its own E4M3 byte.
+
+Entry (v41-spec §5.2): 512 values → 256 B of nibbles (low nibble = even element) + 32 B of E4M3 scales =
+288 B (``layout.main_kv_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple
+of 16, any leading dims); codes uint8 ``[..., dim]`` (0..15, see ``e2m1``); scales uint8 ``[..., dim/16]``
+(E4M3 bit patterns, always 0x01..0x7E: finite, positive, never NaN); packed uint8 ``[..., 9·dim/16]``;
+dequantised values float32 ``[..., dim]``.
+
+Edge cases:
+- all-zero block: sentinel scale 2^-9 (byte 0x01), dequantises to exactly 0.
+- tiny values: ``|x| ≤ s/4`` flushes to ±0; as ``s ≥ 2^-9`` every ``|x| ≤ 2^-11`` (e.g. 1e-30) becomes ±0.
+- huge values: the scale saturates at 448, so ``|x| > 2688`` saturates to ±2688 (REF's unclamped cast
+  would give a NaN scale). Any finite input (1e38) gives finite outputs.
+- ±inf / NaN input: ``ValueError`` (found on the block amax, no extra pass).
+- error: ``|x − v| ≤ s·step/2`` (step 0.5/1/2 for ``|x|/s`` in [0,2]/[2,4]/[4,6]); above ``6s`` the value
+  saturates to ``6s``. Normal scales keep ``amax/s ≤ 6.375`` (within that bound); E4M3 *subnormal* scales
+  (``s < 2^-6``, i.e. amax < 0.09375) can leave ``amax/s`` up to 9, an error up to ``3s``.
+- idempotence: if a block's largest code magnitude is 6 (always so when ``s ≥ 2^-6``, i.e. the scale is a
+  normal E4M3 value), requantising the dequantised block gives the same scale and codes, so values match
+  bit for bit. With a subnormal scale and a smaller top code, the requantised scale can differ and values
+  can change: ``s = 2^-8`` with top code 4 (values ≤ 2^-6) requantises to ``s = 2^-9`` and 2^-6 → 6·2^-9.
+
+Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, a last dim not a multiple of 16,
+non-finite input, codes/scales/packed of the wrong dtype or width, codes above 15, or an invalid scale byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvdiet.formats.e2m1 import (
+    decode_e2m1,
+    decode_packed_,
+    encode_e2m1_,
+    pack_codes_,
+    pack_nibbles,
+    pair_table,
+    unpack_nibbles,
+)
+from kvdiet.formats.layout import EntryFormat, main_kv_format
+from kvdiet.formats.scales import (
+    E4M3_SCALE_BYTES,
+    as_rows,
+    block_amax,
+    check_codes_and_scales,
+    check_scale_bytes,
+    chunk_rows,
+    decode_rows,
+    e4m3_scale,
+    e4m3_scale_to_float,
+    entry_of_packed,
+    row_chunks,
+)
+
+__all__ = [
+    "MAIN_KV",
+    "Fp4Recipe",
+    "decode_main_kv",
+    "dequantize_main_kv",
+    "encode_main_kv",
+    "fake_quant_main_kv",
+    "pack_main_kv",
+    "quantize_main_kv",
+    "unpack_main_kv",
+]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Fp4Recipe:
+    """How an FP4 format scales its blocks (all that differs between ``fp4`` and ``mxfp4``).
+
+    Attributes:
+        name: format name, for errors.
+        block: values per scale.
+        entry: ``dim -> EntryFormat`` from ``layout``.
+        scale_bytes: stored scale bytes the recipe writes (inclusive range); others are rejected.
+        scale: block amax float32 ``[r, nb]`` (may be modified in place) → ``(s float32, byte uint8)``.
+        scale_to_float: stored scale bytes → float32 ``s``.
+    """
+
+    name: str
+    block: int
+    entry: Callable[[int], EntryFormat]
+    scale_bytes: tuple[int, int]
+    scale: Callable[[Tensor], tuple[Tensor, Tensor]]
+    scale_to_float: Callable[[Tensor], Tensor]
+
+
+def _main_kv_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
+    return e4m3_scale(amax.clamp_(min=6 * 2.0**-9) / 6)
+
+
+MAIN_KV = Fp4Recipe(
+    "fp4_e2m1_e4m3x16", 16, main_kv_format, E4M3_SCALE_BYTES, _main_kv_scale, e4m3_scale_to_float
+)
+
+
+def _setup(x: Tensor, r: Fp4Recipe) -> tuple[Tensor, EntryFormat, Tensor, Tensor]:
+    rows = as_rows(x, block=r.block, name=r.name)
+    fmt = r.entry(rows.shape[1])
+    n = chunk_rows(*rows.shape) * fmt.dim
+    return rows, fmt, torch.empty(n, dtype=torch.float32), torch.empty(2 * n, dtype=torch.int32)
+
+
+def _quantize_chunk(xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: int) -> tuple[Tensor, Tensor]:
+    # xc: [rows, dim] -> (int32 codes [rows, dim] living in ybuf, scale bytes [rows, dim/block])
+    xb = xc.view(xc.shape[0], -1, r.block)
+    s, scale_bytes = r.scale(block_amax(xb, work, name=r.name, first_row=row))
+    y = ybuf[: xc.numel()].view(xb.shape)
+    if xc.dtype == torch.float32:
+        torch.div(xb, s.unsqueeze(-1), out=y)
+    else:
+        y.copy_(xb).div_(s.unsqueeze(-1))
+    return encode_e2m1_(y, work).view(xc.shape), scale_bytes
+
+
+def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
+    """``x [..., dim]`` → (codes uint8 ``[..., dim]``, scale bytes uint8 ``[..., dim/block]``)."""
+    rows, fmt, ybuf, work = _setup(x, recipe)
+    codes = torch.empty(rows.shape, dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8)
+    for sl in row_chunks(*rows.shape):
+        c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
+        codes[sl].copy_(c)
+        scales[sl].copy_(s)
+    return codes.view(x.shape), scales.view(*x.shape[:-1], fmt.num_scales)
+
+
+def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
+    """Fused ``pack_fp4(*quantize_fp4(x))``: ``x [..., dim]`` → uint8 entries ``[..., bytes_per_entry]``."""
+    rows, fmt, ybuf, work = _setup(x, recipe)
+    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
+    assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
+    for sl in row_chunks(*rows.shape):
+        c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
+        pack_codes_(c, packed[sl, : fmt.value_bytes], work)
+        packed[sl, fmt.scale_offset :].copy_(s)
+    return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
+
+
+def pack_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe) -> Tensor:
+    """codes uint8 ``[..., dim]`` + scale bytes ``[..., dim/block]`` → uint8 ``[..., bytes_per_entry]``."""
+    fmt = _check_pair(codes, scales, recipe)
+    packed = torch.cat([pack_nibbles(codes), scales], dim=-1)
+    assert packed.shape[-1] == fmt.bytes_per_entry
+    return packed
+
+
+def unpack_fp4(packed: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
+    """uint8 ``[..., bytes_per_entry]`` → (codes uint8 ``[..., dim]``, scale bytes ``[..., dim/block]``)."""
+    fmt = _entry_of(packed, recipe)
+    scales = packed[..., fmt.scale_offset :].contiguous()
+    return unpack_nibbles(packed[..., : fmt.value_bytes]), scales
+
+
+def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
+    """codes + scale bytes → ``dtype`` (float32 or bfloat16, both exact) ``[..., dim]``: code value × s."""
+    fmt = _check_pair(codes, scales, recipe)
+    c2, s2 = codes.reshape(-1, fmt.dim), scales.reshape(-1, fmt.num_scales)
+
+    def fill(sl: slice, out: Tensor) -> None:
+        decode_e2m1(c2[sl], out=out)
+        s = recipe.scale_to_float(s2[sl])
+        out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
+
+    return decode_rows(*c2.shape, fill, dtype=dtype, name=recipe.name).view(codes.shape)
+
+
+def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
+    """Fused ``dequantize_fp4(*unpack_fp4(packed))``: entries → ``dtype`` ``[..., dim]``."""
+    fmt = _entry_of(packed, recipe)
+    rows = packed.reshape(-1, fmt.bytes_per_entry)
+    check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)
+    table = pair_table(torch.float16)
+
+    def fill(sl: slice, out: Tensor) -> None:
+        decode_packed_(rows[sl, : fmt.value_bytes], out, table)
+        s = recipe.scale_to_float(rows[sl, fmt.scale_offset :])
+        out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
+
+    return decode_rows(rows.shape[0], fmt.dim, fill, dtype=dtype, name=recipe.name).view(
+        *packed.shape[:-1], fmt.dim
+    )
+
+
+def _check_pair(codes: Tensor, scales: Tensor, r: Fp4Recipe) -> EntryFormat:
+    return check_codes_and_scales(
+        codes, scales, r.entry, codes_dtype=torch.uint8, scale_bytes=r.scale_bytes, name=r.name
+    )
+
+
+def _entry_of(packed: Tensor, r: Fp4Recipe) -> EntryFormat:
+    return entry_of_packed(
+        packed, lambda width: width * 8 * r.block // (4 * r.block + 8), r.entry, name=r.name
+    )
+
+
+def quantize_main_kv(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x [..., dim]`` → (codes uint8 ``[..., dim]``, E4M3 scale bytes uint8 ``[..., dim/16]``)."""
+    return quantize_fp4(x, recipe=MAIN_KV)
+
+
+def dequantize_main_kv(codes: Tensor, scales: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(codes, E4M3 scale bytes) → ``[..., dim]`` in ``dtype`` (float32 or bfloat16; both exact)."""
+    return dequantize_fp4(codes, scales, recipe=MAIN_KV, dtype=dtype)
+
+
+def pack_main_kv(codes: Tensor, scales: Tensor) -> Tensor:
+    """(codes, scale bytes) → 288-B entries (dim 512): uint8 ``[..., dim/2 + dim/16]``."""
+    return pack_fp4(codes, scales, recipe=MAIN_KV)
+
+
+def unpack_main_kv(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """Entries uint8 ``[..., dim/2 + dim/16]`` → (codes, scale bytes)."""
+    return unpack_fp4(packed, recipe=MAIN_KV)
+
+
+def encode_main_kv(x: Tensor) -> Tensor:
+    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 9·dim/16]``."""
+    return encode_fp4(x, recipe=MAIN_KV)
+
+
+def decode_main_kv(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``."""
+    return decode_fp4(packed, recipe=MAIN_KV, dtype=dtype)
+
+
+def fake_quant_main_kv(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``dequantize(quantize(x))`` in ``dtype``: what the quantised reference path sees."""
+    return dequantize_main_kv(*quantize_main_kv(x), dtype=dtype)

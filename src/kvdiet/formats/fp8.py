@@ -1,0 +1,193 @@
+"""V4.1 window (SWA) entry ``mxfp8``: E4M3 values, one UE8M0 (power-of-two) scale per 32 values.
+
+Recipe (v41-spec §5.1, DeepSeek reference kernel ``act_quant(x, 32, ue8m0)``), per block, in fp32::
+
+    amax = max(max|x|, 1e-4);  s = 2^ceil(log2(amax / 448));  q = e4m3(clamp(x / s, ±448))
+
+``e4m3`` is ``torch.float8_e4m3fn`` round-to-nearest-even; the ceil is taken on the exact fp32 bits. The
+V4 record (``v4_record``) uses the same recipe with blocks of 64 through ``quantize_e4m3_chunk_`` and
+``dequantize_e4m3_chunk_``.
+
+Entry (v41-spec §5.2, vLLM "V4.1 MXFP8 record"): 512 values → 512 E4M3 bytes + 16 UE8M0 bytes = 528 B
+(``layout.window_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple of 32, any
+leading dims); codes uint8 ``[..., dim]`` (E4M3 bit patterns); scales uint8 ``[..., dim/32]`` (byte =
+exponent + 127, written range 105..246); packed uint8 ``[..., 33·dim/32]``; values float32 ``[..., dim]``.
+
+Edge cases:
+- all-zero block: sentinel scale ``2^ceil(log2(1e-4/448)) = 2^-22``, dequantises to exactly 0.
+- tiny values: ``|x| ≤ 2^-10·s`` flushes to ±0 (half the smallest E4M3 subnormal); with ``s ≥ 2^-22``,
+  every ``|x| ≤ 2^-32`` (e.g. 1e-30) becomes ±0.
+- huge values: the scale exponent is capped at 119 so ``448·s`` stays finite; blocks with amax above
+  ``448·2^118 ≈ 1.5e38`` use ``s = 2^119`` instead of REF's ``2^120`` and saturate at ``±448·2^119`` (REF
+  would dequantise values ``≥ 248·2^120`` to inf). 1e38 is unaffected and finite.
+- ±inf / NaN input: ``ValueError``. Codes 0x7F/0xFF (E4M3 NaN) are never written; decoding them yields
+  ``±480·s``, not NaN.
+- error: ``|x − v| ≤ s · max(2^-4·|x|/s, 2^-10)`` (half an E4M3 ulp); ``amax/s`` lies in (224, 448].
+- idempotence: requantising dequantised values always gives the same values, bit for bit. Codes can
+  differ: a block whose top magnitude code is 224 requantises with ``s/2`` and doubled codes, unless the
+  1e-4 amax floor keeps ``s``.
+
+Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, a last dim not a multiple of 32,
+non-finite input, codes/scales/packed of the wrong dtype or width, or a scale byte outside 105..246.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdiet.formats.layout import EntryFormat, window_format
+from kvdiet.formats.scales import (
+    E4M3_MAX,
+    as_rows,
+    block_amax,
+    check_codes_and_scales,
+    check_scale_bytes,
+    chunk_rows,
+    decode_rows,
+    entry_of_packed,
+    row_chunks,
+    ue8m0_scale,
+    ue8m0_to_float,
+)
+
+__all__ = [
+    "SCALE_BYTES",
+    "decode_window",
+    "dequantize_e4m3_chunk_",
+    "dequantize_window",
+    "encode_window",
+    "fake_quant_window",
+    "pack_window",
+    "quantize_e4m3_chunk_",
+    "quantize_window",
+    "unpack_window",
+]
+
+Tensor = torch.Tensor
+_NAME = "mxfp8"
+_BLOCK = 32
+_MAX_EXPONENT = 119  # 448 · 2^119 ≈ 3.0e38 is the largest finite dequantised value
+SCALE_BYTES = (127 - 22, 127 + _MAX_EXPONENT)
+"""UE8M0 bytes the recipe writes: 2^-22 (the 1e-4 amax floor: ceil(log2(1e-4/448)) = -22) .. 2^119."""
+
+
+def quantize_e4m3_chunk_(
+    xc: Tensor, codes: Tensor, scales: Tensor, ybuf: Tensor, work: Tensor, *, block: int, name: str, row: int
+) -> None:
+    """Quantise rows ``xc [r, n]`` into ``codes`` uint8 ``[r, n]`` and ``scales`` uint8 ``[r, n/block]``.
+
+    ``codes``/``scales`` may be strided views (the parts of packed entries). ``ybuf``: float32 scratch, and
+    ``work``: int32 scratch, each of at least ``xc.numel()`` elements. ``row``: index of ``xc``'s first row,
+    for errors. Raises ``ValueError`` on non-finite input.
+    """
+    xb = xc.view(xc.shape[0], -1, block)
+    amax = block_amax(xb, work, name=name, first_row=row).clamp_(min=1e-4)
+    s, scale_bytes = ue8m0_scale(amax / E4M3_MAX, max_exponent=_MAX_EXPONENT)
+    y = ybuf[: xc.numel()].view(xb.shape)
+    if xc.dtype == torch.float32:
+        torch.div(xb, s.unsqueeze(-1), out=y)
+    else:
+        y.copy_(xb).div_(s.unsqueeze(-1))
+    codes.view(torch.float8_e4m3fn).copy_(y.clamp_(-E4M3_MAX, E4M3_MAX).view(xc.shape))
+    scales.copy_(scale_bytes)
+
+
+def dequantize_e4m3_chunk_(codes: Tensor, scales: Tensor, out: Tensor, work: Tensor, *, block: int) -> None:
+    """``codes`` uint8 ``[r, n]`` + UE8M0 ``scales`` ``[r, n/block]`` → ``out`` float32 ``[r, n]``.
+
+    ``out``'s last dim must be contiguous (rows may be strided). E4M3 → fp16 by bits: sign-extend to int16,
+    shift left 7 and clear bit 14; that fp16 equals the E4M3 value × 2^-8 exactly (subnormals included), so
+    the 2^8 goes into the scale. ``work``: int16 scratch of at least ``codes.numel()`` elements.
+    """
+    half = work[: codes.numel()].view(codes.shape)
+    half.copy_(codes.view(torch.int8)).bitwise_left_shift_(7).bitwise_and_(-0x4001)  # & 0xBFFF
+    out.copy_(half.view(torch.float16))
+    out.view(out.shape[0], -1, block).mul_(ue8m0_to_float(scales).mul_(256.0).unsqueeze(-1))
+
+
+def _setup(rows: Tensor) -> tuple[EntryFormat, Tensor, Tensor]:
+    n = chunk_rows(*rows.shape) * rows.shape[1]
+    return (
+        window_format(rows.shape[1]),
+        torch.empty(n, dtype=torch.float32),
+        torch.empty(n, dtype=torch.int32),
+    )
+
+
+def quantize_window(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x [..., dim]`` → (E4M3 codes uint8 ``[..., dim]``, UE8M0 scale bytes uint8 ``[..., dim/32]``)."""
+    rows = as_rows(x, block=_BLOCK, name=_NAME)
+    fmt, ybuf, work = _setup(rows)
+    codes = torch.empty(rows.shape, dtype=torch.uint8)
+    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8)
+    for sl in row_chunks(*rows.shape):
+        quantize_e4m3_chunk_(
+            rows[sl], codes[sl], scales[sl], ybuf, work, block=_BLOCK, name=_NAME, row=sl.start
+        )
+    return codes.view(x.shape), scales.view(*x.shape[:-1], fmt.num_scales)
+
+
+def encode_window(x: Tensor) -> Tensor:
+    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 33·dim/32]``."""
+    rows = as_rows(x, block=_BLOCK, name=_NAME)
+    fmt, ybuf, work = _setup(rows)
+    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
+    assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
+    for sl in row_chunks(*rows.shape):
+        codes, scales = packed[sl, : fmt.dim], packed[sl, fmt.scale_offset :]
+        quantize_e4m3_chunk_(rows[sl], codes, scales, ybuf, work, block=_BLOCK, name=_NAME, row=sl.start)
+    return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
+
+
+def pack_window(codes: Tensor, scales: Tensor) -> Tensor:
+    """(codes, scale bytes) → 528-B entries (dim 512): uint8 ``[..., dim + dim/32]``."""
+    fmt = _check_pair(codes, scales)
+    packed = torch.cat([codes, scales], dim=-1)
+    assert packed.shape[-1] == fmt.bytes_per_entry
+    return packed
+
+
+def unpack_window(packed: Tensor) -> tuple[Tensor, Tensor]:
+    """Entries uint8 ``[..., dim + dim/32]`` → (codes uint8 ``[..., dim]``, scale bytes ``[..., dim/32]``)."""
+    fmt = _entry_of(packed)
+    return packed[..., : fmt.dim].contiguous(), packed[..., fmt.scale_offset :].contiguous()
+
+
+def dequantize_window(codes: Tensor, scales: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(codes, UE8M0 scale bytes) → ``[..., dim]`` in ``dtype`` (float32 or bfloat16; both exact)."""
+    fmt = _check_pair(codes, scales)
+    c2, s2 = codes.reshape(-1, fmt.dim), scales.reshape(-1, fmt.num_scales)
+    return _decode(c2, s2, dtype).view(codes.shape)
+
+
+def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``."""
+    fmt = _entry_of(packed)
+    rows = packed.reshape(-1, fmt.bytes_per_entry)
+    check_scale_bytes(rows[:, fmt.scale_offset :], SCALE_BYTES, name=_NAME)
+    out = _decode(rows[:, : fmt.dim], rows[:, fmt.scale_offset :], dtype)
+    return out.view(*packed.shape[:-1], fmt.dim)
+
+
+def fake_quant_window(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``dequantize(quantize(x))`` in ``dtype``: what the quantised reference path sees."""
+    return dequantize_window(*quantize_window(x), dtype=dtype)
+
+
+def _decode(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    work = torch.empty(chunk_rows(*codes.shape) * codes.shape[1], dtype=torch.int16)
+
+    def fill(sl: slice, out: Tensor) -> None:
+        dequantize_e4m3_chunk_(codes[sl], scales[sl], out, work, block=_BLOCK)
+
+    return decode_rows(*codes.shape, fill, dtype=dtype, name=_NAME)
+
+
+def _check_pair(codes: Tensor, scales: Tensor) -> EntryFormat:
+    return check_codes_and_scales(
+        codes, scales, window_format, codes_dtype=torch.uint8, scale_bytes=SCALE_BYTES, name=_NAME
+    )
+
+
+def _entry_of(packed: Tensor) -> EntryFormat:
+    return entry_of_packed(packed, lambda width: width * _BLOCK // (_BLOCK + 1), window_format, name=_NAME)

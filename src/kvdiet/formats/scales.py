@@ -1,0 +1,250 @@
+"""What the packed formats share: argument checks, row chunking, block amax, UE8M0 and E4M3 scales.
+
+It validates tensors handed to the quantisers and packers, walks inputs in cache-sized row chunks, takes
+each block's absolute maximum (rejecting non-finite input there, once per block rather than with an extra
+pass over the values) and turns a ratio ``amax / grid_max`` into a stored scale byte:
+
+- **UE8M0** (MXFP4 index keys, MXFP8 window entries, V4 records): ``s = 2^ceil(log2(y))`` with the ceil
+  taken on the exact fp32 bits (a non-zero mantissa bumps the exponent, v41-spec §5.1, DeepSeek reference
+  kernel ``fast_log2_ceil``). Stored byte = exponent + 127; byte 0xFF (NaN) is never written.
+- **E4M3** (V4.1 main KV): ``s = e4m3(y)`` by ``torch.float8_e4m3fn`` round-to-nearest-even, after
+  clamping ``y`` to [2^-9, 448] as vLLM ``nvfp4_ds_mla`` does, so the stored byte is a finite, positive
+  E4M3 value (0x01..0x7E); it is never 0 and never 0x7F/0xFF (NaN).
+
+It knows no particular entry layout (``layout`` declares them) and no value grid (``e2m1``, ``fp8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kvdiet.formats.layout import EntryFormat
+
+__all__ = [
+    "CHUNK_VALUES",
+    "E4M3_MAX",
+    "E4M3_SCALE_BYTES",
+    "E4M3_SCALE_MIN",
+    "as_rows",
+    "block_amax",
+    "check_codes_and_scales",
+    "check_scale_bytes",
+    "chunk_rows",
+    "decode_rows",
+    "e4m3_scale",
+    "e4m3_scale_to_float",
+    "entry_of_packed",
+    "row_chunks",
+    "ue8m0_scale",
+    "ue8m0_to_float",
+]
+
+E4M3_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` magnitude."""
+E4M3_SCALE_MIN = 2.0**-9
+"""Smallest positive E4M3 value (a subnormal); the floor of every E4M3 scale."""
+E4M3_SCALE_BYTES = (0x01, 0x7E)
+"""E4M3 scale bytes ``e4m3_scale`` writes: 2^-9 .. 448 (never 0, never the NaN patterns 0x7F/0xFF)."""
+CHUNK_VALUES = 1 << 19
+"""Values per work chunk (2 MiB of fp32): a chunk's intermediates stay in cache (L2/L3) across the ~20 passes
+of a quantiser, while each op still has enough work to amortise dispatch and thread start-up."""
+
+# dtype -> (integer view, abs mask, bit pattern of +inf): |x| of a float compares like its bits as an int.
+_BITS = {
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+}
+
+
+def as_rows(x: torch.Tensor, *, block: int, name: str) -> torch.Tensor:
+    """Check a quantiser input and view it as contiguous rows ``[N, dim]`` (dim = last axis).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor ``[..., dim]``; any leading dims, including none and zero-size.
+        block: values per scale; ``dim`` must be a positive multiple of it.
+        name: format name used in error messages.
+
+    Raises:
+        ValueError: another dtype, no dims, or a ``dim`` that is not a positive multiple of ``block``.
+    """
+    if x.dtype not in _BITS:
+        raise ValueError(f"{name}: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % block:
+        raise ValueError(f"{name}: last dim must be a positive multiple of {block}, got {list(x.shape)}")
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def chunk_rows(rows: int, dim: int) -> int:
+    """Rows per work chunk: about ``CHUNK_VALUES`` values, at least 1, at most ``rows``."""
+    return min(rows, max(1, CHUNK_VALUES // dim))
+
+
+def row_chunks(rows: int, dim: int) -> Iterator[slice]:
+    """Consecutive row slices covering ``rows``, ``chunk_rows`` rows each."""
+    step = max(1, chunk_rows(rows, dim))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: int = 0) -> torch.Tensor:
+    """Absolute maximum of each block, in fp32 (exact: it is one of the inputs).
+
+    Args:
+        xb: float32/bfloat16/float16 ``[r, nb, block]``, contiguous.
+        work: contiguous integer scratch of at least ``xb.numel()`` elements of ``xb``'s width (int32 works
+            for every input dtype).
+        name: format name used in the error message.
+        first_row: index of ``xb``'s first row in the caller's input, for the error message.
+
+    Returns:
+        float32 ``[r, nb]``.
+
+    Raises:
+        ValueError: a block holds ±inf or NaN (their bits sort above every finite magnitude).
+    """
+    itype, mask, inf_bits = _BITS[xb.dtype]
+    mag = torch.bitwise_and(xb.view(itype), mask, out=work.view(itype)[: xb.numel()].view(xb.shape))
+    amax = mag.amax(-1)
+    if amax.numel() and int(amax.max()) >= inf_bits:
+        row = first_row + int((amax >= inf_bits).any(-1).nonzero()[0])
+        raise ValueError(f"{name}: input holds a non-finite value (±inf or NaN) in row {row}")
+    return amax.view(xb.dtype).float()
+
+
+def ue8m0_scale(y: torch.Tensor, *, max_exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Power-of-two scale ``2^ceil(log2(y))``, exponent clamped to ``≤ max_exponent``.
+
+    The ceil is taken on the exact fp32 bits: ``(bits + 0x7FFFFF) >> 23`` is the biased exponent plus one
+    whenever the mantissa is non-zero (v41-spec §5.1).
+
+    Args:
+        y: float32, every value a positive normal number (≥ 2^-126); the callers' amax clamps ensure this.
+        max_exponent: largest unbiased exponent kept, so that ``grid_max · s`` stays finite.
+
+    Returns:
+        ``(scale, byte)``: float32 ``2^e`` and uint8 ``e + 127`` (1..254), both shaped like ``y``.
+    """
+    biased = torch.bitwise_right_shift(y.view(torch.int32) + 0x7FFFFF, 23).clamp_(max=max_exponent + 127)
+    return torch.bitwise_left_shift(biased, 23).view(torch.float32), biased.to(torch.uint8)
+
+
+def ue8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """Decode UE8M0 bytes (``2^(byte − 127)``) to float32; byte 0 is 2^-127 (a subnormal)."""
+    return scale_bytes.view(torch.float8_e8m0fnu).float()
+
+
+def e4m3_scale(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 scale of ``y`` (float32): clamp to [2^-9, 448], round to nearest even E4M3.
+
+    Returns:
+        ``(scale, byte)``: float32 E4M3 value and its uint8 bit pattern (0x01..0x7E), shaped like ``y``.
+    """
+    scale_bytes = y.clamp(E4M3_SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return e4m3_scale_to_float(scale_bytes), scale_bytes
+
+
+def e4m3_scale_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """Decode E4M3 scale bytes (0x01..0x7E) to float32, exactly.
+
+    By bits, as ``fp8.dequantize_e4m3_chunk_`` does (torch's float8 → float32 cast is slow on CPU): the byte
+    shifted left 7 is an fp16 equal to the E4M3 value × 2^-8.
+    """
+    half = scale_bytes.to(torch.int16).bitwise_left_shift_(7)
+    return half.view(torch.float16).float().mul_(256.0)
+
+
+def decode_rows(
+    rows: int, dim: int, fill: Callable[[slice, torch.Tensor], None], *, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """Allocate ``[rows, dim]`` of ``dtype`` and have ``fill(row_slice, out)`` write each chunk in float32.
+
+    Dequantised values of every format here are exactly representable in bfloat16 (at most 6 significant
+    bits times an in-range power of two, or an E4M3 value times a power of two), so a bfloat16 result is
+    lossless. Float32 chunks are written in place; bfloat16 ones through a float32 chunk scratch and one
+    narrowing copy (torch's CPU bf16 arithmetic is several times slower than fp32 plus that copy).
+
+    Raises:
+        ValueError: ``dtype`` is neither float32 nor bfloat16.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: output dtype must be float32 or bfloat16, got {dtype}")
+    out = torch.empty(rows, dim, dtype=dtype)
+    scratch = None if dtype == torch.float32 else torch.empty(chunk_rows(rows, dim), dim)
+    for sl in row_chunks(rows, dim):
+        chunk = out[sl] if scratch is None else scratch[: sl.stop - sl.start]
+        fill(sl, chunk)
+        if scratch is not None:
+            out[sl].copy_(chunk)
+    return out
+
+
+def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name: str) -> None:
+    """Reject stored scale bytes outside ``valid`` (inclusive): the range this format's quantiser writes.
+
+    Keeping decoded scales in that range keeps every dequantised value finite and non-NaN.
+
+    Raises:
+        ValueError: a byte outside the range (a corrupt or foreign entry), naming it.
+    """
+    if scale_bytes.numel():
+        lo, hi = int(scale_bytes.min()), int(scale_bytes.max())
+        if lo < valid[0] or hi > valid[1]:
+            bad = lo if lo < valid[0] else hi
+            raise ValueError(
+                f"{name}: stored scale byte {bad:#04x} is outside {valid[0]:#04x}..{valid[1]:#04x}"
+            )
+
+
+def check_codes_and_scales(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    entry: Callable[[int], EntryFormat],
+    *,
+    codes_dtype: torch.dtype,
+    scale_bytes: tuple[int, int],
+    name: str,
+) -> EntryFormat:
+    """Check ``(codes [..., dim], scales [..., num_scales])`` for a packer/dequantiser; return ``entry(dim)``.
+
+    Raises:
+        ValueError: wrong dtypes, a scalar, a ``dim`` the format does not fit (from ``layout``), scales of
+            another shape, or a scale byte outside ``scale_bytes``.
+    """
+    if codes.dtype != codes_dtype or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"{name}: codes must be {codes_dtype}, scales uint8; got {codes.dtype}, {scales.dtype}"
+        )
+    if codes.dim() == 0:
+        raise ValueError(f"{name}: codes need a last dim (values per entry), got a scalar")
+    fmt = entry(codes.shape[-1])
+    if scales.shape != (*codes.shape[:-1], fmt.num_scales):
+        raise ValueError(f"{name}: scales {list(scales.shape)} do not fit codes {list(codes.shape)}")
+    check_scale_bytes(scales, scale_bytes, name=name)
+    return fmt
+
+
+def entry_of_packed(
+    packed: torch.Tensor,
+    dim_of_width: Callable[[int], int],
+    entry: Callable[[int], EntryFormat],
+    *,
+    name: str,
+) -> EntryFormat:
+    """The entry format of packed entries ``uint8 [..., width]``; ``dim_of_width`` inverts the width formula.
+
+    Raises:
+        ValueError: ``packed`` is not uint8, is a scalar, or its width is no entry width of this format.
+    """
+    if packed.dtype != torch.uint8 or packed.dim() == 0:
+        raise ValueError(f"{name}: packed must be uint8 [..., B], got {packed.dtype} {list(packed.shape)}")
+    width = packed.shape[-1]
+    try:
+        fmt = entry(dim_of_width(width))
+    except ValueError:
+        fmt = None
+    if fmt is None or fmt.bytes_per_entry != width:
+        raise ValueError(f"{name}: packed width {width} B is not an entry width of this format")
+    return fmt

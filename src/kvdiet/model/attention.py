@@ -1,0 +1,282 @@
+"""V4.1 attention of one layer: window ∪ selected compressed entries under one softmax (v41-spec §2).
+
+Per layer, with x the normalised layer input and positions absolute:
+- ``qr = q_norm(wq_a(x))``, ``q = wq_b(qr)`` as [heads, head_dim], RoPE on the last ``qk_rope_head_dim``.
+- window entry ``kv = rope(kv_norm(wkv(x)))`` (one shared latent = key = value), stored FP8 in the ring.
+- KV-source layers compress (`Compressor`), write index keys and main-KV entries (RoPE at the group's
+  first position, then FP4); index sources score and publish a top-k; Reuse layers take their source's.
+- ``o = softmax(q·[window ∪ selected]ᵀ / √head_dim, sink) · [window ∪ selected]``; duplicates between the
+  window and the selection count twice, as in DeepSeek's reference; an invalid top-k slot is masked.
+- the query-position rotation is undone on ``o``; grouped ``wo_a`` then ``wo_b``.
+Window keys older than a segment's ``window_floor`` are never read (bounded replay, v41-spec §7).
+
+The cached path runs on `Segment`s (one per request in the batch); `kvdiet.model.reference` runs the
+same projections and `attend` over whole sequences without any cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvdiet.config import ModelConfig
+from kvdiet.formats.codec import CacheCodecs
+from kvdiet.layer_plan import LayerInfo
+from kvdiet.model.compressor import Compressor
+from kvdiet.model.indexer import Indexer, index_scores
+from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
+from kvdiet.model.state import RequestState
+
+__all__ = ["Attention", "Segment", "attend"]
+
+# Query rows per attention block: 8 queries × top-512 × 512 dims of gathered fp32 entries (8 MiB) stay in
+# the last-level cache between the score and the value products (6× faster than 64 on a 32 MiB L3).
+_QUERY_BLOCK = 8
+
+
+def attend(
+    q: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_mask: torch.Tensor,
+    comp_kv: torch.Tensor | None,
+    comp_mask: torch.Tensor | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One softmax over window keys, selected compressed keys and the sink (value 0).
+
+    Args:
+        q: fp32 [B, H, D] queries.
+        win_kv: fp32 [L, D] window entries shared by the block; ``win_mask`` bool [B, L].
+        comp_kv: fp32 [B, K, D] per-query selected entries (or None); ``comp_mask`` bool [B, K].
+        sink: fp32 [H] per-head sink logits.
+        scale: softmax scale (head_dim^-½).
+    Returns:
+        fp32 [B, H, D].
+    """
+    b, h, d = q.shape
+    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1)
+    parts = [win.mul_(scale).masked_fill_(~win_mask[:, None, :], float("-inf"))]
+    if comp_kv is not None:
+        lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
+        parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
+    parts.append(sink.float()[None, :, None].expand(b, h, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    n_win = win_kv.shape[0]
+    out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
+    if comp_kv is not None:
+        out += torch.bmm(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
+    return out
+
+
+@dataclass(slots=True)
+class Segment:
+    """One request's rows in a forward call, and what layers publish to later layers during that call.
+
+    Attributes:
+        state: the request's caches (mutated by the layers).
+        positions: int64 [T] consecutive absolute positions of the rows.
+        window_floor: window keys at positions below this are never read.
+        topk: ``{index-source layer: (idx int64 [T, k], valid bool [T, k])}`` for these rows.
+        candidates: the candidate source's kept blocks ``(block ids [T, Kb], valid)`` for these rows.
+        decoded_main / decoded_keys: per-call decoded copies of a KV source's entries (read-only).
+    """
+
+    state: RequestState
+    positions: torch.Tensor
+    window_floor: int = 0
+    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+    decoded_main: dict[int, torch.Tensor] = field(default_factory=dict)
+    decoded_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def start_pos(self) -> int:
+        return int(self.positions[0])
+
+    def last_rows(self, keep: int, window_floor: int) -> Segment:
+        """The same request narrowed to its last ``keep`` rows (decoder bounded replay)."""
+        cut = self.positions.shape[0] - keep
+        topk = {layer: (i[cut:], v[cut:]) for layer, (i, v) in self.topk.items()}
+        cand = None if self.candidates is None else (self.candidates[0][cut:], self.candidates[1][cut:])
+        return Segment(
+            self.state,
+            self.positions[cut:],
+            max(self.window_floor, window_floor),
+            topk,
+            cand,
+            self.decoded_main,
+            self.decoded_keys,
+        )
+
+
+class Attention(nn.Module):
+    """Attention of one layer; parameter names follow DeepSeek's checkpoint (``layers.{i}.attn.*``)."""
+
+    def __init__(self, cfg: ModelConfig, info: LayerInfo, codecs: CacheCodecs) -> None:
+        super().__init__()
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.info, self.codecs = info, codecs
+        self.n_heads, self.head_dim, self.n_groups = h, d, cfg.o_groups
+        self.window, self.index_topk = cfg.sliding_window, cfg.index_topk
+        self.candidate_block_size, self.candidate_topk_blocks = (
+            cfg.candidate_block_size,
+            cfg.candidate_topk_blocks,
+        )
+        self.scale = d**-0.5
+        self.rope = Rope.for_layer(cfg, info.compress_ratio)
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(h))
+        self.compressor = (
+            Compressor(cfg.hidden_size, d, info.compress_ratio, cfg.rms_norm_eps)
+            if info.owns_compressed_kv
+            else None
+        )
+        self.indexer = (
+            Indexer(
+                hidden_size=cfg.hidden_size,
+                q_lora_rank=cfg.q_lora_rank,
+                head_dim=d,
+                n_heads=cfg.index_n_heads,
+                index_head_dim=cfg.index_head_dim,
+                owns_keys=info.owns_index_keys,
+                eps=cfg.rms_norm_eps,
+            )
+            if info.owns_indexer
+            else None
+        )
+
+    # --- pure projections (shared with the no-cache reference) ---
+
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qr fp32 [T, q_lora_rank], q fp32 [T, H, D] after RoPE)``."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).float().view(-1, self.n_heads, self.head_dim)
+        return qr, self.rope.rotate(q.transpose(0, 1), positions).transpose(0, 1)
+
+    def project_window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Window entries fp32 [T, D] after RoPE, before storage."""
+        return self.rope.rotate(self.kv_norm(self.wkv(x)), positions)
+
+    def compressed_entries(self, latent: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+        """Main-KV entries fp32 [M, D] (RoPE at each group's first position ``j·r``), before storage."""
+        return self.rope.rotate(latent, group_ids * self.info.compress_ratio)
+
+    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo the query rotation on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden]."""
+        o = self.rope.rotate(o.transpose(0, 1), positions, inverse=True).transpose(0, 1)
+        t, g = o.shape[0], self.n_groups
+        o = o.reshape(t, g, -1)
+        wo_a = self.wo_a.weight.view(g, -1, o.shape[-1])
+        return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a).reshape(t, -1))
+
+    def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, floor: int) -> torch.Tensor:
+        """bool [Q, L]: key position in ``[max(t − W + 1, floor), t]`` for query position t."""
+        lo = torch.clamp(q_pos - self.window + 1, min=floor)
+        return (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+
+    # --- cached path ---
+
+    def forward(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """Write this layer's global entries for ``x`` [T, hidden], then attend; returns fp32 [T, hidden]."""
+        self.update_global(x, seg)
+        return self.attend_rows(x, seg)
+
+    def update_global(self, x: torch.Tensor, seg: Segment) -> None:
+        """KV-source layers: compress the rows and append index keys and main-KV entries to the request's caches."""
+        if self.compressor is None:
+            return
+        layer, state = self.info.layer_id, seg.state
+        latent, gids = self.compressor(x, seg.start_pos, state.tails.get(layer))
+        if gids.numel():
+            first = gids * self.info.compress_ratio
+            state.index_keys[layer].append(self.indexer.keys(latent, first, self.rope))
+            state.main[layer].append(self.compressed_entries(latent, gids))
+
+    def attend_rows(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """Attention for rows ``x`` [T, hidden] at ``seg.positions`` (global caches already up to date)."""
+        pos, info, state = seg.positions, self.info, seg.state
+        qr, q = self.project_q(x, pos)
+        kv = self.codecs.window.roundtrip(self.project_window_kv(x, pos))
+        ring = state.windows[info.layer_id]
+        ring_kv, ring_pos = ring.read()
+        older = ring_pos < seg.start_pos
+        order = torch.argsort(ring_pos[older])
+        win_kv = torch.cat([ring_kv[older][order], kv])
+        win_pos = torch.cat([ring_pos[older][order], pos])
+        ring.write(kv, pos)
+        if self.indexer is not None:
+            seg.topk[info.layer_id] = self._select(qr, x, seg)
+        o = torch.empty(pos.shape[0], self.n_heads, self.head_dim)
+        for s in range(0, pos.shape[0], _QUERY_BLOCK):
+            e = min(pos.shape[0], s + _QUERY_BLOCK)
+            lo = int(torch.searchsorted(win_pos, pos[s] - self.window + 1))
+            hi = int(torch.searchsorted(win_pos, pos[e - 1], right=True))
+            mask = self.window_mask(pos[s:e], win_pos[lo:hi], seg.window_floor)
+            comp = comp_mask = None
+            if info.compress_ratio:
+                idx, valid = seg.topk[info.idx_src]
+                comp, comp_mask = self._gather_main(seg, idx[s:e]), valid[s:e]
+            o[s:e] = attend(q[s:e], win_kv[lo:hi], mask, comp, comp_mask, self.attn_sink, self.scale)
+        return self.project_out(o, pos)
+
+    def _gather_main(self, seg: Segment, idx: torch.Tensor) -> torch.Tensor:
+        """Decoded main-KV entries of ``kv_src`` at ``idx`` [B, k] → fp32 [B, k, D]; decodes the whole
+        source once per call when the call selects more entries than it holds."""
+        src = self.info.kv_src
+        store = seg.state.main[src]
+        full = seg.decoded_main.get(src)
+        if full is None and seg.positions.shape[0] * self.index_topk > len(store):
+            full = seg.decoded_main[src] = store.read()
+        if full is None:
+            return store.read(idx)
+        return full.index_select(0, idx.flatten()).view(*idx.shape, self.head_dim)
+
+    def _select(self, qr: torch.Tensor, x: torch.Tensor, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        info, pos = self.info, seg.positions
+        q_idx, w = self.indexer.queries(qr, x, pos, self.rope, self.codecs.index_key)
+        keys = seg.decoded_keys.get(info.kv_src)
+        if keys is None:
+            keys = seg.decoded_keys[info.kv_src] = seg.state.index_keys[info.kv_src].read()
+        n, t = keys.shape[0], pos.shape[0]
+        k = min(self.index_topk, n)
+        idx = torch.zeros(t, k, dtype=torch.int64)
+        valid = torch.zeros(t, k, dtype=torch.bool)
+        cand_blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        step = max(1, (1 << 24) // max(1, n * self.indexer.n_heads))
+        for s in range(0, t, step):
+            e = min(t, s + step)
+            visible = visibility_mask(pos[s:e], n, info.compress_ratio)
+            scores = index_scores(q_idx[s:e], w[s:e], keys, visible)
+            if info.candidate == "source":
+                cand_blocks.append(
+                    select_candidate_blocks(
+                        scores,
+                        visible,
+                        block_size=self.candidate_block_size,
+                        topk_blocks=self.candidate_topk_blocks,
+                    )
+                )
+            elif info.candidate == "consumer":
+                if seg.candidates is None:
+                    raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
+                keep = candidate_mask(
+                    seg.candidates[0][s:e],
+                    seg.candidates[1][s:e],
+                    num_entries=n,
+                    block_size=self.candidate_block_size,
+                )
+                scores = scores.masked_fill(~keep, float("-inf"))
+            idx[s:e], valid[s:e] = select_topk(scores, self.index_topk)
+        if cand_blocks:
+            seg.candidates = (torch.cat([c[0] for c in cand_blocks]), torch.cat([c[1] for c in cand_blocks]))
+        return idx, valid

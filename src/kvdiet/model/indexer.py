@@ -1,0 +1,88 @@
+"""The V4.1 lightning indexer: index keys (owners), index queries, scores (v41-spec §4).
+
+- Keys (KV-source layers only): ``k = k_norm(wk(latent))`` from the compressor's pre-RoPE latent, RoPE on
+  the last ``qk_rope_head_dim`` dims at the group's first position, then the MXFP4 round trip.
+- Queries (every index source): ``q = wq_b(qr)`` from the main attention's q-LoRA output ``qr``, viewed
+  [index_n_heads, index_head_dim], RoPE at the query position, MXFP4 round trip. No Hadamard rotation.
+- Score of entry j for a query: ``Σ_h relu(q_h · k_j) · w_h`` with
+  ``w = weights_proj(x) · index_head_dim^-½ · index_n_heads^-½``; entries the query may not see get −inf.
+A layer scores against the keys of its own KV source ``kv_src(l)`` on every call, including decode steps
+that complete no group (v41-spec §4: DeepSeek's reference re-points the key slot only when the owner
+emits, which makes its decode disagree with its prefill; kvdiet does not).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvdiet.formats.codec import Codec
+from kvdiet.model.layers import RMSNorm, Rope
+
+__all__ = ["Indexer", "index_scores"]
+
+# Query rows scored at once: bounds the [rows, heads, entries] intermediate to ~16M floats.
+_SCORE_BUDGET = 1 << 24
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Indexer scores ``Σ_h relu(q_h · k_j) · w_h``, −inf where not ``visible``.
+
+    Args:
+        q: fp32 [Q, H, d] index queries.
+        w: fp32 [Q, H] head weights (already scaled).
+        keys: fp32 [N, d] index keys.
+        visible: bool [Q, N].
+    Returns:
+        fp32 [Q, N].
+    """
+    qn, h, _ = q.shape
+    n = keys.shape[0]
+    out = torch.empty(qn, n)
+    step = max(1, _SCORE_BUDGET // max(1, h * n))
+    for s in range(0, qn, step):
+        e = min(qn, s + step)
+        logits = torch.einsum("qhd,nd->qhn", q[s:e], keys).relu_()
+        out[s:e] = torch.einsum("qhn,qh->qn", logits, w[s:e])
+    return out.masked_fill_(~visible, float("-inf"))
+
+
+class Indexer(nn.Module):
+    """Parameters ``wq_b`` [H·d, q_lora_rank], ``weights_proj`` [H, hidden]; owners add ``wk`` [d, head_dim]
+    and ``k_norm`` [d] (DeepSeek checkpoint names under ``layers.{i}.attn.indexer.``)."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        q_lora_rank: int,
+        head_dim: int,
+        n_heads: int,
+        index_head_dim: int,
+        owns_keys: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.index_head_dim = n_heads, index_head_dim
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+        self.wk = nn.Linear(head_dim, index_head_dim, bias=False) if owns_keys else None
+        self.k_norm = RMSNorm(index_head_dim, eps) if owns_keys else None
+        self.softmax_scale = (index_head_dim**-0.5) * (n_heads**-0.5)
+
+    def keys(self, latent: torch.Tensor, group_pos: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim] whose groups
+        start at positions ``group_pos`` [M]."""
+        k = self.k_norm(self.wk(latent))
+        return rope.rotate(k, group_pos)
+
+    def queries(
+        self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: Rope, codec: Codec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q fp32 [T, H, d] after RoPE and the MXFP4 round trip, w fp32 [T, H])`` for rows at ``positions``."""
+        t = qr.shape[0]
+        q = self.wq_b(qr).float().view(t, self.n_heads, self.index_head_dim)
+        q = rope.rotate(q.transpose(0, 1), positions).transpose(0, 1)
+        q = codec.roundtrip(q)
+        w = self.weights_proj(x).float() * self.softmax_scale
+        return q, w

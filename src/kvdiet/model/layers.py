@@ -1,0 +1,171 @@
+"""RMSNorm and rotary position embedding (RoPE) of the V4.1 reference model, in fp32.
+
+`RMSNorm` is the model's only norm (eps = config ``rms_norm_eps``, 1e-20 for V4.1, v41-spec §10). `Rope` is a
+small frozen per-layer object: ratio > 0 layers use base ``compress_rope_theta`` with YaRN, ratio 0 layers use
+base ``rope_theta`` without it (v41-spec §2). Angles are computed on the fly from absolute positions, so no
+table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra. This module knows
+nothing about which vectors get rotated; attention and the indexer decide that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvdiet.config import ModelConfig
+
+__all__ = ["RMSNorm", "Rope", "rope_frequencies"]
+
+
+class RMSNorm(nn.Module):
+    """``y = x · rsqrt(mean(x²) + eps) · weight`` over the last dim, computed and returned in fp32.
+
+    Args:
+        dim: size of the normalised (last) dim; the parameter ``weight`` is fp32 [dim], initialised to ones.
+        eps: config ``rms_norm_eps`` (1e-20 for V4.1, so an all-zero input gives NaN-free zeros only
+            because 0 · rsqrt(1e-20) = 0).
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., dim] any float dtype -> fp32 [..., dim]."""
+        x = x.float()
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+def rope_frequencies(
+    rope_dim: int,
+    base: float,
+    *,
+    factor: float = 1.0,
+    original_max_position_embeddings: int = 0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    yarn: bool = False,
+) -> torch.Tensor:
+    """Per-pair angular frequencies (radians per position), fp32 [rope_dim/2].
+
+    Follows DeepSeek's reference ``precompute_freqs_cis``: ``freqs_i = 1 / base**(2i/d)``; with ``yarn`` the
+    fast pairs ``i ≤ low`` keep ``freqs``, slow pairs ``i ≥ high`` get ``freqs/factor``, and pairs between
+    are blended linearly, with ``low = floor(corr(beta_fast))``, ``high = ceil(corr(beta_slow))``,
+    ``corr(n) = d·ln(orig/(n·2π)) / (2·ln base)`` (both clamped to [0, d−1]; 0.001 is added to ``high`` when
+    they are equal): ``ramp = clamp((i − low)/(high − low), 0, 1)``, ``smooth = 1 − ramp``,
+    ``freqs = freqs/factor·(1 − smooth) + freqs·smooth``. No mscale: the rotation stays unit-modulus
+    (v41-spec §2). The reference clamps only ``low`` from below and ``high`` from above; the two agree
+    whenever ``low ≤ d − 1`` and ``high ≥ 0``, as for every shipped config.
+
+    Raises:
+        ValueError: odd or non-positive ``rope_dim``, ``base`` ≤ 1.
+    """
+    if rope_dim <= 0 or rope_dim % 2:
+        raise ValueError(f"rope_dim must be even and > 0, got {rope_dim}")
+    if base <= 1:
+        raise ValueError(f"RoPE base must be > 1, got {base}")
+    d = rope_dim
+    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if not yarn:
+        return freqs
+
+    def corr(num_rotations: float) -> float:
+        return (
+            d
+            * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
+
+    low = min(max(math.floor(corr(beta_fast)), 0), d - 1)
+    high = min(max(math.ceil(corr(beta_slow)), 0), d - 1)
+    if high == low:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    smooth = 1 - ramp
+    return freqs / factor * (1 - smooth) + freqs * smooth
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """Rotary embedding on interleaved adjacent pairs ``(x[2i], x[2i+1])`` of the last ``rope_dim`` dims.
+
+    Attributes:
+        rope_dim: d, config ``qk_rope_head_dim`` (64 for V4.1).
+        base: the RoPE base actually used (``rope_theta`` or ``compress_rope_theta``).
+        yarn: whether YaRN blending was applied to the frequencies.
+        freqs: fp32 [d/2], radians per position of pair i (see `rope_frequencies`). Do not mutate.
+    """
+
+    rope_dim: int
+    base: float
+    yarn: bool
+    freqs: torch.Tensor
+
+    @classmethod
+    def for_layer(cls, cfg: ModelConfig, compress_ratio: int) -> Rope:
+        """The table of a layer with ``compress_ratios[l] = compress_ratio`` (v41-spec §2, "RoPE table").
+
+        ratio > 0: base ``compress_rope_theta`` (160000), YaRN from ``rope_scaling`` when it is set and
+        ``max_position_embeddings > rope_scaling.original_max_position_embeddings``. ratio 0: base
+        ``rope_theta`` (10000), never YaRN. The same table serves q, window k, compressed k, index q and k.
+        """
+        scaling = cfg.rope_scaling
+        if compress_ratio > 0:
+            base = cfg.compress_rope_theta
+            yarn = (
+                scaling is not None and cfg.max_position_embeddings > scaling.original_max_position_embeddings
+            )
+        else:
+            base, yarn = cfg.rope_theta, False
+        if yarn:
+            assert scaling is not None
+            freqs = rope_frequencies(
+                cfg.qk_rope_head_dim,
+                base,
+                factor=scaling.factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+                beta_fast=scaling.beta_fast,
+                beta_slow=scaling.beta_slow,
+                yarn=True,
+            )
+        else:
+            freqs = rope_frequencies(cfg.qk_rope_head_dim, base)
+        return cls(rope_dim=cfg.qk_rope_head_dim, base=base, yarn=yarn, freqs=freqs)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` dims of ``x`` by ``positions · freqs`` (by −angle when ``inverse``).
+
+        Args:
+            x: [..., T, D] with D ≥ rope_dim, any float dtype; dims ``[0, D − rope_dim)`` pass through.
+            positions: int64 absolute positions, broadcastable to ``x.shape[:-1]`` (e.g. [T] for x
+                [..., T, D], or [T, 1] for x [T, H, D]). Angles are ``positions·freqs`` in fp32, as
+                DeepSeek's reference table (``torch.outer`` of fp32 positions and freqs) computes them.
+            inverse: rotate by −angle; undoes the query-position rotation of the attention output (§2).
+        Returns:
+            A new tensor, same shape and dtype as ``x`` (the rotation itself runs in fp32 complex arithmetic,
+            like the reference ``apply_rotary_emb``).
+        Raises:
+            ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
+        """
+        d = self.rope_dim
+        if x.shape[-1] < d:
+            raise ValueError(f"last dim {x.shape[-1]} is smaller than rope_dim {d}")
+        angles = positions.to(torch.float32)[..., None] * self.freqs.to(x.device)  # [..., T, d/2]
+        cis = torch.polar(torch.ones_like(angles), angles)
+        if inverse:
+            cis = cis.conj()
+        pairs = torch.view_as_complex(
+            x[..., x.shape[-1] - d :].float().unflatten(-1, (d // 2, 2)).contiguous()
+        )
+        rotated = torch.view_as_real(pairs * cis).flatten(-2)
+        out = x.clone()
+        out[..., x.shape[-1] - d :] = rotated.to(x.dtype)
+        return out

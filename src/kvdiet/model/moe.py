@@ -1,0 +1,138 @@
+"""The V4.1 mixture-of-experts FFN: a sqrt-softplus router with a selection-only bias, SwiGLU experts with
+the swiglu clamp, and one always-on shared expert (v41-spec §8.2, §8.2a; DeepSeek's reference ``Gate``,
+``Expert`` and ``MoE``).
+
+Everything runs in fp32 on full-precision weights; the checkpoint's MXFP4 experts and FP8 dense weights are
+the loader's business. Tokens are grouped per expert (one matmul per used expert, no per-token loop). This
+module has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvdiet.config import ModelConfig
+
+__all__ = ["Expert", "Gate", "MoE"]
+
+_INIT_STD = 0.02  # config ``initializer_range``
+
+
+class Gate(nn.Module):
+    """The router: ``weight`` fp32 [n_routed_experts, hidden] and ``bias`` fp32 [n_routed_experts].
+
+    Scores are ``sqrt(softplus(x·Wᵀ))`` (config ``scoring_func`` ``sqrtsoftplus``). Experts are chosen by the
+    top-k of ``scores + bias``; the bias only selects. Routing weights are the chosen raw scores, divided by
+    (their sum + 1e−20) when ``norm_topk_prob`` and k > 1, times ``routed_scaling_factor``.
+    """
+
+    def __init__(
+        self, hidden: int, n_experts: int, topk: int, *, norm_topk_prob: bool, routed_scaling_factor: float
+    ) -> None:
+        super().__init__()
+        self.topk = topk
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        nn.init.normal_(self.weight, std=_INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights fp32 [T, k], expert ids int64 [T, k]).
+
+        Ties in ``scores + bias`` go to the lowest expert index (a stable descending sort), so the choice
+        never depends on ``torch.topk``'s unspecified tie order or on the thread count.
+        """
+        scores = torch.sqrt(F.softplus(x.float() @ self.weight.float().T))  # [T, E]
+        order = torch.sort(scores + self.bias.float(), dim=-1, descending=True, stable=True).indices
+        ids = order[:, : self.topk]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob and self.topk > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class Expert(nn.Module):
+    """SwiGLU expert: ``y = w2 · (weight · silu(gate) · up)``, ``gate = w1·x``, ``up = w3·x`` in fp32.
+
+    With ``swiglu_limit`` L > 0, ``up`` is clamped to [−L, L] and ``gate`` to (−∞, L] before the product
+    (config ``swiglu_limit``, 10 for V4.1). Linears have no bias: ``w1``/``w3`` [inter, hidden], ``w2``
+    [hidden, inter].
+    """
+
+    def __init__(self, hidden: int, inter: int, *, swiglu_limit: float) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.normal_(lin.weight, std=_INIT_STD)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [N, hidden]; weight: fp32 [N, 1] routing weights or None (shared expert) -> fp32 [N, hidden]."""
+        x = x.float()
+        gate = x @ self.w1.weight.float().T
+        up = x @ self.w3.weight.float().T
+        if self.swiglu_limit > 0:
+            up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
+            gate = gate.clamp(max=self.swiglu_limit)
+        act = F.silu(gate) * up
+        if weight is not None:
+            act = weight * act
+        return act @ self.w2.weight.float().T
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts; output = Σ routed (weighted) + shared (v41-spec §8.2a).
+
+    Submodules (checkpoint names under ``layers.{i}.ffn.``): ``gate`` (`Gate`), ``experts`` (ModuleList of
+    ``n_routed_experts`` `Expert` of ``moe_intermediate_size``), ``shared_experts`` (one `Expert` of
+    ``n_shared_experts · moe_intermediate_size``, weight 1).
+
+    Raises:
+        ValueError: ``scoring_func`` is not ``sqrtsoftplus`` or ``n_shared_experts`` < 1.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"scoring_func {cfg.scoring_func!r} is not supported (only 'sqrtsoftplus')")
+        if cfg.n_shared_experts < 1:
+            raise ValueError(f"n_shared_experts must be >= 1, got {cfg.n_shared_experts}")
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_routed_experts = cfg.n_routed_experts
+        self.gate = Gate(
+            hidden,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        self.experts = nn.ModuleList(
+            Expert(hidden, inter, swiglu_limit=cfg.swiglu_limit) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = Expert(hidden, cfg.n_shared_experts * inter, swiglu_limit=cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] (any float dtype) -> fp32 [T, hidden]."""
+        x = x.float()
+        weights, ids = self.gate(x)  # [T, k] each
+        num_tokens, k = ids.shape
+        flat_ids = ids.flatten()  # (token, slot) pairs, token-major
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
+        tokens = order // k
+        sorted_weights = weights.flatten()[order, None]
+        sorted_out = torch.empty(order.numel(), x.shape[1], dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                part = slice(start, start + n)
+                sorted_out[part] = self.experts[e](x[tokens[part]], sorted_weights[part])
+                start += n
+        # Back to (token, slot) order with a gather, then sum the k slots in slot order.
+        routed = sorted_out[torch.argsort(order)].view(num_tokens, k, -1).sum(1)
+        return routed + self.shared_experts(x)

@@ -1,0 +1,110 @@
+"""Top-k and candidate-block selection over indexer scores, deterministic and never yielding a bad index.
+
+Shared by the cached path and the no-cache reference (`kvdiet.model.reference`). Scores are fp32
+``[Q, N]`` with ``-inf`` for entries a query may not see; NaN is treated as ``-inf`` (case B11c).
+
+Ties are broken by the lowest entry index (case B11a): the result never depends on a sort's
+stability or on the thread count. A query that sees fewer than ``k`` entries gets ``valid = False`` in the
+remaining slots, and the index there is 0, not −1: in PyTorch a −1 silently gathers the last row, so no
+−1 is ever produced (case B11b). Callers mask invalid slots out of the softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["candidate_mask", "select_candidate_blocks", "select_topk", "visibility_mask"]
+
+
+def _nan_to_neginf(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 copy with NaN replaced by −inf (±inf kept; ``torch.nan_to_num`` would make them finite)."""
+    scores = scores.float()
+    return torch.where(torch.isnan(scores), float("-inf"), scores)
+
+
+def visibility_mask(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
+    """Entry j is visible to a query at position t iff ``j < (t + 1) // r`` (v41-spec §2; case B05).
+
+    Args:
+        positions: int64 [Q] absolute query positions.
+        num_entries: N, entries held.
+        compress_ratio: r ≥ 1.
+    Returns:
+        bool [Q, N].
+    """
+    limit = torch.div(positions + 1, compress_ratio, rounding_mode="floor")
+    return torch.arange(num_entries, device=positions.device)[None, :] < limit[:, None]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``min(k, N)`` highest finite scores of each row, ties to the lowest index, sorted by index.
+
+    Args:
+        scores: fp32 [Q, N]; ``-inf`` (or NaN) marks entries that must not be chosen.
+        k: entries wanted per row (config ``index_topk``).
+    Returns:
+        ``(idx, valid)``: int64 [Q, min(k, N)] entry indices in ascending order, and bool of the same
+        shape; ``idx`` is 0 wherever ``valid`` is False.
+    Raises:
+        ValueError: ``k < 1`` or ``scores`` is not 2-D.
+    """
+    if k < 1 or scores.dim() != 2:
+        raise ValueError(f"select_topk needs k >= 1 and 2-D scores, got k={k}, shape {tuple(scores.shape)}")
+    q, n = scores.shape
+    kk = min(k, n)
+    if kk == 0:
+        empty = torch.zeros(q, 0, dtype=torch.int64, device=scores.device)
+        return empty, empty.bool()
+    scores = _nan_to_neginf(scores)
+    threshold = scores.topk(kk, dim=-1).values[:, -1:]
+    above = scores > threshold
+    tied = scores == threshold
+    room = kk - above.sum(-1, keepdim=True)
+    chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
+    positions = torch.arange(n, device=scores.device).expand(q, n)
+    marked = torch.where(chosen, positions, torch.full_like(positions, n))
+    idx = marked.topk(kk, dim=-1, largest=False).values.sort(dim=-1).values
+    valid = idx < n
+    return idx.masked_fill(~valid, 0), valid
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, *, block_size: int, topk_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hierarchical candidate pool of the candidate-source indexer (v41-spec §4, ``select_candidate_blocks``).
+
+    Block score = max of its ``block_size`` position scores (``-inf`` padding); the block holding the
+    newest visible entry is pinned to ``+inf`` because it may be partly filled; the top
+    ``min(topk_blocks, n_blocks)`` blocks with a finite or pinned score are kept.
+
+    Args:
+        scores: fp32 [Q, N] scores, ``-inf`` where not visible.
+        visible: bool [Q, N] visibility (a prefix of each row; gives the newest visible entry).
+        block_size: positions per block (config ``candidate_block_size``).
+        topk_blocks: blocks kept (config ``candidate_topk_blocks``).
+    Returns:
+        ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`.
+    """
+    q, n = scores.shape
+    nb = -(-n // block_size)
+    padded = torch.full((q, nb * block_size), float("-inf"), device=scores.device)
+    padded[:, :n] = _nan_to_neginf(scores)
+    block_scores = padded.view(q, nb, block_size).amax(-1)
+    newest = visible.sum(-1) - 1  # newest visible entry, -1 if none
+    rows = torch.nonzero(newest >= 0).squeeze(-1)
+    block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
+    return select_topk(block_scores, topk_blocks)
+
+
+def candidate_mask(
+    blocks: torch.Tensor, valid: torch.Tensor, *, num_entries: int, block_size: int
+) -> torch.Tensor:
+    """Expand kept blocks ``[Q, Kb]`` to bool [Q, num_entries]: True inside a kept block.
+
+    At most ``Kb × block_size`` entries per row are True, and only within valid blocks.
+    """
+    q = blocks.shape[0]
+    keep = torch.zeros(q, -(-num_entries // block_size), dtype=torch.bool, device=blocks.device)
+    rows = torch.arange(q, device=blocks.device)[:, None].expand_as(blocks)
+    keep[rows[valid], blocks[valid]] = True
+    return keep.repeat_interleave(block_size, dim=1)[:, :num_entries]

@@ -1,0 +1,182 @@
+"""Per-request cache state of the V4.1 model: packed global KV, window rings, compressor tails, Engram history.
+
+What a request owns (v41-spec §2–§3, §8.3a):
+- per KV-source (Full) layer: main-KV entries and index keys, appended as their groups complete
+  (`EntryStore`; packed bytes unless the model runs unquantised). Reuse and Reindex layers own none.
+- per layer: a ring of the last ``sliding_window`` window entries with their positions (`WindowRing`).
+- per ratio>1 KV-source layer: the fp32 rows of the open compression group (`CompressorTail`).
+- the last ``engram_max_ngram_size − 1`` compressed token ids (Engram history).
+
+This module holds storage only; the model's layers decide what to write. Mutations happen through
+``append``/``write``/``replace`` and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdiet.formats.codec import Codec
+
+__all__ = ["CacheBytes", "CompressorTail", "EntryStore", "RequestState", "WindowRing"]
+
+
+class EntryStore:
+    """Append-only rows of one codec (a layer's main-KV entries or index keys).
+
+    Capacity doubles as entries arrive; only the rows written count as used bytes.
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self._rows = torch.empty(0, codec.width, dtype=codec.dtype)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, values: torch.Tensor) -> None:
+        """Encode and append fp32 ``values`` [M, dim] as entries ``len .. len+M−1``."""
+        rows = self.codec.encode(values)
+        need = self._len + rows.shape[0]
+        if need > self._rows.shape[0]:
+            grown = torch.empty(
+                max(need, 2 * self._rows.shape[0], 16), self.codec.width, dtype=self.codec.dtype
+            )
+            grown[: self._len] = self._rows[: self._len]
+            self._rows = grown
+        self._rows[self._len : need] = rows
+        self._len = need
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """Replace the whole content with already-encoded ``rows`` [M, width] (benchmarks fill caches this way)."""
+        if rows.dim() != 2 or rows.shape[1] != self.codec.width or rows.dtype != self.codec.dtype:
+            raise ValueError(
+                f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} "
+                f"{tuple(rows.shape)}"
+            )
+        self._rows = rows.contiguous()
+        self._len = rows.shape[0]
+
+    def raw(self) -> torch.Tensor:
+        """The stored rows [len, width] (a view)."""
+        return self._rows[: self._len]
+
+    def read(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoded fp32 entries: all [len, dim], or ``idx`` (int64, any shape, each in [0, len)) → [..., dim]."""
+        rows = self.raw() if idx is None else self.raw()[idx]
+        return self.codec.decode(rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows written."""
+        return self._len * self.codec.bytes_per_entry
+
+
+class WindowRing:
+    """The last ``window`` window entries of one layer, slot ``pos % window``, with their positions."""
+
+    def __init__(self, codec: Codec, window: int) -> None:
+        self.codec = codec
+        self.window = window
+        self.rows = torch.zeros(window, codec.width, dtype=codec.dtype)
+        self.positions = torch.full((window,), -1, dtype=torch.int64)
+
+    def write(self, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store fp32 ``values`` [M, dim] at increasing ``positions`` [M]; only the last ``window`` stay."""
+        values, positions = values[-self.window :], positions[-self.window :]
+        slots = positions % self.window
+        self.rows[slots] = self.codec.encode(values)
+        self.positions[slots] = positions
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values fp32 [F, dim], positions int64 [F])`` of the F filled slots, in slot order."""
+        filled = self.positions >= 0
+        return self.codec.decode(self.rows[filled]), self.positions[filled]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring (allocated in full: it is fixed per request)."""
+        return self.window * self.codec.bytes_per_entry
+
+
+class CompressorTail:
+    """fp32 projections of the open group's tokens (a ratio-r compressor), kept until the group completes."""
+
+    def __init__(self, ratio: int, dim: int) -> None:
+        self.kv = torch.zeros(ratio, dim)
+        self.score = torch.full((ratio, dim), float("-inf"))
+        self.count = 0
+
+    def replace(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Hold ``kv``/``score`` [c, dim] (c < ratio) as the open group's rows."""
+        c = kv.shape[0]
+        self.kv.zero_()
+        self.score.fill_(float("-inf"))
+        self.kv[:c], self.score[:c] = kv, score
+        self.count = c
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * 4 + self.score.numel() * 4
+
+
+@dataclass(frozen=True, slots=True)
+class CacheBytes:
+    """Measured bytes of one request's caches.
+
+    Attributes:
+        num_tokens: tokens processed.
+        global_bytes: main-KV + index-key rows written (grows with the context).
+        window_bytes: all window rings (fixed per request).
+        tail_bytes: compressor tails (fixed per request).
+        per_layer: ``{layer: (main bytes, index-key bytes)}``.
+    """
+
+    num_tokens: int
+    global_bytes: int
+    window_bytes: int
+    tail_bytes: int
+    per_layer: dict[int, tuple[int, int]]
+
+    @property
+    def global_bytes_per_token(self) -> float:
+        """``global_bytes / num_tokens`` (890.0 for V4.1 at an even token count)."""
+        return self.global_bytes / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.global_bytes + self.window_bytes + self.tail_bytes
+
+
+@dataclass(slots=True)
+class RequestState:
+    """All cache state of one request (see the module docstring).
+
+    Attributes:
+        num_tokens: positions processed so far (the next token's position).
+        windows: one ring per layer.
+        main: main-KV entries per KV-source layer.
+        index_keys: index keys per KV-source layer.
+        tails: compressor tails per ratio>1 KV-source layer.
+        engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first).
+    """
+
+    windows: list[WindowRing]
+    main: dict[int, EntryStore]
+    index_keys: dict[int, EntryStore]
+    tails: dict[int, CompressorTail]
+    engram_history: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    num_tokens: int = 0
+
+    def cache_bytes(self) -> CacheBytes:
+        """Bytes measured from the allocated storage (rows written for global KV; rings and tails in full)."""
+        per_layer = {layer: (self.main[layer].nbytes, self.index_keys[layer].nbytes) for layer in self.main}
+        return CacheBytes(
+            num_tokens=self.num_tokens,
+            global_bytes=sum(m + i for m, i in per_layer.values()),
+            window_bytes=sum(w.nbytes for w in self.windows),
+            tail_bytes=sum(t.nbytes for t in self.tails.values()),
+            per_layer=per_layer,
+        )

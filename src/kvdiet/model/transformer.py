@@ -1,0 +1,276 @@
+"""The V4.1 text model with real packed caches: embedding, mHC blocks, final norm and LM head.
+
+Driven only by `ModelConfig` and its `LayerPlan`. Block l (v41-spec §8.1a): Engram (if any) on the
+streams, attention on ``attn_norm(collapse(h, previous FFN pre))``, expand; FFN (MoE) on
+``ffn_norm(collapse(h, this attention's pre))``, expand. After the last block: collapse with the last FFN
+pre, final norm, LM head in fp32.
+
+Paths:
+- `Transformer.prefill`: any chunk of consecutive tokens of one request (chunks may split a ratio-2 pair).
+  With ``bounded_replay`` (default, as vLLM/SGLang/ATOM) the decoder layers (from the last KV source on)
+  run only on the chunk's last ``sliding_window`` rows, whose windows read nothing older than
+  ``chunk end − window``; every row still goes through the encoder and the last KV source's compressor and
+  indexer keys, so the global KV is exactly that of a full prefill (v41-spec §6, §7.1).
+- `Transformer.decode`: one token for each of several requests of any lengths.
+- `kvdiet.model.reference.forward_full`: the slow no-cache reference these are tested against.
+Bad input raises ``ValueError`` before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kvdiet.config import ModelConfig
+from kvdiet.formats.codec import CacheCodecs
+from kvdiet.layer_plan import LayerInfo, LayerPlan
+from kvdiet.model.attention import Attention, Segment
+from kvdiet.model.engram import Engram, EngramHasher
+from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
+from kvdiet.model.layers import RMSNorm
+from kvdiet.model.moe import MoE
+from kvdiet.model.state import CompressorTail, EntryStore, RequestState, WindowRing
+
+__all__ = ["Block", "Transformer"]
+
+_INIT_STD = 0.02
+
+
+class Block(nn.Module):
+    """One layer: optional Engram, attention, MoE, and their mHC parameters (``layers.{i}.*`` names)."""
+
+    def __init__(self, cfg: ModelConfig, info: LayerInfo, codecs: CacheCodecs) -> None:
+        super().__init__()
+        hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+        self.cfg, self.info = cfg, info
+        self.engram = Engram(cfg, info.layer_id) if info.layer_id in (cfg.engram_layer_ids or ()) else None
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, info, codecs)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg)
+        for part in ("attn", "ffn"):
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size)))
+            self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+
+    def coefficients(self, h: torch.Tensor, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC ``(pre, post, comb)`` of the ``attn`` or ``ffn`` sublayer for streams ``h`` [T, hc, hidden]."""
+        c = self.cfg
+        return hc_coefficients(
+            h,
+            getattr(self, f"hc_{part}_fn"),
+            getattr(self, f"hc_{part}_scale"),
+            getattr(self, f"hc_{part}_base"),
+            hc_mult=c.hc_mult,
+            rms_eps=c.rms_norm_eps,
+            hc_eps=c.hc_eps,
+            sinkhorn_iters=c.hc_sinkhorn_iters,
+        )
+
+    def ffn_half(self, h: torch.Tensor, attn_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FFN sublayer: returns ``(new streams, this FFN's pre)``."""
+        pre, post, comb = self.coefficients(h, "ffn")
+        out = self.ffn(self.ffn_norm(hc_collapse(h, attn_pre)))
+        return hc_expand(out, h, post, comb), pre
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4.1 text model (vision and DSpark out of scope).
+
+    Args:
+        cfg: a V4.1 `ModelConfig`.
+        exact: store caches unquantised in fp32 (for exactness tests) instead of packed bytes.
+        token_map: Engram compressed-token map (int64 [vocab]); None → identity (valid only when
+            ``engram_compressed_vocab_size == vocab_size``).
+    Raises:
+        ValueError: a V4 (non-V4.1) config; Engram or a compressor after the decoder start (bounded replay
+            would then change global state).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, *, exact: bool = False, token_map: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if not cfg.is_v41:
+            raise ValueError(f"config {cfg.name!r} is {cfg.model_type}; the model implements V4.1 only")
+        self.cfg, self.exact = cfg, exact
+        self.plan = LayerPlan.from_config(cfg)
+        self.codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
+        self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
+        start = self.plan.decoder_start
+        late = [i for i in (cfg.engram_layer_ids or ()) if start is not None and i >= start]
+        late += [i for i in self.plan.kv_sources if start is not None and i > start]
+        if late:
+            raise ValueError(f"layers {late} hold Engram or a compressor at/after the decoder start {start}")
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, info, self.codecs) for info in self.plan.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_config(
+        cls, cfg: ModelConfig, *, seed: int = 0, exact: bool = False, token_map: torch.Tensor | None = None
+    ) -> Transformer:
+        """A model with seeded random weights (same seed → same weights, whatever the global RNG state)."""
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = cls(cfg, exact=exact, token_map=token_map)
+            model.init_weights()
+        return model.eval()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Matrices ~ N(0, 0.02²); norm weights, hc scales, Engram gate weights 1; biases and sinks 0."""
+        for name, p in self.named_parameters():
+            if name == "embed.weight":
+                nn.init.normal_(p)
+            elif p.dim() >= 2 and not name.endswith(("q_weight", "k_weight")):
+                nn.init.normal_(p, std=_INIT_STD)
+
+    # --- state ---
+
+    def new_state(self) -> RequestState:
+        """Empty caches for one request."""
+        cfg, c = self.cfg, self.codecs
+        windows = [WindowRing(c.window, cfg.sliding_window) for _ in self.plan.layers]
+        sources = self.plan.kv_sources
+        tails = {
+            s: CompressorTail(self.plan[s].compress_ratio, cfg.head_dim)
+            for s in sources
+            if self.plan[s].compress_ratio > 1
+        }
+        history = self.hasher.initial_history() if self.hasher else torch.empty(0, dtype=torch.int64)
+        return RequestState(
+            windows,
+            {s: EntryStore(c.main) for s in sources},
+            {s: EntryStore(c.index_key) for s in sources},
+            tails,
+            history,
+        )
+
+    def check_tokens(self, state: RequestState, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Validate a chunk for ``state``; returns int64 [T].
+
+        Raises:
+            ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
+                ``max_position_embeddings``.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        if ids.numel() == 0:
+            raise ValueError("empty prompt: at least one token id is needed")
+        v = self.cfg.vocab_size
+        bad = ((ids < 0) | (ids >= v)).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {v})")
+        end = state.num_tokens + ids.numel()
+        if end > self.cfg.max_position_embeddings:
+            raise ValueError(
+                f"{state.num_tokens} cached + {ids.numel()} new tokens = {end} > "
+                f"max_position_embeddings {self.cfg.max_position_embeddings}"
+            )
+        return ids
+
+    # --- forward paths ---
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        state: RequestState,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        bounded_replay: bool = True,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Process a chunk of one request's tokens at positions ``state.num_tokens …``.
+
+        Args:
+            state: the request's caches (updated).
+            tokens: int [T], T ≥ 1.
+            bounded_replay: run the decoder layers only on the last ``sliding_window`` rows (see module doc).
+            all_logits: return logits of every row that reached the head instead of the last one.
+        Returns:
+            fp32 [V] (last row) or [R, V] (R = T, or min(T, window) under bounded replay).
+        Raises:
+            ValueError: see `check_tokens`.
+        """
+        ids = self.check_tokens(state, tokens)
+        keep = min(ids.numel(), self.cfg.sliding_window) if bounded_replay else ids.numel()
+        logits = self._forward([state], [ids], [keep])
+        return logits if all_logits else logits[-1]
+
+    @torch.no_grad()
+    def decode(self, states: Sequence[RequestState], tokens: Sequence[int]) -> torch.Tensor:
+        """One token for each request: ``tokens[b]`` at position ``states[b].num_tokens``; returns fp32 [B, V].
+
+        Raises:
+            ValueError: lengths differ, a state appears twice, or a token is invalid (nothing changes then).
+        """
+        if len(states) != len(tokens) or not states:
+            raise ValueError(
+                f"decode needs one token per state, got {len(tokens)} tokens for {len(states)} states"
+            )
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("the same request state appears twice in one decode batch")
+        ids = [self.check_tokens(s, [t]) for s, t in zip(states, tokens, strict=True)]
+        return self._forward(list(states), ids, [1] * len(states))
+
+    def _forward(self, states: list[RequestState], ids: list[torch.Tensor], keeps: list[int]) -> torch.Tensor:
+        cfg = self.cfg
+        segs, row_ids, rows = [], {}, []
+        start = 0
+        for state, chunk in zip(states, ids, strict=True):
+            pos = torch.arange(state.num_tokens, state.num_tokens + chunk.numel())
+            segs.append(Segment(state, pos))
+            rows.append((start, start + chunk.numel()))
+            start += chunk.numel()
+        if self.hasher is not None:
+            with_hist = [
+                self.hasher.with_history(self.hasher.compress(c), s.engram_history)
+                for s, c in zip(states, ids, strict=True)
+            ]
+            for layer in self.hasher.layer_ids:
+                row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
+        h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
+        prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
+        for block in self.layers:
+            layer = block.info.layer_id
+            if block.engram is not None:
+                h = block.engram(h, row_ids[layer])
+            x = block.attn_norm(hc_collapse(h, prev_pre))
+            if layer == self.plan.decoder_start and any(
+                k < (e - s) for k, (s, e) in zip(keeps, rows, strict=True)
+            ):
+                for seg, (s, e) in zip(segs, rows, strict=True):
+                    block.attn.update_global(x[s:e], seg)
+                h, x, segs, rows = self._narrow(h, x, segs, rows, keeps)
+                attn_pre, post, comb = block.coefficients(h, "attn")
+                out = torch.cat(
+                    [block.attn.attend_rows(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
+                )
+            else:
+                attn_pre, post, comb = block.coefficients(h, "attn")
+                out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
+            h = hc_expand(out, h, post, comb)
+            h, prev_pre = block.ffn_half(h, attn_pre)
+        for state, chunk in zip(states, ids, strict=True):
+            state.num_tokens += chunk.numel()
+            if self.hasher is not None:
+                full = self.hasher.with_history(self.hasher.compress(chunk), state.engram_history)
+                state.engram_history = self.hasher.next_history(full)
+        return self.head(self.norm(hc_collapse(h, prev_pre))).float()
+
+    def _narrow(self, h, x, segs, rows, keeps):
+        """Keep each segment's last ``keep`` rows; their windows read nothing before ``chunk end − window``."""
+        w = self.cfg.sliding_window
+        index, new_segs, new_rows, start = [], [], [], 0
+        for seg, (s, e), keep in zip(segs, rows, keeps, strict=True):
+            index.append(torch.arange(e - keep, e))
+            floor = int(seg.positions[-1]) + 1 - w
+            new_segs.append(seg.last_rows(keep, floor) if keep < e - s else seg)
+            new_rows.append((start, start + keep))
+            start += keep
+        index = torch.cat(index)
+        return h[index], x[index], new_segs, new_rows

@@ -1,0 +1,63 @@
+"""Charts of planner figures (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import load_config
+
+__all__ = ["DEFAULT_CHART_MODELS", "plot_global_kv"]
+
+DEFAULT_CHART_MODELS = ("deepseek-v4.1-flash", "deepseek-v4-flash", "deepseek-llm-67b")
+
+
+def plot_global_kv(
+    path: str | Path,
+    *,
+    models: tuple[str, ...] = DEFAULT_CHART_MODELS,
+    max_tokens: int = 1_048_576,
+    hbm_gb: float = 141.0,
+) -> Path:
+    """Draw global KV bytes of one request against context length (log y) for ``models``, with a
+    horizontal line at one device's memory (default one H200, 141 GB). Returns the written path.
+
+    Raises:
+        ValueError: ``path`` does not end in a format matplotlib can write (e.g. ``.png``, ``.svg``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"plot file {str(out)!r} must end in .png, .svg or .pdf")
+    contexts = [2**k for k in range(10, max_tokens.bit_length())]
+    if contexts[-1] != max_tokens:
+        contexts.append(max_tokens)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for name in models:
+        spec = CacheSpec.from_config(load_config(name))
+        ys = [spec.global_bytes(n) / 1e9 for n in contexts]
+        ax.plot(
+            contexts,
+            ys,
+            marker="o",
+            markersize=3,
+            label=f"{name} ({spec.global_bytes_per_token:,.0f} B/token)",
+        )
+    ax.axhline(hbm_gb, color="black", linestyle="--", linewidth=1)
+    ax.text(contexts[0], hbm_gb * 1.15, f"one H200: {hbm_gb:g} GB", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("global KV of one request (GB, log)")
+    ax.set_title("Global KV cache vs context length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

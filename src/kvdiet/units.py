@@ -1,0 +1,75 @@
+"""Parsing and printing of token counts and byte sizes.
+
+SI suffixes are decimal (``128K`` = 128,000 tokens, ``1GB`` = 10⁹ bytes); ``Ki``/``Mi``/``Gi`` suffixes
+are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prints bytes in decimal units
+(GB = 10⁹ B), as GPU memory is quoted (H200 141 GB).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_bytes", "format_count", "parse_bytes", "parse_count"]
+
+_MULT = {
+    "": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?)?\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str | int) -> int:
+    """Parse a token count such as ``4096``, ``128K`` (128,000) or ``1Mi`` (1,048,576).
+
+    Raises:
+        ValueError: not a non-negative whole number with an optional suffix.
+    """
+    return _parse(text, what="token count", strip_b=False)
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte size such as ``4GiB``, ``141GB``, ``512MB`` or ``1000``.
+
+    Raises:
+        ValueError: not a non-negative whole number of bytes with an optional suffix.
+    """
+    return _parse(text, what="byte size", strip_b=True)
+
+
+def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text)
+        body = raw[:-1] if strip_b and raw.strip().upper().endswith("B") else raw
+        match = _PATTERN.match(body)
+        if not match:
+            raise ValueError(f"cannot parse {what} {raw!r} (examples: 4096, 128K, 1Mi, 4GiB)")
+        number, suffix = match.groups()
+        exact = float(number) * _MULT[(suffix or "").upper()]
+        if exact != int(exact):
+            raise ValueError(f"{what} {raw!r} is not a whole number")
+        value = int(exact)
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def format_bytes(num: float) -> str:
+    """``2703360`` → ``'2.70 MB'`` (decimal units)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(num) >= scale:
+            return f"{num / scale:.2f} {unit}"
+    return f"{num:g} B"
+
+
+def format_count(num: int) -> str:
+    """``131072`` → ``'131,072'``."""
+    return f"{num:,}"

@@ -1,0 +1,32 @@
+"""Shared fixtures: paths of the shipped configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiet.config import config_dir
+
+
+@pytest.fixture
+def v41_path() -> Path:
+    return config_dir() / "deepseek-v4.1-flash.json"
+
+
+@pytest.fixture
+def v41_json(v41_path: Path) -> dict:
+    return json.loads(v41_path.read_text())
+
+
+@pytest.fixture
+def write_config(tmp_path: Path):
+    """Write a config dict to a temporary file and return its path."""
+
+    def write(data: dict, name: str = "config.json") -> Path:
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        return path
+
+    return write

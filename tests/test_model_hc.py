@@ -1,0 +1,152 @@
+"""mHC coefficient and stream-mixing functions (v41-spec §8.1a)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
+
+HC, HIDDEN, T = 4, 16, 5
+RMS_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    n_mix = (2 + HC) * HC
+    h = torch.randn(T, HC, HIDDEN, generator=g) * 3
+    fn = torch.randn(n_mix, HC * HIDDEN, generator=g) * 0.3
+    scale = torch.tensor([0.7, 1.3, 2.0])
+    base = torch.randn(n_mix, generator=g)
+    return h, fn, scale, base
+
+
+def _sigmoid(v: float) -> float:
+    return 1 / (1 + math.exp(-v))
+
+
+def _slow_coefficients(h, fn, scale, base):
+    """One token at a time, Python floats and loops only."""
+    out = []
+    for t in range(h.shape[0]):
+        flat = h[t].flatten().tolist()
+        r = 1 / math.sqrt(sum(v * v for v in flat) / len(flat) + RMS_EPS)
+        mixes = [sum(a * b for a, b in zip(flat, row, strict=True)) * r for row in fn.tolist()]
+        b = base.tolist()
+        s0, s1, s2 = scale.tolist()
+        pre = [_sigmoid(mixes[i] * s0 + b[i]) + HC_EPS for i in range(HC)]
+        post = [2 * _sigmoid(mixes[HC + i] * s1 + b[HC + i]) for i in range(HC)]
+        logits = [
+            [mixes[2 * HC + i * HC + j] * s2 + b[2 * HC + i * HC + j] for j in range(HC)] for i in range(HC)
+        ]
+        comb = []
+        for row in logits:
+            m = max(row)
+            e = [math.exp(v - m) for v in row]
+            comb.append([v / sum(e) + HC_EPS for v in e])
+
+        def norm_cols(c):
+            sums = [sum(c[i][j] for i in range(HC)) for j in range(HC)]
+            return [[c[i][j] / (sums[j] + HC_EPS) for j in range(HC)] for i in range(HC)]
+
+        def norm_rows(c):
+            return [[v / (sum(row) + HC_EPS) for v in row] for row in c]
+
+        comb = norm_cols(comb)
+        for _ in range(ITERS - 1):
+            comb = norm_cols(norm_rows(comb))
+        out.append((pre, post, comb))
+    return out
+
+
+def _coefficients(h, fn, scale, base):
+    return hc_coefficients(
+        h, fn, scale, base, hc_mult=HC, rms_eps=RMS_EPS, hc_eps=HC_EPS, sinkhorn_iters=ITERS
+    )
+
+
+def test_coefficients_equal_slow_per_token_reference(inputs):
+    pre, post, comb = _coefficients(*inputs)
+    assert pre.shape == (T, HC) and post.shape == (T, HC) and comb.shape == (T, HC, HC)
+    assert pre.dtype == post.dtype == comb.dtype == torch.float32
+    for t, (p, q, c) in enumerate(_slow_coefficients(*inputs)):
+        torch.testing.assert_close(pre[t], torch.tensor(p), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(post[t], torch.tensor(q), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(comb[t], torch.tensor(c), rtol=1e-4, atol=1e-6)
+
+
+def test_comb_is_doubly_stochastic_and_ranges(inputs):
+    h, fn, _, base = inputs
+    pre, post, comb = _coefficients(h, fn, torch.tensor([0.7, 1.3, 0.3]), base)  # moderate comb logits
+    torch.testing.assert_close(comb.sum(-2), torch.ones(T, HC), atol=1e-5, rtol=0)  # columns
+    torch.testing.assert_close(comb.sum(-1), torch.ones(T, HC), atol=1e-3, rtol=0)  # rows
+    assert bool((pre > HC_EPS).all() and (pre < 1 + HC_EPS).all())
+    assert bool((post > 0).all() and (post < 2).all())
+    assert bool((comb > 0).all())
+
+
+def test_one_statistic_per_token_over_all_streams(inputs):
+    h, fn, scale, base = inputs
+    # scaling one token's streams as a whole leaves its coefficients unchanged (rsqrt over hc·hidden) ...
+    scaled = h.clone()
+    scaled[2] *= 10
+    a, b = _coefficients(h, fn, scale, base), _coefficients(scaled, fn, scale, base)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    # ... but scaling only one stream changes them
+    one = h.clone()
+    one[2, 1] *= 10
+    assert not torch.allclose(_coefficients(one, fn, scale, base)[0][2], a[0][2], atol=1e-4)
+
+
+def test_leading_batch_dim(inputs):
+    h, fn, scale, base = inputs
+    batched = _coefficients(torch.stack([h, h.flip(0)]), fn, scale, base)
+    single = _coefficients(h, fn, scale, base)
+    for x, y in zip(batched, single, strict=True):
+        torch.testing.assert_close(x[0], y, atol=1e-6, rtol=1e-6)
+
+
+def test_collapse_and_expand_match_loops(inputs):
+    h, fn, scale, base = inputs
+    pre, post, comb = _coefficients(h, fn, scale, base)
+    x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(1))
+    collapsed = hc_collapse(h, pre)
+    expanded = hc_expand(x, h, post, comb)
+    assert collapsed.shape == (T, HIDDEN) and expanded.shape == (T, HC, HIDDEN)
+    for t in range(T):
+        torch.testing.assert_close(
+            collapsed[t], sum(pre[t, i] * h[t, i] for i in range(HC)), rtol=1e-5, atol=1e-6
+        )
+        for i in range(HC):
+            want = post[t, i] * x[t] + sum(comb[t, j, i] * h[t, j] for j in range(HC))
+            torch.testing.assert_close(expanded[t, i], want, rtol=1e-5, atol=1e-5)
+
+
+def test_expand_uses_columns_of_comb():
+    residual = torch.tensor([[[1.0], [10.0]]])  # T=1, hc=2, hidden=1
+    comb = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]])  # comb[0, 1] = 1: stream 0 feeds output stream 1
+    out = hc_expand(torch.zeros(1, 1), residual, torch.zeros(1, 2), comb)
+    assert out.flatten().tolist() == [0.0, 1.0]
+
+
+def test_init_streams_and_initial_pre():
+    x = torch.arange(6.0).view(2, 3)
+    streams = hc_init_streams(x, 4)
+    assert streams.shape == (2, 4, 3) and all(streams[:, i].equal(x) for i in range(4))
+    streams[0, 1, 0] = 99.0  # a real copy, not a view
+    assert x[0, 0] == 0
+    pre = hc_initial_pre(2, 4)
+    assert pre.tolist() == [[1.0, 0.0, 0.0, 0.0]] * 2
+    assert hc_collapse(hc_init_streams(x, 4), pre).equal(x)
+
+
+def test_shape_errors(inputs):
+    h, fn, scale, base = inputs
+    with pytest.raises(ValueError, match="hc_mult"):
+        hc_coefficients(h, fn, scale, base, hc_mult=2, rms_eps=RMS_EPS, hc_eps=HC_EPS, sinkhorn_iters=ITERS)
+    with pytest.raises(ValueError, match="fn"):
+        _coefficients(h, fn[:-1], scale, base)

@@ -1,0 +1,154 @@
+"""The V4.1 MoE FFN (v41-spec §8.2a)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdiet.config import load_config
+from kvdiet.model.moe import MoE
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return load_config("v4.1-micro")  # hidden 64, 4 experts top-2, inter 32, swiglu_limit 10
+
+
+def _expert_ref(expert, x, weight, limit):
+    gate = expert.w1.weight @ x
+    up = expert.w3.weight @ x
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return expert.w2.weight @ (weight * F.silu(gate) * up)
+
+
+def _moe_ref(moe, cfg, x):
+    """One token at a time: scores, sorted choice with lowest-index ties, weights, experts, shared."""
+    out = []
+    for t in range(x.shape[0]):
+        xt = x[t]
+        scores = [math.sqrt(F.softplus(moe.gate.weight[e] @ xt).item()) for e in range(cfg.n_routed_experts)]
+        biased = [s + moe.gate.bias[e].item() for e, s in enumerate(scores)]
+        chosen = sorted(range(cfg.n_routed_experts), key=lambda e: (-biased[e], e))[: cfg.num_experts_per_tok]
+        w = [scores[e] for e in chosen]
+        if cfg.norm_topk_prob and len(w) > 1:
+            total = sum(w)
+            w = [v / (total + 1e-20) for v in w]
+        y = _expert_ref(moe.shared_experts, xt, 1.0, cfg.swiglu_limit)
+        for e, we in zip(chosen, w, strict=True):
+            y = y + _expert_ref(moe.experts[e], xt, we * cfg.routed_scaling_factor, cfg.swiglu_limit)
+        out.append(y)
+    return torch.stack(out)
+
+
+def test_state_dict_names(micro):
+    torch.manual_seed(0)
+    names = set(MoE(micro).state_dict())
+    expected = {"gate.weight", "gate.bias"}
+    for prefix in [f"experts.{e}." for e in range(4)] + ["shared_experts."]:
+        expected |= {prefix + w + ".weight" for w in ("w1", "w2", "w3")}
+    assert names == expected
+    moe = MoE(micro)
+    assert moe.gate.weight.shape == (4, 64) and moe.gate.bias.shape == (4,)
+    assert moe.experts[0].w1.weight.shape == (32, 64) and moe.experts[0].w2.weight.shape == (64, 32)
+    assert moe.shared_experts.w3.weight.shape == (32, 64)
+    assert moe.gate.bias.abs().sum() == 0
+
+
+def test_matches_per_token_reference(micro):
+    torch.manual_seed(0)
+    moe = MoE(micro)
+    with torch.no_grad():
+        moe.gate.weight.normal_(std=0.5)
+        moe.gate.bias.copy_(torch.tensor([0.1, -0.2, 0.05, 0.0]))
+    x = torch.randn(33, 64)
+    with torch.no_grad():
+        out = moe(x)
+        ref = _moe_ref(moe, micro, x)
+    assert out.shape == (33, 64) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_bias_changes_selection_not_weights(micro):
+    torch.manual_seed(1)
+    moe = MoE(micro)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        moe.gate.weight.normal_(std=0.5)
+        scores = torch.sqrt(F.softplus(x @ moe.gate.weight.T))
+        moe.gate.bias.copy_(torch.tensor([0.0, 0.0, 100.0, 100.0]))  # force experts 2 and 3
+        weights, ids = moe.gate(x)
+    assert ids.sort(dim=1).values.tolist() == [[2, 3]] * 16
+    raw = scores.gather(1, ids)
+    torch.testing.assert_close(weights, raw / raw.sum(1, keepdim=True) * 1.5, rtol=1e-6, atol=0)
+    unbiased = scores.topk(2, dim=1).indices.sort(dim=1).values
+    assert unbiased.tolist() != [[2, 3]] * 16  # the bias did change the selection
+
+
+def test_swiglu_clamp_is_active(micro):
+    torch.manual_seed(2)
+    moe = MoE(micro)
+    with torch.no_grad():
+        for expert in [*moe.experts, moe.shared_experts]:
+            expert.w1.weight.normal_(std=1.0)
+            expert.w3.weight.normal_(std=1.0)
+    x = torch.randn(8, 64) * 3
+    with torch.no_grad():
+        shared = moe.shared_experts
+        assert (shared.w3.weight @ x.T).abs().max() > 10 and (shared.w1.weight @ x.T).max() > 10
+        out = moe(x)
+        torch.testing.assert_close(out, _moe_ref(moe, micro, x), rtol=1e-5, atol=1e-4)
+        unclamped = _moe_ref(moe, micro.replace(swiglu_limit=0.0), x)
+    assert (out - unclamped).abs().max() > 1.0
+
+
+def test_ties_pick_lowest_index(micro):
+    torch.manual_seed(3)
+    moe = MoE(micro)
+    x = torch.randn(10, 64)
+    with torch.no_grad():
+        moe.gate.weight.zero_()  # every score is sqrt(softplus(0)): a four-way tie
+        _, ids = moe.gate(x)
+        assert ids.tolist() == [[0, 1]] * 10
+        moe.gate.bias.copy_(torch.tensor([0.0, 0.5, 0.5, 0.5]))
+        _, ids = moe.gate(x)
+        assert ids.tolist() == [[1, 2]] * 10
+        weights, _ = moe.gate(x)
+    torch.testing.assert_close(weights, torch.full((10, 2), 0.75), rtol=1e-6, atol=0)
+
+
+def test_single_expert_weight_is_not_normalised(micro):
+    cfg = micro.replace(num_experts_per_tok=1)
+    torch.manual_seed(4)
+    moe = MoE(cfg)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        weights, _ = moe.gate(x)
+        scores = torch.sqrt(F.softplus(x @ moe.gate.weight.T))
+        torch.testing.assert_close(weights[:, 0], scores.max(1).values * 1.5, rtol=1e-6, atol=0)
+        torch.testing.assert_close(moe(x), _moe_ref(moe, cfg, x), rtol=1e-5, atol=1e-6)
+
+
+def test_thousands_of_tokens_are_fast():
+    cfg = load_config("v4.1-mini")  # hidden 256, 8 experts top-2, inter 128
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    x = torch.randn(4096, 256)
+    with torch.no_grad():
+        moe(x[:8])
+        start = time.perf_counter()
+        out = moe(x)
+        elapsed = time.perf_counter() - start
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out[:4], _moe_ref(moe, cfg, x[:4]), rtol=1e-4, atol=1e-6)
+    assert elapsed < 5.0  # about 0.05 s on 2 idle cores; a per-token loop takes seconds
+
+
+def test_rejects_other_scoring(micro):
+    with pytest.raises(ValueError, match="scoring_func"):
+        MoE(micro.replace(scoring_func="softmax"))

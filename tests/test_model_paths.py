@@ -1,0 +1,239 @@
+"""Cached paths of the V4.1 model against the no-cache reference (DESIGN.md §6; cases B04, B05, B06, B26, B27)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import load_config
+from kvdiet.model.attention import Attention
+from kvdiet.model.reference import ReferenceTrace, forward_full
+from kvdiet.model.transformer import Transformer
+
+TOL = 1e-4
+# Causality checks: a leak moves logits by ~1e-2 here. Positions before the change differ only by fp32
+# reassociation (the MoE groups tokens per expert, so a changed token changes an expert's batch shape).
+CAUSAL_TOL = 1e-6
+
+
+def _tokens(n: int, seed: int = 1, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["exact", "quantized"])
+def micro(request) -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=0, exact=request.param)
+
+
+@pytest.fixture(scope="module")
+def micro_exact() -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=0, exact=True)
+
+
+def test_decode_equals_reference_at_every_position(micro: Transformer) -> None:
+    toks = _tokens(48)
+    ref = forward_full(micro, toks)
+    state = micro.new_state()
+    dec = torch.stack([micro.decode([state], [t])[0] for t in toks.tolist()])
+    assert (dec - ref).abs().max().item() <= TOL
+    assert state.num_tokens == 48
+
+
+def test_chunked_prefill_at_every_split_equals_one_shot(micro: Transformer) -> None:
+    toks = _tokens(44, seed=2)
+    state = micro.new_state()
+    one_shot = micro.prefill(state, toks, bounded_replay=False, all_logits=True)
+    assert (one_shot - forward_full(micro, toks)).abs().max().item() <= TOL
+    splits = range(1, 44) if micro.exact else (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 43)
+    for split in splits:
+        state = micro.new_state()
+        a = micro.prefill(state, toks[:split], bounded_replay=False, all_logits=True)
+        b = micro.prefill(state, toks[split:], bounded_replay=False, all_logits=True)
+        assert (torch.cat([a, b]) - one_shot).abs().max().item() <= TOL, split
+
+
+def test_three_chunks_then_decode(micro_exact: Transformer) -> None:
+    m, toks = micro_exact, _tokens(40, seed=3)
+    ref = forward_full(m, toks)
+    state = m.new_state()
+    m.prefill(state, toks[:13], bounded_replay=False)
+    m.prefill(state, toks[13:14], bounded_replay=False)
+    last = m.prefill(state, toks[14:30], bounded_replay=False)
+    assert (last - ref[29]).abs().max().item() <= TOL
+    for t in range(30, 40):
+        assert (m.decode([state], [int(toks[t])])[0] - ref[t]).abs().max().item() <= TOL
+
+
+def test_batched_decode_of_different_lengths(micro_exact: Transformer) -> None:
+    m = micro_exact
+    prompts = [_tokens(n, seed=n) for n in (5, 17, 30)]
+    states = [m.new_state() for _ in prompts]
+    for s, p in zip(states, prompts, strict=True):
+        m.prefill(s, p[:-1], bounded_replay=False)
+    batched = m.decode(states, [int(p[-1]) for p in prompts])
+    for row, p in zip(batched, prompts, strict=True):
+        assert (row - forward_full(m, p)[-1]).abs().max().item() <= TOL
+
+
+def _visible_sets(trace: ReferenceTrace, layer: int) -> list[set[int]]:
+    idx, valid = trace.topk[layer]
+    return [set(i[v].tolist()) for i, v in zip(idx, valid, strict=True)]
+
+
+def test_b05_visibility_ratio_2(micro_exact: Transformer) -> None:
+    m, toks = micro_exact, _tokens(7, seed=4)
+    trace = ReferenceTrace()
+    base = forward_full(m, toks, trace)
+    expected = [set(), {0}, {0}, {0, 1}, {0, 1}, {0, 1, 2}, {0, 1, 2}]
+    assert _visible_sets(trace, 1) == expected  # layer 1: Full, ratio 2, top-4 > visible
+    changed = toks.clone()
+    changed[5] = (changed[5] + 1) % 64
+    assert (forward_full(m, changed)[:5] - base[:5]).abs().max().item() <= CAUSAL_TOL
+    changed = toks.clone()
+    changed[3] = (changed[3] + 1) % 64
+    assert (forward_full(m, changed)[:3] - base[:3]).abs().max().item() <= CAUSAL_TOL
+
+
+def test_b05_visibility_ratio_4() -> None:
+    cfg = load_config("v4.1-micro").replace(compress_ratios=[0, 4, 4, 4, 4, 1, 1, 1, 1])
+    m = Transformer.from_config(cfg, seed=0, exact=True)
+    toks = _tokens(13, seed=5)
+    trace = ReferenceTrace()
+    base = forward_full(m, toks, trace)
+    for t, got in enumerate(_visible_sets(trace, 1)):
+        assert got == set(range(min(4, (t + 1) // 4))), t
+    for t in range(1, 13):  # changing token t never moves an earlier position
+        changed = toks.clone()
+        changed[t] = (changed[t] + 1) % 64
+        assert (forward_full(m, changed)[:t] - base[:t]).abs().max().item() <= CAUSAL_TOL, t
+    state = m.new_state()
+    for s in range(0, 13, 3):
+        out = m.prefill(state, toks[s : s + 3], bounded_replay=False, all_logits=True)
+        assert (out - base[s : s + 3]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("length", [5, 7, 8, 9])
+def test_b04_short_prompts(micro: Transformer, length: int) -> None:
+    toks = _tokens(length, seed=length)
+    state = micro.new_state()
+    last = micro.prefill(state, toks, bounded_replay=False)
+    trace = ReferenceTrace()
+    ref = forward_full(micro, toks, trace)
+    assert len(state.main[1]) == length // 2 == trace.entries[1].shape[0]
+    assert len(state.main[5]) == length  # ratio-1 source
+    if micro.exact:
+        assert torch.allclose(state.main[1].read(), trace.entries[1], atol=1e-5)
+    assert (last - ref[-1]).abs().max().item() <= TOL
+
+
+def test_b06_state_accumulates_across_chunks_and_decode(micro_exact: Transformer) -> None:
+    m, toks = micro_exact, _tokens(28, seed=6)
+    chosen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = Attention._select
+
+    def spy(self, qr, x, seg):  # record layer 1's selections
+        out = original(self, qr, x, seg)
+        if self.info.layer_id == 1:
+            chosen.append(out)
+        return out
+
+    Attention._select = spy
+    try:
+        one = m.new_state()
+        m.prefill(one, toks[:24], bounded_replay=False)
+        one_shot = chosen.pop()
+        chunked = m.new_state()
+        for s in range(0, 24, 8):
+            m.prefill(chunked, toks[s : s + 8], bounded_replay=False)
+        third = chosen[-1]
+        counts = []
+        for t in range(24, 28):
+            m.decode([chunked], [int(toks[t])])
+            counts.append(len(chunked.main[1]))
+    finally:
+        Attention._select = original
+    assert torch.equal(third[0][:, : one_shot[0].shape[1]], one_shot[0][16:])
+    assert torch.equal(third[1][:, : one_shot[1].shape[1]], one_shot[1][16:])
+    assert (third[0][third[1]] < 8).any()  # chunk 3 selects entries 0–7, written by earlier chunks
+    assert counts == [12, 13, 13, 14]  # entry 12 appears at position 25, entry 13 at 27
+    whole = m.new_state()
+    m.prefill(whole, toks, bounded_replay=False)
+    assert torch.allclose(chunked.main[1].raw(), whole.main[1].raw(), atol=1e-5)
+    assert torch.allclose(chunked.index_keys[1].raw(), whole.index_keys[1].raw(), atol=1e-5)
+
+
+def test_cache_bytes_match_planner_micro(micro: Transformer) -> None:
+    state = micro.new_state()
+    micro.prefill(state, _tokens(40, seed=7))
+    measured = state.cache_bytes()
+    spec = CacheSpec.from_config(micro.cfg)
+    if not micro.exact:
+        assert measured.global_bytes_per_token == spec.global_bytes_per_token == 106.0
+        assert measured.window_bytes == spec.window_bytes_per_request
+        assert measured.global_bytes == spec.global_bytes(40)
+    assert set(state.main) == {1, 3, 5}  # Full layers only; Reuse (2, 4, 6, 8) and Reindex (7) own no KV
+    assert measured.tail_bytes == spec.tail_bytes_per_request
+
+
+def test_reuse_layers_own_no_kv(micro_exact: Transformer) -> None:
+    for block in micro_exact.layers:
+        role = block.info.role.value
+        assert (block.attn.compressor is not None) == (role == "full")
+        assert (block.attn.indexer is not None) == (role in ("full", "reindex"))
+        if role == "reindex":
+            assert block.attn.indexer.wk is None
+
+
+@pytest.mark.parametrize(
+    ("tokens", "needle"),
+    [
+        ([], "empty prompt"),
+        ([3, 64], "token id 64 at index 1 is outside the vocabulary [0, 64)"),
+        ([-1], "token id -1 at index 0"),
+        ([2**31], f"token id {2**31} at index 0"),
+    ],
+)
+def test_b26_b27_bad_input_changes_nothing(micro_exact: Transformer, tokens: list[int], needle: str) -> None:
+    m = micro_exact
+    state = m.new_state()
+    m.prefill(state, [5, 6, 7])
+    before = (
+        state.num_tokens,
+        len(state.main[1]),
+        state.windows[0].positions.clone(),
+        state.engram_history.clone(),
+    )
+    with pytest.raises(ValueError) as err:
+        m.prefill(state, tokens)
+    assert needle in str(err.value)
+    with pytest.raises(ValueError):
+        m.decode([state], [t for t in tokens if not 0 <= t < 64][:1] or [-5])
+    after = (state.num_tokens, len(state.main[1]), state.windows[0].positions, state.engram_history)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
+    fresh = m.new_state()
+    assert (m.prefill(fresh, [5, 6, 7]) - forward_full(m, [5, 6, 7])[-1]).abs().max().item() <= TOL
+
+
+def test_context_limit(micro_exact: Transformer) -> None:
+    m = micro_exact
+    state = m.new_state()
+    limit = m.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"{limit + 1} > max_position_embeddings {limit}"):
+        m.prefill(state, [1] * (limit + 1))
+    assert state.num_tokens == 0
+
+
+def test_bounded_replay_keeps_global_kv_exact(micro: Transformer) -> None:
+    toks = _tokens(40, seed=8)
+    full, bounded = micro.new_state(), micro.new_state()
+    full_logits = micro.prefill(full, toks, bounded_replay=False)
+    replay_logits = micro.prefill(bounded, toks)
+    for layer in full.main:
+        assert torch.equal(full.main[layer].raw(), bounded.main[layer].raw())
+        assert torch.equal(full.index_keys[layer].raw(), bounded.index_keys[layer].raw())
+    drift = (full_logits - replay_logits).abs().max().item()
+    assert 0.0 < drift < 1.0  # truncated decoder windows move the last logits a little, never wildly
+    # encoder windows are exact; decoder rings hold only the kept rows' entries
+    for layer in range(micro.plan.decoder_start):
+        assert torch.equal(full.windows[layer].rows, bounded.windows[layer].rows)

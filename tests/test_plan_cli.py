@@ -1,0 +1,141 @@
+"""`kvdiet plan`: the report's figures, its JSON, --compare, --plot and errors (issue: foundation, point 6)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiet.cli import main
+from kvdiet.config import load_config
+from kvdiet.planner.report import PlanOptions, plan_report
+from kvdiet.planner.weights import estimate_weights
+
+REUSE_V41 = [
+    *range(3, 8),
+    *range(9, 14),
+    *range(15, 20),
+    21,
+    22,
+    23,
+    25,
+    26,
+    27,
+    29,
+    30,
+    31,
+    33,
+    34,
+    35,
+    37,
+    38,
+    39,
+]
+
+
+def _run_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_real_v41(capsys, v41_path: Path) -> None:
+    report = _run_json(capsys, str(v41_path))
+    assert report["global_bytes_per_token"] == 890.0
+    roles = report["layer_plan"]["roles"]
+    assert roles == {
+        "swa-only": [0, 1],
+        "full": [2, 8, 14, 20],
+        "reindex": [24, 28, 32, 36],
+        "reuse": REUSE_V41,
+    }
+    assert report["layer_plan"]["trailing_ratio_entries"] == [0, 0, 0]
+    assert report["window"]["bytes_per_request"] == 2_703_360
+    assert report["all_full_bytes_per_token"] == 10_324.0
+    assert report["components"]["encoder_bytes_per_token"] == 534.0
+    by_tokens = {row["tokens"]: row["global_bytes"] for row in report["contexts"]}
+    assert by_tokens == {4000: 3_560_000, 128_000: 113_920_000, 1_000_000: 890_000_000}
+    policies = {row["policy"]: row for row in report["swa_policies"]}
+    assert set(policies) == {
+        "bounded-replay",
+        "boundary-snapshot",
+        "full-store",
+        "checkpoint:4096",
+        "exact-recompute",
+    }
+    assert policies["bounded-replay"]["amortised_bytes_per_token"] == 890.0
+    assert policies["full-store"]["amortised_bytes_per_token"] == 890.0 + 40 * 528
+    assert policies["boundary-snapshot"]["amortised_bytes_per_token"] == pytest.approx(890 + 2_703_360 / 1024)
+
+
+def test_capacity_arithmetic(capsys) -> None:
+    report = _run_json(
+        capsys,
+        "deepseek-v4.1-flash",
+        "--gpu",
+        "b200",
+        "--num-gpus",
+        "4",
+        "--weights-gb",
+        "300",
+        "--context",
+        "1M",
+    )
+    cap = report["capacity"]
+    assert (cap["gpu_mem_gb"], cap["num_gpus"], cap["weights_source"]) == (192.0, 4, "flag")
+    per_session = 890_000_000 + 2_703_360 + 24_576
+    assert cap["bytes_per_session"] == per_session
+    assert cap["sessions"] == int((4 * 192e9 - 300e9) // per_session) == 524
+    custom = _run_json(capsys, "v4.1-mini", "--gpu-mem-gb", "10", "--num-gpus", "1", "--weights-gb", "0")
+    assert custom["capacity"]["gpu"] == "custom" and custom["capacity"]["kv_budget_gb"] == 10.0
+
+
+def test_weights_estimate_in_range() -> None:
+    v41 = estimate_weights(load_config("deepseek-v4.1-flash"))
+    assert 540e9 < v41.params < 560e9  # release card: 552B (+196B Engram, host-resident)
+    assert 190e9 < v41.engram_params < 200e9
+    v1 = estimate_weights(load_config("deepseek-llm-67b"))
+    assert 66e9 < v1.params < 68e9
+
+
+def test_compare(capsys) -> None:
+    out = _run_json(capsys, "--compare", "deepseek-v4.1-flash", "deepseek-v4-flash")
+    assert out["ratios"]["global_bytes_per_token"] == pytest.approx(890 / 3514.25)
+    assert out["a"]["config"] == "deepseek-v4.1-flash" and out["b"]["config"] == "deepseek-v4-flash"
+    # bounded-replay V4.1 vs boundary-snapshot V4 at 1024 tokens per boundary: ≈ 1/7.5
+    r = out["ratios"]["persistent_bounded_replay_vs_boundary_snapshot"]
+    assert r == pytest.approx(890 / (3514.25 + 43 * 128 * 584 / 1024))
+
+
+def test_text_output(capsys) -> None:
+    assert main(["plan", "deepseek-v4.1-flash"]) == 0
+    text = capsys.readouterr().out
+    assert "890.00" in text and "10,324.00 (11.6×)" in text and "3–7, 9–13" in text
+
+
+def test_plot(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "kv.png"
+    assert main(["plan", "--plot", str(out), "--json"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main(["plan", "--plot", str(tmp_path / "kv.txt")]) == 2
+    assert "must end in .png" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["nope"], "neither a preset"),
+        (["--contexts", "4K,abc"], "cannot parse token count"),
+        (["--num-gpus", "0"], "num_gpus must be > 0"),
+        (["--weights-gb", "-1"], "weights_gb must be >= 0"),
+        (["--checkpoint-every", "0"], "checkpoint_every must be > 0"),
+    ],
+)
+def test_errors_exit_2(capsys, argv: list[str], needle: str) -> None:
+    assert main(["plan", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_options_validation() -> None:
+    with pytest.raises(ValueError, match="contexts must be positive"):
+        plan_report(load_config("v4.1-micro"), PlanOptions(contexts=(0,)))

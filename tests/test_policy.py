@@ -1,0 +1,50 @@
+"""SWA policy parsing and the bytes/tokens each costs (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import load_config
+
+
+@pytest.fixture(scope="module")
+def spec() -> CacheSpec:
+    return CacheSpec.from_config(load_config("deepseek-v4.1-flash"))
+
+
+def test_parse() -> None:
+    assert SwaPolicy.parse("checkpoint:4096") == SwaPolicy("checkpoint", 4096)
+    assert str(SwaPolicy.parse("checkpoint:64")) == "checkpoint:64"
+    assert SwaPolicy.parse("bounded-replay").exact is False
+    assert SwaPolicy.parse("full-store").exact is True
+    for bad, needle in [
+        ("lru", "unknown SWA policy"),
+        ("checkpoint", "needs a period"),
+        ("checkpoint:0", "needs a period"),
+        ("checkpoint:-4", "needs a period"),
+        ("full-store:3", "takes no argument"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            SwaPolicy.parse(bad)
+
+
+def test_persistent_bytes(spec: CacheSpec) -> None:
+    n = 10_000
+    glob = spec.global_bytes(n)
+    assert SwaPolicy.parse("bounded-replay").persistent_bytes(spec, n, boundaries=3) == glob
+    assert SwaPolicy.parse("exact-recompute").persistent_bytes(spec, n, boundaries=3) == glob
+    assert (
+        SwaPolicy.parse("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
+    )
+    assert SwaPolicy.parse("full-store").persistent_bytes(spec, n, boundaries=3) == glob + n * 40 * 528
+    assert SwaPolicy.parse("checkpoint:4096").persistent_bytes(spec, n, boundaries=3) == glob + 2 * 2_703_360
+
+
+def test_recompute_tokens(spec: CacheSpec) -> None:
+    assert SwaPolicy.parse("bounded-replay").recompute_tokens(spec, 10_000) == 128
+    assert SwaPolicy.parse("bounded-replay").recompute_tokens(spec, 50) == 50  # clamped at the hit
+    assert SwaPolicy.parse("exact-recompute").recompute_tokens(spec, 10_000) == 128 + 39 * 127
+    assert SwaPolicy.parse("checkpoint:256").recompute_tokens(spec, 10_000) == 255
+    assert SwaPolicy.parse("full-store").recompute_tokens(spec, 10_000) == 0
