@@ -6,10 +6,17 @@ input, best of ``--repeats`` after an untimed warm-up on a slice, next to ``torc
 measured in the same run. Every call allocates its output, as the clone does. Prints a table, then one
 JSON line. Fixed seed; CPU only; honours ``torch.set_num_threads`` (``--threads``).
 
+Unless set, ``OMP_WAIT_POLICY=PASSIVE``: with GOMP's default spin-wait, every multi-threaded op stalls for
+a scheduler quantum whenever another process shares the cores (figures then drop ~100×, clone included).
+
     python benchmarks/bench_formats.py --size-mb 256
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads the OpenMP runtime
 
 import argparse
 import json
@@ -82,18 +89,28 @@ def main() -> None:
     if not args.json_only:
         gb = x.numel() * 2 / 1e9
         table = Table(title=f"bf16 [{rows}, 512] = {gb:.3f} GB, {torch.get_num_threads()} threads")
-        heads = ("format", "B/entry", "encode GB/s", "×clone", "decode→bf16", "×clone", "→fp32", "×clone")
+        heads = (
+            "format",
+            "B/entry",
+            "encode GB/s",
+            "×clone",
+            "decode→bf16 GB/s",
+            "×clone",
+            "decode→fp32 GB/s",
+            "×clone",
+        )
         for col in heads:
             table.add_column(col, justify="right")
         table.add_row("torch.clone", "", f"{clone_gbps:.2f}", "1.00", "", "", "", "")
         for name, r in results.items():
             cells = [f"{r[f'{key}_{unit}']:.2f}" for key in FIGURES for unit in ("gbps", "vs_clone")]
             table.add_row(name, str(r["bytes_per_entry"]), *cells)
-        Console().print(table)
+        Console(width=120).print(table)
     summary = {
         "bench": "formats",
         "input": f"bf16[{rows},512]",
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "repeats": args.repeats,
         "clone_gbps": round(clone_gbps, 3),
         "formats": {name: {k: round(v, 3) for k, v in r.items()} for name, r in results.items()},

@@ -144,6 +144,20 @@ def test_leading_dims_none_and_zero_size(f):
 
 
 @by_name
+def test_strided_inputs_and_requires_grad(f):
+    dim = SMALL_DIM[f.suffix]
+    x = torch.randn(dim, 5, generator=torch.Generator().manual_seed(7)).t()  # [5, dim], column-major
+    packed = f.fn("encode", dim)(x.contiguous())
+    assert torch.equal(f.fn("encode", dim)(x), packed)
+    column_major = packed.t().contiguous().t()
+    assert torch.equal(f.fn("decode", dim)(column_major), f.fn("decode", dim)(packed))
+    codes, scale_bytes = f.fn("unpack", dim)(column_major)
+    assert torch.equal(f.fn("pack", dim)(codes, scale_bytes), packed)
+    v = f.fn("fake_quant", dim)(x.clone().requires_grad_())  # quantisers detach their input
+    assert not v.requires_grad and torch.equal(v, f.fn("decode", dim)(packed))
+
+
+@by_name
 def test_chunking_does_not_change_results(f, monkeypatch):
     dim = 512 if f.suffix != "index_key" else 128
     x = torch.randn(37, dim, generator=torch.Generator().manual_seed(6)).bfloat16()

@@ -72,6 +72,14 @@ def test_ties_to_even_through_both_formats_at_scale_one(quantize, dequantize, bl
     assert dequantize(codes, scales).tolist() == (signed * 2)[:block]
 
 
+def test_main_kv_scale_is_a_true_division_by_six():
+    # amax just below 57/64: amax / 6 rounds below the E4M3 midpoint 0.1484375 -> byte 0x21 (0.140625);
+    # amax * fp32(1/6) would land on the midpoint and round to even, byte 0x22 (0.15625)
+    amax = torch.nextafter(torch.tensor(0.890625), torch.tensor(0.0)).item()
+    _, scales = quantize_main_kv(torch.tensor([amax] + [0.0] * 15))
+    assert scales.tolist() == [0x21]
+
+
 def test_main_kv_saturates_above_2688():
     x = torch.tensor([3000.0, -5000.0, 2688.0, 1.0] + [0.0] * 12)
     codes, scales = quantize_main_kv(x)

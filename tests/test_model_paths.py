@@ -237,3 +237,21 @@ def test_bounded_replay_keeps_global_kv_exact(micro: Transformer) -> None:
     # encoder windows are exact; decoder rings hold only the kept rows' entries
     for layer in range(micro.plan.decoder_start):
         assert torch.equal(full.windows[layer].rows, bounded.windows[layer].rows)
+
+
+def test_mini_measures_890_bytes_per_token() -> None:
+    from kvdiet.engine.generate import load_model
+
+    model, tokenizer = load_model("v4.1-mini", seed=0)
+    assert tokenizer is not None and tokenizer.vocab_size == model.cfg.vocab_size == 129_280
+    state = model.new_state()
+    ids = [
+        tokenizer.bos_token_id,
+        *tokenizer.encode("DeepSeek-V4.1 keeps 890 bytes of global KV per token. " * 4),
+    ]
+    ids = ids[: len(ids) // 2 * 2]  # an even count: no ratio-2 pair left open
+    model.prefill(state, ids)
+    measured = state.cache_bytes()
+    assert measured.global_bytes_per_token == 890.0 == CacheSpec.from_config(model.cfg).global_bytes_per_token
+    assert measured.window_bytes == 2_703_360
+    assert measured.per_layer[20] == (len(ids) * 288, len(ids) * 68)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -132,7 +133,7 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         )
     else:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
-        params = SamplingParams(**{**_fields(params), "stop_token_ids": (tokenizer.eos_token_id,)})
+        params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     result = generate(
         model,
         ids,
@@ -174,12 +175,6 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
                 markup=False,
                 highlight=False,
             )
-
-
-def _fields(params) -> dict:
-    from dataclasses import asdict
-
-    return asdict(params)
 
 
 def _plan_options(args: argparse.Namespace) -> PlanOptions:

@@ -1,0 +1,1 @@
+"""Cache control plane (no tensors): byte specs per cache kind and SWA policies."""

@@ -1,37 +1,37 @@
 """V4.1 main compressed KV entry ``fp4_e2m1_e4m3x16``: E2M1 values, one E4M3 scale per 16 (NVFP4-style).
 
-Also the FP4 block codec (``Fp4Recipe``, the ``*_fp4`` functions) that ``mxfp4`` reuses with its own scales.
+Also home of the FP4 block codec (``Fp4Recipe`` and the ``*_fp4`` functions) that ``mxfp4`` reuses.
 
-Recipe (v41-spec §5.1, DeepSeek reference kernel ``fp4_act_quant(x, 16, e4m3)``, vLLM ``nvfp4_ds_mla``), per
-block of 16 values, in fp32::
+Recipe (v41-spec §5.1; DeepSeek reference kernel ``fp4_act_quant(x, 16, e4m3)``; vLLM ``nvfp4_ds_mla``), per
+block of 16 values, in fp32, with a true division ``x / s``::
 
     amax = max(max|x|, 6·2^-9);  s = e4m3(min(amax / 6, 448));  q = RNE_e2m1(clamp(x / s, ±6))
 
-``x / s`` is a true fp32 division. There is **no global scale** (REF has none), so no caller-supplied global
-scale of 0 or 1e-50 can reach the encoder (case B15); each block's scale is its own E4M3 byte.
+There is **no global scale** (REF has none): each block carries its own E4M3 scale byte, so a caller
+cannot pass a global scale of 0 or 1e-50 (case B15). Entry (v41-spec §5.2, ``layout.main_kv_format``):
+dim/2 bytes of nibbles (low nibble = even element) + dim/16 E4M3 bytes; 512 values → 256 + 32 = 288 B.
 
-Entry (v41-spec §5.2): 512 values → 256 B of nibbles (low nibble = even element) + 32 B of E4M3 scales =
-288 B (``layout.main_kv_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple
-of 16, any leading dims); codes uint8 ``[..., dim]`` (0..15, see ``e2m1``); scales uint8 ``[..., dim/16]``
-(E4M3 bit patterns, always 0x01..0x7E: finite, positive, never NaN); packed uint8 ``[..., 9·dim/16]``;
-dequantised values float32 ``[..., dim]``.
+Shapes and dtypes: ``x`` float32/bfloat16/float16 ``[..., dim]``, dim a multiple of 16, any leading dims
+(none or zero-size too); codes uint8 ``[..., dim]`` (0..15, see ``e2m1``); scales uint8 ``[..., dim/16]``
+(E4M3 bit patterns 0x01..0x7E: finite, positive); packed uint8 ``[..., 9·dim/16]``; dequantised values
+float32 ``[..., dim]``, or bfloat16 with ``dtype=`` (exact either way).
 
 Edge cases:
-- all-zero block: sentinel scale 2^-9 (byte 0x01), dequantises to exactly 0.
-- tiny values: ``|x| ≤ s/4`` flushes to ±0; as ``s ≥ 2^-9`` every ``|x| ≤ 2^-11`` (e.g. 1e-30) becomes ±0.
-- huge values: the scale saturates at 448, so ``|x| > 2688`` saturates to ±2688 (REF's unclamped cast
-  would give a NaN scale). Any finite input (1e38) gives finite outputs.
-- ±inf / NaN input: ``ValueError`` (found on the block amax, no extra pass).
-- error: ``|x − v| ≤ s·step/2`` (step 0.5/1/2 for ``|x|/s`` in [0,2]/[2,4]/[4,6]); above ``6s`` the value
-  saturates to ``6s``. Normal scales keep ``amax/s ≤ 6.375`` (within that bound); E4M3 *subnormal* scales
-  (``s < 2^-6``, i.e. amax < 0.09375) can leave ``amax/s`` up to 9, an error up to ``3s``.
-- idempotence: if a block's largest code magnitude is 6 (always so when ``s ≥ 2^-6``, i.e. the scale is a
-  normal E4M3 value), requantising the dequantised block gives the same scale and codes, so values match
-  bit for bit. With a subnormal scale and a smaller top code, the requantised scale can differ and values
-  can change: ``s = 2^-8`` with top code 4 (values ≤ 2^-6) requantises to ``s = 2^-9`` and 2^-6 → 6·2^-9.
+- all-zero block: sentinel scale 2^-9 (byte 0x01); dequantises to exactly 0.
+- tiny values flush: ``|x| ≤ s/4`` becomes ±0, and ``s ≥ 2^-9``, so any ``|x| ≤ 2^-11`` (1e-30) is ±0.
+- huge values saturate: ``s ≤ 448``, so ``|x| > 2688`` gives ±2688 (REF's unclamped cast would give a NaN
+  scale); every finite input (1e38) gives finite outputs. ±inf/NaN input raises ``ValueError``.
+- error: ``|x − v| ≤ s·step/2`` (step 0.5, 1, 2 for ``|x|/s`` in [0,2], [2,4], [4,6]), else ``|x| − 6s``
+  (saturation). Normal scales keep ``amax/s ≤ 6.375``, inside that bound; subnormal E4M3 scales
+  (``s < 2^-6``, block amax < 45·2^-9 ≈ 0.088) can leave ``amax/s`` up to 9 (error up to 3s).
+- idempotence: a block holding a ±6 code (magnitude index 7) requantises to the same scale (6s/6 = s) and
+  codes, so ``dequantize(quantize(dequantize(q)))`` equals ``dequantize(q)`` bit for bit. ``quantize``
+  yields such blocks whenever the scale is normal (amax ≥ 45·2^-9) or saturated. Other blocks may change:
+  ``s = 2^-8`` with top value 2^-6 (code 6, value 4) requantises to ``s = 2^-9``, and 2^-6 → 6·2^-9.
 
-Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, a last dim not a multiple of 16,
-non-finite input, codes/scales/packed of the wrong dtype or width, codes above 15, or an invalid scale byte.
+Errors: ``ValueError`` for an input dtype other than float32/bfloat16/float16, a last dim not a multiple
+of 16, non-finite input, codes/scales/packed of the wrong dtype or width, codes above 15, or a scale byte
+outside 0x01..0x7E.
 """
 
 from __future__ import annotations
@@ -41,15 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiet.formats.e2m1 import (
-    decode_e2m1,
-    decode_packed_,
-    encode_e2m1_,
-    pack_codes_,
-    pack_nibbles,
-    pair_table,
-    unpack_nibbles,
-)
+from kvdiet.formats import e2m1
 from kvdiet.formats.layout import EntryFormat, main_kv_format
 from kvdiet.formats.scales import (
     E4M3_SCALE_BYTES,
@@ -126,7 +118,7 @@ def _quantize_chunk(xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: i
         torch.div(xb, s.unsqueeze(-1), out=y)
     else:
         y.copy_(xb).div_(s.unsqueeze(-1))
-    return encode_e2m1_(y, work).view(xc.shape), scale_bytes
+    return e2m1.encode_e2m1_(y, work).view(xc.shape), scale_bytes
 
 
 def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
@@ -148,7 +140,7 @@ def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
     assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
     for sl in row_chunks(*rows.shape):
         c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
-        pack_codes_(c, packed[sl, : fmt.value_bytes], work)
+        e2m1.pack_codes_(c, packed[sl, : fmt.value_bytes], work)
         packed[sl, fmt.scale_offset :].copy_(s)
     return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
 
@@ -156,7 +148,7 @@ def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
 def pack_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe) -> Tensor:
     """codes uint8 ``[..., dim]`` + scale bytes ``[..., dim/block]`` → uint8 ``[..., bytes_per_entry]``."""
     fmt = _check_pair(codes, scales, recipe)
-    packed = torch.cat([pack_nibbles(codes), scales], dim=-1)
+    packed = torch.cat([e2m1.pack_nibbles(codes), scales], dim=-1)
     assert packed.shape[-1] == fmt.bytes_per_entry
     return packed
 
@@ -165,7 +157,7 @@ def unpack_fp4(packed: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
     """uint8 ``[..., bytes_per_entry]`` → (codes uint8 ``[..., dim]``, scale bytes ``[..., dim/block]``)."""
     fmt = _entry_of(packed, recipe)
     scales = packed[..., fmt.scale_offset :].contiguous()
-    return unpack_nibbles(packed[..., : fmt.value_bytes]), scales
+    return e2m1.unpack_nibbles(packed[..., : fmt.value_bytes]), scales
 
 
 def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
@@ -174,7 +166,7 @@ def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: t
     c2, s2 = codes.reshape(-1, fmt.dim), scales.reshape(-1, fmt.num_scales)
 
     def fill(sl: slice, out: Tensor) -> None:
-        decode_e2m1(c2[sl], out=out)
+        e2m1.decode_e2m1(c2[sl], out=out)
         s = recipe.scale_to_float(s2[sl])
         out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
 
@@ -186,10 +178,10 @@ def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tens
     fmt = _entry_of(packed, recipe)
     rows = packed.reshape(-1, fmt.bytes_per_entry)
     check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)
-    table = pair_table(torch.float16)
+    table = e2m1.pair_table()
 
     def fill(sl: slice, out: Tensor) -> None:
-        decode_packed_(rows[sl, : fmt.value_bytes], out, table)
+        e2m1.decode_packed_(rows[sl, : fmt.value_bytes], out, table)
         s = recipe.scale_to_float(rows[sl, fmt.scale_offset :])
         out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
 

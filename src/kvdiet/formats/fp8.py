@@ -11,7 +11,8 @@ V4 record (``v4_record``) uses the same recipe with blocks of 64 through ``quant
 Entry (v41-spec §5.2, vLLM "V4.1 MXFP8 record"): 512 values → 512 E4M3 bytes + 16 UE8M0 bytes = 528 B
 (``layout.window_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple of 32, any
 leading dims); codes uint8 ``[..., dim]`` (E4M3 bit patterns); scales uint8 ``[..., dim/32]`` (byte =
-exponent + 127, written range 105..246); packed uint8 ``[..., 33·dim/32]``; values float32 ``[..., dim]``.
+exponent + 127, written range 105..246); packed uint8 ``[..., 33·dim/32]``; values float32 ``[..., dim]``,
+or bfloat16 with ``dtype=`` (exact either way).
 
 Edge cases:
 - all-zero block: sentinel scale ``2^ceil(log2(1e-4/448)) = 2^-22``, dequantises to exactly 0.
@@ -22,10 +23,12 @@ Edge cases:
   would dequantise values ``≥ 248·2^120`` to inf). 1e38 is unaffected and finite.
 - ±inf / NaN input: ``ValueError``. Codes 0x7F/0xFF (E4M3 NaN) are never written; decoding them yields
   ``±480·s``, not NaN.
-- error: ``|x − v| ≤ s · max(2^-4·|x|/s, 2^-10)`` (half an E4M3 ulp); ``amax/s`` lies in (224, 448].
-- idempotence: requantising dequantised values always gives the same values, bit for bit. Codes can
-  differ: a block whose top magnitude code is 224 requantises with ``s/2`` and doubled codes, unless the
-  1e-4 amax floor keeps ``s``.
+- error: ``|x − v| ≤ max(2^-4·|x|, 2^-10·s)`` (half an E4M3 step); ``amax/s`` lies in (224, 448], so
+  nothing saturates below the cap.
+- idempotence: ``dequantize(quantize(dequantize(q)))`` equals ``dequantize(q)`` bit for bit for every
+  valid ``(codes, scales)`` without NaN codes (the new scale is ``s·2^-j``; E4M3 values times ``2^j`` up to
+  448 are E4M3 values). Codes stay the same iff the block's top magnitude exceeds 224 (code 0x76) or ``s``
+  is the 2^-22 floor; from ``quantize`` only a top of exactly 224 rescales (``s/2``, doubled values).
 
 Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, a last dim not a multiple of 32,
 non-finite input, codes/scales/packed of the wrong dtype or width, or a scale byte outside 105..246.

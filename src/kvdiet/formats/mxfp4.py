@@ -11,7 +11,8 @@ identically (cases B12, B17).
 Entry (v41-spec §4, §5.2): 128 values → 64 B of nibbles (low nibble = even element) + 4 UE8M0 bytes = 68 B
 (``layout.index_key_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple of 32,
 any leading dims); codes uint8 ``[..., dim]`` (0..15); scales uint8 ``[..., dim/32]`` (byte = exponent +
-127, written range 1..252); packed uint8 ``[..., 17·dim/32]``; values float32 ``[..., dim]``.
+127, written range 1..252); packed uint8 ``[..., 17·dim/32]``; values float32 ``[..., dim]``, or bfloat16
+with ``dtype=`` (exact either way).
 
 Edge cases:
 - all-zero block: sentinel scale 2^-126 (byte 0x01), dequantises to exactly 0.
@@ -24,9 +25,10 @@ Edge cases:
 - ±inf / NaN input: ``ValueError``.
 - error: ``|x − v| ≤ s·step/2`` (step 0.5/1/2 for ``|x|/s`` in [0,2]/[2,4]/[4,6]); ``amax/s`` lies in
   (3, 6], so nothing saturates below the cap.
-- idempotence: requantising dequantised values always gives the same values, bit for bit. Codes can
-  differ: a block whose top code magnitude is 3 (``amax/s`` in (3, 3.5)) requantises with ``s/2`` and
-  doubled codes (every E2M1 value times 2 is on the grid, 3 → 6), unless ``s`` is the 2^-126 floor.
+- idempotence: ``dequantize(quantize(dequantize(q)))`` equals ``dequantize(q)`` bit for bit for every
+  valid ``(codes, scales)``: the new scale is ``s·2^-j`` and E2M1 values times ``2^j`` stay on the grid up
+  to 6. Codes stay the same iff the block's top value is 4 or 6 (or ``s`` is the 2^-126 floor); from
+  ``quantize`` only a top value of 3 (``amax/s`` in (3, 3.5)) rescales: ``s/2`` with doubled values.
 
 Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, a last dim not a multiple of 32,
 non-finite input, codes/scales/packed of the wrong dtype or width, codes above 15, or a scale byte outside

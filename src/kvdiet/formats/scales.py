@@ -1,15 +1,15 @@
 """What the packed formats share: argument checks, row chunking, block amax, UE8M0 and E4M3 scales.
 
-It validates tensors handed to the quantisers and packers, walks inputs in cache-sized row chunks, takes
-each block's absolute maximum (rejecting non-finite input there, once per block rather than with an extra
-pass over the values) and turns a ratio ``amax / grid_max`` into a stored scale byte:
+Inputs are walked in cache-sized row chunks. Each block's absolute maximum is taken on the integer bits
+of ``|x|``, which also rejects ±inf/NaN there (their bits sort above every finite magnitude), so the
+non-finite check costs no extra pass. A ratio ``y = amax / grid_max`` becomes a stored scale byte:
 
-- **UE8M0** (MXFP4 index keys, MXFP8 window entries, V4 records): ``s = 2^ceil(log2(y))`` with the ceil
-  taken on the exact fp32 bits (a non-zero mantissa bumps the exponent, v41-spec §5.1, DeepSeek reference
-  kernel ``fast_log2_ceil``). Stored byte = exponent + 127; byte 0xFF (NaN) is never written.
-- **E4M3** (V4.1 main KV): ``s = e4m3(y)`` by ``torch.float8_e4m3fn`` round-to-nearest-even, after
-  clamping ``y`` to [2^-9, 448] as vLLM ``nvfp4_ds_mla`` does, so the stored byte is a finite, positive
-  E4M3 value (0x01..0x7E); it is never 0 and never 0x7F/0xFF (NaN).
+- **UE8M0** (index keys, window entries, V4 records): ``s = 2^ceil(log2(y))`` with the ceil taken on the
+  exact fp32 bits (a non-zero mantissa bumps the exponent; v41-spec §5.1, DeepSeek reference kernel
+  ``fast_log2_ceil``). Byte = exponent + 127; each format caps the exponent so that ``grid_max · s`` is
+  finite, so 0xFF (NaN) is never written.
+- **E4M3** (V4.1 main KV): ``s = e4m3(y)`` by ``torch.float8_e4m3fn`` round-to-nearest-even after clamping
+  ``y`` to [2^-9, 448] as vLLM ``nvfp4_ds_mla`` does: the byte is 0x01..0x7E, never 0 or NaN (0x7F/0xFF).
 
 It knows no particular entry layout (``layout`` declares them) and no value grid (``e2m1``, ``fp8``).
 """
@@ -26,7 +26,6 @@ __all__ = [
     "CHUNK_VALUES",
     "E4M3_MAX",
     "E4M3_SCALE_BYTES",
-    "E4M3_SCALE_MIN",
     "as_rows",
     "block_amax",
     "check_codes_and_scales",
@@ -43,15 +42,13 @@ __all__ = [
 
 E4M3_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` magnitude."""
-E4M3_SCALE_MIN = 2.0**-9
-"""Smallest positive E4M3 value (a subnormal); the floor of every E4M3 scale."""
 E4M3_SCALE_BYTES = (0x01, 0x7E)
-"""E4M3 scale bytes ``e4m3_scale`` writes: 2^-9 .. 448 (never 0, never the NaN patterns 0x7F/0xFF)."""
+"""E4M3 scale bytes ``e4m3_scale`` writes: 2^-9 .. 448."""
 CHUNK_VALUES = 1 << 19
-"""Values per work chunk (2 MiB of fp32): a chunk's intermediates stay in cache (L2/L3) across the ~20 passes
-of a quantiser, while each op still has enough work to amortise dispatch and thread start-up."""
+"""Values per work chunk (2 MiB as fp32): the ~20 elementwise passes of a quantiser then run on cached data
+(L2/L3) while each op still has enough work to amortise dispatch and thread start-up."""
 
-# dtype -> (integer view, abs mask, bit pattern of +inf): |x| of a float compares like its bits as an int.
+# dtype -> (integer view, abs mask, bits of +inf): for floats >= 0, order of values = order of bits.
 _BITS = {
     torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
     torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
@@ -60,21 +57,19 @@ _BITS = {
 
 
 def as_rows(x: torch.Tensor, *, block: int, name: str) -> torch.Tensor:
-    """Check a quantiser input and view it as contiguous rows ``[N, dim]`` (dim = last axis).
+    """Check a quantiser input ``[..., dim]`` (any leading dims); return it as contiguous rows ``[N, dim]``.
 
-    Args:
-        x: float32, bfloat16 or float16 tensor ``[..., dim]``; any leading dims, including none and zero-size.
-        block: values per scale; ``dim`` must be a positive multiple of it.
-        name: format name used in error messages.
+    The result is detached: quantisation is not differentiable, and its outputs never require grad.
 
     Raises:
-        ValueError: another dtype, no dims, or a ``dim`` that is not a positive multiple of ``block``.
+        ValueError: a dtype other than float32/bfloat16/float16, a scalar, or a ``dim`` that is not a
+            positive multiple of ``block``.
     """
     if x.dtype not in _BITS:
         raise ValueError(f"{name}: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % block:
         raise ValueError(f"{name}: last dim must be a positive multiple of {block}, got {list(x.shape)}")
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    return x.detach().reshape(-1, x.shape[-1]).contiguous()
 
 
 def chunk_rows(rows: int, dim: int) -> int:
@@ -90,20 +85,13 @@ def row_chunks(rows: int, dim: int) -> Iterator[slice]:
 
 
 def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: int = 0) -> torch.Tensor:
-    """Absolute maximum of each block, in fp32 (exact: it is one of the inputs).
+    """Exact absolute maximum of each block: ``xb`` float32/bf16/fp16 ``[r, nb, block]`` → float32 ``[r, nb]``.
 
-    Args:
-        xb: float32/bfloat16/float16 ``[r, nb, block]``, contiguous.
-        work: contiguous integer scratch of at least ``xb.numel()`` elements of ``xb``'s width (int32 works
-            for every input dtype).
-        name: format name used in the error message.
-        first_row: index of ``xb``'s first row in the caller's input, for the error message.
-
-    Returns:
-        float32 ``[r, nb]``.
+    ``work``: contiguous int32 scratch of at least ``xb.numel()`` elements. ``first_row``: index of ``xb``'s
+    first row in the caller's input, for the error.
 
     Raises:
-        ValueError: a block holds ±inf or NaN (their bits sort above every finite magnitude).
+        ValueError: a block holds ±inf or NaN, naming the row.
     """
     itype, mask, inf_bits = _BITS[xb.dtype]
     mag = torch.bitwise_and(xb.view(itype), mask, out=work.view(itype)[: xb.numel()].view(xb.shape))
@@ -115,42 +103,30 @@ def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: in
 
 
 def ue8m0_scale(y: torch.Tensor, *, max_exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Power-of-two scale ``2^ceil(log2(y))``, exponent clamped to ``≤ max_exponent``.
+    """``(2^e, byte e + 127)`` with ``e = min(ceil(log2 y), max_exponent)``, for float32 ``y ≥ 2^-126``.
 
-    The ceil is taken on the exact fp32 bits: ``(bits + 0x7FFFFF) >> 23`` is the biased exponent plus one
-    whenever the mantissa is non-zero (v41-spec §5.1).
-
-    Args:
-        y: float32, every value a positive normal number (≥ 2^-126); the callers' amax clamps ensure this.
-        max_exponent: largest unbiased exponent kept, so that ``grid_max · s`` stays finite.
-
-    Returns:
-        ``(scale, byte)``: float32 ``2^e`` and uint8 ``e + 127`` (1..254), both shaped like ``y``.
+    ``(bits + 0x7FFFFF) >> 23`` is the biased exponent, plus one when the mantissa is non-zero.
     """
     biased = torch.bitwise_right_shift(y.view(torch.int32) + 0x7FFFFF, 23).clamp_(max=max_exponent + 127)
     return torch.bitwise_left_shift(biased, 23).view(torch.float32), biased.to(torch.uint8)
 
 
 def ue8m0_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """Decode UE8M0 bytes (``2^(byte − 127)``) to float32; byte 0 is 2^-127 (a subnormal)."""
+    """Decode UE8M0 bytes (``2^(byte − 127)``) to float32."""
     return scale_bytes.view(torch.float8_e8m0fnu).float()
 
 
 def e4m3_scale(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 scale of ``y`` (float32): clamp to [2^-9, 448], round to nearest even E4M3.
-
-    Returns:
-        ``(scale, byte)``: float32 E4M3 value and its uint8 bit pattern (0x01..0x7E), shaped like ``y``.
-    """
-    scale_bytes = y.clamp(E4M3_SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    """``(s, byte)``: float32 ``y`` clamped to [2^-9, 448] and rounded to nearest-even E4M3."""
+    scale_bytes = y.clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return e4m3_scale_to_float(scale_bytes), scale_bytes
 
 
 def e4m3_scale_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
     """Decode E4M3 scale bytes (0x01..0x7E) to float32, exactly.
 
-    By bits, as ``fp8.dequantize_e4m3_chunk_`` does (torch's float8 → float32 cast is slow on CPU): the byte
-    shifted left 7 is an fp16 equal to the E4M3 value × 2^-8.
+    By bits, as ``fp8.dequantize_e4m3_chunk_`` does (torch's float8 → float32 cast is slow on CPU): the
+    byte shifted left 7 is an fp16 equal to the E4M3 value × 2^-8.
     """
     half = scale_bytes.to(torch.int16).bitwise_left_shift_(7)
     return half.view(torch.float16).float().mul_(256.0)
@@ -159,12 +135,11 @@ def e4m3_scale_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
 def decode_rows(
     rows: int, dim: int, fill: Callable[[slice, torch.Tensor], None], *, dtype: torch.dtype, name: str
 ) -> torch.Tensor:
-    """Allocate ``[rows, dim]`` of ``dtype`` and have ``fill(row_slice, out)`` write each chunk in float32.
+    """Allocate ``[rows, dim]`` of ``dtype``; ``fill(row_slice, out)`` writes each chunk as float32.
 
-    Dequantised values of every format here are exactly representable in bfloat16 (at most 6 significant
-    bits times an in-range power of two, or an E4M3 value times a power of two), so a bfloat16 result is
-    lossless. Float32 chunks are written in place; bfloat16 ones through a float32 chunk scratch and one
-    narrowing copy (torch's CPU bf16 arithmetic is several times slower than fp32 plus that copy).
+    Every dequantised value here is exact in bfloat16 (≤ 6 significant bits: an E2M1 value times an E4M3
+    scale, or an E2M1/E4M3 value times a power of two, inside bf16's exponent range), so bfloat16 output is
+    lossless. It goes through a float32 chunk and one narrowing copy: torch's CPU bf16 arithmetic is slower.
 
     Raises:
         ValueError: ``dtype`` is neither float32 nor bfloat16.
@@ -182,9 +157,9 @@ def decode_rows(
 
 
 def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name: str) -> None:
-    """Reject stored scale bytes outside ``valid`` (inclusive): the range this format's quantiser writes.
+    """Reject stored scale bytes outside ``valid`` (inclusive), the range the format's quantiser writes.
 
-    Keeping decoded scales in that range keeps every dequantised value finite and non-NaN.
+    Within it every decoded scale, and every dequantised value, is finite.
 
     Raises:
         ValueError: a byte outside the range (a corrupt or foreign entry), naming it.
@@ -193,9 +168,7 @@ def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name
         lo, hi = int(scale_bytes.min()), int(scale_bytes.max())
         if lo < valid[0] or hi > valid[1]:
             bad = lo if lo < valid[0] else hi
-            raise ValueError(
-                f"{name}: stored scale byte {bad:#04x} is outside {valid[0]:#04x}..{valid[1]:#04x}"
-            )
+            raise ValueError(f"{name}: stored scale byte {bad} is outside the written range {valid}")
 
 
 def check_codes_and_scales(
@@ -214,9 +187,7 @@ def check_codes_and_scales(
             another shape, or a scale byte outside ``scale_bytes``.
     """
     if codes.dtype != codes_dtype or scales.dtype != torch.uint8:
-        raise ValueError(
-            f"{name}: codes must be {codes_dtype}, scales uint8; got {codes.dtype}, {scales.dtype}"
-        )
+        raise ValueError(f"{name}: need {codes_dtype} codes, uint8 scales; got {codes.dtype}, {scales.dtype}")
     if codes.dim() == 0:
         raise ValueError(f"{name}: codes need a last dim (values per entry), got a scalar")
     fmt = entry(codes.shape[-1])
@@ -233,10 +204,10 @@ def entry_of_packed(
     *,
     name: str,
 ) -> EntryFormat:
-    """The entry format of packed entries ``uint8 [..., width]``; ``dim_of_width`` inverts the width formula.
+    """Entry format of packed entries uint8 ``[..., width]``; ``dim_of_width`` inverts the width formula.
 
     Raises:
-        ValueError: ``packed`` is not uint8, is a scalar, or its width is no entry width of this format.
+        ValueError: ``packed`` is not uint8, is a scalar, or its width is no entry width of the format.
     """
     if packed.dtype != torch.uint8 or packed.dim() == 0:
         raise ValueError(f"{name}: packed must be uint8 [..., B], got {packed.dtype} {list(packed.shape)}")

@@ -9,11 +9,12 @@ Entry (``layout.v4_record_format``): ``nope E4M3 bytes | rope bf16 bytes | UE8M0
 448 + 128 + 7 + 1 = 584 B at dim 512, rope 64. Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` with
 ``dim − rope_dim`` a positive multiple of 64 (any leading dims); codes **int16** ``[..., dim]``, one per
 value: the E4M3 bit pattern (0..255) for the nope values, the raw bf16 bit pattern for the rope values;
-scales uint8 ``[..., (dim − rope_dim)/64]``; packed uint8 ``[..., bytes_per_entry]``; values float32.
+scales uint8 ``[..., (dim − rope_dim)/64]``; packed uint8 ``[..., bytes_per_entry]``; values float32, or
+bfloat16 with ``dtype=`` (exact either way). ``rope_dim`` is keyword-only, default 64 (V4CFG); 0 is allowed.
 
-Edge cases are those of ``fp8`` for the nope part. RoPE values: ±inf/NaN raise ``ValueError``; values beyond
-the bf16 range saturate to ±bf16 max (about 3.39e38) instead of becoming inf; bf16 subnormals are kept.
-Requantising dequantised values gives the same values bit for bit (bf16 values pass through unchanged).
+Edge cases, error bound and idempotence are those of ``fp8`` for the nope part. RoPE values: ±inf/NaN raise
+``ValueError``; values beyond the bf16 range saturate to ±bf16 max (about 3.39e38) instead of becoming inf;
+the error is at most half a bf16 ulp; bf16 values pass through requantisation unchanged.
 
 Errors: ``ValueError`` for a dtype other than float32/bfloat16/float16, dims that do not fit the record,
 non-finite input, codes/scales/packed of the wrong dtype or width, nope codes outside 0..255, or a scale

@@ -262,7 +262,14 @@ class Transformer(nn.Module):
                 state.engram_history = self.hasher.next_history(full)
         return self.head(self.norm(hc_collapse(h, prev_pre))).float()
 
-    def _narrow(self, h, x, segs, rows, keeps):
+    def _narrow(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        segs: list[Segment],
+        rows: list[tuple[int, int]],
+        keeps: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Segment], list[tuple[int, int]]]:
         """Keep each segment's last ``keep`` rows; their windows read nothing before ``chunk end − window``."""
         w = self.cfg.sliding_window
         index, new_segs, new_rows, start = [], [], [], 0

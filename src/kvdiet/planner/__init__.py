@@ -1,0 +1,1 @@
+"""The planner: bytes per token, capacity and charts, summed from the cache specs."""

@@ -1,0 +1,196 @@
+"""Decode step latency of v4.1-mini from 4K to 1M tokens of context, and prefill throughput vs chunk size.
+
+Caches are filled directly (random entries encoded in the real packed formats, tiled to the context
+length) rather than by prefill, so a 1M-token context is ready in seconds. For each context the script
+times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
+swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the packed bytes one step must read
+against this machine's measured copy bandwidth (the floor a bandwidth-bound kernel could reach).
+Then it prefills one prompt at several chunk sizes. Prints a table, then one JSON line.
+
+    python benchmarks/bench_decode.py                 # 4K, 32K, 128K, 512K, 1M; ~5 min on 2 cores
+    python benchmarks/bench_decode.py --contexts 4K,32K --prefill-tokens 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvdiet.engine.generate import load_model
+from kvdiet.model.state import RequestState
+from kvdiet.model.transformer import Transformer
+from kvdiet.units import parse_count
+
+SEED = 0
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Bytes per second of ``torch.clone`` (read + write counted once, as a copy's throughput)."""
+    x = torch.empty(num_bytes // 4, dtype=torch.float32).uniform_()
+    x.clone()
+    best = min(_timed(x.clone) for _ in range(3))
+    return num_bytes / best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def fill_state(model: Transformer, context: int, gen: torch.Generator) -> RequestState:
+    """A request state as if ``context`` tokens had been processed (random entries, real formats)."""
+    cfg, codecs = model.cfg, model.codecs
+    state = model.new_state()
+    block = 4096
+    for layer in model.plan.kv_sources:
+        n = context // model.plan[layer].compress_ratio
+        for store, codec in ((state.main[layer], codecs.main), (state.index_keys[layer], codecs.index_key)):
+            rows = codec.encode(torch.randn(block, codec.dim, generator=gen))
+            reps = -(-n // block)
+            store.set_rows(rows.repeat(reps, 1)[:n])
+    w = cfg.sliding_window
+    positions = torch.arange(max(0, context - w), context)
+    for ring in state.windows:
+        ring.write(torch.randn(positions.numel(), cfg.head_dim, generator=gen), positions)
+    for layer, tail in state.tails.items():
+        held = context % model.plan[layer].compress_ratio
+        tail.replace(
+            torch.randn(held, cfg.head_dim, generator=gen), torch.randn(held, cfg.head_dim, generator=gen)
+        )
+    if model.hasher is not None:
+        state.engram_history = torch.randint(
+            0, model.hasher.compressed_vocab_size, (model.hasher.history_len,)
+        )
+    state.num_tokens = context
+    return state
+
+
+def step_bytes(model: Transformer, context: int) -> int:
+    """Packed bytes one decode step reads: every index layer's source keys, each sparse layer's top-k
+    main entries, every window ring."""
+    cfg, plan = model.cfg, model.plan
+    total = 0
+    for info in plan.layers:
+        ratio = info.compress_ratio
+        if info.owns_indexer:
+            total += (context // ratio) * model.codecs.index_key.bytes_per_entry
+        if ratio:
+            total += min(cfg.index_topk, context // ratio) * model.codecs.main.bytes_per_entry
+        total += min(context, cfg.sliding_window) * model.codecs.window.bytes_per_entry
+    return total
+
+
+def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[float, dict[str, float]]:
+    """Median step seconds and mean seconds per layer role (attention by role, ``moe`` for the FFNs)."""
+    spent: dict[str, float] = defaultdict(float)
+    starts: dict[int, float] = {}
+
+    def before(module: torch.nn.Module, _args: object) -> None:
+        starts[id(module)] = time.perf_counter()
+
+    def after(label: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, _args: object, _out: object) -> None:
+            spent[label] += time.perf_counter() - starts[id(module)]
+
+        return hook
+
+    hooks = []
+    for block in model.layers:
+        for module, label in ((block.attn, f"attn:{block.info.role.value}"), (block.ffn, "moe")):
+            hooks.append(module.register_forward_pre_hook(before))
+            hooks.append(module.register_forward_hook(after(label)))
+    try:
+        model.decode([state], [5])  # warm-up
+        spent.clear()
+        times = [_timed(lambda: model.decode([state], [5])) for _ in range(steps)]
+    finally:
+        for h in hooks:
+            h.remove()
+    return statistics.median(times), {k: v / steps for k, v in sorted(spent.items())}
+
+
+def time_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
+    """Prefill tokens per second of ``tokens`` in chunks of ``chunk``."""
+    state = model.new_state()
+    start = time.perf_counter()
+    for s in range(0, tokens.numel(), chunk):
+        model.prefill(state, tokens[s : s + chunk])
+    return tokens.numel() / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--contexts", default="4Ki,32Ki,128Ki,512Ki,1Mi", help="decode contexts (tokens)")
+    parser.add_argument("--steps", type=int, default=3, help="timed decode steps per context")
+    parser.add_argument("--prefill-tokens", default="2048", help="prompt length of the prefill sweep")
+    parser.add_argument("--chunks", default="128,512,2048", help="prefill chunk sizes")
+    parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+    torch.manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    model, _ = load_model("v4.1-mini", seed=SEED)
+    bandwidth = copy_bandwidth()
+    rows = []
+    for context in (parse_count(c) for c in args.contexts.split(",")):
+        state = fill_state(model, context, gen)
+        seconds, roles = time_decode(model, state, args.steps)
+        read = step_bytes(model, context)
+        rows.append({"context": context, "step_seconds": seconds, "roles": roles, "bytes_read": read,
+                     "floor_seconds": read / bandwidth, "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
+        del state
+    prompt = torch.randint(0, model.cfg.vocab_size, (parse_count(args.prefill_tokens),), generator=gen)
+    prefill = {int(c): time_prefill(model, prompt, int(c)) for c in args.chunks.split(",")}
+    result = {
+        "bench": "decode",
+        "model": "v4.1-mini",
+        "copy_gb_per_s": bandwidth / 1e9,
+        "decode": rows,
+        "growth_1m_over_4k": rows[-1]["step_seconds"] / rows[0]["step_seconds"] if len(rows) > 1 else None,
+        "prefill_tokens": prompt.numel(),
+        "prefill_tokens_per_second": prefill,
+    }
+    if not args.json_only:
+        console = Console()
+        table = Table(title=f"v4.1-mini decode step (copy bandwidth {bandwidth / 1e9:.1f} GB/s)")
+        for col in (
+            "context",
+            "global KV",
+            "step ms",
+            "bytes read",
+            "floor ms",
+            "step/floor",
+            "slowest roles (ms)",
+        ):
+            table.add_column(col, justify="right")
+        for r in rows:
+            top = sorted(r["roles"].items(), key=lambda kv: -kv[1])[:3]
+            table.add_row(f"{r['context']:,}", f"{r['global_bytes'] / 1e6:,.1f} MB", f"{r['step_seconds'] * 1e3:,.0f}",
+                          f"{r['bytes_read'] / 1e6:,.1f} MB", f"{r['floor_seconds'] * 1e3:,.2f}",
+                          f"{r['step_seconds'] / r['floor_seconds']:,.0f}×",
+                          ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top))  # fmt: skip
+        console.print(table)
+        pt = Table(title=f"prefill of {prompt.numel():,} tokens (bounded replay on)")
+        pt.add_column("chunk", justify="right")
+        pt.add_column("tokens/s", justify="right")
+        for c, v in prefill.items():
+            pt.add_row(str(c), f"{v:,.1f}")
+        console.print(pt)
+        if result["growth_1m_over_4k"]:
+            console.print(f"step time growth {rows[-1]['context']:,} / {rows[0]['context']:,}: "
+                          f"{result['growth_1m_over_4k']:.2f}×")  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Sampling parameters are validated before anything runs; greedy and filtered sampling pick what they should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.engine.sampling import SamplingParams, sample
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [({"max_tokens": -1}, "max_tokens must be >= 0"), ({"temperature": -0.5}, "temperature must be >= 0"),
+     ({"temperature": float("nan")}, "temperature must be >= 0"), ({"top_k": -2}, "top_k must be >= 0"),
+     ({"top_p": 0.0}, "top_p must be in (0, 1]"), ({"top_p": 1.5}, "top_p must be in (0, 1]")],
+)  # fmt: skip
+def test_invalid(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_outside_vocab() -> None:
+    with pytest.raises(ValueError, match=r"stop token id 64 is outside the vocabulary \[0, 64\)"):
+        SamplingParams(stop_token_ids=(1, 64)).check_vocab(64)
+
+
+def test_greedy_and_filters() -> None:
+    logits = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    assert sample(logits, SamplingParams()) == 1  # argmax, lowest id on ties
+    gen = torch.Generator().manual_seed(0)
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=2), gen) for _ in range(50)}
+    assert picks == {1, 2}
+    peaked = torch.tensor([10.0, 0.0, 0.0, 0.0])
+    assert {sample(peaked, SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(20)} == {0}
