@@ -58,16 +58,14 @@ def exact_codec(dim: int) -> Codec:
 
 
 def packed_codec(fmt: EntryFormat, module: ModuleType, suffix: str) -> Codec:
-    """The packed codec of ``fmt``, from ``module``'s ``quantize_/pack_/unpack_/dequantize_{suffix}``."""
-    quantize, pack = getattr(module, f"quantize_{suffix}"), getattr(module, f"pack_{suffix}")
-    unpack, dequantize = getattr(module, f"unpack_{suffix}"), getattr(module, f"dequantize_{suffix}")
+    """The packed codec of ``fmt``, from ``module``'s fused ``encode_{suffix}`` / ``decode_{suffix}``."""
     return Codec(
         fmt.name,
         fmt.dim,
         fmt.bytes_per_entry,
         torch.uint8,
-        lambda x: pack(*quantize(x)),
-        lambda rows: dequantize(*unpack(rows)),
+        getattr(module, f"encode_{suffix}"),
+        getattr(module, f"decode_{suffix}"),
     )
 
 

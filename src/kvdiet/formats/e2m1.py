@@ -159,7 +159,7 @@ def pack_codes_(codes: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> N
 
 
 def pair_table() -> torch.Tensor:
-    """int32 ``[256]``: for each byte, the fp16 values of its two nibbles, the low nibble's first in memory."""
+    """int32 ``[256]``: each byte's two nibble values as fp16 halves, the low nibble's first in memory."""
     bits = _FP16_BITS
     pairs = [((bits[b >> 4] << 16 | bits[b & 15]) ^ 2**31) - 2**31 for b in range(256)]  # as signed int32
     return torch.tensor(pairs, dtype=torch.int32)

@@ -19,8 +19,9 @@ float32 ``[..., dim]``, or bfloat16 with ``dtype=`` (exact either way).
 Edge cases:
 - all-zero block: sentinel scale 2^-9 (byte 0x01); dequantises to exactly 0.
 - tiny values flush: ``|x| ≤ s/4`` becomes ±0, and ``s ≥ 2^-9``, so any ``|x| ≤ 2^-11`` (1e-30) is ±0.
-- huge values saturate: ``s ≤ 448``, so ``|x| > 2688`` gives ±2688 (REF's unclamped cast would give a NaN
-  scale); every finite input (1e38) gives finite outputs. ±inf/NaN input raises ``ValueError``.
+- huge values saturate: ``s ≤ 448``, so ``|x| > 2688`` gives ±2688; every finite input (1e38) gives finite
+  outputs. (REF casts without the clamp; torch 2.13's E4M3 cast saturates at 448 itself, +inf included, so
+  REF agrees rather than giving the NaN scale v41-spec §5.1 guesses.) ±inf/NaN input raises ``ValueError``.
 - error: ``|x − v| ≤ s·step/2`` (step 0.5, 1, 2 for ``|x|/s`` in [0,2], [2,4], [4,6]), else ``|x| − 6s``
   (saturation). Normal scales keep ``amax/s ≤ 6.375``, inside that bound; subnormal E4M3 scales
   (``s < 2^-6``, block amax < 45·2^-9 ≈ 0.088) can leave ``amax/s`` up to 9 (error up to 3s).

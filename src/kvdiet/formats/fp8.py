@@ -4,8 +4,9 @@ Recipe (v41-spec §5.1, DeepSeek reference kernel ``act_quant(x, 32, ue8m0)``), 
 
     amax = max(max|x|, 1e-4);  s = 2^ceil(log2(amax / 448));  q = e4m3(clamp(x / s, ±448))
 
-``e4m3`` is ``torch.float8_e4m3fn`` round-to-nearest-even; the ceil is taken on the exact fp32 bits. The
-V4 record (``v4_record``) uses the same recipe with blocks of 64 through ``quantize_e4m3_chunk_`` and
+``e4m3`` is ``torch.float8_e4m3fn`` round-to-nearest-even (it also saturates at ±448 in torch 2.13; the
+explicit clamp keeps the recipe independent of that); the ceil is taken on the exact fp32 bits. The V4
+record (``v4_record``) uses the same recipe with blocks of 64 through ``quantize_e4m3_chunk_`` and
 ``dequantize_e4m3_chunk_``.
 
 Entry (v41-spec §5.2, vLLM "V4.1 MXFP8 record"): 512 values → 512 E4M3 bytes + 16 UE8M0 bytes = 528 B

@@ -85,7 +85,7 @@ def row_chunks(rows: int, dim: int) -> Iterator[slice]:
 
 
 def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: int = 0) -> torch.Tensor:
-    """Exact absolute maximum of each block: ``xb`` float32/bf16/fp16 ``[r, nb, block]`` → float32 ``[r, nb]``.
+    """Exact absolute maximum per block: ``xb`` float32/bf16/fp16 ``[r, nb, block]`` → float32 ``[r, nb]``.
 
     ``work``: contiguous int32 scratch of at least ``xb.numel()`` elements. ``first_row``: index of ``xb``'s
     first row in the caller's input, for the error.
