@@ -133,8 +133,8 @@ def main() -> None:
     )
     parser.add_argument("--contexts", default="4Ki,32Ki,128Ki,512Ki,1Mi", help="decode contexts (tokens)")
     parser.add_argument("--steps", type=int, default=3, help="timed decode steps per context")
-    parser.add_argument("--prefill-tokens", default="2048", help="prompt length of the prefill sweep")
-    parser.add_argument("--chunks", default="128,512,2048", help="prefill chunk sizes")
+    parser.add_argument("--prefill-tokens", default="1024", help="prompt length of the prefill sweep")
+    parser.add_argument("--chunks", default="128,512,1024", help="prefill chunk sizes")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     torch.manual_seed(SEED)
@@ -142,7 +142,8 @@ def main() -> None:
     model, _ = load_model("v4.1-mini", seed=SEED)
     bandwidth = copy_bandwidth()
     rows = []
-    for context in (parse_count(c) for c in args.contexts.split(",")):
+    room = model.cfg.max_position_embeddings - (args.steps + 1)  # the timed steps must still fit
+    for context in (min(parse_count(c), room) for c in args.contexts.split(",")):
         state = fill_state(model, context, gen)
         seconds, roles = time_decode(model, state, args.steps)
         read = step_bytes(model, context)

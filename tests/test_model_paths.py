@@ -255,3 +255,8 @@ def test_mini_measures_890_bytes_per_token() -> None:
     assert measured.global_bytes_per_token == 890.0 == CacheSpec.from_config(model.cfg).global_bytes_per_token
     assert measured.window_bytes == 2_703_360
     assert measured.per_layer[20] == (len(ids) * 288, len(ids) * 68)
+    model.decode([state], [5])  # an odd count: one ratio-2 pair is open and holds no entry yet
+    odd = state.cache_bytes()
+    assert odd.global_bytes_per_token == (len(ids) * 890 + 356) / (len(ids) + 1) < 890.0
+    assert odd.global_bytes_per_covered_token == 890.0
+    assert odd.covered_tokens[2] == len(ids) and odd.covered_tokens[20] == len(ids) + 1

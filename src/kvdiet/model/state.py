@@ -132,6 +132,8 @@ class CacheBytes:
         window_bytes: all window rings (fixed per request).
         tail_bytes: compressor tails (fixed per request).
         per_layer: ``{layer: (main bytes, index-key bytes)}``.
+        covered_tokens: ``{layer: entries × compress_ratio}``, the tokens a layer's written entries cover
+            (fewer than ``num_tokens`` while a ratio-2 pair is open).
     """
 
     num_tokens: int
@@ -139,11 +141,21 @@ class CacheBytes:
     window_bytes: int
     tail_bytes: int
     per_layer: dict[int, tuple[int, int]]
+    covered_tokens: dict[int, int]
 
     @property
     def global_bytes_per_token(self) -> float:
-        """``global_bytes / num_tokens`` (890.0 for V4.1 at an even token count)."""
+        """``global_bytes / num_tokens``: 890.0 for V4.1 at an even count, a little less while a pair is open."""
         return self.global_bytes / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def global_bytes_per_covered_token(self) -> float:
+        """Σ over KV-source layers of bytes written / tokens those entries cover (890.0 for V4.1 always)."""
+        return sum(
+            (m + i) / self.covered_tokens[layer]
+            for layer, (m, i) in self.per_layer.items()
+            if self.covered_tokens[layer]
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -173,10 +185,15 @@ class RequestState:
     def cache_bytes(self) -> CacheBytes:
         """Bytes measured from the allocated storage (rows written for global KV; rings and tails in full)."""
         per_layer = {layer: (self.main[layer].nbytes, self.index_keys[layer].nbytes) for layer in self.main}
+        covered = {
+            layer: self.num_tokens - (self.tails[layer].count if layer in self.tails else 0)
+            for layer in self.main
+        }
         return CacheBytes(
             num_tokens=self.num_tokens,
             global_bytes=sum(m + i for m, i in per_layer.values()),
             window_bytes=sum(w.nbytes for w in self.windows),
             tail_bytes=sum(t.nbytes for t in self.tails.values()),
             per_layer=per_layer,
+            covered_tokens=covered,
         )
