@@ -5,7 +5,8 @@ length) rather than by prefill, so a 1M-token context is ready in seconds. For e
 times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
 swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the packed bytes one step must read
 against this machine's measured copy bandwidth (the floor a bandwidth-bound kernel could reach).
-Then it prefills one prompt at several chunk sizes. Prints a table, then one JSON line.
+Then it prefills one prompt at several chunk sizes, and measures how far bounded replay moves the last
+position's logits against a full prefill. Prints tables, then one JSON line.
 
     python benchmarks/bench_decode.py                 # 4K, 32K, 128K, 512K, 1M; ~5 min on 2 cores
     python benchmarks/bench_decode.py --contexts 4K,32K --prefill-tokens 1024
@@ -127,6 +128,17 @@ def time_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
     return tokens.numel() / (time.perf_counter() - start)
 
 
+def replay_drift(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
+    """Max |Δ| of the last position's logits between bounded-replay prefill and full prefill (v41-spec §7.1)."""
+    logits = []
+    for bounded in (True, False):
+        state = model.new_state()
+        for s in range(0, tokens.numel(), chunk):
+            last = model.prefill(state, tokens[s : s + chunk], bounded_replay=bounded)
+        logits.append(last)
+    return (logits[0] - logits[1]).abs().max().item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,6 +164,7 @@ def main() -> None:
         del state
     prompt = torch.randint(0, model.cfg.vocab_size, (parse_count(args.prefill_tokens),), generator=gen)
     prefill = {int(c): time_prefill(model, prompt, int(c)) for c in args.chunks.split(",")}
+    drift = replay_drift(model, prompt, 512)
     result = {
         "bench": "decode",
         "model": "v4.1-mini",
@@ -160,9 +173,10 @@ def main() -> None:
         "growth_1m_over_4k": rows[-1]["step_seconds"] / rows[0]["step_seconds"] if len(rows) > 1 else None,
         "prefill_tokens": prompt.numel(),
         "prefill_tokens_per_second": prefill,
+        "bounded_replay_max_abs_logit_drift": drift,
     }
     if not args.json_only:
-        console = Console()
+        console = Console(width=150)
         table = Table(title=f"v4.1-mini decode step (copy bandwidth {bandwidth / 1e9:.1f} GB/s)")
         for col in (
             "context",
@@ -187,6 +201,7 @@ def main() -> None:
         for c, v in prefill.items():
             pt.add_row(str(c), f"{v:,.1f}")
         console.print(pt)
+        console.print(f"bounded replay vs full prefill, last-position logits: max |Δ| = {drift:.4g}")
         if result["growth_1m_over_4k"]:
             console.print(f"step time growth {rows[-1]['context']:,} / {rows[0]['context']:,}: "
                           f"{result['growth_1m_over_4k']:.2f}×")  # fmt: skip
