@@ -81,3 +81,10 @@ def test_fp8_block_scaled_linear_is_dequantised(tmp_path: Path, pair) -> None:
     load_weights(b, tmp_path / "fp8.safetensors")
     expected = (w / tiles).to(torch.float8_e4m3fn).float() * tiles
     assert torch.equal(b.state_dict()["layers.1.attn.wkv.weight"], expected)
+
+
+def test_not_a_safetensors_file(tmp_path: Path, pair) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text('{"a": 1}')
+    with pytest.raises(WeightsError, match="is not a valid safetensors file"):
+        load_weights(pair[1], bad)

@@ -132,6 +132,8 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
             f"model {args.model!r} has no tokenizer (vocab {model.cfg.vocab_size}); use --prompt-ids"
         )
     else:
+        if not text:
+            raise ValueError("empty prompt: the prompt text has no characters")
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     result = generate(
@@ -166,14 +168,13 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
     if args.json:
         print(json.dumps(summary))
         return
-    if "text" in summary:
-        console.print(summary["text"], markup=False, highlight=False)
+    console.print(summary.get("text", f"output ids: {summary['output_ids']}"), markup=False, highlight=False)
     for key, value in summary.items():
         if key not in ("text", "output_ids"):
             console.print(
-                f"{key:28s} {value:,}"
+                f"{key:34s} {value:,}"
                 if isinstance(value, int | float) and not isinstance(value, bool)
-                else f"{key:28s} {value}",
+                else f"{key:34s} {value}",
                 markup=False,
                 highlight=False,
             )
@@ -195,6 +196,8 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
 def _run_plan(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.planner.render import render_compare, render_report
 
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"plot file {args.plot!r} must end in .png, .svg or .pdf")
     options = _plan_options(args)
     if args.compare:
         a, b = (plan_report(load_config(name), options) for name in args.compare)

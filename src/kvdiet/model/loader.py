@@ -64,7 +64,11 @@ def load_weights(model: nn.Module, path: str | Path, *, block: int = 32) -> None
     found: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
+            raise WeightsError(f"{file} is not a valid safetensors file: {exc}") from exc
+        with handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 tensor = handle.get_tensor(name)
                 if name.endswith(".scale") and name not in expected:
@@ -88,7 +92,10 @@ def load_weights(model: nn.Module, path: str | Path, *, block: int = 32) -> None
         elif value is not None:
             ready[name] = value.to(target.dtype)
     if problems:
-        raise WeightsError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+        shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+        raise WeightsError(
+            f"checkpoint {path} does not fit the model ({len(problems)} problems):\n  " + "\n  ".join(shown)
+        )
     model.load_state_dict(ready, strict=True)
 
 

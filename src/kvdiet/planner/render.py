@@ -160,7 +160,7 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     )
     if "persistent_bounded_replay_vs_boundary_snapshot" in ratios:
         t.add_row(
-            "persistent: a bounded-replay / b boundary-snapshot",
+            "persistent (a replay / b snapshot)",
             "",
             "",
             fmt_ratio("persistent_bounded_replay_vs_boundary_snapshot"),

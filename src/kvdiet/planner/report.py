@@ -7,6 +7,7 @@ planner defines no byte count of its own. The report is a plain JSON-able dict (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +50,10 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.num_gpus <= 0:
             raise ValueError(f"num_gpus must be > 0, got {self.num_gpus}")
-        if self.gpu_mem_gb <= 0:
-            raise ValueError(f"gpu_mem_gb must be > 0, got {self.gpu_mem_gb}")
-        if self.weights_gb is not None and self.weights_gb < 0:
-            raise ValueError(f"weights_gb must be >= 0, got {self.weights_gb}")
+        if not (math.isfinite(self.gpu_mem_gb) and self.gpu_mem_gb > 0):
+            raise ValueError(f"gpu_mem_gb must be a finite number > 0, got {self.gpu_mem_gb}")
+        if self.weights_gb is not None and not (math.isfinite(self.weights_gb) and self.weights_gb >= 0):
+            raise ValueError(f"weights_gb must be a finite number >= 0, got {self.weights_gb}")
         for name in ("capacity_context", "tokens_per_boundary", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
