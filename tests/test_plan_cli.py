@@ -127,7 +127,7 @@ def test_plot(tmp_path: Path, capsys) -> None:
         (["nope"], "neither a preset"),
         (["--contexts", "4K,abc"], "cannot parse token count"),
         (["--num-gpus", "0"], "num_gpus must be > 0"),
-        (["--weights-gb", "-1"], "weights_gb must be >= 0"),
+        (["--weights-gb", "-1"], "weights_gb must be a finite number >= 0"),
         (["--checkpoint-every", "0"], "checkpoint_every must be > 0"),
         (["--gpu-mem-gb", "nan"], "gpu_mem_gb must be a finite number > 0"),
         (["--weights-gb", "inf"], "weights_gb must be a finite number >= 0"),
