@@ -226,6 +226,7 @@ class Transformer(nn.Module):
             segs.append(Segment(state, pos))
             rows.append((start, start + chunk.numel()))
             start += chunk.numel()
+        with_hist: list[torch.Tensor] = []
         if self.hasher is not None:
             with_hist = [
                 self.hasher.with_history(self.hasher.compress(c), s.engram_history)
@@ -255,11 +256,10 @@ class Transformer(nn.Module):
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
             h = hc_expand(out, h, post, comb)
             h, prev_pre = block.ffn_half(h, attn_pre)
-        for state, chunk in zip(states, ids, strict=True):
+        for i, (state, chunk) in enumerate(zip(states, ids, strict=True)):
             state.num_tokens += chunk.numel()
             if self.hasher is not None:
-                full = self.hasher.with_history(self.hasher.compress(chunk), state.engram_history)
-                state.engram_history = self.hasher.next_history(full)
+                state.engram_history = self.hasher.next_history(with_hist[i])
         return self.head(self.norm(hc_collapse(h, prev_pre))).float()
 
     def _narrow(
