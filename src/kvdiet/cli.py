@@ -194,10 +194,11 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
 
 
 def _run_plan(args: argparse.Namespace, console: Console) -> None:
+    from kvdiet.planner.chart import check_plot_path
     from kvdiet.planner.render import render_compare, render_report
 
-    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-        raise ValueError(f"plot file {args.plot!r} must end in .png, .svg or .pdf")
+    if args.plot:
+        check_plot_path(args.plot)  # before any work
     options = _plan_options(args)
     if args.compare:
         a, b = (plan_report(load_config(name), options) for name in args.compare)

@@ -185,8 +185,9 @@ class RequestState:
     def cache_bytes(self) -> CacheBytes:
         """Bytes measured from the allocated storage (rows written for global KV; rings and tails in full)."""
         per_layer = {layer: (self.main[layer].nbytes, self.index_keys[layer].nbytes) for layer in self.main}
+        # tokens covered by the rows written: entries × ratio (a tail exists only for ratio > 1 layers)
         covered = {
-            layer: self.num_tokens - (self.tails[layer].count if layer in self.tails else 0)
+            layer: len(self.main[layer]) * (self.tails[layer].kv.shape[0] if layer in self.tails else 1)
             for layer in self.main
         }
         return CacheBytes(

@@ -7,9 +7,21 @@ from pathlib import Path
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 
-__all__ = ["DEFAULT_CHART_MODELS", "plot_global_kv"]
+__all__ = ["DEFAULT_CHART_MODELS", "check_plot_path", "plot_global_kv"]
 
 DEFAULT_CHART_MODELS = ("deepseek-v4.1-flash", "deepseek-v4-flash", "deepseek-llm-67b")
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """``path`` as a Path if matplotlib can write its format.
+
+    Raises:
+        ValueError: the name does not end in ``.png``, ``.svg`` or ``.pdf``.
+    """
+    out = Path(path)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"plot file {str(out)!r} must end in .png, .svg or .pdf")
+    return out
 
 
 def plot_global_kv(
@@ -30,9 +42,7 @@ def plot_global_kv(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(path)
-    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ValueError(f"plot file {str(out)!r} must end in .png, .svg or .pdf")
+    out = check_plot_path(path)
     contexts = [2**k for k in range(10, max_tokens.bit_length())]
     if contexts[-1] != max_tokens:
         contexts.append(max_tokens)
