@@ -50,14 +50,15 @@ def _timed(fn: Callable[[], object]) -> float:
 def fill_state(model: Transformer, context: int, gen: torch.Generator) -> RequestState:
     """A request state as if ``context`` tokens had been processed (random entries, real formats)."""
     cfg, codecs = model.cfg, model.codecs
-    state = model.new_state()
+    state = model.new_state(model.new_pool(-(-(context + 64) // 64)))
+    state.table.reserve(context)
     block = 4096
     for layer in model.plan.kv_sources:
         n = context // model.plan[layer].compress_ratio
         for store, codec in ((state.main[layer], codecs.main), (state.index_keys[layer], codecs.index_key)):
             rows = codec.encode(torch.randn(block, codec.dim, generator=gen))
             reps = -(-n // block)
-            store.set_rows(rows.repeat(reps, 1)[:n])
+            store.write_rows(rows.repeat(reps, 1)[:n])
     w = cfg.sliding_window
     positions = torch.arange(max(0, context - w), context)
     for ring in state.windows:

@@ -96,7 +96,7 @@ def generate(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     params.check_vocab(model.cfg.vocab_size)
     state = model.new_state()
-    ids = model.check_tokens(state, prompt_ids)
+    ids = model.check_tokens(prompt_ids)
     limit = model.cfg.max_position_embeddings
     if ids.numel() + params.max_tokens > limit:
         raise ValueError(

@@ -192,12 +192,24 @@ class Attention(nn.Module):
         return self.attend_rows(x, seg)
 
     def update_global(self, x: torch.Tensor, seg: Segment) -> None:
-        """KV-source layers: compress the rows and append index keys and main-KV entries to the request's caches."""
+        """KV-source layers: compress the rows and append index keys and main-KV entries to the request's caches.
+
+        Entries the request already holds (rows replayed after a prefix hit) are computed by the compressor
+        but not written again; an entry completed by a replayed row past the held ones is written (B03).
+        """
         if self.compressor is None:
             return
         layer, state = self.info.layer_id, seg.state
         latent, gids = self.compressor(x, seg.start_pos, state.tails.get(layer))
+        held = len(state.main[layer])
+        if gids.numel() and int(gids[0]) < held:  # a replay: never rewrite entries the request holds (B03)
+            new = gids >= held
+            latent, gids = latent[new], gids[new]
         if gids.numel():
+            if int(gids[0]) != held:
+                raise RuntimeError(
+                    f"layer {layer}: entry {int(gids[0])} would leave a gap after {held} entries"
+                )
             first = gids * self.info.compress_ratio
             state.index_keys[layer].append(self.indexer.keys(latent, first, self.rope))
             state.main[layer].append(self.compressed_entries(latent, gids))

@@ -223,6 +223,14 @@ class EngramHasher:
         """The history to carry after a chunk: the last N−1 ids of ``ids_with_history``, int64 [..., N−1]."""
         return ids_with_history[..., ids_with_history.shape[-1] - self.history_len :].clone()
 
+    def history_after(self, prefix_ids: torch.Tensor) -> torch.Tensor:
+        """The history once token ids ``prefix_ids`` (int [n], a request's first n tokens) are processed.
+
+        Engram history is a function of the tokens alone, so a replay or restore rebuilds it from the prompt.
+        """
+        tail = prefix_ids[max(0, prefix_ids.shape[-1] - self.history_len) :]
+        return self.next_history(self.with_history(self.compress(tail)))
+
     def row_ids(self, layer_id: int, ids_with_history: torch.Tensor) -> torch.Tensor:
         """Table rows of every position of a chunk (v41-spec §8.3a, "Hash ids").
 

@@ -42,7 +42,7 @@ def forward_full(
     Raises:
         ValueError: invalid tokens (as `Transformer.check_tokens` on a fresh request).
     """
-    ids = model.check_tokens(model.new_state(), tokens)
+    ids = model.check_tokens(tokens)
     cfg, t = model.cfg, ids.numel()
     pos = torch.arange(t)
     trace = trace if trace is not None else ReferenceTrace()

@@ -1,8 +1,9 @@
 """Per-request cache state of the V4.1 model: packed global KV, window rings, compressor tails, Engram history.
 
 What a request owns (v41-spec §2–§3, §8.3a):
-- per KV-source (Full) layer: main-KV entries and index keys, appended as their groups complete
-  (`EntryStore`; packed bytes unless the model runs unquantised). Reuse and Reindex layers own none.
+- per KV-source (Full) layer: main-KV entries and index keys, appended as their groups complete, stored in
+  place in the paged device pool through the request's `BlockTable` (`PagedEntries`; packed bytes unless
+  the model runs unquantised). Reuse and Reindex layers own none.
 - per layer: a ring of the last ``sliding_window`` window entries with their positions (`WindowRing`).
 - per ratio>1 KV-source layer: the fp32 rows of the open compression group (`CompressorTail`).
 - the last ``engram_max_ngram_size − 1`` compressed token ids (Engram history).
@@ -18,59 +19,93 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdiet.formats.codec import Codec
+from kvdiet.storage.device_pool import DevicePool
 
-__all__ = ["CacheBytes", "CompressorTail", "EntryStore", "RequestState", "WindowRing"]
+__all__ = ["BlockTable", "CacheBytes", "CompressorTail", "PagedEntries", "RequestState", "WindowRing"]
 
 
-class EntryStore:
-    """Append-only rows of one codec (a layer's main-KV entries or index keys).
+class BlockTable:
+    """A request's block ids in token order (block i covers tokens ``[i·block_size, (i+1)·block_size)``)."""
 
-    Capacity doubles as entries arrive; only the rows written count as used bytes.
-    """
+    def __init__(self, pool: DevicePool, ids: list[int] | None = None) -> None:
+        self.pool = pool
+        self.ids: list[int] = list(ids or [])
+        self._tensor = torch.tensor(self.ids, dtype=torch.int64)
 
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        self._rows = torch.empty(0, codec.width, dtype=codec.dtype)
-        self._len = 0
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def tensor(self) -> torch.Tensor:
+        """int64 [len] (cached until the table grows)."""
+        if self._tensor.numel() != len(self.ids):
+            self._tensor = torch.tensor(self.ids, dtype=torch.int64)
+        return self._tensor
+
+    def reserve(self, num_tokens: int) -> None:
+        """Allocate blocks until ``num_tokens`` tokens fit. Raises `NoFreeBlocksError` (nothing allocated)."""
+        need = -(-num_tokens // self.pool.block_size) - len(self.ids)
+        if need > 0:
+            self.ids.extend(self.pool.allocate(need))
+
+    def release(self) -> None:
+        """Return every block to the pool (tail first) and forget them; a second call does nothing."""
+        ids, self.ids = self.ids, []
+        if ids:
+            self.pool.blocks.release(ids)
+
+
+class PagedEntries:
+    """One KV-source layer's main-KV entries or index keys of one request, read and written in place in the
+    device pool through the request's block table (entry e → block ``e // entries_per_block``)."""
+
+    def __init__(self, table: BlockTable, layer: int, kind: str, length: int = 0) -> None:
+        self.table, self.layer, self.kind = table, layer, kind
+        self.codec: Codec = table.pool.codecs[kind]
+        self.per_block = table.pool.entries_per_block(layer)
+        self._len = length
 
     def __len__(self) -> int:
         return self._len
 
-    def append(self, values: torch.Tensor) -> None:
-        """Encode and append fp32 ``values`` [M, dim] as entries ``len .. len+M−1``."""
-        rows = self.codec.encode(values)
-        need = self._len + rows.shape[0]
-        if need > self._rows.shape[0]:
-            grown = torch.empty(
-                max(need, 2 * self._rows.shape[0], 16), self.codec.width, dtype=self.codec.dtype
-            )
-            grown[: self._len] = self._rows[: self._len]
-            self._rows = grown
-        self._rows[self._len : need] = rows
-        self._len = need
+    def _slots(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table.tensor()[idx // self.per_block] * self.per_block + idx % self.per_block
 
-    def set_rows(self, rows: torch.Tensor) -> None:
-        """Replace the whole content with already-encoded ``rows`` [M, width] (benchmarks fill caches this way)."""
+    def append(self, values: torch.Tensor) -> None:
+        """Encode and store fp32 ``values`` [M, dim] as entries ``len .. len+M−1`` (blocks must be reserved)."""
+        self.write_rows(self.codec.encode(values))
+
+    def write_rows(self, rows: torch.Tensor) -> None:
+        """Store already-encoded ``rows`` [M, width] as entries ``len .. len+M−1`` (benchmarks fill this way).
+
+        Raises:
+            ValueError: wrong dtype/width, or the block table does not cover the new entries.
+        """
         if rows.dim() != 2 or rows.shape[1] != self.codec.width or rows.dtype != self.codec.dtype:
             raise ValueError(
-                f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} "
-                f"{tuple(rows.shape)}"
+                f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} {tuple(rows.shape)}"
             )
-        self._rows = rows.contiguous()
-        self._len = rows.shape[0]
+        end = self._len + rows.shape[0]
+        if end > len(self.table) * self.per_block:
+            raise ValueError(
+                f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
+            )
+        self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len, end))] = rows
+        self._len = end
 
     def raw(self) -> torch.Tensor:
-        """The stored rows [len, width] (a view)."""
-        return self._rows[: self._len]
+        """The stored rows [len, width] (a gathered copy)."""
+        return self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len))]
 
     def read(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded fp32 entries: all [len, dim], or ``idx`` (int64, any shape, each in [0, len)) → [..., dim]."""
-        rows = self.raw() if idx is None else self.raw()[idx]
-        return self.codec.decode(rows)
+        if idx is None:
+            return self.codec.decode(self.raw())
+        rows = self.table.pool.rows(self.layer, self.kind)[self._slots(idx.flatten())]
+        return self.codec.decode(rows).view(*idx.shape, self.codec.dim)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows written."""
+        """Bytes of the entries written."""
         return self._len * self.codec.bytes_per_entry
 
 
@@ -82,13 +117,28 @@ class WindowRing:
         self.window = window
         self.rows = torch.zeros(window, codec.width, dtype=codec.dtype)
         self.positions = torch.full((window,), -1, dtype=torch.int64)
+        self.log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store fp32 ``values`` [M, dim] at increasing ``positions`` [M]; only the last ``window`` stay."""
-        values, positions = values[-self.window :], positions[-self.window :]
+        """Store fp32 ``values`` [M, dim] at increasing ``positions`` [M]; only the last ``window`` stay.
+
+        While ``log`` is a list, every written row is also appended to it as ``(rows, positions)`` (the
+        ``full-store`` policy keeps each token's window entries).
+        """
+        if self.log is None:
+            values, positions = values[-self.window :], positions[-self.window :]
+        rows = self.codec.encode(values)
+        if self.log is not None:
+            self.log.append((rows, positions))
+            rows, positions = rows[-self.window :], positions[-self.window :]
         slots = positions % self.window
-        self.rows[slots] = self.codec.encode(values)
+        self.rows[slots] = rows
         self.positions[slots] = positions
+
+    def clear(self) -> None:
+        """Forget every entry (positions −1; rows zeroed)."""
+        self.rows.zero_()
+        self.positions.fill_(-1)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(values fp32 [F, dim], positions int64 [F])`` of the F filled slots, in slot order."""
@@ -116,6 +166,10 @@ class CompressorTail:
         self.score.fill_(float("-inf"))
         self.kv[:c], self.score[:c] = kv, score
         self.count = c
+
+    def clear(self) -> None:
+        """No open group."""
+        self.replace(self.kv[:0], self.score[:0])
 
     @property
     def nbytes(self) -> int:
@@ -172,13 +226,15 @@ class RequestState:
         main: main-KV entries per KV-source layer.
         index_keys: index keys per KV-source layer.
         tails: compressor tails per ratio>1 KV-source layer.
+        table: the request's block table in the device pool (shared by ``main`` and ``index_keys``).
         engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first).
     """
 
     windows: list[WindowRing]
-    main: dict[int, EntryStore]
-    index_keys: dict[int, EntryStore]
+    main: dict[int, PagedEntries]
+    index_keys: dict[int, PagedEntries]
     tails: dict[int, CompressorTail]
+    table: BlockTable
     engram_history: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     num_tokens: int = 0
 

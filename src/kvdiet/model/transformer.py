@@ -18,11 +18,13 @@ Bad input raises ``ValueError`` before any state changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo, LayerPlan
@@ -31,7 +33,8 @@ from kvdiet.model.engram import Engram, EngramHasher
 from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.moe import MoE
-from kvdiet.model.state import CompressorTail, EntryStore, RequestState, WindowRing
+from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
+from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE, DevicePool
 
 __all__ = ["Block", "Transformer"]
 
@@ -131,27 +134,55 @@ class Transformer(nn.Module):
 
     # --- state ---
 
-    def new_state(self) -> RequestState:
-        """Empty caches for one request."""
+    def new_pool(
+        self, num_blocks: int, *, block_size: int = DEFAULT_BLOCK_SIZE, growable: bool = False
+    ) -> DevicePool:
+        """A paged device pool for this model's KV-source layers (`DevicePool`)."""
+        ratios = {s: self.plan[s].compress_ratio for s in self.plan.kv_sources}
+        return DevicePool(
+            ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, growable=growable
+        )
+
+    def new_state(
+        self, pool: DevicePool | None = None, *, blocks: list[int] | None = None, num_tokens: int = 0
+    ) -> RequestState:
+        """Caches for one request.
+
+        Args:
+            pool: the device pool holding its global KV; None → a private growable pool (a model used on
+                its own, without an engine).
+            blocks: block ids already holding this request's first ``num_tokens`` tokens (a prefix hit; the
+                caller holds their references and gives them to the state).
+            num_tokens: tokens those blocks cover — a multiple of the block size. Window rings and
+                compressor tails start empty: the caller restores or replays them.
+        Raises:
+            ValueError: ``num_tokens`` does not match ``blocks``.
+        """
         cfg, c = self.cfg, self.codecs
+        pool = pool if pool is not None else self.new_pool(4, growable=True)
+        blocks = list(blocks or [])
+        if num_tokens != len(blocks) * pool.block_size:
+            raise ValueError(
+                f"{len(blocks)} blocks hold {len(blocks) * pool.block_size} tokens, not {num_tokens}"
+            )
+        table = BlockTable(pool, blocks)
         windows = [WindowRing(c.window, cfg.sliding_window) for _ in self.plan.layers]
         sources = self.plan.kv_sources
-        tails = {
-            s: CompressorTail(self.plan[s].compress_ratio, cfg.head_dim)
-            for s in sources
-            if self.plan[s].compress_ratio > 1
-        }
+        ratio = {s: self.plan[s].compress_ratio for s in sources}
+        tails = {s: CompressorTail(ratio[s], cfg.head_dim) for s in sources if ratio[s] > 1}
         history = self.hasher.initial_history() if self.hasher else torch.empty(0, dtype=torch.int64)
         return RequestState(
             windows,
-            {s: EntryStore(c.main) for s in sources},
-            {s: EntryStore(c.index_key) for s in sources},
+            {s: PagedEntries(table, s, "main", num_tokens // ratio[s]) for s in sources},
+            {s: PagedEntries(table, s, "index", num_tokens // ratio[s]) for s in sources},
             tails,
+            table,
             history,
+            num_tokens,
         )
 
-    def check_tokens(self, state: RequestState, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Validate a chunk for ``state``; returns int64 [T].
+    def check_tokens(self, tokens: Sequence[int] | torch.Tensor, *, start: int = 0) -> torch.Tensor:
+        """Validate a chunk whose first token sits at position ``start``; returns int64 [T].
 
         Raises:
             ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
@@ -165,13 +196,43 @@ class Transformer(nn.Module):
         if bad.numel():
             i = int(bad[0])
             raise ValueError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {v})")
-        end = state.num_tokens + ids.numel()
+        end = start + ids.numel()
         if end > self.cfg.max_position_embeddings:
             raise ValueError(
-                f"{state.num_tokens} cached + {ids.numel()} new tokens = {end} > "
+                f"{start} cached + {ids.numel()} new tokens = {end} > "
                 f"max_position_embeddings {self.cfg.max_position_embeddings}"
             )
         return ids
+
+    def rewind(self, state: RequestState, start: int, prefix_ids: Sequence[int] | torch.Tensor) -> None:
+        """Reset a request's local state to position ``start``, keeping its global KV (encoder-side replay).
+
+        Window rings and compressor tails are emptied and the Engram history is rebuilt from
+        ``prefix_ids[:start]``; the next `prefill` recomputes from ``start``: its windows read nothing below
+        ``start`` and it writes only global entries the request does not hold yet (v41-spec §7.2).
+
+        Args:
+            state: the request (its global KV covers at least ``start`` tokens).
+            start: the replay start, a multiple of every compress ratio (so no group is split).
+            prefix_ids: the request's token ids, at least ``start`` of them.
+        Raises:
+            ValueError: ``start`` out of range or not aligned, too few ids (nothing changes then).
+        """
+        align = math.lcm(*(self.plan[s].compress_ratio for s in self.plan.kv_sources))
+        if not 0 <= start <= state.num_tokens or start % align:
+            raise ValueError(
+                f"replay start {start} must be in [0, {state.num_tokens}] and a multiple of {align}"
+            )
+        ids = torch.as_tensor(prefix_ids, dtype=torch.int64).flatten()
+        if ids.numel() < start:
+            raise ValueError(f"replay from {start} needs the first {start} token ids, got {ids.numel()}")
+        for ring in state.windows:
+            ring.clear()
+        for tail in state.tails.values():
+            tail.clear()
+        if self.hasher is not None:
+            state.engram_history = self.hasher.history_after(ids[:start])
+        state.num_tokens = start
 
     # --- forward paths ---
 
@@ -195,8 +256,9 @@ class Transformer(nn.Module):
             fp32 [V] (last row) or [R, V] (R = T, or min(T, window) under bounded replay).
         Raises:
             ValueError: see `check_tokens`.
+            NoFreeBlocksError: the device pool cannot hold the new tokens (nothing changes then).
         """
-        ids = self.check_tokens(state, tokens)
+        ids = self.check_tokens(tokens, start=state.num_tokens)
         keep = min(ids.numel(), self.cfg.sliding_window) if bounded_replay else ids.numel()
         logits = self._forward([state], [ids], [keep])
         return logits if all_logits else logits[-1]
@@ -214,11 +276,27 @@ class Transformer(nn.Module):
             )
         if len({id(s) for s in states}) != len(states):
             raise ValueError("the same request state appears twice in one decode batch")
-        ids = [self.check_tokens(s, [t]) for s, t in zip(states, tokens, strict=True)]
+        ids = [self.check_tokens([t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
         return self._forward(list(states), ids, [1] * len(states))
+
+    def _reserve(self, states: list[RequestState], ids: list[torch.Tensor]) -> None:
+        """Give every state the blocks its new tokens need, all or none (`NoFreeBlocksError`)."""
+        need: dict[int, int] = {}
+        for state, chunk in zip(states, ids, strict=True):
+            pool = state.table.pool
+            if not pool.growable:
+                blocks = -(-(state.num_tokens + chunk.numel()) // pool.block_size) - len(state.table)
+                need[id(pool)] = need.get(id(pool), 0) + max(0, blocks)
+                if need[id(pool)] > pool.blocks.num_free:
+                    raise NoFreeBlocksError(
+                        f"the batch needs {need[id(pool)]} more blocks, {pool.blocks.num_free} are free"
+                    )
+        for state, chunk in zip(states, ids, strict=True):
+            state.table.reserve(state.num_tokens + chunk.numel())
 
     def _forward(self, states: list[RequestState], ids: list[torch.Tensor], keeps: list[int]) -> torch.Tensor:
         cfg = self.cfg
+        self._reserve(states, ids)
         segs, row_ids, rows = [], {}, []
         start = 0
         for state, chunk in zip(states, ids, strict=True):

@@ -1,0 +1,44 @@
+"""Counters of one cache tier (plain Python; the server exports them as metrics later).
+
+Token counts (``query_tokens``, ``hit_tokens``) are kept by the cache manager, which knows prompts;
+entry and byte counts by the tier itself. Each tier updates its counters under its own lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["TierCounters"]
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Cumulative counts of one tier since it was opened.
+
+    Attributes:
+        query_tokens: prompt tokens looked up in this tier.
+        hit_tokens: of those, tokens served from this tier.
+        lookups / hits: entry lookups and entries served.
+        entries_written / bytes_written: entries and bytes stored (payload + header).
+        bytes_read: bytes read back for hits.
+        evictions: entries removed to make room (LRU).
+        expirations: entries found or swept past their TTL.
+        corrupt_dropped: entries dropped because they failed validation (truncated, checksum,
+            wrong fingerprint/format/key, token mismatch).
+        write_errors: writes that failed (disk full, unwritable directory, backend down).
+    """
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    lookups: int = 0
+    hits: int = 0
+    entries_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    corrupt_dropped: int = 0
+    write_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

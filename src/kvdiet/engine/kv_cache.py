@@ -1,0 +1,581 @@
+"""The KV-cache system of one model: device pool, prefix cache, persistent tier, SWA pool, replay, policies.
+
+What a request goes through (DESIGN.md §2):
+1. `KVCache.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
+   longest prefix from the device pool, then continue it from the persistent tier (blocks loaded back into
+   the pool); plan the window state at the hit boundary H with the SWA policy (`plan_restore`): restore a
+   snapshot, or rewind the request and recompute from the plan's replay start. The hit is capped below the
+   prompt's last token, whose logits the request needs.
+2. `KVCache.prefill` / `KVCache.decode`: run the model; each block that fills is published to the
+   device prefix index and written through to the persistent tier; window state is captured at the
+   positions the policy keeps (the prompt's last block boundary, the last boundary reached, every K tokens,
+   or every token's window entries for ``full-store``).
+3. `KVCache.finish` stores the captured window state (SWA pool or persistent tier) and returns the blocks;
+   `KVCache.abort` only returns the blocks. Both are idempotent.
+
+The model reads and writes global KV in place in the device pool through each request's block table.
+This module knows the model only through `Transformer`'s public methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvdiet.cache.counters import TierCounters
+from kvdiet.cache.manager import RestorePlan, plan_restore
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
+from kvdiet.model.state import RequestState
+from kvdiet.model.transformer import Transformer
+from kvdiet.storage.clock import Clock, SystemClock
+from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE
+from kvdiet.storage.persistent import PersistentStore, StoreIdentity
+from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, InProcessSwaPool, SwaPool
+
+__all__ = ["CacheOptions", "CacheStats", "KVCache", "Provenance", "Session", "weights_checksum"]
+
+DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
+"""Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """Sizes, TTLs and policy of a `KVCache` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
+
+    Attributes:
+        kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
+        block_size: tokens per block (a multiple of every compress ratio).
+        persistent_dir: directory of the persistent tier (None: no persistent tier).
+        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
+        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM) and TTL.
+        policy: the SWA policy (DESIGN.md §5).
+        decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
+            forced off under ``full-store``, which keeps every token's window entries.
+        prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
+        cache_salt: optional salt mixed into every block hash (tenant isolation).
+    """
+
+    kv_cache_memory: int = 1 << 30
+    block_size: int = DEFAULT_BLOCK_SIZE
+    persistent_dir: str | Path | None = None
+    persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
+    persistent_size: int | None = None
+    swa_pool_size: int | None = None
+    swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
+    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
+    decoder_replay: bool = True
+    prefix_caching: bool = True
+    cache_salt: bytes | None = None
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters of the whole system: one `TierCounters` per tier plus replay work (tokens)."""
+
+    device: TierCounters
+    persistent: TierCounters
+    swa_pool: TierCounters
+    replayed_tokens: int = 0
+    computed_tokens: int = 0
+    snapshot_restores: int = 0
+    snapshots_stored: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "device": self.device.as_dict(),
+            "persistent": self.persistent.as_dict(),
+            "swa_pool": self.swa_pool.as_dict(),
+            "replayed_tokens": self.replayed_tokens,
+            "computed_tokens": self.computed_tokens,
+            "snapshot_restores": self.snapshot_restores,
+            "snapshots_stored": self.snapshots_stored,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where a prompt's tokens came from.
+
+    Attributes:
+        prompt_tokens: N.
+        device_tokens / persistent_tokens: global KV taken from the device pool / loaded from the persistent
+            tier (tokens; block multiples; together the hit H).
+        window_source: ``"swa-pool"``, ``"persistent"`` (a stored snapshot), ``"window-blocks"``
+            (full-store), ``"replay"`` (bounded or exact recompute) or ``"none"`` (cold).
+        window_tokens: tokens whose window state was restored from ``window_source`` (0 for replay/cold).
+        replayed_tokens: tokens recomputed below H to rebuild window state (global KV not rewritten).
+        computed_tokens: tokens ``[H, N)`` prefilled as usual.
+        exact: whether the continuation equals a cold run (False for a bounded replay).
+    """
+
+    prompt_tokens: int
+    device_tokens: int
+    persistent_tokens: int
+    window_source: str
+    window_tokens: int
+    replayed_tokens: int
+    computed_tokens: int
+    exact: bool
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_tokens + self.persistent_tokens
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self) | {"hit_tokens": self.hit_tokens}
+
+
+@dataclass(slots=True)
+class Session:
+    """One request inside the cache system (created by `KVCache.start`)."""
+
+    state: RequestState
+    tokens: list[int]
+    prompt_tokens: int
+    provenance: Provenance
+    plan: RestorePlan
+    hashes: list[bytes]
+    persisted: int  # leading blocks known to be in the persistent tier
+    captures: dict[int, bytes] = field(default_factory=dict)  # position → window snapshot, stored at finish
+    window_blocks: dict[int, bytes] = field(default_factory=dict)  # full-store: block index → [L, bs, width]
+    window_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full-store rows of a partial block
+    done: bool = False
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """BLAKE2b-128 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.state_dict().items():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _derived_key(block_hash: bytes, kind: bytes) -> bytes:
+    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind).digest()
+
+
+class KVCache:
+    """The cache system of one model (see the module docstring).
+
+    Args:
+        model: the V4.1 model.
+        options: sizes, TTLs, policy.
+        tokenizer_id: identity of the tokenizer (part of the fingerprint), e.g. a vocabulary checksum.
+        swa_pool: an SWA-pool backend (default: in-process with ``options``' size and TTL).
+        clock: time source of the TTLs.
+    Raises:
+        ValueError: a budget below one block, a block size that splits a compression group, or a checkpoint
+            period that is not a multiple of the block size.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        options: CacheOptions | None = None,
+        *,
+        tokenizer_id: str = "none",
+        swa_pool: SwaPool | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        opts = options or CacheOptions()
+        self.model, self.options = model, opts
+        cfg, bs = model.cfg, opts.block_size
+        ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]
+        self.align = math.lcm(*ratios)
+        k = opts.policy.checkpoint_every
+        if k is not None and k % bs:
+            raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
+        probe = model.new_pool(1, block_size=bs)
+        num_blocks = opts.kv_cache_memory // probe.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {opts.kv_cache_memory} B is below one block ({probe.block_bytes} B)"
+            )
+        self.pool = model.new_pool(num_blocks, block_size=bs)
+        self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)
+        self.fingerprint = model_fingerprint(
+            {
+                "config": asdict(cfg),
+                "weights": weights_checksum(model),
+                "tokenizer": tokenizer_id,
+                "formats": self.formats,
+                "block_size": bs,
+            }
+        )
+        self.clock = clock or SystemClock()
+        self.persistent = (
+            PersistentStore(
+                opts.persistent_dir,
+                StoreIdentity(self.fingerprint.hex(), self.formats, bs),
+                ttl_s=opts.persistent_ttl_s,
+                capacity_bytes=opts.persistent_size,
+                clock=self.clock,
+            )
+            if opts.persistent_dir is not None
+            else None
+        )
+        self.swa_pool = swa_pool or InProcessSwaPool(
+            opts.swa_pool_size, ttl_s=opts.swa_pool_ttl_s, clock=self.clock
+        )
+        self.stats = CacheStats(
+            self.pool.blocks.counters,
+            self.persistent.counters if self.persistent else TierCounters(),
+            self.swa_pool.counters,
+        )
+        self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
+
+    # --- lifecycle of the tiers ---
+
+    def open(self) -> KVCache:
+        """Open the persistent tier (a failure there only disables it, with one warning)."""
+        if self.persistent is not None:
+            self.persistent.open()
+        return self
+
+    def close(self) -> None:
+        if self.persistent is not None:
+            self.persistent.close()
+        self.swa_pool.close()
+
+    def __enter__(self) -> KVCache:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def window(self) -> int:
+        return self.model.cfg.sliding_window
+
+    def _persistent_on(self) -> bool:
+        return self.persistent is not None and self.persistent.enabled
+
+    # --- request start: lookup, load, restore or replay ---
+
+    def start(self, prompt_ids: Sequence[int]) -> Session:
+        """Look the prompt up and prepare its request state (see the module docstring).
+
+        Returns a `Session` whose ``state.num_tokens`` is the first position still to prefill.
+        Raises:
+            ValueError: empty prompt, an id outside the vocabulary, longer than the context (before any
+                lookup or state change).
+            NoFreeBlocksError: the device pool cannot hold the prompt's hit blocks.
+        """
+        ids = self.model.check_tokens(prompt_ids).tolist()
+        n, bs, w = len(ids), self.options.block_size, self.window
+        blocks = [ids[s : s + bs] for s in range(0, n - bs + 1, bs)]
+        hashes = self._hashes(ROOT_HASH, blocks)
+        usable = (n - 1) // bs if self.options.prefix_caching else 0  # keep the last token to compute
+        device = self.pool.blocks.lookup_and_take(hashes[:usable], blocks[:usable])
+        loaded = self._load_persistent(hashes[len(device) : usable], blocks[len(device) : usable])
+        taken = device + loaded
+        hit = len(taken) * bs
+        c = self.stats
+        c.device.query_tokens += usable * bs
+        c.device.hit_tokens += len(device) * bs
+        if self.persistent is not None:
+            c.persistent.query_tokens += (usable - len(device)) * bs
+            c.persistent.hit_tokens += len(loaded) * bs
+
+        fetched: dict[int, bytes] = {}
+        plan = self._plan(hit, hashes, blocks, fetched)
+        state = self.model.new_state(self.pool, blocks=taken, num_tokens=hit)
+        if plan.hit_tokens == 0 and hit:
+            state.table.release()
+            state = self.model.new_state(self.pool)
+        if plan.snapshot_source is not None:
+            try:
+                self._restore(state, plan, fetched[plan.snapshot_at], hashes, ids)
+                c.snapshot_restores += 1
+            except SnapshotError:
+                tier = c.swa_pool if plan.snapshot_source == "swa-pool" else c.persistent
+                tier.corrupt_dropped += 1
+                plan = self._plan(hit, hashes, blocks, {}, allow_snapshots=False)
+                if plan.hit_tokens == 0:
+                    state.table.release()
+                    state = self.model.new_state(self.pool)
+        if plan.snapshot_source is None and plan.hit_tokens:
+            self.model.rewind(state, plan.replay_start, ids)
+        if plan.snapshot_source == "swa-pool":
+            c.swa_pool.hit_tokens += min(w, hit)
+        if self.options.policy.name == "bounded-replay" and hit:
+            c.swa_pool.query_tokens += min(w, hit)
+        c.replayed_tokens += plan.replay_tokens
+        c.computed_tokens += n - plan.hit_tokens
+        adopted = plan.hit_tokens // bs
+        prov = Provenance(
+            prompt_tokens=n,
+            device_tokens=min(len(device), adopted) * bs,
+            persistent_tokens=max(0, adopted - len(device)) * bs,
+            window_source=plan.snapshot_source or ("replay" if plan.hit_tokens else "none"),
+            window_tokens=min(w, plan.snapshot_at or 0) if plan.snapshot_source else 0,
+            replayed_tokens=plan.replay_tokens,
+            computed_tokens=n - plan.hit_tokens,
+            exact=not plan.clipped,
+        )
+        return Session(state, ids, n, prov, plan, hashes[:adopted], persisted=adopted)
+
+    def _hashes(self, parent: bytes, blocks: Sequence[Sequence[int]]) -> list[bytes]:
+        out = []
+        for block in blocks:
+            parent = chain_hash(parent, block, self.fingerprint, self.options.cache_salt)
+            out.append(parent)
+        return out
+
+    def _load_persistent(self, hashes: list[bytes], blocks: list[list[int]]) -> list[int]:
+        """Load the longest run of ``hashes`` from the persistent tier into fresh device blocks."""
+        if not hashes or not self._persistent_on():
+            return []
+        out: list[int] = []
+        for h, tokens in zip(hashes, blocks, strict=True):
+            payload = self.persistent.get(h, tokens)
+            if payload is None or len(payload) != self.pool.block_bytes or self.pool.blocks.num_free == 0:
+                break
+            (b,) = self.pool.allocate(1)
+            self.pool.write_block(b, payload)
+            self.pool.blocks.publish(b, h, tokens)
+            out.append(b)
+        return out
+
+    def _plan(
+        self,
+        hit: int,
+        hashes: list[bytes],
+        blocks: list[list[int]],
+        fetched: dict[int, bytes],
+        *,
+        allow_snapshots: bool = True,
+    ) -> RestorePlan:
+        policy, bs = self.options.policy, self.options.block_size
+
+        def has_snapshot(pos: int) -> bool:
+            if not allow_snapshots or pos % bs or pos <= 0:
+                return False
+            i = pos // bs - 1
+            if policy.name == "bounded-replay":
+                data = self.swa_pool.get(_derived_key(hashes[i], b"swa"))
+            elif policy.name == "full-store":
+                data = self._read_window_blocks(pos, hashes, blocks)
+            elif self._persistent_on():
+                data = self.persistent.get(_derived_key(hashes[i], b"snap"), blocks[i])
+            else:
+                data = None
+            if data is not None:
+                fetched[pos] = data
+            return data is not None
+
+        return plan_restore(
+            policy,
+            hit,
+            window=self.window,
+            num_layers=len(self.model.plan.layers),
+            align=self.align,
+            has_snapshot=has_snapshot,
+        )
+
+    def _restore(
+        self, state: RequestState, plan: RestorePlan, data: bytes, hashes: list[bytes], ids: list[int]
+    ) -> None:
+        if plan.snapshot_source == "window-blocks":
+            self._restore_window_blocks(state, plan.snapshot_at, data, ids)
+        else:
+            restore_snapshot(state, data, self.fingerprint)
+
+    # --- full-store: every token's window entries, one payload per block ---
+
+    def _window_block_bytes(self) -> int:
+        c = self.model.codecs.window
+        return len(self.model.plan.layers) * self.options.block_size * c.width * c.dtype.itemsize
+
+    def _read_window_blocks(self, pos: int, hashes: list[bytes], blocks: list[list[int]]) -> bytes | None:
+        if not self._persistent_on():
+            return None
+        bs = self.options.block_size
+        first = max(0, pos - self.window) // bs
+        parts = []
+        for i in range(first, pos // bs):
+            data = self.persistent.get(_derived_key(hashes[i], b"win"), blocks[i])
+            if data is None or len(data) != self._window_block_bytes():
+                return None
+            parts.append(data)
+        return b"".join(parts)
+
+    def _restore_window_blocks(self, state: RequestState, pos: int, data: bytes, ids: list[int]) -> None:
+        bs, w = self.options.block_size, self.window
+        first = max(0, pos - w) // bs * bs
+        layers = len(state.windows)
+        ring = state.windows[0]
+        rows = torch.frombuffer(bytearray(data), dtype=ring.rows.dtype).view(
+            -1, layers, bs, ring.rows.shape[1]
+        )
+        rows = rows.permute(1, 0, 2, 3).reshape(layers, -1, ring.rows.shape[1])  # [L, tokens, width]
+        positions = torch.arange(first, pos)
+        keep = positions >= pos - w
+        self.model.rewind(state, pos, ids)  # empties rings and tails, history at pos
+        for layer, r in enumerate(state.windows):
+            slots = positions[keep] % w
+            r.rows[slots] = rows[layer][keep]
+            r.positions[slots] = positions[keep]
+
+    # --- running the model ---
+
+    def prefill(
+        self, session: Session, *, chunk_size: int = 512, progress: object | None = None
+    ) -> torch.Tensor:
+        """Prefill the session's remaining prompt tokens in chunks; returns the last row's logits fp32 [V].
+
+        Chunks also end where the policy captures window state. ``progress`` (optional) gets
+        ``advance(tokens)`` calls.
+        Raises:
+            ValueError: chunk_size < 1. NoFreeBlocksError: the pool is full (the session keeps what it has).
+        """
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        state, n = session.state, session.prompt_tokens
+        stops = self._capture_points(session)
+        logits = None
+        while state.num_tokens < n:
+            start = state.num_tokens
+            end = min(n, start + chunk_size, *(p for p in stops if p > start))
+            log = self._log_windows(session)
+            logits = self.model.prefill(
+                state, session.tokens[start:end], bounded_replay=self.decoder_replay, all_logits=False
+            )
+            self._after_forward(session, log)
+            if progress is not None:
+                progress.advance(end - start)
+        return logits
+
+    def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one sampled token to each session; returns fp32 [B, V]."""
+        logs = [self._log_windows(s) for s in sessions]
+        logits = self.model.decode([s.state for s in sessions], tokens)
+        for s, t, log in zip(sessions, tokens, logs, strict=True):
+            s.tokens.append(int(t))
+            self._after_forward(s, log)
+        return logits
+
+    def _capture_points(self, session: Session) -> list[int]:
+        bs, n = self.options.block_size, session.prompt_tokens
+        policy = self.options.policy
+        points = {(n - 1) // bs * bs, n // bs * bs} - {0}
+        if policy.name == "checkpoint":
+            k = policy.checkpoint_every
+            points |= set(range(k, n + 1, k))
+        return sorted(points)
+
+    def _log_windows(self, session: Session) -> list | None:
+        if self.options.policy.name != "full-store" or not self._persistent_on():
+            return None
+        log: list = []
+        for ring in session.state.windows:
+            ring.log = log
+        return log
+
+    def _after_forward(self, session: Session, log: list | None) -> None:
+        state, bs = session.state, self.options.block_size
+        if log is not None:
+            self._collect_windows(session, log)
+        pos = state.num_tokens
+        full = pos // bs
+        if full > len(session.hashes):
+            parent = session.hashes[-1] if session.hashes else ROOT_HASH
+            blocks = [session.tokens[i * bs : (i + 1) * bs] for i in range(len(session.hashes), full)]
+            session.hashes += self._hashes(parent, blocks)
+            for i in range(full - len(blocks), full):
+                self.pool.blocks.publish(
+                    state.table.ids[i], session.hashes[i], session.tokens[i * bs : (i + 1) * bs]
+                )
+            self._write_through(session, full)
+        if pos % bs == 0 and pos > 0 and pos >= session.plan.hit_tokens:
+            self._capture(session, pos)
+
+    def _write_through(self, session: Session, full: int) -> None:
+        if not self._persistent_on():
+            return
+        bs = self.options.block_size
+        for i in range(session.persisted, full):
+            tokens = session.tokens[i * bs : (i + 1) * bs]
+            if not self.persistent.put(
+                session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])
+            ):
+                return
+            rows = session.window_blocks.pop(i, None)
+            if rows is not None:
+                self.persistent.put(_derived_key(session.hashes[i], b"win"), tokens, rows)
+        session.persisted = full
+
+    def _collect_windows(self, session: Session, log: list) -> None:
+        """full-store: gather this forward's window rows of every layer; cut them into whole blocks."""
+        state = session.state
+        for ring in state.windows:
+            ring.log = None
+        bs, layers = self.options.block_size, len(state.windows)
+        if not log:
+            return
+        rows = torch.stack([r for r, _ in log])  # [L, T, width]: one write per layer
+        pos = log[0][1]
+        if session.window_pending is not None:
+            rows, pos = (
+                torch.cat([session.window_pending[0], rows], 1),
+                torch.cat([session.window_pending[1], pos]),
+            )
+        done = int(pos[-1] + 1) // bs
+        for i in range(max(int(pos[0]) // bs, session.persisted), done):
+            sel = (pos >= i * bs) & (pos < (i + 1) * bs)
+            if int(sel.sum()) == bs:
+                session.window_blocks[i] = rows[:, sel].contiguous().view(torch.uint8).numpy().tobytes()
+        keep = pos >= done * bs
+        session.window_pending = (rows[:, keep], pos[keep]) if bool(keep.any()) else None
+        assert rows.shape[0] == layers
+
+    def _capture(self, session: Session, pos: int) -> None:
+        policy, bs = self.options.policy, self.options.block_size
+        if policy.name in ("exact-recompute", "full-store"):
+            return
+        if policy.name == "checkpoint" and pos % policy.checkpoint_every:
+            return
+        data = snapshot_bytes(session.state, self.fingerprint)
+        if policy.name == "checkpoint" or pos in ((session.prompt_tokens - 1) // bs * bs,):
+            self._store_snapshot(session, pos, data)
+        else:
+            session.captures = {pos: data}  # the latest boundary reached; stored at finish
+
+    def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
+        i, bs = pos // self.options.block_size - 1, self.options.block_size
+        if self.options.policy.name == "bounded-replay":
+            ok = self.swa_pool.put(_derived_key(session.hashes[i], b"swa"), data)
+        elif self._persistent_on():
+            ok = self.persistent.put(
+                _derived_key(session.hashes[i], b"snap"), session.tokens[i * bs : (i + 1) * bs], data
+            )
+        else:
+            ok = False
+        self.stats.snapshots_stored += int(ok)
+
+    # --- end of a request ---
+
+    def finish(self, session: Session) -> None:
+        """Store the captured window state, write remaining full blocks through, return the blocks.
+        A second call (or a call after `abort`) does nothing."""
+        if session.done:
+            return
+        for pos, data in session.captures.items():
+            self._store_snapshot(session, pos, data)
+        session.captures.clear()
+        self.abort(session)
+
+    def abort(self, session: Session) -> None:
+        """Return the session's blocks to the pool (published ones stay findable); idempotent (case B24)."""
+        if session.done:
+            return
+        session.done = True
+        session.state.table.release()

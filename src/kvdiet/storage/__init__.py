@@ -1,0 +1,1 @@
+"""Cache tiers behind small protocols: device pool, SWA pool, persistent store, clock."""

@@ -1,0 +1,127 @@
+"""The paged device pool: every KV-source layer's packed main-KV entries and index keys, in blocks.
+
+One preallocated tensor per (KV-source layer, kind) of shape ``[num_blocks, block_size // ratio, width]``
+(uint8 for packed formats, fp32 in exact mode). Block ``b`` holds, for each layer, the entries covering
+tokens ``[i·block_size, (i+1)·block_size)`` of whichever request has ``b`` at index ``i`` of its block
+table: a ratio-2 layer holds ``block_size / 2`` entries per block, a ratio-1 layer ``block_size``
+(v41-spec §5; block size 64 by default, as vLLM's DeepSeek-V4 path). Window rings, compressor tails and
+Engram history are per-request state, not pages of this pool.
+
+The block ids, ref counts and prefix index are `kvdiet.cache.block_pool.BlockPool` (``self.blocks``); this
+class adds only the tensors and the byte layout of one block (`block_bytes`, `read_block`, `write_block`)
+that the persistent tier stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvdiet.cache.block_pool import BlockPool
+from kvdiet.formats.codec import CacheCodecs, Codec
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DevicePool"]
+
+DEFAULT_BLOCK_SIZE = 64
+"""Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
+
+KINDS = ("main", "index")
+
+
+class DevicePool:
+    """Packed global KV of all KV-source layers in ``num_blocks`` blocks of ``block_size`` tokens.
+
+    Args:
+        ratios: ``{KV-source layer: compress_ratio}`` (from the `LayerPlan`).
+        codecs: the model's cache codecs (``main`` and ``index_key`` are used).
+        block_size: tokens per block; a multiple of every ratio.
+        num_blocks: blocks to preallocate (≥ 1).
+        growable: allocate more blocks when full instead of raising (a model used without an engine).
+    Raises:
+        ValueError: bad block size or count, no KV-source layer.
+    """
+
+    def __init__(
+        self,
+        ratios: Mapping[int, int],
+        codecs: CacheCodecs,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int,
+        growable: bool = False,
+    ) -> None:
+        if not ratios:
+            raise ValueError("a device pool needs at least one KV-source layer")
+        bad = sorted({r for r in ratios.values() if r < 1 or block_size % r})
+        if block_size < 1 or bad:
+            raise ValueError(
+                f"block_size {block_size} must be a positive multiple of every compress ratio {bad}"
+            )
+        self.ratios = dict(sorted(ratios.items()))
+        self.codecs: dict[str, Codec] = {"main": codecs.main, "index": codecs.index_key}
+        self.block_size, self.growable = block_size, growable
+        self.blocks = BlockPool(num_blocks, block_size)
+        self._data = {
+            (layer, kind): torch.zeros(num_blocks, block_size // r, c.width, dtype=c.dtype)
+            for layer, r in self.ratios.items()
+            for kind, c in self.codecs.items()
+        }
+
+    @classmethod
+    def block_bytes_for(cls, ratios: Mapping[int, int], codecs: CacheCodecs, block_size: int) -> int:
+        """Bytes of one block: Σ over layers of ``block_size / ratio × (main + index-key bytes per entry)``."""
+        per_entry = codecs.main.bytes_per_entry + codecs.index_key.bytes_per_entry
+        return sum(block_size // r * per_entry for r in ratios.values())
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (56,960 for V4.1 at 64 tokens: 890 B/token)."""
+        return sum(t[0].numel() * t.element_size() for t in self._data.values())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_bytes * self.num_blocks
+
+    def entries_per_block(self, layer: int) -> int:
+        return self.block_size // self.ratios[layer]
+
+    def rows(self, layer: int, kind: str) -> torch.Tensor:
+        """All rows of one layer and kind as ``[num_blocks · entries_per_block, width]`` (a view)."""
+        t = self._data[(layer, kind)]
+        return t.view(-1, t.shape[-1])
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh block ids (growing first if growable). Raises `NoFreeBlocksError` otherwise."""
+        if self.growable and n > self.blocks.num_free:
+            self._grow(max(n - self.blocks.num_free, self.num_blocks))
+        return self.blocks.allocate(n)
+
+    def _grow(self, extra: int) -> None:
+        for key, t in self._data.items():
+            self._data[key] = torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype)])
+        self.blocks.grow(extra)
+
+    # --- one block as bytes (the persistent tier's payload) ---
+
+    def read_block(self, block_id: int) -> bytes:
+        """The block's rows as raw bytes: for each layer (ascending), main rows then index-key rows."""
+        parts = [self._data[(layer, kind)][block_id] for layer in self.ratios for kind in KINDS]
+        return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+
+    def write_block(self, block_id: int, payload: bytes) -> None:
+        """Inverse of `read_block`. Raises ValueError when ``payload`` is not one block long."""
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"a block payload is {self.block_bytes} bytes, got {len(payload)}")
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for layer in self.ratios:
+            for kind in KINDS:
+                dst = self._data[(layer, kind)][block_id]
+                n = dst.numel() * dst.element_size()
+                dst.view(torch.uint8).view(-1).copy_(flat[at : at + n])
+                at += n

@@ -1,0 +1,495 @@
+"""Persistent tier: round trip, restart, TTL edges, corruption, identity, LRU, failures, concurrency."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import multiprocessing
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvdiet.storage import persistent
+from kvdiet.storage.clock import ManualClock
+from kvdiet.storage.persistent import PersistentStore, StoreIdentity
+
+BLOCK = 4
+IDENTITY = StoreIdentity(fingerprint="ab" * 32, formats=("fp4_e2m1_e4m3x16", "mxfp4"), block_size=BLOCK)
+LOGGER = "kvdiet.storage.persistent"
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def tokens_of(i: int, block: int = BLOCK) -> list[int]:
+    return [1000 + i * block + j for j in range(block)]
+
+
+def payload_of(i: int, size: int = 1000, writer: int = 0) -> bytes:
+    return random.Random(i * 7919 + writer).randbytes(size)
+
+
+def entry_path(directory: Path, key: bytes) -> Path:
+    return directory / "blocks" / key.hex()[:2] / f"{key.hex()}.kvb"
+
+
+def block_files(directory: Path) -> list[Path]:
+    return sorted((directory / "blocks").rglob("*"))
+
+
+def entry_bytes(directory: Path, keys: list[bytes]) -> int:
+    return sum(entry_path(directory, k).stat().st_size for k in keys)
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: ManualClock):
+    with PersistentStore(tmp_path / "ssd", IDENTITY, ttl_s=10.0, clock=clock) as s:
+        yield s
+
+
+def test_round_trip_counts_and_layout(store: PersistentStore) -> None:
+    assert store.enabled
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+    assert store.put(key_of(1), tokens_of(1), bytearray(payload_of(1, 10)))
+    assert store.get(key_of(0), tokens_of(0)) == payload_of(0)
+    assert store.get_many([key_of(1), key_of(2)], [tokens_of(1), tokens_of(2)]) == [payload_of(1, 10), None]
+    size0 = entry_path(store.directory, key_of(0)).stat().st_size
+    size1 = entry_path(store.directory, key_of(1)).stat().st_size
+    assert size0 > 1000 and size1 > 10
+    assert len(store) == 2 and store.nbytes == size0 + size1
+    c = store.counters
+    assert (c.entries_written, c.bytes_written) == (2, size0 + size1)
+    assert (c.lookups, c.hits, c.bytes_read) == (3, 2, size0 + size1)
+    assert (c.evictions, c.expirations, c.corrupt_dropped, c.write_errors) == (0, 0, 0, 0)
+    assert (c.query_tokens, c.hit_tokens) == (0, 0)
+    assert store.contains_prefix([key_of(0), key_of(1), key_of(2), key_of(0)]) == 2
+    assert store.contains_prefix([key_of(2), key_of(0)]) == 0
+    raw = entry_path(store.directory, key_of(0)).read_bytes()
+    assert raw[:4] == b"KVDB" and raw.find(payload_of(0)) > 0  # raw bytes, not a pickle
+
+
+def test_put_of_live_entry_keeps_it_and_its_ttl(store: PersistentStore, clock: ManualClock) -> None:
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+    clock.set(5.0)
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+    assert store.counters.entries_written == 1
+    clock.set(10.0)
+    assert store.get(key_of(0), tokens_of(0)) is None  # the second put did not extend the TTL
+
+
+def test_restart_reads_entries_of_previous_instance(tmp_path: Path, clock: ManualClock) -> None:
+    with PersistentStore(tmp_path, IDENTITY, clock=clock) as first:
+        for i in range(3):
+            assert first.put(key_of(i), tokens_of(i), payload_of(i))
+    assert not first.enabled and first.get(key_of(0), tokens_of(0)) is None
+    with PersistentStore(tmp_path, IDENTITY, clock=clock) as second:
+        assert len(second) == 3
+        assert second.get_many([key_of(i) for i in range(3)], [tokens_of(i) for i in range(3)]) == [
+            payload_of(i) for i in range(3)
+        ]
+        assert second.counters.hits == 3 and second.counters.entries_written == 0
+
+
+def test_ttl_edges_single_and_batch_agree(tmp_path: Path, clock: ManualClock) -> None:
+    store = PersistentStore(tmp_path, IDENTITY, ttl_s=10.0, clock=clock)
+    store.open()
+    a, b = (key_of(0), tokens_of(0)), (key_of(1), tokens_of(1))
+    assert store.put(*a, payload_of(0)) and store.put(*b, payload_of(1))
+    for t in (5.0, 9.9):
+        clock.set(t)
+        assert store.get(*a) == payload_of(0)
+        assert store.get_many([b[0]], [b[1]]) == [payload_of(1)]
+        assert store.contains_prefix([a[0], b[0]]) == 2
+    clock.set(10.0)  # exclusive deadline; the reads at 5 and 9.9 did not extend it
+    assert store.contains_prefix([a[0], b[0]]) == 0
+    assert store.get(*a) is None
+    assert store.get_many([b[0]], [b[1]]) == [None]
+    assert store.counters.expirations == 2 and len(store) == 0 and store.nbytes == 0
+    assert not entry_path(tmp_path, a[0]).exists() and not entry_path(tmp_path, b[0]).exists()
+    for t in (11.0, 12.0):
+        clock.set(t)
+        assert store.get(*a) is None and store.get_many([a[0], b[0]], [a[1], b[1]]) == [None, None]
+    assert store.counters.hits == 4 and store.counters.expirations == 2
+    store.close()
+    with PersistentStore(tmp_path, IDENTITY, ttl_s=10.0, clock=clock) as again:
+        assert again.get(*a) is None  # not revived by a restart either
+        assert again.put(*a, payload_of(0))  # a new write is a new entry with a new deadline
+        clock.set(21.9)
+        assert again.get(*a) == payload_of(0)
+        clock.set(22.0)
+        assert again.get_many([a[0]], [a[1]]) == [None]
+
+
+def test_expired_entry_is_missed_even_unread_until_then_and_sweep_removes_it(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    with PersistentStore(tmp_path, IDENTITY, ttl_s=10.0, clock=clock) as store:
+        for i in range(3):
+            clock.set(float(i))
+            assert store.put(key_of(i), tokens_of(i), payload_of(i))
+        clock.set(11.0)  # entries 0 and 1 expired (deadlines 10, 11), entry 2 lives until 12
+        assert store.get_many([key_of(1), key_of(2)], [tokens_of(1), tokens_of(2)]) == [None, payload_of(2)]
+        assert store.sweep() == 1  # entry 0; entry 1 was already deleted by the read
+        assert store.counters.expirations == 2
+        assert len(store) == 1 and [p.name for p in block_files(tmp_path) if p.is_file()] == [
+            f"{key_of(2).hex()}.kvb"
+        ]
+        clock.set(12.0)
+        assert store.sweep() == 1 and len(store) == 0 and store.sweep() == 0
+
+
+def _truncate(data: bytearray) -> bytearray:
+    return data[: len(data) // 2]
+
+
+def _flip_payload_bit(data: bytearray) -> bytearray:
+    data[len(data) - 100] ^= 0x10
+    return data
+
+
+def _flip_header_bit(data: bytearray) -> bytearray:
+    data[data.index(b'"block_size":') + len('"block_size":')] ^= 0x01  # 4 -> 5 in the JSON header
+    return data
+
+
+def _flip_magic(data: bytearray) -> bytearray:
+    data[0] ^= 0x01
+    return data
+
+
+def _bump_version(data: bytearray) -> bytearray:
+    data[4] += 1
+    return data
+
+
+def _drop_checksum_byte(data: bytearray) -> bytearray:
+    return data[:-1]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate, _flip_payload_bit, _flip_header_bit, _flip_magic, _bump_version, _drop_checksum_byte],
+)
+def test_damaged_file_is_dropped_and_counted(store: PersistentStore, damage) -> None:
+    key, tokens = key_of(0), tokens_of(0)
+    assert store.put(key, tokens, payload_of(0)) and store.put(key_of(1), tokens_of(1), payload_of(1))
+    path = entry_path(store.directory, key)
+    path.write_bytes(damage(bytearray(path.read_bytes())))
+    assert store.get(key, tokens) is None
+    assert store.counters.corrupt_dropped == 1 and store.counters.hits == 0
+    assert not path.exists() and len(store) == 1
+    assert store.get(key, tokens) is None and store.counters.corrupt_dropped == 1  # now a plain miss
+    assert store.get(key_of(1), tokens_of(1)) == payload_of(1)  # the neighbour is untouched
+    assert store.put(key, tokens, payload_of(0)) and store.get(key, tokens) == payload_of(0)
+
+
+def test_damage_found_by_batch_lookup(store: PersistentStore) -> None:
+    keys, tokens = [key_of(i) for i in range(3)], [tokens_of(i) for i in range(3)]
+    for i in range(3):
+        assert store.put(keys[i], tokens[i], payload_of(i))
+    entry_path(store.directory, keys[1]).write_bytes(b"")
+    assert store.get_many(keys, tokens) == [payload_of(0), None, payload_of(2)]
+    assert store.counters.corrupt_dropped == 1 and len(store) == 2
+
+
+def test_wrong_token_ids_are_a_miss_and_drop(store: PersistentStore) -> None:
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+    wrong = tokens_of(0)
+    wrong[-1] += 1
+    assert store.get(key_of(0), wrong) is None
+    assert store.counters.corrupt_dropped == 1 and len(store) == 0
+
+
+def test_missing_file_is_a_plain_miss(store: PersistentStore) -> None:
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+    entry_path(store.directory, key_of(0)).unlink()
+    assert store.get(key_of(0), tokens_of(0)) is None
+    assert store.counters.corrupt_dropped == 0 and len(store) == 0
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        StoreIdentity(fingerprint="cd" * 32, formats=IDENTITY.formats, block_size=BLOCK),
+        StoreIdentity(fingerprint=IDENTITY.fingerprint, formats=("fp8_e4m3",), block_size=BLOCK),
+        StoreIdentity(fingerprint=IDENTITY.fingerprint, formats=IDENTITY.formats, block_size=2 * BLOCK),
+    ],
+    ids=["fingerprint", "formats", "block_size"],
+)
+def test_other_identity_misses_without_deleting(
+    tmp_path: Path, clock: ManualClock, other: StoreIdentity
+) -> None:
+    with (
+        PersistentStore(tmp_path, IDENTITY, clock=clock) as mine,
+        PersistentStore(tmp_path, other, clock=clock) as theirs,
+    ):
+        assert mine.put(key_of(0), tokens_of(0), payload_of(0))
+        their_tokens = tokens_of(0, other.block_size)
+        assert theirs.get(key_of(0), their_tokens) is None
+        assert theirs.get_many([key_of(0)], [their_tokens]) == [None]
+        assert theirs.contains_prefix([key_of(0)]) == 0
+        assert (theirs.counters.lookups, theirs.counters.hits, theirs.counters.corrupt_dropped) == (2, 0, 0)
+        assert mine.get(key_of(0), tokens_of(0)) == payload_of(0)  # still there for its owner
+
+
+def test_file_of_other_identity_behind_own_row_is_not_served_nor_deleted(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    # Two models racing on one key can leave one's row next to the other's file.
+    other = StoreIdentity(fingerprint="cd" * 32, formats=IDENTITY.formats, block_size=BLOCK)
+    with (
+        PersistentStore(tmp_path, IDENTITY, clock=clock) as mine,
+        PersistentStore(tmp_path, other, clock=clock) as theirs,
+    ):
+        path = entry_path(tmp_path, key_of(0))
+        assert mine.put(key_of(0), tokens_of(0), payload_of(0))
+        mine_bytes = path.read_bytes()
+        assert theirs.put(key_of(0), tokens_of(0), payload_of(1))  # another identity: rewritten
+        assert theirs.get(key_of(0), tokens_of(0)) == payload_of(1)
+        assert mine.get(key_of(0), tokens_of(0)) is None
+        path.write_bytes(mine_bytes)  # their row, my file
+        assert theirs.get(key_of(0), tokens_of(0)) is None
+        assert theirs.counters.corrupt_dropped == 0 and path.read_bytes() == mine_bytes and len(theirs) == 1
+
+
+def test_capacity_evicts_least_recently_read(tmp_path: Path, clock: ManualClock) -> None:
+    with PersistentStore(tmp_path, IDENTITY, clock=clock) as store:
+        assert store.put(key_of(0), tokens_of(0), payload_of(0))
+        size = store.nbytes  # the others differ by a byte or two (the creation time in the header)
+        store.capacity_bytes = 3 * size + size // 2
+        for i in (1, 2):
+            clock.set(float(i))
+            assert store.put(key_of(i), tokens_of(i), payload_of(i))
+        clock.set(3.0)
+        assert store.get(key_of(0), tokens_of(0)) == payload_of(0)  # oldest write, most recent read
+        clock.set(4.0)
+        assert store.put(key_of(3), tokens_of(3), payload_of(3))
+        assert store.counters.evictions == 1 and len(store) == 3
+        assert store.nbytes == entry_bytes(tmp_path, [key_of(0), key_of(2), key_of(3)])
+        assert store.get(key_of(1), tokens_of(1)) is None and not entry_path(tmp_path, key_of(1)).exists()
+        assert store.contains_prefix([key_of(0)]) == 1 and store.contains_prefix([key_of(2)]) == 1
+        clock.set(5.0)
+        assert store.put(key_of(4), tokens_of(4), payload_of(4))  # now entry 2 is the least recent
+        assert store.counters.evictions == 2 and store.nbytes <= store.capacity_bytes
+        got = [store.get(key_of(i), tokens_of(i)) for i in range(5)]
+        assert got == [payload_of(0), None, None, payload_of(3), payload_of(4)]
+
+
+def test_capacity_drops_expired_entries_before_live_ones(tmp_path: Path, clock: ManualClock) -> None:
+    with PersistentStore(tmp_path, IDENTITY, ttl_s=10.0, clock=clock) as store:
+        assert store.put(key_of(0), tokens_of(0), payload_of(0))
+        size = store.nbytes
+        store.capacity_bytes = 2 * size + size // 2
+        clock.set(5.0)
+        assert store.put(key_of(1), tokens_of(1), payload_of(1))
+        clock.set(6.0)
+        assert store.get(key_of(1), tokens_of(1)) == payload_of(1)
+        clock.set(11.0)  # entry 0 expired (never read since its write at 0), entry 1 alive
+        assert store.put(key_of(2), tokens_of(2), payload_of(2))
+        assert (store.counters.expirations, store.counters.evictions) == (1, 0)
+        assert store.get(key_of(1), tokens_of(1)) == payload_of(1) and len(store) == 2
+
+
+def test_leftover_temp_file_is_never_served(store: PersistentStore) -> None:
+    key, tokens = key_of(0), tokens_of(0)
+    assert store.put(key, tokens, payload_of(0))
+    final = entry_path(store.directory, key)
+    good = final.read_bytes()
+    # A crash after writing half of a newer copy: the temp file is beside the entry, never renamed.
+    crashed = final.parent / f".{key.hex()}.crash123.tmp"
+    crashed.write_bytes(good[: len(good) // 2])
+    orphan_key = key_of(1)  # a crash before the first entry of this key was renamed into place
+    orphan = entry_path(store.directory, orphan_key).parent / f".{orphan_key.hex()}.crash456.tmp"
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(good)
+    assert store.get(key, tokens) == payload_of(0)
+    assert store.get(orphan_key, tokens_of(1)) is None
+    assert store.contains_prefix([key, orphan_key]) == 1
+    with PersistentStore(store.directory, IDENTITY, clock=store.clock) as restarted:
+        assert restarted.get(key, tokens) == payload_of(0)
+        assert restarted.counters.corrupt_dropped == 0
+    old = os.stat(crashed).st_mtime - 2 * 3600
+    os.utime(crashed, (old, old))
+    assert store.sweep() == 0
+    assert not crashed.exists() and orphan.exists()  # only the stale temp file is cleaned up
+    assert store.get(key, tokens) == payload_of(0)
+
+
+def test_unwritable_directory_disables_with_one_warning(
+    tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    store = PersistentStore(blocker / "ssd", IDENTITY, clock=clock)
+    assert not store.enabled  # nothing before open
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        store.open()
+        assert not store.enabled
+        assert store.put(key_of(0), tokens_of(0), payload_of(0)) is False
+        assert store.get(key_of(0), tokens_of(0)) is None
+        assert store.get_many([key_of(0)], [tokens_of(0)]) == [None]
+        assert store.contains_prefix([key_of(0)]) == 0
+        assert store.sweep() == 0 and len(store) == 0 and store.nbytes == 0
+        store.close()
+    assert [r.levelno for r in caplog.records if r.name == LOGGER] == [logging.WARNING]
+    assert store.counters.entries_written == 0 and store.counters.lookups == 0
+
+
+def test_disk_full_disables_with_one_warning(
+    store: PersistentStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert store.put(key_of(0), tokens_of(0), payload_of(0))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persistent.os, "fsync", full)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.put(key_of(1), tokens_of(1), payload_of(1)) is False
+        assert not store.enabled
+        assert store.put(key_of(2), tokens_of(2), payload_of(2)) is False
+        assert store.get(key_of(0), tokens_of(0)) is None
+    monkeypatch.undo()
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert len(records) == 1 and "No space left" in records[0].getMessage()
+    assert store.counters.write_errors == 1 and store.counters.entries_written == 1
+    assert [p.name for p in block_files(store.directory) if p.is_file()] == [f"{key_of(0).hex()}.kvb"]
+    with PersistentStore(store.directory, IDENTITY, clock=store.clock) as after:
+        assert after.get(key_of(0), tokens_of(0)) == payload_of(0) and len(after) == 1
+
+
+def test_bad_arguments_raise_before_any_change(store: PersistentStore) -> None:
+    good = (key_of(0), tokens_of(0), payload_of(0))
+    bad_puts = [
+        (key_of(0)[:31], good[1], good[2]),
+        (key_of(0) + b"x", good[1], good[2]),
+        (key_of(0).hex(), good[1], good[2]),
+        (good[0], tokens_of(0)[:-1], good[2]),
+        (good[0], [*tokens_of(0), 1], good[2]),
+        (good[0], [0.5, 1, 2, 3], good[2]),
+        (good[0], [-1, 1, 2, 3], good[2]),
+        (good[0], good[1], "text"),
+        (good[0], good[1], None),
+        (good[0], good[1], [1, 2, 3]),
+    ]
+    for args in bad_puts:
+        with pytest.raises(ValueError):
+            store.put(*args)
+    with pytest.raises(ValueError):
+        store.get(key_of(0)[:16], good[1])
+    with pytest.raises(ValueError):
+        store.get_many([key_of(0), key_of(1)], [good[1]])
+    with pytest.raises(ValueError):
+        store.get_many([key_of(0), b"short"], [good[1], good[1]])
+    with pytest.raises(ValueError):
+        store.contains_prefix([b"short"])
+    with pytest.raises(ValueError):
+        PersistentStore(store.directory, IDENTITY, ttl_s=0.0)
+    with pytest.raises(ValueError):
+        StoreIdentity(fingerprint="", formats=(), block_size=BLOCK)
+    with pytest.raises(ValueError):
+        StoreIdentity(fingerprint="ab", formats=["mxfp4"], block_size=BLOCK)  # type: ignore[arg-type]
+    assert store.counters.as_dict() == dict.fromkeys(store.counters.as_dict(), 0)
+    assert len(store) == 0 and store.nbytes == 0 and block_files(store.directory) == []
+    assert store.put(*good) and store.get(good[0], good[1]) == good[2]
+
+
+def test_threads_put_get_sweep_never_see_wrong_bytes(tmp_path: Path, clock: ManualClock) -> None:
+    keys = 24
+    with PersistentStore(tmp_path, IDENTITY, ttl_s=3.0, capacity_bytes=12 * 1300, clock=clock) as store:
+        wrong: list[tuple[int, bytes]] = []
+        hits = [0] * 6
+        stop = threading.Event()
+
+        def worker(w: int) -> None:
+            rng = random.Random(w)
+            for _ in range(300):
+                i, op = rng.randrange(keys), rng.random()
+                if op < 0.4:
+                    store.put(key_of(i), tokens_of(i), payload_of(i))
+                    continue
+                if op < 0.6:
+                    got = store.get_many([key_of(i)], [tokens_of(i)])[0]
+                elif op < 0.95:
+                    got = store.get(key_of(i), tokens_of(i))
+                else:
+                    store.sweep()
+                    continue
+                if got is not None:
+                    hits[w] += 1
+                    if got != payload_of(i):
+                        wrong.append((i, got))
+
+        def ticker() -> None:
+            while not stop.is_set():
+                clock.advance(0.05)
+                stop.wait(0.002)
+
+        tick = threading.Thread(target=ticker)
+        tick.start()
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        tick.join()
+        assert store.enabled and wrong == []
+        assert sum(hits) > 0 and store.counters.hits == sum(hits)
+        assert store.nbytes <= 12 * 1300 and store.counters.write_errors == 0
+        assert store.counters.evictions + store.counters.expirations > 0
+
+
+def _writer_process(directory: str, writer: int, keys: int, barrier, results) -> None:
+    """Spawned: write shared keys and own keys, wait for the other writer, then read everything."""
+    failures: list[str] = []
+    with PersistentStore(directory, IDENTITY) as store:
+        barrier.wait(timeout=60)
+        for i in range(keys):
+            shared = keys - 1 - i if writer else i  # opposite orders, so both write some keys at once
+            if not store.put(key_of(shared), tokens_of(shared), payload_of(shared, 200, writer)):
+                failures.append(f"put shared {shared}")
+            own = 1000 * (writer + 1) + i
+            if not store.put(key_of(own), tokens_of(own), payload_of(own, 200)):
+                failures.append(f"put own {own}")
+        barrier.wait(timeout=60)
+        for i in range(keys):
+            got = store.get(key_of(i), tokens_of(i))
+            if got not in (payload_of(i, 200, 0), payload_of(i, 200, 1)):
+                failures.append(f"shared {i}: {got!r:.40}")
+            theirs = 1000 * (2 - writer) + i
+            if store.get(key_of(theirs), tokens_of(theirs)) != payload_of(theirs, 200):
+                failures.append(f"theirs {theirs}")
+        results.put((writer, failures, store.counters.hits, store.enabled))
+
+
+def test_two_processes_write_same_keys(tmp_path: Path) -> None:
+    keys = 60
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=_writer_process, args=(str(tmp_path), w, keys, barrier, results)) for w in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    reports = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert reports == [(0, [], 2 * keys, True), (1, [], 2 * keys, True)]
+    with PersistentStore(tmp_path, IDENTITY) as store:
+        assert len(store) == 3 * keys
+        for i in range(keys):
+            assert store.get(key_of(i), tokens_of(i)) in (payload_of(i, 200, 0), payload_of(i, 200, 1))
+        assert store.counters.corrupt_dropped == 0
+    assert not [p for p in block_files(tmp_path) if p.name.endswith(".tmp")]
