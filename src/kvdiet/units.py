@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_count", "parse_bytes", "parse_count"]
+__all__ = ["format_bytes", "format_count", "parse_bytes", "parse_count", "parse_duration"]
 
 _MULT = {
     "": 1,
@@ -41,6 +41,27 @@ def parse_bytes(text: str | int) -> int:
         ValueError: not a non-negative whole number of bytes with an optional suffix.
     """
     return _parse(text, what="byte size", strip_b=True)
+
+
+_SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str | float) -> float:
+    """Parse a duration such as ``72h``, ``5m``, ``30s``, ``250ms``, ``1.5d`` or ``90`` (seconds) → seconds.
+
+    Raises:
+        ValueError: not a positive number with an optional unit (ms, s, m/min, h, d).
+    """
+    raw = str(text).strip()
+    num = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(num) :] or "s"
+    try:
+        value = float(num) * _SECONDS[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot parse duration {raw!r} (examples: 72h, 5m, 30s, 250ms, 90)") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"duration must be > 0 and finite, got {raw!r}")
+    return value
 
 
 def _parse(text: str | int, *, what: str, strip_b: bool) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvdiet.cache.counters import TierCounters
 
@@ -28,13 +27,6 @@ __all__ = ["BlockPool", "NoFreeBlocksError"]
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free (or evictable cached) blocks than a request needs."""
-
-
-@dataclass(slots=True)
-class _Block:
-    ref: int = 0
-    hash: bytes | None = None
-    tokens: tuple[int, ...] | None = None
 
 
 class BlockPool:
@@ -49,7 +41,8 @@ class BlockPool:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.block_size = block_size
         self.counters = TierCounters()
-        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._ref = [0] * num_blocks  # per block
+        self._hash: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # published block → (hash, token ids)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._lock = threading.RLock()
@@ -58,7 +51,7 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return len(self._ref)
 
     @property
     def num_free(self) -> int:
@@ -69,7 +62,7 @@ class BlockPool:
     def num_cached(self) -> int:
         """Unreferenced blocks still findable by prefix hash."""
         with self._lock:
-            return sum(1 for b in self._free if self._blocks[b].hash is not None)
+            return sum(1 for b in self._hash if self._ref[b] == 0)
 
     @property
     def num_used(self) -> int:
@@ -78,8 +71,8 @@ class BlockPool:
     def grow(self, extra: int) -> None:
         """Add ``extra`` free blocks at the end of the id range (private, growable pools only)."""
         with self._lock:
-            start = len(self._blocks)
-            self._blocks.extend(_Block() for _ in range(extra))
+            start = len(self._ref)
+            self._ref.extend([0] * extra)
             for b in range(start, start + extra):
                 self._free[b] = None
 
@@ -97,25 +90,24 @@ class BlockPool:
             out = []
             for _ in range(n):
                 b, _ = self._free.popitem(last=False)
-                block = self._blocks[b]
-                if block.hash is not None:
-                    del self._by_hash[block.hash]
-                    block.hash = block.tokens = None
+                published = self._hash.pop(b, None)
+                if published is not None:
+                    del self._by_hash[published[0]]
                     self.counters.evictions += 1
-                block.ref = 1
+                self._ref[b] = 1
                 out.append(b)
             return out
 
     def take(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block (a prefix hit); a cached block leaves the free queue."""
         with self._lock:
+            bad = [b for b in block_ids if self._ref[b] == 0 and b not in self._hash]
+            if bad:
+                raise ValueError(f"blocks {bad} are free and hold nothing to share")
             for b in block_ids:
-                block = self._blocks[b]
-                if block.ref == 0:
-                    if block.hash is None:
-                        raise ValueError(f"block {b} is free and holds nothing to share")
+                if self._ref[b] == 0:
                     del self._free[b]
-                block.ref += 1
+                self._ref[b] += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block, last block first; at zero it joins the back of the free queue.
@@ -127,13 +119,12 @@ class BlockPool:
         with self._lock:
             if len(set(block_ids)) != len(block_ids):
                 raise ValueError(f"block ids repeat in one release: {list(block_ids)}")
-            bad = [b for b in block_ids if self._blocks[b].ref < 1]
+            bad = [b for b in block_ids if self._ref[b] < 1]
             if bad:
                 raise ValueError(f"blocks {bad} are not referenced (double free)")
             for b in reversed(block_ids):
-                block = self._blocks[b]
-                block.ref -= 1
-                if block.ref == 0:
+                self._ref[b] -= 1
+                if self._ref[b] == 0:
                     self._free[b] = None
 
     # --- prefix index ---
@@ -148,12 +139,11 @@ class BlockPool:
         if len(tokens) != self.block_size:
             raise ValueError(f"a published block holds {self.block_size} tokens, got {len(tokens)}")
         with self._lock:
-            block = self._blocks[block_id]
-            if block.ref < 1:
+            if self._ref[block_id] < 1:
                 raise ValueError(f"block {block_id} is not referenced; only live blocks are published")
-            if block.hash is not None or block_hash in self._by_hash:
+            if block_id in self._hash or block_hash in self._by_hash:
                 return False
-            block.hash, block.tokens = block_hash, tuple(tokens)
+            self._hash[block_id] = (block_hash, tuple(tokens))
             self._by_hash[block_hash] = block_id
             return True
 
@@ -164,7 +154,7 @@ class BlockPool:
         with self._lock:
             for h, tokens in zip(hashes, token_blocks, strict=True):
                 b = self._by_hash.get(h)
-                if b is None or self._blocks[b].tokens != tuple(tokens):
+                if b is None or self._hash[b][1] != tuple(tokens):
                     break
                 out.append(b)
         return out
@@ -174,13 +164,16 @@ class BlockPool:
         with self._lock:
             ids = self.match(hashes, token_blocks)
             self.take(ids)
+            self.counters.lookups += len(hashes)
+            self.counters.hits += len(ids)
             return ids
 
     def block_hash(self, block_id: int) -> bytes | None:
-        return self._blocks[block_id].hash
+        published = self._hash.get(block_id)
+        return None if published is None else published[0]
 
     def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref
+        return self._ref[block_id]
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants: every block is exactly one of used / cached / free; the free queue
@@ -190,15 +183,16 @@ class BlockPool:
             AssertionError: naming the first broken invariant.
         """
         with self._lock:
-            unref = {b for b, blk in enumerate(self._blocks) if blk.ref == 0}
-            assert all(blk.ref >= 0 for blk in self._blocks), "negative ref count"
+            assert all(r >= 0 for r in self._ref), "negative ref count"
+            unref = {b for b, r in enumerate(self._ref) if r == 0}
             assert set(self._free) == unref and len(self._free) == len(unref), (
                 "free queue != unreferenced blocks"
             )
             for h, b in self._by_hash.items():
-                assert self._blocks[b].hash == h, f"hash index points at block {b} holding another hash"
-            hashed = [b for b, blk in enumerate(self._blocks) if blk.hash is not None]
-            assert len(hashed) == len(self._by_hash), "a block holds a hash missing from the index"
-            used, cached = self.num_blocks - len(unref), sum(1 for b in unref if self._blocks[b].hash)
+                assert self._hash.get(b, (None,))[0] == h, (
+                    f"hash index points at block {b} holding another hash"
+                )
+            assert len(self._hash) == len(self._by_hash), "a block holds a hash missing from the index"
+            used, cached = self.num_blocks - len(unref), sum(1 for b in unref if b in self._hash)
             free = len(unref) - cached
             assert used + cached + free == self.num_blocks, "used + cached + free != total"

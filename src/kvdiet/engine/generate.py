@@ -1,11 +1,12 @@
-"""Single-request generation: load a model, prefill a prompt in chunks, decode, and measure.
+"""Single-request generation through the cache system: load a model, look the prompt up, prefill, decode.
 
-The offline path behind ``kvdiet generate``. It knows one request at a time; batching, the paged pool,
-tiers and the server come from the engine proper.
+The offline path behind ``kvdiet generate``: one request at a time through a `KVCache` (device pool, prefix
+cache, persistent tier, SWA pool, replay). Batching, scheduling and the server come from the engine proper.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvdiet.config import ConfigError, ModelConfig, load_config
+from kvdiet.engine.kv_cache import CacheOptions, KVCache, Provenance
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.engram import compressed_token_map
 from kvdiet.model.loader import load_weights
@@ -21,7 +23,7 @@ from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["GenerateResult", "generate", "load_model"]
+__all__ = ["GenerateResult", "generate", "load_model", "private_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +34,10 @@ class GenerateResult:
         prompt_tokens: prompt length in tokens.
         output_ids: generated token ids.
         finish_reason: ``"stop"`` (a stop token) or ``"length"`` (max_tokens reached).
-        prefill_seconds / decode_seconds: wall time of each phase.
+        prefill_seconds / decode_seconds: wall time of each phase (prefill includes the prefix lookup,
+            loads from the persistent tier, restore or replay).
         cache: measured cache bytes at the end.
+        provenance: where the prompt's tokens came from (device, persistent, SWA pool, replayed, computed).
     """
 
     prompt_tokens: int
@@ -42,6 +46,7 @@ class GenerateResult:
     prefill_seconds: float
     decode_seconds: float
     cache: CacheBytes
+    provenance: Provenance
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -77,25 +82,37 @@ def load_model(
     return model, tokenizer
 
 
+def private_cache(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> KVCache:
+    """A `KVCache` with a device pool just large enough for one request of ``num_tokens`` tokens."""
+    opts = options or CacheOptions()
+    probe = model.new_pool(1, block_size=opts.block_size)
+    blocks = -(-num_tokens // opts.block_size) + 1
+    return KVCache(model, dataclasses.replace(opts, kv_cache_memory=blocks * probe.block_bytes))
+
+
 def generate(
     model: Transformer,
     prompt_ids: list[int],
     params: SamplingParams,
     *,
+    cache: KVCache | None = None,
     chunk_size: int = 512,
-    bounded_replay: bool = True,
     progress: bool = False,
 ) -> GenerateResult:
-    """Prefill ``prompt_ids`` in chunks of ``chunk_size`` tokens, then decode up to ``params.max_tokens``.
+    """Look ``prompt_ids`` up in ``cache``, prefill the rest in chunks of ``chunk_size`` tokens, then decode up
+    to ``params.max_tokens``; the blocks go back to the pool (and window state to its tier) at the end.
 
+    Args:
+        cache: the cache system (an open `KVCache`); None → a private one without tiers, sized for this
+            request.
     Raises:
         ValueError: empty or invalid prompt, a prompt plus ``max_tokens`` beyond the context, bad
-            ``chunk_size`` — all before any state exists.
+            ``chunk_size`` — all before any state or tier changes.
+        NoFreeBlocksError: the device pool cannot hold the request.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     params.check_vocab(model.cfg.vocab_size)
-    state = model.new_state()
     ids = model.check_tokens(prompt_ids)
     limit = model.cfg.max_position_embeddings
     if ids.numel() + params.max_tokens > limit:
@@ -103,6 +120,7 @@ def generate(
             f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
             f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
         )
+    cache = cache or private_cache(model, ids.numel() + params.max_tokens)
     bar = Progress(
         TextColumn("prefill"),
         BarColumn(),
@@ -113,23 +131,36 @@ def generate(
         transient=True,
     )
     start = time.perf_counter()
-    with bar:
-        task = bar.add_task("prefill", total=ids.numel())
-        for s in range(0, ids.numel(), chunk_size):
-            logits = model.prefill(state, ids[s : s + chunk_size], bounded_replay=bounded_replay)
-            bar.update(task, advance=min(chunk_size, ids.numel() - s))
-    prefill_s = time.perf_counter() - start
-    generator = torch.Generator().manual_seed(params.seed or 0)
-    out: list[int] = []
-    finish = "length"
-    start = time.perf_counter()
-    while len(out) < params.max_tokens:
-        token = sample(logits, params, generator)
-        out.append(token)
-        if token in params.stop_token_ids:
-            finish = "stop"
-            break
-        if len(out) < params.max_tokens:
-            logits = model.decode([state], [token])[0]
-    decode_s = time.perf_counter() - start
-    return GenerateResult(ids.numel(), out, finish, prefill_s, decode_s, state.cache_bytes())
+    session = cache.start(ids.tolist())
+    try:
+        with bar:
+            task = bar.add_task("prefill", total=ids.numel(), completed=session.state.num_tokens)
+            logits = cache.prefill(session, chunk_size=chunk_size, progress=_Advance(bar, task))
+        prefill_s = time.perf_counter() - start
+        generator = torch.Generator().manual_seed(params.seed or 0)
+        out: list[int] = []
+        finish = "length"
+        start = time.perf_counter()
+        while len(out) < params.max_tokens:
+            token = sample(logits, params, generator)
+            out.append(token)
+            if token in params.stop_token_ids:
+                finish = "stop"
+                break
+            if len(out) < params.max_tokens:
+                logits = cache.decode([session], [token])[0]
+        decode_s = time.perf_counter() - start
+        measured = session.state.cache_bytes()
+    except BaseException:
+        cache.abort(session)
+        raise
+    cache.finish(session)
+    return GenerateResult(ids.numel(), out, finish, prefill_s, decode_s, measured, session.provenance)
+
+
+class _Advance:
+    def __init__(self, bar: Progress, task: object) -> None:
+        self.bar, self.task = bar, task
+
+    def advance(self, tokens: int) -> None:
+        self.bar.update(self.task, advance=tokens)

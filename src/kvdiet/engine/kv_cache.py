@@ -150,8 +150,8 @@ class Session:
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
-    """BLAKE2b-128 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint)."""
-    h = hashlib.blake2b(digest_size=16)
+    """SHA-256 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint)."""
+    h = hashlib.sha256()
     for name, p in model.state_dict().items():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -227,7 +227,7 @@ class KVCache:
         )
         self.stats = CacheStats(
             self.pool.blocks.counters,
-            self.persistent.counters if self.persistent else TierCounters(),
+            self.persistent.counters if self.persistent is not None else TierCounters(),
             self.swa_pool.counters,
         )
         self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
