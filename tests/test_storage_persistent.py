@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import random
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -350,10 +351,10 @@ def test_disk_full_disables_with_one_warning(
 ) -> None:
     assert store.put(key_of(0), tokens_of(0), payload_of(0))
 
-    def full(fd: int) -> None:
+    def full(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(persistent.os, "fsync", full)
+    monkeypatch.setattr(persistent.os, "write", full)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert store.put(key_of(1), tokens_of(1), payload_of(1)) is False
         assert not store.enabled
@@ -493,3 +494,167 @@ def test_two_processes_write_same_keys(tmp_path: Path) -> None:
             assert store.get(key_of(i), tokens_of(i)) in (payload_of(i, 200, 0), payload_of(i, 200, 1))
         assert store.counters.corrupt_dropped == 0
     assert not [p for p in block_files(tmp_path) if p.name.endswith(".tmp")]
+
+
+def _items(ids: list[int]) -> list[tuple[bytes, list[int], bytes]]:
+    return [(key_of(i), tokens_of(i), payload_of(i)) for i in ids]
+
+
+def _count_transactions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = persistent._transaction
+
+    def counting(db):
+        calls.append(1)
+        return real(db)
+
+    monkeypatch.setattr(persistent, "_transaction", counting)
+    return calls
+
+
+def test_put_many_stores_a_batch_in_one_transaction(
+    store: PersistentStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert store.put(*_items([0])[0])
+    transactions = _count_transactions(monkeypatch)
+    batch = _items([1, 2, 0, 3, 1])  # 0 is live already, 1 repeats
+    assert store.put_many(batch) == 5
+    assert len(transactions) == 1 and len(store) == 4 and store.counters.entries_written == 4
+    assert store.nbytes == entry_bytes(store.directory, [key_of(i) for i in range(4)])
+    ids = [0, 1, 2, 3]
+    assert store.get_many([key_of(i) for i in ids], [tokens_of(i) for i in ids]) == [
+        payload_of(i) for i in ids
+    ]
+    assert store.put_many([]) == 0 and store.put_many(_items([2, 3])) == 2  # live: nothing written
+    assert len(transactions) == 1 and store.counters.entries_written == 4  # read times still pending
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        (key_of(9)[:31], tokens_of(9), payload_of(9)),
+        (key_of(9), tokens_of(9)[:-1], payload_of(9)),
+        (key_of(9), [-1, 1, 2, 3], payload_of(9)),
+        (key_of(9), tokens_of(9), "text"),
+        (key_of(9), tokens_of(9)),
+        None,
+    ],
+    ids=["short-key", "few-tokens", "negative-token", "str-payload", "pair", "none"],
+)
+def test_put_many_with_one_bad_item_raises_and_stores_nothing(store: PersistentStore, bad) -> None:
+    batch: list = _items([0, 1])
+    batch.insert(1, bad)
+    with pytest.raises(ValueError):
+        store.put_many(batch)
+    assert len(store) == 0 and block_files(store.directory) == []
+    assert store.counters.as_dict() == dict.fromkeys(store.counters.as_dict(), 0)
+    assert store.enabled and store.put_many(_items([0, 1])) == 2
+
+
+def test_put_many_evicts_least_recently_read_once(tmp_path: Path, clock: ManualClock) -> None:
+    with PersistentStore(tmp_path, IDENTITY, clock=clock) as store:
+        assert store.put(*_items([0])[0])
+        size = store.nbytes
+        store.capacity_bytes = 4 * size + size // 2
+        for i in (1, 2):
+            clock.set(float(i))
+            assert store.put(*_items([i])[0])
+        clock.set(3.0)
+        assert store.get(key_of(0), tokens_of(0)) == payload_of(0)  # now entry 1 is the least recent
+        clock.set(4.0)
+        assert store.put_many(_items([3, 4, 5])) == 3  # 6 entries for room for 4: entries 1 and 2 go
+        assert store.counters.evictions == 2 and len(store) == 4 and store.nbytes <= store.capacity_bytes
+        assert not entry_path(tmp_path, key_of(1)).exists() and not entry_path(tmp_path, key_of(2)).exists()
+        ids = [0, 3, 4, 5]
+        assert store.contains_prefix([key_of(i) for i in ids]) == 4
+        clock.set(5.0)
+        batch = _items([6, 7, 8, 9, 10, 11])  # more than fits: all older entries go, then the lowest keys
+        assert store.put_many(batch) == 6
+        assert store.counters.evictions == 2 + 6 and len(store) == 4 and store.nbytes <= store.capacity_bytes
+        kept = sorted(key_of(i) for i in range(6, 12))[2:]
+        assert sorted(p.name for p in block_files(tmp_path) if p.is_file()) == sorted(
+            f"{k.hex()}.kvb" for k in kept
+        )
+
+
+def test_put_many_failure_mid_batch_leaves_no_files(
+    store: PersistentStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert store.put(*_items([0])[0])
+    real_write, calls = os.write, []
+
+    def full_on_third_file(fd: int, data) -> int:
+        calls.append(fd)
+        if len(calls) > 6:  # three parts per file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(persistent.os, "write", full_on_third_file)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.put_many(_items([1, 2, 3, 4])) == 0
+    monkeypatch.undo()
+    assert [r.levelno for r in caplog.records if r.name == LOGGER] == [logging.WARNING]
+    assert not store.enabled and store.counters.write_errors == 1 and store.counters.entries_written == 1
+    assert [p.name for p in block_files(store.directory) if p.is_file()] == [f"{key_of(0).hex()}.kvb"]
+    with PersistentStore(store.directory, IDENTITY, clock=store.clock) as after:
+        assert len(after) == 1 and after.get(key_of(0), tokens_of(0)) == payload_of(0)
+
+
+def _mixed_store(directory: Path) -> PersistentStore:
+    """At t=12: entries 0-2 live, 3 expired (at 10), 4 damaged, 5 file missing, 6 another identity's
+    row, 7 own row with another identity's file; key 9 never stored."""
+    other = StoreIdentity(fingerprint="cd" * 32, formats=IDENTITY.formats, block_size=BLOCK)
+    clock = ManualClock()
+    store = PersistentStore(directory, IDENTITY, ttl_s=10.0, clock=clock)
+    store.open()
+    with PersistentStore(directory, other, ttl_s=10.0, clock=clock) as theirs:
+        assert store.put(*_items([3])[0])
+        clock.set(5.0)
+        assert store.put_many(_items([0, 1, 2, 4, 5, 7])) == 6
+        assert theirs.put(*_items([6])[0])
+    path = entry_path(directory, key_of(4))
+    path.write_bytes(_flip_payload_bit(bytearray(path.read_bytes())))
+    entry_path(directory, key_of(5)).unlink()
+    path = entry_path(directory, key_of(7))
+    body = path.read_bytes()[:-4].replace(b"ab" * 32, b"cd" * 32)  # the same entry, of the other model
+    path.write_bytes(body + zlib.crc32(body).to_bytes(4, "little"))
+    clock.set(12.0)
+    return store
+
+
+def test_get_many_mixed_batch_equals_get_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [0, 9, 3, 4, 6, 7, 5, 1, 0, 4, 3, 2]  # hit, miss, expired, corrupt, foreign x2, missing, repeats
+    wrong = tokens_of(1)
+    wrong[0] += 1
+    keys = [key_of(i) for i in ids] + [key_of(1), key_of(1)]
+    tokens = [tokens_of(i) for i in ids] + [wrong, tokens_of(1)]  # entry 1 read, then dropped: its tokens
+    one, many = _mixed_store(tmp_path / "one"), _mixed_store(tmp_path / "many")
+    singles = [one.get(k, t) for k, t in zip(keys, tokens, strict=True)]
+    transactions = _count_transactions(monkeypatch)
+    statements: list[str] = []
+    many._db.set_trace_callback(statements.append)
+    assert many.get_many(keys, tokens) == singles
+    hits = {0: payload_of(0), 7: payload_of(1), 8: payload_of(0), 11: payload_of(2)}
+    assert singles == [hits.get(i) for i in range(len(keys))]
+    assert sum(s.startswith("SELECT") for s in statements) == 1 and len(transactions) == 1
+    assert many.counters == one.counters
+    c = one.counters
+    assert (c.lookups, c.hits, c.expirations, c.corrupt_dropped) == (14, 4, 1, 2)
+    assert len(many) == len(one) == 4  # 0, 2, 6 (the other identity's) and 7 (another model's file)
+    for store in (one, many):
+        files = sorted(p.name for p in block_files(store.directory) if p.is_file())
+        assert files == sorted(f"{key_of(i).hex()}.kvb" for i in (0, 2, 6, 7))
+    for store in (one, many):
+        store.close()
+
+
+def test_read_times_written_at_close_steer_the_next_eviction(tmp_path: Path, clock: ManualClock) -> None:
+    with PersistentStore(tmp_path, IDENTITY, clock=clock) as store:
+        assert store.put_many(_items([0, 1])) == 2
+        size = store.nbytes // 2
+        clock.set(1.0)
+        assert store.get_many([key_of(0)], [tokens_of(0)]) == [payload_of(0)]
+    with PersistentStore(tmp_path, IDENTITY, capacity_bytes=2 * size + size // 2, clock=clock) as again:
+        clock.set(2.0)
+        assert again.put(*_items([2])[0])
+        assert again.counters.evictions == 1 and again.contains_prefix([key_of(0), key_of(2)]) == 2

@@ -98,9 +98,19 @@ class BlockPool:
                 out.append(b)
             return out
 
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < len(self._ref)]
+        if bad:
+            raise ValueError(f"block ids {bad} outside [0, {len(self._ref)})")
+
     def take(self, block_ids: Sequence[int]) -> None:
-        """Add one reference to each block (a prefix hit); a cached block leaves the free queue."""
+        """Add one reference to each block (a prefix hit); a cached block leaves the free queue.
+
+        Raises:
+            ValueError: an id out of range, or a free block holding nothing (nothing changes then).
+        """
         with self._lock:
+            self._check_ids(block_ids)
             bad = [b for b in block_ids if self._ref[b] == 0 and b not in self._hash]
             if bad:
                 raise ValueError(f"blocks {bad} are free and hold nothing to share")
@@ -117,6 +127,7 @@ class BlockPool:
                 B24); nothing changes then.
         """
         with self._lock:
+            self._check_ids(block_ids)
             if len(set(block_ids)) != len(block_ids):
                 raise ValueError(f"block ids repeat in one release: {list(block_ids)}")
             bad = [b for b in block_ids if self._ref[b] < 1]
@@ -139,6 +150,7 @@ class BlockPool:
         if len(tokens) != self.block_size:
             raise ValueError(f"a published block holds {self.block_size} tokens, got {len(tokens)}")
         with self._lock:
+            self._check_ids([block_id])
             if self._ref[block_id] < 1:
                 raise ValueError(f"block {block_id} is not referenced; only live blocks are published")
             if block_id in self._hash or block_hash in self._by_hash:

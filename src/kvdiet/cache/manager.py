@@ -90,7 +90,8 @@ def plan_restore(
         if h <= window:
             return COLD
         start = h - window
-        return RestorePlan(h, None, None, start - start % align, clipped=True)
+        start -= start % align
+        return COLD if start == 0 else RestorePlan(h, None, None, start, clipped=True)
     if name in ("boundary-snapshot", "full-store") and has_snapshot(h):
         return RestorePlan(h, h, "window-blocks" if name == "full-store" else "persistent", h)
     if name == "checkpoint":

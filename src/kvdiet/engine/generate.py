@@ -120,7 +120,8 @@ def generate(
             f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
             f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
         )
-    cache = cache or private_cache(model, ids.numel() + params.max_tokens)
+    if cache is None:
+        cache = private_cache(model, ids.numel() + params.max_tokens)
     bar = Progress(
         TextColumn("prefill"),
         BarColumn(),

@@ -222,8 +222,11 @@ class KVCache:
             if opts.persistent_dir is not None
             else None
         )
-        self.swa_pool = swa_pool or InProcessSwaPool(
-            opts.swa_pool_size, ttl_s=opts.swa_pool_ttl_s, clock=self.clock
+        self._owns_swa_pool = swa_pool is None  # a pool handed in (shared, Redis) outlives this cache
+        self.swa_pool = (
+            swa_pool
+            if swa_pool is not None
+            else InProcessSwaPool(opts.swa_pool_size, ttl_s=opts.swa_pool_ttl_s, clock=self.clock)
         )
         self.stats = CacheStats(
             self.pool.blocks.counters,
@@ -231,19 +234,23 @@ class KVCache:
             self.swa_pool.counters,
         )
         self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
+        self._opened = False
 
     # --- lifecycle of the tiers ---
 
     def open(self) -> KVCache:
-        """Open the persistent tier (a failure there only disables it, with one warning)."""
-        if self.persistent is not None:
+        """Open the persistent tier (a failure there only disables it, with one warning); idempotent."""
+        if self.persistent is not None and not self._opened:
             self.persistent.open()
+        self._opened = True
         return self
 
     def close(self) -> None:
         if self.persistent is not None:
             self.persistent.close()
-        self.swa_pool.close()
+        self._opened = False
+        if self._owns_swa_pool:
+            self.swa_pool.close()
 
     def __enter__(self) -> KVCache:
         return self.open()
