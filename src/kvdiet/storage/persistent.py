@@ -54,12 +54,12 @@ _STALE_TEMP_S = 3600.0  # wall-clock age after which sweep() removes a temp file
 _CHUNK = 500  # keys per ``IN (...)`` query, well under SQLite's limit on bound variables
 _PENDING_READS = 1024  # read times held in memory at most ...
 _PENDING_READS_S = 1.0  # ... and for this long (store clock seconds)
+_Dropped = tuple[bytes, float, bool]  # key, created (of the row read), corrupt (else: file missing)
 _ROWS = "SELECT key, identity, size, created, expires FROM entries WHERE key IN"
 _LIVE = "SELECT key FROM entries WHERE identity = ? AND expires > ? AND key IN"
 _UPSERT = (
-    "INSERT INTO entries (key, identity, size, created, expires, last_access) VALUES (?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (key) DO UPDATE SET identity = excluded.identity, size = excluded.size,"
-    " created = excluded.created, expires = excluded.expires, last_access = excluded.last_access"
+    "INSERT OR REPLACE INTO entries (key, identity, size, created, expires, last_access)"
+    " VALUES (?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -276,9 +276,7 @@ class PersistentStore:
         now = self.clock.now()
         hits: list[bytes] = []
         expired: list[bytes] = []  # rows to delete if still expired
-        dropped: list[
-            tuple[bytes, float, bool]
-        ] = []  # rows to delete if not rewritten: key, created, corrupt
+        dropped: list[_Dropped] = []  # rows to delete if not rewritten since
         gone: set[bytes] = set()  # keys an earlier item deleted
         nread = 0
         try:
@@ -357,8 +355,8 @@ class PersistentStore:
         now: float,
         hits: list[bytes],
         expired: list[bytes],
-        dropped: list[tuple[bytes, float, bool]],
-    ) -> tuple[list[bytes], list[tuple[bytes, float, bool]]]:
+        dropped: list[_Dropped],
+    ) -> tuple[list[bytes], list[_Dropped]]:
         """Note the read time of ``hits``; in one transaction, when there is anything to delete or the
         pending read times are due: write those, delete the rows of ``expired`` (if still expired) and
         of ``dropped`` (if not rewritten since). Counts expirations and corrupt entries; returns the
