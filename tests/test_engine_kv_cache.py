@@ -56,7 +56,7 @@ def _cache(model: Transformer, tmp: Path | None, policy: str = "bounded-replay",
 def _run(cache: KVCache, ids: list[int], decode: list[int] = ()) -> tuple[Session, list[torch.Tensor]]:
     """Prefill ``ids`` then feed ``decode``; returns the session (finished) and every logits row."""
     s = cache.start(ids)
-    out = [cache.prefill(s, chunk_size=5)]
+    out = [cache.prefill(s, chunk_size=16)]
     for t in decode:
         out.append(cache.decode([s], [t])[0])
     cache.finish(s)

@@ -236,7 +236,9 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
     console.print(summary.get("text", f"output ids: {summary['output_ids']}"), markup=False, highlight=False)
     for key, value in summary.items():
         if key == "provenance":
-            console.print(f"{key:34s} {_provenance_line(value)}", markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"{key:34s} {_provenance_line(value)}", markup=False, highlight=False, soft_wrap=True
+            )
         elif key not in ("text", "output_ids", "cache_stats"):
             console.print(
                 f"{key:34s} {value:,}"

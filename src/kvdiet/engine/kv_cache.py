@@ -341,9 +341,10 @@ class KVCache:
         """Load the longest run of ``hashes`` from the persistent tier into fresh device blocks."""
         if not hashes or not self._persistent_on():
             return []
+        present = self.persistent.contains_prefix(hashes)  # index only: how far to read
+        payloads = self.persistent.get_many(hashes[:present], blocks[:present])
         out: list[int] = []
-        for h, tokens in zip(hashes, blocks, strict=True):
-            payload = self.persistent.get(h, tokens)
+        for h, tokens, payload in zip(hashes, blocks, payloads, strict=False):
             if payload is None or len(payload) != self.pool.block_bytes or self.pool.blocks.num_free == 0:
                 break
             (b,) = self.pool.allocate(1)
@@ -453,9 +454,12 @@ class KVCache:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
             log = self._log_windows(session)
-            logits = self.model.prefill(
-                state, session.tokens[start:end], bounded_replay=self.decoder_replay, all_logits=False
-            )
+            try:
+                logits = self.model.prefill(
+                    state, session.tokens[start:end], bounded_replay=self.decoder_replay
+                )
+            finally:
+                self._stop_logging(session)
             self._after_forward(session, log)
             if progress is not None:
                 progress.advance(end - start)
@@ -464,7 +468,11 @@ class KVCache:
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
         """Feed one sampled token to each session; returns fp32 [B, V]."""
         logs = [self._log_windows(s) for s in sessions]
-        logits = self.model.decode([s.state for s in sessions], tokens)
+        try:
+            logits = self.model.decode([s.state for s in sessions], tokens)
+        finally:
+            for s in sessions:
+                self._stop_logging(s)
         for s, t, log in zip(sessions, tokens, logs, strict=True):
             s.tokens.append(int(t))
             self._after_forward(s, log)
@@ -487,6 +495,11 @@ class KVCache:
             ring.log = log
         return log
 
+    @staticmethod
+    def _stop_logging(session: Session) -> None:
+        for ring in session.state.windows:
+            ring.log = None
+
     def _after_forward(self, session: Session, log: list | None) -> None:
         state, bs = session.state, self.options.block_size
         if log is not None:
@@ -508,23 +521,20 @@ class KVCache:
     def _write_through(self, session: Session, full: int) -> None:
         if not self._persistent_on():
             return
-        bs = self.options.block_size
+        bs, items = self.options.block_size, []
         for i in range(session.persisted, full):
             tokens = session.tokens[i * bs : (i + 1) * bs]
-            if not self.persistent.put(
-                session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])
-            ):
-                return
+            items.append((session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])))
             rows = session.window_blocks.pop(i, None)
             if rows is not None:
-                self.persistent.put(_derived_key(session.hashes[i], b"win"), tokens, rows)
+                items.append((_derived_key(session.hashes[i], b"win"), tokens, rows))
+        if items:
+            self.persistent.put_many(items)
         session.persisted = full
 
     def _collect_windows(self, session: Session, log: list) -> None:
         """full-store: gather this forward's window rows of every layer; cut them into whole blocks."""
         state = session.state
-        for ring in state.windows:
-            ring.log = None
         bs, layers = self.options.block_size, len(state.windows)
         if not log:
             return

@@ -53,11 +53,11 @@ _TEMP_SUFFIX = ".tmp"
 _STALE_TEMP_S = 3600.0  # wall-clock age after which sweep() removes a temp file left by a crash
 _CHUNK = 500  # keys per ``IN (...)`` query, well under SQLite's limit on bound variables
 _PENDING_READS = 1024  # read times held in memory at most ...
-_PENDING_READS_S = 1.0  # ... and for this long (store clock seconds)
+_PENDING_READS_S = 1.0  # ... and for this long (store-clock seconds since the oldest)
 _Dropped = tuple[bytes, float, bool]  # key, created (of the row read), corrupt (else: file missing)
 _ROWS = "SELECT key, identity, size, created, expires FROM entries WHERE key IN"
 _LIVE = "SELECT key FROM entries WHERE identity = ? AND expires > ? AND key IN"
-_UPSERT = (
+_INSERT = (
     "INSERT OR REPLACE INTO entries (key, identity, size, created, expires, last_access)"
     " VALUES (?, ?, ?, ?, ?, ?)"
 )
@@ -166,7 +166,8 @@ class PersistentStore:
 
     def put(self, key: bytes, tokens: Sequence[int], payload: bytes) -> bool:
         """Store ``payload`` (bytes-like) for ``key`` (32 B) covering ``tokens`` (``block_size`` ids):
-        `put_many` of one item. True when stored (or already), False when disabled or the write failed."""
+        `put_many` of one item. True when stored (or already), False when disabled or the write failed.
+        Raises ValueError on bad arguments, before any state change."""
         return self.put_many([(key, tokens, payload)]) == 1
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[int], bytes]]) -> int:
@@ -207,7 +208,7 @@ class PersistentStore:
                 with _transaction(self._db) as db:
                     self._flush_reads(db)
                     db.executemany(
-                        _UPSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in written]
+                        _INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in written]
                     )
                     expired, evicted = self._make_room(db, now)
                 recorded = True
