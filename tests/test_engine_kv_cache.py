@@ -433,3 +433,17 @@ def test_threads_lookup_and_release_keep_the_pool_consistent(micro, tmp_path) ->
         assert not errors
         c.pool.blocks.check_integrity()
         assert c.pool.blocks.num_free == 40
+
+
+def test_corrupt_pool_snapshot_falls_back_to_replay(micro) -> None:
+    ids = _ids(41)
+    with _cache(micro, None) as c:
+        _run(c, ids)
+        pool = c.swa_pool
+        for key, (value, deadline) in list(pool._items.items()):
+            broken = bytearray(value)
+            broken[len(broken) // 2] ^= 0x01
+            pool._items[key] = (bytes(broken), deadline)
+        s, _ = _run(c, ids)
+    assert (s.provenance.window_source, s.provenance.replayed_tokens) == ("replay", W)
+    assert c.stats.swa_pool.corrupt_dropped == 1 and c.stats.snapshot_restores == 0

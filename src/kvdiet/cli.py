@@ -35,7 +35,11 @@ printed in decimal units (GB = 1e9 B). Presets: """ + ", ".join(PRESETS)
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvdiet", description="DeepSeek-V4.1-Flash KV-cache system: plan, run and measure it."
+        prog="kvdiet",
+        description="DeepSeek-V4.1-Flash KV-cache system: plan, run and measure it.",
+        epilog="Arguments can come from a file, one per line: kvdiet generate @args.txt (e.g. a long "
+        "--prompt-ids list).",
+        fromfile_prefix_chars="@",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = sub.add_parser(

@@ -274,7 +274,8 @@ class KVCache:
         Raises:
             ValueError: empty prompt, an id outside the vocabulary, longer than the context (before any
                 lookup or state change).
-            NoFreeBlocksError: the device pool cannot hold the prompt's hit blocks.
+        A full device pool only shortens what is loaded from the persistent tier; a stored window state
+        that fails validation is a miss (counted as corrupt) and the plan falls back as if it were absent.
         """
         ids = self.model.check_tokens(prompt_ids).tolist()
         n, bs, w = len(ids), self.options.block_size, self.window
@@ -300,7 +301,7 @@ class KVCache:
             state = self.model.new_state(self.pool)
         if plan.snapshot_source is not None:
             try:
-                self._restore(state, plan, fetched[plan.snapshot_at], hashes, ids)
+                self._restore(state, plan, fetched[plan.snapshot_at], ids)
                 c.snapshot_restores += 1
             except SnapshotError:
                 tier = c.swa_pool if plan.snapshot_source == "swa-pool" else c.persistent
@@ -389,9 +390,7 @@ class KVCache:
             has_snapshot=has_snapshot,
         )
 
-    def _restore(
-        self, state: RequestState, plan: RestorePlan, data: bytes, hashes: list[bytes], ids: list[int]
-    ) -> None:
+    def _restore(self, state: RequestState, plan: RestorePlan, data: bytes, ids: list[int]) -> None:
         if plan.snapshot_source == "window-blocks":
             self._restore_window_blocks(state, plan.snapshot_at, data, ids)
         else:
