@@ -53,20 +53,15 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--persistent-ttl", "soon", "cannot parse duration"),
         ("--kv-cache-memory", "10B", "below one block"),
         ("--block-size", "3", "multiple of every compress ratio"),
+        ("--block-size", "0", "multiple of every compress ratio [1, 2]"),
+        ("--max-tokens", "1000000000", "> max_position_embeddings 256"),  # checked before any allocation
+        ("--kv-cache-memory", "500", "blocks"),  # one 4-token block: the pool runs out while decoding
+        ("--prompt-ids", "99999999999999999999", "outside the vocabulary [0, 64)"),
     ],
 )
-def test_bad_cache_flags_exit_2_with_one_line(capsys, flag, value, needle) -> None:
-    argv = [
-        "generate",
-        "--model",
-        "v4.1-micro",
-        "--prompt-ids",
-        "1,2,3",
-        "--persistent-dir",
-        "/tmp/x",
-        flag,
-        value,
-    ]
+def test_bad_cache_flags_exit_2_with_one_line(capsys, tmp_path, flag, value, needle) -> None:
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
+    argv += ["--persistent-dir", str(tmp_path), flag, value]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1

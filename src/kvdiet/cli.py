@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import PRESETS, ConfigError, load_config
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
 from kvdiet.units import parse_bytes, parse_count, parse_duration
@@ -178,7 +179,7 @@ def _provenance_line(p: dict) -> str:
 def _run_generate(args: argparse.Namespace, console: Console) -> None:
     from pathlib import Path
 
-    from kvdiet.engine.generate import generate, load_model, private_cache
+    from kvdiet.engine.generate import check_request, generate, load_model
     from kvdiet.engine.kv_cache import KVCache
     from kvdiet.engine.sampling import SamplingParams
 
@@ -202,11 +203,8 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     options = _cache_options(args)
-    need = len(ids) + args.max_tokens
-    if options.persistent_dir is None:
-        cache = private_cache(model, need, options)
-    else:
-        cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    check_request(model, ids, params)  # before any pool is allocated
+    cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:
         result = generate(model, ids, params, cache=cache, chunk_size=args.chunk_size, progress=not args.json)
         stats = cache.stats.as_dict()
@@ -302,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run_plan(args, console)
         elif args.command == "generate":
             _run_generate(args, console)
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

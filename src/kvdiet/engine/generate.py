@@ -23,7 +23,7 @@ from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["GenerateResult", "generate", "load_model", "private_cache"]
+__all__ = ["GenerateResult", "check_request", "generate", "load_model", "private_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,24 @@ def load_model(
     return model, tokenizer
 
 
+def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:
+    """Validate a prompt and its sampling parameters for ``model``; returns the ids as int64 [N].
+
+    Raises:
+        ValueError: bad token ids (see `Transformer.check_tokens`), stop ids outside the vocabulary, or a
+            prompt plus ``max_tokens`` beyond ``max_position_embeddings`` (the real numbers in the message).
+    """
+    params.check_vocab(model.cfg.vocab_size)
+    ids = model.check_tokens(prompt_ids)
+    limit = model.cfg.max_position_embeddings
+    if ids.numel() + params.max_tokens > limit:
+        raise ValueError(
+            f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
+            f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
+        )
+    return ids
+
+
 def private_cache(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> KVCache:
     """A `KVCache` with a device pool just large enough for one request of ``num_tokens`` tokens."""
     opts = options or CacheOptions()
@@ -112,14 +130,7 @@ def generate(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    params.check_vocab(model.cfg.vocab_size)
-    ids = model.check_tokens(prompt_ids)
-    limit = model.cfg.max_position_embeddings
-    if ids.numel() + params.max_tokens > limit:
-        raise ValueError(
-            f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
-            f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
-        )
+    ids = check_request(model, prompt_ids, params)
     if cache is None:
         cache = private_cache(model, ids.numel() + params.max_tokens)
     bar = Progress(

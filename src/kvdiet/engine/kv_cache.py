@@ -197,7 +197,7 @@ class KVCache:
         num_blocks = opts.kv_cache_memory // probe.block_bytes
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory {opts.kv_cache_memory} B is below one block ({probe.block_bytes} B)"
+                f"--kv-cache-memory {opts.kv_cache_memory} B is below one block ({probe.block_bytes} B)"
             )
         self.pool = model.new_pool(num_blocks, block_size=bs)
         self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)
@@ -242,6 +242,7 @@ class KVCache:
         """Open the persistent tier (a failure there only disables it, with one warning); idempotent."""
         if self.persistent is not None and not self._opened:
             self.persistent.open()
+            self.persistent.sweep()  # expired entries leave now (and count), not at their next lookup
         self._opened = True
         return self
 

@@ -188,10 +188,16 @@ class Transformer(nn.Module):
             ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
                 ``max_position_embeddings``.
         """
-        ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        v = self.cfg.vocab_size
+        try:
+            ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        except (OverflowError, RuntimeError, TypeError, ValueError):
+            bad = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
+            raise ValueError(
+                f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {v})"
+            ) from None
         if ids.numel() == 0:
             raise ValueError("empty prompt: at least one token id is needed")
-        v = self.cfg.vocab_size
         bad = ((ids < 0) | (ids >= v)).nonzero()
         if bad.numel():
             i = int(bad[0])

@@ -53,10 +53,10 @@ class DevicePool:
     ) -> None:
         if not ratios:
             raise ValueError("a device pool needs at least one KV-source layer")
-        bad = sorted({r for r in ratios.values() if r < 1 or block_size % r})
-        if block_size < 1 or bad:
+        if block_size < 1 or any(r < 1 or block_size % r for r in ratios.values()):
             raise ValueError(
-                f"block_size {block_size} must be a positive multiple of every compress ratio {bad}"
+                f"block size {block_size} must be a positive multiple of every compress ratio "
+                f"{sorted(set(ratios.values()))}"
             )
         self.ratios = dict(sorted(ratios.items()))
         self.codecs: dict[str, Codec] = {"main": codecs.main, "index": codecs.index_key}
