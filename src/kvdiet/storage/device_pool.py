@@ -68,12 +68,6 @@ class DevicePool:
             for kind, c in self.codecs.items()
         }
 
-    @classmethod
-    def block_bytes_for(cls, ratios: Mapping[int, int], codecs: CacheCodecs, block_size: int) -> int:
-        """Bytes of one block: Σ over layers of ``block_size / ratio × (main + index-key bytes per entry)``."""
-        per_entry = codecs.main.bytes_per_entry + codecs.index_key.bytes_per_entry
-        return sum(block_size // r * per_entry for r in ratios.values())
-
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (56,960 for V4.1 at 64 tokens: 890 B/token)."""
