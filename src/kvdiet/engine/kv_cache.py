@@ -41,6 +41,9 @@ from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, InProcessSwaPool, Sw
 
 __all__ = ["CacheOptions", "CacheStats", "KVCache", "Provenance", "Session", "weights_checksum"]
 
+_LOAD_BATCH = 32
+"""Blocks read from the persistent tier per batch (one index transaction each)."""
+
 DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
 """Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
 
@@ -344,15 +347,16 @@ class KVCache:
         if not hashes or not self._persistent_on():
             return []
         present = self.persistent.contains_prefix(hashes)  # index only: how far to read
-        payloads = self.persistent.get_many(hashes[:present], blocks[:present])
         out: list[int] = []
-        for h, tokens, payload in zip(hashes, blocks, payloads, strict=False):
-            if payload is None or len(payload) != self.pool.block_bytes or self.pool.blocks.num_free == 0:
-                break
-            (b,) = self.pool.allocate(1)
-            self.pool.write_block(b, payload)
-            self.pool.blocks.publish(b, h, tokens)
-            out.append(b)
+        for s in range(0, present, _LOAD_BATCH):  # batches, so a broken chain stops the reads early
+            keys, toks = hashes[s : s + _LOAD_BATCH], blocks[s : s + _LOAD_BATCH]
+            for h, tokens, payload in zip(keys, toks, self.persistent.get_many(keys, toks), strict=True):
+                if payload is None or len(payload) != self.pool.block_bytes or self.pool.blocks.num_free == 0:
+                    return out
+                (b,) = self.pool.allocate(1)
+                self.pool.write_block(b, payload)
+                self.pool.blocks.publish(b, h, tokens)
+                out.append(b)
         return out
 
     def _plan(
