@@ -35,12 +35,11 @@ def _np(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes()
 
 
-def snapshot_bytes(state: RequestState, fingerprint: bytes) -> bytes:
-    """Serialize ``state``'s window rings, compressor tails and Engram history at ``state.num_tokens``."""
+def _geometry(state: RequestState, fingerprint: bytes) -> dict[str, object]:
+    """The header fields a snapshot must share with the state it is restored into."""
     rings = state.windows
-    header = {
+    return {
         "fingerprint": fingerprint.hex(),
-        "num_tokens": state.num_tokens,
         "layers": len(rings),
         "window": rings[0].window,
         "ring_width": rings[0].rows.shape[1],
@@ -48,6 +47,12 @@ def snapshot_bytes(state: RequestState, fingerprint: bytes) -> bytes:
         "tails": {str(k): list(t.kv.shape) for k, t in sorted(state.tails.items())},
         "history": int(state.engram_history.numel()),
     }
+
+
+def snapshot_bytes(state: RequestState, fingerprint: bytes) -> bytes:
+    """Serialize ``state``'s window rings, compressor tails and Engram history at ``state.num_tokens``."""
+    rings = state.windows
+    header = _geometry(state, fingerprint) | {"num_tokens": state.num_tokens}
     head = json.dumps(header, sort_keys=True).encode()
     parts = [MAGIC, struct.pack("<I", len(head)), head]
     parts += [_np(r.rows) for r in rings] + [_np(r.positions) for r in rings]
@@ -80,16 +85,7 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
         raise SnapshotError(f"window snapshot header unreadable: {e}") from None
     at += hlen
     rings = state.windows
-    expect = {
-        "fingerprint": fingerprint.hex(),
-        "layers": len(rings),
-        "window": rings[0].window,
-        "ring_width": rings[0].rows.shape[1],
-        "ring_dtype": str(rings[0].rows.dtype),
-        "tails": {str(k): list(t.kv.shape) for k, t in sorted(state.tails.items())},
-        "history": int(state.engram_history.numel()),
-    }
-    for key, value in expect.items():
+    for key, value in _geometry(state, fingerprint).items():
         if header.get(key) != value:
             raise SnapshotError(
                 f"window snapshot {key} {header.get(key)!r} does not match this model's {value!r}"
