@@ -1,4 +1,5 @@
-"""The ``kvdiet`` command line: ``plan`` (bytes and capacity of a config), ``generate`` (run the model)."""
+"""The ``kvdiet`` command line: ``plan`` (bytes and capacity of a config), ``generate`` (run the model on one
+prompt), ``serve`` (the OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -111,50 +112,70 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
     gen.add_argument("--weights", help="safetensors file or folder (DeepSeek tensor names) instead of random")
-    gen.add_argument(
-        "--no-swa-bounded-replay",
-        action="store_true",
-        help="run the decoder layers on every prompt row (exact, slower)",
-    )
-    tiers = gen.add_argument_group("cache system")
-    tiers.add_argument(
+    add_cache_args(gen.add_argument_group("cache system"))
+    gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    from kvdiet.server.serve import add_serve_parser
+
+    add_serve_parser(sub)
+    return parser
+
+
+def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:
+    """The cache-system flags of ``generate`` and ``serve`` (read back by `cache_options`)."""
+    group.add_argument(
         "--kv-cache-memory", default="1GiB", help="device-pool budget for global KV (default 1GiB)"
     )
-    tiers.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
-    tiers.add_argument(
+    group.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    group.add_argument(
         "--persistent-dir",
-        help="directory of the persistent global-KV tier; a second run with the same directory gets a "
-        "persistent hit for a repeated prompt (default: no persistent tier)",
+        default=persistent_default,
+        help="directory of the persistent global-KV tier, shared by every process that uses it "
+        + (
+            f"(default {persistent_default}; 'none' turns the tier off)"
+            if persistent_default
+            else "(default: no persistent tier); a second run with the same directory gets a persistent hit"
+        ),
     )
-    tiers.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
-    tiers.add_argument(
+    group.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
+    group.add_argument(
         "--persistent-size", help="persistent-tier capacity, LRU beyond it (default unbounded)"
     )
-    tiers.add_argument(
+    group.add_argument(
         "--swa-policy",
         default="bounded-replay",
         help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
     )
-    tiers.add_argument("--swa-pool-size", help="SWA-pool budget (default 10%% of host RAM)")
-    tiers.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
-    gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    return parser
+    group.add_argument("--swa-pool-size", help="SWA-pool budget (default 10%% of host RAM)")
+    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="look prompts up in the cache tiers (default on; blocks are written either way)",
+    )
+    group.add_argument(
+        "--no-swa-bounded-replay",
+        action="store_true",
+        help="run the decoder layers on every prompt row instead of the last window (exact, slower)",
+    )
 
 
-def _cache_options(args: argparse.Namespace) -> CacheOptions:
+def cache_options(args: argparse.Namespace) -> CacheOptions:
+    """`CacheOptions` from the flags of `add_cache_args`."""
     from kvdiet.cache.policy import SwaPolicy
     from kvdiet.engine.kv_cache import CacheOptions
 
     return CacheOptions(
         kv_cache_memory=parse_bytes(args.kv_cache_memory),
         block_size=args.block_size,
-        persistent_dir=args.persistent_dir,
+        persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
         persistent_ttl_s=parse_duration(args.persistent_ttl),
         persistent_size=parse_bytes(args.persistent_size) if args.persistent_size else None,
         swa_pool_size=parse_bytes(args.swa_pool_size) if args.swa_pool_size else None,
         swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
         policy=SwaPolicy.parse(args.swa_policy),
         decoder_replay=not args.no_swa_bounded_replay,
+        prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -202,7 +223,7 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
             raise ValueError("empty prompt: the prompt text has no characters")
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
-    options = _cache_options(args)
+    options = cache_options(args)
     check_request(model, ids, params)  # before any pool is allocated
     cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:
@@ -300,6 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             _run_plan(args, console)
         elif args.command == "generate":
             _run_generate(args, console)
+        elif args.command == "serve":
+            from kvdiet.server.serve import run_serve
+
+            run_serve(args)
     except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
         return 2

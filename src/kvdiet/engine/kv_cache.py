@@ -335,6 +335,20 @@ class KVCache:
         )
         return Session(state, ids, n, prov, plan, hashes[:adopted], persisted=adopted)
 
+    def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int = 1) -> int:
+        """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
+        consume: all the blocks the tokens span, except leading prefix blocks other requests hold now
+        (shared, not consumed). Blocks cached but unreferenced count as consumed (they leave the free
+        queue); so do persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
+        n, bs = len(prompt_ids), self.options.block_size
+        total = -(-(n + extra_tokens) // bs)
+        usable = (n - 1) // bs if self.options.prefix_caching else 0
+        if usable == 0:
+            return total
+        blocks = [list(prompt_ids[s : s + bs]) for s in range(0, usable * bs, bs)]
+        matched = self.pool.blocks.match(self._hashes(ROOT_HASH, blocks), blocks)
+        return total - sum(1 for b in matched if self.pool.blocks.ref_count(b) > 0)
+
     def _hashes(self, parent: bytes, blocks: Sequence[Sequence[int]]) -> list[bytes]:
         out = []
         for block in blocks:
@@ -440,18 +454,32 @@ class KVCache:
     # --- running the model ---
 
     def prefill(
-        self, session: Session, *, chunk_size: int = 512, progress: object | None = None
+        self,
+        session: Session,
+        *,
+        chunk_size: int = 512,
+        max_tokens: int | None = None,
+        progress: object | None = None,
     ) -> torch.Tensor:
-        """Prefill the session's remaining prompt tokens in chunks; returns the last row's logits fp32 [V].
+        """Prefill the session's remaining prompt tokens in chunks; returns the last row's logits fp32 [V]
+        (the next-token logits once the whole prompt is in).
 
-        Chunks also end where the policy captures window state. ``progress`` (optional) gets
-        ``advance(tokens)`` calls.
+        Chunks also end where the policy captures window state. ``max_tokens`` (optional) stops after that
+        many tokens (a scheduler's chunk). ``progress`` (optional) gets ``advance(tokens)`` calls.
         Raises:
-            ValueError: chunk_size < 1. NoFreeBlocksError: the pool is full (the session keeps what it has).
+            ValueError: chunk_size or max_tokens < 1, or nothing left to prefill.
+            NoFreeBlocksError: the pool is full (the session keeps what it has).
         """
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        state, n = session.state, session.prompt_tokens
+        if chunk_size < 1 or (max_tokens is not None and max_tokens < 1):
+            raise ValueError(f"chunk_size and max_tokens must be >= 1, got {chunk_size}, {max_tokens}")
+        state = session.state
+        if state.num_tokens >= session.prompt_tokens:
+            raise ValueError(f"the session's {session.prompt_tokens} prompt tokens are all prefilled")
+        n = (
+            session.prompt_tokens
+            if max_tokens is None
+            else min(session.prompt_tokens, state.num_tokens + max_tokens)
+        )
         stops = self._capture_points(session)
         logits = None
         while state.num_tokens < n:

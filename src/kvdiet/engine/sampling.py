@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +19,11 @@ class SamplingParams:
         temperature: 0 = greedy (argmax, lowest id on ties); > 0 divides the logits.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches p (1.0 = all).
-        stop_token_ids: generation ends after emitting one of these.
+        stop_token_ids: generation ends after emitting one of these (the token is kept in the output).
+        stop: generation ends when the output text contains one of these strings; the text is cut before
+            it (needs a tokenizer).
+        ignore_eos: keep generating after the tokenizer's EOS token (it is a stop token otherwise).
+        logit_bias: token id → value added to its logit before sampling (OpenAI ``logit_bias``, -100…100).
         seed: seed of the per-request sampling generator (None = 0).
     Raises:
         ValueError: any value out of range (named), checked at construction — before any state changes.
@@ -29,6 +34,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -40,16 +48,26 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        for t, b in self.logit_bias.items():
+            if not -100.0 <= b <= 100.0:  # also rejects NaN
+                raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ``ValueError`` naming a stop token id outside ``[0, vocab_size)`` (case B27)."""
-        for t in self.stop_token_ids:
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+        """Raise ``ValueError`` naming a stop or logit-bias token id outside ``[0, vocab_size)`` (case B27)."""
+        for what, ids in (("stop token id", self.stop_token_ids), ("logit_bias token id", self.logit_bias)):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{what} {t} is outside the vocabulary [0, {vocab_size})")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """Pick one token id from fp32 ``logits`` [V] under ``params``."""
+    if params.logit_bias:
+        logits = logits.clone()
+        for t, b in params.logit_bias.items():
+            logits[t] += b
     if params.temperature == 0:
         return int(torch.argmax(logits))
     scaled = logits.float() / params.temperature

@@ -49,6 +49,15 @@ class SwaPool(Protocol):
         """`get` for several keys under the same rules."""
         ...
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values held now (for metrics; a shared backend reports what it can see)."""
+        ...
+
+    def __len__(self) -> int:
+        """Entries held now."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -79,6 +88,9 @@ class InProcessSwaPool:
         self._items: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key → (value, deadline)
         self._nbytes = 0
         self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"in-process SWA pool ({self.capacity_bytes:,} B, TTL {self.ttl_s:g} s)"
 
     @property
     def nbytes(self) -> int:

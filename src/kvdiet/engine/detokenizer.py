@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop strings: output token ids → text, one token at a time.
+
+DeepSeek's tokenizer is byte-level BPE, so the text of a run of ids is the concatenation of the texts of
+its parts, except where a multi-byte UTF-8 character is split across tokens: such a split decodes to
+U+FFFD. The detokenizer therefore decodes only the ids not yet committed and holds them back while their
+text ends in U+FFFD (at most four tokens: one UTF-8 character has at most four bytes).
+
+Stop strings (`find_stop`): the output ends before the first stop string that appears; text that could
+still be the start of a stop string is not reported yet (`safe_length`), so a stream never shows a
+stop string or a part of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["IncrementalDetokenizer", "find_stop", "safe_length"]
+
+_MAX_HELD_TOKENS = 4
+"""A UTF-8 character has at most 4 bytes, so at most 4 byte-level tokens (RFC 3629)."""
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of output ids.
+
+    Args:
+        tokenizer: anything with ``decode(ids) -> str`` (`kvdiet.tokenizer.Tokenizer`).
+    """
+
+    def __init__(self, tokenizer: _Decoder) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._committed = 0  # ids whose text is in ``text``
+        self.text = ""
+
+    def add(self, token_id: int, *, final: bool = False) -> str:
+        """Append one id; returns the text this id completed (possibly "", held back). ``final`` flushes."""
+        self._ids.append(token_id)
+        pending = self._ids[self._committed :]
+        piece = self._tok.decode(pending)
+        if piece.endswith("\ufffd") and len(pending) < _MAX_HELD_TOKENS and not final:
+            return ""
+        self._committed = len(self._ids)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Commit held-back ids (at the end of a request); returns their text."""
+        pending = self._ids[self._committed :]
+        if not pending:
+            return ""
+        piece = self._tok.decode(pending)
+        self._committed = len(self._ids)
+        self.text += piece
+        return piece
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index in ``text`` where the earliest stop string begins, searching from ``start`` (chars), or None."""
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None
+
+
+def safe_length(text: str, stops: Sequence[str]) -> int:
+    """Characters of ``text`` that can be reported now: everything except a tail that is a proper prefix
+    of some stop string (it may yet become one)."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return len(text) - hold

@@ -1,0 +1,325 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+`LLMEngine` owns the request table, the `Scheduler` and the cache system (`KVCache`). A step:
+1. the scheduler plans it (decodes of running requests, prefill chunks, admissions, preemptions);
+2. prefill chunks run one request at a time (`KVCache.prefill`, which also splits at the policy's
+   capture points); a request whose prompt is complete samples its first token;
+3. every decoding request feeds its pending token in one batched forward (`KVCache.decode`) and samples;
+4. stop conditions (stop token ids, EOS unless ``ignore_eos``, stop strings, ``max_tokens``) end
+   requests; their sessions finish (window state stored per the policy, blocks back to the pool).
+
+Preemption ends the session with `KVCache.finish`, so the window snapshot at the last block boundary it
+reached is stored (SWA pool under bounded replay): on resumption the prompt plus the outputs so far are
+looked up again, the blocks still cached are reused and, while the snapshot lives, the continuation is
+exact.
+
+The engine is single-threaded: one caller (the `EngineLoop` thread, or `LLM`) drives it. `prepare` only
+reads the model config and the tokenizer and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
+from kvdiet.engine.kv_cache import KVCache
+from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from kvdiet.model.transformer import Transformer
+from kvdiet.tokenizer import Tokenizer
+
+__all__ = ["EngineObserver", "EngineStats", "LLMEngine"]
+
+
+class EngineObserver(Protocol):
+    """Receives timing events from the engine thread (the server's Prometheus metrics implement it)."""
+
+    def on_first_token(self, request: Request, ttft_s: float) -> None: ...
+
+    def on_token(self, request: Request, itl_s: float) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Engine-level counters (requests and tokens; the cache's own counters are in `KVCache.stats`)."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
+    steps: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model and its cache system.
+
+    Args:
+        model: the V4.1 model.
+        cache: its open `KVCache` (device pool, prefix cache, tiers, policy).
+        tokenizer: for text prompts, output text and stop strings (None: token ids only).
+        max_model_len: longest prompt + output (tokens); default the config's ``max_position_embeddings``.
+        scheduler: batching limits.
+        observer: optional timing observer (metrics).
+    Raises:
+        ValueError: ``max_model_len`` out of range, or one request of ``max_model_len`` tokens would not fit
+            the device pool (the message gives both sizes, like vLLM's start-up check).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        *,
+        tokenizer: Tokenizer | None = None,
+        max_model_len: int | None = None,
+        scheduler: SchedulerConfig | None = None,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        limit = model.cfg.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(
+                f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
+            )
+        bs, pool_blocks = cache.options.block_size, cache.pool.blocks.num_blocks
+        need = -(-(self.max_model_len + 1) // bs)
+        if need > pool_blocks:
+            raise ValueError(
+                f"one request of --max-model-len {self.max_model_len} tokens needs {need} blocks of {bs} "
+                f"tokens, but the KV cache holds {pool_blocks} blocks ({pool_blocks * bs} tokens): raise "
+                f"--kv-cache-memory or lower --max-model-len"
+            )
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.observer = observer
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), _CacheOracle(cache))
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._eos = tokenizer.eos_token_id if tokenizer is not None else None
+
+    # --- requests in ---
+
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Validate a request and return its prompt token ids (text gets BOS prepended). Thread-safe.
+
+        Raises:
+            ValueError: empty prompt; text without a tokenizer; a token id outside the vocabulary (index
+                and size named); stop or logit-bias ids outside it; stop strings without a tokenizer;
+                prompt + max_tokens > max_model_len (numbers and comparator in the message).
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt)]
+        else:
+            ids = self.model.check_tokens(list(prompt)).tolist()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        params.check_vocab(self.model.cfg.vocab_size)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens > "
+                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        return ids
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None
+    ) -> str:
+        """Validate (see `prepare`) and queue a request; returns its id.
+
+        Raises:
+            ValueError: invalid request (nothing changes), or a duplicate ``request_id``.
+        """
+        ids = self.prepare(prompt, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(
+            rid,
+            ids,
+            params,
+            time.monotonic(),
+            torch.Generator().manual_seed(seed),
+            IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now (waiting or running): its blocks go back to the pool, no window state is
+        stored. Returns its final output, or None when the id is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        self.scheduler.remove(req)
+        if req.session is not None:
+            self.cache.abort(req.session)
+            req.session = None
+        return self._finish(req, FinishReason.ABORT)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- one step ---
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output for every request that produced tokens or finished."""
+        plan: ScheduledStep = self.scheduler.schedule()
+        touched: list[Request] = []
+        for req in (r for r, _ in plan.prefills):
+            if req.first_provenance is None:
+                req.first_provenance = req.session.provenance
+                self.stats.prompt_tokens += req.num_prompt_tokens
+        for req, n in plan.prefills:
+            logits = self.cache.prefill(req.session, chunk_size=n, max_tokens=n)
+            if not req.is_prefilling:
+                self._accept(req, logits)
+                touched.append(req)
+        if plan.decodes:
+            logits = self.cache.decode(
+                [r.session for r in plan.decodes], [r.pending_token for r in plan.decodes]
+            )
+            for req, row in zip(plan.decodes, logits, strict=True):
+                self._accept(req, row)
+                touched.append(req)
+        self.stats.steps += 1
+        outputs = []
+        for req in touched:
+            if req.finished:
+                self.scheduler.remove(req)
+                self.cache.finish(req.session)
+                req.session = None
+                outputs.append(self._output(req))
+            elif req.emitted_tokens < len(req.output_ids):
+                outputs.append(self._output(req))
+        return outputs
+
+    def _accept(self, req: Request, logits: torch.Tensor) -> None:
+        """Sample the next token from ``logits`` [V] and apply the stop conditions."""
+        p = req.params
+        if len(req.output_ids) >= p.max_tokens:  # max_tokens = 0: the prompt is scored, nothing sampled
+            self._end(req, FinishReason.LENGTH)
+            return
+        token = sample(logits, p, req.generator)
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if self.observer is not None:
+                self.observer.on_first_token(req, now - req.arrival_time)
+        elif self.observer is not None:
+            self.observer.on_token(req, now - req.last_token_time)
+        req.last_token_time = now
+        req.output_ids.append(token)
+        self.stats.generation_tokens += 1
+        req.pending_token = token
+        stop_token = token in p.stop_token_ids or (token == self._eos and not p.ignore_eos)
+        if req.detokenizer is not None and not stop_token:
+            req.detokenizer.add(token)
+            text = req.detokenizer.text
+            cut = find_stop(text, p.stop, max(0, req.emitted_text - max(map(len, p.stop), default=0)))
+            if cut is not None:
+                req.text = text[:cut]
+                self._end(req, FinishReason.STOP)
+                return
+            req.text = text
+        if stop_token:
+            self._end(req, FinishReason.STOP)
+        elif len(req.output_ids) >= p.max_tokens:
+            self._end(req, FinishReason.LENGTH)
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        if req.detokenizer is not None and reason is not FinishReason.STOP:
+            req.detokenizer.flush()
+            req.text = req.detokenizer.text
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.stats.finished[reason.value] += 1
+        if self.observer is not None:
+            self.observer.on_finish(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> RequestOutput:
+        self._end(req, reason)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        stops = req.params.stop
+        upto = len(req.text) if req.finished else safe_length(req.text, stops)
+        upto = max(upto, req.emitted_text)
+        new_text = req.text[req.emitted_text : upto]
+        new_ids = tuple(req.output_ids[req.emitted_tokens :])
+        req.emitted_text, req.emitted_tokens = upto, len(req.output_ids)
+        if req.finished:
+            del self.requests[req.request_id]
+        return RequestOutput(
+            req.request_id,
+            req.num_prompt_tokens,
+            new_ids,
+            new_text,
+            tuple(req.output_ids),
+            req.text,
+            req.finished,
+            req.finish_reason.value if req.finish_reason is not None else None,
+            req.first_provenance,
+            req.num_preemptions,
+            (req.first_token_time - req.arrival_time) if req.first_token_time is not None else None,
+        )
+
+    # --- whole runs ---
+
+    def run_to_completion(self, on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """Step until no request is left; ``on_output`` sees every output."""
+        while self.has_unfinished:
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
+
+
+class _CacheOracle:
+    """`BlockOracle` on a `KVCache` (the scheduler's only view of the cache)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.cache.pool.blocks.num_free
+
+    def admission_blocks(self, request: Request) -> int:
+        return self.cache.admission_blocks(request.all_ids)
+
+    def begin(self, request: Request) -> None:
+        ids = request.all_ids
+        request.session = self.cache.start(ids)
+        request.prefill_target = len(ids)
+        request.pending_token = None
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        state = request.session.state
+        return max(0, -(-(state.num_tokens + num_tokens) // self.cache.options.block_size) - len(state.table))
+
+    def preempt(self, request: Request) -> None:
+        self.cache.finish(request.session)
+        request.session = None

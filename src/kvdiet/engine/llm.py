@@ -1,0 +1,129 @@
+"""`LLM`: the offline Python API — a batch of prompts in, their completions out, through the engine.
+
+    from kvdiet import LLM, SamplingParams
+    with LLM(model="v4.1-mini") as llm:
+        outs = llm.generate(["The KV cache", "Bounded replay"], SamplingParams(max_tokens=8))
+        print(outs[0].text, outs[0].provenance)
+
+All prompts go into one engine and run with continuous batching, exactly as in the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.engine.scheduler import SchedulerConfig
+
+__all__ = ["LLM"]
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine for scripts. Loads the model and opens the cache system on construction; `close` (or a
+    ``with`` block) closes the tiers.
+
+    Args:
+        model: preset or V4.1 config path (default ``v4.1-mini``).
+        args: full `EngineArgs` (then the keywords below must be left out).
+        seed, weights, kv_cache_dtype, max_model_len: see `EngineArgs`.
+        cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy).
+        max_num_seqs, max_num_batched_tokens: see `SchedulerConfig`.
+    Raises:
+        ValueError, ConfigError: bad settings (see `EngineArgs.create_engine`).
+    """
+
+    def __init__(
+        self,
+        model: str = "v4.1-mini",
+        *,
+        args: EngineArgs | None = None,
+        cache: CacheOptions | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        **kwargs: Any,
+    ) -> None:
+        if args is None:
+            args = EngineArgs(
+                model=model,
+                cache=cache or CacheOptions(),
+                scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+                **kwargs,
+            )
+        self.engine: LLMEngine = args.create_engine()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids) and return the final outputs in order.
+
+        Args:
+            prompts: one prompt or a list; a list of ints is one token-id prompt.
+            sampling_params: one for all, or one per prompt (default `SamplingParams()`).
+            progress: show a progress bar of finished requests.
+        Raises:
+            ValueError: an invalid prompt or parameters (checked for all prompts before any runs), or as many
+                parameters as prompts were not given.
+        """
+        batch = _as_batch(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        per = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        if len(per) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(per)} sampling parameters")
+        for p, sp in zip(batch, per, strict=True):
+            self.engine.prepare(p, sp)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, per, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        bar = Progress(
+            TextColumn("requests"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            disable=not progress,
+        )
+        with bar:
+            task = bar.add_task("requests", total=len(ids))
+            try:
+                while len(final) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            bar.advance(task)
+            except BaseException:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise
+        return [final[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Abort what is left and close the cache tiers."""
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        self.engine.cache.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]
+    return items

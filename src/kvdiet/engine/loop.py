@@ -1,0 +1,211 @@
+"""`EngineLoop`: the engine on its own thread, fed by asyncio callers (the server).
+
+One thread owns the `LLMEngine`: it takes commands (add, abort) from a queue between steps, runs steps
+while there is work, and hands each `RequestOutput` to its request's callback. Async callers use
+`EngineLoop.generate`, an async iterator of outputs; leaving it early (a client disconnect cancels it)
+aborts the request, so its blocks return to the pool at the next step boundary.
+
+The loop also keeps `snapshot`, a plain dict of engine and cache figures refreshed from the engine
+thread (at most every ``refresh_s`` seconds), so metrics scrapes never touch the engine or its tiers from
+another thread. If a step raises, the loop stops serving (`healthy` turns False; pending requests get the
+error) rather than continue on a state it cannot trust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.sampling import SamplingParams
+
+__all__ = ["EngineDeadError", "EngineLoop"]
+
+log = logging.getLogger("kvdiet.engine")
+
+Deliver = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an error, or the loop is closed; no request can run."""
+
+
+class EngineLoop:
+    """Runs ``engine`` on a background thread (see the module docstring).
+
+    Args:
+        engine: the engine; after `start`, only the loop thread touches it.
+        refresh_s: minimum seconds between two `snapshot` refreshes.
+    """
+
+    def __init__(self, engine: LLMEngine, *, refresh_s: float = 0.25) -> None:
+        self.engine = engine
+        self.refresh_s = refresh_s
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._deliver: dict[str, Deliver] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._refreshed = 0.0
+        self.error: BaseException | None = None
+        self.snapshot: dict[str, Any] = {}
+
+    # --- lifecycle ---
+
+    def start(self) -> EngineLoop:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._refresh(force=True)
+            self._thread = threading.Thread(target=self._run, name="kvdiet-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread, abort every request (their callers get a final ``abort`` output) and close the
+        cache tiers. Idempotent."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for rid in list(self.engine.requests):
+            out = self.engine.abort_request(rid)
+            deliver = self._deliver.pop(rid, None)
+            if deliver is not None and out is not None:
+                deliver(out)
+        self.engine.cache.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # --- requests (any thread) ---
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str
+    ) -> None:
+        """Queue a validated request; ``deliver`` is called on the engine thread with each output (or an
+        exception when the engine fails).
+
+        Raises:
+            EngineDeadError: the loop is not serving.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+        self._commands.put(("add", request_id, list(prompt_ids), params, deliver))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary (unknown or finished ids are ignored)."""
+        self._commands.put(("abort", request_id))
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until the final one. Leaving early aborts it.
+
+        Raises:
+            EngineDeadError: the engine is not serving, or failed while running this request.
+            ValueError: the engine rejected the request.
+        """
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.submit(prompt_ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), rid)
+        done = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    done = True
+                    raise out
+                done = out.finished
+                yield out
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(rid)
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not engine.has_unfinished)
+                if self._stop.is_set():
+                    break
+                if engine.has_unfinished:
+                    for out in engine.step():
+                        self._send(out)
+                self._refresh()
+        except BaseException as exc:  # a failed step leaves state we cannot trust: stop serving
+            log.exception("engine step failed; the engine stops serving")
+            self.error = exc
+            for rid in list(self._deliver):
+                self._deliver.pop(rid)(EngineDeadError(f"engine failed: {exc!r}"))
+
+    def _drain(self, *, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self.refresh_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, deliver = cmd
+            try:
+                self.engine.add_request(ids, params, request_id=rid)
+            except ValueError as exc:
+                deliver(exc)
+                return
+            self._deliver[rid] = deliver
+        elif cmd[0] == "abort":
+            out = self.engine.abort_request(cmd[1])
+            if out is not None:
+                self._send(out)
+
+    def _send(self, out: RequestOutput) -> None:
+        deliver = (
+            self._deliver.pop(out.request_id, None) if out.finished else self._deliver.get(out.request_id)
+        )
+        if deliver is not None:
+            deliver(out)
+
+    def _refresh(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._refreshed < self.refresh_s:
+            return
+        self._refreshed = now
+        e, cache = self.engine, self.engine.cache
+        blocks = cache.pool.blocks
+        persistent = cache.persistent if cache.persistent is not None and cache.persistent.enabled else None
+        pool = cache.swa_pool
+        self.snapshot = {
+            "num_running": e.num_running,
+            "num_waiting": e.num_waiting,
+            "num_blocks": blocks.num_blocks,
+            "num_used_blocks": blocks.num_used,
+            "num_free_blocks": blocks.num_free,
+            "num_cached_blocks": blocks.num_cached,
+            "num_preemptions": e.scheduler.num_preemptions,
+            "prompt_tokens": e.stats.prompt_tokens,
+            "generation_tokens": e.stats.generation_tokens,
+            "cache": cache.stats.as_dict(),
+            "persistent_bytes": persistent.nbytes if persistent is not None else 0,
+            "persistent_entries": len(persistent) if persistent is not None else 0,
+            "swa_pool_bytes": pool.nbytes,
+            "swa_pool_entries": len(pool),
+        }

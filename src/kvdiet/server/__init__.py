@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) and its Prometheus metrics; talks only to the engine."""

@@ -1,0 +1,72 @@
+"""The chat template: OpenAI-style messages → one DeepSeek-V4.1 prompt string.
+
+DeepSeek's conversation format (the V3.1 / V3.2 / V4 family; the ``tokenizer.json`` holds its special
+tokens, and DeepSeek's ``encoding_dsv32.py`` renders it the same way):
+
+    <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜><｜User｜>{user}<｜Assistant｜></think>
+
+- system (and ``developer``) messages go right after BOS, in order, concatenated;
+- each user turn is ``<｜User｜>`` + its text; each past assistant turn is ``<｜Assistant｜></think>`` + its
+  text + ``<｜end▁of▁sentence｜>`` (past reasoning is dropped, as DeepSeek's template does);
+- the prompt ends with ``<｜Assistant｜>`` and ``</think>`` (non-thinking mode, the default) or ``<think>``
+  (``chat_template_kwargs: {"thinking": true}``).
+
+Content is a string or a list of ``{"type": "text", "text": ...}`` parts. The last message must be a user
+message. The special-token strings are encoded as their single ids by the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["render_chat"]
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+THINK, END_THINK = "<think>", "</think>"
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], *, thinking: bool = False) -> str:
+    """The prompt string for ``messages`` (see the module docstring).
+
+    Raises:
+        ValueError: no messages, an unknown role, non-text content, or a last message that is not the user's.
+    """
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    system, turns = [], []
+    for i, msg in enumerate(messages):
+        role, text = msg.get("role"), _text(msg.get("content"), i)
+        if role in ("system", "developer"):
+            system.append(text)
+        elif role == "user":
+            turns.append(USER + text)
+        elif role == "assistant":
+            turns.append(ASSISTANT + END_THINK + text + EOS)
+        else:
+            raise ValueError(
+                f"messages[{i}].role {role!r} is not supported (system, developer, user, assistant)"
+            )
+    if messages[-1].get("role") != "user":
+        raise ValueError("the last message must be a user message")
+    return BOS + "".join(system) + "".join(turns) + ASSISTANT + (THINK if thinking else END_THINK)
+
+
+def _text(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts")

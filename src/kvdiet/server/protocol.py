@@ -1,0 +1,134 @@
+"""OpenAI request bodies (pydantic) and their mapping to `SamplingParams`; OpenAI-style error bodies.
+
+Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1,
+``n`` = 1 (one choice per request here), ``logit_bias`` values in [-100, 100]. vLLM's extensions that mean
+the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (each
+choice, and each streamed chunk, also carries ``token_ids``; the response ``prompt_token_ids``),
+``chat_template_kwargs``.
+Fields kvdiet does not implement (log probabilities, penalties, ``echo``, ``suffix``, ``best_of``, tools)
+are rejected with a 400 naming them when set to anything but their default — never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvdiet.engine.sampling import SamplingParams
+
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
+
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries token ids
+    user: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first set field kvdiet does not implement, or None."""
+        extra = self.model_extra or {}
+        for name, defaults in _UNSUPPORTED.items():
+            value = extra.get(name)
+            if value not in defaults:
+                return name
+        return None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """`SamplingParams` of this body with ``max_tokens`` resolved by the caller.
+
+        Raises:
+            ValueError: a ``logit_bias`` key that is not an integer token id, or an invalid combination.
+        """
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logit_bias=bias,
+            seed=self.seed,
+        )
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a one-element list of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request.
+
+        Raises:
+            ValueError: several prompts (one per request), or none.
+        """
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return p
+        if len(p) == 1:
+            return p[0]
+        if not p:
+            raise ValueError("empty prompt: give at least one character or token id")
+        raise ValueError(f"one prompt per request is supported, got {len(p)}")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def error_body(
+    message: str, *, status: int, kind: str = "invalid_request_error", param: str | None = None
+) -> dict:
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

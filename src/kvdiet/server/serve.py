@@ -1,0 +1,172 @@
+"""``kvdiet serve``: flags, start-up report and the uvicorn run of the OpenAI-compatible server.
+
+Defaults: model ``v4.1-mini`` (seeded random weights, the real DeepSeek tokenizer), the persistent tier in
+the user's cache directory (``$XDG_CACHE_HOME/kvdiet/persistent``, else ``~/.cache/kvdiet/persistent``),
+the in-process SWA pool, bounded replay, ``127.0.0.1:8000``. The start-up log states the KV-cache budget
+in blocks, tokens and bytes and the maximum concurrency at ``--max-model-len``, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from kvdiet.units import format_bytes
+
+__all__ = ["add_serve_parser", "default_persistent_dir", "run_serve"]
+
+log = logging.getLogger("kvdiet.serve")
+
+EPILOG = """\
+examples:
+  kvdiet serve                                   # v4.1-mini on http://127.0.0.1:8000/v1
+  kvdiet serve --max-model-len 32K --max-num-seqs 8 --api-key secret
+  kvdiet serve --model v4.1-micro --persistent-dir none --port 8001   # token-id prompts only
+then:
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "v4.1-mini", "prompt": "The KV cache", "max_tokens": 8}'
+"""
+
+
+def default_persistent_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvdiet/persistent`` (``~/.cache`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvdiet" / "persistent"
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from kvdiet.cli import add_cache_args
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics) over the engine",
+        description="Load a V4.1 model and serve it over an OpenAI-compatible API with continuous "
+        "batching, chunked prefill, preemption, the prefix cache, the persistent tier, the SWA pool and "
+        "bounded replay. Weights are seeded random unless --weights is given: the text is meaningless, the "
+        "cache system and its numbers are real.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="v4.1-mini", help="preset or V4.1 config path (default v4.1-mini)")
+    p.add_argument("--served-model-name", help="name clients use in 'model' (default: --model)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--weights", help="safetensors file or folder (DeepSeek tensor names) instead of random")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVDIET_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default $KVDIET_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--max-model-len", help="longest prompt + output in tokens, e.g. 32K (default: the config's maximum)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per engine step, prefill chunks and decodes together (default 512)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp4", "fp32"],
+        help="auto/fp4: the packed V4.1 formats (FP4 KV, MXFP4 index keys, FP8 window); fp32: unquantised",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="chat max_tokens when a request gives none (default 256, capped by the context left)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_cache_args(p.add_argument_group("cache system"), persistent_default=str(default_persistent_dir()))
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Build the engine from the flags, log the cache budget, serve until interrupted.
+
+    Raises:
+        ValueError, ConfigError, OSError: bad flags or model (before anything is served).
+    """
+    import uvicorn
+
+    from kvdiet.cli import cache_options
+    from kvdiet.engine.args import EngineArgs
+    from kvdiet.engine.loop import EngineLoop
+    from kvdiet.engine.scheduler import SchedulerConfig
+    from kvdiet.server.app import build_app
+    from kvdiet.server.metrics import ServerMetrics
+    from kvdiet.units import parse_count
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    if args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    engine_args = EngineArgs(
+        model=args.model,
+        seed=args.seed,
+        weights=args.weights,
+        kv_cache_dtype=args.kv_cache_dtype,
+        cache=cache_options(args),
+        max_model_len=parse_count(args.max_model_len) if args.max_model_len else None,
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+    )
+    name = args.served_model_name or args.model
+    log.info(
+        "loading %s (seed %d%s)", args.model, args.seed, f", weights {args.weights}" if args.weights else ""
+    )
+    holder: dict = {}
+    metrics = ServerMetrics(lambda: holder["loop"].snapshot, name)
+    engine = engine_args.create_engine(observer=metrics)
+    loop = holder["loop"] = EngineLoop(engine)
+    for line in startup_report(engine):
+        log.info(line)
+    app = build_app(
+        loop,
+        model_name=name,
+        metrics=metrics,
+        api_key=args.api_key,
+        default_max_tokens=args.default_max_tokens,
+    )
+    log.info("serving %r on http://%s:%d/v1 (metrics at /metrics)", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def startup_report(engine: object) -> list[str]:
+    """The start-up lines: KV-cache budget (blocks, tokens, bytes), maximum concurrency at max_model_len,
+    the tiers and the policy."""
+    cache = engine.cache
+    pool, bs, opts = cache.pool, cache.options.block_size, cache.options
+    blocks = pool.blocks.num_blocks
+    tokens = blocks * bs
+    lines = [
+        f"KV cache: {blocks:,} blocks × {bs} tokens = {tokens:,} tokens, {format_bytes(blocks * pool.block_bytes)} "
+        f"({pool.block_bytes:,} B per block, {pool.block_bytes / bs:,.1f} B/token of global KV)",
+        f"maximum concurrency for {engine.max_model_len:,} tokens per request: {tokens / engine.max_model_len:.2f}x",
+    ]
+    p = cache.persistent
+    if p is not None and p.enabled:
+        lines.append(
+            f"persistent tier: {opts.persistent_dir} (TTL {opts.persistent_ttl_s / 3600:g} h, {len(p):,} entries, "
+            f"{format_bytes(p.nbytes)} resident)"
+        )
+    else:
+        lines.append("persistent tier: off")
+    lines.append(
+        f"{cache.swa_pool!r}; "
+        f"SWA policy {opts.policy}; decoder-side bounded replay {'on' if cache.decoder_replay else 'off'}; "
+        f"prefix caching {'on' if opts.prefix_caching else 'off'}"
+    )
+    sched = engine.scheduler.config
+    lines.append(
+        f"scheduler: --max-num-seqs {sched.max_num_seqs}, --max-num-batched-tokens {sched.max_num_batched_tokens}, "
+        f"--max-model-len {engine.max_model_len:,}"
+    )
+    return lines
