@@ -238,14 +238,15 @@ def build_app(
             delta: dict[str, Any] = {"content": out.new_text}
             if first[0]:  # the first chunk also names the role
                 delta, first[0] = {"role": "assistant"} | delta, False
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(out)}
+            if body.return_token_ids:
+                choice["token_ids"] = list(out.new_token_ids)
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model_name,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(out)}
-                ],
+                "choices": [choice],
             }
 
         if body.stream:
@@ -274,9 +275,11 @@ def build_app(
                         "logprobs": None,
                         "finish_reason": _finish_reason(out),
                     }
+                    | ({"token_ids": list(out.output_ids)} if body.return_token_ids else {})
                 ],
                 "usage": _usage(out),
             }
+            | ({"prompt_token_ids": ids} if body.return_token_ids else {})
         )
 
     return app

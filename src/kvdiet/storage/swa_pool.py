@@ -20,6 +20,7 @@ from typing import Protocol
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
+from kvdiet.units import format_bytes
 
 __all__ = ["DEFAULT_SWA_POOL_TTL_S", "InProcessSwaPool", "SwaPool", "default_swa_pool_bytes"]
 
@@ -90,7 +91,7 @@ class InProcessSwaPool:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"in-process SWA pool ({self.capacity_bytes:,} B, TTL {self.ttl_s:g} s)"
+        return f"in-process SWA pool ({format_bytes(self.capacity_bytes)}, TTL {self.ttl_s:g} s)"
 
     @property
     def nbytes(self) -> int:
