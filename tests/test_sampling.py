@@ -32,3 +32,14 @@ def test_greedy_and_filters() -> None:
     assert picks == {1, 2}
     peaked = torch.tensor([10.0, 0.0, 0.0, 0.0])
     assert {sample(peaked, SamplingParams(temperature=1.0, top_p=0.5), gen) for _ in range(20)} == {0}
+
+
+def test_logit_bias_shifts_the_choice_and_is_range_checked() -> None:
+    logits = torch.tensor([0.0, 1.0, 0.5])
+    assert sample(logits, SamplingParams()) == 1
+    assert sample(logits, SamplingParams(logit_bias={2: 0.6})) == 2
+    assert logits.tolist() == [0.0, 1.0, 0.5]  # the caller's logits are not changed
+    with pytest.raises(ValueError, match="logit_bias of token 2 must be in"):
+        SamplingParams(logit_bias={2: 101.0})
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=("",))

@@ -1,1 +1,2 @@
-"""Request-level driving of the model: sampling and (for now) single-request generation."""
+"""Request-level driving of the model: the cache system (`KVCache`), single-request generation, and the
+continuous-batching engine (request, scheduler, engine, loop) behind `kvdiet.LLM` and ``kvdiet serve``."""

@@ -78,7 +78,7 @@ class EngineLoop:
             out = self.engine.abort_request(rid)
             deliver = self._deliver.pop(rid, None)
             if deliver is not None and out is not None:
-                deliver(out)
+                _delivered(deliver, out)
         self.engine.cache.close()
 
     @property
@@ -149,7 +149,7 @@ class EngineLoop:
             log.exception("engine step failed; the engine stops serving")
             self.error = exc
             for rid in list(self._deliver):
-                self._deliver.pop(rid)(EngineDeadError(f"engine failed: {exc!r}"))
+                _delivered(self._deliver.pop(rid), EngineDeadError(f"engine failed: {exc!r}"))
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -169,7 +169,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(ids, params, request_id=rid)
             except ValueError as exc:
-                deliver(exc)
+                _delivered(deliver, exc)
                 return
             self._deliver[rid] = deliver
         elif cmd[0] == "abort":
@@ -178,11 +178,11 @@ class EngineLoop:
                 self._send(out)
 
     def _send(self, out: RequestOutput) -> None:
-        deliver = (
-            self._deliver.pop(out.request_id, None) if out.finished else self._deliver.get(out.request_id)
-        )
-        if deliver is not None:
-            deliver(out)
+        rid = out.request_id
+        deliver = self._deliver.pop(rid, None) if out.finished else self._deliver.get(rid)
+        if deliver is not None and not _delivered(deliver, out):
+            self._deliver.pop(rid, None)  # nobody listens any more (its event loop closed)
+            self.engine.abort_request(rid)
 
     def _refresh(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -209,3 +209,14 @@ class EngineLoop:
             "swa_pool_bytes": pool.nbytes,
             "swa_pool_entries": len(pool),
         }
+
+
+def _delivered(deliver: Deliver, item: RequestOutput | BaseException) -> bool:
+    """Hand ``item`` to a caller; False when the caller is gone (its event loop closed), so a departed
+    caller never stops the engine."""
+    try:
+        deliver(item)
+    except RuntimeError:
+        log.warning("dropping an output: its caller's event loop is closed")
+        return False
+    return True

@@ -24,7 +24,8 @@ class SamplingParams:
             it (needs a tokenizer).
         ignore_eos: keep generating after the tokenizer's EOS token (it is a stop token otherwise).
         logit_bias: token id → value added to its logit before sampling (OpenAI ``logit_bias``, -100…100).
-        seed: seed of the per-request sampling generator (None = 0).
+        seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
+            engine, 0 in `generate`).
     Raises:
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """

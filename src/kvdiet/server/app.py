@@ -57,6 +57,23 @@ class _ApiError(Exception):
         self.param, self.status, self.kind = param, status, kind
 
 
+class _ApiKeyMiddleware:
+    """Answers 401 on ``/v1/*`` without ``Authorization: Bearer <key>`` (plain ASGI, so streaming responses
+    and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: Callable, *, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key", status=401, kind="authentication_error")
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     loop: EngineLoop,
     *,
@@ -86,15 +103,8 @@ def build_app(
 
     app = FastAPI(title="kvdiet", summary="OpenAI-compatible server of the kvdiet engine", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(
-                    error_body("invalid or missing API key", status=401, kind="authentication_error"), 401
-                )
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -184,28 +194,29 @@ def build_app(
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
-        def chunk(out: RequestOutput, *, final_text: str | None = None) -> dict:
+        def chunk(out: RequestOutput, *, final: bool = False) -> dict:
+            choice = {
+                "index": 0,
+                "text": out.text if final else out.new_text,
+                "logprobs": None,
+                "finish_reason": _finish_reason(out),
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = list(out.output_ids if final else out.new_token_ids)
             return {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": out.new_text if final_text is None else final_text,
-                        "logprobs": None,
-                        "finish_reason": _finish_reason(out),
-                    }
-                ],
-            }
+                "choices": [choice],
+            } | ({"prompt_token_ids": ids} if body.return_token_ids and final else {})
 
         if body.stream:
             return _sse(
                 loop, ids, params, rid, chunk, _include_usage(body), created, model_name, "text_completion"
             )
         out = await _final(loop, ids, params, rid, request)
-        return JSONResponse(chunk(out, final_text=out.text) | {"usage": _usage(out)})
+        return JSONResponse(chunk(out, final=True) | {"usage": _usage(out)})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:

@@ -136,7 +136,7 @@ def run_serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens,
     )
     log.info("serving %r on http://%s:%d/v1 (metrics at /metrics)", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 
 def startup_report(engine: object) -> list[str]:

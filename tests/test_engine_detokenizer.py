@@ -1,0 +1,48 @@
+"""Incremental detokenization over byte-level tokens (split UTF-8 characters held back) and stop strings."""
+
+from __future__ import annotations
+
+from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
+
+
+class ByteTokenizer:
+    """Id = one byte; text = the bytes decoded as UTF-8 with replacement (like a byte-level BPE)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_split_characters_are_held_until_complete() -> None:
+    d = IncrementalDetokenizer(ByteTokenizer())
+    pieces = [d.add(b) for b in "aé€😀z".encode()]
+    assert "".join(pieces) == d.text == "aé€😀z"
+    assert pieces[1] == "" and pieces[2] == "é"  # é = 2 bytes: nothing after the first
+    assert pieces[-2] == "😀" and pieces[-5:-2] == ["", "", ""]
+
+
+def test_invalid_bytes_are_released_after_four_tokens_and_at_the_end() -> None:
+    d = IncrementalDetokenizer(ByteTokenizer())
+    out = [d.add(0xFF) for _ in range(4)]
+    assert out[:3] == ["", "", ""] and out[3] == "\ufffd" * 4  # never held past one character's length
+    d.add(0xC3)
+    assert d.flush() == "\ufffd" and d.text.endswith("\ufffd")
+    assert d.flush() == ""
+
+
+def test_final_flag_flushes() -> None:
+    d = IncrementalDetokenizer(ByteTokenizer())
+    d.add(0x61)
+    assert d.add(0xC3, final=True) == "\ufffd"
+
+
+def test_find_stop_takes_the_earliest_stop() -> None:
+    assert find_stop("hello world", ["world", "lo"]) == 3
+    assert find_stop("hello world", ["xyz"]) is None
+    assert find_stop("abcabc", ["abc"], start=1) == 3
+
+
+def test_safe_length_holds_a_possible_stop_prefix() -> None:
+    assert safe_length("hello wo", ["world"]) == 6
+    assert safe_length("hello", ["world"]) == 5
+    assert safe_length("ab", ["abc", "bx"]) == 0  # "ab" may become "abc"
+    assert safe_length("text", []) == 4

@@ -1,0 +1,321 @@
+"""The continuous-batching engine on v4.1-micro (W = 8, block size 4): batched runs equal solo runs, the
+token budget and sequence limit hold, preemption resumes correctly, abort at any point frees every block,
+stop conditions, and the input cases B26–B29."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.config import load_config
+from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.generate import generate
+from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.engine.scheduler import ScheduledStep, SchedulerConfig
+from kvdiet.model.transformer import Transformer
+
+BS = 4
+V = 64
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ+/"
+
+
+class LetterTokenizer:
+    """One character per id of the micro vocabulary (64 ids); BOS 0, EOS 63."""
+
+    bos_token_id, eos_token_id = 0, 63
+
+    def encode(self, text: str) -> list[int]:
+        return [_ALPHABET.index(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(_ALPHABET[i] for i in ids)
+
+
+@pytest.fixture(scope="module")
+def micro() -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=3)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(
+    model: Transformer,
+    *,
+    blocks: int = 300,
+    policy: str = "bounded-replay",
+    max_num_seqs: int = 4,
+    budget: int = 16,
+    max_model_len: int | None = 128,
+    tokenizer: object | None = None,
+) -> LLMEngine:
+    opts = CacheOptions(
+        kv_cache_memory=blocks * model.new_pool(1, block_size=BS).block_bytes,
+        block_size=BS,
+        policy=SwaPolicy.parse(policy),
+    )
+    cache = KVCache(model, opts).open()
+    return LLMEngine(
+        model,
+        cache,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs, budget),
+    )
+
+
+def _solo(model: Transformer, ids: list[int], params: SamplingParams) -> list[int]:
+    return generate(model, ids, params).output_ids
+
+
+def _run(engine: LLMEngine, prompts: list, params: SamplingParams) -> list[RequestOutput]:
+    rids = [engine.add_request(p, params) for p in prompts]
+    final: dict[str, RequestOutput] = {}
+    engine.run_to_completion(lambda o: final.__setitem__(o.request_id, o) if o.finished else None)
+    return [final[r] for r in rids]
+
+
+def _record_steps(engine: LLMEngine) -> list[tuple[ScheduledStep, int]]:
+    """Wrap the scheduler so every plan is kept with the running count after it."""
+    steps: list[tuple[ScheduledStep, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording() -> ScheduledStep:
+        plan = schedule()
+        steps.append((plan, len(engine.scheduler.running)))
+        return plan
+
+    engine.scheduler.schedule = recording
+    return steps
+
+
+def _assert_clean(engine: LLMEngine, free_at_start: int) -> None:
+    blocks = engine.cache.pool.blocks
+    assert blocks.num_free == free_at_start
+    assert blocks.num_used == 0
+    blocks.check_integrity()
+    assert not engine.requests and not engine.has_unfinished
+
+
+def test_batch_equals_solo_runs_under_a_small_token_budget(micro: Transformer) -> None:
+    engine = _engine(micro, max_num_seqs=3, budget=16)
+    free = engine.cache.pool.blocks.num_free
+    steps = _record_steps(engine)
+    prompts = [_ids(n, seed=n) for n in (3, 9, 17, 30, 41)]
+    params = SamplingParams(max_tokens=6)
+    outs = _run(engine, prompts, params)
+    for p, o in zip(prompts, outs, strict=True):
+        assert list(o.output_ids) == _solo(micro, p, params)
+        assert o.finish_reason == "length" and o.prompt_tokens == len(p)
+    assert all(plan.num_tokens <= 16 for plan, _ in steps)
+    assert max(running for _, running in steps) == 3  # the sequence limit is reached, never passed
+    assert any(plan.prefills and plan.decodes for plan, _ in steps)  # chunked prefill beside decodes
+    assert any(n < 16 and n < len(r.prompt_ids) for plan, _ in steps for r, n in plan.prefills)  # chunks
+    _assert_clean(engine, free)
+
+
+@pytest.mark.parametrize("policy", ["bounded-replay", "exact-recompute"])
+def test_preemption_resumes_with_the_same_tokens(micro: Transformer, policy: str) -> None:
+    # 20 blocks of 4 tokens; four requests of 20 + 20 tokens need 10 blocks each: they must take turns.
+    engine = _engine(micro, blocks=20, policy=policy, max_num_seqs=4, budget=32, max_model_len=64)
+    free = engine.cache.pool.blocks.num_free
+    prompts = [_ids(20, seed=100 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=20)
+    outs = _run(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
+    for p, o in zip(prompts, outs, strict=True):
+        assert list(o.output_ids) == _solo(micro, p, params)
+    _assert_clean(engine, free)
+
+
+def test_preempted_request_reuses_its_cached_prefix(micro: Transformer) -> None:
+    # 24 blocks; two requests of 40 + 24 tokens (16 blocks each) fit together only until they decode.
+    engine = _engine(micro, blocks=24, max_num_seqs=4, budget=32, max_model_len=64)
+    prompts = [_ids(40, seed=200 + i) for i in range(2)]
+    params = SamplingParams(max_tokens=24)
+    outs = _run(engine, prompts, params)
+    assert engine.scheduler.num_preemptions == 1 and outs[1].num_preemptions == 1
+    # The preempted request looked up prompt + outputs again: its head blocks were still cached (tail-first
+    # release leaves the prefix for last) and only the rest was recomputed.
+    resumed = 40 + len(outs[1].output_ids)  # at most this many tokens looked up on resumption
+    assert engine.cache.stats.device.hit_tokens >= 32  # 8 of its 10 prompt blocks survived the other's decode
+    assert engine.cache.stats.computed_tokens <= 2 * 40 + resumed - 32
+    assert [list(o.output_ids) for o in outs] == [_solo(micro, p, params) for p in prompts]
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 4, 7])
+def test_abort_at_any_point_frees_every_block(micro: Transformer, steps: int) -> None:
+    engine = _engine(micro, max_num_seqs=2, budget=8)
+    free = engine.cache.pool.blocks.num_free
+    rids = [engine.add_request(_ids(n, seed=n), SamplingParams(max_tokens=10)) for n in (5, 13, 22)]
+    for _ in range(steps):
+        engine.step()
+    finals = [engine.abort_request(r) for r in rids]
+    assert all(f is not None and f.finished and f.finish_reason == "abort" for f in finals)
+    assert engine.abort_request(rids[0]) is None  # a second abort does nothing
+    _assert_clean(engine, free)
+    p = _ids(11, seed=5)
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=4))
+    assert list(out.output_ids) == _solo(micro, p, SamplingParams(max_tokens=4))
+
+
+def test_stop_token_max_tokens_and_scoring_only(micro: Transformer) -> None:
+    engine = _engine(micro)
+    p = _ids(15, seed=9)
+    ref = _solo(micro, p, SamplingParams(max_tokens=8))
+    stop = ref[3]
+    first = ref.index(stop)
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+    assert list(out.output_ids) == ref[: first + 1] and out.finish_reason == "stop"
+    computed = engine.cache.stats.computed_tokens
+    (score,) = _run(engine, [_ids(9, seed=10)], SamplingParams(max_tokens=0))
+    assert score.output_ids == () and score.finish_reason == "length"
+    assert engine.cache.stats.computed_tokens == computed + 9  # the prompt was prefilled
+
+
+def test_stop_strings_cut_the_text_and_never_stream_a_part_of_one(micro: Transformer) -> None:
+    tok = LetterTokenizer()
+    engine = _engine(micro, tokenizer=tok)
+    prompt = "helloworld"
+    ids = [tok.bos_token_id, *tok.encode(prompt)]
+    ref = _solo(micro, ids, SamplingParams(max_tokens=10))
+    ref_text = tok.decode(ref)
+    stop = ref_text[4:6]
+    cut = ref_text.find(stop)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=10, stop=(stop,), ignore_eos=True))
+    deltas, final = [], None
+    while engine.has_unfinished:
+        for o in engine.step():
+            assert o.request_id == rid
+            deltas.append(o.new_text)
+            assert stop not in "".join(deltas)
+            final = o
+    assert final.finish_reason == "stop" and final.text == ref_text[:cut]
+    assert "".join(deltas) == final.text
+    assert list(final.output_ids) == ref[: len(final.output_ids)]
+
+
+def test_eos_stops_unless_ignored(micro: Transformer) -> None:
+    tok = LetterTokenizer()
+    p = _ids(12, seed=4)
+    ref = _solo(micro, p, SamplingParams(max_tokens=6))
+    tok.eos_token_id = ref[2]  # make the third output the EOS token
+    engine = _engine(micro, tokenizer=tok)
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6))
+    assert list(out.output_ids) == ref[: ref.index(ref[2]) + 1] and out.finish_reason == "stop"
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert list(out.output_ids) == ref and out.finish_reason == "length"
+
+
+def test_b26_empty_prompt_is_rejected_before_any_state_changes(micro: Transformer) -> None:
+    engine = _engine(micro, tokenizer=LetterTokenizer())
+    free = engine.cache.pool.blocks.num_free
+    for empty in ([], ""):
+        with pytest.raises(ValueError, match="empty prompt"):
+            engine.add_request(empty, SamplingParams(max_tokens=2))
+    assert not engine.requests and engine.cache.pool.blocks.num_free == free
+    assert engine.cache.stats.device.query_tokens == 0
+    (out,) = _run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))
+    assert list(out.output_ids) == _solo(micro, [5, 6, 7], SamplingParams(max_tokens=3))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([3, 64], SamplingParams(), "token id 64 at index 1 is outside the vocabulary \\[0, 64\\)"),
+        ([-1], SamplingParams(), "token id -1 at index 0 is outside the vocabulary \\[0, 64\\)"),
+        ([2**31], SamplingParams(), "token id 2147483648 at index 0"),
+        ([2**70], SamplingParams(), "token id 1180591620717411303424 at index 0"),
+        (
+            [3, 4],
+            SamplingParams(stop_token_ids=(64,)),
+            "stop token id 64 is outside the vocabulary \\[0, 64\\)",
+        ),
+        ([3, 4], SamplingParams(logit_bias={64: 1.0}), "logit_bias token id 64 is outside"),
+        ([3, 4], SamplingParams(logit_bias={-1: 1.0}), "logit_bias token id -1 is outside"),
+    ],
+)
+def test_b27_bad_token_ids_are_rejected_naming_the_id(micro, prompt, params, message) -> None:
+    engine = _engine(micro)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    assert not engine.requests and not engine.has_unfinished
+    (out,) = _run(engine, [[3, 4, 5]], SamplingParams(max_tokens=2))
+    assert out.finish_reason == "length" and len(out.output_ids) == 2
+
+
+def test_b28_prompt_at_the_context_limit(micro: Transformer) -> None:
+    engine = _engine(micro, max_model_len=32)
+    decoded: list[int] = []
+    decode = engine.cache.decode
+    engine.cache.decode = lambda sessions, tokens: (decoded.append(len(sessions)), decode(sessions, tokens))[
+        1
+    ]
+    (out,) = _run(engine, [_ids(31, seed=1)], SamplingParams(max_tokens=1))
+    assert len(out.output_ids) == 1 and out.finish_reason == "length"
+    assert engine.cache.stats.computed_tokens == 31 and not decoded  # position 31 is never written
+    with pytest.raises(
+        ValueError, match=r"prompt \(32 tokens\) \+ max_tokens \(1\) = 33 tokens > max_model_len 32"
+    ):
+        engine.add_request(_ids(32, seed=2), SamplingParams(max_tokens=1))
+    (score,) = _run(engine, [_ids(32, seed=2)], SamplingParams(max_tokens=0))  # scoring only: 32 <= 32
+    assert score.output_ids == () and score.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"= 33 tokens > max_model_len 32"):
+        engine.add_request(_ids(33, seed=3), SamplingParams(max_tokens=0))
+
+
+def test_b29_fully_cached_prompt_beside_a_decoding_request(micro: Transformer) -> None:
+    engine = _engine(micro, budget=16)
+    a, b = _ids(20, seed=21), _ids(12, seed=22)
+    params = SamplingParams(max_tokens=6)
+    _run(engine, [b], params)  # B's whole prompt is now cached (its 2 usable blocks + a pool snapshot)
+    steps = _record_steps(engine)
+    ra = engine.add_request(a, params)
+    for _ in range(3):  # A prefills and starts decoding
+        engine.step()
+    rb = engine.add_request(b, params)
+    final: dict[str, RequestOutput] = {}
+    engine.run_to_completion(lambda o: final.__setitem__(o.request_id, o) if o.finished else None)
+    mixed = [plan for plan, _ in steps if plan.decodes and any(r.request_id == rb for r, _ in plan.prefills)]
+    assert mixed and [r.request_id for r in mixed[0].decodes] == [ra]
+    assert final[rb].provenance.hit_tokens == 8 and final[rb].provenance.computed_tokens == 4
+    assert list(final[rb].output_ids) == _solo(micro, b, params)
+    assert list(final[ra].output_ids) == _solo(micro, a, params)
+
+
+def test_seeded_sampling_is_reproducible(micro: Transformer) -> None:
+    engine = _engine(micro)
+    p = _ids(10, seed=30)
+    runs = [
+        _run(engine, [p], SamplingParams(max_tokens=8, temperature=1.0, top_k=20, seed=s))[0].output_ids
+        for s in (7, 7, 8)
+    ]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_repeated_prompt_hits_the_device_pool_and_the_swa_pool(micro: Transformer) -> None:
+    engine = _engine(micro)
+    p = _ids(30, seed=40)
+    first, second = (_run(engine, [p], SamplingParams(max_tokens=2))[0] for _ in range(2))
+    assert first.provenance.hit_tokens == 0
+    assert second.provenance.device_tokens == 28 and second.provenance.window_source == "swa-pool"
+    assert second.cached_tokens == 28 and second.output_ids == first.output_ids
+
+
+def test_settings_are_checked_at_construction(micro: Transformer) -> None:
+    with pytest.raises(ValueError, match="max-num-batched-tokens"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="max-model-len must be in"):
+        _engine(micro, max_model_len=257)
+    with pytest.raises(ValueError, match=r"needs 17 blocks of 4 tokens, but the KV cache holds 10 blocks"):
+        _engine(micro, blocks=10, max_model_len=64)
+    engine = _engine(micro)
+    engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="x")

@@ -1,0 +1,38 @@
+"""The offline `LLM` API: batches in input order, per-prompt parameters, validation before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiet import LLM, SamplingParams
+from kvdiet.engine.generate import generate
+from kvdiet.engine.kv_cache import CacheOptions
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("v4.1-micro", cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20), max_num_seqs=2) as llm:
+        yield llm
+
+
+def test_outputs_come_back_in_prompt_order_and_equal_solo_runs(llm) -> None:
+    prompts = [[5, 6, 7, 8, 9], list(range(1, 30)), [3]]
+    params = [SamplingParams(max_tokens=n) for n in (3, 5, 2)]
+    outs = llm.generate(prompts, params)
+    for p, sp, o in zip(prompts, params, outs, strict=True):
+        assert list(o.output_ids) == generate(llm.engine.model, p, sp).output_ids
+        assert o.prompt_tokens == len(p) and len(o.output_ids) == sp.max_tokens
+    (single,) = llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))  # a list of ints is one prompt
+    assert single.output_ids == outs[0].output_ids
+    assert single.cached_tokens == 4  # the first block, from the device pool
+
+
+def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:
+    free = llm.engine.cache.pool.blocks.num_free
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling parameters"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams()])
+    with pytest.raises(ValueError, match="token id 99 at index 1"):
+        llm.generate([[1, 2], [3, 99]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer")
+    assert not llm.engine.requests and llm.engine.cache.pool.blocks.num_free == free

@@ -1,0 +1,125 @@
+"""`EngineLoop`: the engine on its thread, driven from asyncio — concurrent streams, early exit aborts,
+a failed step stops serving, close aborts what runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.generate import generate
+from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.engine.loop import EngineDeadError, EngineLoop
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.engine.scheduler import SchedulerConfig
+
+ARGS = EngineArgs(
+    model="v4.1-micro",
+    cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20),
+    scheduler=SchedulerConfig(4, 16),
+)
+
+
+@pytest.fixture
+def loop():
+    loop = EngineLoop(ARGS.create_engine()).start()
+    yield loop
+    loop.close()
+
+
+async def _collect(loop: EngineLoop, ids: list[int], params: SamplingParams) -> list:
+    return [out async for out in loop.generate(ids, params)]
+
+
+def _wait_idle(loop: EngineLoop, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while loop.engine.requests and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_concurrent_streams_equal_solo_runs(loop: EngineLoop) -> None:
+    prompts = [[5, 6, 7, 8, 9, 10], list(range(1, 25)), [7, 7, 7]]
+    params = SamplingParams(max_tokens=5)
+
+    async def main() -> list[list]:
+        return await asyncio.gather(*(_collect(loop, p, params) for p in prompts))
+
+    streams = asyncio.run(main())
+    for p, outs in zip(prompts, streams, strict=True):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        ids = [t for o in outs for t in o.new_token_ids]
+        assert ids == list(outs[-1].output_ids) == generate(loop.engine.model, p, params).output_ids
+    assert loop.engine.stats.generation_tokens == 15
+
+
+def test_leaving_a_stream_early_aborts_the_request(loop: EngineLoop) -> None:
+    free = loop.engine.cache.pool.blocks.num_free
+
+    async def main() -> int:
+        n = 0
+        async for _ in loop.generate(list(range(1, 30)), SamplingParams(max_tokens=100)):
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    assert asyncio.run(main()) == 2
+    _wait_idle(loop)
+    assert not loop.engine.requests and loop.engine.cache.pool.blocks.num_free == free
+    assert loop.engine.stats.finished["abort"] == 1
+
+
+def test_rejected_request_raises_and_the_loop_keeps_serving(loop: EngineLoop) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="token id 64"):
+            await _collect(loop, [1, 64], SamplingParams(max_tokens=2))
+        outs = await _collect(loop, [1, 2], SamplingParams(max_tokens=2))
+        assert outs[-1].finish_reason == "length"
+
+    asyncio.run(main())
+    assert loop.healthy
+
+
+def test_a_failed_step_stops_serving(loop: EngineLoop) -> None:
+    def broken() -> list:
+        raise RuntimeError("boom")
+
+    loop.engine.step = broken
+
+    async def main() -> None:
+        with pytest.raises(EngineDeadError, match="boom"):
+            await _collect(loop, [1, 2, 3], SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not loop.healthy
+    with pytest.raises(EngineDeadError):
+        loop.submit([1, 2], SamplingParams(), lambda out: None, "late")
+
+
+def test_close_aborts_running_requests() -> None:
+    loop = EngineLoop(ARGS.create_engine()).start()
+    got: list = []
+    loop.submit(list(range(1, 30)), SamplingParams(max_tokens=200), got.append, "r")
+    time.sleep(0.3)
+    loop.close()
+    assert got and got[-1].finished and got[-1].finish_reason == "abort"
+    assert not loop.healthy
+    assert loop.engine.cache.pool.blocks.num_used == 0
+
+
+def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineLoop) -> None:
+    def closed_event_loop(_: object) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    free = loop.engine.cache.pool.blocks.num_free
+    loop.submit(list(range(1, 30)), SamplingParams(max_tokens=50), closed_event_loop, "gone")
+    _wait_idle(loop)
+    assert loop.healthy and loop.engine.stats.finished["abort"] == 1
+    assert loop.engine.cache.pool.blocks.num_free == free
+
+    async def main() -> list:
+        return await _collect(loop, [1, 2, 3], SamplingParams(max_tokens=2))
+
+    assert asyncio.run(main())[-1].finish_reason == "length"

@@ -1,0 +1,356 @@
+"""The OpenAI-compatible server for real: uvicorn on a free loopback port, the official ``openai`` client
+(streaming and not), raw HTTP for the error cases and disconnects, Prometheus metrics.
+
+The main server runs v4.1-mini (the real DeepSeek tokenizer and cache geometry) with a persistent tier in a
+temporary directory; a v4.1-micro server checks the API key and a failed engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.generate import generate
+from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.engine.loop import EngineLoop
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.engine.scheduler import SchedulerConfig
+from kvdiet.server.app import build_app
+from kvdiet.server.chat_template import render_chat
+from kvdiet.server.metrics import ServerMetrics
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 4096
+
+
+@contextlib.contextmanager
+def running_server(args: EngineArgs, name: str, **app_kw) -> Iterator[tuple[str, EngineLoop]]:
+    """Serve ``args`` on a free 127.0.0.1 port in a thread; yields (base URL, engine loop); stops it."""
+    holder: dict = {}
+    metrics = ServerMetrics(lambda: holder["loop"].snapshot, name)
+    loop = holder["loop"] = EngineLoop(args.create_engine(observer=metrics))
+    app = build_app(loop, model_name=name, metrics=metrics, **app_kw)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", loop
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+def _post(base: str, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw) if raw else {}
+
+
+def _get(base: str, path: str) -> tuple[int, str]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, text
+
+
+def _wait_idle(loop: EngineLoop, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while (loop.engine.requests or loop.engine.has_unfinished) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not loop.engine.requests, "requests still in the engine"
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory) -> Iterator[tuple[str, EngineLoop]]:
+    args = EngineArgs(
+        model="v4.1-mini",
+        cache=CacheOptions(kv_cache_memory=64 << 20, persistent_dir=tmp_path_factory.mktemp("persistent")),
+        max_model_len=MAX_MODEL_LEN,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256),
+    )
+    with running_server(args, "v4.1-mini") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(mini) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mini[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _solo(loop: EngineLoop, ids: list[int], n: int) -> list[int]:
+    return generate(loop.engine.model, ids, SamplingParams(max_tokens=n)).output_ids
+
+
+def test_completion_and_stream_with_the_openai_client(mini, client) -> None:
+    _, loop = mini
+    tok = loop.engine.tokenizer
+    prompt = "The KV cache of DeepSeek-V4.1"
+    ids = [tok.bos_token_id, *tok.encode(prompt)]
+    r = client.completions.create(
+        model="v4.1-mini", prompt=prompt, max_tokens=3, temperature=0, extra_body={"return_token_ids": True}
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+    assert choice.model_extra["token_ids"] == _solo(loop, ids, 3)
+    assert choice.text == tok.decode(choice.model_extra["token_ids"])
+    assert r.model_extra["prompt_token_ids"] == ids
+
+    chunks = list(
+        client.completions.create(
+            model="v4.1-mini",
+            prompt=prompt,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # 7 tokens: no full block to share
+
+
+def test_chat_completion_and_stream(mini, client) -> None:
+    _, loop = mini
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a KV cache?"},
+    ]
+    ids = loop.engine.tokenizer.encode(render_chat(messages))
+    r = client.chat.completions.create(model="v4.1-mini", messages=messages, max_tokens=3, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content == loop.engine.tokenizer.decode(_solo(loop, ids, 3))
+    chunks = list(
+        client.chat.completions.create(
+            model="v4.1-mini", messages=messages, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_ends_with_done_on_the_wire(mini) -> None:
+    base, _ = mini
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"prompt": [0, 500, 600], "max_tokens": 2, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_streams_are_batched_and_match_solo_runs(mini) -> None:
+    base, loop = mini
+    prompts = [[0, *range(1000 + 10 * i, 1000 + 10 * i + 5 + i)] for i in range(4)]
+    aclient = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(p: list[int]) -> list[int]:
+        stream = await aclient.completions.create(
+            model="v4.1-mini",
+            prompt=p,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        return [t async for c in stream for t in c.choices[0].model_extra["token_ids"]]
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == [_solo(loop, p, 3) for p in prompts]
+
+
+def test_repeated_prompt_reports_cached_tokens_by_tier(mini, client) -> None:
+    _, loop = mini
+    prompt = "Bounded replay rebuilds the window state. " * 30  # ~240 tokens: 3 full blocks of 64
+    n = len(loop.engine.tokenizer.encode(prompt)) + 1
+    first, second = (
+        client.completions.create(model="v4.1-mini", prompt=prompt, max_tokens=1) for _ in range(2)
+    )
+    hit = (n - 1) // 64 * 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    d = second.usage.prompt_tokens_details
+    assert d.cached_tokens == hit > 0
+    assert d.model_extra["device_tokens"] == hit and d.model_extra["persistent_tokens"] == 0
+    assert d.model_extra["window_source"] == "swa-pool" and d.model_extra["replayed_tokens"] == 0
+
+
+def test_models_health_and_metrics(mini, client) -> None:
+    base, loop = mini
+    assert [m.id for m in client.models.list().data] == ["v4.1-mini"]
+    assert _get(base, "/health")[0] == 200
+    client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
+    client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
+    time.sleep(0.6)  # the snapshot refreshes every 0.25 s
+    status, text = _get(base, "/metrics")
+    assert status == 200
+    samples = {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    stats = loop.engine.cache.stats
+    assert samples[("kvdiet:prefix_cache_hits_total", (("tier", "device"),))] == stats.device.hit_tokens > 0
+    assert samples[("kvdiet:prefix_cache_queries_total", (("tier", "persistent"),))] >= 0
+    assert samples[("kvdiet:time_to_first_token_seconds_count", ())] >= 2
+    assert samples[("kvdiet:inter_token_latency_seconds_count", ())] >= 1
+    assert samples[("kvdiet:persistent_bytes", ())] > 0 and samples[("kvdiet:persistent_entries", ())] > 0
+    assert samples[("kvdiet:swa_pool_entries", ())] >= 1 and samples[("kvdiet:swa_pool_bytes", ())] > 0
+    assert (
+        samples[("kvdiet:num_requests_running", ())] == 0
+        and samples[("kvdiet:num_requests_waiting", ())] == 0
+    )
+    assert samples[("kvdiet:kv_cache_usage_perc", ())] == 0.0
+    assert samples[("kvdiet:request_success_total", (("finished_reason", "length"),))] >= 2
+    for name in ("replayed_tokens_total", "cache_evictions_total", "cache_expirations_total"):
+        assert any(key[0] == f"kvdiet:{name}" for key in samples), name
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {"prompt": "", "max_tokens": 2}, "empty prompt"),
+        ("/v1/completions", {"prompt": [], "max_tokens": 2}, "empty prompt"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 5000},
+            "max_tokens (5000) = 5002 tokens > max_model_len 4096",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 0},
+            "max_tokens: Input should be greater than or equal to 1",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "the model 'gpt-4' does not exist"),
+        ("/v1/completions", b'{"prompt": "hi", ', "malformed JSON"),
+        (
+            "/v1/completions",
+            {"prompt": [0, 129280]},
+            "token id 129280 at index 1 is outside the vocabulary [0, 129280)",
+        ),
+        ("/v1/completions", {"prompt": [0, -1]}, "token id -1 at index 1"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [200000]}, "stop token id 200000"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias token id 999999"),
+        ("/v1/completions", {"prompt": "hi", "n": 2}, "n: Input should be less than or equal to 1"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs is not supported"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per request"),
+        ("/v1/chat/completions", {"messages": []}, "at least one message"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "last message"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9999},
+            "> max_model_len 4096",
+        ),
+    ],
+)
+def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, message) -> None:
+    base, loop = mini
+    status, err = _post(base, path, body)
+    assert status == 400, err
+    assert message in err["error"]["message"] and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["code"] == 400
+    assert not loop.engine.requests
+    status, ok = _post(base, "/v1/completions", {"prompt": [0, 42], "max_tokens": 1})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 1
+
+
+def test_the_openai_client_sees_a_bad_request_error(client) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_model_len 4096"):
+        client.completions.create(model="v4.1-mini", prompt="x", max_tokens=4095)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_blocks(mini, stream) -> None:
+    base, loop = mini
+    _wait_idle(loop)
+    free = loop.engine.cache.pool.blocks.num_free
+    aborted = loop.engine.stats.finished["abort"]
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {"prompt": "disconnect " * 100, "max_tokens": 500, "stream": stream, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")  # the first chunk arrived: the request is running
+    else:
+        deadline = time.monotonic() + 60
+        while not loop.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loop.engine.requests
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    _wait_idle(loop)
+    assert loop.engine.stats.finished["abort"] == aborted + 1
+    assert loop.engine.cache.pool.blocks.num_free == free
+    loop.engine.cache.pool.blocks.check_integrity()  # safe: the engine thread is idle
+
+
+def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
+    args = EngineArgs(model="v4.1-micro", cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20))
+    with running_server(args, "micro", api_key="s3cret") as (base, loop):
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        status, err = _post(base, "/v1/completions", body)
+        assert status == 401 and err["error"]["type"] == "authentication_error"
+        assert _post(base, "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+        status, ok = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
+        assert status == 200 and ok["usage"]["completion_tokens"] == 2
+        assert _get(base, "/health")[0] == 200 and _get(base, "/metrics")[0] == 200  # not behind the key
+        c = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+        assert c.completions.create(model="micro", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
+
+        def broken() -> list:
+            raise RuntimeError("injected failure")
+
+        loop.engine.step = broken
+        status, err = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
+        assert status == 503 and "injected failure" in err["error"]["message"]
+        assert _get(base, "/health")[0] == 503
+        status, err = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
+        assert status == 503

@@ -1,0 +1,83 @@
+"""``kvdiet serve`` as a user runs it: a real process on a free loopback port, its start-up report, a
+completion through the openai client, a clean stop on SIGINT; bad flags exit 2 with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvdiet.server.serve import default_persistent_dir
+
+pytestmark = pytest.mark.slow
+
+KVDIET = [sys.executable, "-m", "kvdiet.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--port", str(port), "--block-size", "4"]
+    cmd += ["--kv-cache-memory", "1MiB", "--persistent-dir", str(tmp_path / "kv")]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while "Application startup complete" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "KV cache: 2,473 blocks × 4 tokens = 9,892 tokens" in text  # 1 MiB // 424 B per 4-token block
+        assert "maximum concurrency for 256 tokens per request: 38.64x" in text
+        assert f"serving 'v4.1-micro' on http://127.0.0.1:{port}/v1" in text
+        r = client.completions.create(model="v4.1-micro", prompt=list(range(1, 20)), max_tokens=3)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        assert any((tmp_path / "kv").rglob("*.kvb"))  # full blocks written through to the persistent tier
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    assert rc == 0, log.read_text()
+    assert "Application shutdown complete" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-model-len", "1M"], "--max-model-len must be in [1, 256]"),
+        (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens (4) must be >="),
+        (["--kv-cache-memory", "100B"], "below one block"),
+        (
+            ["--kv-cache-memory", "20KiB", "--block-size", "4"],
+            "needs 65 blocks of 4 tokens, but the KV cache holds 48",
+        ),
+        (["--swa-policy", "sometimes"], "sometimes"),
+        (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
+    cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--persistent-dir", "none", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr and proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+
+
+def test_default_persistent_dir_follows_xdg(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_persistent_dir() == tmp_path / "kvdiet" / "persistent"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_persistent_dir() == Path(os.path.expanduser("~")) / ".cache" / "kvdiet" / "persistent"
