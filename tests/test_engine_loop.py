@@ -115,6 +115,9 @@ def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineL
 
     free = loop.engine.cache.pool.blocks.num_free
     loop.submit(list(range(1, 30)), SamplingParams(max_tokens=50), closed_event_loop, "gone")
+    end = time.monotonic() + 30
+    while loop.engine.stats.finished["abort"] == 0 and time.monotonic() < end:
+        time.sleep(0.01)
     _wait_idle(loop)
     assert loop.healthy and loop.engine.stats.finished["abort"] == 1
     assert loop.engine.cache.pool.blocks.num_free == free
