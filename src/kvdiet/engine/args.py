@@ -7,7 +7,6 @@ meaning is the same (``--max-model-len``, ``--max-num-seqs``, ``--max-num-batche
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,9 +55,6 @@ class EngineArgs:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
-
-    def replace(self, **changes: object) -> EngineArgs:
-        return dataclasses.replace(self, **changes)
 
     def create_engine(
         self, *, observer: EngineObserver | None = None, swa_pool: SwaPool | None = None

@@ -7,6 +7,10 @@ Every step has a token budget (``max_num_batched_tokens``). The scheduler spends
 2. waiting requests (new, or preempted; first come, first served) while fewer than ``max_num_seqs`` run,
    budget is left and the device pool can hold the request's whole prefill plus one decode token.
 
+Since admission only spends budget that every running prefill left over, a request still prefilling is
+always newer than every decoding one: the running list is decodes first, so decodes are never starved by
+a long prefill (which, in turn, holds newer requests back until its last chunk).
+
 Blocks: before a running request is scheduled, the blocks its tokens need this step are reserved; when
 the pool cannot supply them, the most recently admitted running request is preempted (its blocks go back
 to the pool, published ones stay findable by their hash) and re-queued at the front, until they fit. A
