@@ -8,7 +8,7 @@ from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_le
 class ByteTokenizer:
     """Id = one byte; text = the bytes decoded as UTF-8 with replacement (like a byte-level BPE)."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
 

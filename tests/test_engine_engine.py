@@ -31,7 +31,7 @@ class LetterTokenizer:
     def encode(self, text: str) -> list[int]:
         return [_ALPHABET.index(c) for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return "".join(_ALPHABET[i] for i in ids)
 
 

@@ -123,7 +123,7 @@ def test_completion_and_stream_with_the_openai_client(mini, client) -> None:
     assert choice.finish_reason == "length"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
     assert choice.model_extra["token_ids"] == _solo(loop, ids, 3)
-    assert choice.text == tok.decode(choice.model_extra["token_ids"])
+    assert choice.text == tok.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
     assert r.model_extra["prompt_token_ids"] == ids
 
     chunks = list(
@@ -152,7 +152,9 @@ def test_chat_completion_and_stream(mini, client) -> None:
     r = client.chat.completions.create(model="v4.1-mini", messages=messages, max_tokens=3, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
-    assert r.choices[0].message.content == loop.engine.tokenizer.decode(_solo(loop, ids, 3))
+    assert r.choices[0].message.content == loop.engine.tokenizer.decode(
+        _solo(loop, ids, 3), skip_special_tokens=True
+    )
     chunks = list(
         client.chat.completions.create(
             model="v4.1-mini", messages=messages, max_tokens=3, temperature=0, stream=True
@@ -278,6 +280,13 @@ def test_models_health_and_metrics(mini, client) -> None:
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias token id 999999"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n: Input should be less than or equal to 1"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs is not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "repetition_penalty": 1.2},
+            "repetition_penalty is not supported",
+        ),
+        ("/v1/completions", {"prompt": "hi", "foo": 1}, "unknown field(s): foo"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed: Input should be less than"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per request"),
         ("/v1/chat/completions", {"messages": []}, "at least one message"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "last message"),

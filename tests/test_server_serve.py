@@ -34,6 +34,7 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
     cmd += ["--kv-cache-memory", "1MiB", "--persistent-dir", str(tmp_path / "kv")]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    stopped = False
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
         deadline = time.monotonic() + 120
@@ -48,11 +49,37 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
         r = client.completions.create(model="v4.1-micro", prompt=list(range(1, 20)), max_tokens=3)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
         assert any((tmp_path / "kv").rglob("*.kvb"))  # full blocks written through to the persistent tier
-    finally:
+        # SIGINT while a long stream runs: the stream ends at once with "abort" and [DONE].
+        stream = client.completions.create(
+            model="v4.1-micro", prompt=[1, 2, 3], max_tokens=250, stream=True, extra_body={"ignore_eos": True}
+        )
+        first = next(iter(stream))
+        assert first.choices[0].finish_reason is None
         proc.send_signal(signal.SIGINT)
+        stopped = True
+        rest = list(stream)  # the client stops at [DONE]; a cut connection would raise here
+        assert rest[-1].choices[0].finish_reason == "abort"
+    finally:
+        if not stopped:
+            proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)
     assert rc == 0, log.read_text()
-    assert "Application shutdown complete" in log.read_text()
+    assert "Application shutdown complete" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_busy_port_fails_before_the_model_loads() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [*KVDIET, "serve", "--model", "v4.1-micro", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "loading" not in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -86,9 +86,9 @@ class Tokenizer:
         """Token ids of ``text``; no BOS/EOS is added."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids``, special tokens kept as their text, no clean-up."""
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``, no clean-up; special tokens kept as their text unless ``skip_special_tokens``."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_single_raw(self, token_id: int) -> str:
         """Text of one id decoded alone (special tokens kept, no clean-up); a partial UTF-8 byte token

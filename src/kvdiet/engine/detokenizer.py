@@ -22,18 +22,19 @@ _MAX_HELD_TOKENS = 4
 
 
 class _Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Text of a growing list of output ids.
 
     Args:
-        tokenizer: anything with ``decode(ids) -> str`` (`kvdiet.tokenizer.Tokenizer`).
+        tokenizer: anything with ``decode(ids, *, skip_special_tokens) -> str`` (`kvdiet.tokenizer.Tokenizer`).
+        skip_special_tokens: leave special tokens out of the text.
     """
 
-    def __init__(self, tokenizer: _Decoder) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: _Decoder, *, skip_special_tokens: bool = False) -> None:
+        self._tok, self._skip = tokenizer, skip_special_tokens
         self._ids: list[int] = []
         self._committed = 0  # ids whose text is in ``text``
         self.text = ""
@@ -42,7 +43,7 @@ class IncrementalDetokenizer:
         """Append one id; returns the text this id completed (possibly "", held back). ``final`` flushes."""
         self._ids.append(token_id)
         pending = self._ids[self._committed :]
-        piece = self._tok.decode(pending)
+        piece = self._tok.decode(pending, skip_special_tokens=self._skip)
         if piece.endswith("\ufffd") and len(pending) < _MAX_HELD_TOKENS and not final:
             return ""
         self._committed = len(self._ids)
@@ -54,7 +55,7 @@ class IncrementalDetokenizer:
         pending = self._ids[self._committed :]
         if not pending:
             return ""
-        piece = self._tok.decode(pending)
+        piece = self._tok.decode(pending, skip_special_tokens=self._skip)
         self._committed = len(self._ids)
         self.text += piece
         return piece

@@ -154,7 +154,9 @@ class LLMEngine:
             params,
             time.monotonic(),
             torch.Generator().manual_seed(seed),
-            IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None,
         )
         self.requests[rid] = req
         self.scheduler.add(req)

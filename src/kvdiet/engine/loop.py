@@ -104,6 +104,10 @@ class EngineLoop:
         """Abort a request at the next step boundary (unknown or finished ids are ignored)."""
         self._commands.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request at the next step boundary (server shutdown: streams end with ``abort``)."""
+        self._commands.put(("abort-all",))
+
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -172,10 +176,11 @@ class EngineLoop:
                 _delivered(deliver, exc)
                 return
             self._deliver[rid] = deliver
-        elif cmd[0] == "abort":
-            out = self.engine.abort_request(cmd[1])
-            if out is not None:
-                self._send(out)
+        elif cmd[0] in ("abort", "abort-all"):
+            for rid in [cmd[1]] if cmd[0] == "abort" else list(self.engine.requests):
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._send(out)
 
     def _send(self, out: RequestOutput) -> None:
         rid = out.request_id

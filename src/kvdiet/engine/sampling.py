@@ -23,6 +23,8 @@ class SamplingParams:
         stop: generation ends when the output text contains one of these strings; the text is cut before
             it (needs a tokenizer).
         ignore_eos: keep generating after the tokenizer's EOS token (it is a stop token otherwise).
+        skip_special_tokens: leave special tokens (BOS, EOS, placeholders, chat markers) out of the output
+            text (vLLM's default); the token ids keep them.
         logit_bias: token id → value added to its logit before sampling (OpenAI ``logit_bias``, -100…100).
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
@@ -37,6 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
 
@@ -49,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         for t, b in self.logit_bias.items():

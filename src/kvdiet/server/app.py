@@ -134,9 +134,9 @@ def build_app(
             raise _ApiError(
                 f"the model {body.model!r} does not exist; this server serves {model_name!r}", param="model"
             )
-        field = body.unsupported()
-        if field is not None:
-            raise _ApiError(f"{field} is not supported by kvdiet", param=field)
+        problem = body.unsupported()
+        if problem is not None:
+            raise _ApiError(problem)
         if not engine_ok():
             raise _ApiError("the engine is not running", status=503, kind="service_unavailable")
 
@@ -144,6 +144,12 @@ def build_app(
         return loop.healthy
 
     def prepare(prompt: str | list[int], params: SamplingParams) -> list[int]:
+        try:
+            params.check_vocab(engine.model.cfg.vocab_size)
+        except ValueError as exc:
+            raise _ApiError(
+                str(exc), param="stop_token_ids" if "stop" in str(exc) else "logit_bias"
+            ) from None
         try:
             return engine.prepare(prompt, params)
         except ValueError as exc:
@@ -216,6 +222,8 @@ def build_app(
                 loop, ids, params, rid, chunk, _include_usage(body), created, model_name, "text_completion"
             )
         out = await _final(loop, ids, params, rid, request)
+        if out is None:
+            return Response(status_code=499)  # the client closed the connection (nginx's code)
         return JSONResponse(chunk(out, final=True) | {"usage": _usage(out)})
 
     @app.post("/v1/chat/completions")
@@ -234,6 +242,12 @@ def build_app(
             raise _ApiError(str(exc), param="messages") from None
         prompt_ids = engine.tokenizer.encode(text)
         wanted = body.max_completion_tokens or body.max_tokens
+        if wanted is None and len(prompt_ids) >= engine.max_model_len:
+            raise _ApiError(
+                f"the prompt ({len(prompt_ids)} tokens) leaves no room for output: max_model_len is "
+                f"{engine.max_model_len}",
+                param="messages",
+            )
         max_tokens = (
             wanted
             if wanted is not None
@@ -273,6 +287,8 @@ def build_app(
                 "chat.completion.chunk",
             )
         out = await _final(loop, ids, params, rid, request)
+        if out is None:
+            return Response(status_code=499)
         return JSONResponse(
             {
                 "id": rid,
@@ -324,8 +340,8 @@ def _usage(out: RequestOutput) -> dict:
 
 async def _final(
     loop: EngineLoop, ids: list[int], params: SamplingParams, rid: str, request: Request
-) -> RequestOutput:
-    """Run a request to its end; a client that disconnects first aborts it."""
+) -> RequestOutput | None:
+    """Run a request to its end; a client that disconnects first aborts it (then None: nobody to answer)."""
 
     async def consume() -> RequestOutput:
         last = None
@@ -340,6 +356,9 @@ async def _final(
             await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()  # leaving `generate` early aborts the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
         return task.result()
     except EngineDeadError as exc:
         raise _ApiError(str(exc), status=503, kind="service_unavailable") from None

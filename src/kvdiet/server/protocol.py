@@ -5,8 +5,9 @@ Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in 
 the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (each
 choice, and each streamed chunk, also carries ``token_ids``; the response ``prompt_token_ids``),
 ``chat_template_kwargs``.
-Fields kvdiet does not implement (log probabilities, penalties, ``echo``, ``suffix``, ``best_of``, tools)
-are rejected with a 400 naming them when set to anything but their default — never silently ignored.
+Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``, ``echo``,
+``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their default,
+and so are unknown fields — never silently ignored.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ _UNSUPPORTED = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0, 0.0),
 }
 
 
@@ -49,19 +54,22 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
+    skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries token ids
     user: str | None = None
 
     def unsupported(self) -> str | None:
-        """The first set field kvdiet does not implement, or None."""
-        extra = self.model_extra or {}
+        """Why this body cannot be served as asked: a set field kvdiet does not implement, or fields it does
+        not know (never silently ignored); None when all is well."""
+        extra = dict(self.model_extra or {})
         for name, defaults in _UNSUPPORTED.items():
-            value = extra.get(name)
-            if value not in defaults:
-                return name
+            if extra.pop(name, None) not in defaults:
+                return f"{name} is not supported by kvdiet"
+        if extra:
+            return f"unknown field(s): {', '.join(sorted(extra))}"
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -87,6 +95,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logit_bias=bias,
             seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 

@@ -9,11 +9,19 @@ in blocks, tokens and bytes and the maximum concurrency at ``--max-model-len``, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
 
 from kvdiet.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvdiet.engine.loop import EngineLoop
 
 __all__ = ["add_serve_parser", "default_persistent_dir", "run_serve"]
 
@@ -92,8 +100,6 @@ def run_serve(args: argparse.Namespace) -> None:
     Raises:
         ValueError, ConfigError, OSError: bad flags or model (before anything is served).
     """
-    import uvicorn
-
     from kvdiet.cli import cache_options
     from kvdiet.engine.args import EngineArgs
     from kvdiet.engine.loop import EngineLoop
@@ -119,6 +125,7 @@ def run_serve(args: argparse.Namespace) -> None:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
     )
     name = args.served_model_name or args.model
+    sock = _bind(args.host, args.port)  # a busy port or a bad host fails now, before the model loads
     log.info(
         "loading %s (seed %d%s)", args.model, args.seed, f", weights {args.weights}" if args.weights else ""
     )
@@ -136,7 +143,39 @@ def run_serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens,
     )
     log.info("serving %r on http://%s:%d/v1 (metrics at /metrics)", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal after a clean shutdown
+        _AbortingServer(config, loop).run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv4, or IPv6 when ``host`` has a colon); uvicorn listens on it.
+
+    Raises:
+        OSError: the address is in use or not valid here (one line).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class _AbortingServer(uvicorn.Server):
+    """uvicorn's server, except that a shutdown signal first aborts every request: open streams end at once
+    with ``finish_reason: "abort"`` and ``[DONE]`` instead of being cut at the graceful-shutdown timeout."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop) -> None:
+        super().__init__(config)
+        self.engine_loop = loop
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.engine_loop.abort_all()
+        super().handle_exit(sig, frame)
 
 
 def startup_report(engine: object) -> list[str]:
