@@ -29,12 +29,6 @@ def test_invalid_bytes_are_released_after_four_tokens_and_at_the_end() -> None:
     assert d.flush() == ""
 
 
-def test_final_flag_flushes() -> None:
-    d = IncrementalDetokenizer(ByteTokenizer())
-    d.add(0x61)
-    assert d.add(0xC3, final=True) == "\ufffd"
-
-
 def test_find_stop_takes_the_earliest_stop() -> None:
     assert find_stop("hello world", ["world", "lo"]) == 3
     assert find_stop("hello world", ["xyz"]) is None

@@ -319,3 +319,21 @@ def test_settings_are_checked_at_construction(micro: Transformer) -> None:
     engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="x")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="x")
+
+
+def test_a_step_that_raises_leaves_nothing_held_after_abort(micro: Transformer) -> None:
+    engine = _engine(micro, budget=16)
+    free = engine.cache.pool.blocks.num_free
+    b = engine.add_request(_ids(5, seed=50), SamplingParams(max_tokens=10))
+    engine.step()  # b prefilled, first token sampled
+    a = engine.add_request(_ids(5, seed=51), SamplingParams(max_tokens=1))
+
+    def broken(sessions, tokens):
+        raise RuntimeError("decode failed")
+
+    engine.cache.decode = broken
+    with pytest.raises(RuntimeError, match="decode failed"):
+        engine.step()  # a's prefill finishes it, then b's decode raises before a is released
+    assert engine.requests[a].finished and engine.requests[a].session is not None
+    assert engine.abort_request(a) is None and engine.abort_request(b).finish_reason == "abort"
+    _assert_clean(engine, free)

@@ -126,3 +126,27 @@ def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineL
         return await _collect(loop, [1, 2, 3], SamplingParams(max_tokens=2))
 
     assert asyncio.run(main())[-1].finish_reason == "length"
+
+
+def test_requests_queued_when_the_engine_fails_are_refused_not_forgotten() -> None:
+    import threading
+
+    loop = EngineLoop(ARGS.create_engine()).start()
+    release = threading.Event()
+
+    def failing_step() -> list:
+        release.wait(10)
+        raise RuntimeError("boom")
+
+    loop.engine.step = failing_step
+    got: dict[str, list] = {r: [] for r in "abc"}
+    loop.submit([1, 2, 3], SamplingParams(max_tokens=2), got["a"].append, "a")
+    time.sleep(0.3)  # the loop is inside the failing step now
+    loop.submit([4, 5], SamplingParams(max_tokens=2), got["b"].append, "b")
+    loop.submit([6, 7], SamplingParams(max_tokens=2), got["c"].append, "c")
+    release.set()
+    end = time.monotonic() + 10
+    while not all(got.values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert all(len(v) == 1 and isinstance(v[0], EngineDeadError) for v in got.values()), got
+    loop.close()

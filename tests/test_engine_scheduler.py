@@ -18,6 +18,8 @@ BS = 4
 class FakeCache:
     """A pool of ``free`` blocks; a request's session is its token count and block count."""
 
+    block_size = BS
+
     def __init__(self, free: int) -> None:
         self.free = free
         self.preempted: list[str] = []
@@ -110,3 +112,42 @@ def test_an_older_request_preempts_newer_ones_until_it_fits() -> None:
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
         SchedulerConfig(max_num_seqs=0)
+
+
+class DroppedHitCache(FakeCache):
+    """Admission counts 2 shared blocks that the restore plan then drops (a cold plan)."""
+
+    def admission_blocks(self, r: Request) -> int:
+        return super().admission_blocks(r) - 2
+
+
+def test_an_admitted_request_whose_hit_is_dropped_gets_a_chunk_that_fits() -> None:
+    cache = DroppedHitCache(free=3)  # admission thinks 5 - 2 = 3 blocks suffice for 16 + 1 tokens
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    s.add(_req("a", 16))
+    step = s.schedule()
+    assert [(r.request_id, n) for r, n in step.prefills] == [("a", 12)]  # 3 blocks, not the 4 it wanted
+    cache.run(step)
+    assert cache.free == 0
+
+
+def test_an_admitted_request_that_cannot_start_goes_back_to_the_head() -> None:
+    cache = DroppedHitCache(free=0)  # admission thinks 2 - 2 = 0 blocks are needed
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), cache)
+    s.add(_req("a", 4))
+    s.add(_req("b", 4))
+    step = s.schedule()
+    assert step.empty and [r.request_id for r in s.waiting] == ["a", "b"] and not s.running
+    assert cache.preempted == ["a"] and s.num_preemptions == 0
+
+
+def test_partial_prefill_chunks_end_on_a_block_boundary() -> None:
+    cache = FakeCache(free=100)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=10), cache)
+    s.add(_req("a", 30))
+    sizes = []
+    for _ in range(4):
+        step = s.schedule()
+        sizes.append(step.prefills[0][1])
+        cache.run(step)
+    assert sizes == [8, 8, 8, 6]  # 10 tokens cut back to 8 (two blocks of 4); the rest of the prompt last

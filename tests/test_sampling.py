@@ -10,8 +10,9 @@ from kvdiet.engine.sampling import SamplingParams, sample
 
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
-    [({"max_tokens": -1}, "max_tokens must be >= 0"), ({"temperature": -0.5}, "temperature must be >= 0"),
-     ({"temperature": float("nan")}, "temperature must be >= 0"), ({"top_k": -2}, "top_k must be >= 0"),
+    [({"max_tokens": -1}, "max_tokens must be >= 0"),
+     ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"), ({"top_k": -2}, "top_k must be >= 0"),
      ({"top_p": 0.0}, "top_p must be in (0, 1]"), ({"top_p": 1.5}, "top_p must be in (0, 1]")],
 )  # fmt: skip
 def test_invalid(kwargs: dict, needle: str) -> None:
@@ -43,3 +44,11 @@ def test_logit_bias_shifts_the_choice_and_is_range_checked() -> None:
         SamplingParams(logit_bias={2: 101.0})
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
         SamplingParams(stop=("",))
+
+
+def test_tiny_temperatures_are_greedy_and_infinite_ones_rejected() -> None:
+    logits = torch.tensor([0.0, 1.0, 0.5])
+    gen = torch.Generator().manual_seed(0)
+    assert {sample(logits, SamplingParams(temperature=t), gen) for t in (1e-40, 1e-300, 5e-6)} == {1}
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=float("inf"))

@@ -287,6 +287,17 @@ def test_models_health_and_metrics(mini, client) -> None:
         ),
         ("/v1/completions", {"prompt": "hi", "foo": 1}, "unknown field(s): foo"),
         ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed: Input should be less than"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs is not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream_options": {"include_usage": True}},
+            "only allowed with stream",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"thinking": "false"}},
+            "chat_template_kwargs takes only 'thinking'",
+        ),
         ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per request"),
         ("/v1/chat/completions", {"messages": []}, "at least one message"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]}, "last message"),

@@ -39,12 +39,12 @@ class IncrementalDetokenizer:
         self._committed = 0  # ids whose text is in ``text``
         self.text = ""
 
-    def add(self, token_id: int, *, final: bool = False) -> str:
-        """Append one id; returns the text this id completed (possibly "", held back). ``final`` flushes."""
+    def add(self, token_id: int) -> str:
+        """Append one id; returns the text this id completed (possibly "", held back)."""
         self._ids.append(token_id)
         pending = self._ids[self._committed :]
         piece = self._tok.decode(pending, skip_special_tokens=self._skip)
-        if piece.endswith("\ufffd") and len(pending) < _MAX_HELD_TOKENS and not final:
+        if piece.endswith("\ufffd") and len(pending) < _MAX_HELD_TOKENS:
             return ""
         self._committed = len(self._ids)
         self.text += piece

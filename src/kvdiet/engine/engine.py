@@ -166,12 +166,16 @@ class LLMEngine:
         """End a request now (waiting or running): its blocks go back to the pool, no window state is
         stored. Returns its final output, or None when the id is unknown or already finished."""
         req = self.requests.get(request_id)
-        if req is None or req.finished:
+        if req is None:
             return None
-        self.scheduler.remove(req)
+        if req.status is not RequestStatus.FINISHED or req.session is not None:
+            self.scheduler.remove(req)
         if req.session is not None:
             self.cache.abort(req.session)
             req.session = None
+        if req.finished:  # finished inside a step that then raised: released now, reported already or never
+            del self.requests[request_id]
+            return None
         return self._finish(req, FinishReason.ABORT)
 
     @property
@@ -239,13 +243,13 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         req.pending_token = token
         stop_token = token in p.stop_token_ids or (token == self._eos and not p.ignore_eos)
-        if req.detokenizer is not None and not stop_token:
+        if req.detokenizer is not None and not stop_token:  # a stop token's own text is left out
             req.detokenizer.add(token)
             text = req.detokenizer.text
             cut = find_stop(text, p.stop, max(0, req.emitted_text - max(map(len, p.stop), default=0)))
             if cut is not None:
                 req.text = text[:cut]
-                self._end(req, FinishReason.STOP)
+                self._end(req, FinishReason.STOP, flush=False)  # held-back ids lie past the cut
                 return
             req.text = text
         if stop_token:
@@ -253,9 +257,9 @@ class LLMEngine:
         elif len(req.output_ids) >= p.max_tokens:
             self._end(req, FinishReason.LENGTH)
 
-    def _end(self, req: Request, reason: FinishReason) -> None:
-        if req.detokenizer is not None and reason is not FinishReason.STOP:
-            req.detokenizer.flush()
+    def _end(self, req: Request, reason: FinishReason, *, flush: bool = True) -> None:
+        if req.detokenizer is not None and flush:
+            req.detokenizer.flush()  # ids held back for an incomplete character
             req.text = req.detokenizer.text
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.stats.finished[reason.value] += 1
@@ -304,6 +308,7 @@ class _CacheOracle:
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
+        self.block_size = cache.options.block_size
 
     @property
     def num_free_blocks(self) -> int:

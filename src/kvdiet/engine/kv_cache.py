@@ -611,8 +611,8 @@ class KVCache:
     # --- end of a request ---
 
     def finish(self, session: Session) -> None:
-        """Store the captured window state, write remaining full blocks through, return the blocks.
-        A second call (or a call after `abort`) does nothing."""
+        """Store the captured window state (full blocks were written through as they filled) and return the
+        blocks. A second call (or a call after `abort`) does nothing."""
         if session.done:
             return
         for pos, data in session.captures.items():

@@ -36,7 +36,7 @@ class LLM:
         args: full `EngineArgs` (then the keywords below must be left out).
         seed, weights, kv_cache_dtype, max_model_len: see `EngineArgs`.
         cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy).
-        max_num_seqs, max_num_batched_tokens: see `SchedulerConfig`.
+        max_num_seqs, max_num_batched_tokens: see `SchedulerConfig` (None: its defaults).
     Raises:
         ValueError, ConfigError: bad settings (see `EngineArgs.create_engine`).
     """
@@ -47,16 +47,20 @@ class LLM:
         *,
         args: EngineArgs | None = None,
         cache: CacheOptions | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
+        limits = {
+            k: v
+            for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+            if v is not None
+        }
+        if args is not None and (cache is not None or kwargs or limits):
+            raise ValueError("give either args= or individual settings, not both")
         if args is None:
             args = EngineArgs(
-                model=model,
-                cache=cache or CacheOptions(),
-                scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-                **kwargs,
+                model=model, cache=cache or CacheOptions(), scheduler=SchedulerConfig(**limits), **kwargs
             )
         self.engine: LLMEngine = args.create_engine()
 

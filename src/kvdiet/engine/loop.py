@@ -53,6 +53,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._refreshed = 0.0
+        self._accepting = threading.Lock()  # orders `submit` against the loop stopping
+        self._closed = False
         self.error: BaseException | None = None
         self.snapshot: dict[str, Any] = {}
 
@@ -69,11 +71,14 @@ class EngineLoop:
     def close(self) -> None:
         """Stop the thread, abort every request (their callers get a final ``abort`` output) and close the
         cache tiers. Idempotent."""
+        with self._accepting:
+            self._closed = True
         self._stop.set()
         self._commands.put(("wake",))
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._refuse_queued(EngineDeadError("the engine loop is closed"))
         for rid in list(self.engine.requests):
             out = self.engine.abort_request(rid)
             deliver = self._deliver.pop(rid, None)
@@ -83,7 +88,9 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return (
+            not self._closed and self._thread is not None and self._thread.is_alive() and self.error is None
+        )
 
     # --- requests (any thread) ---
 
@@ -96,9 +103,10 @@ class EngineLoop:
         Raises:
             EngineDeadError: the loop is not serving.
         """
-        if not self.healthy:
-            raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
-        self._commands.put(("add", request_id, list(prompt_ids), params, deliver))
+        with self._accepting:  # a request queued here is either run or refused, never forgotten
+            if not self.healthy:
+                raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+            self._commands.put(("add", request_id, list(prompt_ids), params, deliver))
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (unknown or finished ids are ignored)."""
@@ -151,9 +159,22 @@ class EngineLoop:
                 self._refresh()
         except BaseException as exc:  # a failed step leaves state we cannot trust: stop serving
             log.exception("engine step failed; the engine stops serving")
-            self.error = exc
+            with self._accepting:
+                self.error = exc
+            dead = EngineDeadError(f"engine failed: {exc!r}")
             for rid in list(self._deliver):
-                _delivered(self._deliver.pop(rid), EngineDeadError(f"engine failed: {exc!r}"))
+                _delivered(self._deliver.pop(rid), dead)
+            self._refuse_queued(dead)
+
+    def _refuse_queued(self, error: EngineDeadError) -> None:
+        """Answer every request still in the command queue with ``error`` (the loop will not run them)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _delivered(cmd[4], error)
 
     def _drain(self, *, block: bool) -> None:
         try:

@@ -49,10 +49,11 @@ class Request:
         output_ids: tokens generated so far.
         status / finish_reason: where it is; why it ended.
         session: its cache session while RUNNING (holds device blocks), else None.
-        prefill_target: tokens the current session must prefill before decoding: the prompt, or after a
-            preemption the prompt plus the outputs so far except the last (which the next decode feeds).
+        prefill_target: tokens the current session must prefill before sampling: the prompt, or after a
+            preemption the prompt plus every output so far (the next token is sampled from its last row).
         pending_token: a sampled token not yet fed to the model (the next decode input), or None.
-        first_provenance: where the prompt's tokens came from at its first admission (``usage`` reports it).
+        first_provenance: where the prompt's tokens came from at its first admission (``usage`` reports it;
+            a resumption's own lookup and replay show only in the cache counters).
         num_preemptions: times it lost its blocks and went back to the queue.
         first_token_time / last_token_time: `time.monotonic()` of the first and latest output token.
     """

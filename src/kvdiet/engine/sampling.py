@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "sample"]
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,7 +19,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only).
-        temperature: 0 = greedy (argmax, lowest id on ties); > 0 divides the logits.
+        temperature: 0 = greedy (argmax, lowest id on ties; so is anything below `GREEDY_BELOW`); > 0 divides
+            the logits.
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set whose probability reaches p (1.0 = all).
         stop_token_ids: generation ends after emitting one of these (the token is kept in the output).
@@ -46,8 +50,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -69,14 +73,15 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """Pick one token id from fp32 ``logits`` [V] under ``params``."""
+    """Pick one token id from fp32 ``logits`` [V] under ``params``. A temperature below `GREEDY_BELOW` is
+    greedy (dividing by it would overflow fp32 to inf and NaN)."""
     if params.logit_bias:
         logits = logits.clone()
         for t, b in params.logit_bias.items():
             logits[t] += b
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature
+    scaled = (logits.float() - logits.max()) / params.temperature
     if params.top_k:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -61,13 +61,19 @@ class BlockOracle(Protocol):
     """What the scheduler asks the cache system (block counts only)."""
 
     @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (free, including cached-but-unreferenced ones)."""
         ...
 
     def admission_blocks(self, request: Request) -> int:
-        """Free blocks a waiting request would consume to prefill its whole target and decode one token
-        (prefix blocks other requests hold are shared, not consumed)."""
+        """Free blocks a waiting request would consume to prefill its whole target and decode one token,
+        counting prefix blocks other requests hold as shared (an estimate: a restore plan may drop the hit,
+        and the scheduler re-checks after `begin`)."""
         ...
 
     def begin(self, request: Request) -> None:
@@ -141,7 +147,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.prefill_target - req.session.state.num_tokens, budget) if req.is_prefilling else 1
+            n = self._chunk(req, budget) if req.is_prefilling else 1
             need = self.cache.blocks_needed(req, n)
             while need > self.cache.num_free_blocks - reserved and self.running[-1] is not req:
                 self._preempt(self.running.pop(), step)
@@ -164,14 +170,43 @@ class Scheduler:
         ):
             req = self.waiting.popleft()
             self.cache.begin(req)
+            n = self._chunk(req, budget)
+            avail = self.cache.num_free_blocks - reserved
+            if self.cache.blocks_needed(req, n) > avail:  # the restore plan dropped a shared hit
+                n = self._fit(req, n, avail)
+            if n == 0:  # it does not fit after all: back to the head of the queue, stop admitting
+                self.cache.preempt(req)
+                self.waiting.appendleft(req)
+                break
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            n = min(req.prefill_target - req.session.state.num_tokens, budget)
             reserved += self.cache.blocks_needed(req, n)
             budget -= n
             step.prefills.append((req, n))
         step.num_tokens = self.config.max_num_batched_tokens - budget
         return step
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Prefill tokens for ``req`` this step: the rest of its prompt if the budget allows, else the budget
+        cut back to a block boundary (when that leaves a token), so the window state at that boundary is
+        captured and a preemption before the next chunk can resume exactly from it."""
+        start = req.session.state.num_tokens
+        rest = req.prefill_target - start
+        if rest <= budget:
+            return rest
+        aligned = (start + budget) // self.cache.block_size * self.cache.block_size - start
+        return aligned if aligned > 0 else budget
+
+    def _fit(self, req: Request, n: int, avail: int) -> int:
+        """The largest chunk below ``n`` whose new blocks fit in ``avail`` (0 if none)."""
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cache.blocks_needed(req, mid) <= avail:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.cache.preempt(req)

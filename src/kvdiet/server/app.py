@@ -137,6 +137,8 @@ def build_app(
         problem = body.unsupported()
         if problem is not None:
             raise _ApiError(problem)
+        if body.stream_options is not None and not body.stream:
+            raise _ApiError("stream_options is only allowed with stream: true", param="stream_options")
         if not engine_ok():
             raise _ApiError("the engine is not running", status=503, kind="service_unavailable")
 
@@ -233,11 +235,14 @@ def build_app(
             raise _ApiError(
                 "this model has no tokenizer, so no chat template: use /v1/completions with token ids"
             )
-        kwargs = body.chat_template_kwargs or {}
-        try:
-            text = render_chat(
-                [m.model_dump() for m in body.messages], thinking=bool(kwargs.get("thinking", False))
+        kwargs = dict(body.chat_template_kwargs or {})
+        thinking = kwargs.pop("thinking", False)
+        if not isinstance(thinking, bool) or kwargs:
+            raise _ApiError(
+                "chat_template_kwargs takes only 'thinking' (true or false)", param="chat_template_kwargs"
             )
+        try:
+            text = render_chat([m.model_dump() for m in body.messages], thinking=thinking)
         except ValueError as exc:
             raise _ApiError(str(exc), param="messages") from None
         prompt_ids = engine.tokenizer.encode(text)
@@ -390,8 +395,10 @@ def _sse(
                 async for out in outputs:
                     last = out
                     yield f"data: {json.dumps(chunk(out))}\n\n"
-        except (EngineDeadError, ValueError) as exc:
+        except EngineDeadError as exc:
             yield f"data: {json.dumps(error_body(str(exc), status=503, kind='service_unavailable'))}\n\n"
+        except ValueError as exc:  # the engine refused the request
+            yield f"data: {json.dumps(error_body(str(exc), status=400))}\n\n"
         else:
             if include_usage and last is not None:
                 usage = {"id": rid, "object": kind, "created": created, "model": model_name, "choices": []}

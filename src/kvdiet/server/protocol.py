@@ -21,7 +21,7 @@ from kvdiet.engine.sampling import SamplingParams
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 
 _UNSUPPORTED = {
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -38,6 +38,8 @@ _UNSUPPORTED = {
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -52,7 +54,11 @@ class _Common(BaseModel):
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: (
+        Annotated[str, Field(max_length=1024)]
+        | Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=16)]
+        | None
+    ) = None
     stop_token_ids: list[int] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
@@ -66,7 +72,8 @@ class _Common(BaseModel):
         not know (never silently ignored); None when all is well."""
         extra = dict(self.model_extra or {})
         for name, defaults in _UNSUPPORTED.items():
-            if extra.pop(name, None) not in defaults:
+            value = extra.pop(name, None)
+            if not any(type(value) is type(d) and value == d for d in defaults):  # 0 is not False here
                 return f"{name} is not supported by kvdiet"
         if extra:
             return f"unknown field(s): {', '.join(sorted(extra))}"
