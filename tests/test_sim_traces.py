@@ -1,0 +1,109 @@
+"""Trace readers on small hand-made files with known answers, line-numbered errors, and (when the shared
+copies are present) the real Mooncake and Azure traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiet.sim.traces import TraceError, infinite_cache_hit_ratio, read_trace
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+MOONCAKE = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+    {"timestamp": 1000, "input_length": 1500, "output_length": 7, "hash_ids": [1, 2, 3]},
+    {"timestamp": 500, "input_length": 600, "output_length": 1, "hash_ids": [1, 4]},
+]
+
+
+def test_mooncake_lines_are_read_in_arrival_order_with_the_hit_ratio_by_hand(tmp_path: Path) -> None:
+    trace = read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE))
+    assert trace.block_size == 512 and not trace.errors
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids, r.line) for r in trace.requests] == [
+        (0.0, 1024, 5, (1, 2), 1),
+        (0.5, 600, 1, (1, 4), 3),
+        (1.0, 1500, 7, (1, 2, 3), 2),
+    ]
+    # 0 of 2, then 1 of 2 (block 1; 4 is new), then 2 of 3 (blocks 1, 2; 3 is new): 3 of 7 blocks.
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(3 / 7)
+
+
+def test_a_break_in_the_prefix_ends_the_match() -> None:
+    from kvdiet.sim.traces import Trace, TraceRequest
+
+    trace = Trace([TraceRequest(0, 1536, 1, (1, 2, 3), 1), TraceRequest(1, 1536, 1, (1, 9, 3), 2)], 512)
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(1 / 6)  # 3 is seen but follows a miss
+
+
+def test_malformed_lines_are_reported_with_their_numbers(tmp_path: Path) -> None:
+    rows = [
+        MOONCAKE[0],
+        "{not json",
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 2, "input_length": 10, "output_length": -1, "hash_ids": [1]},
+        {"timestamp": 3, "input_length": 10, "output_length": 1, "hash_ids": [True]},
+        MOONCAKE[1],
+    ]
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    trace = read_trace(path)
+    assert [r.line for r in trace.requests] == [1, 6]
+    assert [e.split(": ", 1)[0] for e in trace.errors] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
+    assert "1 hash_ids for input_length 1024: expected ceil(1024 / 512) = 2" in trace.errors[1]
+    assert "output_length must be an integer >= 0, got -1" in trace.errors[2]
+    with pytest.raises(TraceError, match=rf"{path}:2: "):
+        read_trace(path, strict=True)
+
+
+def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
+    rows = [
+        {"format": "kvdiet-trace", "version": 1, "block_size": 16},
+        {"arrival_s": 0.25, "input_length": 33, "output_length": 2, "hash_ids": [7, 8, 9]},
+        {"arrival_s": 1.5, "input_length": 32, "output_length": 2, "hash_ids": [7, 8]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "g.jsonl", rows))
+    assert trace.block_size == 16 and [r.arrival_s for r in trace.requests] == [0.25, 1.5]
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 5)
+    with pytest.raises(TraceError, match="starts with"):
+        read_trace(_write_jsonl(tmp_path / "nohead.jsonl", rows[1:]), format="jsonl")
+    with pytest.raises(TraceError, match="unknown trace format"):
+        read_trace(tmp_path / "g.jsonl", format="parquet")
+
+
+def test_azure_csv_has_unique_prompts_and_relative_times(tmp_path: Path) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:51,x,3\n"
+        "2023-11-16 18:16:46.6805900,1024,1\n"
+    )
+    trace = read_trace(path)
+    assert [(round(r.arrival_s, 6), r.input_tokens, r.hash_ids) for r in trace.requests] == [
+        (0.0, 374, None),
+        (4.314579, 396, None),
+        (60.0, 1024, None),
+    ]
+    assert len(trace.errors) == 1 and trace.errors[0].startswith(f"{path}:4: ")
+    assert infinite_cache_hit_ratio(trace) == 0.0
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared trace copies are not on this machine")
+def test_the_real_traces() -> None:
+    conv = read_trace(SHARED / "mooncake" / "conversation_trace.jsonl", strict=True)
+    synth = read_trace(SHARED / "mooncake" / "synthetic_trace.jsonl", strict=True)
+    assert (len(conv), len(synth)) == (12_031, 3_993)
+    # The shared README's recount with an infinite cache and contiguous-prefix matching: 36.6% and 64.0%.
+    assert infinite_cache_hit_ratio(conv) == pytest.approx(0.366, abs=5e-4)
+    assert infinite_cache_hit_ratio(synth) == pytest.approx(0.640, abs=5e-4)
+    azure = read_trace(SHARED / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv", strict=True)
+    assert len(azure) == 19_366 and azure.requests[0].arrival_s == 0.0
