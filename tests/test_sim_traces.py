@@ -107,3 +107,18 @@ def test_the_real_traces() -> None:
     assert infinite_cache_hit_ratio(synth) == pytest.approx(0.640, abs=5e-4)
     azure = read_trace(SHARED / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv", strict=True)
     assert len(azure) == 19_366 and azure.requests[0].arrival_s == 0.0
+
+
+def test_kvdiet_replay_reports_the_trace(tmp_path: Path, capsys) -> None:
+    from kvdiet.cli import main
+
+    path = _write_jsonl(tmp_path / "t.jsonl", [*MOONCAKE, "{broken"])
+    assert main(["replay", str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    stats = json.loads(out)
+    assert stats["requests"] == 3 and stats["blocks"] == 7 and stats["skipped_lines"] == 1
+    assert stats["infinite_cache_block_hit_ratio"] == round(3 / 7, 4) and stats["duration_s"] == 1.0
+    assert stats["input_tokens"] == {"total": 3124, "mean": 1041.3, "p50": 1024, "p99": 1500}
+    assert f"skipped {path}:4: " in err
+    assert main(["replay", str(path), "--strict"]) == 2
+    assert f"kvdiet replay: error: {path}:4: " in capsys.readouterr().err

@@ -1,1 +1,2 @@
-"""Trace-driven study of the cache system: trace readers (so far); trace replay and reports to come."""
+"""Trace-driven study of the cache system: trace readers and statistics (so far); the tier simulation,
+the SWA-policy study and reports build on them."""

@@ -119,6 +119,39 @@ def infinite_cache_hit_ratio(trace: Trace) -> float:
     return hits / total if total else 0.0
 
 
+def trace_stats(trace: Trace) -> dict[str, object]:
+    """Summary of a trace: requests, duration (s), prompt and output tokens (total, mean, p50, p99),
+    blocks, the infinite-cache block hit ratio, and skipped lines."""
+    reqs = trace.requests
+    inputs = sorted(r.input_tokens for r in reqs)
+    outputs = sorted(r.output_tokens for r in reqs)
+
+    def pct(values: list[int], q: float) -> int:
+        return values[min(len(values) - 1, int(q * len(values)))] if values else 0
+
+    return {
+        "requests": len(reqs),
+        "duration_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 3) if reqs else 0.0,
+        "block_size": trace.block_size,
+        "has_prefix_ids": any(r.hash_ids is not None for r in reqs),
+        "input_tokens": {
+            "total": sum(inputs),
+            "mean": round(sum(inputs) / len(inputs), 1) if inputs else 0.0,
+            "p50": pct(inputs, 0.5),
+            "p99": pct(inputs, 0.99),
+        },
+        "output_tokens": {
+            "total": sum(outputs),
+            "mean": round(sum(outputs) / len(outputs), 1) if outputs else 0.0,
+            "p50": pct(outputs, 0.5),
+            "p99": pct(outputs, 0.99),
+        },
+        "blocks": sum(-(-r.input_tokens // trace.block_size) for r in reqs),
+        "infinite_cache_block_hit_ratio": round(infinite_cache_hit_ratio(trace), 4),
+        "skipped_lines": len(trace.errors),
+    }
+
+
 # --- readers ---
 
 
