@@ -139,11 +139,8 @@ def build_app(
             raise _ApiError(problem)
         if body.stream_options is not None and not body.stream:
             raise _ApiError("stream_options is only allowed with stream: true", param="stream_options")
-        if not engine_ok():
+        if not loop.healthy:
             raise _ApiError("the engine is not running", status=503, kind="service_unavailable")
-
-    def engine_ok() -> bool:
-        return loop.healthy
 
     def prepare(prompt: str | list[int], params: SamplingParams) -> list[int]:
         try:
