@@ -46,6 +46,8 @@ class Request:
         prompt_ids: the prompt's token ids (never changed).
         params: sampling parameters.
         arrival_time: `time.monotonic()` seconds when it was added.
+        generator: its sampling RNG (seeded from ``params.seed``; kept across preemptions).
+        detokenizer: its incremental detokenizer (None without a tokenizer).
         output_ids: tokens generated so far.
         status / finish_reason: where it is; why it ended.
         session: its cache session while RUNNING (holds device blocks), else None.
