@@ -117,21 +117,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from kvdiet.server.serve import add_serve_parser
 
     add_serve_parser(sub)
-    rep = sub.add_parser(
-        "replay",
-        help="read a request trace and report its statistics and its infinite-cache prefix hit ratio",
-        description="Read a Mooncake JSONL, generic JSONL or Azure CSV trace and print its requests, "
-        "duration, prompt and output lengths, blocks and the share of blocks a cache that never forgets would "
-        "hit by contiguous-prefix matching. (The tier simulation and the SWA-policy study build on this.)",
-        epilog="example:\n  kvdiet replay ../shared/traces/mooncake/conversation_trace.jsonl --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    rep.add_argument("trace", help="trace file (.jsonl or .csv)")
-    rep.add_argument("--format", default="auto", choices=["auto", "mooncake", "jsonl", "azure"])
-    rep.add_argument(
-        "--strict", action="store_true", help="stop at the first malformed line (default: skip it)"
-    )
-    rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    from kvdiet.sim.command import add_replay_parser
+
+    add_replay_parser(sub)
     return parser
 
 
@@ -287,24 +275,6 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
             )
 
 
-def _run_replay(args: argparse.Namespace, console: Console) -> None:
-    from kvdiet.sim.traces import read_trace, trace_stats
-
-    trace = read_trace(args.trace, format=args.format, strict=args.strict)
-    for line in trace.errors[:10]:
-        print(f"kvdiet replay: skipped {line}", file=sys.stderr)
-    stats = trace_stats(trace)
-    if args.json:
-        print(json.dumps(stats))
-        return
-    for key, value in stats.items():
-        if isinstance(value, dict):
-            text = ", ".join(f"{k} {v:,}" for k, v in value.items())
-        else:
-            text = str(value).lower() if isinstance(value, bool) else f"{value:,}"
-        console.print(f"{key:32s} {text}", markup=False, highlight=False, soft_wrap=True)
-
-
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(
         contexts=tuple(parse_count(c) for c in args.contexts.split(",") if c.strip()),
@@ -355,7 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "generate":
             _run_generate(args, console)
         elif args.command == "replay":
-            _run_replay(args, console)
+            from kvdiet.sim.command import run_replay
+
+            run_replay(args, console)
         elif args.command == "serve":
             from kvdiet.server.serve import run_serve
 
