@@ -93,6 +93,7 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
             "needs 65 blocks of 4 tokens, but the KV cache holds 48",
         ),
         (["--swa-policy", "sometimes"], "sometimes"),
+        (["--swa-pool", "redis://127.0.0.1:99999/0"], "--swa-pool: bad Redis URL"),
         (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
     ],
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.sim.traces import TraceError, infinite_cache_hit_ratio, read_trace
+from kvdiet.sim.traces import TraceError, hit_ratio_variants, infinite_cache_hit_ratio, read_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -105,6 +105,9 @@ def test_the_real_traces() -> None:
     # The shared README's recount with an infinite cache and contiguous-prefix matching: 36.6% and 64.0%.
     assert infinite_cache_hit_ratio(conv) == pytest.approx(0.366, abs=5e-4)
     assert infinite_cache_hit_ratio(synth) == pytest.approx(0.640, abs=5e-4)
+    # the Mooncake paper's 40% / 66%: the per-request mean (conversation) and full-block count (synthetic)
+    assert hit_ratio_variants(conv)["mean_per_request"] == pytest.approx(0.409, abs=5e-4)
+    assert hit_ratio_variants(synth)["full_blocks"] == pytest.approx(0.659, abs=5e-4)
     azure = read_trace(SHARED / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv", strict=True)
     assert len(azure) == 19_366 and azure.requests[0].arrival_s == 0.0
 
@@ -113,12 +116,19 @@ def test_kvdiet_replay_reports_the_trace(tmp_path: Path, capsys) -> None:
     from kvdiet.cli import main
 
     path = _write_jsonl(tmp_path / "t.jsonl", [*MOONCAKE, "{broken"])
-    assert main(["replay", str(path), "--json"]) == 0
+    assert main(["replay", str(path), "--mode", "stats", "--json"]) == 0
     out, err = capsys.readouterr()
-    stats = json.loads(out)
+    stats = json.loads(out)["trace"]
     assert stats["requests"] == 3 and stats["blocks"] == 7 and stats["skipped_lines"] == 1
     assert stats["infinite_cache_block_hit_ratio"] == round(3 / 7, 4) and stats["duration_s"] == 1.0
     assert stats["input_tokens"] == {"total": 3124, "mean": 1041.3, "p50": 1024, "p99": 1500}
+    # by hand: hits 0, 1, 2 blocks = 0, 512, 1024 tokens of 1024, 600, 1500; full blocks 2, 1, 2
+    assert stats["infinite_cache_hit_ratio_variants"] == {
+        "blocks": round(3 / 7, 4),
+        "tokens": round(1536 / 3124, 4),
+        "full_blocks": 0.6,
+        "mean_per_request": round((512 / 600 + 1024 / 1500) / 3, 4),
+    }
     assert f"skipped {path}:4: " in err
     assert main(["replay", str(path), "--strict"]) == 2
     assert f"kvdiet replay: error: {path}:4: " in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The ``kvdiet`` command line: ``plan`` (bytes and capacity of a config), ``generate`` (run the model on one
-prompt), ``serve`` (the OpenAI-compatible server), ``replay`` (read a request trace; statistics)."""
+prompt), ``serve`` (the OpenAI-compatible server), ``replay`` (the trace study: `kvdiet.sim`)."""
 
 from __future__ import annotations
 
@@ -148,8 +148,17 @@ def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | 
         default="bounded-replay",
         help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
     )
-    group.add_argument("--swa-pool-size", help="SWA-pool budget (default 10%% of host RAM)")
-    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
+    group.add_argument(
+        "--swa-pool",
+        default="in-process",
+        help="where window snapshots live: in-process (default; dies with the process), "
+        "redis://HOST:PORT/DB, several such URLs separated by commas (keys sharded over them), or "
+        "redis+cluster://HOST:PORT (a Redis Cluster); shared by every process that names it",
+    )
+    group.add_argument(
+        "--swa-pool-size", help="in-process SWA-pool budget (default 10%% of host RAM; Redis: its maxmemory)"
+    )
+    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, in-process or Redis (default 5m)")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -164,9 +173,11 @@ def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | 
 
 
 def cache_options(args: argparse.Namespace) -> CacheOptions:
-    """`CacheOptions` from the flags of `add_cache_args`."""
+    """`CacheOptions` from the flags of `add_cache_args`. Raises ValueError on a bad value (before anything
+    is opened or connected)."""
     from kvdiet.cache.policy import SwaPolicy
     from kvdiet.engine.kv_cache import CacheOptions
+    from kvdiet.storage.swa_pool import check_swa_pool_spec
 
     return CacheOptions(
         kv_cache_memory=parse_bytes(args.kv_cache_memory),
@@ -174,6 +185,7 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
         persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
         persistent_ttl_s=parse_duration(args.persistent_ttl),
         persistent_size=parse_bytes(args.persistent_size) if args.persistent_size else None,
+        swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_bytes(args.swa_pool_size) if args.swa_pool_size else None,
         swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
         policy=SwaPolicy.parse(args.swa_policy),
@@ -211,6 +223,7 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
+    options = cache_options(args)  # every cache flag checked before the model loads
     model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights)
     if args.prompt_ids is not None:
         try:
@@ -226,7 +239,6 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
             raise ValueError("empty prompt: the prompt text has no characters")
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
-    options = cache_options(args)
     check_request(model, ids, params)  # before any pool is allocated
     cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:

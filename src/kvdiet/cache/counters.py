@@ -26,6 +26,8 @@ class TierCounters:
         corrupt_dropped: entries dropped because they failed validation (truncated, checksum,
             wrong fingerprint/format/key, token mismatch).
         write_errors: writes that failed (disk full, unwritable directory, backend down).
+        backend_errors: calls to a remote backend that failed (connection refused or lost, timeout, an
+            error reply); each one is also a miss or a write error. Local tiers leave it at 0.
     """
 
     query_tokens: int = 0
@@ -39,6 +41,7 @@ class TierCounters:
     expirations: int = 0
     corrupt_dropped: int = 0
     write_errors: int = 0
+    backend_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

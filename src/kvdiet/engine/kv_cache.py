@@ -37,7 +37,7 @@ from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, InProcessSwaPool, SwaPool
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, SwaPool, create_swa_pool
 
 __all__ = ["CacheOptions", "CacheStats", "KVCache", "Provenance", "Session", "weights_checksum"]
 
@@ -57,7 +57,10 @@ class CacheOptions:
         block_size: tokens per block (a multiple of every compress ratio).
         persistent_dir: directory of the persistent tier (None: no persistent tier).
         persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
-        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM) and TTL.
+        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default) or Redis URLs, one or
+            comma-separated (`kvdiet.storage.swa_pool.create_swa_pool`).
+        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool
+            only, a Redis server's budget is its ``maxmemory``) and TTL in seconds.
         policy: the SWA policy (DESIGN.md §5).
         decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
             forced off under ``full-store``, which keeps every token's window entries.
@@ -70,6 +73,7 @@ class CacheOptions:
     persistent_dir: str | Path | None = None
     persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
     persistent_size: int | None = None
+    swa_pool: str = IN_PROCESS
     swa_pool_size: int | None = None
     swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
     policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
@@ -172,11 +176,13 @@ class KVCache:
         model: the V4.1 model.
         options: sizes, TTLs, policy.
         tokenizer_id: identity of the tokenizer (part of the fingerprint), e.g. a vocabulary checksum.
-        swa_pool: an SWA-pool backend (default: in-process with ``options``' size and TTL).
+        swa_pool: an SWA-pool backend, opened and closed by its owner (default: the one ``options.swa_pool``
+            names, with ``options``' size and TTL, namespaced by this model's fingerprint; this cache opens
+            and closes it).
         clock: time source of the TTLs.
     Raises:
-        ValueError: a budget below one block, a block size that splits a compression group, or a checkpoint
-            period that is not a multiple of the block size.
+        ValueError: a budget below one block, a block size that splits a compression group, a checkpoint
+            period that is not a multiple of the block size, or a bad ``options.swa_pool``.
     """
 
     def __init__(
@@ -229,7 +235,13 @@ class KVCache:
         self.swa_pool = (
             swa_pool
             if swa_pool is not None
-            else InProcessSwaPool(opts.swa_pool_size, ttl_s=opts.swa_pool_ttl_s, clock=self.clock)
+            else create_swa_pool(
+                opts.swa_pool,
+                namespace=self.fingerprint.hex(),
+                capacity_bytes=opts.swa_pool_size,
+                ttl_s=opts.swa_pool_ttl_s,
+                clock=self.clock,
+            )
         )
         self.stats = CacheStats(
             self.pool.blocks.counters,
@@ -242,10 +254,15 @@ class KVCache:
     # --- lifecycle of the tiers ---
 
     def open(self) -> KVCache:
-        """Open the persistent tier (a failure there only disables it, with one warning); idempotent."""
-        if self.persistent is not None and not self._opened:
+        """Open the persistent tier and the SWA pool this cache owns (a failure there only disables the tier
+        or makes the pool miss, with one warning); idempotent."""
+        if self._opened:
+            return self
+        if self.persistent is not None:
             self.persistent.open()
             self.persistent.sweep()  # expired entries leave now (and count), not at their next lookup
+        if self._owns_swa_pool:
+            self.swa_pool.open()
         self._opened = True
         return self
 
@@ -547,8 +564,14 @@ class KVCache:
                     state.table.ids[i], session.hashes[i], session.tokens[i * bs : (i + 1) * bs]
                 )
             self._write_through(session, full)
-        if pos % bs == 0 and pos > 0 and pos >= session.plan.hit_tokens:
-            self._capture(session, pos)
+        plan = session.plan
+        if (
+            pos % bs == 0
+            and pos > 0
+            and pos >= plan.hit_tokens
+            and not (plan.clipped and pos == plan.hit_tokens)
+        ):
+            self._capture(session, pos)  # a bounded replay's state at H is approximate: never stored
 
     def _write_through(self, session: Session, full: int) -> None:
         if not self._persistent_on():
@@ -590,11 +613,14 @@ class KVCache:
             return
         if policy.name == "checkpoint" and pos % policy.checkpoint_every:
             return
+        prompt_boundary = (session.prompt_tokens - 1) // bs * bs
+        if policy.name != "checkpoint" and pos < prompt_boundary:
+            return  # a prefill chunk's end inside the prompt: neither the prompt's nor the output's end
         data = snapshot_bytes(session.state, self.fingerprint)
-        if policy.name == "checkpoint" or pos == (session.prompt_tokens - 1) // bs * bs:
+        if policy.name == "checkpoint" or pos == prompt_boundary:
             self._store_snapshot(session, pos, data)
         else:
-            session.captures = {pos: data}  # the latest boundary reached; stored at finish
+            session.captures = {pos: data}  # the latest boundary past the prompt's; stored at finish
 
     def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
         i, bs = pos // self.options.block_size - 1, self.options.block_size

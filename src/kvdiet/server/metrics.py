@@ -6,7 +6,8 @@ Two sources, one private registry per server (no global state):
 - `_SnapshotCollector` turns the `EngineLoop.snapshot` dict into gauges and counters at scrape time:
   device-pool usage, running/waiting requests, prefix-cache queries and hits in tokens by tier, replayed
   and computed prompt tokens, bytes and entries resident in the persistent tier and the SWA pool, and per
-  tier the evictions, expirations, corrupt entries dropped and bytes written/read.
+  tier the evictions, expirations, corrupt entries dropped, bytes written/read, write errors and (the SWA
+  pool on Redis) failed backend calls.
 
 ``kvdiet:kv_cache_usage_perc`` is a fraction in [0, 1] (1 = every device block referenced), as vLLM's
 ``vllm:kv_cache_usage_perc`` is. Token counters count prompt tokens per lookup (`TierCounters`).
@@ -148,6 +149,18 @@ class _SnapshotCollector:
         )
         yield by_tier("cache_bytes_written", "Bytes written to a tier.", "bytes_written", _TIERS[1:])
         yield by_tier("cache_bytes_read", "Bytes read back from a tier.", "bytes_read", _TIERS[1:])
+        yield by_tier(
+            "cache_write_errors",
+            "Writes to a tier that failed (disk full, backend down).",
+            "write_errors",
+            _TIERS[1:],
+        )
+        yield by_tier(
+            "cache_backend_errors",
+            "Calls to a remote tier backend that failed (connection refused or lost, timeout, error reply).",
+            "backend_errors",
+            _TIERS[2:],
+        )
         yield counter(
             "replayed_tokens",
             "Tokens recomputed below a prefix hit to rebuild window state.",

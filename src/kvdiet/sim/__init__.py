@@ -1,2 +1,3 @@
-"""Trace-driven study of the cache system: trace readers and statistics (so far); the tier simulation,
-the SWA-policy study and reports build on them."""
+"""Trace-driven study of the cache system (``kvdiet replay``): trace readers (`traces`), the model-free tier
+simulation (`model_free`, with the compute model in `cost`), engine-mode replay (`engine_mode`), the policy
+study and its findings (`study`), reports (`report`) and the command (`command`)."""

@@ -1,25 +1,54 @@
-"""``kvdiet replay``: read a request trace and report its statistics."""
+"""``kvdiet replay``: replay a request trace through the cache system and compare SWA policies.
+
+Modes: ``model-free`` (default; `kvdiet.sim.study` runs of `kvdiet.sim.model_free`), ``engine`` (the real
+engine on a capped, scaled slice: `kvdiet.sim.engine_mode`) and ``stats`` (the trace's statistics only).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = ["add_replay_parser", "run_replay"]
+
+EPILOG = """\
+examples:
+  kvdiet replay ../shared/traces/mooncake/conversation_trace.jsonl                 # policy table
+  kvdiet replay ../shared/traces/mooncake/conversation_trace.jsonl --report out/   # + markdown and plots
+  kvdiet replay TRACE --runs bounded-replay,boundary-snapshot@deepseek-v4-flash --sweep none --json
+  kvdiet replay TRACE --sweep device-size=8GB,32GB,128GB --sweep swa-pool-ttl=1m,5m,30m
+  kvdiet replay TRACE --mode engine --max-requests 6                              # the real engine, v4.1-mini
+  kvdiet replay TRACE --mode stats                                                # trace statistics only
+
+A run is POLICY[@MODEL]: bounded-replay, boundary-snapshot, full-store, checkpoint:K, exact-recompute;
+MODEL defaults to --model. Sweep axes: swa-pool-ttl, swa-pool-size, persistent-ttl, persistent-size,
+device-size (each sweeps the run of --sweep-run). Traces: Mooncake JSONL (github.com/kvcache-ai/Mooncake,
+FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github.com/Azure/AzurePublicDataset).
+"""
 
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``replay`` sub-command to ``sub``."""
+    from kvdiet.sim.study import DEFAULT_RUNS, DEFAULT_TTL_SWEEP
+
     rep = sub.add_parser(
         "replay",
-        help="read a request trace and report its statistics and its infinite-cache prefix hit ratio",
-        description="Read a Mooncake JSONL, generic JSONL or Azure CSV trace and print its requests, "
-        "duration, prompt and output lengths, blocks and the share of blocks a cache that never forgets would "
-        "hit by contiguous-prefix matching. (The tier simulation and the SWA-policy study build on this.)",
-        epilog="example:\n  kvdiet replay ../shared/traces/mooncake/conversation_trace.jsonl --json",
+        help="replay a request trace through the cache tiers and compare SWA policies (model-free or engine)",
+        description="Read a Mooncake JSONL, generic JSONL or Azure CSV trace and replay it: model-free (the "
+        "device pool, persistent tier and SWA pool simulated in trace time with the exact byte geometry of "
+        "each config and a FLOPs cost model; seconds for 12,000 requests) or through the real engine on a "
+        "scaled, capped slice (measured TTFT). Prints the trace statistics and one row per run; --report "
+        "writes markdown and plots.",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rep.add_argument("trace", help="trace file (.jsonl or .csv)")
@@ -27,24 +56,268 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     rep.add_argument(
         "--strict", action="store_true", help="stop at the first malformed line (default: skip it)"
     )
-    rep.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    rep.add_argument(
+        "--mode", default="model-free", choices=["model-free", "engine", "stats"], help="default model-free"
+    )
+    rep.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    rep.add_argument("--report", metavar="DIR", help="write DIR/report.md and PNG plots")
+    g = rep.add_argument_group("runs and sweeps")
+    g.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help="comma-separated POLICY[@MODEL] (default: V4-Flash boundary-snapshot and full-store, V4.1 under "
+        "every policy); engine mode takes the policies and ignores @MODEL",
+    )
+    g.add_argument(
+        "--sweep",
+        action="append",
+        help=f"AXIS=V1,V2,... (repeatable; 'none' for no sweep; default {DEFAULT_TTL_SWEEP})",
+    )
+    g.add_argument(
+        "--sweep-run",
+        default="bounded-replay",
+        help="the POLICY[@MODEL] a sweep varies (default bounded-replay)",
+    )
+    g.add_argument("--model", default="deepseek-v4.1-flash", help="config of runs without @MODEL")
+    g.add_argument("--jobs", type=int, help="worker processes (default: CPU count)")
+    t = rep.add_argument_group("tiers (model-free)")
+    t.add_argument("--device-size", default="32GB", help="device-pool budget for global KV (default 32GB)")
+    t.add_argument("--persistent-size", help="persistent-tier budget, LRU beyond it (default unbounded)")
+    t.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
+    t.add_argument("--swa-pool-size", default="200GB", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
+    t.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
+    t.add_argument("--gpu", default="h200", help="GPU of the compute cost model: h100, h200, b200")
+    t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
+    t.add_argument(
+        "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
+    )
+    e = rep.add_argument_group("engine mode")
+    e.add_argument("--engine-model", default="v4.1-mini", help="model the engine loads (default v4.1-mini)")
+    e.add_argument("--max-requests", type=int, default=8, help="requests from the trace's start (default 8)")
+    e.add_argument(
+        "--engine-block-size", type=int, default=16, help="engine tokens per trace block (default 16)"
+    )
+    e.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.0,
+        help="wall seconds per trace second; 0 = one request at a time, deterministic (default)",
+    )
+    e.add_argument("--kv-cache-memory", default="1GiB", help="engine device pool (default 1GiB)")
+    e.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (default 4)")
+    e.add_argument("--seed", type=int, default=0, help="weights and prompt synthesis seed (default 0)")
     return rep
 
 
 def run_replay(args: argparse.Namespace, console: Console) -> None:
-    """Run ``kvdiet replay`` with parsed ``args``."""
+    """Run ``kvdiet replay`` with parsed ``args``.
+
+    Raises:
+        ValueError: a bad flag value or trace line (strict), before any simulation.
+        OSError: the trace or the report directory.
+    """
     from kvdiet.sim.traces import read_trace, trace_stats
 
+    jobs = _plan(args)  # flags checked before the trace is read
     trace = read_trace(args.trace, format=args.format, strict=args.strict)
     for line in trace.errors[:10]:
         print(f"kvdiet replay: skipped {line}", file=sys.stderr)
+    if len(trace.errors) > 10:
+        print(f"kvdiet replay: skipped {len(trace.errors) - 10} more lines", file=sys.stderr)
+    if not trace.requests:
+        raise ValueError(f"{args.trace}: no requests")
     stats = trace_stats(trace)
+    out: dict[str, object] = {"trace": stats}
+    err = Console(stderr=True)
+    study = facts = engine = None
+    if args.mode == "model-free":
+        study, facts = _model_free(trace, jobs, args, err)
+        out |= {"runs": [r.as_dict() for r in study.runs], "sweeps": _sweeps_json(study), "findings": facts}
+    elif args.mode == "engine":
+        engine = _engine(trace, jobs, args, err)
+        out["engine"] = [e.summary() | {"ttft_s": [round(x, 4) for x in e.ttft_s]} for e in engine]
+    if args.report:
+        from kvdiet.sim.report import write_report
+
+        path = write_report(
+            args.report,
+            trace_name=Path(args.trace).name,
+            stats=stats,
+            study=study,
+            facts=facts,
+            engine=engine,
+            command="kvdiet replay " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            if sys.argv[1:2] == ["replay"]
+            else "",
+        )
+        out["report"] = str(path)
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps(out))
         return
+    _print(out, study, engine, console)
+
+
+def _plan(args: argparse.Namespace):
+    """Check every flag and build the run configs (model-free) or engine configs."""
+    from kvdiet.config import load_config
+    from kvdiet.sim.cost import check_gpu
+    from kvdiet.sim.model_free import SimConfig
+    from kvdiet.sim.study import DEFAULT_TTL_SWEEP, parse_run, parse_sweep
+
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        raise ValueError(f"--report {args.report}: exists and is not a directory")
+    names = [r for r in args.runs.split(",") if r.strip()]
+    if not names:
+        raise ValueError("--runs: no runs")
+    if args.mode == "engine":
+        from kvdiet.cache.policy import SwaPolicy
+        from kvdiet.engine.kv_cache import CacheOptions
+        from kvdiet.sim.engine_mode import EngineModeConfig
+
+        if args.max_requests < 1 or args.engine_block_size < 1 or args.time_scale < 0:
+            raise ValueError("--max-requests and --engine-block-size must be >= 1, --time-scale >= 0")
+        configs = []
+        for name in names:
+            policy = SwaPolicy.parse(name.split("@")[0].strip())
+            cache = CacheOptions(
+                kv_cache_memory=parse_bytes(args.kv_cache_memory),
+                persistent_ttl_s=parse_duration(args.persistent_ttl),
+                swa_pool_size=parse_bytes(args.swa_pool_size),
+                swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
+                policy=policy,
+            )
+            configs.append(
+                EngineModeConfig(
+                    model=args.engine_model,
+                    block_size=args.engine_block_size,
+                    max_requests=args.max_requests,
+                    time_scale=args.time_scale,
+                    cache=cache,
+                    max_num_seqs=args.max_num_seqs,
+                    seed=args.seed,
+                )
+            )
+        return configs
+    base = SimConfig(
+        model=args.model,
+        device_bytes=parse_bytes(args.device_size),
+        persistent_bytes=parse_bytes(args.persistent_size) if args.persistent_size else None,
+        persistent_ttl_s=parse_duration(args.persistent_ttl),
+        swa_pool_bytes=parse_bytes(args.swa_pool_size),
+        swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
+        gpu=args.gpu,
+        mfu=args.mfu,
+        output_tok_s=args.output_tok_s,
+    )
+    check_gpu(base.gpu, base.mfu)
+    runs = [parse_run(n, base) for n in names]
+    for model in {r.model for r in runs}:
+        load_config(model)  # an unknown model fails before the trace is read
+    texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP]
+    sweeps = [] if texts == ["none"] else [(parse_sweep(t), parse_run(args.sweep_run, base)) for t in texts]
+    if args.mode == "stats":
+        return None
+    return runs, sweeps
+
+
+def _progress(console: Console, total: int, what: str) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{what}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _model_free(trace, plan, args, err: Console):
+    from kvdiet.sim.study import findings, run_study
+
+    runs, sweeps = plan
+    for cfg in [*runs, *(base for _, base in sweeps)]:
+        cfg.check(trace.block_size)  # before the progress bar: errors stay one clean line
+    total = len(set(runs) | {cfg for s, base in sweeps for _, cfg in s.configs(base)})
+    with _progress(err, total, f"replaying {len(trace):,} requests") as bar:
+        task = bar.add_task("runs", total=total)
+        study = run_study(
+            trace, runs, sweeps, jobs=args.jobs, progress=lambda k: bar.update(task, completed=k)
+        )
+    return study, findings(study)
+
+
+def _engine(trace, configs, args, err: Console):
+    from kvdiet.sim.engine_mode import run_engine_mode
+
+    out = []
+    for cfg in configs:
+        n = min(cfg.max_requests, len(trace))
+        with _progress(err, n, f"engine {cfg.cache.policy}") as bar:
+            task = bar.add_task("requests", total=n)
+            out.append(run_engine_mode(trace, cfg, progress=lambda k, t=task: bar.update(t, completed=k)))
+    return out
+
+
+def _sweeps_json(study) -> dict[str, list[dict[str, object]]]:
+    return {
+        axis: [{"value": label} | r.as_dict() for label, r in points] for axis, points in study.sweeps.items()
+    }
+
+
+def _print(out: dict, study, engine, console: Console) -> None:
+    if not console.is_terminal:  # a pipe or a file: no terminal width to respect, keep every column whole
+        console = Console(width=180, no_color=True)
+    stats = out["trace"]
     for key, value in stats.items():
         if isinstance(value, dict):
             text = ", ".join(f"{k} {v:,}" for k, v in value.items())
         else:
             text = str(value).lower() if isinstance(value, bool) else f"{value:,}"
-        console.print(f"{key:32s} {text}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"{key:34s} {text}", markup=False, highlight=False, soft_wrap=True)
+    if study is not None:
+        from kvdiet.sim.report import comparison_rows
+
+        cols = ("run", "hit", "device", "persistent bytes", "of which window", "SWA pool peak", "replays")
+        table = Table(title="policy comparison (model-free; --json or --report for every column)")
+        for col in (*cols, "recomputed", "GPU-s"):
+            table.add_column(col, justify="left" if col == "run" else "right")
+        for r, row in zip(study.runs, comparison_rows(study.runs), strict=True):
+            s = r.summary
+            table.add_row(
+                f"{r.config.policy}@{r.config.model.removeprefix('deepseek-')}",
+                *(str(row[c]) for c in cols[1:]),
+                f"{s['recomputed_tokens'] / 1e6:,.1f}M",
+                f"{s['prefill_gpu_s']:,.0f}",
+            )
+        console.print(table)
+        console.print(study.runs[0].summary["cost_formula"], markup=False, highlight=False)
+        for axis, points in study.sweeps.items():
+            t = Table(title=f"sweep {axis} ({points[0][1].config.label})", title_justify="left")
+            for col in ("value", "hit", "SWA-pool restores", "replays", "SWA pool peak", "persistent bytes"):
+                t.add_column(col, justify="right")
+            for label, r in points:
+                rr = comparison_rows([r])[0]
+                t.add_row(
+                    label,
+                    rr["hit"],
+                    f"{r.summary['window_sources']['swa-pool']:,}",
+                    rr["replays"],
+                    rr["SWA pool peak"],
+                    rr["persistent bytes"],
+                )
+            console.print(t)
+        facts = out.get("findings") or {}
+        for key, value in facts.items():
+            console.print(f"{key:34s} {json.dumps(value)}", markup=False, highlight=False, soft_wrap=True)
+    if engine:
+        table = Table(title="engine mode", title_justify="left")
+        rows = [e.summary() for e in engine]
+        for col in rows[0]:
+            table.add_column(col, justify="right")
+        for row in rows:
+            table.add_row(*(json.dumps(v) if isinstance(v, dict) else str(v) for v in row.values()))
+        console.print(table)
+    if "report" in out:
+        console.print(f"wrote {out['report']}", markup=False, highlight=False)

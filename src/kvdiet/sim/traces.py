@@ -32,6 +32,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceRequest",
+    "hit_ratio_variants",
     "infinite_cache_hit_ratio",
     "read_trace",
 ]
@@ -119,6 +120,41 @@ def infinite_cache_hit_ratio(trace: Trace) -> float:
     return hits / total if total else 0.0
 
 
+def hit_ratio_variants(trace: Trace) -> dict[str, float]:
+    """The infinite-cache hit ratio counted four ways (papers rarely say which they report):
+
+    - ``blocks``: hit blocks / all blocks (`infinite_cache_hit_ratio`);
+    - ``tokens``: hit tokens / prompt tokens (a hit partial last block counts its tokens);
+    - ``full_blocks``: hit blocks / full blocks (partial last blocks left out of both);
+    - ``mean_per_request``: the mean over requests of hit tokens / prompt tokens.
+    Contiguous-prefix matching as in `infinite_cache_hit_ratio`; requests without ids hit nothing.
+    """
+    seen: set[int] = set()
+    bs = trace.block_size
+    hit_blocks = blocks = hit_tokens = tokens = hit_full = full = 0
+    per_request = 0.0
+    for r in trace.requests:
+        n = r.input_tokens
+        ids = r.hash_ids if r.hash_ids is not None else ()
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        seen.update(ids)
+        nblocks = -(-n // bs)
+        hit = min(k * bs, n)
+        hit_blocks, blocks = hit_blocks + k, blocks + nblocks
+        hit_tokens, tokens = hit_tokens + hit, tokens + n
+        hit_full, full = hit_full + min(k, n // bs), full + n // bs
+        per_request += hit / n if n else 0.0
+    reqs = len(trace.requests)
+    return {
+        "blocks": round(hit_blocks / blocks, 4) if blocks else 0.0,
+        "tokens": round(hit_tokens / tokens, 4) if tokens else 0.0,
+        "full_blocks": round(hit_full / full, 4) if full else 0.0,
+        "mean_per_request": round(per_request / reqs, 4) if reqs else 0.0,
+    }
+
+
 def trace_stats(trace: Trace) -> dict[str, object]:
     """Summary of a trace: requests, duration (s), prompt and output tokens (total, mean, p50, p99),
     blocks, the infinite-cache block hit ratio, and skipped lines."""
@@ -148,6 +184,7 @@ def trace_stats(trace: Trace) -> dict[str, object]:
         },
         "blocks": sum(-(-r.input_tokens // trace.block_size) for r in reqs),
         "infinite_cache_block_hit_ratio": round(infinite_cache_hit_ratio(trace), 4),
+        "infinite_cache_hit_ratio_variants": hit_ratio_variants(trace),
         "skipped_lines": len(trace.errors),
     }
 

@@ -7,10 +7,10 @@ Python (no extra dependency), is ACID, and in WAL mode with a busy timeout is sa
 sharing one directory. The index row is the authority: a file without a row is never served, a row
 without a valid file is a miss.
 
-Batches: `put_many` writes every file (temp file renamed over the final name: a reader sees the old
-file, the new one or none), records them in one index transaction and evicts once; `get_many` looks its
-keys up with one SELECT per 500 keys, reads and checks the files outside the lock, and writes the index
-at most once. `put` and `get` are batches of one.
+Batches: `put_many` writes every temp file outside any lock, then in one index transaction renames them
+over their final names (a reader sees the old file, the new one or none), records them and evicts once;
+`get_many` looks its keys up with one SELECT per 500 keys, reads and checks the files outside the lock,
+and writes the index at most once. `put` and `get` are batches of one.
 
 No fsync. The tier is a cache: an entry lost to a power failure is recomputed, never served wrong. After
 a power loss a renamed file may be empty or torn and the index (WAL, ``synchronous=NORMAL``) may have
@@ -19,6 +19,15 @@ lost its last transactions: a torn or empty file fails the length or checksum ch
 57 KB, temp file + rename): an fsync per file ~1 ms each (0.06 GB/s against 0.63 GB/s without); one
 ``os.sync()`` per batch 0.21 GB/s, and it flushes every filesystem of the machine; an fsync of the
 directory would not make the files' data durable.
+
+Sharing: any number of processes and threads on one machine may use one directory at once (a local
+filesystem: SQLite's locks are not reliable over NFS). Every change to the entry files happens inside the
+index write transaction that goes with it (a new file is renamed into place in the transaction that records
+its row; a file is unlinked in the transaction that deletes its row), so SQLite's write lock orders them
+across processes: concurrent writers of one block leave exactly one whole entry (the last to commit; the
+others' files are replaced), an eviction or expiry in one process never removes a file another process has
+just written, and a committed row always has its file (until a crash or an outside hand removes it: then a
+miss). Counters are per process; so are the pending read times below.
 
 Read times (LRU) stay in memory until this store's next write transaction (so its own eviction order is
 exact), `close`, or 1024 pending reads or 1 s (store clock): one UPDATE batch instead of a commit per
@@ -185,7 +194,8 @@ class PersistentStore:
         if not self.enabled or not checked:
             return 0
         now = float(self.clock.now())
-        written: list[tuple[bytes, int]] = []  # key, file size (B)
+        written: list[tuple[bytes, int, str]] = []  # key, file size (B), temp file (until renamed)
+        placed: list[bytes] = []  # keys whose temp file was renamed into place
         recorded = False
         try:
             with self._lock:
@@ -196,24 +206,29 @@ class PersistentStore:
             for key, tokens, view in checked:
                 if key not in live:
                     todo.setdefault(key, (tokens, view))
-            for key, (tokens, view) in todo.items():
+            for key, (tokens, view) in todo.items():  # the slow part, outside every lock
                 head, trailer = self._codec.pack(key, tokens, now, view)
-                _write_atomically(self._path(key), (head, view, trailer))
-                written.append((key, len(head) + len(view) + len(trailer)))
+                tmp = _write_temp(self._path(key), (head, view, trailer))
+                written.append((key, len(head) + len(view) + len(trailer), tmp))
             if not written:
                 return len(checked)
             with self._lock:
                 if self._db is None:
                     return 0
-                with _transaction(self._db) as db:
+                with _transaction(self._db) as db:  # files move with their rows, under the write lock
                     self._flush_reads(db)
+                    for key, _, tmp in written:
+                        os.replace(tmp, self._path(key))
+                        placed.append(key)
                     db.executemany(
-                        _INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in written]
+                        _INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n, _ in written]
                     )
                     expired, evicted = self._make_room(db, now)
+                    for old in (*expired, *evicted):
+                        _unlink(self._path(old))
                 recorded = True
                 self.counters.entries_written += len(written)
-                self.counters.bytes_written += sum(n for _, n in written)
+                self.counters.bytes_written += sum(n for _, n, _ in written)
                 self.counters.expirations += len(expired)
                 self.counters.evictions += len(evicted)
         except (OSError, sqlite3.Error) as exc:
@@ -221,10 +236,8 @@ class PersistentStore:
             return 0
         finally:
             if not recorded:
-                for key, _ in written:
-                    _unlink(self._path(key))
-        for old in (*expired, *evicted):
-            _unlink(self._path(old))
+                for key, _, tmp in written:
+                    _unlink(self._path(key) if key in placed else tmp)
         return len(checked)
 
     def sweep(self) -> int:
@@ -241,12 +254,12 @@ class PersistentStore:
                     self._flush_reads(db)
                     keys = [k for (k,) in db.execute("SELECT key FROM entries WHERE expires <= ?", (now,))]
                     db.execute("DELETE FROM entries WHERE expires <= ?", (now,))
+                    for key in keys:
+                        _unlink(self._path(key))
                 self.counters.expirations += len(keys)
         except sqlite3.Error as exc:
             self._disable("sweep", exc)
             return 0
-        for key in keys:
-            _unlink(self._path(key))
         self._remove_stale_temp_files()
         return len(keys)
 
@@ -312,14 +325,12 @@ class PersistentStore:
             with self._lock:
                 if self._db is None:
                     return [None] * len(checked)
-                expired, dropped = self._record_reads(self._db, now, hits, expired, dropped)
+                self._record_reads(self._db, now, hits, expired, dropped)
                 self.counters.hits += len(hits)
                 self.counters.bytes_read += nread
         except (OSError, sqlite3.Error) as exc:
             self._disable("read", exc)
             return [None] * len(checked)
-        for key in (*expired, *(key for key, _, corrupt in dropped if corrupt)):
-            _unlink(self._path(key))
         return out
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -357,24 +368,25 @@ class PersistentStore:
         hits: list[bytes],
         expired: list[bytes],
         dropped: list[_Dropped],
-    ) -> tuple[list[bytes], list[_Dropped]]:
+    ) -> None:
         """Note the read time of ``hits``; in one transaction, when there is anything to delete or the
         pending read times are due: write those, delete the rows of ``expired`` (if still expired) and
-        of ``dropped`` (if not rewritten since). Counts expirations and corrupt entries; returns the
-        ``expired`` and ``dropped`` whose rows it deleted."""
+        of ``dropped`` (if not rewritten since) and the files of the rows it deleted (missing ones aside).
+        Counts expirations and corrupt entries."""
         if hits and not self._reads:
             self._reads_since = now
         self._reads.update(dict.fromkeys(hits, now))
         self.counters.corrupt_dropped += sum(corrupt for _, _, corrupt in dropped)
         due = len(self._reads) >= _PENDING_READS or now - self._reads_since >= _PENDING_READS_S
         if not (expired or dropped or (self._reads and due)):
-            return [], []
+            return
         with _transaction(db):
             self._flush_reads(db)
             expired = [k for k in expired if _delete(db, "key = ? AND expires <= ?", k, now)]
             dropped = [d for d in dropped if _delete(db, "key = ? AND created = ?", d[0], d[1])]
+            for key in (*expired, *(key for key, _, corrupt in dropped if corrupt)):
+                _unlink(self._path(key))
         self.counters.expirations += len(expired)
-        return expired, dropped
 
     def _flush_reads(self, db: sqlite3.Connection) -> None:
         """Inside a write transaction: write the pending read times (never moving one back)."""
@@ -476,9 +488,10 @@ def _read_file(path: str, size: int) -> bytes:
         os.close(fd)
 
 
-def _write_atomically(path: str, parts: Sequence[bytes | memoryview]) -> None:
-    """Write ``parts`` to a uniquely named temp file beside ``path`` and rename it over ``path`` (no
-    fsync: module docstring). Readers see the old file or the new one. Raises OSError (temp removed)."""
+def _write_temp(path: str, parts: Sequence[bytes | memoryview]) -> str:
+    """Write ``parts`` to a uniquely named temp file beside ``path`` (creating its directory) and return
+    the temp file's path; the caller renames it over ``path`` (readers see the old file or the new one;
+    no fsync: module docstring). Raises OSError (temp removed)."""
     directory, name = os.path.split(path)
     tmp = f"{directory}/.{name.removesuffix('.kvb')}.{os.urandom(6).hex()}{_TEMP_SUFFIX}"
     try:
@@ -494,11 +507,11 @@ def _write_atomically(path: str, parts: Sequence[bytes | memoryview]) -> None:
                     view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
-        os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
 
 
 def _unlink(path: str) -> None:

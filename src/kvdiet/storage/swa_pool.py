@@ -3,7 +3,9 @@
 V4.1 keeps window (SWA) state out of the persistent tier; a snapshot lives only here, for minutes
 (seed 001: 10% of each machine's DRAM, TTL of minutes). Values are opaque bytes (a serialized
 `kvdiet.storage.snapshot` with its own header and checksum), so any backend that stores bytes with a TTL
-fits the `SwaPool` protocol; the Redis backend of a later issue is another file behind it.
+fits the `SwaPool` protocol: `InProcessSwaPool` here (the default: this process's memory, gone with it) and
+`kvdiet.storage.redis_pool.RedisSwaPool` (Redis servers shared by every process and machine that lists
+them). `create_swa_pool` picks one from a ``--swa-pool`` value.
 
 Semantics shared by every backend: a value put at ``t0`` is served while ``now < t0 + ttl`` (fixed TTL;
 reads refresh LRU order, never the deadline); least recently used entries go first when the byte budget
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -22,10 +24,21 @@ from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.units import format_bytes
 
-__all__ = ["DEFAULT_SWA_POOL_TTL_S", "InProcessSwaPool", "SwaPool", "default_swa_pool_bytes"]
+__all__ = [
+    "DEFAULT_SWA_POOL_TTL_S",
+    "IN_PROCESS",
+    "InProcessSwaPool",
+    "SwaPool",
+    "check_swa_pool_spec",
+    "create_swa_pool",
+    "default_swa_pool_bytes",
+]
 
 DEFAULT_SWA_POOL_TTL_S = 300.0
 """5 minutes: the pool's TTL "of minutes" (DESIGN.md §1, seed 001)."""
+
+IN_PROCESS = "in-process"
+"""The ``--swa-pool`` value of the default backend, `InProcessSwaPool`."""
 
 
 def default_swa_pool_bytes() -> int:
@@ -37,6 +50,10 @@ class SwaPool(Protocol):
     """What the cache manager needs from an SWA-pool backend."""
 
     counters: TierCounters
+
+    def open(self) -> None:
+        """Connect (a remote backend); never raises on I/O: an unreachable backend only makes misses."""
+        ...
 
     def put(self, key: bytes, value: bytes) -> bool:
         """Store ``value`` under ``key`` with the pool's TTL; False when refused or the backend failed."""
@@ -60,6 +77,43 @@ class SwaPool(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def check_swa_pool_spec(spec: str) -> str:
+    """``spec`` if it names a backend: ``in-process``, or Redis URLs (`kvdiet.storage.redis_pool.parse_redis_urls`).
+
+    Raises:
+        ValueError: anything else, naming the accepted forms.
+    """
+    if spec.strip() == IN_PROCESS:
+        return IN_PROCESS
+    from kvdiet.storage.redis_pool import parse_redis_urls
+
+    parse_redis_urls(spec)
+    return spec.strip()
+
+
+def create_swa_pool(
+    spec: str,
+    *,
+    namespace: str,
+    capacity_bytes: int | None = None,
+    ttl_s: float = DEFAULT_SWA_POOL_TTL_S,
+    clock: Clock | None = None,
+) -> SwaPool:
+    """The backend ``spec`` names (see `check_swa_pool_spec`), not opened yet.
+
+    ``namespace`` (the model fingerprint in hex) separates models on a shared backend; ``capacity_bytes``
+    bounds the in-process pool only (a Redis server's budget is its ``maxmemory``); ``ttl_s`` in seconds;
+    ``clock`` drives the in-process TTLs only (Redis expires keys on the server's clock).
+    Raises:
+        ValueError: a bad spec, capacity or TTL.
+    """
+    if check_swa_pool_spec(spec) == IN_PROCESS:
+        return InProcessSwaPool(capacity_bytes, ttl_s=ttl_s, clock=clock)
+    from kvdiet.storage.redis_pool import RedisSwaPool
+
+    return RedisSwaPool(spec, namespace=namespace, ttl_s=ttl_s)
 
 
 class InProcessSwaPool:
@@ -87,6 +141,7 @@ class InProcessSwaPool:
         self.clock = clock or SystemClock()
         self.counters = TierCounters()
         self._items: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key → (value, deadline)
+        self._deadlines: deque[tuple[float, bytes]] = deque()  # put order = deadline order (fixed TTL)
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -101,16 +156,23 @@ class InProcessSwaPool:
     def __len__(self) -> int:
         return len(self._items)
 
+    def open(self) -> None:
+        """Nothing to connect."""
+
     def put(self, key: bytes, value: bytes) -> bool:
         size = len(value)
         if size > self.capacity_bytes:
             return False
         with self._lock:
+            now = self.clock.now()
             self._drop(key)
+            if self._nbytes + size > self.capacity_bytes:
+                self._expire(now)  # expired values go before any live one is evicted
             while self._nbytes + size > self.capacity_bytes:
                 self._drop(next(iter(self._items)))
                 self.counters.evictions += 1
-            self._items[key] = (bytes(value), self.clock.now() + self.ttl_s)
+            self._items[key] = (bytes(value), now + self.ttl_s)
+            self._deadlines.append((now + self.ttl_s, key))
             self._nbytes += size
             self.counters.entries_written += 1
             self.counters.bytes_written += size
@@ -142,16 +204,24 @@ class InProcessSwaPool:
     def sweep(self) -> int:
         """Drop every expired value; returns how many."""
         with self._lock:
-            now = self.clock.now()
-            dead = [k for k, (_, deadline) in self._items.items() if now >= deadline]
-            for key in dead:
+            return self._expire(self.clock.now())
+
+    def _expire(self, now: float) -> int:
+        """Drop values whose deadline is ≤ ``now`` (oldest deadlines first); lock held."""
+        dead = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, key = self._deadlines.popleft()
+            item = self._items.get(key)
+            if item is not None and item[1] == deadline:  # not rewritten since
                 self._drop(key)
-            self.counters.expirations += len(dead)
-            return len(dead)
+                dead += 1
+        self.counters.expirations += dead
+        return dead
 
     def close(self) -> None:
         with self._lock:
             self._items.clear()
+            self._deadlines.clear()
             self._nbytes = 0
 
     def _drop(self, key: bytes) -> None:

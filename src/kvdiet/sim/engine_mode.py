@@ -1,0 +1,259 @@
+"""Engine-mode trace replay: a trace slice through the real kvdiet engine, prompts made from the hash ids.
+
+A trace gives lengths and prefix-block ids, not text. `scale_trace` shrinks every trace block to
+``block_size`` engine tokens (prompt and output lengths scale with it, at least one token each) so a slice
+runs in minutes on a CPU; `prompt_ids` then turns each request's ids into token ids deterministically:
+block i with id h is ``block_size`` tokens drawn from a generator seeded with ``(seed, h, i)``, so the same
+id at the same position always gives the same tokens and different ids give different tokens (a partial
+last block is the first tokens of its block). Requests without ids (Azure) get ids of their own.
+
+The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``) runs with its block size equal to the
+scaled block, its tiers (device pool, a persistent tier in a temporary directory unless one is given, the
+SWA pool) on a manual clock in trace time: each request's lookups and stores happen at its trace arrival.
+
+- ``time_scale = 0`` (default): one request at a time, each submitted when the previous finished — the
+  deterministic mode, whose hit/miss sequence equals the model-free simulation of the same scaled trace
+  while capacities do not bind (`run_engine_mode` reports how many requests agree).
+- ``time_scale > 0``: request i is submitted ``arrival_s × time_scale`` wall seconds after the start
+  and requests overlap as the scheduler batches them; the clock follows the trace time of the wall clock.
+
+TTFT is measured: wall seconds from submission to the first output token.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.generate import load_model
+from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.engine.scheduler import SchedulerConfig
+from kvdiet.sim.model_free import RequestResult, SimConfig, simulate
+from kvdiet.sim.traces import Trace, TraceRequest
+from kvdiet.storage.clock import ManualClock
+
+__all__ = ["EngineModeConfig", "EngineModeResult", "prompt_ids", "run_engine_mode", "scale_trace"]
+
+_MASK = (1 << 64) - 1
+FIRST_TOKEN_ID = 1000
+"""Synthesized prompts use ids from here to the vocabulary's end (clear of special and control tokens)."""
+
+
+def scale_trace(trace: Trace, block_size: int) -> Trace:
+    """``trace`` with each block of ``trace.block_size`` tokens shrunk to ``block_size`` tokens.
+
+    A prompt of q full blocks and r leftover tokens becomes ``q × block_size + ceil(r × block_size /
+    trace.block_size)`` tokens; an output of m tokens ``max(1, ceil(m × block_size / trace.block_size))``.
+    Hash ids and arrival times are kept, so ``len(hash_ids) == ceil(input / block_size)`` still holds.
+
+    Raises:
+        ValueError: ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    big = trace.block_size
+
+    def shrink(tokens: int) -> int:
+        q, r = divmod(tokens, big)
+        return q * block_size + -(-r * block_size // big)
+
+    reqs = [
+        TraceRequest(
+            r.arrival_s, max(1, shrink(r.input_tokens)), max(1, shrink(r.output_tokens)), r.hash_ids, r.line
+        )
+        for r in trace.requests
+    ]
+    return Trace(reqs, block_size, list(trace.errors))
+
+
+def prompt_ids(
+    request: TraceRequest, index: int, block_size: int, vocab_size: int, seed: int = 0
+) -> list[int]:
+    """Token ids of ``request`` (see the module docstring); ``index`` names its blocks when it has no ids.
+
+    Raises:
+        ValueError: the vocabulary leaves no room above `FIRST_TOKEN_ID` (or 4 for tiny test models).
+    """
+    first = FIRST_TOKEN_ID if vocab_size > 2 * FIRST_TOKEN_ID else 4
+    if vocab_size <= first:
+        raise ValueError(f"vocabulary of {vocab_size} ids is too small to synthesize prompts")
+    n = request.input_tokens
+    blocks = -(-n // block_size)
+    ids = request.hash_ids if request.hash_ids is not None else [-(index + 1)] * blocks
+    out: list[int] = []
+    for i in range(blocks):
+        rng = np.random.Generator(np.random.PCG64([seed & _MASK, int(ids[i]) & _MASK, i]))
+        out += rng.integers(first, vocab_size, size=block_size).tolist()
+    return out[:n]
+
+
+@dataclass(frozen=True)
+class EngineModeConfig:
+    """An engine-mode run.
+
+    Attributes:
+        model: V4.1 preset or config the engine loads (seeded random weights).
+        block_size: engine tokens per trace block (and the engine's block size).
+        max_requests: requests taken from the trace's start.
+        time_scale: wall seconds per trace second (0: one request at a time).
+        cache: the engine's cache options (block size and, when None, the persistent dir are set here).
+        max_num_seqs / max_num_batched_tokens: scheduler limits.
+        seed: weights and prompt synthesis seed.
+    """
+
+    model: str = "v4.1-mini"
+    block_size: int = 16
+    max_requests: int = 8
+    time_scale: float = 0.0
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+
+
+@dataclass
+class EngineModeResult:
+    """Per-request results of an engine-mode run, its TTFTs, and the model-free run it is compared with."""
+
+    config: EngineModeConfig
+    trace: Trace
+    requests: list[RequestResult]
+    ttft_s: list[float]
+    wall_s: float
+    model_free: list[RequestResult]
+
+    @property
+    def agreeing(self) -> int:
+        """Requests whose hit, window source and replay equal the model-free simulation's."""
+        return sum(a == b for a, b in zip(self.requests, self.model_free, strict=True))
+
+    def summary(self) -> dict[str, object]:
+        ttft = sorted(self.ttft_s)
+        prompt = sum(r.input_tokens for r in self.trace.requests) or 1
+
+        def pct(q: float) -> float | None:
+            return round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 4) if ttft else None
+
+        sources: dict[str, int] = {}
+        for r in self.requests:
+            sources[r.window_source] = sources.get(r.window_source, 0) + 1
+        return {
+            "model": self.config.model,
+            "policy": str(self.config.cache.policy),
+            "requests": len(self.requests),
+            "block_size": self.config.block_size,
+            "time_scale": self.config.time_scale,
+            "prompt_tokens": sum(r.input_tokens for r in self.trace.requests),
+            "device_hit_ratio": round(sum(r.device_tokens for r in self.requests) / prompt, 6),
+            "persistent_hit_ratio": round(sum(r.persistent_tokens for r in self.requests) / prompt, 6),
+            "window_sources": sources,
+            "replayed_tokens": sum(r.replayed_tokens for r in self.requests),
+            "computed_tokens": sum(r.computed_tokens for r in self.requests),
+            "ttft_p50_s": pct(0.5),
+            "ttft_p90_s": pct(0.9),
+            "ttft_max_s": round(ttft[-1], 4) if ttft else None,
+            "wall_s": round(self.wall_s, 3),
+            "model_free_agreeing": self.agreeing,
+        }
+
+
+def run_engine_mode(
+    trace: Trace, config: EngineModeConfig, *, progress: Callable[[int], None] | None = None
+) -> EngineModeResult:
+    """Run the first ``max_requests`` requests of ``trace`` through the engine (module docstring).
+
+    Raises:
+        ValueError: ``max_requests`` < 1, a negative ``time_scale``, an empty trace, or a bad model/cache
+            setting (before any request runs).
+    """
+    if config.max_requests < 1 or config.time_scale < 0:
+        raise ValueError("max_requests must be >= 1 and time_scale >= 0")
+    if not trace.requests:
+        raise ValueError("the trace has no requests")
+    scaled = scale_trace(Trace(trace.requests[: config.max_requests], trace.block_size), config.block_size)
+    with tempfile.TemporaryDirectory(prefix="kvdiet-replay-") as tmp:
+        opts = replace(
+            config.cache,
+            block_size=config.block_size,
+            persistent_dir=config.cache.persistent_dir if config.cache.persistent_dir is not None else tmp,
+        )
+        model, tokenizer = load_model(config.model, seed=config.seed)
+        clock = ManualClock(scaled.requests[0].arrival_s)
+        cache = KVCache(model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock)
+        cache.open()
+        try:
+            longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
+            engine = LLMEngine(
+                model,
+                cache,
+                tokenizer=tokenizer,
+                max_model_len=max(longest, 1),
+                scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+            )
+            results, ttft, wall = _drive(engine, scaled, config, clock, progress)
+        finally:
+            cache.close()
+    sim = simulate(
+        scaled,
+        SimConfig(
+            model=config.model,
+            policy=opts.policy,
+            device_bytes=opts.kv_cache_memory,
+            persistent_bytes=opts.persistent_size,
+            persistent_ttl_s=opts.persistent_ttl_s,
+            swa_pool_bytes=opts.swa_pool_size or 10**15,
+            swa_pool_ttl_s=opts.swa_pool_ttl_s,
+            prefix_caching=opts.prefix_caching,
+            output_tok_s=1e12,
+        ),
+    )
+    return EngineModeResult(config, scaled, results, ttft, wall, sim.requests)
+
+
+def _drive(engine: LLMEngine, trace: Trace, config: EngineModeConfig, clock: ManualClock, progress):
+    vocab = engine.model.cfg.vocab_size
+    prompts = [prompt_ids(r, i, trace.block_size, vocab, config.seed) for i, r in enumerate(trace.requests)]
+    params = [
+        SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, seed=config.seed)
+        for r in trace.requests
+    ]
+    order: dict[str, int] = {}
+    results: list[RequestResult | None] = [None] * len(prompts)
+    ttft: list[float] = [0.0] * len(prompts)
+    done = 0
+    start = time.perf_counter()
+    nxt = 0
+    while done < len(prompts):
+        if config.time_scale == 0:
+            due = nxt < len(prompts) and not engine.has_unfinished
+        else:
+            elapsed = time.perf_counter() - start
+            due = nxt < len(prompts) and elapsed >= trace.requests[nxt].arrival_s * config.time_scale
+            clock.set(max(clock.now(), elapsed / config.time_scale))
+        if due:
+            clock.set(max(clock.now(), trace.requests[nxt].arrival_s))
+            order[engine.add_request(prompts[nxt], params[nxt])] = nxt
+            nxt += 1
+            continue
+        if not engine.has_unfinished:
+            time.sleep(min(0.05, max(0.0, trace.requests[nxt].arrival_s * config.time_scale - elapsed)))
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            i = order[out.request_id]
+            p = out.provenance
+            results[i] = RequestResult(
+                p.device_tokens, p.persistent_tokens, p.window_source, p.replayed_tokens, p.computed_tokens
+            )
+            ttft[i] = out.ttft_s if out.ttft_s is not None else 0.0
+            done += 1
+            if progress is not None:
+                progress(done)
+    return results, ttft, time.perf_counter() - start

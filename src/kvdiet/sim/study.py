@@ -1,0 +1,220 @@
+"""The SWA-policy study: several model-free runs on one trace (policies × models, and sweeps), and what they
+establish.
+
+A run is written ``POLICY@MODEL`` (``bounded-replay@deepseek-v4.1-flash``; the model defaults to the base
+config's). `DEFAULT_RUNS` compares V4-Flash as DeepSeek deploys it (``boundary-snapshot``) with V4.1 under
+every policy. A sweep varies one setting of one run (``swa-pool-ttl``, ``swa-pool-size``, ``persistent-ttl``,
+``persistent-size``, ``device-size``); the SWA-pool TTL sweep gets an extra unbounded point, the reference
+for "how much of what a pool could catch does this TTL catch". Runs are independent and go to worker
+processes (``jobs``).
+
+`findings` turns the results into the study's numbers: the persistent bytes of V4.1 (bounded replay) over
+V4-Flash (boundary snapshots) and the window share of V4's, and the shortest swept TTL at which the SWA pool
+restores at least `CATCH_TARGET` of what an unbounded pool restores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.sim.model_free import SimConfig, SimResult, simulate
+from kvdiet.sim.traces import Trace
+from kvdiet.units import parse_bytes, parse_duration
+
+__all__ = [
+    "CATCH_TARGET",
+    "DEFAULT_RUNS",
+    "DEFAULT_TTL_SWEEP",
+    "SWEEP_AXES",
+    "Study",
+    "findings",
+    "parse_run",
+    "parse_sweep",
+    "run_study",
+]
+
+DEFAULT_RUNS = (
+    "boundary-snapshot@deepseek-v4-flash",
+    "full-store@deepseek-v4-flash",
+    "full-store@deepseek-v4.1-flash",
+    "bounded-replay@deepseek-v4.1-flash",
+    "checkpoint:4096@deepseek-v4.1-flash",
+    "checkpoint:16384@deepseek-v4.1-flash",
+    "exact-recompute@deepseek-v4.1-flash",
+)
+DEFAULT_TTL_SWEEP = "swa-pool-ttl=30s,1m,2m,5m,10m,30m"
+CATCH_TARGET = 0.9
+"""The share of an unbounded pool's restores a TTL must reach to "catch most boundary hits"."""
+
+SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
+    "swa-pool-ttl": ("swa_pool_ttl_s", parse_duration),
+    "swa-pool-size": ("swa_pool_bytes", parse_bytes),
+    "persistent-ttl": ("persistent_ttl_s", parse_duration),
+    "persistent-size": ("persistent_bytes", parse_bytes),
+    "device-size": ("device_bytes", parse_bytes),
+}
+UNBOUNDED_TTL_S = 1e12
+
+
+def parse_run(text: str, base: SimConfig) -> SimConfig:
+    """``POLICY[@MODEL]`` → ``base`` with that policy (and model).
+
+    Raises:
+        ValueError: an unknown policy (`SwaPolicy.parse`).
+    """
+    policy, _, model = text.strip().partition("@")
+    return replace(base, policy=SwaPolicy.parse(policy), model=model or base.model)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One axis swept over values for one run."""
+
+    axis: str
+    values: tuple[float, ...]
+    labels: tuple[str, ...]
+
+    def configs(self, base: SimConfig) -> list[tuple[str, SimConfig]]:
+        """``(label, config)`` per point: ``base`` with the axis set; the TTL axis ends with "unbounded"."""
+        field_name, _ = SWEEP_AXES[self.axis]
+        values, labels = list(self.values), list(self.labels)
+        if self.axis == "swa-pool-ttl":
+            values.append(UNBOUNDED_TTL_S)
+            labels.append("unbounded")
+        return [
+            (label, replace(base, **{field_name: int(v) if field_name.endswith("bytes") else v}))
+            for v, label in zip(values, labels, strict=True)
+        ]
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``AXIS=V1,V2,...`` (durations like ``30s``/``5m``/``72h``, sizes like ``32GB``).
+
+    Raises:
+        ValueError: unknown axis, no values, or a value that does not parse.
+    """
+    axis, sep, values = text.partition("=")
+    axis = axis.strip()
+    if axis not in SWEEP_AXES or not sep:
+        raise ValueError(
+            f"--sweep {text!r}: expected AXIS=V1,V2,... with AXIS one of {', '.join(SWEEP_AXES)}"
+        )
+    labels = tuple(v.strip() for v in values.split(",") if v.strip())
+    if not labels:
+        raise ValueError(f"--sweep {text!r}: no values")
+    _, parse = SWEEP_AXES[axis]
+    return Sweep(axis, tuple(float(parse(v)) for v in labels), labels)
+
+
+@dataclass
+class Study:
+    """The runs of a study: ``runs`` in order, and per sweep axis ``(label, result)`` pairs."""
+
+    runs: list[SimResult]
+    sweeps: dict[str, list[tuple[str, SimResult]]]
+
+
+def _one(trace: Trace, config: SimConfig) -> SimResult:
+    return simulate(trace, config)
+
+
+def run_study(
+    trace: Trace,
+    runs: Sequence[SimConfig],
+    sweeps: Sequence[tuple[Sweep, SimConfig]] = (),
+    *,
+    jobs: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Study:
+    """Simulate every run and every sweep point (`simulate`), ``jobs`` at a time (default: CPU count).
+
+    ``progress`` is called with the number of simulations finished (identical configs run once). Every
+    config is checked first, so a bad one raises ValueError before any work.
+    """
+    for cfg in [*runs, *(base for _, base in sweeps)]:
+        cfg.check(trace.block_size)
+    todo: list[SimConfig] = list(runs)
+    points: list[tuple[str, str]] = []
+    for sweep, base in sweeps:
+        for label, cfg in sweep.configs(base):
+            todo.append(cfg)
+            points.append((sweep.axis, label))
+    unique = list(dict.fromkeys(todo))  # a sweep point equal to a run is simulated once
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(unique)))
+    done: dict[SimConfig, SimResult] = {}
+    if jobs == 1:
+        for cfg in unique:
+            done[cfg] = simulate(trace, cfg)
+            if progress is not None:
+                progress(len(done))
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            for cfg, res in zip(unique, pool.map(_one, [trace] * len(unique), unique), strict=True):
+                done[cfg] = res
+                if progress is not None:
+                    progress(len(done))
+    results = [done[cfg] for cfg in todo]
+    out = Study(results[: len(runs)], {})
+    for (axis, label), res in zip(points, results[len(runs) :], strict=True):
+        out.sweeps.setdefault(axis, []).append((label, res))
+    return out
+
+
+def _find(runs: Sequence[SimResult], policy: str, model: str) -> SimResult | None:
+    return next((r for r in runs if str(r.config.policy) == policy and r.config.model == model), None)
+
+
+def findings(study: Study) -> dict[str, object]:
+    """The study's headline numbers (None where the runs they need are missing).
+
+    - ``persistent_ratio_v41_over_v4``: resident persistent bytes at the end of the trace, V4.1
+      ``bounded-replay`` over V4-Flash ``boundary-snapshot`` (the seeds' "about 1/8").
+    - ``v4_window_share``: the share of V4's persistent bytes that are window snapshots (seeds: "about half").
+    - ``ttl_for_catch``: the shortest swept SWA-pool TTL whose pool restores reach `CATCH_TARGET` of the
+      unbounded pool's, with each TTL's share; ``snapshot_age_*``: how old the snapshots an unbounded pool
+      restores are (seconds) — the TTL a pool needs is read off these.
+    """
+    out: dict[str, object] = {}
+    v41 = _find(study.runs, "bounded-replay", "deepseek-v4.1-flash")
+    v4 = _find(study.runs, "boundary-snapshot", "deepseek-v4-flash")
+    if v41 is not None and v4 is not None:
+        a, b = v41.summary, v4.summary
+        out["persistent_bytes_v41"] = a["persistent_bytes_resident"]
+        out["persistent_bytes_v4"] = b["persistent_bytes_resident"]
+        out["persistent_ratio_v41_over_v4"] = (
+            round(a["persistent_bytes_resident"] / b["persistent_bytes_resident"], 4)
+            if b["persistent_bytes_resident"]
+            else None
+        )
+        out["v4_window_share"] = (
+            round(b["persistent_window_bytes"] / b["persistent_bytes_resident"], 4)
+            if b["persistent_bytes_resident"]
+            else None
+        )
+        out["global_kv_ratio_v41_over_v4"] = (
+            round(a["persistent_kv_bytes"] / b["persistent_kv_bytes"], 4)
+            if b["persistent_kv_bytes"]
+            else None
+        )
+    ttl = study.sweeps.get("swa-pool-ttl")
+    if ttl:
+        unbounded = ttl[-1][1]
+        ref = unbounded.summary["window_sources"]["swa-pool"]
+        shares = {
+            label: (r.summary["window_sources"]["swa-pool"] / ref if ref else 0.0) for label, r in ttl[:-1]
+        }
+        out["ttl_catch_share"] = {k: round(v, 4) for k, v in shares.items()}
+        out["ttl_for_catch"] = next((k for k, v in shares.items() if v >= CATCH_TARGET), None)
+        out["catch_target"] = CATCH_TARGET
+        ages = sorted(unbounded.snapshot_ages_s)
+        for q in (0.5, 0.9, 0.99):
+            key = f"snapshot_age_p{round(q * 100)}_s"
+            out[key] = round(ages[min(len(ages) - 1, math.floor(q * len(ages)))], 3) if ages else None
+        out["unbounded_pool_restores"] = ref
+        out["boundary_hits"] = unbounded.summary["boundary_hits"]
+    return out

@@ -1,0 +1,561 @@
+"""The SWA pool on Redis: window snapshots shared by every engine process that points at the same servers.
+
+V4.1 keeps window state in a pool made of a slice of every machine's host DRAM with a TTL of minutes,
+shared across machines (seed 001, DESIGN.md §1). Redis supplies exactly that: per-key TTLs (``SET … PX``),
+``maxmemory`` with ``allkeys-lru`` eviction, and one server per machine (a list of URLs, sharded here by
+rendezvous hashing) or a Redis Cluster. Needs Redis ≥ 6.2 (``SET … GET``).
+
+Key layout (``NS`` = the model fingerprint in hex, ``K`` = the pool key in hex; the braces are a Redis
+Cluster hash tag, so one snapshot's keys live in one slot and one MULTI/EXEC can write them all)::
+
+    kvdiet:swa:{NS:K}:m           manifest, the commit marker: written last, in the same MULTI/EXEC
+    kvdiet:swa:{NS:K}:NONCE:i     chunk i (i = 0 … count−1) of the value, ``chunk_bytes`` each, the last shorter
+
+Manifest (36 B, little-endian): magic ``b"KVRS"`` · version u16 (1) · flags u16 (0) · nonce (8 random
+bytes, hex in the chunk keys) · chunk count u32 · total length u64 (bytes) · CRC-32 of the value u32 ·
+CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.storage.snapshot`); never pickle.
+
+Writes: one MULTI/EXEC per value sets every chunk (``PX ttl + 1 s``: a reader that saw the manifest just
+before its deadline still finds the chunks) and then the manifest (``PX ttl``, with ``GET``: an overwritten
+manifest's chunks are unlinked right after). A reader thus sees the old value, the new one or none, never
+half of one: chunks of another write have another nonce. Reads are two pipelined round trips per server:
+every manifest, then every chunk of the valid ones.
+
+A manifest whose chunk is gone (evicted or expired by the server) is a miss counted in ``evictions``; a
+manifest or value that fails its checks (length, magic, version, checksums) is a miss counted in
+``corrupt_dropped``. Either is deleted, manifest and chunks (those of a manifest that fails its checks are
+unknown and left to their TTL), by a script that deletes the manifest only if it still holds the bytes
+read: when another writer replaced it meanwhile, the miss is a plain one. The
+server's own expirations are invisible (a plain miss): ``expirations`` stays 0.
+
+Failures never raise out of `put`/`get`/`get_many`: a refused connection, a timeout or an error reply
+makes the call a miss (None) or a refused put (False), counts ``backend_errors`` (and ``write_errors`` for
+a put), logs a warning (once a minute per server at most) and, unless the server answered with an error
+about the command itself, skips that server for ``backoff_s`` seconds, so a dead Redis costs at most one
+connect timeout per back-off instead of one per request; then the client reconnects by itself. Servers
+are independent: a dead one only loses its keys.
+
+Not known here: what a snapshot holds, how pool keys are derived, and the servers' ``maxmemory`` (the
+servers evict, not this client; see the README's deployment section).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvdiet.cache.counters import TierCounters
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S
+
+__all__ = [
+    "DEFAULT_BACKOFF_S",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_SOCKET_TIMEOUT_S",
+    "MANIFEST",
+    "RedisSwaPool",
+    "parse_redis_urls",
+]
+
+_log = logging.getLogger(__name__)
+
+MAGIC = b"KVRS"
+VERSION = 1
+MANIFEST = struct.Struct("<4sHH8sIQII")  # magic, version, flags, nonce, chunks, total length, CRC, head CRC
+DEFAULT_CHUNK_BYTES = 1 << 20
+"""1 MiB: a V4.1-Flash window snapshot (2,703,360 B, README) is 3 chunks; small enough that one chunk
+never holds the server's single thread for long."""
+MAX_CHUNK_BYTES = 512 << 20
+"""Redis's largest string (``proto-max-bulk-len`` default, 512 MiB)."""
+DEFAULT_BACKOFF_S = 1.0
+DEFAULT_CONNECT_TIMEOUT_S = 0.25
+DEFAULT_SOCKET_TIMEOUT_S = 1.0
+_CHUNK_GRACE_MS = 1000  # chunks outlive their manifest by this much
+_MAX_CHUNKS = 1 << 20  # a manifest claiming more is corrupt (1 TiB at the default chunk size)
+_WARN_EVERY_S = 60.0  # at most one warning per server per minute
+_STATS_EVERY_S = 1.0  # `nbytes`/`len` ask the servers at most this often
+_KEY_PREFIX = "kvdiet:swa:"
+_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+_URL_OPTIONS = {  # query options redis-py reads from a URL (redis.connection.URL_QUERY_ARGUMENT_PARSERS) ...
+    *redis.connection.URL_QUERY_ARGUMENT_PARSERS,
+    *("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "client_name"),
+}  # ... and the client options a rediss:// URL may carry; redis-py passes others on blindly
+
+# Deletes KEYS[2..] (chunks of the manifest read) and KEYS[1] (the manifest) if it still holds ARGV[1];
+# returns 1 if it did (the entry really was incomplete or corrupt), 0 if a writer replaced it meanwhile.
+_DROP = """
+for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('UNLINK', KEYS[1]) return 1 end
+return 0
+"""
+
+
+def parse_redis_urls(spec: str) -> tuple[str, ...]:
+    """The Redis URLs of a ``--swa-pool`` value, checked: one URL or several separated by commas.
+
+    Accepted: ``redis://[user:password@]host[:port][/db]`` (port 6379, db 0 by default), ``rediss://`` (TLS),
+    ``unix:///path/to.sock[?db=N]``, and ``redis+cluster://host:port`` (a Redis Cluster, reached through
+    any of its nodes; then the only URL). Raises:
+        ValueError: an empty list, an unknown scheme, no host or socket path, a port outside 1–65535, a db
+            that is not an integer ≥ 0 (or not 0 on a cluster), a repeated server, a cluster URL among
+            others, or options redis-py rejects.
+    """
+    urls = tuple(u.strip() for u in spec.split(",") if u.strip())
+    if not urls:
+        raise ValueError(f"--swa-pool: no Redis URL in {spec!r}")
+    seen: set[str] = set()
+    for url in urls:
+        name = _server_id(url)
+        if name in seen:
+            raise ValueError(f"--swa-pool: {_redact(url)} is listed twice")
+        seen.add(name)
+    if len(urls) > 1 and any("+cluster" in urlsplit(u).scheme for u in urls):
+        raise ValueError(
+            "--swa-pool: a redis+cluster:// URL must be the only one (the cluster shards itself)"
+        )
+    return urls
+
+
+def _server_id(url: str) -> str:
+    """``scheme://host:port/db`` (or the socket path) of ``url``: what every process hashes keys against.
+    Raises ValueError on a bad URL (see `parse_redis_urls`)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"--swa-pool: bad Redis URL {_redact(url)!r}: {exc}") from None
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(
+            f"--swa-pool: {_redact(url)!r} is not a Redis URL (schemes: {', '.join(_SCHEMES)}; "
+            "or 'in-process')"
+        )
+    base = parts.scheme.removesuffix("+cluster")
+    if base == "unix":
+        if not parts.path:
+            raise ValueError(f"--swa-pool: {_redact(url)!r} names no socket path")
+        where = parts.path
+    else:
+        if not parts.hostname:
+            raise ValueError(f"--swa-pool: {_redact(url)!r} names no host")
+        if port is not None and not 1 <= port <= 65535:
+            raise ValueError(f"--swa-pool: port {port} of {_redact(url)!r} is outside 1-65535")
+        where = f"{parts.hostname}:{port or 6379}"
+        if not re.fullmatch(r"/?[0-9]*", parts.path):
+            raise ValueError(
+                f"--swa-pool: db of {_redact(url)!r} must be an integer >= 0 (redis://HOST:PORT/DB)"
+            )
+    try:
+        options = redis.connection.parse_url(url.replace("+cluster://", "://", 1))
+    except ValueError as exc:
+        raise ValueError(f"--swa-pool: bad Redis URL {_redact(url)!r}: {exc}") from None
+    unknown = sorted(
+        set(options) - _URL_OPTIONS - {"host", "port", "path", "username", "password", "connection_class"}
+    )
+    if unknown:
+        raise ValueError(f"--swa-pool: unknown option {', '.join(unknown)} in {_redact(url)!r}")
+    db = options.get("db", 0)
+    if "+cluster" in parts.scheme and db != 0:
+        raise ValueError(f"--swa-pool: a Redis Cluster has only db 0, got {db} in {_redact(url)!r}")
+    return f"{parts.scheme}://{where}/{db}"
+
+
+def _redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and the start-up report)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rsplit('@', 1)[1]}"))
+    except ValueError:
+        return "<unparsable URL>"
+
+
+@dataclass(slots=True)
+class _Server:
+    """One Redis server (or a whole cluster) and its health, as this process sees it."""
+
+    url: str
+    ident: bytes  # what keys are hashed against (rendezvous)
+    client: Any = None  # redis.Redis | RedisCluster, made by `open` or after a back-off
+    drop: Any = None  # the registered `_DROP` script
+    down_until: float = 0.0  # time.monotonic() before which calls skip this server
+    down: bool = False  # the last call failed (for the reconnect log line)
+    warned_at: float = -math.inf
+    stats: tuple[int, int] = (0, 0)  # used_memory (B), keys
+    stats_at: float = -math.inf
+
+    @property
+    def cluster(self) -> bool:
+        return "+cluster" in urlsplit(self.url).scheme
+
+    @property
+    def name(self) -> str:
+        return _redact(self.url)
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    raw: bytes
+    nonce: str  # hex
+    chunks: int
+    total: int
+    crc: int
+
+
+def _pack_manifest(nonce: bytes, chunks: int, total: int, crc: int) -> bytes:
+    head = MANIFEST.pack(MAGIC, VERSION, 0, nonce, chunks, total, crc, 0)[:-4]
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def _parse_manifest(raw: bytes) -> _Manifest | None:
+    """The manifest in ``raw``, or None when it fails any check (length, magic, version, flags, its CRC,
+    a chunk count that cannot hold the length)."""
+    if len(raw) != MANIFEST.size:
+        return None
+    magic, version, flags, nonce, chunks, total, crc, head_crc = MANIFEST.unpack(raw)
+    if (magic, version, flags) != (MAGIC, VERSION, 0) or zlib.crc32(raw[:-4]) != head_crc:
+        return None
+    if chunks > _MAX_CHUNKS or (total == 0) != (chunks == 0) or chunks > total:
+        return None
+    return _Manifest(bytes(raw), nonce.hex(), chunks, total, crc)
+
+
+@dataclass(slots=True)
+class _Read:
+    """One key of a `get_many` on its way through the two round trips."""
+
+    index: int
+    base: str
+    manifest: _Manifest | None = None
+    verdict: str | None = None  # "evictions" (a chunk gone) or "corrupt_dropped" (failed a check)
+
+
+class RedisSwaPool:
+    """The SWA pool on one or more Redis servers or a Redis Cluster (see the module docstring). Thread-safe.
+
+    Args:
+        urls: one Redis URL, a comma-separated list, or a sequence of them (`parse_redis_urls`); keys are
+            spread over several servers by rendezvous hashing (the same on every process listing the same
+            servers, in any order).
+        namespace: the model fingerprint in hex; processes of other models never see these snapshots.
+        ttl_s: seconds a snapshot stays servable (server-side ``PX``, millisecond resolution; default 300).
+        chunk_bytes: bytes per chunk of a value (default 1 MiB, at most 512 MiB).
+        backoff_s: seconds a server is skipped after a failure (default 1; 0 retries at every call).
+        connect_timeout_s / socket_timeout_s: seconds to connect / to wait for a reply (defaults 0.25, 1).
+    Raises:
+        ValueError: a bad URL, an empty namespace or one with braces or whitespace, a TTL or timeout
+            not > 0, a chunk size outside 1 B–512 MiB, a negative back-off.
+
+    No I/O until `open`. ``counters.expirations`` stays 0 (the server expires keys silently);
+    ``evictions`` counts snapshots found incomplete (a chunk the server evicted or expired).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        namespace: str,
+        ttl_s: float = DEFAULT_SWA_POOL_TTL_S,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        backoff_s: float = DEFAULT_BACKOFF_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+    ) -> None:
+        spec = urls if isinstance(urls, str) else ",".join(urls)
+        parsed = parse_redis_urls(spec)
+        if not namespace or any(c in namespace for c in "{} \t\r\n"):
+            raise ValueError(f"namespace must be non-empty, without braces or whitespace, got {namespace!r}")
+        if not ttl_s > 0 or not connect_timeout_s > 0 or not socket_timeout_s > 0:
+            raise ValueError(
+                f"TTL and timeouts must be > 0 s, got {ttl_s}, {connect_timeout_s}, {socket_timeout_s}"
+            )
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+        if not backoff_s >= 0:
+            raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
+        self.namespace, self.ttl_s, self.chunk_bytes = namespace, float(ttl_s), chunk_bytes
+        self.backoff_s = float(backoff_s)
+        self.connect_timeout_s, self.socket_timeout_s = float(connect_timeout_s), float(socket_timeout_s)
+        self.counters = TierCounters()
+        self._servers = [_Server(u, _server_id(u).encode()) for u in parsed]
+        self._ttl_ms = max(1, round(self.ttl_s * 1000))
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        where = ", ".join(s.name for s in self._servers)
+        return f"Redis SWA pool ({where}; TTL {self.ttl_s:g} s, chunks of {self.chunk_bytes:,} B)"
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect to every server and PING it. A server that does not answer gets one warning; the pool
+        works without it (its keys miss) and reconnects after the back-off. Never raises on I/O."""
+        for server in self._servers:
+            if server.client is None and self._connect(server, at_start=True) is not None:
+                try:
+                    server.client.ping()
+                except (RedisError, RedisClusterException, OSError) as exc:
+                    self._failed(server, exc, "unreachable at start-up")
+
+    def close(self) -> None:
+        """Drop every connection; a later call reconnects (`open` again, or any put/get). Idempotent."""
+        for server in self._servers:
+            client, server.client, server.drop = server.client, None, None
+            if client is not None:
+                with suppress(Exception):
+                    client.close()
+
+    def __enter__(self) -> RedisSwaPool:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the last call to every server succeeded (no I/O)."""
+        return not any(s.down for s in self._servers)
+
+    # ---- the SwaPool protocol --------------------------------------------------------------------
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        """Store ``value`` (bytes-like) under ``key`` (bytes) for ``ttl_s``, replacing any value there.
+        False when the server is down, skipped during a back-off, or the write failed."""
+        view = memoryview(value).cast("B")
+        server = self._server_for(key)
+        client = self._client(server)
+        if client is None:
+            with self._lock:
+                self.counters.write_errors += 1
+            return False
+        base = self._base(key)
+        nonce = os.urandom(8)
+        n = len(view)
+        chunks = [view[i : i + self.chunk_bytes] for i in range(0, n, self.chunk_bytes)]
+        manifest = _pack_manifest(nonce, len(chunks), n, zlib.crc32(view))
+        try:
+            pipe = client.pipeline(transaction=True)
+            for i, chunk in enumerate(chunks):
+                pipe.set(f"{base}:{nonce.hex()}:{i}", chunk, px=self._ttl_ms + _CHUNK_GRACE_MS)
+            pipe.set(f"{base}:m", manifest, px=self._ttl_ms, get=True)
+            old = pipe.execute()[-1]
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._failed(server, exc, "write failed", write=True)
+            return False
+        self._succeeded(server)
+        with self._lock:
+            self.counters.entries_written += 1
+            self.counters.bytes_written += n
+        previous = _parse_manifest(old) if old is not None else None
+        if previous is not None and previous.nonce != nonce.hex():
+            with suppress(RedisError, RedisClusterException, OSError):  # they expire anyway
+                client.unlink(*self._chunk_keys(base, previous))
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value stored under ``key``, or None: absent, expired, evicted (whole or a chunk), corrupt, or
+        the server down (see the module docstring for the counters)."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """`get` for each of ``keys``, in order: two pipelined round trips per server."""
+        out: list[bytes | None] = [None] * len(keys)
+        groups: dict[int, list[_Read]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._servers.index(self._server_for(key)), []).append(
+                _Read(i, self._base(key))
+            )
+        with self._lock:
+            self.counters.lookups += len(keys)
+        for s, reads in groups.items():
+            self._read(self._servers[s], reads, out)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the servers use (``INFO memory`` ``used_memory``, every namespace and Redis's own
+        overhead), asked at most once a second; 0 for a server that is down."""
+        return sum(self._stats(s)[0] for s in self._servers)
+
+    def __len__(self) -> int:
+        """Keys in the servers' databases (``DBSIZE``: manifests and chunks of every namespace), asked at
+        most once a second; 0 for a server that is down."""
+        return sum(self._stats(s)[1] for s in self._servers)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _base(self, key: bytes) -> str:
+        return f"{_KEY_PREFIX}{{{self.namespace}:{bytes(key).hex()}}}"
+
+    @staticmethod
+    def _chunk_keys(base: str, m: _Manifest) -> list[str]:
+        return [f"{base}:{m.nonce}:{i}" for i in range(m.chunks)]
+
+    def _server_for(self, key: bytes) -> _Server:
+        """Rendezvous (highest-random-weight) hashing: the server whose hash with ``key`` is largest."""
+        if len(self._servers) == 1:
+            return self._servers[0]
+        key = bytes(key)
+        return max(self._servers, key=lambda s: blake2b(s.ident + b"\0" + key, digest_size=8).digest())
+
+    def _read(self, server: _Server, reads: list[_Read], out: list[bytes | None]) -> None:
+        """Both round trips for the keys of one server; fills ``out``; failures make misses."""
+        client = self._client(server)
+        if client is None:
+            return
+        try:
+            pipe = client.pipeline(transaction=False)
+            for r in reads:
+                pipe.get(f"{r.base}:m")
+            raws = pipe.execute()
+            pipe = client.pipeline(transaction=False)
+            for r, raw in zip(reads, raws, strict=True):
+                if raw is None:
+                    continue
+                r.manifest = _parse_manifest(raw)
+                if r.manifest is None:  # compared (and deleted) as it was read; its chunks are unknown
+                    r.manifest, r.verdict = _Manifest(bytes(raw), "", 0, 0, 0), "corrupt_dropped"
+                    continue
+                for k in self._chunk_keys(r.base, r.manifest):
+                    pipe.get(k)
+            replies = iter(pipe.execute())
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._failed(server, exc, "read failed")
+            return
+        self._succeeded(server)
+        hits, nread = 0, 0
+        for r in reads:
+            m = r.manifest
+            if m is None or r.verdict is not None:
+                continue
+            parts = [next(replies) for _ in range(m.chunks)]
+            if any(p is None for p in parts):
+                r.verdict = "evictions"
+                continue
+            value = b"".join(parts)
+            if len(value) != m.total or zlib.crc32(value) != m.crc:
+                r.verdict = "corrupt_dropped"
+                continue
+            out[r.index] = value
+            hits, nread = hits + 1, nread + len(value)
+        with self._lock:
+            self.counters.hits += hits
+            self.counters.bytes_read += nread
+        for r in reads:
+            if r.verdict is not None:
+                self._drop(server, r)
+
+    def _drop(self, server: _Server, r: _Read) -> None:
+        """Delete a bad or incomplete entry unless a writer replaced it since it was read; count it if so."""
+        m = r.manifest
+        try:
+            dropped = server.drop(keys=[f"{r.base}:m", *self._chunk_keys(r.base, m)], args=[m.raw])
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._failed(server, exc, "delete failed")
+            dropped = 1  # it was bad when read; the TTL removes it
+        if dropped:
+            with self._lock:
+                setattr(self.counters, r.verdict, getattr(self.counters, r.verdict) + 1)
+
+    def _client(self, server: _Server) -> Any:
+        """The server's client, or None while it is backed off (or cannot be made)."""
+        if server.down and time.monotonic() < server.down_until:
+            return None
+        if server.client is None:
+            return self._connect(server, at_start=False)
+        return server.client
+
+    def _connect(self, server: _Server, *, at_start: bool) -> Any:
+        """Make the client (a cluster client asks a node for the slot map now). None on failure."""
+        options = {
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            # One immediate retry: a pooled connection to a restarted server reconnects in the same call.
+            "retry": Retry(NoBackoff(), 1),
+        }
+        try:
+            if server.cluster:
+                client = RedisCluster.from_url(server.url.replace("+cluster://", "://", 1), **options)
+            else:
+                client = redis.Redis.from_url(server.url, **options)
+            server.drop = client.register_script(_DROP)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._failed(server, exc, "unreachable at start-up" if at_start else "cannot connect")
+            return None
+        server.client = client
+        return client
+
+    def _failed(self, server: _Server, exc: BaseException, what: str, *, write: bool = False) -> None:
+        """Count a failed call; back the server off unless it answered with an error about the command."""
+        now = time.monotonic()
+        answered = isinstance(exc, ResponseError) and not isinstance(exc, ClusterError)
+        with self._lock:
+            self.counters.backend_errors += 1
+            if write:
+                self.counters.write_errors += 1
+            if not answered:
+                server.down, server.down_until = True, now + self.backoff_s
+            warn = now - server.warned_at >= _WARN_EVERY_S
+            if warn:
+                server.warned_at = now
+        if not answered and server.client is not None:
+            with suppress(Exception):  # every pooled connection is suspect: reconnect on next use
+                server.client.connection_pool.disconnect()
+        msg = "SWA pool %s: %s (%s); window-state misses become bounded replay"
+        args: tuple = (server.name, what, str(exc).strip() or type(exc).__name__)
+        if not answered:
+            msg += "; retrying every %g s"
+            args += (self.backoff_s,)
+        _log.log(logging.WARNING if warn else logging.DEBUG, msg, *args)
+
+    def _succeeded(self, server: _Server) -> None:
+        if server.down:
+            with self._lock:
+                was_down, server.down = server.down, False
+            if was_down:
+                _log.info("SWA pool %s: reachable again", server.name)
+
+    def _stats(self, server: _Server) -> tuple[int, int]:
+        """(used_memory B, keys) of a server, at most once per `_STATS_EVERY_S`; (0, 0) when down."""
+        now = time.monotonic()
+        if now - server.stats_at < _STATS_EVERY_S:
+            return server.stats
+        server.stats_at = now
+        client = self._client(server)
+        if client is None:
+            server.stats = (0, 0)
+            return server.stats
+        every = {"target_nodes": RedisCluster.PRIMARIES} if server.cluster else {}
+        try:
+            info, keys = client.info("memory", **every), client.dbsize(**every)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._failed(server, exc, "INFO failed")
+            server.stats = (0, 0)
+            return server.stats
+        self._succeeded(server)
+        if "used_memory" in info:
+            used = int(info["used_memory"])
+        else:  # a cluster answers per primary
+            used = sum(int(v.get("used_memory", 0)) for v in info.values() if isinstance(v, dict))
+        server.stats = (used, int(keys))
+        return server.stats

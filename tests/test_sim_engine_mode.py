@@ -1,0 +1,142 @@
+"""Engine-mode trace replay: scaled traces, synthesized prompts, and the real engine's hit/miss sequence equal
+to the model-free simulation's on the same trace (policies, a binding SWA-pool TTL, a small device pool)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import load_config
+from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.sim.engine_mode import EngineModeConfig, prompt_ids, run_engine_mode, scale_trace
+from kvdiet.sim.traces import Trace, TraceRequest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def req(t: float, n: int, ids: tuple[int, ...], out: int = 32, line: int = 0) -> TraceRequest:
+    return TraceRequest(t, n, out, ids, line)
+
+
+# Conversations on 512-token blocks: continuations, a shared first block, an exact repeat.
+TRACE = Trace(
+    [
+        req(0.0, 1100, (1, 2, 3), out=40),
+        req(1.0, 1700, (1, 2, 3, 4), out=30),
+        req(2.0, 600, (1, 5), out=20),
+        req(3.0, 2100, (1, 2, 3, 4, 6), out=10),
+        req(4.0, 1024, (1, 2), out=5),
+        req(5.0, 1100, (1, 2, 3), out=40),
+    ],
+    512,
+)
+
+
+def test_scale_trace_shrinks_blocks_and_keeps_ids() -> None:
+    small = scale_trace(TRACE, 16)
+    assert small.block_size == 16
+    # 1100 = 2 × 512 + 76 → 2 × 16 + ceil(76 × 16 / 512) = 35; outputs at least 1 token
+    assert [r.input_tokens for r in small.requests] == [35, 54, 19, 66, 32, 35]
+    assert [r.output_tokens for r in small.requests] == [2, 1, 1, 1, 1, 2]
+    assert all(-(-r.input_tokens // 16) == len(r.hash_ids) for r in small.requests)
+    with pytest.raises(ValueError):
+        scale_trace(TRACE, 0)
+
+
+def test_prompts_depend_only_on_the_id_at_each_position() -> None:
+    small = scale_trace(TRACE, 16).requests
+    a, b, c = (prompt_ids(small[i], i, 16, 129_280) for i in (0, 1, 2))
+    assert a[:32] == b[:32] and a[32:35] == b[32:35]  # same ids (1, 2, 3): same tokens
+    assert a[:16] == c[:16] and a[16:19] != c[16:19]  # block 2 has id 2 in A, 5 in C
+    assert len(a) == 35 and all(1000 <= t < 129_280 for t in a)
+    assert prompt_ids(small[0], 0, 16, 129_280, seed=1) != a
+    no_ids = TraceRequest(0.0, 20, 1, None, 0)
+    assert prompt_ids(no_ids, 0, 16, 129_280) != prompt_ids(no_ids, 1, 16, 129_280)
+
+
+@pytest.mark.parametrize(
+    "policy", ["bounded-replay", "boundary-snapshot", "full-store", "checkpoint:32", "exact-recompute"]
+)
+def test_engine_and_model_free_give_the_same_sequence(policy: str) -> None:
+    cfg = EngineModeConfig(
+        model="v4.1-micro", max_requests=6, cache=CacheOptions(policy=SwaPolicy.parse(policy))
+    )
+    res = run_engine_mode(TRACE, cfg)
+    assert res.requests == res.model_free and res.agreeing == 6
+    assert len(res.ttft_s) == 6 and all(t > 0 for t in res.ttft_s)
+    sources = {r.window_source for r in res.requests}
+    expect = {
+        "bounded-replay": {"none", "swa-pool", "replay"},
+        "boundary-snapshot": {"none", "persistent"},
+        "full-store": {"none", "window-blocks"},
+        "checkpoint:32": {"none", "persistent"},
+        "exact-recompute": {"none"},  # micro: 8 + 8 × 7 = 64-token receptive field, longer than every hit
+    }[policy]
+    assert sources == expect
+    if policy == "bounded-replay":
+        assert res.requests[3].window_source == "swa-pool" and res.requests[3].hit_tokens == 48
+
+
+def test_a_binding_pool_ttl_and_a_small_device_pool_agree_too() -> None:
+    # TTL 1.5 s: request 1 (at 1 s) finds request 0's snapshot; request 3 (at 3 s) no longer finds request
+    # 1's (stored at 1 s, at its prompt boundary 48), which it restores under the default 5 min
+    opts = CacheOptions(swa_pool_ttl_s=1.5)
+    res = run_engine_mode(TRACE, EngineModeConfig(model="v4.1-micro", max_requests=6, cache=opts))
+    assert res.requests == res.model_free
+    assert [r.window_source for r in res.requests[:4]] == ["none", "swa-pool", "replay", "replay"]
+    assert res.requests[3].hit_tokens == 48
+    # a device pool of 5 blocks of 16 tokens: B's 5 blocks evict all of A's (2 full + 1 partial), so A's
+    # repeat loads its 2 full blocks back from the persistent tier
+    block = CacheSpec.from_config(load_config("v4.1-micro")).global_bytes(16)
+    trace = Trace([req(0, 1100, (1, 2, 3)), req(1, 2100, (7, 8, 9, 10, 11)), req(2, 1100, (1, 2, 3))], 512)
+    opts = CacheOptions(kv_cache_memory=5 * block)
+    res = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=3, cache=opts))
+    assert res.requests == res.model_free
+    assert (res.requests[2].device_tokens, res.requests[2].persistent_tokens) == (0, 32)
+    big = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=3))
+    assert big.requests == big.model_free and big.requests[2].device_tokens == 32
+
+
+@pytest.mark.slow
+def test_kvdiet_replay_engine_mode_runs_v41_mini_on_a_capped_trace(tmp_path: Path, capsys) -> None:
+    from kvdiet.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": r.arrival_s * 1000,
+                    "input_length": r.input_tokens,
+                    "output_length": r.output_tokens,
+                    "hash_ids": list(r.hash_ids),
+                }
+            )
+            + "\n"
+            for r in TRACE.requests
+        )
+    )
+    report = tmp_path / "report"
+    argv = ["replay", str(path), "--mode", "engine", "--max-requests", "4", "--json", "--report", str(report)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (run,) = out["engine"]
+    assert run["model"] == "v4.1-mini" and run["requests"] == 4 and run["model_free_agreeing"] == 4
+    assert len(run["ttft_s"]) == 4 and run["window_sources"] == {"none": 1, "swa-pool": 2, "replay": 1}
+    assert (report / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Engine mode" in (report / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED.is_dir(), reason="the shared trace copies are not on this machine")
+def test_engine_mode_on_a_slice_of_the_real_conversation_trace(capsys) -> None:
+    from kvdiet.cli import main
+
+    trace = SHARED / "mooncake" / "conversation_trace.jsonl"
+    assert main(["replay", str(trace), "--mode", "engine", "--max-requests", "3", "--json"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["engine"]
+    assert run["requests"] == 3 and run["model_free_agreeing"] == 3

@@ -1,0 +1,231 @@
+"""Model-free trace replay: the simulated tiers against the real ones, hand-computed runs, the cost model,
+the study's findings, and determinism."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import load_config
+from kvdiet.sim.cost import CostModel, _sum_min_floor
+from kvdiet.sim.model_free import SimConfig, TtlLru, simulate
+from kvdiet.sim.study import findings, parse_run, parse_sweep, run_study
+from kvdiet.sim.traces import Trace, TraceRequest
+from kvdiet.storage.clock import ManualClock
+from kvdiet.storage.persistent import PersistentStore, StoreIdentity
+from kvdiet.storage.swa_pool import InProcessSwaPool
+
+V41 = load_config("deepseek-v4.1-flash")
+BLOCK_BYTES = 890 * 512  # one 512-token block of V4.1 global KV
+SNAPSHOT = 40 * 128 * 528  # V4.1 window rings, 2,703,360 B
+
+
+def req(t: float, n: int, ids: tuple[int, ...], out: int = 1) -> TraceRequest:
+    return TraceRequest(t, n, out, ids, 0)
+
+
+# --- the simulated tiers behave as the real ones ---
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ttl_lru_answers_like_the_in_process_swa_pool(seed: int) -> None:
+    rng = random.Random(seed)
+    clock = ManualClock()
+    real = InProcessSwaPool(1000, ttl_s=5.0, clock=clock)
+    sim = TtlLru(1000, 5.0, refresh=True)
+    for _ in range(400):
+        clock.advance(rng.choice([0.0, 0.5, 1.0, 2.5]))
+        key = rng.randrange(12)
+        if rng.random() < 0.5:
+            size = rng.choice([100, 250, 400, 1200])
+            assert real.put(bytes([key]), bytes(size)) == sim.put(key, size, clock.now())
+        else:
+            assert (real.get(bytes([key])) is not None) == sim.get(key, clock.now())
+        real.sweep()
+        sim.expire(clock.now())
+        assert (len(real), real.nbytes) == (len(sim), sim.nbytes)
+
+
+def test_ttl_lru_keeps_the_persistent_tiers_ttl_and_lru_rules(tmp_path: Path) -> None:
+    clock = ManualClock(1000.0)
+    identity = StoreIdentity("cd" * 32, ("fp4_e2m1_e4m3x16",), 2)
+    key = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
+    toks = [[i, i + 1] for i in range(4)]
+    probe = tmp_path / "probe"
+    with PersistentStore(probe, identity, ttl_s=10.0, clock=clock) as s:
+        s.put(key[0], toks[0], bytes(100))
+        file_size = next((probe / "blocks").rglob("*.kvb")).stat().st_size
+    with PersistentStore(
+        tmp_path / "ssd", identity, ttl_s=10.0, capacity_bytes=2 * file_size, clock=clock
+    ) as real:
+        sim = TtlLru(2 * file_size, 10.0, refresh=False)
+
+        def put(i: int) -> None:
+            real.put(key[i], toks[i], bytes(100))
+            sim.put(i, file_size, clock.now())
+
+        def live(i: int) -> bool:
+            got = real.get(key[i], toks[i]) is not None
+            assert got == sim.get(i, clock.now())
+            return got
+
+        put(0)
+        clock.advance(4)
+        put(0)  # a live entry is not rewritten: its TTL still ends at 10 s
+        clock.advance(5.999)
+        assert live(0)
+        clock.advance(0.001)
+        assert not live(0)  # now >= deadline: expired
+        put(1)
+        clock.advance(1)
+        put(2)
+        clock.advance(1)
+        assert live(1)  # 1 read: 2 is now the least recently used
+        clock.advance(1)
+        put(3)
+        assert [live(i) for i in (1, 2, 3)] == [True, False, True]
+
+
+# --- hand-computed runs ---
+
+
+def test_a_hand_made_trace_gives_the_hand_computed_hits_bytes_and_window_sources() -> None:
+    # A: 2 full blocks + 100 tokens. B continues A (same first 2 ids) 60 s later. C shares only block 1.
+    trace = Trace([req(0, 1124, (1, 2, 3)), req(60, 1600, (1, 2, 4, 5)), req(61, 700, (1, 9))], 512)
+    res = simulate(trace, SimConfig())
+    a, b, c = res.requests
+    assert (a.hit_tokens, a.window_source, a.computed_tokens) == (0, "none", 1124)
+    # B hits A's 2 full blocks at H = 1024 = A's prompt boundary (1123 // 512 × 512): restored from the pool
+    assert (b.device_tokens, b.window_source, b.replayed_tokens, b.computed_tokens) == (
+        1024,
+        "swa-pool",
+        0,
+        576,
+    )
+    # C hits block 1 (H = 512): nobody stored a snapshot there, so bounded replay of the last 128 tokens
+    assert (c.device_tokens, c.window_source, c.replayed_tokens, c.computed_tokens) == (
+        512,
+        "replay",
+        128,
+        188,
+    )
+    s = res.summary
+    # persistent: A's blocks 1, 2 and B's 4 (full blocks only: 5 and 9 are partial; 1-token outputs fill none)
+    assert s["persistent_bytes_resident"] == 3 * BLOCK_BYTES == s["persistent_kv_bytes"]
+    # pool: A at 1024, B at 1536 (1599 // 512 × 512); C's boundary 512 equals its replayed hit: not stored
+    assert s["snapshots_stored"] == 2 and s["swa_pool_bytes_written"] == 2 * SNAPSHOT
+    assert s["boundary_hits"] == 1 and s["hit_requests"] == 2
+    assert s["window_sources"] == {"swa-pool": 1, "persistent": 0, "window-blocks": 0, "replay": 1, "none": 1}
+
+
+def test_the_pool_ttl_decides_between_restore_and_replay() -> None:
+    trace = Trace([req(0, 1124, (1, 2, 3)), req(100, 1600, (1, 2, 4, 5))], 512)
+    # stored at prefill end, a few ms after 0 s: a 100 s TTL still holds at 100 s, 99.9 s does not
+    assert simulate(trace, SimConfig(swa_pool_ttl_s=100)).requests[1].window_source == "swa-pool"
+    assert simulate(trace, SimConfig(swa_pool_ttl_s=99.9)).requests[1].window_source == "replay"
+    # a pool smaller than one snapshot refuses it
+    assert simulate(trace, SimConfig(swa_pool_bytes=SNAPSHOT - 1)).requests[1].window_source == "replay"
+
+
+def test_v4_boundary_snapshots_persist_window_state_and_cost_more_bytes() -> None:
+    trace = Trace([req(0, 1124, (1, 2, 3), out=600), req(60, 1600, (1, 2, 4, 5))], 512)
+    v4 = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=SwaPolicy("boundary-snapshot")))
+    assert v4.requests[1].window_source == "persistent"
+    spec = CacheSpec.from_config(load_config("deepseek-v4-flash"))
+    # A: blocks 1, 2 + one output block (1124 + 600 − 1 = 1723 → 3 blocks); B: block 4. Snapshots: A at
+    # 1024 (prompt) and 1536 (output end), B at 1536.
+    blocks, snaps = 4, 3
+    expect = blocks * spec.global_bytes(512) + snaps * spec.window_bytes_per_request
+    assert v4.summary["persistent_bytes_resident"] == expect
+    assert v4.summary["persistent_window_bytes"] == snaps * spec.window_bytes_per_request
+
+
+def test_a_small_device_pool_sends_hits_to_the_persistent_tier() -> None:
+    trace = Trace([req(0, 1124, (1, 2, 3)), req(10, 600, (7, 8)), req(20, 1124, (1, 2, 3))], 512)
+    big = simulate(trace, SimConfig())
+    small = simulate(trace, SimConfig(device_bytes=3 * BLOCK_BYTES))
+    assert big.requests[2].device_tokens == 1024 and big.requests[2].persistent_tokens == 0
+    # three blocks fit: A holds 1, 2 and its partial third, and frees them last block first, so its partial
+    # block and then block 2 are the least recently used; request 1's two blocks (7 and a partial one) evict
+    # them: A's repeat finds block 1 on the device and block 2 in the persistent tier
+    r = small.requests[2]
+    assert (r.device_tokens, r.persistent_tokens, r.window_source) == (512, 512, "swa-pool")
+
+
+def test_exact_recompute_and_checkpoints_recompute_what_the_manager_plans() -> None:
+    ids = tuple(range(1, 21))
+    trace = Trace([req(0, 20 * 512, ids), req(30, 20 * 512, ids)], 512)  # the same 10,240-token prompt
+    exact = simulate(trace, SimConfig(policy=SwaPolicy("exact-recompute"))).requests[1]
+    # H = 19 blocks = 9,728; recompute from H − (128 + 39 × 127) = 4,647, aligned down to 2: 4,646
+    assert (exact.hit_tokens, exact.replayed_tokens) == (9728, 9728 - 4646)
+    ckpt = simulate(trace, SimConfig(policy=SwaPolicy.parse("checkpoint:4096"))).requests[1]
+    assert (ckpt.window_source, ckpt.replayed_tokens) == ("persistent", 9728 - 8192)
+
+
+def test_the_same_trace_and_config_give_identical_results() -> None:
+    rng = random.Random(7)
+    reqs = []
+    for i in range(300):
+        conv = rng.randrange(20)
+        depth = rng.randrange(1, 6)
+        ids = tuple(conv * 100 + k for k in range(depth))
+        reqs.append(req(i * 0.7, depth * 512 - rng.randrange(400), ids, out=rng.randrange(1, 900)))
+    trace = Trace(reqs, 512)
+    a, b = simulate(trace, SimConfig()), simulate(trace, SimConfig())
+    assert a.as_dict() == b.as_dict() and a.requests == b.requests
+    study = run_study(trace, [SimConfig(), replace(SimConfig(), policy=SwaPolicy("exact-recompute"))], jobs=2)
+    assert study.runs[0].as_dict() == a.as_dict()
+
+
+# --- cost model ---
+
+
+def test_sum_min_floor_matches_brute_force() -> None:
+    for n in range(0, 60):
+        for cap in (1, 3, 7):
+            for r in (1, 2, 4):
+                assert _sum_min_floor(n, cap, r) == sum(min(cap, p // r) for p in range(n))
+
+
+def test_prefill_costs_follow_the_layer_plan() -> None:
+    cost = CostModel(V41)
+    enc_only = cost.prefill_flops(0, 4096)
+    every_row = cost.prefill_flops(0, 4096, decoder_every_row=True)
+    assert every_row > 1.6 * enc_only  # the decoder half of the layers runs on every row instead of 128
+    # chunks add up (the LM head once per chunk; the decoder on each chunk's last 128 rows)
+    head = 2.0 * V41.hidden_size * V41.vocab_size
+    two = cost.prefill_flops(0, 2048) + cost.prefill_flops(2048, 4096)
+    assert two > enc_only and two - head < enc_only + cost.replay_flops(1920, 2048)
+    # linear part: 2 FLOPs per active parameter; V4.1's prefill activates about 8B, decode about 16B
+    per_token = cost.replay_flops(0, 1) / 1e9
+    assert 28 < per_token < 34
+    assert cost.seconds(1979e12 * 0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="unknown GPU"):
+        CostModel(V41, gpu="tpu")
+
+
+# --- study ---
+
+
+def test_study_findings_are_ratios_of_the_runs() -> None:
+    trace = Trace([req(0, 1124, (1, 2, 3), out=600), req(60, 1600, (1, 2, 4, 5))], 512)
+    base = SimConfig()
+    runs = [parse_run("bounded-replay", base), parse_run("boundary-snapshot@deepseek-v4-flash", base)]
+    study = run_study(trace, runs, [(parse_sweep("swa-pool-ttl=30s,2m"), runs[0])], jobs=1)
+    f = findings(study)
+    v41, v4 = (r.summary["persistent_bytes_resident"] for r in study.runs)
+    assert f["persistent_ratio_v41_over_v4"] == round(v41 / v4, 4)
+    assert [label for label, _ in study.sweeps["swa-pool-ttl"]] == ["30s", "2m", "unbounded"]
+    assert f["ttl_catch_share"] == {"30s": 0.0, "2m": 1.0} and f["ttl_for_catch"] == "2m"
+    with pytest.raises(ValueError, match="AXIS"):
+        parse_sweep("pool=1")
+    with pytest.raises(ValueError, match="unknown SWA policy"):
+        parse_run("lru@deepseek-v4.1-flash", base)
+    with pytest.raises(ValueError, match="multiple of the trace's block size"):
+        simulate(trace, SimConfig(policy=SwaPolicy.parse("checkpoint:1000")))
