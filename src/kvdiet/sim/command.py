@@ -38,7 +38,7 @@ FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``replay`` sub-command to ``sub``."""
-    from kvdiet.sim.study import DEFAULT_RUNS, DEFAULT_TTL_SWEEP
+    from kvdiet.sim.study import DEFAULT_TTL_SWEEP
 
     rep = sub.add_parser(
         "replay",
@@ -64,9 +64,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g = rep.add_argument_group("runs and sweeps")
     g.add_argument(
         "--runs",
-        default=",".join(DEFAULT_RUNS),
-        help="comma-separated POLICY[@MODEL] (default: V4-Flash boundary-snapshot and full-store, V4.1 under "
-        "every policy); engine mode takes the policies and ignores @MODEL",
+        help="comma-separated POLICY[@MODEL] (model-free default: V4-Flash boundary-snapshot and full-store, "
+        "V4.1 under every policy; engine-mode default: bounded-replay, each policy once, @MODEL ignored)",
     )
     g.add_argument(
         "--sweep",
@@ -168,7 +167,12 @@ def _plan(args: argparse.Namespace):
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         raise ValueError(f"--report {args.report}: exists and is not a directory")
-    names = [r for r in args.runs.split(",") if r.strip()]
+    from kvdiet.sim.study import DEFAULT_RUNS
+
+    if args.runs is None:
+        names = list(DEFAULT_RUNS) if args.mode != "engine" else ["bounded-replay"]
+    else:
+        names = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not names:
         raise ValueError("--runs: no runs")
     if args.mode == "engine":
@@ -179,8 +183,8 @@ def _plan(args: argparse.Namespace):
         if args.max_requests < 1 or args.engine_block_size < 1 or args.time_scale < 0:
             raise ValueError("--max-requests and --engine-block-size must be >= 1, --time-scale >= 0")
         configs = []
-        for name in names:
-            policy = SwaPolicy.parse(name.split("@")[0].strip())
+        for name in dict.fromkeys(n.split("@")[0] for n in names):  # each policy once, in order
+            policy = SwaPolicy.parse(name)
             cache = CacheOptions(
                 kv_cache_memory=parse_bytes(args.kv_cache_memory),
                 persistent_ttl_s=parse_duration(args.persistent_ttl),
