@@ -9,8 +9,8 @@ Default trace: the Mooncake conversation trace (12,031 requests, 1 h of Kimi tra
   replay does: one set lookup per block, no tiers;
 - each default run of the study alone (`kvdiet.sim.model_free.simulate`, one process): seconds and
   requests/s, and its cost over the baseline;
-- the default study (7 runs + the 7-point SWA-pool TTL sweep) as ``kvdiet replay`` runs it, with ``--jobs``
-  worker processes.
+- the default study (7 runs + the 7-point SWA-pool TTL sweep: 13 distinct simulations) as ``kvdiet replay``
+  runs it, with ``--jobs`` worker processes.
 
 The simulation is deterministic (no seed needed): the same trace gives the same results. Prints a table,
 then one JSON line.
@@ -86,7 +86,8 @@ def main() -> None:
     t0 = time.perf_counter()
     study = run_study(trace, runs, [(sweep, parse_run("bounded-replay", base))], jobs=args.jobs)
     study_s = time.perf_counter() - t0
-    simulations = len(study.runs) + sum(len(p) for p in study.sweeps.values())
+    results = [*study.runs, *(r for points in study.sweeps.values() for _, r in points)]
+    simulations = len({id(r) for r in results})  # a sweep point equal to a run is simulated once
 
     table = Table(title=f"model-free replay of {Path(args.trace).name} ({n:,} requests)")
     for col in ("step", "seconds", "requests/s", "× baseline"):

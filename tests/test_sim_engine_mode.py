@@ -142,3 +142,14 @@ def test_engine_mode_on_a_slice_of_the_real_conversation_trace(capsys) -> None:
     assert main(["replay", str(trace), "--mode", "engine", "--max-requests", "3", "--json"]) == 0
     (run,) = json.loads(capsys.readouterr().out)["engine"]
     assert run["requests"] == 3 and run["model_free_agreeing"] == 3
+
+
+def test_time_scaled_arrivals_overlap_and_all_finish() -> None:
+    # 6 requests over 5 trace seconds replayed at 0.02 wall s per trace s: they arrive while others run
+    cfg = EngineModeConfig(model="v4.1-micro", max_requests=6, time_scale=0.02)
+    res = run_engine_mode(TRACE, cfg)
+    assert len(res.requests) == 6 and all(r is not None for r in res.requests)
+    assert [r.hit_tokens + r.computed_tokens for r in res.requests] == [35, 54, 19, 66, 32, 35]
+    assert all(t > 0 for t in res.ttft_s) and res.wall_s >= 5 * 0.02
+    with pytest.raises(ValueError, match="time_scale"):
+        run_engine_mode(TRACE, EngineModeConfig(model="v4.1-micro", time_scale=-1))
