@@ -18,6 +18,7 @@ from kvdiet.config import load_config
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Session
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import ManualClock
+from kvdiet.storage.swa_pool import InProcessSwaPool
 
 W = 8
 BS = 4
@@ -98,6 +99,19 @@ def test_policy_continuation_after_restart(micro, tmp_path, policy, decoder_repl
             "exact-recompute": ("replay", 148 - 84),  # W + 8·(W−1) = 64 → start 84
         }[policy]
         assert (p.window_source, p.replayed_tokens) == expect
+
+
+@pytest.mark.parametrize(("first", "second"), [(True, False), (False, True), (True, True)])
+def test_window_snapshots_are_keyed_by_the_decoder_mode(micro, tmp_path, first, second) -> None:
+    """B21: a snapshot taken with decoder-side bounded replay (approximate decoder windows) is never restored
+    by an exact run, nor the reverse; the global KV is shared by both modes."""
+    pool, ids = InProcessSwaPool(1 << 30), _ids(61)
+    with _cache(micro, tmp_path, decoder_replay=first, swa_pool=pool) as a:
+        _run(a, ids, [5])
+    with _cache(micro, tmp_path, decoder_replay=second, swa_pool=pool) as b:
+        s, _ = _run(b, ids, [5])
+    assert s.provenance.persistent_tokens == 60
+    assert s.provenance.window_source == ("swa-pool" if first == second else "replay")
 
 
 def test_swa_pool_hit_is_exact_and_replays_nothing(micro) -> None:

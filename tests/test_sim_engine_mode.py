@@ -153,3 +153,11 @@ def test_time_scaled_arrivals_overlap_and_all_finish() -> None:
     assert all(t > 0 for t in res.ttft_s) and res.wall_s >= 5 * 0.02
     with pytest.raises(ValueError, match="time_scale"):
         run_engine_mode(TRACE, EngineModeConfig(model="v4.1-micro", time_scale=-1))
+
+
+def test_requests_sharing_a_timestamp_run_in_order_in_both_modes() -> None:
+    # the Mooncake traces start with many requests at 0 ms: the second one hits the first one's blocks
+    trace = Trace([req(0.0, 1100, (1, 2, 3)), req(0.0, 1100, (1, 2, 3)), req(0.0, 700, (1, 9))], 512)
+    res = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=3))
+    assert [r.arrival_s for r in res.trace.requests] == [0.0, 0.001, 0.002]
+    assert res.requests == res.model_free and res.requests[1].hit_tokens == 32

@@ -249,6 +249,9 @@ class KVCache:
             self.swa_pool.counters,
         )
         self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
+        # window snapshots taken with decoder-side bounded replay hold approximate decoder windows: keyed
+        # apart, so an exact run never restores one (nor the reverse); global KV is the same in both modes
+        self._window_tag = b"-r" if self.decoder_replay else b""
         self._opened = False
 
     # --- lifecycle of the tiers ---
@@ -406,11 +409,11 @@ class KVCache:
                 return False
             i = pos // bs - 1
             if policy.name == "bounded-replay":
-                data = self.swa_pool.get(_derived_key(hashes[i], b"swa"))
+                data = self.swa_pool.get(_derived_key(hashes[i], b"swa" + self._window_tag))
             elif policy.name == "full-store":
                 data = self._read_window_blocks(pos, hashes, blocks)
             elif self._persistent_on():
-                data = self.persistent.get(_derived_key(hashes[i], b"snap"), blocks[i])
+                data = self.persistent.get(_derived_key(hashes[i], b"snap" + self._window_tag), blocks[i])
             else:
                 data = None
             if data is not None:
@@ -625,10 +628,12 @@ class KVCache:
     def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
         i, bs = pos // self.options.block_size - 1, self.options.block_size
         if self.options.policy.name == "bounded-replay":
-            ok = self.swa_pool.put(_derived_key(session.hashes[i], b"swa"), data)
+            ok = self.swa_pool.put(_derived_key(session.hashes[i], b"swa" + self._window_tag), data)
         elif self._persistent_on():
             ok = self.persistent.put(
-                _derived_key(session.hashes[i], b"snap"), session.tokens[i * bs : (i + 1) * bs], data
+                _derived_key(session.hashes[i], b"snap" + self._window_tag),
+                session.tokens[i * bs : (i + 1) * bs],
+                data,
             )
         else:
             ok = False

@@ -165,8 +165,10 @@ def _plan(args: argparse.Namespace):
 
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
-        raise ValueError(f"--report {args.report}: exists and is not a directory")
+    if args.report:
+        if Path(args.report).exists() and not Path(args.report).is_dir():
+            raise ValueError(f"--report {args.report}: exists and is not a directory")
+        Path(args.report).mkdir(parents=True, exist_ok=True)  # an OSError here, before any run
     from kvdiet.sim.study import DEFAULT_RUNS
 
     if args.runs is None:
@@ -299,13 +301,22 @@ def _print(out: dict, study, engine, console: Console) -> None:
         console.print(study.runs[0].summary["cost_formula"], markup=False, highlight=False)
         for axis, points in study.sweeps.items():
             t = Table(title=f"sweep {axis} ({points[0][1].config.label})", title_justify="left")
-            for col in ("value", "hit", "SWA-pool restores", "replays", "SWA pool peak", "persistent bytes"):
+            for col in (
+                "value",
+                "hit",
+                "device",
+                "SWA-pool restores",
+                "replays",
+                "SWA pool peak",
+                "persistent bytes",
+            ):
                 t.add_column(col, justify="right")
             for label, r in points:
                 rr = comparison_rows([r])[0]
                 t.add_row(
                     label,
                     rr["hit"],
+                    rr["device"],
                     f"{r.summary['window_sources']['swa-pool']:,}",
                     rr["replays"],
                     rr["SWA pool peak"],

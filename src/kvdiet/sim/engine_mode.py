@@ -11,9 +11,10 @@ The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``) runs with its bloc
 scaled block, its tiers (device pool, a persistent tier in a temporary directory unless one is given, the
 SWA pool) on a manual clock in trace time: each request's lookups and stores happen at its trace arrival.
 
-- ``time_scale = 0`` (default): one request at a time, each submitted when the previous finished — the
-  deterministic mode, whose hit/miss sequence equals the model-free simulation of the same scaled trace
-  while capacities do not bind (`run_engine_mode` reports how many requests agree).
+- ``time_scale = 0`` (default): one request at a time, each submitted when the previous finished (requests
+  sharing a timestamp are spaced `SEQUENTIAL_GAP_S` apart in trace time) — the deterministic mode, whose
+  hit/miss sequence equals the model-free simulation of the same scaled trace while capacities do not bind
+  (`run_engine_mode` reports how many requests agree).
 - ``time_scale > 0``: request i is submitted ``arrival_s × time_scale`` wall seconds after the start
   and requests overlap as the scheduler batches them; the clock follows the trace time of the wall clock.
 
@@ -177,6 +178,8 @@ def run_engine_mode(
     if not trace.requests:
         raise ValueError("the trace has no requests")
     scaled = scale_trace(Trace(trace.requests[: config.max_requests], trace.block_size), config.block_size)
+    if config.time_scale == 0:
+        scaled = _one_after_another(scaled)
     with tempfile.TemporaryDirectory(prefix="kvdiet-replay-") as tmp:
         opts = replace(
             config.cache,
@@ -214,6 +217,19 @@ def run_engine_mode(
         ),
     )
     return EngineModeResult(config, scaled, results, ttft, wall, sim.requests)
+
+
+SEQUENTIAL_GAP_S = 1e-3
+"""Sequential mode: requests that share a timestamp are spaced this far apart in trace time, since the engine
+runs them one after another (the model-free comparison then sees the same order)."""
+
+
+def _one_after_another(trace: Trace) -> Trace:
+    reqs, last = [], -float("inf")
+    for r in trace.requests:
+        last = max(r.arrival_s, last + SEQUENTIAL_GAP_S)
+        reqs.append(replace(r, arrival_s=last))
+    return Trace(reqs, trace.block_size, list(trace.errors))
 
 
 def _drive(engine: LLMEngine, trace: Trace, config: EngineModeConfig, clock: ManualClock, progress):
