@@ -225,8 +225,13 @@ def test_serve_with_redis_down_at_start_up_then_back(tmp_path: Path) -> None:
         time.sleep(1.2)  # past the 1 s back-off
         body["prompt"] = list(range(21, 40))  # (a replayed window is approximate: never stored)
         assert [window(), window()] == ["none", "swa-pool"]  # stored once Redis is back, then restored
-        metrics = _get(f"{base}/metrics")
-        assert _metric(metrics, "prefix_cache_hits_total") == W
+        # /metrics reads the engine loop's snapshot, refreshed every 0.25 s: wait for the refresh
+        deadline = time.monotonic() + 10
+        while (
+            _metric(_get(f"{base}/metrics"), "prefix_cache_hits_total") != W and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert _metric(_get(f"{base}/metrics"), "prefix_cache_hits_total") == W
     finally:
         proc.terminate()
         proc.wait(timeout=60)
