@@ -1,7 +1,7 @@
 """Real ``redis-server`` processes for the tests: on a free loopback port, no persistence, always stopped.
 
-Not a test module. A missing ``redis-server`` fails the test that needs it (``.ci/run`` installs it with
-apt-get); nothing is skipped.
+Not a test module. A missing ``redis-server`` fails the test that needs it (``tests/system-deps.sh``, the first
+step of the README's test command, installs it with apt-get); nothing is skipped.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.fail("redis-server is not installed (apt-get install -y redis-server; .ci/run does it)")
+            pytest.fail("redis-server is not installed (bash tests/system-deps.sh installs it)")
         self.directory.mkdir(parents=True, exist_ok=True)
         cmd = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         cmd += ["--dir", str(self.directory), "--protected-mode", "yes", *self.options]

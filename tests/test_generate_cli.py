@@ -65,3 +65,77 @@ def test_bad_cache_flags_exit_2_with_one_line(capsys, tmp_path, flag, value, nee
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_prefill_rate_counts_only_computed_tokens(tmp_path) -> None:
+    """Issue 18 point 8: on a hit the rate divides the tokens the prefill computed, never the prompt."""
+    _generate("--persistent-dir", str(tmp_path))
+    second = _generate("--persistent-dir", str(tmp_path))
+    assert "prefill_tokens_per_second" not in second
+    assert second["prefill_computed_tokens"] == 8 + 4  # replayed window + the tokens past the hit
+    rate = second["prefill_computed_tokens_per_second"]
+    assert rate == pytest.approx(12 / second["prefill_seconds"], rel=0.05, abs=0.2)
+
+
+def test_block_size_is_checked_before_the_model_loads(capsys, monkeypatch, tmp_path) -> None:
+    import kvdiet.engine.generate
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvdiet.engine.generate, "load_model", no_load)
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "3"]
+    assert main([*argv, "--persistent-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--block-size: block size 3 must be a positive multiple of every compress ratio [1, 2]" in err
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(capsys, tmp_path) -> None:
+    """Issue 18 point 4: a prefill off a terminal prints lines at a steady pace (here: every chunk)."""
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", PROMPT, "--block-size", "4"]
+    argv += ["--chunk-size", "16", "--max-tokens", "1", "--persistent-dir", "none", "--json"]
+    assert main([*argv, "--progress-interval", "0"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    done = [int(line.removeprefix("prefill ").split("/")[0]) for line in lines]
+    assert len(done) >= 4 and done[0] == 16 and done[-1] == 60 and done == sorted(set(done)), lines
+    assert all(line.startswith(f"prefill {n}/60 tokens (") for n, line in zip(done, lines, strict=True))
+    assert all("tok/s computed" in line for line in lines)
+    json.loads(captured.out)  # stdout keeps only the JSON
+    assert main(argv) == 0  # the default pace: a prefill of a few seconds prints nothing
+    assert capsys.readouterr().err == ""
+    assert main([*argv, "--progress-interval", "-1"]) == 2
+    assert "--progress-interval must be >= 0" in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path) -> None:
+    """Issue 18 point 4: SIGINT during a prefill: ``kvdiet generate: interrupted``, status 130, no traceback."""
+    import signal
+
+    cmd = [sys.executable, "-m", "kvdiet.cli", "generate", "--model", "v4.1-micro", "--prompt-ids", PROMPT]
+    cmd += ["--block-size", "4", "--chunk-size", "1", "--max-tokens", "150", "--progress-interval", "0"]
+    cmd += ["--persistent-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # the first progress line: the prefill runs
+        assert first.startswith("prefill 1/60 tokens"), first + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rest = [line for line in err.splitlines() if not line.startswith("prefill ")]
+    assert proc.returncode == 130, err
+    assert rest == ["kvdiet generate: interrupted"] and out == ""
+
+
+def test_keyboard_interrupt_anywhere_in_a_command_is_one_line(capsys, monkeypatch) -> None:
+    import kvdiet.engine.generate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvdiet.engine.generate, "generate", interrupted)
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
+    assert main([*argv, "--persistent-dir", "none"]) == 130
+    assert capsys.readouterr().err == "kvdiet generate: interrupted\n"

@@ -141,3 +141,41 @@ def test_errors_exit_2(capsys, argv: list[str], needle: str) -> None:
 def test_options_validation() -> None:
     with pytest.raises(ValueError, match="contexts must be positive"):
         plan_report(load_config("v4.1-micro"), PlanOptions(contexts=(0,)))
+
+
+def test_weights_that_do_not_fit_warn(capsys) -> None:
+    """Issue 18 point 5: ``0.0 GB for KV → 0 sessions`` with a warning, in the text, the JSON and on stderr."""
+    assert main(["plan", "--num-gpus", "2", "--weights-gb", "5000"]) == 0
+    out = capsys.readouterr().out
+    assert "warning:" in out and "5,000.0 GB) do not fit in 2 × 141 GB = 282.0 GB" in " ".join(out.split())
+    report = _run_json(capsys, "--num-gpus", "2", "--weights-gb", "5000")
+    assert report["capacity"]["sessions"] == 0
+    assert "do not fit" in report["capacity"]["warning"]
+    assert main(["plan", "--num-gpus", "2", "--weights-gb", "5000", "--json"]) == 0
+    assert "kvdiet plan: warning: deepseek-v4.1-flash: the weights" in capsys.readouterr().err
+    # room for weights but not for one 1M-token session
+    small = _run_json(
+        capsys, "--gpu-mem-gb", "1", "--num-gpus", "1", "--weights-gb", "0.5", "--context", "1M"
+    )
+    assert small["capacity"]["sessions"] == 0 and "holds no session" in small["capacity"]["warning"]
+    assert _run_json(capsys)["capacity"]["warning"] is None
+
+
+def test_plot_into_a_missing_directory_fails_first_and_creates_nothing(tmp_path: Path, capsys) -> None:
+    target = tmp_path / "no" / "such" / "kv.png"
+    assert main(["plan", "--plot", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert f"the directory {str(target.parent)!r} does not exist" in captured.err and not captured.out
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "file").write_text("")
+    assert main(["plan", "--plot", str(tmp_path / "file" / "kv.png")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_plan_and_replay_name_the_same_gpus(capsys) -> None:
+    from kvdiet.planner.report import GPUS
+    from kvdiet.sim.cost import GPU_FP8_FLOPS
+
+    assert set(GPUS) == set(GPU_FP8_FLOPS)
+    cap = _run_json(capsys, "--gpu", "h100")["capacity"]
+    assert (cap["gpu"], cap["gpu_mem_gb"]) == ("h100", 80.0)

@@ -52,3 +52,11 @@ def test_tiny_temperatures_are_greedy_and_infinite_ones_rejected() -> None:
     assert {sample(logits, SamplingParams(temperature=t), gen) for t in (1e-40, 1e-300, 5e-6)} == {1}
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(temperature=float("inf"))
+
+
+def test_a_top_p_below_fp32_range_keeps_the_most_likely_token() -> None:
+    """Found by schemathesis (issue 18): ``top_p`` 5e-324 is 0 once compared in fp32, which cut every token
+    and crashed the engine (``invalid multinomial distribution``)."""
+    logits = torch.tensor([0.1, 2.0, -1.0, 0.5])
+    gen = torch.Generator().manual_seed(0)
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=5e-324), gen) for _ in range(10)} == {1}

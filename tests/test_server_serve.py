@@ -109,3 +109,12 @@ def test_default_persistent_dir_follows_xdg(monkeypatch, tmp_path: Path) -> None
     assert default_persistent_dir() == tmp_path / "kvdiet" / "persistent"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_persistent_dir() == Path(os.path.expanduser("~")) / ".cache" / "kvdiet" / "persistent"
+
+
+def test_a_bad_block_size_fails_before_the_model_loads() -> None:
+    """Issue 18 point 6: ``--block-size 3`` was refused only after the model had loaded."""
+    cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--persistent-dir", "none", "--block-size", "3"]
+    proc = subprocess.run([*cmd, "--port", str(_free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--block-size: block size 3 must be a positive multiple of every compress ratio" in proc.stderr
+    assert "loading" not in proc.stderr and proc.stderr.count("\n") == 1

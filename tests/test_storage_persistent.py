@@ -658,3 +658,82 @@ def test_read_times_written_at_close_steer_the_next_eviction(tmp_path: Path, clo
         clock.set(2.0)
         assert again.put(*_items([2])[0])
         assert again.counters.evictions == 1 and again.contains_prefix([key_of(0), key_of(2)]) == 2
+
+
+def _fill(directory: Path, clock: ManualClock, n: int, *, ttl_s: float = 100.0) -> list[bytes]:
+    with PersistentStore(directory, IDENTITY, ttl_s=ttl_s, clock=clock) as s:
+        assert s.put_many([(key_of(i), tokens_of(i), payload_of(i)) for i in range(n)]) == n
+    return [key_of(i) for i in range(n)]
+
+
+def test_a_damaged_index_is_moved_aside_and_rebuilt_from_the_entry_files(
+    tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 18 point 7: a corrupt ``index.sqlite3`` once disabled the tier on every run with no hint."""
+    directory = tmp_path / "ssd"
+    keys = _fill(directory, clock, 3)
+    other = StoreIdentity(fingerprint="cd" * 32, formats=IDENTITY.formats, block_size=BLOCK)
+    with PersistentStore(directory, other, ttl_s=100.0, clock=clock) as theirs:
+        assert theirs.put(key_of(9), tokens_of(9), payload_of(9))
+    bad = entry_path(directory, key_of(7))  # a file whose header does not parse: deleted
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_bytes(b"KVDB\x01\x00garbage")
+    index = directory / "index.sqlite3"
+    index.write_bytes(b"this is not a database" * 100)
+    clock.advance(10.0)
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        PersistentStore(directory, IDENTITY, clock=clock) as s,
+    ):
+        assert s.enabled and len(s) == 4  # three of mine, one of theirs
+        assert s.get_many(keys, [tokens_of(i) for i in range(3)]) == [payload_of(i) for i in range(3)]
+        assert s.get(key_of(9), tokens_of(9)) is None  # another identity's entry: indexed, never served
+        assert s.contains_prefix(keys) == 3
+    moved = [p.name for p in directory.iterdir() if p.name.startswith("index.sqlite3.damaged-")]
+    assert len(moved) == 1 and (directory / moved[0]).read_bytes().startswith(b"this is not a database")
+    assert not bad.exists()
+    (record,) = [r for r in caplog.records if r.name == LOGGER]
+    message = record.getMessage()
+    assert f"the index {index} was unreadable (file is not a database), moved to {moved[0]}" in message
+    assert "rebuilt the index from the entry files: 4 entries, 1 unusable or expired files deleted" in message
+    with PersistentStore(directory, IDENTITY, clock=clock) as again:  # the new index is a plain index now
+        assert again.enabled and len(again) == 4
+
+
+def test_a_deleted_index_is_rebuilt_and_the_ttl_counts_from_creation(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    directory = tmp_path / "ssd"
+    keys = _fill(directory, clock, 2)
+    clock.advance(50.0)
+    with PersistentStore(directory, IDENTITY, ttl_s=100.0, clock=clock) as s:
+        assert s.put(key_of(5), tokens_of(5), payload_of(5))  # created at t = 50
+    for name in ("index.sqlite3", "index.sqlite3-wal", "index.sqlite3-shm"):
+        (directory / name).unlink(missing_ok=True)
+    clock.advance(60.0)  # t = 110: the first two expired at 100, the third lives until 150
+    with PersistentStore(directory, IDENTITY, ttl_s=100.0, clock=clock) as s:
+        assert s.enabled and len(s) == 1
+        assert s.get(key_of(5), tokens_of(5)) == payload_of(5)
+        assert s.get_many(keys, [tokens_of(0), tokens_of(1)]) == [None, None]
+    assert not entry_path(directory, keys[0]).exists()  # expired files are deleted, not indexed
+
+
+def test_an_index_of_a_newer_kvdiet_is_left_alone(
+    tmp_path: Path, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sqlite3
+
+    directory = tmp_path / "ssd"
+    _fill(directory, clock, 1)
+    db = sqlite3.connect(directory / "index.sqlite3")
+    db.execute("PRAGMA user_version=7")
+    db.close()
+    with (
+        caplog.at_level(logging.WARNING, logger=LOGGER),
+        PersistentStore(directory, IDENTITY, clock=clock) as s,
+    ):
+        assert not s.enabled
+    (record,) = [r for r in caplog.records if r.name == LOGGER]
+    assert "index schema version 7, this kvdiet reads 1 (written by a newer kvdiet?)" in record.getMessage()
+    assert str(directory / "index.sqlite3") in record.getMessage()
+    assert not [p for p in directory.iterdir() if "damaged" in p.name]

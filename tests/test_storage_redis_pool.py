@@ -29,7 +29,7 @@ LOGGER = "kvdiet.storage.redis_pool"
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``$KVDIET_TEST_REDIS_URL`` (the server .ci/run starts), else a server of this module's own."""
+    """``$KVDIET_TEST_REDIS_URL`` (a server of your own, when set), else a server of this module's own."""
     if url := os.environ.get("KVDIET_TEST_REDIS_URL"):
         yield url
         return

@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from rich.console import Console
 
+from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
-from kvdiet.config import PRESETS, ConfigError, load_config
+from kvdiet.config import NUMERICS, PRESETS, ConfigError, ModelConfig, load_config
+from kvdiet.layer_plan import LayerPlan
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
 from kvdiet.units import parse_bytes, parse_count, parse_duration
 
@@ -21,6 +25,8 @@ if TYPE_CHECKING:
     from kvdiet.engine.kv_cache import CacheOptions
 
 __all__ = ["main"]
+
+_T = TypeVar("_T")
 
 PLAN_EPILOG = """\
 examples:
@@ -35,14 +41,31 @@ Units: token counts take decimal K/M (128K = 128,000) or binary Ki/Mi (1Mi = 1,0
 printed in decimal units (GB = 1e9 B). Presets: """ + ", ".join(PRESETS)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with two changes that every ``kvdiet`` parser gets, sub-commands included (they are
+    made with the parent's class):
+
+    - no abbreviated flags: ``--max-num-seq`` is an error, never ``--max-num-seqs`` (``allow_abbrev``);
+    - an argument that starts with a dash and a digit is a value, not a flag (argparse only takes
+      ``-5`` or ``-0.5`` so), so ``--swa-pool-ttl -5m`` gets the flag's own error ("must be > 0") instead of
+      "expected one argument". No ``kvdiet`` flag looks like a negative number.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="kvdiet",
         description="DeepSeek-V4.1-Flash KV-cache system: plan, run and measure it.",
         epilog="Arguments can come from a file, one per line: kvdiet generate @args.txt (e.g. a long "
         "--prompt-ids list).",
         fromfile_prefix_chars="@",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = sub.add_parser(
         "plan",
@@ -73,7 +96,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--context", default="128K", help="context of one session for capacity (default 128K)")
     plan.add_argument(
-        "--gpu", choices=sorted(GPUS), default="h200", help="named device (h200 141 GB, b200 192 GB)"
+        "--gpu",
+        choices=sorted(GPUS),
+        default="h200",
+        help="named device: "
+        + ", ".join(f"{name} {gb:g} GB" for name, gb in GPUS.items())
+        + " (default h200)",
     )
     plan.add_argument("--gpu-mem-gb", type=float, help="memory of one device in GB (overrides --gpu)")
     plan.add_argument("--num-gpus", type=int, default=8, help="devices holding weights and cache (default 8)")
@@ -101,7 +129,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "  kvdiet generate --model v4.1-micro --prompt-ids 5,6,7 --max-tokens 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument("--model", default="v4.1-mini", help="preset or V4.1 config path (default v4.1-mini)")
+    gen.add_argument(
+        "--model",
+        help="preset or V4.1 config path (default: the config.json beside --weights, else v4.1-mini)",
+    )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file whose text is the prompt")
@@ -111,16 +142,103 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
-    gen.add_argument("--weights", help="safetensors file or folder (DeepSeek tensor names) instead of random")
+    add_weights_args(gen)
     add_cache_args(gen.add_argument_group("cache system"))
     gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    gen.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="prefill progress goes to stderr: a bar on a terminal, else a line every SECONDS (default 10; "
+        "0 = after every chunk)",
+    )
     from kvdiet.server.serve import add_serve_parser
 
     add_serve_parser(sub)
     from kvdiet.sim.command import add_replay_parser
 
     add_replay_parser(sub)
+    _add_golden_parser(sub)
+    from kvdiet.fidelity.command import add_fidelity_parser
+
+    add_fidelity_parser(sub)
     return parser
+
+
+def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
+    gold = sub.add_parser(
+        "golden",
+        help="hold a reference dump (checkpoint + reference outputs) against kvdiet",
+        description="Load a directory in the shared/golden layout (config.json, safetensors weights in the "
+        "released format, reference_outputs.safetensors), run its prompt through kvdiet, feed its decode "
+        "tokens, and print how many prompt rows, argmaxes, greedy decode tokens, per-layer top-k sets and "
+        "caches agree, and where they first diverge.",
+        epilog="examples:\n  kvdiet golden ../shared/golden/tiny-fp8\n"
+        "  kvdiet golden ../shared/golden/tiny-fp8 --json\n"
+        "  kvdiet golden DIR --numerics bf16 --check     # exit 1 unless the acceptance holds",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    gold.add_argument("directory", help="folder with config.json, weights and reference_outputs.safetensors")
+    add_numerics_arg(gold)
+    gold.add_argument(
+        "--tol",
+        type=float,
+        default=1e-3,
+        help="a row agrees when max|Δlogit| ≤ tol·max|logit| (default 1e-3)",
+    )
+    gold.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    gold.add_argument(
+        "--check", action="store_true", help="exit 1 unless the golden README's acceptance holds"
+    )
+
+
+def add_weights_args(parser: argparse.ArgumentParser) -> None:
+    """``--weights``, ``--numerics`` and ``--expert-cache-size`` (generate, serve)."""
+    parser.add_argument(
+        "--weights",
+        help="checkpoint instead of random weights: a folder with config.json and safetensors (one file, or "
+        "shards with model.safetensors.index.json; DeepSeek's released layout) or one .safetensors file",
+    )
+    add_numerics_arg(parser)
+    parser.add_argument(
+        "--expert-cache-size",
+        help="routed-expert bytes to keep in memory with --weights, e.g. 20GB; experts are read from the "
+        "checkpoint on first use (default: all of them when they fit, else 80%% of the memory left)",
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place)."""
+    from kvdiet.engine.generate import model_config_path
+
+    if args.model is None:
+        found = model_config_path(args.weights)
+        if args.weights is not None and found is None:
+            raise ValueError(f"--weights {args.weights} has no config.json beside it; give --model")
+        args.model = str(found) if found is not None else "v4.1-mini"
+
+
+def expert_cache_bytes(args: argparse.Namespace) -> int | None:
+    """``--expert-cache-size`` in bytes (None: automatic)."""
+    if args.expert_cache_size is None:
+        return None
+    if args.weights is None:
+        raise ValueError("--expert-cache-size goes with --weights (random weights keep every expert)")
+    return _flag("--expert-cache-size", parse_bytes, args.expert_cache_size)
+
+
+def add_numerics_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--numerics`` (generate, serve, golden): how FP8/FP4-stored weights compute."""
+    parser.add_argument(
+        "--numerics",
+        choices=NUMERICS,
+        default="auto",
+        help="fp8: FP8 activations before every FP8/FP4 linear, as DeepSeek's reference runs the release; "
+        "bf16: weights dequantised on load, plain fp32 matmuls; auto (default): fp8 when the checkpoint's "
+        "quantization_config says fp8 (random weights are always bf16)",
+    )
 
 
 def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:
@@ -173,25 +291,77 @@ def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | 
 
 
 def cache_options(args: argparse.Namespace) -> CacheOptions:
-    """`CacheOptions` from the flags of `add_cache_args`. Raises ValueError on a bad value (before anything
-    is opened or connected)."""
+    """`CacheOptions` from the flags of `add_cache_args` and ``--model``. Raises ValueError on a bad value, named
+    by its flag, and ConfigError on a bad model (from the config alone: before the model loads and before
+    anything is opened or connected)."""
     from kvdiet.cache.policy import SwaPolicy
     from kvdiet.engine.kv_cache import CacheOptions
     from kvdiet.storage.swa_pool import check_swa_pool_spec
 
+    cfg = load_config(args.model)
+    if isinstance(cfg, ModelConfig) and cfg.is_v41:  # before the model loads (seconds to minutes)
+        _flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
     return CacheOptions(
-        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        kv_cache_memory=_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,
         persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
-        persistent_ttl_s=parse_duration(args.persistent_ttl),
-        persistent_size=parse_bytes(args.persistent_size) if args.persistent_size else None,
+        persistent_ttl_s=_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
+        persistent_size=_flag("--persistent-size", _bytes_or_none, args.persistent_size),
         swa_pool=check_swa_pool_spec(args.swa_pool),
-        swa_pool_size=parse_bytes(args.swa_pool_size) if args.swa_pool_size else None,
-        swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
-        policy=SwaPolicy.parse(args.swa_policy),
+        swa_pool_size=_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
+        swa_pool_ttl_s=_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
+        policy=_flag("--swa-policy", SwaPolicy.parse, args.swa_policy),
         decoder_replay=not args.no_swa_bounded_replay,
         prefix_caching=args.enable_prefix_caching,
     )
+
+
+def _bytes_or_none(value: str | None) -> int | None:
+    return parse_bytes(value) if value else None
+
+
+def _flag(name: str, parse: Callable[[str], _T], value: str) -> _T:
+    """``parse(value)``; a ValueError is raised again with the flag's name in front."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _weights_summary(model: object, args: argparse.Namespace) -> dict:
+    """Weights, numerics, routed-expert reads and the process's peak resident memory (``generate``)."""
+    report = getattr(model, "load_report", None)
+    out: dict = {
+        "weights": args.weights or f"random (seed {args.seed})",
+        "numerics": "bf16" if report is None else report.numerics,
+    }
+    if report is not None and report.expert_cache is not None:
+        st = report.expert_cache.stats()
+        out["expert_cache"] = {
+            "budget_bytes": st.budget_bytes,
+            "loads": st.loads,
+            "hits": st.hits,
+            "evictions": st.evictions,
+            "bytes_read": st.bytes_read,
+            "peak_bytes": st.peak_bytes,
+        }
+    out["checkpoint_bytes"] = None if report is None else report.checkpoint_bytes
+    out["peak_rss_bytes"] = _peak_rss_bytes()
+    return out
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory: ``VmHWM`` (per address space, so a parent's peak before ``exec``
+    does not count, unlike ``ru_maxrss``), else ``ru_maxrss``."""
+    import resource
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _provenance_line(p: dict) -> str:
@@ -219,12 +389,21 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.engine.kv_cache import KVCache
     from kvdiet.engine.sampling import SamplingParams
 
+    if not args.progress_interval >= 0:
+        raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
+    resolve_model(args)
     options = cache_options(args)  # every cache flag checked before the model loads
-    model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights)
+    model, tokenizer = load_model(
+        args.model,
+        seed=args.seed,
+        weights=args.weights,
+        numerics=args.numerics,
+        expert_cache_bytes=expert_cache_bytes(args),
+    )
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -242,7 +421,15 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
     check_request(model, ids, params)  # before any pool is allocated
     cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:
-        result = generate(model, ids, params, cache=cache, chunk_size=args.chunk_size, progress=not args.json)
+        result = generate(
+            model,
+            ids,
+            params,
+            cache=cache,
+            chunk_size=args.chunk_size,
+            progress=True,
+            progress_interval_s=args.progress_interval,
+        )
         stats = cache.stats.as_dict()
     cache = result.cache
     summary = {
@@ -251,7 +438,8 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         "output_tokens": len(result.output_ids),
         "finish_reason": result.finish_reason,
         "prefill_seconds": round(result.prefill_seconds, 3),
-        "prefill_tokens_per_second": round(result.prefill_tokens_per_second, 1),
+        "prefill_computed_tokens": result.provenance.computed_tokens + result.provenance.replayed_tokens,
+        "prefill_computed_tokens_per_second": round(result.prefill_computed_tokens_per_second, 1),
         "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
         "global_kv_bytes_per_token": round(cache.global_bytes_per_token, 3),
         "global_kv_bytes_per_covered_token": cache.global_bytes_per_covered_token,
@@ -262,6 +450,7 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         "total_cache_bytes": cache.total_bytes,
         "swa_bounded_replay": not args.no_swa_bounded_replay,
         "swa_policy": args.swa_policy,
+        **_weights_summary(model, args),
         "provenance": result.provenance.as_dict(),
         "cache_stats": stats,
         "output_ids": result.output_ids,
@@ -308,18 +497,22 @@ def _run_plan(args: argparse.Namespace, console: Console) -> None:
         check_plot_path(args.plot)  # before any work
     options = _plan_options(args)
     if args.compare:
-        a, b = (plan_report(load_config(name), options) for name in args.compare)
-        result = compare_reports(a, b)
+        reports = [plan_report(load_config(name), options) for name in args.compare]
+        result = compare_reports(*reports)
         if args.json:
             print(json.dumps(result))
         else:
             render_compare(result, console)
     else:
-        report = plan_report(load_config(args.config), options)
+        reports = [plan_report(load_config(args.config), options)]
         if args.json:
-            print(json.dumps(report))
+            print(json.dumps(reports[0]))
         else:
-            render_report(report, console)
+            render_report(reports[0], console)
+    if args.json or args.compare:  # the text report prints its own warning under the capacity line
+        for report in reports:
+            if warning := report["capacity"]["warning"]:
+                print(f"kvdiet plan: warning: {report['config']}: {warning}", file=sys.stderr)
     if args.plot:
         from kvdiet.planner.chart import plot_global_kv
 
@@ -344,9 +537,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvdiet.server.serve import run_serve
 
             run_serve(args)
+        elif args.command == "fidelity":
+            from kvdiet.fidelity.command import run_fidelity
+
+            run_fidelity(args, console)
+        elif args.command == "golden":
+            from kvdiet.model.golden import run_golden_command
+
+            return run_golden_command(args, console)
     except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C: one line and the shell's status for SIGINT, no traceback
+        print(f"kvdiet {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 __all__ = [
+    "NUMERICS",
     "PRESETS",
     "ConfigError",
     "DenseConfig",
@@ -34,6 +35,10 @@ __all__ = [
 
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 V4_MODEL_TYPES = ("deepseek_v4",)
+
+
+NUMERICS = ("auto", "fp8", "bf16")
+"""How weights stored FP8/FP4 compute (``--numerics``; `kvdiet.model.loader` documents each)."""
 
 
 class ConfigError(ValueError):
@@ -146,6 +151,12 @@ class ModelConfig:
         cfg = cls(**_coerce_fields(cls, data))
         _validate(cfg)
         return cfg
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The config as flat HF-style JSON fields (what `from_dict` reads back; ``name`` left out)."""
+        out = _as_json_dict(self)
+        out.pop("name", None)
+        return out
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed (the way presets and tests derive configs)."""

@@ -124,6 +124,16 @@ class LayerPlan:
         """Layers that own a compressed main-KV cache."""
         return [info.layer_id for info in self.layers if info.owns_compressed_kv]
 
+    def check_block_size(self, block_size: int) -> None:
+        """Raises ValueError unless ``block_size`` (tokens) is a positive multiple of the compress ratio of
+        every KV-source layer (a block holds whole compressed entries of each; the device pool's rule, checked
+        here from the config alone, before a model is built)."""
+        ratios = sorted({self.layers[s].compress_ratio for s in self.kv_sources})
+        if block_size < 1 or any(block_size % r for r in ratios):
+            raise ValueError(
+                f"block size {block_size} must be a positive multiple of every compress ratio {ratios}"
+            )
+
     @property
     def encoder_layers(self) -> list[int]:
         """V4.1 encoder layers (before `decoder_start`); all layers for V4."""

@@ -83,7 +83,20 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; no BOS/EOS is added."""
+        """Token ids of ``text``; no BOS/EOS is added.
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (an unpaired surrogate such as ``"\\ud800"``, which
+                JSON can carry and UTF-8 cannot); the message names the code point and its index.
+        """
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"the text is not valid Unicode: unpaired surrogate U+{ord(text[exc.start]):04X} at "
+                    f"character {exc.start}"
+                ) from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:

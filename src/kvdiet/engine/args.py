@@ -31,9 +31,13 @@ class EngineArgs:
     """What to load and how to run it.
 
     Attributes:
-        model: preset name or V4.1 config path (``v4.1-mini``: real cache geometry, real tokenizer).
+        model: preset name or V4.1 config path (``v4.1-mini``: real cache geometry, real tokenizer); None
+            with ``weights``: the checkpoint's ``config.json``.
         seed: seed of the random weights (ignored with ``weights``).
-        weights: safetensors file or folder in DeepSeek's tensor names, or None for seeded random weights.
+        weights: a checkpoint (folder or safetensors file, `kvdiet.model.loader.load_checkpoint`), or None
+            for seeded random weights.
+        numerics: ``auto``, ``fp8`` or ``bf16``: how FP8/FP4-stored weights compute (`kvdiet.model.loader`).
+        expert_cache_bytes: routed-expert bytes kept in memory with ``weights`` (None: automatic).
         kv_cache_dtype: ``auto``/``fp4`` (packed formats) or ``fp32`` (unquantised).
         cache: device pool, prefix cache, tiers and SWA policy.
         max_model_len: longest prompt + output in tokens (None: the config's ``max_position_embeddings``).
@@ -42,9 +46,11 @@ class EngineArgs:
         ValueError: an unknown ``kv_cache_dtype``.
     """
 
-    model: str = "v4.1-mini"
+    model: str | None = "v4.1-mini"
     seed: int = 0
     weights: str | Path | None = None
+    numerics: str = "auto"
+    expert_cache_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     cache: CacheOptions = field(default_factory=CacheOptions)
     max_model_len: int | None = None
@@ -66,7 +72,12 @@ class EngineArgs:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).
         """
         model, tokenizer = load_model(
-            self.model, seed=self.seed, weights=self.weights, exact=KV_CACHE_DTYPES[self.kv_cache_dtype]
+            self.model,
+            seed=self.seed,
+            weights=self.weights,
+            exact=KV_CACHE_DTYPES[self.kv_cache_dtype],
+            numerics=self.numerics,
+            expert_cache_bytes=self.expert_cache_bytes,
         )
         cache = KVCache(
             model, self.cache, tokenizer_id=tokenizer.identity if tokenizer else "none", swa_pool=swa_pool

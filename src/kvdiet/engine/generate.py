@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from kvdiet.config import ConfigError, ModelConfig, load_config
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Provenance
+from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.engram import compressed_token_map
-from kvdiet.model.loader import load_weights
+from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["GenerateResult", "check_request", "generate", "load_model", "private_cache"]
+__all__ = ["GenerateResult", "check_request", "generate", "load_model", "model_config_path", "private_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +49,12 @@ class GenerateResult:
     provenance: Provenance
 
     @property
-    def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+    def prefill_computed_tokens_per_second(self) -> float:
+        """Tokens the prefill ran through the model (computed past the hit, plus any replayed below it) per
+        second of prefill; a cache hit's tokens are not in it (they were loaded, not computed)."""
+        p = self.provenance
+        tokens = p.computed_tokens + p.replayed_tokens
+        return tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -58,28 +62,76 @@ class GenerateResult:
 
 
 def load_model(
-    name_or_path: str, *, seed: int = 0, weights: str | Path | None = None, exact: bool = False
+    name_or_path: str | None,
+    *,
+    seed: int = 0,
+    weights: str | Path | None = None,
+    exact: bool = False,
+    numerics: str = "auto",
+    expert_cache_bytes: int | None = None,
 ) -> tuple[Transformer, Tokenizer | None]:
-    """A V4.1 model (seeded random weights, or ``weights`` from safetensors) and its tokenizer.
+    """A V4.1 model (seeded random weights, or a checkpoint) and its tokenizer.
 
-    The real DeepSeek tokenizer goes with configs of its vocabulary size (129,280); smaller test configs
-    get none (prompts are then token ids).
+    With ``weights`` the model is built from the checkpoint (`kvdiet.model.loader.load_checkpoint`: routed
+    experts read on first use, resident memory far below the checkpoint's size); its config is
+    ``name_or_path`` or, when that is None, the ``config.json`` beside the weights. The load report is kept
+    as ``model.load_report``. The tokenizer is the checkpoint's ``tokenizer.json`` when it has one, else the
+    real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test configs get none
+    (prompts are then token ids).
 
     Raises:
-        ConfigError: not a V4.1 config.
-        kvdiet.model.loader.WeightsError: the weights do not fit.
+        ConfigError: not a V4.1 config, or no config at all.
+        kvdiet.model.loader.WeightsError: the weights do not fit the config.
+        kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
     """
+    if name_or_path is None:
+        found = model_config_path(weights)
+        if found is None:
+            raise ConfigError(f"no config.json beside the weights {weights}; give --model")
+        name_or_path = str(found)
     cfg = load_config(name_or_path)
     if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
         raise ConfigError(f"{name_or_path!r} is not a DeepSeek-V4.1 config; generate runs V4.1 models only")
-    tokenizer = Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
+    tokenizer = _tokenizer_for(cfg, weights)
     token_map = None
     if tokenizer is not None and cfg.engram_layer_ids:
         token_map, _ = compressed_token_map(tokenizer)
-    model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
-    if weights is not None:
-        load_weights(model, weights)
+    elif weights is not None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
+        raise ConfigError(
+            f"{weights}: Engram needs the compressed-token map of the tokenizer, and no tokenizer.json is "
+            f"beside the weights (vocabulary {cfg.vocab_size:,}, not DeepSeek's)"
+        )
+    if weights is None:
+        model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
+        model.load_report = None
+    else:
+        model, report = load_checkpoint(
+            weights,
+            config=cfg,
+            token_map=token_map,
+            numerics=numerics,
+            exact=exact,
+            expert_cache_bytes=expert_cache_bytes,
+        )
+        model.load_report = report
     return model, tokenizer
+
+
+def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | None:
+    """The checkpoint's own ``tokenizer.json`` when it has one, else DeepSeek's for its vocabulary size."""
+    folder = None if weights is None else (Path(weights) if Path(weights).is_dir() else Path(weights).parent)
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        return Tokenizer(folder / "tokenizer.json")
+    return Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
+
+
+def model_config_path(weights: str | Path | None) -> Path | None:
+    """The ``config.json`` beside a checkpoint (a folder holding it, or a file next to it), or None."""
+    if weights is None:
+        return None
+    path = Path(weights)
+    found = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    return found if found.is_file() else None
 
 
 def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:
@@ -116,6 +168,7 @@ def generate(
     cache: KVCache | None = None,
     chunk_size: int = 512,
     progress: bool = False,
+    progress_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> GenerateResult:
     """Look ``prompt_ids`` up in ``cache``, prefill the rest in chunks of ``chunk_size`` tokens, then decode up
     to ``params.max_tokens``; the blocks go back to the pool (and window state to its tier) at the end.
@@ -123,6 +176,8 @@ def generate(
     Args:
         cache: the cache system (an open `KVCache`); None → a private one without tiers, sized for this
             request.
+        progress: report the prefill on stderr (`PrefillProgress`: a bar on a terminal, else a line every
+            ``progress_interval_s`` seconds).
     Raises:
         ValueError: empty or invalid prompt, a prompt plus ``max_tokens`` beyond the context, bad
             ``chunk_size`` — all before any state or tier changes.
@@ -133,21 +188,12 @@ def generate(
     ids = check_request(model, prompt_ids, params)
     if cache is None:
         cache = private_cache(model, ids.numel() + params.max_tokens)
-    bar = Progress(
-        TextColumn("prefill"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} tokens"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        disable=not progress,
-        transient=True,
-    )
     start = time.perf_counter()
     session = cache.start(ids.tolist())
     try:
-        with bar:
-            task = bar.add_task("prefill", total=ids.numel(), completed=session.state.num_tokens)
-            logits = cache.prefill(session, chunk_size=chunk_size, progress=_Advance(bar, task))
+        done = session.state.num_tokens
+        with PrefillProgress(ids.numel(), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
+            logits = cache.prefill(session, chunk_size=chunk_size, progress=bar)
         prefill_s = time.perf_counter() - start
         generator = torch.Generator().manual_seed(params.seed or 0)
         out: list[int] = []
@@ -168,11 +214,3 @@ def generate(
         raise
     cache.finish(session)
     return GenerateResult(ids.numel(), out, finish, prefill_s, decode_s, measured, session.provenance)
-
-
-class _Advance:
-    def __init__(self, bar: Progress, task: object) -> None:
-        self.bar, self.task = bar, task
-
-    def advance(self, tokens: int) -> None:
-        self.bar.update(self.task, advance=tokens)

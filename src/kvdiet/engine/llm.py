@@ -43,7 +43,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str = "v4.1-mini",
+        model: str | None = "v4.1-mini",
         *,
         args: EngineArgs | None = None,
         cache: CacheOptions | None = None,

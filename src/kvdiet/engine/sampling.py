@@ -89,6 +89,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cut = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        cut[0] = False  # the most likely token always stays (a top_p below fp32's range, 5e-324, is 0 here)
         sorted_probs[cut] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

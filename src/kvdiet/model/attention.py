@@ -16,6 +16,7 @@ same projections and `attend` over whole sequences without any cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,10 +28,11 @@ from kvdiet.layer_plan import LayerInfo
 from kvdiet.model.compressor import Compressor
 from kvdiet.model.indexer import Indexer, index_scores
 from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.model.linear import Linear
 from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
 from kvdiet.model.state import RequestState
 
-__all__ = ["Attention", "Segment", "attend"]
+__all__ = ["Attention", "Segment", "Selection", "attend"]
 
 # Query rows per attention block: 8 queries × top-512 × 512 dims of gathered fp32 entries (8 MiB) stay in
 # the last-level cache between the score and the value products (6× faster than 64 on a 32 MiB L3).
@@ -113,6 +115,28 @@ class Segment:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What a compressed layer's rows attend, with what an analysis needs to recompute it off the hot path.
+
+    Attributes:
+        attn: the layer (``attn.info`` its roles; ``attn.indexer`` None on Reuse layers).
+        seg: the rows' request segment (``seg.positions`` int64 [T], ``seg.state`` its caches, ``seg.topk``
+            the top-k published so far in this call).
+        x: fp32 [T, hidden] the layer's normalised input; ``qr`` fp32 [T, q_lora_rank]; ``q`` fp32 [T, H, D]
+            the attention queries after RoPE.
+        idx / valid: int64 / bool [T, k], the compressed entries each row attends (of ``attn.info.kv_src``).
+    """
+
+    attn: Attention
+    seg: Segment
+    x: torch.Tensor
+    qr: torch.Tensor
+    q: torch.Tensor
+    idx: torch.Tensor
+    valid: torch.Tensor
+
+
 class Attention(nn.Module):
     """Attention of one layer; parameter names follow DeepSeek's checkpoint (``layers.{i}.attn.*``)."""
 
@@ -128,14 +152,17 @@ class Attention(nn.Module):
         )
         self.scale = d**-0.5
         self.rope = Rope.for_layer(cfg, info.compress_ratio)
-        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, h * d, bias=False)
-        self.wkv = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, h * d)
+        self.wkv = Linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.wo_a = Linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(h))
+        # Called with a `Selection` of each call's rows on compressed layers (`kvdiet golden` and `kvdiet
+        # fidelity` set it; None otherwise).
+        self.selection_observer: Callable[[Selection], None] | None = None
         self.compressor = (
             Compressor(cfg.hidden_size, d, info.compress_ratio, cfg.rms_norm_eps)
             if info.owns_compressed_kv
@@ -176,7 +203,7 @@ class Attention(nn.Module):
         o = self.rope.rotate(o.transpose(0, 1), positions, inverse=True).transpose(0, 1)
         t, g = o.shape[0], self.n_groups
         o = o.reshape(t, g, -1)
-        wo_a = self.wo_a.weight.view(g, -1, o.shape[-1])
+        wo_a = self.wo_a.dense_weight().view(g, -1, o.shape[-1])
         return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a).reshape(t, -1))
 
     def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, floor: int) -> torch.Tensor:
@@ -228,6 +255,8 @@ class Attention(nn.Module):
         ring.write(kv, pos)
         if self.indexer is not None:
             seg.topk[info.layer_id] = self._select(qr, x, seg)
+        if self.selection_observer is not None and info.compress_ratio:
+            self.selection_observer(Selection(self, seg, x, qr, q, *seg.topk[info.idx_src]))
         o = torch.empty(pos.shape[0], self.n_heads, self.head_dim)
         for s in range(0, pos.shape[0], _QUERY_BLOCK):
             e = min(pos.shape[0], s + _QUERY_BLOCK)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kvdiet.model.layers import RMSNorm
+from kvdiet.model.linear import Linear
 from kvdiet.model.state import CompressorTail
 
 __all__ = ["Compressor", "pool_groups"]
@@ -34,8 +35,8 @@ class Compressor(nn.Module):
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float) -> None:
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(hidden_size, head_dim, bias=False)
-        self.wgate = nn.Linear(hidden_size, head_dim, bias=False) if ratio > 1 else None
+        self.wkv = Linear(hidden_size, head_dim)
+        self.wgate = Linear(hidden_size, head_dim) if ratio > 1 else None
         self.norm = RMSNorm(head_dim, eps)
 
     def forward(

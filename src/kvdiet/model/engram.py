@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.formats.fp8 import dequantize_window, quantize_window
+from kvdiet.formats.fp8 import quantize_window
+from kvdiet.model.checkpoint import Checkpoint
+from kvdiet.model.linear import Linear, ue8m0_values
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["Engram", "EngramHasher", "Fp8Embedding", "compressed_token_map"]
@@ -334,7 +336,9 @@ class Fp8Embedding(nn.Module):
     """A row table stored as FP8 E4M3 codes with one UE8M0 scale per 32 values, dequantised on lookup.
 
     Buffers: ``weight`` uint8 [rows, dim] (E4M3 bit patterns) and ``scale`` uint8 [rows, dim/32] (UE8M0
-    exponents), in ``kvdiet.formats.fp8``'s encoding. Default fill: standard-normal rows, quantised.
+    exponents), the checkpoint's ``engram.embed.weight`` / ``.scale`` bytes. Default fill: standard-normal
+    rows, quantised (``kvdiet.formats.fp8``). A table too large to keep is read row by row from the
+    checkpoint instead (`read_rows_from`; the real tables hold 384M rows, ~99 GB each).
 
     Raises:
         ValueError: ``dim`` is not a multiple of 32.
@@ -344,13 +348,30 @@ class Fp8Embedding(nn.Module):
         super().__init__()
         if dim % _SCALE_BLOCK:
             raise ValueError(f"FP8 table rows must be a multiple of {_SCALE_BLOCK} wide, got {dim}")
-        codes, scales = quantize_window(torch.randn(rows, dim))
+        self.rows, self.dim = rows, dim
+        self._source: tuple[Checkpoint, str, str] | None = None
+        codes = torch.empty(rows, dim, dtype=torch.uint8)
+        scales = torch.empty(rows, dim // _SCALE_BLOCK, dtype=torch.uint8)
+        if codes.device.type != "meta":  # a model built on the meta device is filled by the loader
+            codes, scales = quantize_window(torch.randn(rows, dim))
         self.register_buffer("weight", codes)
         self.register_buffer("scale", scales)
 
+    def read_rows_from(self, checkpoint: Checkpoint, weight_name: str, scale_name: str) -> None:
+        """Serve lookups from ``checkpoint`` (positioned reads of the rows asked for) instead of memory."""
+        self._source = (checkpoint, weight_name, scale_name)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: int64 [...] row ids -> fp32 [..., dim] dequantised rows."""
-        return dequantize_window(self.weight[ids], self.scale[ids])
+        if self._source is None:
+            codes, scales = self.weight[ids], self.scale[ids]
+        else:
+            checkpoint, weight_name, scale_name = self._source
+            flat = ids.reshape(-1)
+            codes = checkpoint.read_rows(weight_name, flat).view(torch.uint8).view(*ids.shape, self.dim)
+            scales = checkpoint.read_rows(scale_name, flat).view(torch.uint8).view(*ids.shape, -1)
+        values = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, _SCALE_BLOCK))
+        return (values * ue8m0_values(scales)[..., None]).flatten(-2)
 
 
 class Engram(nn.Module):
@@ -386,8 +407,9 @@ class Engram(nn.Module):
         self.n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.head_dim = cfg.engram_head_dim
         self.embed = Fp8Embedding(sizes[layers.index(layer_id)], self.head_dim)
-        self.wkv = nn.Linear(self.n_cols * self.head_dim, self.hidden * (self.hc_mult + 1), bias=False)
-        nn.init.normal_(self.wkv.weight, std=_INIT_STD)
+        self.wkv = Linear(self.n_cols * self.head_dim, self.hidden * (self.hc_mult + 1))
+        if self.wkv.weight.device.type != "meta":
+            nn.init.normal_(self.wkv.weight, std=_INIT_STD)
         self.q_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden, dtype=torch.float32))
         self.k_weight = nn.Parameter(torch.ones(self.hc_mult, self.hidden, dtype=torch.float32))
 
@@ -407,15 +429,13 @@ class Engram(nn.Module):
         """
         h = h.float()
         rows = self.embed(row_ids).flatten(-2)  # [..., T, n_cols·head_dim]
-        kv = rows @ self.wkv.weight.float().T  # [..., T, (hc+1)·hidden]
+        kv = self.wkv(rows)  # [..., T, (hc+1)·hidden]
         split = self.hc_mult * self.hidden
         key = kv[..., :split].unflatten(-1, (self.hc_mult, self.hidden))  # [..., T, hc, hidden]
         value = kv[..., split:]  # [..., T, hidden]
         w = self.q_weight.float() * self.k_weight.float()
-        dot = (h * w * key).sum(-1)
-        dot = (
-            dot * torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        )
-        dot = dot * self.hidden**-0.5  # [..., T, hc]
+        # the two rsqrt factors multiplied first, as DeepSeek's reference orders it
+        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * w * key).sum(-1) * rstd * self.hidden**-0.5  # [..., T, hc]
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
         return h + gate[..., None] * value[..., None, :]

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvdiet.formats.codec import Codec
 from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.model.linear import Linear
 
 __all__ = ["Indexer", "index_scores"]
 
@@ -64,9 +65,9 @@ class Indexer(nn.Module):
     ) -> None:
         super().__init__()
         self.n_heads, self.index_head_dim = n_heads, index_head_dim
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False)
-        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
-        self.wk = nn.Linear(head_dim, index_head_dim, bias=False) if owns_keys else None
+        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim)
+        self.weights_proj = Linear(hidden_size, n_heads)
+        self.wk = Linear(head_dim, index_head_dim) if owns_keys else None
         self.k_norm = RMSNorm(index_head_dim, eps) if owns_keys else None
         self.softmax_scale = (index_head_dim**-0.5) * (n_heads**-0.5)
 

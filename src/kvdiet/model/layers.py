@@ -73,7 +73,7 @@ def rope_frequencies(
     if base <= 1:
         raise ValueError(f"RoPE base must be > 1, got {base}")
     d = rope_dim
-    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device="cpu") / d))
     if not yarn:
         return freqs
 
@@ -88,7 +88,7 @@ def rope_frequencies(
     high = min(max(math.ceil(corr(beta_slow)), 0), d - 1)
     if high == low:
         high += 0.001
-    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     smooth = 1 - ramp
     return freqs / factor * (1 - smooth) + freqs * smooth
 

@@ -2,9 +2,11 @@
 the swiglu clamp, and one always-on shared expert (v41-spec §8.2, §8.2a; DeepSeek's reference ``Gate``,
 ``Expert`` and ``MoE``).
 
-Everything runs in fp32 on full-precision weights; the checkpoint's MXFP4 experts and FP8 dense weights are
-the loader's business. Tokens are grouped per expert (one matmul per used expert, no per-token loop). This
-module has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+Everything runs in fp32; a linear whose weight is stored FP8 or FP4 (the released checkpoint's shared and
+routed experts) quantises its input to FP8 first (`kvdiet.model.linear`). Routed experts come from
+``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
+Tokens are grouped per expert (one matmul per used expert, no per-token loop). This module has no effect on
+the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.model.expert_cache import LayerExperts
+from kvdiet.model.linear import Linear
 
 __all__ = ["Expert", "Gate", "MoE"]
 
@@ -37,7 +41,8 @@ class Gate(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
-        nn.init.normal_(self.weight, std=_INIT_STD)
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=_INIT_STD)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights fp32 [T, k], expert ids int64 [T, k]).
@@ -65,24 +70,25 @@ class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int, *, swiglu_limit: float) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = Linear(hidden, inter)
+        self.w2 = Linear(inter, hidden)
+        self.w3 = Linear(hidden, inter)
         for lin in (self.w1, self.w2, self.w3):
-            nn.init.normal_(lin.weight, std=_INIT_STD)
+            if lin.weight.device.type != "meta":
+                nn.init.normal_(lin.weight, std=_INIT_STD)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """x: [N, hidden]; weight: fp32 [N, 1] routing weights or None (shared expert) -> fp32 [N, hidden]."""
         x = x.float()
-        gate = x @ self.w1.weight.float().T
-        up = x @ self.w3.weight.float().T
+        gate = self.w1(x)
+        up = self.w3(x)
         if self.swiglu_limit > 0:
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
             gate = gate.clamp(max=self.swiglu_limit)
         act = F.silu(gate) * up
         if weight is not None:
             act = weight * act
-        return act @ self.w2.weight.float().T
+        return self.w2(act)
 
 
 class MoE(nn.Module):
@@ -115,6 +121,8 @@ class MoE(nn.Module):
             Expert(hidden, inter, swiglu_limit=cfg.swiglu_limit) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(hidden, cfg.n_shared_experts * inter, swiglu_limit=cfg.swiglu_limit)
+        # Set by the loader when routed experts are read on first use (``kvdiet.model.expert_cache``).
+        self.routed: LayerExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] (any float dtype) -> fp32 [T, hidden]."""
@@ -127,11 +135,12 @@ class MoE(nn.Module):
         tokens = order // k
         sorted_weights = weights.flatten()[order, None]
         sorted_out = torch.empty(order.numel(), x.shape[1], dtype=torch.float32)
+        experts = self.experts if self.routed is None else self.routed
         start = 0
         for e, n in enumerate(counts):
             if n:
                 part = slice(start, start + n)
-                sorted_out[part] = self.experts[e](x[tokens[part]], sorted_weights[part])
+                sorted_out[part] = experts[e](x[tokens[part]], sorted_weights[part])
                 start += n
         # Back to (token, slot) order with a gather, then sum the k slots in slot order.
         routed = sorted_out[torch.argsort(order)].view(num_tokens, k, -1).sum(1)

@@ -18,8 +18,9 @@ Bad input raises ``ValueError`` before any state changes.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -28,10 +29,12 @@ from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo, LayerPlan
-from kvdiet.model.attention import Attention, Segment
+from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.engram import Engram, EngramHasher
 from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
+from kvdiet.model.linear import Linear
+from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.moe import MoE
 from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
 from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE, DevicePool
@@ -87,18 +90,27 @@ class Transformer(nn.Module):
         exact: store caches unquantised in fp32 (for exactness tests) instead of packed bytes.
         token_map: Engram compressed-token map (int64 [vocab]); None → identity (valid only when
             ``engram_compressed_vocab_size == vocab_size``).
+        meta: build every parameter and buffer on the meta device (no memory, no initialisation), for
+            `kvdiet.model.loader` to fill from a checkpoint.
     Raises:
         ValueError: a V4 (non-V4.1) config; Engram or a compressor after the decoder start (bounded replay
             would then change global state).
     """
 
     def __init__(
-        self, cfg: ModelConfig, *, exact: bool = False, token_map: torch.Tensor | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        exact: bool = False,
+        token_map: torch.Tensor | None = None,
+        meta: bool = False,
     ) -> None:
         super().__init__()
         if not cfg.is_v41:
             raise ValueError(f"config {cfg.name!r} is {cfg.model_type}; the model implements V4.1 only")
         self.cfg, self.exact = cfg, exact
+        self.weights_digest = ""  # set by the loader: identity of weights not held in memory
+        self.load_report = None  # set by kvdiet.engine.generate.load_model: the loader's LoadReport
         self.plan = LayerPlan.from_config(cfg)
         self.codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None
@@ -107,16 +119,23 @@ class Transformer(nn.Module):
         late += [i for i in self.plan.kv_sources if start is not None and i > start]
         if late:
             raise ValueError(f"layers {late} hold Engram or a compressor at/after the decoder start {start}")
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, info, self.codecs) for info in self.plan.layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(Block(cfg, info, self.codecs) for info in self.plan.layers)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     @classmethod
     def from_config(
         cls, cfg: ModelConfig, *, seed: int = 0, exact: bool = False, token_map: torch.Tensor | None = None
     ) -> Transformer:
-        """A model with seeded random weights (same seed → same weights, whatever the global RNG state)."""
+        """A model with seeded random weights (same seed → same weights, whatever the global RNG state).
+
+        Raises:
+            kvdiet.model.memory.InsufficientMemoryError: the weights cannot fit in the memory available
+                (checked from the config, before anything is allocated).
+        """
+        check_fits(f"{cfg.name or 'the model'} with random weights", random_weights_bytes(cfg))
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = cls(cfg, exact=exact, token_map=token_map)
@@ -239,6 +258,20 @@ class Transformer(nn.Module):
         if self.hasher is not None:
             state.engram_history = self.hasher.history_after(ids[:start])
         state.num_tokens = start
+
+    @contextlib.contextmanager
+    def observe_selection(self, observer: Callable[[Selection], None]) -> Iterator[None]:
+        """Inside the block, every compressed layer calls ``observer`` with the `Selection` of its rows."""
+        attns = [b.attn for b in self.layers if b.info.compress_ratio]
+        if any(a.selection_observer is not None for a in attns):
+            raise RuntimeError("a selection observer is already installed")
+        for attn in attns:
+            attn.selection_observer = observer
+        try:
+            yield
+        finally:
+            for attn in attns:
+                attn.selection_observer = None
 
     # --- forward paths ---
 

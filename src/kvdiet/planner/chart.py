@@ -13,14 +13,19 @@ DEFAULT_CHART_MODELS = ("deepseek-v4.1-flash", "deepseek-v4-flash", "deepseek-ll
 
 
 def check_plot_path(path: str | Path) -> Path:
-    """``path`` as a Path if matplotlib can write its format.
+    """``path`` as a Path if matplotlib can write its format there (checked before any work).
 
     Raises:
-        ValueError: the name does not end in ``.png``, ``.svg`` or ``.pdf``.
+        ValueError: the name does not end in ``.png``, ``.svg`` or ``.pdf``; its directory does not exist
+            (it is never created: a typo in it should not leave new directories behind) or is not one.
     """
     out = Path(path)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ValueError(f"plot file {str(out)!r} must end in .png, .svg or .pdf")
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise ValueError(f"plot file {str(out)!r}: the directory {str(parent)!r} {what}")
     return out
 
 
@@ -35,7 +40,7 @@ def plot_global_kv(
     horizontal line at one device's memory (default one H200, 141 GB). Returns the written path.
 
     Raises:
-        ValueError: ``path`` does not end in a format matplotlib can write (e.g. ``.png``, ``.svg``).
+        ValueError: see `check_plot_path`.
     """
     import matplotlib
 
@@ -67,7 +72,6 @@ def plot_global_kv(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
     return out

@@ -117,6 +117,8 @@ def render_report(report: dict[str, Any], console: Console) -> None:
         f"({c['weights_source']}) = {c['kv_budget_gb']:.1f} GB for KV → [bold]{format_count(c['sessions'])}[/bold] "
         f"sessions of {format_count(c['context'])} tokens ({format_bytes(c['bytes_per_session'])} each)"
     )
+    if c["warning"]:
+        console.print(f"[bold yellow]warning:[/bold yellow] {c['warning']}", highlight=False)
 
 
 def render_compare(result: dict[str, Any], console: Console) -> None:

@@ -19,8 +19,9 @@ from kvdiet.planner.weights import estimate_weights
 
 __all__ = ["GPUS", "PlanOptions", "all_full_config", "compare_reports", "plan_report"]
 
-# Named devices, memory in decimal GB as the vendors quote it.
-GPUS: dict[str, float] = {"h200": 141.0, "b200": 192.0}
+# Named devices, memory in decimal GB as the vendors quote it (SXM parts); the same names as the trace
+# study's cost model (`kvdiet.sim.cost.GPU_FP8_FLOPS`), so ``plan --gpu`` and ``replay --gpu`` agree.
+GPUS: dict[str, float] = {"h100": 80.0, "h200": 141.0, "b200": 192.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +215,17 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
     total = opts.gpu_mem_gb * 1e9 * opts.num_gpus
     budget = max(0.0, total - weights_bytes)
     per_session = spec.request_bytes(opts.capacity_context)
+    warning = None
+    if weights_bytes >= total:
+        warning = (
+            f"the weights ({weights_bytes / 1e9:,.1f} GB) do not fit in {opts.num_gpus} × "
+            f"{opts.gpu_mem_gb:g} GB = {total / 1e9:,.1f} GB: nothing is left for the KV cache"
+        )
+    elif budget < per_session:
+        warning = (
+            f"{budget / 1e9:,.2f} GB left for the KV cache after the weights holds no session of "
+            f"{opts.capacity_context:,} tokens ({per_session / 1e9:,.2f} GB each)"
+        )
     return {
         "gpu": opts.gpu,
         "gpu_mem_gb": opts.gpu_mem_gb,
@@ -224,4 +236,5 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
         "context": opts.capacity_context,
         "bytes_per_session": per_session,
         "sessions": int(budget // per_session),
+        "warning": warning,
     }

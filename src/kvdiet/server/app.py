@@ -42,6 +42,14 @@ __all__ = ["build_app"]
 _DISCONNECT_POLL_S = 0.5
 
 
+class _JSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped (``\\uXXXX``): a request's unpaired surrogate echoed in an
+    error message stays valid JSON instead of failing to encode as UTF-8 (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 class _ApiError(Exception):
     """An error answered with an OpenAI error body (400 unless ``status`` says otherwise)."""
 
@@ -69,7 +77,7 @@ class _ApiKeyMiddleware:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 body = error_body("invalid or missing API key", status=401, kind="authentication_error")
-                await JSONResponse(body, 401)(scope, receive, send)
+                await _JSONResponse(body, 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -101,7 +109,12 @@ def build_app(
         finally:
             await asyncio.to_thread(loop.close)
 
-    app = FastAPI(title="kvdiet", summary="OpenAI-compatible server of the kvdiet engine", lifespan=lifespan)
+    app = FastAPI(
+        title="kvdiet",
+        summary="OpenAI-compatible server of the kvdiet engine",
+        lifespan=lifespan,
+        default_response_class=_JSONResponse,
+    )
 
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
@@ -111,23 +124,23 @@ def build_app(
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}", status=400), 400)
+            return _JSONResponse(error_body(f"malformed JSON body: {first.get('msg')}", status=400), 400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
             for e in errors
         )
-        return JSONResponse(error_body(message, status=400, param=".".join(loc) or None), 400)
+        return _JSONResponse(error_body(message, status=400, param=".".join(loc) or None), 400)
 
     @app.exception_handler(_ApiError)
     async def api_error(_: Request, exc: _ApiError) -> JSONResponse:
-        return JSONResponse(
+        return _JSONResponse(
             error_body(str(exc), status=exc.status, kind=exc.kind, param=exc.param), exc.status
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), status=exc.status_code), exc.status_code)
+        return _JSONResponse(error_body(str(exc.detail), status=exc.status_code), exc.status_code)
 
     def check_common(body: _Common) -> None:
         if body.model is not None and body.model != model_name:
@@ -164,7 +177,7 @@ def build_app(
     async def health() -> Response:
         if loop.healthy:
             return Response(status_code=200)
-        return JSONResponse(
+        return _JSONResponse(
             error_body("the engine is not running", status=503, kind="service_unavailable"), 503
         )
 
@@ -223,7 +236,7 @@ def build_app(
         out = await _final(loop, ids, params, rid, request)
         if out is None:
             return Response(status_code=499)  # the client closed the connection (nginx's code)
-        return JSONResponse(chunk(out, final=True) | {"usage": _usage(out)})
+        return _JSONResponse(chunk(out, final=True) | {"usage": _usage(out)})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -242,7 +255,10 @@ def build_app(
             text = render_chat([m.model_dump() for m in body.messages], thinking=thinking)
         except ValueError as exc:
             raise _ApiError(str(exc), param="messages") from None
-        prompt_ids = engine.tokenizer.encode(text)
+        try:
+            prompt_ids = engine.tokenizer.encode(text)
+        except ValueError as exc:
+            raise _ApiError(str(exc), param="messages") from None
         wanted = body.max_completion_tokens or body.max_tokens
         if wanted is None and len(prompt_ids) >= engine.max_model_len:
             raise _ApiError(
@@ -291,7 +307,7 @@ def build_app(
         out = await _final(loop, ids, params, rid, request)
         if out is None:
             return Response(status_code=499)
-        return JSONResponse(
+        return _JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion",

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.sampling import SamplingParams
 
@@ -37,6 +38,35 @@ _UNSUPPORTED = {
 }
 
 
+def _json_type(value: object) -> str:
+    """The JSON type of a parsed value, with its article (for error messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"a string of {len(value):,} characters"
+    if isinstance(value, list):
+        return f"an array of {len(value):,} items"
+    return "a boolean" if isinstance(value, bool) else "an object" if isinstance(value, dict) else "a number"
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """Validation of a union field whose failure is one sentence, ``must be {expected} (got an object)``,
+    instead of pydantic's one error per union branch (``prompt.str: …; prompt.list[int]: …``). The field's
+    JSON schema is unchanged."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "union_type",
+                "must be {expected} (got {got})",
+                {"expected": expected, "got": _json_type(value)},
+            ) from None
+
+    return WrapValidator(validate)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -54,11 +84,12 @@ class _Common(BaseModel):
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: (
+    stop: Annotated[
         Annotated[str, Field(max_length=1024)]
         | Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=16)]
-        | None
-    ) = None
+        | None,
+        _one_of("a string of at most 1,024 characters or a list of at most 16 such strings"),
+    ] = None
     stop_token_ids: list[int] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
@@ -109,7 +140,10 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a one-element list of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[
+        str | list[int] | list[str] | list[list[int]],
+        _one_of("a string, a list of token ids (integers), or a one-element list of either"),
+    ]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
 
     def single_prompt(self) -> str | list[int]:
@@ -132,7 +166,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[
+        str | list[dict[str, Any]] | None, _one_of("a string or a list of content parts (objects)")
+    ] = None
 
 
 class ChatCompletionRequest(_Common):

@@ -47,7 +47,7 @@ def default_persistent_dir() -> Path:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from kvdiet.cli import add_cache_args
+    from kvdiet.cli import add_cache_args, add_weights_args
 
     p = sub.add_parser(
         "serve",
@@ -59,10 +59,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="v4.1-mini", help="preset or V4.1 config path (default v4.1-mini)")
+    p.add_argument(
+        "--model",
+        help="preset or V4.1 config path (default: the config.json beside --weights, else v4.1-mini)",
+    )
     p.add_argument("--served-model-name", help="name clients use in 'model' (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--weights", help="safetensors file or folder (DeepSeek tensor names) instead of random")
+    add_weights_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument(
@@ -92,7 +95,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="chat max_tokens when a request gives none (default 256, capped by the context left)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log lines shown, kvdiet's and uvicorn's (default info: start-up report, requests)",
+    )
     add_cache_args(p.add_argument_group("cache system"), persistent_default=str(default_persistent_dir()))
 
 
@@ -102,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> None:
     Raises:
         ValueError, ConfigError, OSError: bad flags or model (before anything is served).
     """
-    from kvdiet.cli import cache_options
+    from kvdiet.cli import cache_options, expert_cache_bytes, resolve_model
     from kvdiet.engine.args import EngineArgs
     from kvdiet.engine.loop import EngineLoop
     from kvdiet.engine.scheduler import SchedulerConfig
@@ -117,10 +125,13 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    resolve_model(args)
     engine_args = EngineArgs(
         model=args.model,
         seed=args.seed,
         weights=args.weights,
+        numerics=args.numerics,
+        expert_cache_bytes=expert_cache_bytes(args),
         kv_cache_dtype=args.kv_cache_dtype,
         cache=cache_options(args),
         max_model_len=parse_count(args.max_model_len) if args.max_model_len else None,
@@ -188,6 +199,7 @@ def startup_report(engine: object) -> list[str]:
     blocks = pool.blocks.num_blocks
     tokens = blocks * bs
     lines = [
+        weights_line(engine.model),
         f"KV cache: {blocks:,} blocks × {bs} tokens = {tokens:,} tokens, {format_bytes(blocks * pool.block_bytes)} "
         f"({pool.block_bytes:,} B per block, {pool.block_bytes / bs:,.1f} B/token of global KV)",
         f"maximum concurrency for {engine.max_model_len:,} tokens per request: {tokens / engine.max_model_len:.2f}x",
@@ -211,3 +223,23 @@ def startup_report(engine: object) -> list[str]:
         f"--max-model-len {engine.max_model_len:,}"
     )
     return lines
+
+
+def weights_line(model: object) -> str:
+    """Where the weights came from and which numerics run (the start-up log, ``generate --json``)."""
+    report = getattr(model, "load_report", None)
+    if report is None:
+        return "weights: seeded random (bf16 numerics: plain fp32 matmuls)"
+    linears = ", ".join(f"{n} {kind}" for kind, n in report.linears.items() if n)
+    what = (
+        "FP8 activations before every FP8/FP4 linear, as DeepSeek's reference"
+        if report.numerics == "fp8"
+        else "weights dequantised, plain fp32 matmuls"
+    )
+    line = (
+        f"weights: {report.checkpoint_bytes / 1e9:,.2f} GB checkpoint; {report.numerics} numerics ({what}); "
+        f"linears {linears}"
+    )
+    if report.expert_cache is not None:
+        line += f"; routed experts read on first use, cache {report.expert_cache.budget_bytes / 1e9:,.2f} GB"
+    return line

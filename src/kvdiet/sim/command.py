@@ -52,7 +52,13 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rep.add_argument("trace", help="trace file (.jsonl or .csv)")
-    rep.add_argument("--format", default="auto", choices=["auto", "mooncake", "jsonl", "azure"])
+    rep.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "mooncake", "jsonl", "azure"],
+        help="trace format (default auto: .csv is Azure; a .jsonl with a kvdiet-trace header line is the "
+        "generic JSONL, otherwise Mooncake)",
+    )
     rep.add_argument(
         "--strict", action="store_true", help="stop at the first malformed line (default: skip it)"
     )

@@ -29,6 +29,13 @@ others' files are replaced), an eviction or expiry in one process never removes 
 just written, and a committed row always has its file (until a crash or an outside hand removes it: then a
 miss). Counters are per process; so are the pending read times below.
 
+A damaged index (``index.sqlite3`` that SQLite cannot read) is not the end of the tier: `open` moves it aside
+(``index.sqlite3.damaged-<time>``, under a lock file so processes opening together do it once), starts a new
+index and fills it from the entry files' own headers (`kvdiet.storage.index_recovery`), with one warning
+naming both files. A new index in a directory that already holds entry files (the index deleted by hand) is
+filled the same way. An index written by a newer kvdiet (a higher schema version) is left alone: the tier is
+off, and the warning says so.
+
 Read times (LRU) stay in memory until this store's next write transaction (so its own eviction order is
 exact), `close`, or 1024 pending reads or 1 s (store clock): one UPDATE batch instead of a commit per
 read. Another process's eviction sees them that late at most.
@@ -51,6 +58,7 @@ from pathlib import Path
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import FORMAT_VERSION, KEY_BYTES, EntryCodec, StoreIdentity
+from kvdiet.storage.index_recovery import damaged, move_aside, recover_entries
 
 __all__ = ["FORMAT_VERSION", "KEY_BYTES", "PersistentStore", "StoreIdentity"]
 
@@ -113,42 +121,86 @@ class PersistentStore:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create the directory and index. On OSError/sqlite3.Error: one warning, ``enabled`` stays False."""
+        """Create the directory and index; a damaged index is moved aside and rebuilt from the entry files
+        (module docstring). On OSError/sqlite3.Error: one warning naming the index file, ``enabled`` stays
+        False."""
         with self._lock:
             if self._db is not None:
                 return
-            db = None
+            index = self.directory / "index.sqlite3"
             try:
                 (self.directory / "blocks").mkdir(parents=True, exist_ok=True)
-                db = sqlite3.connect(
-                    self.directory / "index.sqlite3",
-                    timeout=_BUSY_TIMEOUT_S,
-                    isolation_level=None,  # explicit BEGIN IMMEDIATE transactions
-                    check_same_thread=False,  # shared by this process's threads under self._lock
-                )
-                db.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                with _transaction(db):
-                    version = db.execute("PRAGMA user_version").fetchone()[0]
-                    if version not in (0, _SCHEMA_VERSION):
-                        raise sqlite3.DatabaseError(f"index schema {version}, expected {_SCHEMA_VERSION}")
-                    db.execute(
-                        "CREATE TABLE IF NOT EXISTS entries (key BLOB PRIMARY KEY, identity TEXT NOT NULL,"
-                        " size INTEGER NOT NULL, created REAL NOT NULL, expires REAL NOT NULL,"
-                        " last_access REAL NOT NULL) WITHOUT ROWID"
+                try:
+                    db, recovered = self._connect(index)
+                except sqlite3.DatabaseError as exc:
+                    if not damaged(exc):
+                        raise
+                    moved = move_aside(index)
+                    db, recovered = self._connect(index)
+                    _log.warning(
+                        "persistent tier %s: the index %s was unreadable (%s)%s; %s",
+                        self.directory,
+                        index,
+                        exc,
+                        f", moved to {moved.name}" if moved else "",
+                        _recovered_text(recovered),
                     )
-                    db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_access, key)")
-                    db.execute("CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires)")
-                    db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+                else:
+                    if recovered is not None and (recovered[0] or recovered[1]):
+                        _log.warning(
+                            "persistent tier %s: no index, %s", self.directory, _recovered_text(recovered)
+                        )
             except (OSError, sqlite3.Error) as exc:
-                if db is not None:
-                    with suppress(sqlite3.Error):
-                        db.close()
-                _log.warning("persistent tier disabled: cannot open %s: %s", self.directory, exc)
+                hint = ""
+                if isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
+                    hint = f"; delete {index} and kvdiet rebuilds it from the entry files"
+                _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
                 return
             self._db = db
             self.enabled = True
+
+    def _connect(self, index: Path) -> tuple[sqlite3.Connection, tuple[int, int] | None]:
+        """The index, opened (created with its schema if new, then filled from the entry files). Returns it
+        and, for a new index, (entries recovered, files deleted). Raises OSError/sqlite3.Error (closed)."""
+        db = sqlite3.connect(
+            index,
+            timeout=_BUSY_TIMEOUT_S,
+            isolation_level=None,  # explicit BEGIN IMMEDIATE transactions
+            check_same_thread=False,  # shared by this process's threads under self._lock
+        )
+        try:
+            db.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT_S * 1000)}")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            recovered = None
+            with _transaction(db):
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version not in (0, _SCHEMA_VERSION):
+                    raise sqlite3.OperationalError(
+                        f"index schema version {version}, this kvdiet reads {_SCHEMA_VERSION} (written by a "
+                        "newer kvdiet?); use another --persistent-dir or that kvdiet"
+                    )
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS entries (key BLOB PRIMARY KEY, identity TEXT NOT NULL,"
+                    " size INTEGER NOT NULL, created REAL NOT NULL, expires REAL NOT NULL,"
+                    " last_access REAL NOT NULL) WITHOUT ROWID"
+                )
+                db.execute("CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_access, key)")
+                db.execute("CREATE INDEX IF NOT EXISTS entries_expires ON entries (expires)")
+                if version == 0:  # a new index: the entry files already here become rows again
+                    entries, dropped = recover_entries(
+                        self.directory / "blocks", ttl_s=self.ttl_s, now=float(self.clock.now())
+                    )
+                    db.executemany(
+                        _INSERT, [(e.key, e.tag, e.size, e.created, e.expires, e.created) for e in entries]
+                    )
+                    recovered = (len(entries), dropped)
+                db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        except BaseException:
+            with suppress(sqlite3.Error):
+                db.close()
+            raise
+        return db, recovered
 
     def close(self) -> None:
         """Write the pending read times (best effort) and close the index; the store is disabled until
@@ -424,7 +476,15 @@ class PersistentStore:
                 self.counters.write_errors += 1
             was_enabled, self.enabled = self.enabled, False
         if was_enabled:
-            _log.warning("persistent tier disabled after a %s error in %s: %s", what, self.directory, exc)
+            hint = ""
+            if isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
+                index = self.directory / "index.sqlite3"
+                hint = (
+                    f"; the index {index} is damaged: delete it and kvdiet rebuilds it from the entry files"
+                )
+            _log.warning(
+                "persistent tier disabled after a %s error in %s: %s%s", what, self.directory, exc, hint
+            )
 
     def _scalar(self, sql: str) -> int:
         try:
@@ -446,6 +506,12 @@ class PersistentStore:
                     for f in files:
                         if f.name.endswith(_TEMP_SUFFIX) and f.stat().st_mtime < cutoff:
                             _unlink(f.path)
+
+
+def _recovered_text(recovered: tuple[int, int] | None) -> str:
+    entries, dropped = recovered or (0, 0)
+    text = f"rebuilt the index from the entry files: {entries:,} entries"
+    return text + (f", {dropped:,} unusable or expired files deleted" if dropped else "")
 
 
 def _select_in(db: sqlite3.Connection, sql: str, keys: list[bytes], *args: object) -> Iterator[tuple]:

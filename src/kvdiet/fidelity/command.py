@@ -1,0 +1,207 @@
+"""``kvdiet fidelity``: flags, prompts, the three experiments, the table, ``--json`` and ``--report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvdiet.units import parse_count
+
+__all__ = ["add_fidelity_parser", "run_fidelity"]
+
+_TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json")
+RANDOM_CAVEAT = (
+    "These weights are seeded random: the figures describe the mechanism (how much each approximation moves "
+    "a model's next-token distribution), not the released model. Run with --weights on the released "
+    "checkpoint for the numbers the tech report did not give."
+)
+CHECKPOINT_CAVEAT = (
+    "Measured on the checkpoint named above, each figure against its exact counterpart in this run."
+)
+
+
+def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvdiet fidelity``."""
+    from kvdiet.cli import add_numerics_arg
+
+    p = sub.add_parser(
+        "fidelity",
+        help="measure FP4/MXFP4/FP8 caches, CSA2 selection sharing and bounded replay against exact runs",
+        description="Run real text prompts through the model and measure, each against its exact counterpart in "
+        "the same run: (1) cache precision — FP4 main KV, MXFP4 index keys, FP8 window, alone and together, vs "
+        "fp32 caches (KL, top-1, max |Δlogit|, top-k overlap); (2) CSA2 selection — Reuse layers' borrowed "
+        "top-k vs their own attention's, Reindex vs their source, the candidate pool's recall of the dense "
+        "top-k; (3) bounded replay — encoder-side after a prefix hit vs a cold prefill, decoder-side vs the full "
+        "decoder (KL, top-1, greedy continuation agreement), per context length and hit length.",
+        epilog="examples:\n"
+        "  kvdiet fidelity --model v4.1-mini --prompts /usr/lib/python3.11/json --report out/\n"
+        "  kvdiet fidelity --weights /path/to/DeepSeek-V4.1-Flash --prompts docs/ --contexts 4K,16K,64K --json\n"
+        "  kvdiet fidelity --model v4.1-micro --prompt-ids 3,4,5,...   # token ids, models without a tokenizer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", help="preset or config path (default: --weights' config.json, else v4.1-mini)")
+    p.add_argument("--weights", help="a checkpoint folder (the released layout) instead of random weights")
+    add_numerics_arg(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights (default 0)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--prompts", help="a text file, or a folder of text files (.py .txt .md .rst …), one prompt each"
+    )
+    src.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
+    p.add_argument(
+        "--max-prompts", type=int, default=3, help="prompts taken from a folder, in name order (default 3)"
+    )
+    p.add_argument(
+        "--contexts", default="256,512,1K", help="context lengths, K = 1,000 tokens (default 256,512,1K)"
+    )
+    p.add_argument("--rows", type=int, default=16, help="positions measured before each context (default 16)")
+    p.add_argument("--chunk", default="512", help="prefill chunk in tokens (default 512)")
+    p.add_argument(
+        "--hits",
+        default="auto",
+        help="prefix-hit lengths for encoder-side replay, comma-separated (default: 3 block-aligned lengths "
+        "between the window and the longest context)",
+    )
+    p.add_argument("--continuation", type=int, default=8, help="greedy tokens compared after each replay (8)")
+    p.add_argument("--report", metavar="DIR", help="write report.md and PNG plots into DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run_fidelity(args: argparse.Namespace, console: Console) -> None:
+    """Run ``kvdiet fidelity``. Raises ValueError/ConfigError on bad input (before the model loads)."""
+    import torch
+
+    from kvdiet.cli import resolve_model
+    from kvdiet.engine.generate import load_model
+    from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
+
+    contexts = sorted({parse_count(c) for c in args.contexts.split(",") if c.strip()})
+    chunk = parse_count(args.chunk)
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")
+    if args.rows < 1 or args.continuation < 0 or chunk < 1 or args.max_prompts < 1:
+        raise ValueError("--rows, --chunk and --max-prompts must be >= 1 and --continuation >= 0")
+    files = _prompt_files(args.prompts) if args.prompts else []
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)  # fail on a bad path before the model loads
+    resolve_model(args)
+    model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights, numerics=args.numerics)
+    window = model.cfg.sliding_window
+    if args.rows > window:
+        raise ValueError(
+            f"--rows {args.rows} exceeds the sliding window {window} (bounded replay keeps that many)"
+        )
+    prompts, names = _prompts(args, files, tokenizer, limit=args.max_prompts)
+    top = max(min(max(contexts), p.numel()) for p in prompts)
+    hits = _hits(args.hits, window=window, top=top)
+    label = (
+        f"{args.weights} ({model.load_report.numerics} numerics)"
+        if args.weights
+        else f"{args.model}, random weights (seed {args.seed})"
+    )
+    started = time.perf_counter()
+    with torch.inference_mode():
+        points = {
+            "cache_precision": cache_precision(model, prompts, contexts, rows=args.rows, chunk=chunk),
+            "csa2_selection": csa2_selection(model, prompts, contexts, rows=args.rows, chunk=chunk),
+            "replay": replay(
+                model,
+                prompts,
+                contexts,
+                rows=args.rows,
+                chunk=chunk,
+                hits=hits,
+                continuation=args.continuation,
+            ),
+        }
+    result = {
+        "weights_label": label,
+        "random_weights": args.weights is None,
+        "caveat": RANDOM_CAVEAT if args.weights is None else CHECKPOINT_CAVEAT,
+        "model": args.model,
+        "prompts": len(prompts),
+        "prompt_names": names,
+        "prompt_tokens": [int(p.numel()) for p in prompts],
+        "contexts": contexts,
+        "rows": args.rows,
+        "chunk": chunk,
+        "hits": hits,
+        "continuation": args.continuation,
+        "seconds": round(time.perf_counter() - started, 1),
+        **{name: as_dicts(pts) for name, pts in points.items()},
+    }
+    if args.report:
+        from kvdiet.fidelity.report import write_report
+
+        result["report_files"] = [str(p) for p in write_report(args.report, result, points)]
+    if args.json:
+        print(json.dumps(result))
+        return
+    console.print(f"[bold]weights:[/bold] {label}")
+    console.print(result["caveat"], style="yellow" if args.weights is None else None)
+    for name, pts in points.items():
+        table = Table(title=name.replace("_", " "))
+        for col in ("variant", "measure", "context", "hit", "value", "n"):
+            table.add_column(col, justify="right" if col in ("context", "hit", "value", "n") else "left")
+        for p in pts:
+            hit = "" if p.hit is None else f"{p.hit:,}"
+            table.add_row(p.variant, p.measure, f"{p.context:,}", hit, f"{p.value:.4g}", f"{p.n:,}")
+        console.print(table)
+    if args.report:
+        console.print(f"report: {Path(args.report) / 'report.md'}")
+
+
+def _prompt_files(spec: str) -> list[Path]:
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in _TEXT_SUFFIXES)
+        if files:
+            return files
+        raise ValueError(f"--prompts {spec}: no text files ({' '.join(_TEXT_SUFFIXES)}) in the folder")
+    raise ValueError(f"--prompts {spec}: no such file or folder")
+
+
+def _prompts(args: argparse.Namespace, files: list[Path], tokenizer, *, limit: int) -> tuple[list, list[str]]:
+    import torch
+
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError as exc:
+            raise ValueError(f"--prompt-ids must be comma-separated integers: {exc}") from None
+        return [torch.tensor(ids, dtype=torch.int64)], ["--prompt-ids"]
+    if tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer; give --prompt-ids")
+    prompts, names = [], []
+    for f in files[:limit]:
+        text = f.read_text(errors="replace")
+        if text.strip():
+            prompts.append(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(text)], dtype=torch.int64))
+            names.append(f.name)
+    if not prompts:
+        raise ValueError("--prompts: every file is empty")
+    return prompts, names
+
+
+def _hits(spec: str, *, window: int, top: int) -> list[int]:
+    """Prefix-hit lengths: block-aligned (multiples of 64) between the window and the longest context."""
+    if spec != "auto":
+        hits = sorted({parse_count(h) for h in spec.split(",") if h.strip()})
+        bad = [h for h in hits if h % 2 or not window < h < top]
+        if bad:
+            raise ValueError(f"--hits {bad}: each must be even and between the window {window} and {top}")
+        return hits
+    lo, hi = window + 64, top - 64
+    if hi < lo:
+        return []
+    step = max(64, (hi - lo) // 2 // 64 * 64)
+    return sorted({min(hi // 64 * 64, lo + i * step) for i in range(3)})

@@ -1,0 +1,137 @@
+"""``kvdiet fidelity --report DIR``: ``report.md`` with every table, and PNG plots (matplotlib).
+
+Plots: ``cache_precision.png`` (KL and top-1 of each cache-precision variant vs context), ``selection.png``
+(CSA2 top-k overlaps and candidate-pool recall vs context), ``replay.png`` (encoder-side replay KL and
+continuation agreement vs hit length; decoder-side replay KL vs context). Every file names the weights the
+figures come from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from kvdiet.fidelity.experiments import Point
+
+__all__ = ["points_table", "write_report"]
+
+
+def points_table(points: Sequence[Point]) -> str:
+    """A markdown table of points: experiment, variant, measure, context, hit, value, n."""
+    lines = [
+        "| experiment | variant | measure | context | hit | value | n |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        hit = "" if p.hit is None else f"{p.hit:,}"
+        lines.append(
+            f"| {p.experiment} | {p.variant} | {p.measure} | {p.context:,} | {hit} | {p.value:.4g} | {p.n:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _series(points: Sequence[Point], *, x: str = "context") -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for p in points:
+        xs, ys = out.setdefault(p.variant, ([], []))
+        xs.append(getattr(p, x))
+        ys.append(p.value)
+    return out
+
+
+def _plot(
+    ax, points: Sequence[Point], title: str, ylabel: str, *, x: str = "context", log: bool = False
+) -> None:
+    for label, (xs, ys) in _series(points, x=x).items():
+        ax.plot(xs, [max(y, 1e-12) for y in ys] if log else ys, marker="o", label=label)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("context (tokens)" if x == "context" else "prefix-hit length (tokens)")
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    if points:
+        ax.legend(fontsize=6)
+
+
+def write_report(directory: str | Path, result: dict, points: dict[str, list[Point]]) -> list[Path]:
+    """Write ``report.md`` and the plots into ``directory`` (created); returns the files written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    label = result["weights_label"]
+    cp, sel, rep = points["cache_precision"], points["csa2_selection"], points["replay"]
+    files = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    _plot(axes[0], [p for p in cp if p.measure == "kl"], "KL(fp32 caches ‖ packed)", "nats", log=True)
+    _plot(axes[1], [p for p in cp if p.measure == "top1"], "top-1 agreement", "share of rows")
+    fig.suptitle(f"Cache precision — {label}", fontsize=9)
+    files.append(_save(fig, out / "cache_precision.png"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, sel, f"CSA2 selection — {label}", "overlap / recall")
+    files.append(_save(fig, out / "selection.png"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    enc = [p for p in rep if p.variant == "encoder-side"]
+    _plot(
+        axes[0],
+        [p for p in enc if p.measure == "kl"],
+        "encoder-side replay: KL vs cold",
+        "nats",
+        x="hit",
+        log=True,
+    )
+    _plot(
+        axes[1],
+        [p for p in enc if p.measure == "continuation"],
+        "encoder-side: greedy agreement",
+        "share",
+        x="hit",
+    )
+    dec = [p for p in rep if p.variant == "decoder-side" and p.measure == "kl"]
+    _plot(axes[2], dec, "decoder-side replay: KL vs full decoder", "nats", log=True)
+    fig.suptitle(f"Bounded replay — {label}", fontsize=9)
+    files.append(_save(fig, out / "replay.png"))
+    md = [
+        "# kvdiet fidelity",
+        "",
+        f"**Weights:** {label}",
+        "",
+        f"{result['caveat']}",
+        "",
+        f"Prompts: {result['prompts']} ({', '.join(result['prompt_names'])}); contexts "
+        f"{', '.join(f'{c:,}' for c in result['contexts'])}; {result['rows']} rows per context; prefill chunks of "
+        f"{result['chunk']:,}; continuation {result['continuation']} greedy tokens.",
+        "",
+        "KL is KL(exact ‖ approximate) of the next-token distribution in nats, averaged over rows; top1 the share "
+        "of rows whose argmax agrees; max_abs_dlogit the mean over rows of max |Δlogit|; topk_overlap |A ∩ B| / k; "
+        "recall the share of the dense top-k that the candidate pool keeps; continuation the share of greedy "
+        "tokens that agree before the first difference.",
+        "",
+        "## 1. Cache precision (vs fp32 caches)",
+        "",
+        "![cache precision](cache_precision.png)",
+        "",
+        points_table(cp),
+        "## 2. CSA2 selection (packed caches)",
+        "",
+        "![selection](selection.png)",
+        "",
+        points_table(sel),
+        "## 3. Bounded replay",
+        "",
+        "![replay](replay.png)",
+        "",
+        points_table(rep),
+    ]
+    (out / "report.md").write_text("\n".join(md))
+    return [out / "report.md", *files]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,78 @@
+"""Every ``kvdiet`` parser, sub-commands included: ``--version``, no abbreviated flags, values that start with
+a dash and a digit, help text on every flag (issue 18 points 3 and 6)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import kvdiet
+from kvdiet.cli import _build_parser, main
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: p for action in actions for name, p in action.choices.items()}
+
+
+def _all_parsers() -> dict[str, argparse.ArgumentParser]:
+    top = _build_parser()
+    return {"kvdiet": top} | {f"kvdiet {name}": p for name, p in _subparsers(top).items()}
+
+
+def test_version_is_the_package_version() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdiet.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout == f"kvdiet {kvdiet.__version__}\n"
+    assert kvdiet.__version__ == importlib.metadata.version("kvdiet")
+
+
+def test_every_parser_refuses_abbreviations() -> None:
+    parsers = _all_parsers()
+    assert {"kvdiet plan", "kvdiet generate", "kvdiet serve", "kvdiet replay"} <= set(parsers)
+    for name, parser in parsers.items():
+        assert parser.allow_abbrev is False, name
+
+
+@pytest.mark.parametrize(
+    ("argv", "abbreviated"),
+    [  # each would also fail fast if the abbreviation were taken (bad port, model or trace): no real run
+        (["plan", "--jso"], "--jso"),
+        (["serve", "--max-num-seq", "4", "--port", "-1"], "--max-num-seq"),
+        (["generate", "--model", "no-such-model", "--prompt-ids", "1,2", "--max-tok", "3"], "--max-tok"),
+        (["replay", "no-such-trace.jsonl", "--max-req", "3"], "--max-req"),
+    ],
+)
+def test_an_abbreviated_flag_is_an_error(capsys, argv: list[str], abbreviated: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--swa-pool-ttl", "-5m"], "--swa-pool-ttl: duration must be > 0 and finite, got '-5m'"),
+        (["--persistent-ttl", "-1h"], "--persistent-ttl: duration must be > 0 and finite, got '-1h'"),
+        (["--kv-cache-memory", "-1GiB"], "--kv-cache-memory: "),
+    ],
+)
+def test_a_negative_value_gets_the_flags_own_error(capsys, argv: list[str], message: str) -> None:
+    """``--swa-pool-ttl -5m`` once got argparse's "expected one argument"."""
+    base = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
+    assert main([*base, "--persistent-dir", "none", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "expected one argument" not in err and err.count("\n") == 1
+
+
+def test_every_flag_has_help() -> None:
+    for name, parser in _all_parsers().items():
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{name} {action.option_strings[0]} has no help text"

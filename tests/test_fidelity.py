@@ -1,0 +1,165 @@
+"""`kvdiet fidelity`: each measure on cases with a known answer, and the command."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvdiet.model.attention as attention_module
+from kvdiet.config import load_config
+from kvdiet.fidelity.experiments import (
+    cache_precision,
+    csa2_selection,
+    prefill_rows,
+    replay,
+)
+from kvdiet.fidelity.measures import (
+    continuation_agreement,
+    kl_divergence,
+    max_abs_delta,
+    set_overlap,
+    top1_agreement,
+)
+from kvdiet.model.transformer import Transformer
+
+PROMPT = torch.tensor([3 + (i * 7) % 60 for i in range(96)])
+
+
+@pytest.fixture
+def micro() -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=2)
+
+
+def test_measures_by_hand() -> None:
+    exact = torch.tensor([[0.0, math.log(3.0)], [1.0, 0.0]])
+    approx = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    want = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)  # P = (¼, ¾), Q = (½, ½)
+    assert kl_divergence(exact, approx).tolist() == pytest.approx(
+        [want, 0.0], rel=1e-6, abs=1e-12
+    )  # fp32 log 3
+    assert kl_divergence(exact, exact).tolist() == [0.0, 0.0]
+    assert top1_agreement(exact, approx).tolist() == [0.0, 1.0]
+    assert max_abs_delta(exact, approx).tolist() == pytest.approx([math.log(3.0), 0.0])
+    a = torch.tensor([[1, 2, 3, 4], [7, 8, 0, 0]])
+    b = torch.tensor([[4, 2, 5, 6], [8, 7, 9, 9]])
+    valid = torch.tensor([[True] * 4, [True, True, False, False]])
+    assert set_overlap(a, valid, b, valid).tolist() == [0.5, 1.0]
+    assert set_overlap(a, valid, a, torch.zeros_like(valid)).tolist() == [1.0, 1.0]  # empty reference
+    assert continuation_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert continuation_agreement([5, 6], [5, 6]) == 1.0
+
+
+def test_identical_paths_give_kl_zero_and_overlap_one(micro: Transformer, monkeypatch) -> None:
+    # every "variant" quantises nothing: each is the fp32-cache run again
+    monkeypatch.setattr("kvdiet.fidelity.experiments.VARIANTS", {"none": ()})
+    points = cache_precision(micro, [PROMPT], [32, 64, 96], rows=8, chunk=32)
+    by = {(p.measure, p.context): p.value for p in points}
+    assert all(by[("kl", c)] == 0.0 and by[("max_abs_dlogit", c)] == 0.0 for c in (32, 64, 96))
+    assert all(by[("top1", c)] == 1.0 for c in (32, 64, 96))
+    overlaps = [p for p in points if p.measure.startswith("topk_overlap")]
+    assert overlaps and all(p.value == 1.0 for p in overlaps)
+
+
+def test_an_exactly_representable_cache_gives_zero_error(micro: Transformer, monkeypatch) -> None:
+    # window entries of zero (wkv = 0) are exact in FP8: the FP8-window variant changes nothing at all
+    for block in micro.layers:
+        block.attn.wkv.weight.data.zero_()
+    monkeypatch.setattr("kvdiet.fidelity.experiments.VARIANTS", {"fp8 window": ("window",)})
+    points = cache_precision(micro, [PROMPT], [64, 96], rows=8, chunk=32)
+    assert {p.value for p in points if p.measure in ("kl", "max_abs_dlogit")} == {0.0}
+    monkeypatch.setattr("kvdiet.fidelity.experiments.VARIANTS", {"fp4 main KV": ("main",)})
+    main = cache_precision(micro, [PROMPT], [96], rows=8, chunk=32)
+    assert next(p.value for p in main if p.measure == "max_abs_dlogit") > 0  # the control: FP4 main KV is not
+
+
+def test_a_forced_selection_change_gives_the_computed_overlap(micro: Transformer, monkeypatch) -> None:
+    import kvdiet.fidelity.experiments as experiments
+
+    wanted = set(range(88, 96))
+    base: dict[tuple[int, int], set[int]] = {}
+    with micro.observe_selection(lambda s: _record(s, base, wanted)):
+        prefill_rows(micro, PROMPT, [96], rows=8, chunk=32)
+    real_select, real_prefill = attention_module.select_topk, experiments.prefill_rows
+    runs = {"n": 0}
+
+    def forced(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, valid = real_select(scores, k)
+        if runs["n"] == 1:  # the variant run (the baseline is the first): each row loses its first entry
+            valid = valid.clone()
+            valid[:, 0] = False
+        return idx, valid
+
+    def counting(*args, **kwargs):
+        out = real_prefill(*args, **kwargs)
+        runs["n"] += 1
+        return out
+
+    monkeypatch.setattr(attention_module, "select_topk", forced)
+    monkeypatch.setattr(experiments, "prefill_rows", counting)
+    monkeypatch.setattr(experiments, "VARIANTS", {"forced": ()})
+    points = cache_precision(micro, [PROMPT], [96], rows=8, chunk=32)
+    # Layer 1 is the first index source: its scores do not depend on any selection, so its overlap is exactly
+    # the mean of (s − 1) / s over the rows' selection sizes s.
+    sizes = [len(sel) for (layer, _pos), sel in base.items() if layer == 1]
+    want = sum((s - 1) / s for s in sizes) / len(sizes)
+    assert next(p.value for p in points if p.measure == "topk_overlap_L1") == pytest.approx(want, abs=1e-12)
+    assert want < 1.0
+
+
+def _record(sel, store: dict, wanted: set[int]) -> None:
+    if sel.attn.indexer is None:
+        return
+    for r, pos in enumerate(sel.seg.positions.tolist()):
+        if pos in wanted:
+            store[(sel.attn.info.layer_id, pos)] = set(sel.idx[r][sel.valid[r]].tolist())
+
+
+def test_csa2_measures_cover_every_role(micro: Transformer) -> None:
+    points = csa2_selection(micro, [PROMPT], [64, 96], rows=8, chunk=32)
+    variants = {p.variant for p in points}
+    assert {"reuse L2 vs own attention", "reindex L7 vs L5", "candidate pool recall L7"} <= variants
+    assert all(0.0 <= p.value <= 1.0 and p.n == 8 for p in points)
+
+
+def test_replay_on_a_prompt_inside_one_window_is_exact(micro: Transformer) -> None:
+    short = PROMPT[:8]  # no longer than the window: the decoder sees every row either way
+    points = replay(micro, [short], [8], rows=8, chunk=8, hits=[], continuation=4)
+    by = {(p.variant, p.measure): p.value for p in points}
+    assert by[("decoder-side", "kl")] == 0.0 and by[("decoder-side", "continuation")] == 1.0
+    longer = replay(micro, [PROMPT], [96], rows=8, chunk=32, hits=[16, 64], continuation=4)
+    enc = [p for p in longer if p.variant == "encoder-side"]
+    assert {p.hit for p in enc} == {16, 64} and all(p.context == 96 for p in enc)
+    assert all(0.0 <= p.value <= 1.0 for p in enc if p.measure in ("top1", "continuation"))
+
+
+def test_fidelity_command_json_and_report(tmp_path: Path) -> None:
+    ids = ",".join(str(3 + (i * 7) % 60) for i in range(96))
+    cmd = [sys.executable, "-m", "kvdiet.cli", "fidelity", "--model", "v4.1-micro", "--prompt-ids", ids]
+    cmd += ["--contexts", "32,64,96", "--rows", "8", "--chunk", "32", "--hits", "16,64"]
+    cmd += ["--continuation", "3"]
+    run = subprocess.run(
+        [*cmd, "--json", "--report", str(tmp_path / "r")], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["random_weights"] and "not the released model" in out["caveat"]
+    assert out["hits"] == [16, 64] and out["contexts"] == [32, 64, 96]
+    assert {p["variant"] for p in out["cache_precision"]} == {
+        "fp4 main KV",
+        "mxfp4 index keys",
+        "fp8 window",
+        "all three",
+    }
+    for name in ("report.md", "cache_precision.png", "selection.png", "replay.png"):
+        assert (tmp_path / "r" / name).stat().st_size > 0
+    assert "random weights (seed 0)" in (tmp_path / "r" / "report.md").read_text()
+    bad = subprocess.run([*cmd, "--rows", "9"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "exceeds the sliding window 8" in bad.stderr
+    missing = subprocess.run([*cmd[:4], "--prompts", str(tmp_path / "none")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file or folder" in missing.stderr

@@ -1,0 +1,180 @@
+"""The server against bad input: ``kvdiet serve`` as a process on a free loopback port, its OpenAPI schema
+fuzzed by schemathesis (bounded, derandomized examples per operation, valid and invalid bodies): no answer in
+the 5xx range, every 4xx with an OpenAI error body; and the inputs that once got a 500 or a confusing 400.
+
+The model is v4.1-micro with the DeepSeek vocabulary (so text prompts and chat go through the real
+tokenizer) and ``--max-model-len 32`` (so any accepted request is milliseconds of compute).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from kvdiet.config import config_dir
+
+pytestmark = pytest.mark.slow
+
+MAX_EXAMPLES = 100  # per operation and mode: about 20 s for the whole module on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``kvdiet serve`` on v4.1-micro with the real tokenizer's vocabulary; stopped with SIGINT, and its log
+    must hold no traceback."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    cfg = json.loads((config_dir() / "v4.1-micro.json").read_text())
+    cfg["text_config"] |= {"vocab_size": 129_280, "engram_compressed_vocab_size": 99_092}
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvdiet.cli", "serve", "--model", str(tmp / "config.json")]
+    cmd += ["--port", str(port), "--max-model-len", "32", "--block-size", "4", "--kv-cache-memory", "1MiB"]
+    cmd += ["--persistent-dir", "none", "--log-level", "warning"]
+    log = tmp / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    text = log.read_text()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text
+
+
+def _post(base: str, path: str, body: bytes) -> tuple[int, dict]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    try:
+        return resp.status, json.loads(raw)
+    except ValueError:
+        return resp.status, {"raw": raw.decode(errors="replace")}
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+def test_schemathesis_finds_no_5xx_and_every_4xx_is_an_openai_error(
+    base_url: str, mode: GenerationMode
+) -> None:
+    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    names = {f"{op.method.upper()} {op.path}" for op in operations}
+    assert names >= {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health"}
+    for op in operations:
+        if mode is GenerationMode.NEGATIVE and op.method.upper() != "POST":
+            continue  # a GET without parameters has nothing to make invalid
+
+        @given(case=op.as_strategy(generation_mode=mode))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        def check(case: schemathesis.Case) -> None:
+            response = case.call(timeout=60)
+            status = response.status_code
+            sent = f"{case.method} {case.path} {case.body!r:.300}"
+            assert status < 500, f"{sent} -> {status} {response.text[:300]}"
+            if 400 <= status < 500:
+                error = response.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}, f"{sent} -> {response.text[:300]}"
+                assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+
+        check()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"prompt": "bad \\ud800 surrogate", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", '{"prompt": ["bad \\udfff"], "max_tokens": 1}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}], "max_tokens": 1}',
+            "messages",
+        ),
+    ],
+)
+def test_an_unpaired_surrogate_is_a_400_naming_it(base_url: str, path: str, body: str, param: str) -> None:
+    """Valid JSON but not valid Unicode text: a 400 with an OpenAI error body, never a 500."""
+    status, out = _post(base_url, path, body.encode())
+    assert status == 400, out
+    error = out["error"]
+    assert "not valid Unicode: unpaired surrogate U+D" in error["message"], error
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, 400)
+
+
+def test_a_surrogate_in_a_field_name_is_a_400(base_url: str) -> None:
+    status, out = _post(base_url, "/v1/completions", b'{"prompt": [1, 2], "max_tokens": 1, "\\ud800x": 1}')
+    assert status == 400 and out["error"]["type"] == "invalid_request_error", out
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": {"text": "hi"}},
+            "prompt: must be a string, a list of token ids (integers), or a one-element list of either "
+            "(got an object)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [1, "a"]},
+            "prompt: must be a string, a list of token ids (integers), or a one-element list of either "
+            "(got an array of 2 items)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": "x" * 1025},
+            "stop: must be a string of at most 1,024 characters or a list of at most 16 such strings "
+            "(got a string of 1,025 characters)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content: must be a string or a list of content parts (objects) (got a number)",
+        ),
+    ],
+)
+def test_a_wrong_type_in_a_union_field_is_one_sentence(
+    base_url: str, path: str, body: dict, message: str
+) -> None:
+    status, out = _post(base_url, path, json.dumps(body).encode())
+    assert status == 400 and out["error"]["message"] == message, out
+
+
+def test_the_server_still_serves_after_the_fuzzing(base_url: str) -> None:
+    status, out = _post(base_url, "/v1/completions", b'{"prompt": "The KV cache", "max_tokens": 2}')
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
