@@ -55,7 +55,7 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     src.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
     p.add_argument(
-        "--max-prompts", type=int, default=3, help="prompts taken from a folder, in name order (default 3)"
+        "--max-prompts", type=int, default=2, help="prompts taken from a folder, in name order (default 2)"
     )
     p.add_argument(
         "--contexts", default="256,512,1K", help="context lengths, K = 1,000 tokens (default 256,512,1K)"
@@ -65,7 +65,7 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--hits",
         default="auto",
-        help="prefix-hit lengths for encoder-side replay, comma-separated (default: 3 block-aligned lengths "
+        help="prefix-hit lengths for encoder-side replay, comma-separated (default: 2 block-aligned lengths "
         "between the window and the longest context)",
     )
     p.add_argument("--continuation", type=int, default=8, help="greedy tokens compared after each replay (8)")
@@ -200,8 +200,5 @@ def _hits(spec: str, *, window: int, top: int) -> list[int]:
         if bad:
             raise ValueError(f"--hits {bad}: each must be even and between the window {window} and {top}")
         return hits
-    lo, hi = window + 64, top - 64
-    if hi < lo:
-        return []
-    step = max(64, (hi - lo) // 2 // 64 * 64)
-    return sorted({min(hi // 64 * 64, lo + i * step) for i in range(3)})
+    lo, hi = (window // 64 + 1) * 64, (top - 64) // 64 * 64  # just above the window; a block short of all
+    return sorted({lo, hi}) if lo <= hi else []
