@@ -23,63 +23,33 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.cache.manager import RestorePlan, plan_restore
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
-from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, SwaPool, create_swa_pool
+from kvdiet.storage.swa_pool import SwaPool
+from kvdiet.storage.swa_pool_factory import create_swa_pool
 
-__all__ = ["CacheOptions", "CacheStats", "KVCache", "Provenance", "Session", "weights_checksum"]
+__all__ = [
+    "CacheOptions",
+    "CacheStats",
+    "KVCache",
+    "Provenance",
+    "Session",
+    "pool_num_blocks",
+    "weights_checksum",
+]
 
 _LOAD_BATCH = 32
 """Blocks read from the persistent tier per batch (one index transaction each)."""
-
-DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
-"""Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheOptions:
-    """Sizes, TTLs and policy of a `KVCache` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
-
-    Attributes:
-        kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
-        block_size: tokens per block (a multiple of every compress ratio).
-        persistent_dir: directory of the persistent tier (None: no persistent tier).
-        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
-        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default) or Redis URLs, one or
-            comma-separated (`kvdiet.storage.swa_pool.create_swa_pool`).
-        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool
-            only, a Redis server's budget is its ``maxmemory``) and TTL in seconds.
-        policy: the SWA policy (DESIGN.md §5).
-        decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
-            forced off under ``full-store``, which keeps every token's window entries.
-        prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
-        cache_salt: optional salt mixed into every block hash (tenant isolation).
-    """
-
-    kv_cache_memory: int = 1 << 30
-    block_size: int = DEFAULT_BLOCK_SIZE
-    persistent_dir: str | Path | None = None
-    persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
-    persistent_size: int | None = None
-    swa_pool: str = IN_PROCESS
-    swa_pool_size: int | None = None
-    swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
-    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
-    decoder_replay: bool = True
-    prefix_caching: bool = True
-    cache_salt: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -156,6 +126,23 @@ class Session:
     done: bool = False
 
 
+def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` bytes that ``options.kv_cache_memory`` holds.
+
+    Raises:
+        ValueError: fewer than one, or a checkpoint period that is not a multiple of the block size.
+    """
+    k, bs = options.policy.checkpoint_every, options.block_size
+    if k is not None and k % bs:
+        raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
+    num_blocks = options.kv_cache_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"--kv-cache-memory {options.kv_cache_memory} B is below one block ({block_bytes} B)"
+        )
+    return num_blocks
+
+
 def weights_checksum(model: torch.nn.Module) -> str:
     """SHA-256 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint).
 
@@ -206,15 +193,7 @@ class KVCache:
         cfg, bs = model.cfg, opts.block_size
         ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]
         self.align = math.lcm(*ratios)
-        k = opts.policy.checkpoint_every
-        if k is not None and k % bs:
-            raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
-        probe = model.new_pool(1, block_size=bs)
-        num_blocks = opts.kv_cache_memory // probe.block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"--kv-cache-memory {opts.kv_cache_memory} B is below one block ({probe.block_bytes} B)"
-            )
+        num_blocks = pool_num_blocks(opts, model.new_pool(1, block_size=bs).block_bytes)
         self.pool = model.new_pool(num_blocks, block_size=bs)
         self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)
         self.fingerprint = model_fingerprint(
