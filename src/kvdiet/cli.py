@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
+from kvdiet.cache.manager import WindowSource
 from kvdiet.config import PRESETS, ConfigError, load_config
 from kvdiet.engine.args import EngineArgs, add_numerics_arg
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
@@ -234,8 +235,8 @@ def _provenance_line(p: dict) -> str:
     if p["persistent_tokens"]:
         parts.append(f"{p['persistent_tokens']:,} from the persistent tier,")
     if p["hit_tokens"]:
-        where = p["window_source"]
-        if where == "replay":
+        where = WindowSource(p["window_source"])
+        if where is WindowSource.REPLAY:
             parts.append(f"window state at {p['hit_tokens']:,} replayed ({p['replayed_tokens']:,} tokens),")
         else:
             parts.append(f"window state at {p['hit_tokens']:,} from {where}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policy import BoundedReplay, SwaPolicy
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PERSISTENT_TTL_S", "CacheOptions"]
@@ -47,7 +47,7 @@ class CacheOptions:
     swa_pool: str = IN_PROCESS
     swa_pool_size: int | None = None
     swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
-    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
+    policy: SwaPolicy = field(default_factory=BoundedReplay)
     decoder_replay: bool = True
     prefix_caching: bool = True
     cache_salt: bytes | None = None

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.manager import RestorePlan, plan_restore
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
 from kvdiet.cache.options import CacheOptions
+from kvdiet.cache.policy import Capture
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
@@ -95,7 +96,7 @@ class Provenance:
     prompt_tokens: int
     device_tokens: int
     persistent_tokens: int
-    window_source: str
+    window_source: WindowSource
     window_tokens: int
     replayed_tokens: int
     computed_tokens: int
@@ -159,8 +160,9 @@ def weights_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _derived_key(block_hash: bytes, kind: bytes) -> bytes:
-    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind).digest()
+def _derived_key(block_hash: bytes, kind: KeyKind, tag: bytes = b"") -> bytes:
+    """The tier key of ``kind`` at a block (``tag``: the decoder-replay mark of window snapshots)."""
+    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind.encode() + tag).digest()
 
 
 class KVCache:
@@ -234,7 +236,7 @@ class KVCache:
             self.persistent.counters if self.persistent is not None else TierCounters(),
             self.swa_pool.counters,
         )
-        self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
+        self.decoder_replay = opts.decoder_replay and opts.policy.decoder_replay
         # window snapshots taken with decoder-side bounded replay hold approximate decoder windows: keyed
         # apart, so an exact run never restores one (nor the reverse); global KV is the same in both modes
         self._window_tag = b"-r" if self.decoder_replay else b""
@@ -314,7 +316,7 @@ class KVCache:
                 self._restore(state, plan, fetched[plan.snapshot_at], ids)
                 c.snapshot_restores += 1
             except SnapshotError:
-                tier = c.swa_pool if plan.snapshot_source == "swa-pool" else c.persistent
+                tier = c.swa_pool if plan.snapshot_source is WindowSource.SWA_POOL else c.persistent
                 tier.corrupt_dropped += 1
                 plan = self._plan(hit, hashes, blocks, {}, allow_snapshots=False)
                 if plan.hit_tokens == 0:
@@ -322,9 +324,9 @@ class KVCache:
                     state = self.model.new_state(self.pool)
         if plan.snapshot_source is None and plan.hit_tokens:
             self.model.rewind(state, plan.replay_start, ids)
-        if plan.snapshot_source == "swa-pool":
+        if plan.snapshot_source is WindowSource.SWA_POOL:
             c.swa_pool.hit_tokens += min(w, hit)
-        if self.options.policy.name == "bounded-replay" and hit:
+        if self.options.policy.store is WindowSource.SWA_POOL and hit:
             c.swa_pool.query_tokens += min(w, hit)
         c.replayed_tokens += plan.replay_tokens
         c.computed_tokens += n - plan.hit_tokens
@@ -333,7 +335,8 @@ class KVCache:
             prompt_tokens=n,
             device_tokens=min(len(device), adopted) * bs,
             persistent_tokens=max(0, adopted - len(device)) * bs,
-            window_source=plan.snapshot_source or ("replay" if plan.hit_tokens else "none"),
+            window_source=plan.snapshot_source
+            or (WindowSource.REPLAY if plan.hit_tokens else WindowSource.NONE),
             window_tokens=min(w, plan.snapshot_at or 0) if plan.snapshot_source else 0,
             replayed_tokens=plan.replay_tokens,
             computed_tokens=n - plan.hit_tokens,
@@ -394,12 +397,14 @@ class KVCache:
             if not allow_snapshots or pos % bs or pos <= 0:
                 return False
             i = pos // bs - 1
-            if policy.name == "bounded-replay":
-                data = self.swa_pool.get(_derived_key(hashes[i], b"swa" + self._window_tag))
-            elif policy.name == "full-store":
+            if policy.store is WindowSource.SWA_POOL:
+                data = self.swa_pool.get(_derived_key(hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag))
+            elif policy.store is WindowSource.WINDOW_BLOCKS:
                 data = self._read_window_blocks(pos, hashes, blocks)
             elif self._persistent_on():
-                data = self.persistent.get(_derived_key(hashes[i], b"snap" + self._window_tag), blocks[i])
+                data = self.persistent.get(
+                    _derived_key(hashes[i], KeyKind.SNAPSHOT, self._window_tag), blocks[i]
+                )
             else:
                 data = None
             if data is not None:
@@ -416,7 +421,7 @@ class KVCache:
         )
 
     def _restore(self, state: RequestState, plan: RestorePlan, data: bytes, ids: list[int]) -> None:
-        if plan.snapshot_source == "window-blocks":
+        if plan.snapshot_source is WindowSource.WINDOW_BLOCKS:
             self._restore_window_blocks(state, plan.snapshot_at, data, ids)
         else:
             restore_snapshot(state, data, self.fingerprint)
@@ -434,7 +439,7 @@ class KVCache:
         first = max(0, pos - self.window) // bs
         parts = []
         for i in range(first, pos // bs):
-            data = self.persistent.get(_derived_key(hashes[i], b"win"), blocks[i])
+            data = self.persistent.get(_derived_key(hashes[i], KeyKind.WINDOW_BLOCK), blocks[i])
             if data is None or len(data) != self._window_block_bytes():
                 return None
             parts.append(data)
@@ -520,13 +525,11 @@ class KVCache:
         bs, n = self.options.block_size, session.prompt_tokens
         policy = self.options.policy
         points = {(n - 1) // bs * bs, n // bs * bs} - {0}
-        if policy.name == "checkpoint":
-            k = policy.checkpoint_every
-            points |= set(range(k, n + 1, k))
+        points |= set(policy.checkpoints(n))
         return sorted(points)
 
     def _log_windows(self, session: Session) -> list | None:
-        if self.options.policy.name != "full-store" or not self._persistent_on():
+        if self.options.policy.store is not WindowSource.WINDOW_BLOCKS or not self._persistent_on():
             return None
         log: list = []
         for ring in session.state.windows:
@@ -571,7 +574,7 @@ class KVCache:
             items.append((session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])))
             rows = session.window_blocks.pop(i, None)
             if rows is not None:
-                items.append((_derived_key(session.hashes[i], b"win"), tokens, rows))
+                items.append((_derived_key(session.hashes[i], KeyKind.WINDOW_BLOCK), tokens, rows))
         if items:
             self.persistent.put_many(items)
         session.persisted = full
@@ -597,27 +600,25 @@ class KVCache:
         session.window_pending = (rows[:, keep], pos[keep]) if bool(keep.any()) else None
 
     def _capture(self, session: Session, pos: int) -> None:
-        policy, bs = self.options.policy, self.options.block_size
-        if policy.name in ("exact-recompute", "full-store"):
+        bs = self.options.block_size
+        capture = self.options.policy.capture_at(pos, prompt_boundary=(session.prompt_tokens - 1) // bs * bs)
+        if capture is None:
             return
-        if policy.name == "checkpoint" and pos % policy.checkpoint_every:
-            return
-        prompt_boundary = (session.prompt_tokens - 1) // bs * bs
-        if policy.name != "checkpoint" and pos < prompt_boundary:
-            return  # a prefill chunk's end inside the prompt: neither the prompt's nor the output's end
         data = snapshot_bytes(session.state, self.fingerprint)
-        if policy.name == "checkpoint" or pos == prompt_boundary:
+        if capture is Capture.NOW:
             self._store_snapshot(session, pos, data)
         else:
             session.captures = {pos: data}  # the latest boundary past the prompt's; stored at finish
 
     def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
         i, bs = pos // self.options.block_size - 1, self.options.block_size
-        if self.options.policy.name == "bounded-replay":
-            ok = self.swa_pool.put(_derived_key(session.hashes[i], b"swa" + self._window_tag), data)
+        if self.options.policy.store is WindowSource.SWA_POOL:
+            ok = self.swa_pool.put(
+                _derived_key(session.hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag), data
+            )
         elif self._persistent_on():
             ok = self.persistent.put(
-                _derived_key(session.hashes[i], b"snap" + self._window_tag),
+                _derived_key(session.hashes[i], KeyKind.SNAPSHOT, self._window_tag),
                 session.tokens[i * bs : (i + 1) * bs],
                 data,
             )

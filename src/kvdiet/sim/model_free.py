@@ -39,8 +39,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvdiet.cache.manager import RestorePlan, plan_restore
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
+from kvdiet.cache.policy import BoundedReplay, SwaPolicy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig, load_config
 from kvdiet.layer_plan import LayerPlan
@@ -166,7 +166,7 @@ class SimConfig:
     """
 
     model: str = "deepseek-v4.1-flash"
-    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
+    policy: SwaPolicy = field(default_factory=BoundedReplay)
     device_bytes: int = DEFAULT_DEVICE_BYTES
     persistent_bytes: int | None = None
     persistent_ttl_s: float = 72 * 3600.0
@@ -224,7 +224,7 @@ class RequestResult:
 
     device_tokens: int
     persistent_tokens: int
-    window_source: str
+    window_source: WindowSource
     replayed_tokens: int
     computed_tokens: int
 
@@ -321,7 +321,7 @@ class _Run:
             ),
             0,
         )
-        self.sources = dict.fromkeys(("swa-pool", "persistent", "window-blocks", "replay", "none"), 0)
+        self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
         self.boundaries: set[int] = set()  # prefix ids at which an earlier request's prompt or output ended
         self.boundary_hits = 0  # requests whose hit H ends at such a boundary (where a snapshot can be)
@@ -395,7 +395,7 @@ class _Run:
         while d < usable and self.device.get(ids[d], now):
             d += 1
         p = 0
-        while d + p < usable and self.persistent.get(("kv", ids[d + p]), now):
+        while d + p < usable and self.persistent.get((KeyKind.BLOCK, ids[d + p]), now):
             p += 1
         hit = (d + p) * bs
         self.totals["lookup_tokens"] += usable * bs
@@ -404,24 +404,26 @@ class _Run:
         found: dict[int, float] = {}
 
         def has_snapshot(pos: int) -> bool:
-            key = ids[pos // bs - 1]
-            if pol.name == "bounded-replay":
-                ok = self.swa.get(("snap", key), now)
-            elif pol.name == "full-store":
+            key = (KeyKind.snapshot_in(pol.store), ids[pos // bs - 1])
+            if pol.store is WindowSource.SWA_POOL:
+                ok = self.swa.get(key, now)
+            elif pol.store is WindowSource.WINDOW_BLOCKS:
                 first = max(0, pos - g.window) // bs
-                ok = all(self.persistent.get(("win", ids[i]), now) for i in range(first, pos // bs))
+                ok = all(
+                    self.persistent.get((KeyKind.WINDOW_BLOCK, ids[i]), now) for i in range(first, pos // bs)
+                )
             else:
-                ok = self.persistent.get(("snap", key), now)
+                ok = self.persistent.get(key, now)
             if ok:
-                found[pos] = self.snap_time.get(("snap", key), now)
+                found[pos] = self.snap_time.get(key, now)
             return ok
 
         plan = plan_restore(
             pol, hit, window=g.window, num_layers=g.num_layers, align=g.align, has_snapshot=has_snapshot
         )
         adopted = plan.hit_tokens
-        source = plan.snapshot_source or ("replay" if adopted else "none")
-        if plan.snapshot_source == "swa-pool":
+        source = plan.snapshot_source or (WindowSource.REPLAY if adopted else WindowSource.NONE)
+        if plan.snapshot_source is WindowSource.SWA_POOL:
             self.ages.append(now - found[plan.snapshot_at])
         if hit and ids[hit // bs - 1] in self.boundaries:
             self.boundary_hits += 1
@@ -437,7 +439,7 @@ class _Run:
         t["computed_tokens"] += n - adopted
 
         flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
-            adopted, n, decoder_every_row=pol.name == "full-store"
+            adopted, n, decoder_every_row=not pol.decoder_replay
         )
         self.flops += flops
         prefill_end = now + self.cost.seconds(flops)
@@ -464,11 +466,11 @@ class _Run:
         """Blocks ``[first, end)`` filled: written through to the persistent tier. The device pool gets the
         request's blocks ``[touch_from, held)`` (default ``first``) as the most recently used, the first one
         last (as `BlockPool.release` frees a table last block first, so a prefix's head outlives its tail)."""
-        g, full_store = self.geo, self.sc.policy.name == "full-store"
+        g, full_store = self.geo, self.sc.policy.store is WindowSource.WINDOW_BLOCKS
         for i in range(first, end):
-            self.persistent.put(("kv", ids[i]), g.block_bytes, now)
+            self.persistent.put((KeyKind.BLOCK, ids[i]), g.block_bytes, now)
             if full_store:
-                self.persistent.put(("win", ids[i]), g.window_block_bytes, now)
+                self.persistent.put((KeyKind.WINDOW_BLOCK, ids[i]), g.window_block_bytes, now)
         self._touch(ids[first if touch_from is None else touch_from : held], now)
 
     def _snapshots(
@@ -491,22 +493,21 @@ class _Run:
         ):
             if pos > 0:
                 self._at(when, lambda at, pos=pos, store=store: self._boundary(ids, pos, at, store))
-        if pol.name == "checkpoint":
-            k = pol.checkpoint_every
-            for pos in range(k, last + 1, k):
-                if pos > adopted or (pos == adopted and at_hit):
-                    self._at(t_prefill if pos <= n else t_end, lambda at, pos=pos: self._store(ids, pos, at))
+        for pos in pol.checkpoints(last):
+            if pos > adopted or (pos == adopted and at_hit):
+                self._at(t_prefill if pos <= n else t_end, lambda at, pos=pos: self._store(ids, pos, at))
 
     def _boundary(self, ids: list[int], pos: int, now: float, store: bool) -> None:
         key = ids[pos // self.geo.block_size - 1]
         self.boundaries.add(key)
-        if store and self.sc.policy.name in ("bounded-replay", "boundary-snapshot"):
+        if store and self.sc.policy.stores_boundaries:
             self._store(ids, pos, now)
 
     def _store(self, ids: list[int], pos: int, now: float) -> None:
         """Store the window snapshot at ``pos`` (SWA pool for bounded-replay, else the persistent tier)."""
-        key = ("snap", ids[pos // self.geo.block_size - 1])
-        tier = self.swa if self.sc.policy.name == "bounded-replay" else self.persistent
+        store = self.sc.policy.store
+        key = (KeyKind.snapshot_in(store), ids[pos // self.geo.block_size - 1])
+        tier = self.swa if store is WindowSource.SWA_POOL else self.persistent
         if tier.put(key, self.geo.snapshot_bytes, now):
             self.totals["snapshots_stored"] += 1
             self.snap_time[key] = now
@@ -520,8 +521,10 @@ class _Run:
         t["persistent_bytes_written"] = self.persistent.bytes_written
         t["swa_pool_bytes_written"] = self.swa.bytes_written
         ages = sorted(self.ages)
-        pool_restores = self.sources["swa-pool"]
-        stored = pool_restores + self.sources["persistent"] + self.sources["window-blocks"]
+        pool_restores = self.sources[WindowSource.SWA_POOL]
+        stored = (
+            pool_restores + self.sources[WindowSource.PERSISTENT] + self.sources[WindowSource.WINDOW_BLOCKS]
+        )
         return t | {
             "requests": len(self.results),
             "device_hit_ratio": round(t["device_hit_tokens"] / prompt, 6),
@@ -540,8 +543,8 @@ class _Run:
             "prefill_flops": self.flops,
             "prefill_gpu_s": round(self.cost.seconds(self.flops), 3),
             "persistent_bytes_resident": self.persistent.nbytes,
-            "persistent_kv_bytes": kinds.get("kv", 0),
-            "persistent_window_bytes": kinds.get("snap", 0) + kinds.get("win", 0),
+            "persistent_kv_bytes": kinds.get(KeyKind.BLOCK, 0),
+            "persistent_window_bytes": kinds.get(KeyKind.SNAPSHOT, 0) + kinds.get(KeyKind.WINDOW_BLOCK, 0),
             "persistent_entries": len(self.persistent),
             "persistent_evictions": self.persistent.evictions,
             "persistent_expirations": self.persistent.expirations,
