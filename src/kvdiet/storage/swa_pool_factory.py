@@ -5,14 +5,15 @@ names. The only module that knows every backend; the backends do not know each o
 from __future__ import annotations
 
 from kvdiet.storage.clock import Clock
-from kvdiet.storage.redis_pool import RedisSwaPool, parse_redis_urls
+from kvdiet.storage.redis_pool import RedisSwaPool
+from kvdiet.storage.redis_urls import parse_redis_urls
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, InProcessSwaPool, SwaPool
 
 __all__ = ["check_swa_pool_spec", "create_swa_pool"]
 
 
 def check_swa_pool_spec(spec: str) -> str:
-    """``spec`` if it names a backend: ``in-process``, or Redis URLs (`kvdiet.storage.redis_pool.parse_redis_urls`).
+    """``spec`` if it names a backend: ``in-process``, or Redis URLs (`kvdiet.storage.redis_urls.parse_redis_urls`).
 
     Raises:
         ValueError: anything else, naming the accepted forms.
