@@ -14,9 +14,11 @@ from kvdiet.cache.policy import SwaPolicy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.sim.cost import CostModel, _sum_min_floor
-from kvdiet.sim.model_free import SimConfig, TtlLru, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig
 from kvdiet.sim.study import findings, parse_run, parse_sweep, run_study
 from kvdiet.sim.traces import Trace, TraceRequest
+from kvdiet.sim.ttl_lru import TtlLru
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.swa_pool import InProcessSwaPool

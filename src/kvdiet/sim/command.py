@@ -167,7 +167,7 @@ def _plan(args: argparse.Namespace):
     """Check every flag and build the run configs (model-free) or engine configs."""
     from kvdiet.config import load_config
     from kvdiet.sim.cost import check_gpu
-    from kvdiet.sim.model_free import SimConfig
+    from kvdiet.sim.records import SimConfig
     from kvdiet.sim.study import DEFAULT_TTL_SWEEP, parse_run, parse_sweep
 
     if args.jobs is not None and args.jobs < 1:

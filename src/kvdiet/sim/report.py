@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvdiet.sim.engine_mode import EngineModeResult
-from kvdiet.sim.model_free import SimResult
+from kvdiet.sim.records import SimResult
 from kvdiet.sim.study import CATCH_TARGET, Study
 from kvdiet.units import format_bytes
 

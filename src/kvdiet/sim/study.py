@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 from kvdiet.cache.manager import WindowSource
 from kvdiet.cache.policy import SwaPolicy
-from kvdiet.sim.model_free import SimConfig, SimResult, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
 from kvdiet.units import parse_bytes, parse_duration
 
