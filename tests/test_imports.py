@@ -106,6 +106,15 @@ def test_no_import_cycle() -> None:
     assert _cycles(graph) == []
 
 
+def test_the_model_does_not_import_the_cache_layer() -> None:
+    """The model computes; blocks are reserved by the cache layer before the forward (issue 14)."""
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("kvdiet.model."):
+            cache = {m for m in _imports(name, path, modules) if m.split(".")[:2] == ["kvdiet", "cache"]}
+            assert not cache, f"{name} imports {sorted(cache)}"
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

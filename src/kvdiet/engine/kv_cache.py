@@ -31,6 +31,7 @@ from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restor
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policy import Capture
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
+from kvdiet.cache.reserve import reserve_blocks
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
@@ -496,6 +497,7 @@ class KVCache:
         while state.num_tokens < n:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
+            reserve_blocks([(state.table, end)])  # the model computes; the cache allocates
             log = self._log_windows(session)
             try:
                 logits = self.model.prefill(
@@ -509,7 +511,12 @@ class KVCache:
         return logits
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
-        """Feed one sampled token to each session; returns fp32 [B, V]."""
+        """Feed one sampled token to each session; returns fp32 [B, V].
+
+        Raises:
+            NoFreeBlocksError: the pool cannot hold one more token of every session (nothing allocated).
+        """
+        reserve_blocks([(s.state.table, s.state.num_tokens + 1) for s in sessions])
         logs = [self._log_windows(s) for s in sessions]
         try:
             logits = self.model.decode([s.state for s in sessions], tokens)
