@@ -51,7 +51,7 @@ def fill_state(model: Transformer, context: int, gen: torch.Generator) -> Reques
     """A request state as if ``context`` tokens had been processed (random entries, real formats)."""
     cfg, codecs = model.cfg, model.codecs
     state = model.new_state(model.new_pool(-(-(context + 64) // 64)))
-    state.table.reserve(context)
+    state.table.reserve(context + 64)  # the decode steps too: the model itself allocates nothing
     block = 4096
     for layer in model.plan.kv_sources:
         n = context // model.plan[layer].compress_ratio

@@ -31,7 +31,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.sim.model_free import SimConfig, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig
 from kvdiet.sim.study import DEFAULT_RUNS, DEFAULT_TTL_SWEEP, parse_run, parse_sweep, run_study
 from kvdiet.sim.traces import infinite_cache_hit_ratio, read_trace
 

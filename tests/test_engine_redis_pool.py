@@ -45,7 +45,7 @@ def _cache(model: Transformer, swa_pool: str) -> KVCache:
         kv_cache_memory=200 * model.new_pool(1, block_size=BS).block_bytes,
         block_size=BS,
         swa_pool=swa_pool,
-        policy=SwaPolicy("bounded-replay"),
+        policy=SwaPolicy.parse("bounded-replay"),
         decoder_replay=False,
     )
     return KVCache(model, opts)

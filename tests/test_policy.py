@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policy import Checkpoint, SwaPolicy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 
@@ -15,7 +15,7 @@ def spec() -> CacheSpec:
 
 
 def test_parse() -> None:
-    assert SwaPolicy.parse("checkpoint:4096") == SwaPolicy("checkpoint", 4096)
+    assert SwaPolicy.parse("checkpoint:4096") == Checkpoint(4096)
     assert str(SwaPolicy.parse("checkpoint:64")) == "checkpoint:64"
     assert SwaPolicy.parse("bounded-replay").exact is False
     assert SwaPolicy.parse("full-store").exact is True

@@ -4,6 +4,7 @@ completion through the openai client, a clean stop on SIGINT; bad flags exit 2 w
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,10 +99,31 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
     ],
 )
 def test_bad_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
-    cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--persistent-dir", "none", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    """Each flag is checked before the port is bound: with the port busy, the flag's own error is reported,
+    never "cannot listen" (issue 14: three tests failed while a server held the default port)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--persistent-dir", "none", "--port", str(port)]
+        proc = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr and proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+    assert "cannot listen" not in proc.stderr and "loading" not in proc.stderr
+
+
+def test_no_test_starts_serve_on_a_fixed_port() -> None:
+    """Every test file that runs ``kvdiet serve`` picks a free loopback port and names no fixed one (the
+    default port is often held by a server the README left running)."""
+    default_port, starts = 8_000, 0
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        text = path.read_text()
+        if '"serve",' not in text or path.name == "test_cli.py":  # test_cli: argparse errors, nothing bound
+            continue
+        starts += 1
+        assert "free_port()" in text, f"{path.name} runs kvdiet serve without a free port"
+        assert not re.search(rf"\b{default_port}\b", text), f"{path.name} names port {default_port}"
+    assert starts >= 3
 
 
 def test_default_persistent_dir_follows_xdg(monkeypatch, tmp_path: Path) -> None:

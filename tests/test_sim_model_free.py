@@ -14,9 +14,11 @@ from kvdiet.cache.policy import SwaPolicy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.sim.cost import CostModel, _sum_min_floor
-from kvdiet.sim.model_free import SimConfig, TtlLru, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig
 from kvdiet.sim.study import findings, parse_run, parse_sweep, run_study
 from kvdiet.sim.traces import Trace, TraceRequest
+from kvdiet.sim.ttl_lru import TtlLru
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.swa_pool import InProcessSwaPool
@@ -135,7 +137,7 @@ def test_the_pool_ttl_decides_between_restore_and_replay() -> None:
 
 def test_v4_boundary_snapshots_persist_window_state_and_cost_more_bytes() -> None:
     trace = Trace([req(0, 1124, (1, 2, 3), out=600), req(60, 1600, (1, 2, 4, 5))], 512)
-    v4 = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=SwaPolicy("boundary-snapshot")))
+    v4 = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=SwaPolicy.parse("boundary-snapshot")))
     assert v4.requests[1].window_source == "persistent"
     spec = CacheSpec.from_config(load_config("deepseek-v4-flash"))
     # A: blocks 1, 2 + one output block (1124 + 600 − 1 = 1723 → 3 blocks); B: block 4. Snapshots: A at
@@ -161,7 +163,7 @@ def test_a_small_device_pool_sends_hits_to_the_persistent_tier() -> None:
 def test_exact_recompute_and_checkpoints_recompute_what_the_manager_plans() -> None:
     ids = tuple(range(1, 21))
     trace = Trace([req(0, 20 * 512, ids), req(30, 20 * 512, ids)], 512)  # the same 10,240-token prompt
-    exact = simulate(trace, SimConfig(policy=SwaPolicy("exact-recompute"))).requests[1]
+    exact = simulate(trace, SimConfig(policy=SwaPolicy.parse("exact-recompute"))).requests[1]
     # H = 19 blocks = 9,728; recompute from H − (128 + 39 × 127) = 4,647, aligned down to 2: 4,646
     assert (exact.hit_tokens, exact.replayed_tokens) == (9728, 9728 - 4646)
     ckpt = simulate(trace, SimConfig(policy=SwaPolicy.parse("checkpoint:4096"))).requests[1]
@@ -179,7 +181,9 @@ def test_the_same_trace_and_config_give_identical_results() -> None:
     trace = Trace(reqs, 512)
     a, b = simulate(trace, SimConfig()), simulate(trace, SimConfig())
     assert a.as_dict() == b.as_dict() and a.requests == b.requests
-    study = run_study(trace, [SimConfig(), replace(SimConfig(), policy=SwaPolicy("exact-recompute"))], jobs=2)
+    study = run_study(
+        trace, [SimConfig(), replace(SimConfig(), policy=SwaPolicy.parse("exact-recompute"))], jobs=2
+    )
     assert study.runs[0].as_dict() == a.as_dict()
 
 

@@ -20,8 +20,11 @@ import pytest
 import redis
 
 from kvdiet.cli import main
-from kvdiet.storage.redis_pool import MANIFEST, RedisSwaPool, parse_redis_urls
-from kvdiet.storage.swa_pool import InProcessSwaPool, check_swa_pool_spec, create_swa_pool
+from kvdiet.storage.redis_manifest import MANIFEST
+from kvdiet.storage.redis_pool import RedisSwaPool
+from kvdiet.storage.redis_urls import parse_redis_urls
+from kvdiet.storage.swa_pool import InProcessSwaPool
+from kvdiet.storage.swa_pool_factory import check_swa_pool_spec, create_swa_pool
 from redis_helpers import RedisServer, cluster_port, free_port
 
 LOGGER = "kvdiet.storage.redis_pool"

@@ -8,21 +8,19 @@ import dataclasses
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from rich.console import Console
 
 from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
-from kvdiet.config import NUMERICS, PRESETS, ConfigError, ModelConfig, load_config
-from kvdiet.layer_plan import LayerPlan
+from kvdiet.cache.manager import WindowSource
+from kvdiet.config import PRESETS, ConfigError, load_config
+from kvdiet.engine.args import EngineArgs, add_numerics_arg
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
-from kvdiet.units import parse_bytes, parse_count, parse_duration
-
-if TYPE_CHECKING:
-    from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.units import parse_count
 
 __all__ = ["main"]
 
@@ -142,8 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
-    add_weights_args(gen)
-    add_cache_args(gen.add_argument_group("cache system"))
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     gen.add_argument(
         "--progress-interval",
@@ -194,140 +191,6 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def add_weights_args(parser: argparse.ArgumentParser) -> None:
-    """``--weights``, ``--numerics`` and ``--expert-cache-size`` (generate, serve)."""
-    parser.add_argument(
-        "--weights",
-        help="checkpoint instead of random weights: a folder with config.json and safetensors (one file, or "
-        "shards with model.safetensors.index.json; DeepSeek's released layout) or one .safetensors file",
-    )
-    add_numerics_arg(parser)
-    parser.add_argument(
-        "--expert-cache-size",
-        help="routed-expert bytes to keep in memory with --weights, e.g. 20GB; experts are read from the "
-        "checkpoint on first use (default: all of them when they fit, else 80%% of the memory left)",
-    )
-
-
-def resolve_model(args: argparse.Namespace) -> None:
-    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place)."""
-    from kvdiet.engine.generate import model_config_path
-
-    if args.model is None:
-        found = model_config_path(args.weights)
-        if args.weights is not None and found is None:
-            raise ValueError(f"--weights {args.weights} has no config.json beside it; give --model")
-        args.model = str(found) if found is not None else "v4.1-mini"
-
-
-def expert_cache_bytes(args: argparse.Namespace) -> int | None:
-    """``--expert-cache-size`` in bytes (None: automatic)."""
-    if args.expert_cache_size is None:
-        return None
-    if args.weights is None:
-        raise ValueError("--expert-cache-size goes with --weights (random weights keep every expert)")
-    return _flag("--expert-cache-size", parse_bytes, args.expert_cache_size)
-
-
-def add_numerics_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--numerics`` (generate, serve, golden): how FP8/FP4-stored weights compute."""
-    parser.add_argument(
-        "--numerics",
-        choices=NUMERICS,
-        default="auto",
-        help="fp8: FP8 activations before every FP8/FP4 linear, as DeepSeek's reference runs the release; "
-        "bf16: weights dequantised on load, plain fp32 matmuls; auto (default): fp8 when the checkpoint's "
-        "quantization_config says fp8 (random weights are always bf16)",
-    )
-
-
-def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:
-    """The cache-system flags of ``generate`` and ``serve`` (read back by `cache_options`)."""
-    group.add_argument(
-        "--kv-cache-memory", default="1GiB", help="device-pool budget for global KV (default 1GiB)"
-    )
-    group.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
-    group.add_argument(
-        "--persistent-dir",
-        default=persistent_default,
-        help="directory of the persistent global-KV tier, shared by every process that uses it "
-        + (
-            f"(default {persistent_default}; 'none' turns the tier off)"
-            if persistent_default
-            else "(default: no persistent tier); a second run with the same directory gets a persistent hit"
-        ),
-    )
-    group.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
-    group.add_argument(
-        "--persistent-size", help="persistent-tier capacity, LRU beyond it (default unbounded)"
-    )
-    group.add_argument(
-        "--swa-policy",
-        default="bounded-replay",
-        help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
-    )
-    group.add_argument(
-        "--swa-pool",
-        default="in-process",
-        help="where window snapshots live: in-process (default; dies with the process), "
-        "redis://HOST:PORT/DB, several such URLs separated by commas (keys sharded over them), or "
-        "redis+cluster://HOST:PORT (a Redis Cluster); shared by every process that names it",
-    )
-    group.add_argument(
-        "--swa-pool-size", help="in-process SWA-pool budget (default 10%% of host RAM; Redis: its maxmemory)"
-    )
-    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, in-process or Redis (default 5m)")
-    group.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="look prompts up in the cache tiers (default on; blocks are written either way)",
-    )
-    group.add_argument(
-        "--no-swa-bounded-replay",
-        action="store_true",
-        help="run the decoder layers on every prompt row instead of the last window (exact, slower)",
-    )
-
-
-def cache_options(args: argparse.Namespace) -> CacheOptions:
-    """`CacheOptions` from the flags of `add_cache_args` and ``--model``. Raises ValueError on a bad value, named
-    by its flag, and ConfigError on a bad model (from the config alone: before the model loads and before
-    anything is opened or connected)."""
-    from kvdiet.cache.policy import SwaPolicy
-    from kvdiet.engine.kv_cache import CacheOptions
-    from kvdiet.storage.swa_pool import check_swa_pool_spec
-
-    cfg = load_config(args.model)
-    if isinstance(cfg, ModelConfig) and cfg.is_v41:  # before the model loads (seconds to minutes)
-        _flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
-    return CacheOptions(
-        kv_cache_memory=_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
-        block_size=args.block_size,
-        persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
-        persistent_ttl_s=_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
-        persistent_size=_flag("--persistent-size", _bytes_or_none, args.persistent_size),
-        swa_pool=check_swa_pool_spec(args.swa_pool),
-        swa_pool_size=_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
-        swa_pool_ttl_s=_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
-        policy=_flag("--swa-policy", SwaPolicy.parse, args.swa_policy),
-        decoder_replay=not args.no_swa_bounded_replay,
-        prefix_caching=args.enable_prefix_caching,
-    )
-
-
-def _bytes_or_none(value: str | None) -> int | None:
-    return parse_bytes(value) if value else None
-
-
-def _flag(name: str, parse: Callable[[str], _T], value: str) -> _T:
-    """``parse(value)``; a ValueError is raised again with the flag's name in front."""
-    try:
-        return parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-
-
 def _weights_summary(model: object, args: argparse.Namespace) -> dict:
     """Weights, numerics, routed-expert reads and the process's peak resident memory (``generate``)."""
     report = getattr(model, "load_report", None)
@@ -372,8 +235,8 @@ def _provenance_line(p: dict) -> str:
     if p["persistent_tokens"]:
         parts.append(f"{p['persistent_tokens']:,} from the persistent tier,")
     if p["hit_tokens"]:
-        where = p["window_source"]
-        if where == "replay":
+        where = WindowSource(p["window_source"])
+        if where is WindowSource.REPLAY:
             parts.append(f"window state at {p['hit_tokens']:,} replayed ({p['replayed_tokens']:,} tokens),")
         else:
             parts.append(f"window state at {p['hit_tokens']:,} from {where}")
@@ -395,14 +258,13 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
-    resolve_model(args)
-    options = cache_options(args)  # every cache flag checked before the model loads
+    engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     model, tokenizer = load_model(
-        args.model,
-        seed=args.seed,
-        weights=args.weights,
-        numerics=args.numerics,
-        expert_cache_bytes=expert_cache_bytes(args),
+        engine_args.model,
+        seed=engine_args.seed,
+        weights=engine_args.weights,
+        numerics=engine_args.numerics,
+        expert_cache_bytes=engine_args.expert_cache_bytes,
     )
     if args.prompt_ids is not None:
         try:
@@ -419,7 +281,7 @@ def _run_generate(args: argparse.Namespace, console: Console) -> None:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     check_request(model, ids, params)  # before any pool is allocated
-    cache = KVCache(model, options, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    cache = KVCache(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:
         result = generate(
             model,

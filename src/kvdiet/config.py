@@ -31,6 +31,7 @@ __all__ = [
     "RopeScaling",
     "config_dir",
     "load_config",
+    "model_config_path",
 ]
 
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
@@ -230,6 +231,15 @@ def config_dir() -> Path:
         if candidate.is_dir():
             return candidate
     raise ConfigError(f"no configs folder found next to {here}")
+
+
+def model_config_path(weights: str | Path | None) -> Path | None:
+    """The ``config.json`` beside a checkpoint (a folder holding it, or a file next to it), or None."""
+    if weights is None:
+        return None
+    path = Path(weights)
+    found = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    return found if found.is_file() else None
 
 
 def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:

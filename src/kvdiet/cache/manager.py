@@ -1,8 +1,8 @@
 """Where a prefix hit's window state comes from: the restore plan of each SWA policy (DESIGN.md §5).
 
 Control plane only. Given the global-KV hit ``H`` (tokens, a block multiple) and which stored window states
-exist, `plan_restore` says which global KV to adopt, which window snapshot to load and which tokens to
-recompute. The runner (`kvdiet.engine.kv_cache`) executes the plan.
+exist, `plan_restore` (each policy's `kvdiet.cache.policy.SwaPolicy.plan`) says which global KV to adopt,
+which window snapshot to load and which tokens to recompute. The runner (`kvdiet.engine.kv_cache`) executes the plan.
 
 | policy | window state at H | fallback |
 |---|---|---|
@@ -18,12 +18,50 @@ split; a plan whose recompute would start at 0 adopts nothing (a cold prefill co
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvdiet.cache.policy import SwaPolicy
+if TYPE_CHECKING:
+    from kvdiet.cache.policy import SwaPolicy
 
-__all__ = ["RestorePlan", "exact_recompute_start", "plan_restore"]
+__all__ = ["COLD", "KeyKind", "RestorePlan", "WindowSource", "exact_recompute_start", "plan_restore"]
+
+
+class KeyKind(enum.StrEnum):
+    """What a tier key names, beside the block hash it derives from: one vocabulary for the engine's derived
+    keys (``blake2b(hash, person=b"kvdiet-" + kind)``) and the simulator's ``(kind, block)`` keys."""
+
+    BLOCK = "kv"
+    """A block's global KV (the engine keys it by the block hash itself)."""
+    SNAPSHOT = "snap"
+    """A window snapshot in the persistent tier (boundary-snapshot, checkpoint:K)."""
+    POOL_SNAPSHOT = "swa"
+    """A window snapshot in the SWA pool (bounded-replay)."""
+    WINDOW_BLOCK = "win"
+    """A block's window entries (full-store)."""
+
+    @classmethod
+    def snapshot_in(cls, store: WindowSource | None) -> KeyKind:
+        """The kind of a window snapshot kept in ``store`` (a policy's `SwaPolicy.store`)."""
+        return cls.POOL_SNAPSHOT if store is WindowSource.SWA_POOL else cls.SNAPSHOT
+
+
+class WindowSource(enum.StrEnum):
+    """Where a request's window state came from, and where a policy keeps it: one vocabulary for the
+    engine, the simulator and their reports (the values are the names in JSON and ``/v1`` provenance)."""
+
+    SWA_POOL = "swa-pool"
+    """A snapshot in the SWA pool (bounded-replay)."""
+    PERSISTENT = "persistent"
+    """A snapshot stored in the persistent tier (boundary-snapshot, checkpoint:K)."""
+    WINDOW_BLOCKS = "window-blocks"
+    """Every token's window entries, one payload per block in the persistent tier (full-store)."""
+    REPLAY = "replay"
+    """Recomputed from the plan's replay start (nothing restored)."""
+    NONE = "none"
+    """A cold prefill: no hit adopted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +71,8 @@ class RestorePlan:
     Attributes:
         hit_tokens: global KV adopted, in tokens (0: cold prefill).
         snapshot_at: position of the window state to load (None: nothing loaded).
-        snapshot_source: ``"swa-pool"``, ``"persistent"`` (a stored snapshot) or ``"window-blocks"``
-            (full-store entries), or None.
+        snapshot_source: `WindowSource.SWA_POOL`, `WindowSource.PERSISTENT` (a stored snapshot) or
+            `WindowSource.WINDOW_BLOCKS` (full-store entries), or None.
         replay_start: first position recomputed; ``hit_tokens − replay_start`` tokens are replayed.
         clipped: the replay's windows read nothing below ``replay_start`` although the exact state would
             (bounded replay: approximate); False for every exact plan.
@@ -42,7 +80,7 @@ class RestorePlan:
 
     hit_tokens: int
     snapshot_at: int | None
-    snapshot_source: str | None
+    snapshot_source: WindowSource | None
     replay_start: int
     clipped: bool = False
 
@@ -69,7 +107,7 @@ def plan_restore(
     align: int,
     has_snapshot: Callable[[int], bool],
 ) -> RestorePlan:
-    """The restore plan for a global-KV hit of ``hit_tokens`` under ``policy``.
+    """The restore plan for a global-KV hit of ``hit_tokens`` under ``policy`` (`SwaPolicy.plan`).
 
     Args:
         policy: the SWA policy.
@@ -77,27 +115,8 @@ def plan_restore(
         window: W (config ``sliding_window``).
         num_layers: layers with a window (all of them).
         align: replay starts are multiples of this (lcm of the compress ratios).
-        has_snapshot: whether the policy's store holds window state at a position (the SWA pool for
-            bounded-replay, persisted snapshots or window blocks for the others).
+        has_snapshot: whether the policy's store (``policy.store``) holds window state at a position.
     """
-    h = hit_tokens
-    if h <= 0:
-        return COLD
-    name = policy.name
-    if name == "bounded-replay":
-        if has_snapshot(h):
-            return RestorePlan(h, h, "swa-pool", h)
-        if h <= window:
-            return COLD
-        start = h - window
-        start -= start % align
-        return COLD if start == 0 else RestorePlan(h, None, None, start, clipped=True)
-    if name in ("boundary-snapshot", "full-store") and has_snapshot(h):
-        return RestorePlan(h, h, "window-blocks" if name == "full-store" else "persistent", h)
-    if name == "checkpoint":
-        k = policy.checkpoint_every or 0
-        c = h - h % k
-        if c > 0 and has_snapshot(c):
-            return RestorePlan(h, c, "persistent", c)
-    start = exact_recompute_start(h, window, num_layers, align)
-    return COLD if start == 0 else RestorePlan(h, None, None, start)
+    return policy.plan(
+        hit_tokens, window=window, num_layers=num_layers, align=align, has_snapshot=has_snapshot
+    )

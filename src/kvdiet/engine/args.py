@@ -1,22 +1,36 @@
-"""`EngineArgs`: every setting of an engine in one frozen value, and building the engine from it.
+"""`EngineArgs`: every setting of an engine in one frozen value, its command-line flags, and building the
+engine from it.
 
-Shared by `kvdiet.LLM` (scripts) and ``kvdiet serve`` (the server); flag names follow vLLM's where the
+Shared by `kvdiet.LLM` (scripts), ``kvdiet generate`` and ``kvdiet serve``; as vLLM's, the flags are added by
+`EngineArgs.add_cli_args` and read back by `EngineArgs.from_cli_args`. Flag names follow vLLM's where the
 meaning is the same (``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--enable-prefix-caching``, ``--kv-cache-dtype``).
+``--enable-prefix-caching``, ``--kv-cache-dtype``). Importing this module loads no torch (the command line
+builds its parser from it); the model and the engine are imported when an engine is built.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
-from kvdiet.engine.engine import EngineObserver, LLMEngine
-from kvdiet.engine.generate import load_model
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
-from kvdiet.engine.scheduler import SchedulerConfig
-from kvdiet.storage.swa_pool import SwaPool
+from kvdiet.cache.options import CacheOptions
+from kvdiet.cache.policy import SwaPolicy
+from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
+from kvdiet.layer_plan import LayerPlan
+from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
+from kvdiet.units import parse_bytes, parse_duration
 
-__all__ = ["KV_CACHE_DTYPES", "EngineArgs"]
+if TYPE_CHECKING:
+    from kvdiet.engine.engine import EngineObserver, LLMEngine
+    from kvdiet.engine.scheduler import SchedulerConfig
+    from kvdiet.storage.swa_pool import SwaPool
+
+__all__ = ["KV_CACHE_DTYPES", "EngineArgs", "add_numerics_arg", "parse_flag", "resolve_model"]
+
+_T = TypeVar("_T")
 
 KV_CACHE_DTYPES = {
     "auto": False,  # the model's packed formats: FP4 main KV, MXFP4 index keys, FP8 window (v41-spec §4)
@@ -54,13 +68,79 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     cache: CacheOptions = field(default_factory=CacheOptions)
     max_model_len: int | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=lambda: _default_scheduler())
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+
+    @staticmethod
+    def add_cli_args(
+        parser: argparse.ArgumentParser, *, persistent_default: str | None = None
+    ) -> argparse.ArgumentParser:
+        """Add the weights flags (``--weights``, ``--numerics``, ``--expert-cache-size``) and the cache-system
+        group (``--kv-cache-memory``, ``--block-size``, ``--persistent-*``, ``--swa-*``, prefix caching) to
+        ``parser``; ``persistent_default`` is ``--persistent-dir``'s default (None: no persistent tier).
+        Returns ``parser``."""
+        _add_weights_args(parser)
+        _add_cache_args(parser.add_argument_group("cache system"), persistent_default=persistent_default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **fields: object) -> EngineArgs:
+        """The arguments the flags of `add_cli_args` plus ``--model`` and ``--seed`` give (``args.model`` is
+        resolved in place, `resolve_model`); ``fields`` sets the rest (``kv_cache_dtype``, ``max_model_len``,
+        ``scheduler``). Checks every flag from the config alone: nothing is loaded, opened or connected.
+
+        Raises:
+            ValueError: a bad value, named by its flag. ConfigError: a bad model.
+        """
+        resolve_model(args)
+        return cls(
+            model=args.model,
+            seed=args.seed,
+            weights=args.weights,
+            numerics=args.numerics,
+            expert_cache_bytes=_expert_cache_bytes(args),
+            cache=_cache_options(args),
+            **fields,
+        )
+
+    def validate(self) -> None:
+        """Every check that needs the config but not the weights: the block size, the KV-cache budget in
+        blocks, the checkpoint period and ``max_model_len`` against both. ``kvdiet serve`` runs it before it
+        binds its port, so a bad flag is reported as itself even when the port is busy.
+
+        Raises:
+            ConfigError: a bad model. ValueError: a bad setting (one line, named by its flag).
+        """
+        from kvdiet.engine.engine import check_max_model_len
+        from kvdiet.engine.kv_cache import pool_num_blocks
+        from kvdiet.formats.codec import CacheCodecs
+        from kvdiet.storage.device_pool import DevicePool
+
+        name = self.model if self.model is not None else model_config_path(self.weights)
+        cfg = load_config(str(name) if name is not None else "v4.1-mini")
+        if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
+            return  # create_engine refuses it with the model's own message
+        plan, bs = LayerPlan.from_config(cfg), self.cache.block_size
+        try:
+            plan.check_block_size(bs)
+        except ValueError as exc:
+            raise ValueError(f"--block-size: {exc}") from None
+        codecs = CacheCodecs.for_dims(
+            cfg.head_dim, cfg.index_head_dim, exact=KV_CACHE_DTYPES[self.kv_cache_dtype]
+        )
+        ratios = {s: plan[s].compress_ratio for s in plan.kv_sources}
+        block_bytes = DevicePool(ratios, codecs, block_size=bs, num_blocks=1).block_bytes
+        check_max_model_len(
+            self.max_model_len,
+            limit=cfg.max_position_embeddings,
+            block_size=bs,
+            num_blocks=pool_num_blocks(self.cache, block_bytes),
+        )
 
     def create_engine(
         self, *, observer: EngineObserver | None = None, swa_pool: SwaPool | None = None
@@ -71,6 +151,10 @@ class EngineArgs:
         Raises:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).
         """
+        from kvdiet.engine.engine import LLMEngine
+        from kvdiet.engine.generate import load_model
+        from kvdiet.engine.kv_cache import KVCache
+
         model, tokenizer = load_model(
             self.model,
             seed=self.seed,
@@ -92,3 +176,137 @@ class EngineArgs:
         )
         cache.open()
         return engine
+
+
+def _default_scheduler() -> SchedulerConfig:
+    from kvdiet.engine.scheduler import SchedulerConfig  # torch-free command line: loaded with the engine
+
+    return SchedulerConfig()
+
+
+def _add_weights_args(parser: argparse.ArgumentParser) -> None:
+    """``--weights``, ``--numerics`` and ``--expert-cache-size`` (generate, serve)."""
+    parser.add_argument(
+        "--weights",
+        help="checkpoint instead of random weights: a folder with config.json and safetensors (one file, or "
+        "shards with model.safetensors.index.json; DeepSeek's released layout) or one .safetensors file",
+    )
+    add_numerics_arg(parser)
+    parser.add_argument(
+        "--expert-cache-size",
+        help="routed-expert bytes to keep in memory with --weights, e.g. 20GB; experts are read from the "
+        "checkpoint on first use (default: all of them when they fit, else 80%% of the memory left)",
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place)."""
+    if args.model is None:
+        found = model_config_path(args.weights)
+        if args.weights is not None and found is None:
+            raise ValueError(f"--weights {args.weights} has no config.json beside it; give --model")
+        args.model = str(found) if found is not None else "v4.1-mini"
+
+
+def _expert_cache_bytes(args: argparse.Namespace) -> int | None:
+    """``--expert-cache-size`` in bytes (None: automatic)."""
+    if args.expert_cache_size is None:
+        return None
+    if args.weights is None:
+        raise ValueError("--expert-cache-size goes with --weights (random weights keep every expert)")
+    return parse_flag("--expert-cache-size", parse_bytes, args.expert_cache_size)
+
+
+def add_numerics_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--numerics`` (generate, serve, golden): how FP8/FP4-stored weights compute."""
+    parser.add_argument(
+        "--numerics",
+        choices=NUMERICS,
+        default="auto",
+        help="fp8: FP8 activations before every FP8/FP4 linear, as DeepSeek's reference runs the release; "
+        "bf16: weights dequantised on load, plain fp32 matmuls; auto (default): fp8 when the checkpoint's "
+        "quantization_config says fp8 (random weights are always bf16)",
+    )
+
+
+def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:
+    """The cache-system flags of ``generate`` and ``serve`` (read back by `_cache_options`)."""
+    group.add_argument(
+        "--kv-cache-memory", default="1GiB", help="device-pool budget for global KV (default 1GiB)"
+    )
+    group.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    group.add_argument(
+        "--persistent-dir",
+        default=persistent_default,
+        help="directory of the persistent global-KV tier, shared by every process that uses it "
+        + (
+            f"(default {persistent_default}; 'none' turns the tier off)"
+            if persistent_default
+            else "(default: no persistent tier); a second run with the same directory gets a persistent hit"
+        ),
+    )
+    group.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
+    group.add_argument(
+        "--persistent-size", help="persistent-tier capacity, LRU beyond it (default unbounded)"
+    )
+    group.add_argument(
+        "--swa-policy",
+        default="bounded-replay",
+        help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
+    )
+    group.add_argument(
+        "--swa-pool",
+        default="in-process",
+        help="where window snapshots live: in-process (default; dies with the process), "
+        "redis://HOST:PORT/DB, several such URLs separated by commas (keys sharded over them), or "
+        "redis+cluster://HOST:PORT (a Redis Cluster); shared by every process that names it",
+    )
+    group.add_argument(
+        "--swa-pool-size", help="in-process SWA-pool budget (default 10%% of host RAM; Redis: its maxmemory)"
+    )
+    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, in-process or Redis (default 5m)")
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="look prompts up in the cache tiers (default on; blocks are written either way)",
+    )
+    group.add_argument(
+        "--no-swa-bounded-replay",
+        action="store_true",
+        help="run the decoder layers on every prompt row instead of the last window (exact, slower)",
+    )
+
+
+def _cache_options(args: argparse.Namespace) -> CacheOptions:
+    """`CacheOptions` from the flags of `_add_cache_args` and ``--model``. Raises ValueError on a bad value, named
+    by its flag, and ConfigError on a bad model (from the config alone: before the model loads and before
+    anything is opened or connected)."""
+    cfg = load_config(args.model)
+    if isinstance(cfg, ModelConfig) and cfg.is_v41:  # before the model loads (seconds to minutes)
+        parse_flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
+    return CacheOptions(
+        kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
+        block_size=args.block_size,
+        persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
+        persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
+        persistent_size=parse_flag("--persistent-size", _bytes_or_none, args.persistent_size),
+        swa_pool=check_swa_pool_spec(args.swa_pool),
+        swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
+        swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
+        policy=parse_flag("--swa-policy", SwaPolicy.parse, args.swa_policy),
+        decoder_replay=not args.no_swa_bounded_replay,
+        prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def _bytes_or_none(value: str | None) -> int | None:
+    return parse_bytes(value) if value else None
+
+
+def parse_flag(name: str, parse: Callable[[str], _T], value: str) -> _T:
+    """``parse(value)``; a ValueError is raised again with the flag's name in front."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

@@ -36,7 +36,7 @@ from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["EngineObserver", "EngineStats", "LLMEngine"]
+__all__ = ["EngineObserver", "EngineStats", "LLMEngine", "check_max_model_len"]
 
 
 class EngineObserver(Protocol):
@@ -57,6 +57,29 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     steps: int = 0
+
+
+def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: int, num_blocks: int) -> int:
+    """The longest prompt + output in tokens (``limit``, the config's ``max_position_embeddings``, when None),
+    checked against ``limit`` and against a pool of ``num_blocks`` blocks of ``block_size`` tokens (one request
+    of that length plus one token must fit).
+
+    Raises:
+        ValueError: out of ``[1, limit]``, or one request would not fit in the pool (one line, named by flag).
+    """
+    n = limit if max_model_len is None else max_model_len
+    if not 1 <= n <= limit:
+        raise ValueError(
+            f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
+        )
+    need = -(-(n + 1) // block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"one request of --max-model-len {n} tokens needs {need} blocks of {block_size} "
+            f"tokens, but the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens): raise "
+            f"--kv-cache-memory or lower --max-model-len"
+        )
+    return n
 
 
 class LLMEngine:
@@ -84,20 +107,12 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         observer: EngineObserver | None = None,
     ) -> None:
-        limit = model.cfg.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not 1 <= self.max_model_len <= limit:
-            raise ValueError(
-                f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
-            )
-        bs, pool_blocks = cache.options.block_size, cache.pool.blocks.num_blocks
-        need = -(-(self.max_model_len + 1) // bs)
-        if need > pool_blocks:
-            raise ValueError(
-                f"one request of --max-model-len {self.max_model_len} tokens needs {need} blocks of {bs} "
-                f"tokens, but the KV cache holds {pool_blocks} blocks ({pool_blocks * bs} tokens): raise "
-                f"--kv-cache-memory or lower --max-model-len"
-            )
+        self.max_model_len = check_max_model_len(
+            max_model_len,
+            limit=model.cfg.max_position_embeddings,
+            block_size=cache.options.block_size,
+            num_blocks=cache.pool.blocks.num_blocks,
+        )
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.observer = observer
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), _CacheOracle(cache))

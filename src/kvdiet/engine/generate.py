@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvdiet.config import ConfigError, ModelConfig, load_config
+from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Provenance
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
 from kvdiet.engine.sampling import SamplingParams, sample
@@ -23,7 +23,7 @@ from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["GenerateResult", "check_request", "generate", "load_model", "model_config_path", "private_cache"]
+__all__ = ["GenerateResult", "check_request", "generate", "load_model", "private_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +123,6 @@ def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | 
     if folder is not None and (folder / "tokenizer.json").is_file():
         return Tokenizer(folder / "tokenizer.json")
     return Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
-
-
-def model_config_path(weights: str | Path | None) -> Path | None:
-    """The ``config.json`` beside a checkpoint (a folder holding it, or a file next to it), or None."""
-    if weights is None:
-        return None
-    path = Path(weights)
-    found = path / "config.json" if path.is_dir() else path.parent / "config.json"
-    return found if found.is_file() else None
 
 
 def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:

@@ -23,63 +23,35 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.manager import RestorePlan, plan_restore
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
+from kvdiet.cache.options import CacheOptions
+from kvdiet.cache.policy import Capture
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
+from kvdiet.cache.reserve import reserve_blocks
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
-from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, SwaPool, create_swa_pool
+from kvdiet.storage.swa_pool import SwaPool
+from kvdiet.storage.swa_pool_factory import create_swa_pool
 
-__all__ = ["CacheOptions", "CacheStats", "KVCache", "Provenance", "Session", "weights_checksum"]
+__all__ = [
+    "CacheOptions",
+    "CacheStats",
+    "KVCache",
+    "Provenance",
+    "Session",
+    "pool_num_blocks",
+    "weights_checksum",
+]
 
 _LOAD_BATCH = 32
 """Blocks read from the persistent tier per batch (one index transaction each)."""
-
-DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
-"""Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheOptions:
-    """Sizes, TTLs and policy of a `KVCache` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
-
-    Attributes:
-        kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
-        block_size: tokens per block (a multiple of every compress ratio).
-        persistent_dir: directory of the persistent tier (None: no persistent tier).
-        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
-        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default) or Redis URLs, one or
-            comma-separated (`kvdiet.storage.swa_pool.create_swa_pool`).
-        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool
-            only, a Redis server's budget is its ``maxmemory``) and TTL in seconds.
-        policy: the SWA policy (DESIGN.md §5).
-        decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
-            forced off under ``full-store``, which keeps every token's window entries.
-        prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
-        cache_salt: optional salt mixed into every block hash (tenant isolation).
-    """
-
-    kv_cache_memory: int = 1 << 30
-    block_size: int = DEFAULT_BLOCK_SIZE
-    persistent_dir: str | Path | None = None
-    persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
-    persistent_size: int | None = None
-    swa_pool: str = IN_PROCESS
-    swa_pool_size: int | None = None
-    swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
-    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
-    decoder_replay: bool = True
-    prefix_caching: bool = True
-    cache_salt: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -125,7 +97,7 @@ class Provenance:
     prompt_tokens: int
     device_tokens: int
     persistent_tokens: int
-    window_source: str
+    window_source: WindowSource
     window_tokens: int
     replayed_tokens: int
     computed_tokens: int
@@ -156,6 +128,23 @@ class Session:
     done: bool = False
 
 
+def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` bytes that ``options.kv_cache_memory`` holds.
+
+    Raises:
+        ValueError: fewer than one, or a checkpoint period that is not a multiple of the block size.
+    """
+    k, bs = options.policy.checkpoint_every, options.block_size
+    if k is not None and k % bs:
+        raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
+    num_blocks = options.kv_cache_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"--kv-cache-memory {options.kv_cache_memory} B is below one block ({block_bytes} B)"
+        )
+    return num_blocks
+
+
 def weights_checksum(model: torch.nn.Module) -> str:
     """SHA-256 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint).
 
@@ -172,8 +161,9 @@ def weights_checksum(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _derived_key(block_hash: bytes, kind: bytes) -> bytes:
-    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind).digest()
+def _derived_key(block_hash: bytes, kind: KeyKind, tag: bytes = b"") -> bytes:
+    """The tier key of ``kind`` at a block (``tag``: the decoder-replay mark of window snapshots)."""
+    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind.encode() + tag).digest()
 
 
 class KVCache:
@@ -206,15 +196,7 @@ class KVCache:
         cfg, bs = model.cfg, opts.block_size
         ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]
         self.align = math.lcm(*ratios)
-        k = opts.policy.checkpoint_every
-        if k is not None and k % bs:
-            raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
-        probe = model.new_pool(1, block_size=bs)
-        num_blocks = opts.kv_cache_memory // probe.block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"--kv-cache-memory {opts.kv_cache_memory} B is below one block ({probe.block_bytes} B)"
-            )
+        num_blocks = pool_num_blocks(opts, model.new_pool(1, block_size=bs).block_bytes)
         self.pool = model.new_pool(num_blocks, block_size=bs)
         self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)
         self.fingerprint = model_fingerprint(
@@ -255,7 +237,7 @@ class KVCache:
             self.persistent.counters if self.persistent is not None else TierCounters(),
             self.swa_pool.counters,
         )
-        self.decoder_replay = opts.decoder_replay and opts.policy.name != "full-store"
+        self.decoder_replay = opts.decoder_replay and opts.policy.decoder_replay
         # window snapshots taken with decoder-side bounded replay hold approximate decoder windows: keyed
         # apart, so an exact run never restores one (nor the reverse); global KV is the same in both modes
         self._window_tag = b"-r" if self.decoder_replay else b""
@@ -335,7 +317,7 @@ class KVCache:
                 self._restore(state, plan, fetched[plan.snapshot_at], ids)
                 c.snapshot_restores += 1
             except SnapshotError:
-                tier = c.swa_pool if plan.snapshot_source == "swa-pool" else c.persistent
+                tier = c.swa_pool if plan.snapshot_source is WindowSource.SWA_POOL else c.persistent
                 tier.corrupt_dropped += 1
                 plan = self._plan(hit, hashes, blocks, {}, allow_snapshots=False)
                 if plan.hit_tokens == 0:
@@ -343,9 +325,9 @@ class KVCache:
                     state = self.model.new_state(self.pool)
         if plan.snapshot_source is None and plan.hit_tokens:
             self.model.rewind(state, plan.replay_start, ids)
-        if plan.snapshot_source == "swa-pool":
+        if plan.snapshot_source is WindowSource.SWA_POOL:
             c.swa_pool.hit_tokens += min(w, hit)
-        if self.options.policy.name == "bounded-replay" and hit:
+        if self.options.policy.store is WindowSource.SWA_POOL and hit:
             c.swa_pool.query_tokens += min(w, hit)
         c.replayed_tokens += plan.replay_tokens
         c.computed_tokens += n - plan.hit_tokens
@@ -354,7 +336,8 @@ class KVCache:
             prompt_tokens=n,
             device_tokens=min(len(device), adopted) * bs,
             persistent_tokens=max(0, adopted - len(device)) * bs,
-            window_source=plan.snapshot_source or ("replay" if plan.hit_tokens else "none"),
+            window_source=plan.snapshot_source
+            or (WindowSource.REPLAY if plan.hit_tokens else WindowSource.NONE),
             window_tokens=min(w, plan.snapshot_at or 0) if plan.snapshot_source else 0,
             replayed_tokens=plan.replay_tokens,
             computed_tokens=n - plan.hit_tokens,
@@ -415,12 +398,14 @@ class KVCache:
             if not allow_snapshots or pos % bs or pos <= 0:
                 return False
             i = pos // bs - 1
-            if policy.name == "bounded-replay":
-                data = self.swa_pool.get(_derived_key(hashes[i], b"swa" + self._window_tag))
-            elif policy.name == "full-store":
+            if policy.store is WindowSource.SWA_POOL:
+                data = self.swa_pool.get(_derived_key(hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag))
+            elif policy.store is WindowSource.WINDOW_BLOCKS:
                 data = self._read_window_blocks(pos, hashes, blocks)
             elif self._persistent_on():
-                data = self.persistent.get(_derived_key(hashes[i], b"snap" + self._window_tag), blocks[i])
+                data = self.persistent.get(
+                    _derived_key(hashes[i], KeyKind.SNAPSHOT, self._window_tag), blocks[i]
+                )
             else:
                 data = None
             if data is not None:
@@ -437,7 +422,7 @@ class KVCache:
         )
 
     def _restore(self, state: RequestState, plan: RestorePlan, data: bytes, ids: list[int]) -> None:
-        if plan.snapshot_source == "window-blocks":
+        if plan.snapshot_source is WindowSource.WINDOW_BLOCKS:
             self._restore_window_blocks(state, plan.snapshot_at, data, ids)
         else:
             restore_snapshot(state, data, self.fingerprint)
@@ -455,7 +440,7 @@ class KVCache:
         first = max(0, pos - self.window) // bs
         parts = []
         for i in range(first, pos // bs):
-            data = self.persistent.get(_derived_key(hashes[i], b"win"), blocks[i])
+            data = self.persistent.get(_derived_key(hashes[i], KeyKind.WINDOW_BLOCK), blocks[i])
             if data is None or len(data) != self._window_block_bytes():
                 return None
             parts.append(data)
@@ -512,6 +497,7 @@ class KVCache:
         while state.num_tokens < n:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
+            reserve_blocks([(state.table, end)])  # the model computes; the cache allocates
             log = self._log_windows(session)
             try:
                 logits = self.model.prefill(
@@ -525,7 +511,12 @@ class KVCache:
         return logits
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
-        """Feed one sampled token to each session; returns fp32 [B, V]."""
+        """Feed one sampled token to each session; returns fp32 [B, V].
+
+        Raises:
+            NoFreeBlocksError: the pool cannot hold one more token of every session (nothing allocated).
+        """
+        reserve_blocks([(s.state.table, s.state.num_tokens + 1) for s in sessions])
         logs = [self._log_windows(s) for s in sessions]
         try:
             logits = self.model.decode([s.state for s in sessions], tokens)
@@ -541,13 +532,11 @@ class KVCache:
         bs, n = self.options.block_size, session.prompt_tokens
         policy = self.options.policy
         points = {(n - 1) // bs * bs, n // bs * bs} - {0}
-        if policy.name == "checkpoint":
-            k = policy.checkpoint_every
-            points |= set(range(k, n + 1, k))
+        points |= set(policy.checkpoints(n))
         return sorted(points)
 
     def _log_windows(self, session: Session) -> list | None:
-        if self.options.policy.name != "full-store" or not self._persistent_on():
+        if self.options.policy.store is not WindowSource.WINDOW_BLOCKS or not self._persistent_on():
             return None
         log: list = []
         for ring in session.state.windows:
@@ -592,7 +581,7 @@ class KVCache:
             items.append((session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])))
             rows = session.window_blocks.pop(i, None)
             if rows is not None:
-                items.append((_derived_key(session.hashes[i], b"win"), tokens, rows))
+                items.append((_derived_key(session.hashes[i], KeyKind.WINDOW_BLOCK), tokens, rows))
         if items:
             self.persistent.put_many(items)
         session.persisted = full
@@ -618,27 +607,25 @@ class KVCache:
         session.window_pending = (rows[:, keep], pos[keep]) if bool(keep.any()) else None
 
     def _capture(self, session: Session, pos: int) -> None:
-        policy, bs = self.options.policy, self.options.block_size
-        if policy.name in ("exact-recompute", "full-store"):
+        bs = self.options.block_size
+        capture = self.options.policy.capture_at(pos, prompt_boundary=(session.prompt_tokens - 1) // bs * bs)
+        if capture is None:
             return
-        if policy.name == "checkpoint" and pos % policy.checkpoint_every:
-            return
-        prompt_boundary = (session.prompt_tokens - 1) // bs * bs
-        if policy.name != "checkpoint" and pos < prompt_boundary:
-            return  # a prefill chunk's end inside the prompt: neither the prompt's nor the output's end
         data = snapshot_bytes(session.state, self.fingerprint)
-        if policy.name == "checkpoint" or pos == prompt_boundary:
+        if capture is Capture.NOW:
             self._store_snapshot(session, pos, data)
         else:
             session.captures = {pos: data}  # the latest boundary past the prompt's; stored at finish
 
     def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
         i, bs = pos // self.options.block_size - 1, self.options.block_size
-        if self.options.policy.name == "bounded-replay":
-            ok = self.swa_pool.put(_derived_key(session.hashes[i], b"swa" + self._window_tag), data)
+        if self.options.policy.store is WindowSource.SWA_POOL:
+            ok = self.swa_pool.put(
+                _derived_key(session.hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag), data
+            )
         elif self._persistent_on():
             ok = self.persistent.put(
-                _derived_key(session.hashes[i], b"snap" + self._window_tag),
+                _derived_key(session.hashes[i], KeyKind.SNAPSHOT, self._window_tag),
                 session.tokens[i * bs : (i + 1) * bs],
                 data,
             )

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.engine.args import add_numerics_arg, resolve_model
 from kvdiet.units import parse_count
 
 __all__ = ["add_fidelity_parser", "run_fidelity"]
@@ -27,8 +28,6 @@ CHECKPOINT_CAVEAT = (
 
 def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``kvdiet fidelity``."""
-    from kvdiet.cli import add_numerics_arg
-
     p = sub.add_parser(
         "fidelity",
         help="measure FP4/MXFP4/FP8 caches, CSA2 selection sharing and bounded replay against exact runs",
@@ -78,7 +77,6 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     """Run ``kvdiet fidelity``. Raises ValueError/ConfigError on bad input (before the model loads)."""
     import torch
 
-    from kvdiet.cli import resolve_model
     from kvdiet.engine.generate import load_model
     from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
 

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo, LayerPlan
@@ -295,7 +294,7 @@ class Transformer(nn.Module):
             fp32 [V] (last row) or [R, V] (R = T, or min(T, window) under bounded replay).
         Raises:
             ValueError: see `check_tokens`.
-            NoFreeBlocksError: the device pool cannot hold the new tokens (nothing changes then).
+            ValueError: the state's block table on a shared pool does not cover the new tokens.
         """
         ids = self.check_tokens(tokens, start=state.num_tokens)
         keep = min(ids.numel(), self.cfg.sliding_window) if bounded_replay else ids.numel()
@@ -307,7 +306,8 @@ class Transformer(nn.Module):
         """One token for each request: ``tokens[b]`` at position ``states[b].num_tokens``; returns fp32 [B, V].
 
         Raises:
-            ValueError: lengths differ, a state appears twice, or a token is invalid (nothing changes then).
+            ValueError: lengths differ, a state appears twice, a token is invalid, or a block table on a
+                shared pool does not cover its new token (nothing changes then).
         """
         if len(states) != len(tokens) or not states:
             raise ValueError(
@@ -318,24 +318,32 @@ class Transformer(nn.Module):
         ids = [self.check_tokens([t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
         return self._forward(list(states), ids, [1] * len(states))
 
-    def _reserve(self, states: list[RequestState], ids: list[torch.Tensor]) -> None:
-        """Give every state the blocks its new tokens need, all or none (`NoFreeBlocksError`)."""
-        need: dict[int, int] = {}
+    @staticmethod
+    def _check_tables(states: list[RequestState], ids: list[torch.Tensor]) -> None:
+        """Every state's block table must cover its new tokens: blocks are reserved before the forward by the
+        cache layer (`kvdiet.cache.reserve.reserve_blocks`). A private growable pool (a model used on its
+        own, `new_state` without a pool) grows here instead.
+
+        Raises:
+            ValueError: a table on a shared pool is too short (nothing changes then).
+        """
         for state, chunk in zip(states, ids, strict=True):
-            pool = state.table.pool
-            if not pool.growable:
-                blocks = -(-(state.num_tokens + chunk.numel()) // pool.block_size) - len(state.table)
-                need[id(pool)] = need.get(id(pool), 0) + max(0, blocks)
-                if need[id(pool)] > pool.blocks.num_free:
-                    raise NoFreeBlocksError(
-                        f"the batch needs {need[id(pool)]} more blocks, {pool.blocks.num_free} are free"
-                    )
+            table, end = state.table, state.num_tokens + chunk.numel()
+            if table.pool.growable:
+                continue
+            if len(table) * table.pool.block_size < end:
+                raise ValueError(
+                    f"the block table covers {len(table) * table.pool.block_size} tokens but the forward "
+                    f"writes up to token {end}: reserve blocks before the forward "
+                    f"(kvdiet.cache.reserve.reserve_blocks)"
+                )
         for state, chunk in zip(states, ids, strict=True):
-            state.table.reserve(state.num_tokens + chunk.numel())
+            if state.table.pool.growable:
+                state.table.reserve(state.num_tokens + chunk.numel())
 
     def _forward(self, states: list[RequestState], ids: list[torch.Tensor], keeps: list[int]) -> torch.Tensor:
         cfg = self.cfg
-        self._reserve(states, ids)
+        self._check_tables(states, ids)
         segs, row_ids, rows = [], {}, []
         start = 0
         for state, chunk in zip(states, ids, strict=True):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from kvdiet.engine.args import EngineArgs
 from kvdiet.units import format_bytes
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ def default_persistent_dir() -> Path:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from kvdiet.cli import add_cache_args, add_weights_args
-
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics) over the engine",
@@ -65,7 +64,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--served-model-name", help="name clients use in 'model' (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    add_weights_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument(
@@ -101,7 +99,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="least severe log lines shown, kvdiet's and uvicorn's (default info: start-up report, requests)",
     )
-    add_cache_args(p.add_argument_group("cache system"), persistent_default=str(default_persistent_dir()))
+    EngineArgs.add_cli_args(p, persistent_default=str(default_persistent_dir()))
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -110,8 +108,6 @@ def run_serve(args: argparse.Namespace) -> None:
     Raises:
         ValueError, ConfigError, OSError: bad flags or model (before anything is served).
     """
-    from kvdiet.cli import cache_options, expert_cache_bytes, resolve_model
-    from kvdiet.engine.args import EngineArgs
     from kvdiet.engine.loop import EngineLoop
     from kvdiet.engine.scheduler import SchedulerConfig
     from kvdiet.server.app import build_app
@@ -125,18 +121,13 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    resolve_model(args)
-    engine_args = EngineArgs(
-        model=args.model,
-        seed=args.seed,
-        weights=args.weights,
-        numerics=args.numerics,
-        expert_cache_bytes=expert_cache_bytes(args),
+    engine_args = EngineArgs.from_cli_args(
+        args,
         kv_cache_dtype=args.kv_cache_dtype,
-        cache=cache_options(args),
         max_model_len=parse_count(args.max_model_len) if args.max_model_len else None,
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
     )
+    engine_args.validate()  # every flag is checked before the port is bound
     name = args.served_model_name or args.model
     sock = _bind(args.host, args.port)  # a busy port or a bad host fails now, before the model loads
     log.info(

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvdiet.cache.manager import WindowSource
 from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = ["add_replay_parser", "run_replay"]
@@ -166,7 +167,7 @@ def _plan(args: argparse.Namespace):
     """Check every flag and build the run configs (model-free) or engine configs."""
     from kvdiet.config import load_config
     from kvdiet.sim.cost import check_gpu
-    from kvdiet.sim.model_free import SimConfig
+    from kvdiet.sim.records import SimConfig
     from kvdiet.sim.study import DEFAULT_TTL_SWEEP, parse_run, parse_sweep
 
     if args.jobs is not None and args.jobs < 1:
@@ -323,7 +324,7 @@ def _print(out: dict, study, engine, console: Console) -> None:
                     label,
                     rr["hit"],
                     rr["device"],
-                    f"{r.summary['window_sources']['swa-pool']:,}",
+                    f"{r.summary['window_sources'][WindowSource.SWA_POOL]:,}",
                     rr["replays"],
                     rr["SWA pool peak"],
                     rr["persistent bytes"],

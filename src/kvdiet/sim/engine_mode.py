@@ -35,7 +35,8 @@ from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
-from kvdiet.sim.model_free import RequestResult, SimConfig, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import RequestResult, SimConfig
 from kvdiet.sim.traces import Trace, TraceRequest
 from kvdiet.storage.clock import ManualClock
 

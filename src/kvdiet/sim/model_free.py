@@ -35,235 +35,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvdiet.cache.manager import RestorePlan, plan_restore
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
 from kvdiet.cache.spec import CacheSpec
-from kvdiet.config import ModelConfig, load_config
+from kvdiet.config import ModelConfig
 from kvdiet.layer_plan import LayerPlan
-from kvdiet.sim.cost import CostModel, check_gpu
+from kvdiet.sim.cost import CostModel
+from kvdiet.sim.records import RequestResult, SimConfig, SimResult
 from kvdiet.sim.traces import Trace
+from kvdiet.sim.ttl_lru import TtlLru
 
-__all__ = ["RequestResult", "SimConfig", "SimResult", "TtlLru", "simulate"]
-
-DEFAULT_DEVICE_BYTES = 32 * 10**9
-"""32 GB of global KV: a deliberately modest device pool (a quarter of one H200) so the lower tiers work."""
-DEFAULT_SWA_POOL_BYTES = 200 * 10**9
-"""10% of a DGX H200's 2 TB of host memory (DESIGN.md §1: 10% of each machine's DRAM)."""
-
-
-class TtlLru:
-    """Keys with byte sizes under a byte budget: fixed TTL from the write, LRU by last use.
-
-    The semantics of `kvdiet.storage.swa_pool.InProcessSwaPool` and `kvdiet.storage.persistent.PersistentStore`
-    without the bytes: ``get`` at ``now >= deadline`` is a miss that drops the entry; a hit moves it to
-    the back of the LRU order without moving its deadline; ``put`` of a live key keeps it as is
-    (``refresh=False``, the persistent tier) or replaces it with a new deadline (``refresh=True``, the SWA
-    pool); a value larger than the budget is refused; ``capacity=None`` is unbounded, ``ttl=None`` never
-    expires. Time must not go backwards between calls.
-    """
-
-    def __init__(self, capacity: int | None, ttl: float | None, *, refresh: bool) -> None:
-        self.capacity, self.ttl, self.refresh = capacity, ttl, refresh
-        self._items: OrderedDict[object, tuple[int, float]] = OrderedDict()  # key → (size, deadline)
-        self._deadlines: deque[tuple[float, object]] = deque()  # write order = deadline order
-        self.nbytes = 0
-        self.kind_bytes: dict[str, int] = {}  # resident bytes by key kind (a tuple key's first item)
-        self.evictions = self.expirations = self.bytes_written = self.writes = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-    def expire(self, now: float) -> None:
-        """Drop every entry whose deadline is ≤ ``now`` (the real tiers drop them at their next read or
-        sweep; dropping now only makes the resident bytes exact)."""
-        dq = self._deadlines
-        while dq and dq[0][0] <= now:
-            deadline, key = dq.popleft()
-            item = self._items.get(key)
-            if item is not None and item[1] == deadline:
-                self._drop(key)
-                self.expirations += 1
-
-    def get(self, key: object, now: float) -> bool:
-        """Whether ``key`` is live at ``now`` (a hit refreshes its LRU position)."""
-        dq = self._deadlines
-        if dq and dq[0][0] <= now:
-            self.expire(now)
-        items = self._items
-        if key in items:
-            items.move_to_end(key)
-            return True
-        return False
-
-    def touch(self, keys: list[object], size: int, now: float) -> None:
-        """`get` each key in order, `put` it (``size`` bytes) where absent."""
-        items = self._items
-        for key in keys:
-            if key in items:
-                items.move_to_end(key)
-            else:
-                self.put(key, size, now)
-
-    def put(self, key: object, size: int, now: float) -> bool:
-        """Store ``key`` (``size`` bytes) at ``now``; False when refused (larger than the budget)."""
-        cap = self.capacity
-        if cap is not None and size > cap:
-            return False
-        dq = self._deadlines
-        if dq and dq[0][0] <= now:
-            self.expire(now)
-        items = self._items
-        if key in items:
-            if not self.refresh:
-                return True
-            self._drop(key)
-        if cap is not None and self.nbytes + size > cap:
-            while self.nbytes + size > cap:
-                self._drop(next(iter(items)))
-                self.evictions += 1
-        if self.ttl is None:
-            items[key] = (size, math.inf)
-        else:
-            deadline = now + self.ttl
-            items[key] = (size, deadline)
-            dq.append((deadline, key))
-        self.nbytes += size
-        kind = key[0] if type(key) is tuple else ""
-        kinds = self.kind_bytes
-        kinds[kind] = kinds.get(kind, 0) + size
-        self.writes += 1
-        self.bytes_written += size
-        return True
-
-    def _drop(self, key: object) -> None:
-        size, _ = self._items.pop(key)
-        self.nbytes -= size
-        self.kind_bytes[key[0] if type(key) is tuple else ""] -= size
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated serving instance.
-
-    Attributes:
-        model: preset or config path whose byte geometry and FLOPs are used.
-        policy: the SWA policy.
-        device_bytes: device-pool budget for global KV (bytes).
-        persistent_bytes: persistent-tier budget (bytes; None = unbounded).
-        persistent_ttl_s: persistent-tier TTL (seconds; default 72 h).
-        swa_pool_bytes / swa_pool_ttl_s: SWA-pool budget (bytes) and TTL (seconds).
-        prefix_caching: look prompts up at all (off: every request cold).
-        gpu / mfu: the compute cost model (`kvdiet.sim.cost`).
-        output_tok_s: decode speed of one request (tokens/s) that sets when it finishes.
-        samples: points of the time series (hit rate and resident bytes over trace time).
-    """
-
-    model: str = "deepseek-v4.1-flash"
-    policy: SwaPolicy = field(default_factory=lambda: SwaPolicy("bounded-replay"))
-    device_bytes: int = DEFAULT_DEVICE_BYTES
-    persistent_bytes: int | None = None
-    persistent_ttl_s: float = 72 * 3600.0
-    swa_pool_bytes: int = DEFAULT_SWA_POOL_BYTES
-    swa_pool_ttl_s: float = 300.0
-    prefix_caching: bool = True
-    gpu: str = "h200"
-    mfu: float = 0.5
-    output_tok_s: float = 50.0
-    samples: int = 120
-
-    def check(self, block_size: int) -> ModelConfig:
-        """Load and check the config against a trace's block size; returns the config.
-
-        Raises:
-            ValueError: a non-positive size or TTL, a block size the compress ratios do not divide, a
-                checkpoint period that is not a multiple of the block size, or a dense config.
-        """
-        if self.device_bytes <= 0 or self.swa_pool_bytes <= 0:
-            raise ValueError("device and SWA-pool sizes must be > 0 bytes")
-        if self.persistent_bytes is not None and self.persistent_bytes <= 0:
-            raise ValueError("persistent size must be > 0 bytes")
-        if not (self.persistent_ttl_s > 0 and self.swa_pool_ttl_s > 0 and self.output_tok_s > 0):
-            raise ValueError("TTLs and output_tok_s must be > 0")
-        check_gpu(self.gpu, self.mfu)
-        if self.samples < 2:
-            raise ValueError(f"samples must be >= 2, got {self.samples}")
-        cfg = load_config(self.model)
-        if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"{self.model}: the trace study needs a V4-family config (window and tiers)")
-        for s in CacheSpec.from_config(cfg).compressed:
-            s.page_bytes(block_size)  # raises on a block size that splits a compression group
-        k = self.policy.checkpoint_every
-        if k is not None and k % block_size:
-            raise ValueError(
-                f"checkpoint period {k} must be a multiple of the trace's block size {block_size}"
-            )
-        return cfg
-
-    @property
-    def label(self) -> str:
-        """``policy @ model``, e.g. ``bounded-replay @ deepseek-v4.1-flash``."""
-        return f"{self.policy} @ {self.model}"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    """What happened to one request (the sequence the engine-mode run is compared with).
-
-    Attributes:
-        device_tokens / persistent_tokens: adopted global KV by tier (tokens).
-        window_source: ``swa-pool``, ``persistent``, ``window-blocks``, ``replay`` or ``none``.
-        replayed_tokens / computed_tokens: recomputed below H / prefilled from H (tokens).
-    """
-
-    device_tokens: int
-    persistent_tokens: int
-    window_source: str
-    replayed_tokens: int
-    computed_tokens: int
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.device_tokens + self.persistent_tokens
-
-
-@dataclass
-class SimResult:
-    """Totals, time series and the per-request sequence of one simulated run (`simulate`)."""
-
-    config: SimConfig
-    summary: dict[str, object]
-    series: dict[str, list[float]]
-    requests: list[RequestResult]
-    snapshot_ages_s: list[float]
-
-    def as_dict(self) -> dict[str, object]:
-        """The JSON form: the label, the config, the summary and the time series (not per request)."""
-        cfg = self.config
-        return {
-            "label": cfg.label,
-            "model": cfg.model,
-            "policy": str(cfg.policy),
-            "config": {
-                "device_bytes": cfg.device_bytes,
-                "persistent_bytes": cfg.persistent_bytes,
-                "persistent_ttl_s": cfg.persistent_ttl_s,
-                "swa_pool_bytes": cfg.swa_pool_bytes,
-                "swa_pool_ttl_s": cfg.swa_pool_ttl_s,
-                "prefix_caching": cfg.prefix_caching,
-                "gpu": cfg.gpu,
-                "mfu": cfg.mfu,
-                "output_tok_s": cfg.output_tok_s,
-            },
-            "summary": self.summary,
-            "series": self.series,
-        }
+__all__ = ["simulate"]
 
 
 class _Geometry:
@@ -321,7 +104,7 @@ class _Run:
             ),
             0,
         )
-        self.sources = dict.fromkeys(("swa-pool", "persistent", "window-blocks", "replay", "none"), 0)
+        self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
         self.boundaries: set[int] = set()  # prefix ids at which an earlier request's prompt or output ended
         self.boundary_hits = 0  # requests whose hit H ends at such a boundary (where a snapshot can be)
@@ -395,7 +178,7 @@ class _Run:
         while d < usable and self.device.get(ids[d], now):
             d += 1
         p = 0
-        while d + p < usable and self.persistent.get(("kv", ids[d + p]), now):
+        while d + p < usable and self.persistent.get((KeyKind.BLOCK, ids[d + p]), now):
             p += 1
         hit = (d + p) * bs
         self.totals["lookup_tokens"] += usable * bs
@@ -404,24 +187,26 @@ class _Run:
         found: dict[int, float] = {}
 
         def has_snapshot(pos: int) -> bool:
-            key = ids[pos // bs - 1]
-            if pol.name == "bounded-replay":
-                ok = self.swa.get(("snap", key), now)
-            elif pol.name == "full-store":
+            key = (KeyKind.snapshot_in(pol.store), ids[pos // bs - 1])
+            if pol.store is WindowSource.SWA_POOL:
+                ok = self.swa.get(key, now)
+            elif pol.store is WindowSource.WINDOW_BLOCKS:
                 first = max(0, pos - g.window) // bs
-                ok = all(self.persistent.get(("win", ids[i]), now) for i in range(first, pos // bs))
+                ok = all(
+                    self.persistent.get((KeyKind.WINDOW_BLOCK, ids[i]), now) for i in range(first, pos // bs)
+                )
             else:
-                ok = self.persistent.get(("snap", key), now)
+                ok = self.persistent.get(key, now)
             if ok:
-                found[pos] = self.snap_time.get(("snap", key), now)
+                found[pos] = self.snap_time.get(key, now)
             return ok
 
         plan = plan_restore(
             pol, hit, window=g.window, num_layers=g.num_layers, align=g.align, has_snapshot=has_snapshot
         )
         adopted = plan.hit_tokens
-        source = plan.snapshot_source or ("replay" if adopted else "none")
-        if plan.snapshot_source == "swa-pool":
+        source = plan.snapshot_source or (WindowSource.REPLAY if adopted else WindowSource.NONE)
+        if plan.snapshot_source is WindowSource.SWA_POOL:
             self.ages.append(now - found[plan.snapshot_at])
         if hit and ids[hit // bs - 1] in self.boundaries:
             self.boundary_hits += 1
@@ -437,7 +222,7 @@ class _Run:
         t["computed_tokens"] += n - adopted
 
         flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
-            adopted, n, decoder_every_row=pol.name == "full-store"
+            adopted, n, decoder_every_row=not pol.decoder_replay
         )
         self.flops += flops
         prefill_end = now + self.cost.seconds(flops)
@@ -464,11 +249,11 @@ class _Run:
         """Blocks ``[first, end)`` filled: written through to the persistent tier. The device pool gets the
         request's blocks ``[touch_from, held)`` (default ``first``) as the most recently used, the first one
         last (as `BlockPool.release` frees a table last block first, so a prefix's head outlives its tail)."""
-        g, full_store = self.geo, self.sc.policy.name == "full-store"
+        g, full_store = self.geo, self.sc.policy.store is WindowSource.WINDOW_BLOCKS
         for i in range(first, end):
-            self.persistent.put(("kv", ids[i]), g.block_bytes, now)
+            self.persistent.put((KeyKind.BLOCK, ids[i]), g.block_bytes, now)
             if full_store:
-                self.persistent.put(("win", ids[i]), g.window_block_bytes, now)
+                self.persistent.put((KeyKind.WINDOW_BLOCK, ids[i]), g.window_block_bytes, now)
         self._touch(ids[first if touch_from is None else touch_from : held], now)
 
     def _snapshots(
@@ -491,22 +276,21 @@ class _Run:
         ):
             if pos > 0:
                 self._at(when, lambda at, pos=pos, store=store: self._boundary(ids, pos, at, store))
-        if pol.name == "checkpoint":
-            k = pol.checkpoint_every
-            for pos in range(k, last + 1, k):
-                if pos > adopted or (pos == adopted and at_hit):
-                    self._at(t_prefill if pos <= n else t_end, lambda at, pos=pos: self._store(ids, pos, at))
+        for pos in pol.checkpoints(last):
+            if pos > adopted or (pos == adopted and at_hit):
+                self._at(t_prefill if pos <= n else t_end, lambda at, pos=pos: self._store(ids, pos, at))
 
     def _boundary(self, ids: list[int], pos: int, now: float, store: bool) -> None:
         key = ids[pos // self.geo.block_size - 1]
         self.boundaries.add(key)
-        if store and self.sc.policy.name in ("bounded-replay", "boundary-snapshot"):
+        if store and self.sc.policy.stores_boundaries:
             self._store(ids, pos, now)
 
     def _store(self, ids: list[int], pos: int, now: float) -> None:
         """Store the window snapshot at ``pos`` (SWA pool for bounded-replay, else the persistent tier)."""
-        key = ("snap", ids[pos // self.geo.block_size - 1])
-        tier = self.swa if self.sc.policy.name == "bounded-replay" else self.persistent
+        store = self.sc.policy.store
+        key = (KeyKind.snapshot_in(store), ids[pos // self.geo.block_size - 1])
+        tier = self.swa if store is WindowSource.SWA_POOL else self.persistent
         if tier.put(key, self.geo.snapshot_bytes, now):
             self.totals["snapshots_stored"] += 1
             self.snap_time[key] = now
@@ -520,8 +304,10 @@ class _Run:
         t["persistent_bytes_written"] = self.persistent.bytes_written
         t["swa_pool_bytes_written"] = self.swa.bytes_written
         ages = sorted(self.ages)
-        pool_restores = self.sources["swa-pool"]
-        stored = pool_restores + self.sources["persistent"] + self.sources["window-blocks"]
+        pool_restores = self.sources[WindowSource.SWA_POOL]
+        stored = (
+            pool_restores + self.sources[WindowSource.PERSISTENT] + self.sources[WindowSource.WINDOW_BLOCKS]
+        )
         return t | {
             "requests": len(self.results),
             "device_hit_ratio": round(t["device_hit_tokens"] / prompt, 6),
@@ -540,8 +326,8 @@ class _Run:
             "prefill_flops": self.flops,
             "prefill_gpu_s": round(self.cost.seconds(self.flops), 3),
             "persistent_bytes_resident": self.persistent.nbytes,
-            "persistent_kv_bytes": kinds.get("kv", 0),
-            "persistent_window_bytes": kinds.get("snap", 0) + kinds.get("win", 0),
+            "persistent_kv_bytes": kinds.get(KeyKind.BLOCK, 0),
+            "persistent_window_bytes": kinds.get(KeyKind.SNAPSHOT, 0) + kinds.get(KeyKind.WINDOW_BLOCK, 0),
             "persistent_entries": len(self.persistent),
             "persistent_evictions": self.persistent.evictions,
             "persistent_expirations": self.persistent.expirations,

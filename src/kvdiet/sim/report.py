@@ -14,15 +14,20 @@ from pathlib import Path
 
 import matplotlib
 
+from kvdiet.cache.manager import WindowSource
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvdiet.sim.engine_mode import EngineModeResult
-from kvdiet.sim.model_free import SimResult
+from kvdiet.sim.records import SimResult
 from kvdiet.sim.study import CATCH_TARGET, Study
 from kvdiet.units import format_bytes
 
 __all__ = ["comparison_rows", "write_report"]
+
+_RESTORED = (WindowSource.SWA_POOL, WindowSource.PERSISTENT, WindowSource.WINDOW_BLOCKS)
+"""Window sources that restore stored state (the others replay or start cold)."""
 
 
 def comparison_rows(runs: list[SimResult]) -> list[dict[str, object]]:
@@ -40,8 +45,8 @@ def comparison_rows(runs: list[SimResult]) -> list[dict[str, object]]:
                 "persistent bytes": format_bytes(s["persistent_bytes_resident"]),
                 "of which window": format_bytes(s["persistent_window_bytes"]),
                 "SWA pool peak": format_bytes(max(r.series["swa_pool_bytes"], default=0)),
-                "window restored": f"{src['swa-pool'] + src['persistent'] + src['window-blocks']:,}",
-                "replays": f"{src['replay']:,}",
+                "window restored": f"{sum(src[k] for k in _RESTORED):,}",
+                "replays": f"{src[WindowSource.REPLAY]:,}",
                 "replayed tokens": f"{s['replayed_tokens']:,}",
                 "computed tokens": f"{s['computed_tokens']:,}",
                 "prefill GPU-s": f"{s['prefill_gpu_s']:,.0f}",
@@ -130,9 +135,9 @@ def _plot_recomputed(runs: list[SimResult], path: Path) -> str:
 
 def _plot_ttl(points: list[tuple[str, SimResult]], path: Path) -> str:
     bounded = points[:-1]
-    ref = points[-1][1].summary["window_sources"]["swa-pool"] or 1
+    ref = points[-1][1].summary["window_sources"][WindowSource.SWA_POOL] or 1
     ttl = [r.config.swa_pool_ttl_s for _, r in bounded]
-    share = [r.summary["window_sources"]["swa-pool"] / ref for _, r in bounded]
+    share = [r.summary["window_sources"][WindowSource.SWA_POOL] / ref for _, r in bounded]
     peak = [max(r.series["swa_pool_bytes"], default=0) / 1e9 for _, r in bounded]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(ttl, share, "o-", label="restores / unbounded pool's")
@@ -258,8 +263,8 @@ def _sweep_row(r: SimResult) -> dict[str, object]:
     return {
         "hit": f"{s['hit_ratio']:.1%}",
         "device": f"{s['device_hit_ratio']:.1%}",
-        "SWA-pool restores": f"{s['window_sources']['swa-pool']:,}",
-        "replays": f"{s['window_sources']['replay']:,}",
+        "SWA-pool restores": f"{s['window_sources'][WindowSource.SWA_POOL]:,}",
+        "replays": f"{s['window_sources'][WindowSource.REPLAY]:,}",
         "SWA pool peak": format_bytes(max(r.series["swa_pool_bytes"], default=0)),
         "persistent bytes": format_bytes(s["persistent_bytes_resident"]),
         "prefill GPU-s": f"{s['prefill_gpu_s']:,.0f}",

@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+from kvdiet.cache.manager import WindowSource
 from kvdiet.cache.policy import SwaPolicy
-from kvdiet.sim.model_free import SimConfig, SimResult, simulate
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
 from kvdiet.units import parse_bytes, parse_duration
 
@@ -204,9 +206,10 @@ def findings(study: Study) -> dict[str, object]:
     ttl = study.sweeps.get("swa-pool-ttl")
     if ttl:
         unbounded = ttl[-1][1]
-        ref = unbounded.summary["window_sources"]["swa-pool"]
+        ref = unbounded.summary["window_sources"][WindowSource.SWA_POOL]
         shares = {
-            label: (r.summary["window_sources"]["swa-pool"] / ref if ref else 0.0) for label, r in ttl[:-1]
+            label: (r.summary["window_sources"][WindowSource.SWA_POOL] / ref if ref else 0.0)
+            for label, r in ttl[:-1]
         }
         out["ttl_catch_share"] = {k: round(v, 4) for k, v in shares.items()}
         out["ttl_for_catch"] = next((k for k, v in shares.items() if v >= CATCH_TARGET), None)

@@ -19,12 +19,11 @@ from collections.abc import Mapping
 import torch
 
 from kvdiet.cache.block_pool import BlockPool
+from kvdiet.cache.options import DEFAULT_BLOCK_SIZE
 from kvdiet.formats.codec import CacheCodecs, Codec
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DevicePool"]
 
-DEFAULT_BLOCK_SIZE = 64
-"""Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
 
 KINDS = ("main", "index")
 

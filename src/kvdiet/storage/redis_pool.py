@@ -44,8 +44,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
-import struct
 import threading
 import time
 import zlib
@@ -54,7 +52,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -63,6 +61,8 @@ from redis.exceptions import ClusterError, RedisClusterException, RedisError, Re
 from redis.retry import Retry
 
 from kvdiet.cache.counters import TierCounters
+from kvdiet.storage.redis_manifest import Manifest, pack_manifest, parse_manifest
+from kvdiet.storage.redis_urls import parse_redis_urls, redact_url, server_id
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S
 
 __all__ = [
@@ -70,16 +70,11 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_SOCKET_TIMEOUT_S",
-    "MANIFEST",
     "RedisSwaPool",
-    "parse_redis_urls",
 ]
 
 _log = logging.getLogger(__name__)
 
-MAGIC = b"KVRS"
-VERSION = 1
-MANIFEST = struct.Struct("<4sHH8sIQII")  # magic, version, flags, nonce, chunks, total length, CRC, head CRC
 DEFAULT_CHUNK_BYTES = 1 << 20
 """1 MiB: a V4.1-Flash window snapshot (2,703,360 B, README) is 3 chunks; small enough that one chunk
 never holds the server's single thread for long."""
@@ -89,16 +84,9 @@ DEFAULT_BACKOFF_S = 1.0
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
 DEFAULT_SOCKET_TIMEOUT_S = 1.0
 _CHUNK_GRACE_MS = 1000  # chunks outlive their manifest by this much
-_MAX_CHUNKS = 1 << 20  # a manifest claiming more is corrupt (1 TiB at the default chunk size)
 _WARN_EVERY_S = 60.0  # at most one warning per server per minute
 _STATS_EVERY_S = 1.0  # `nbytes`/`len` ask the servers at most this often
 _KEY_PREFIX = "kvdiet:swa:"
-_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-_URL_OPTIONS = {  # query options redis-py reads from a URL (redis.connection.URL_QUERY_ARGUMENT_PARSERS) ...
-    *redis.connection.URL_QUERY_ARGUMENT_PARSERS,
-    *("ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "client_name"),
-}  # ... and the client options a rediss:// URL may carry; redis-py passes others on blindly
-
 # Deletes KEYS[2..] (chunks of the manifest read) and KEYS[1] (the manifest) if it still holds ARGV[1];
 # returns 1 if it did (the entry really was incomplete or corrupt), 0 if a writer replaced it meanwhile.
 _DROP = """
@@ -106,87 +94,6 @@ for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('UNLINK', KEYS[1]) return 1 end
 return 0
 """
-
-
-def parse_redis_urls(spec: str) -> tuple[str, ...]:
-    """The Redis URLs of a ``--swa-pool`` value, checked: one URL or several separated by commas.
-
-    Accepted: ``redis://[user:password@]host[:port][/db]`` (port 6379, db 0 by default), ``rediss://`` (TLS),
-    ``unix:///path/to.sock[?db=N]``, and ``redis+cluster://host:port`` (a Redis Cluster, reached through
-    any of its nodes; then the only URL). Raises:
-        ValueError: an empty list, an unknown scheme, no host or socket path, a port outside 1–65535, a db
-            that is not an integer ≥ 0 (or not 0 on a cluster), a repeated server, a cluster URL among
-            others, or options redis-py rejects.
-    """
-    urls = tuple(u.strip() for u in spec.split(",") if u.strip())
-    if not urls:
-        raise ValueError(f"--swa-pool: no Redis URL in {spec!r}")
-    seen: set[str] = set()
-    for url in urls:
-        name = _server_id(url)
-        if name in seen:
-            raise ValueError(f"--swa-pool: {_redact(url)} is listed twice")
-        seen.add(name)
-    if len(urls) > 1 and any("+cluster" in urlsplit(u).scheme for u in urls):
-        raise ValueError(
-            "--swa-pool: a redis+cluster:// URL must be the only one (the cluster shards itself)"
-        )
-    return urls
-
-
-def _server_id(url: str) -> str:
-    """``scheme://host:port/db`` (or the socket path) of ``url``: what every process hashes keys against.
-    Raises ValueError on a bad URL (see `parse_redis_urls`)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"--swa-pool: bad Redis URL {_redact(url)!r}: {exc}") from None
-    if parts.scheme not in _SCHEMES:
-        raise ValueError(
-            f"--swa-pool: {_redact(url)!r} is not a Redis URL (schemes: {', '.join(_SCHEMES)}; "
-            "or 'in-process')"
-        )
-    base = parts.scheme.removesuffix("+cluster")
-    if base == "unix":
-        if not parts.path:
-            raise ValueError(f"--swa-pool: {_redact(url)!r} names no socket path")
-        where = parts.path
-    else:
-        if not parts.hostname:
-            raise ValueError(f"--swa-pool: {_redact(url)!r} names no host")
-        if port is not None and not 1 <= port <= 65535:
-            raise ValueError(f"--swa-pool: port {port} of {_redact(url)!r} is outside 1-65535")
-        where = f"{parts.hostname}:{port or 6379}"
-        if not re.fullmatch(r"/?[0-9]*", parts.path):
-            raise ValueError(
-                f"--swa-pool: db of {_redact(url)!r} must be an integer >= 0 (redis://HOST:PORT/DB)"
-            )
-    try:
-        options = redis.connection.parse_url(url.replace("+cluster://", "://", 1))
-    except ValueError as exc:
-        raise ValueError(f"--swa-pool: bad Redis URL {_redact(url)!r}: {exc}") from None
-    unknown = sorted(
-        set(options) - _URL_OPTIONS - {"host", "port", "path", "username", "password", "connection_class"}
-    )
-    if unknown:
-        raise ValueError(f"--swa-pool: unknown option {', '.join(unknown)} in {_redact(url)!r}")
-    db = options.get("db", 0)
-    if "+cluster" in parts.scheme and db != 0:
-        raise ValueError(f"--swa-pool: a Redis Cluster has only db 0, got {db} in {_redact(url)!r}")
-    return f"{parts.scheme}://{where}/{db}"
-
-
-def _redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and the start-up report)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rsplit('@', 1)[1]}"))
-    except ValueError:
-        return "<unparsable URL>"
 
 
 @dataclass(slots=True)
@@ -209,34 +116,7 @@ class _Server:
 
     @property
     def name(self) -> str:
-        return _redact(self.url)
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    raw: bytes
-    nonce: str  # hex
-    chunks: int
-    total: int
-    crc: int
-
-
-def _pack_manifest(nonce: bytes, chunks: int, total: int, crc: int) -> bytes:
-    head = MANIFEST.pack(MAGIC, VERSION, 0, nonce, chunks, total, crc, 0)[:-4]
-    return head + struct.pack("<I", zlib.crc32(head))
-
-
-def _parse_manifest(raw: bytes) -> _Manifest | None:
-    """The manifest in ``raw``, or None when it fails any check (length, magic, version, flags, its CRC,
-    a chunk count that cannot hold the length)."""
-    if len(raw) != MANIFEST.size:
-        return None
-    magic, version, flags, nonce, chunks, total, crc, head_crc = MANIFEST.unpack(raw)
-    if (magic, version, flags) != (MAGIC, VERSION, 0) or zlib.crc32(raw[:-4]) != head_crc:
-        return None
-    if chunks > _MAX_CHUNKS or (total == 0) != (chunks == 0) or chunks > total:
-        return None
-    return _Manifest(bytes(raw), nonce.hex(), chunks, total, crc)
+        return redact_url(self.url)
 
 
 @dataclass(slots=True)
@@ -245,7 +125,7 @@ class _Read:
 
     index: int
     base: str
-    manifest: _Manifest | None = None
+    manifest: Manifest | None = None
     verdict: str | None = None  # "evictions" (a chunk gone) or "corrupt_dropped" (failed a check)
 
 
@@ -296,7 +176,7 @@ class RedisSwaPool:
         self.backoff_s = float(backoff_s)
         self.connect_timeout_s, self.socket_timeout_s = float(connect_timeout_s), float(socket_timeout_s)
         self.counters = TierCounters()
-        self._servers = [_Server(u, _server_id(u).encode()) for u in parsed]
+        self._servers = [_Server(u, server_id(u).encode()) for u in parsed]
         self._ttl_ms = max(1, round(self.ttl_s * 1000))
         self._lock = threading.Lock()
 
@@ -352,7 +232,7 @@ class RedisSwaPool:
         nonce = os.urandom(8)
         n = len(view)
         chunks = [view[i : i + self.chunk_bytes] for i in range(0, n, self.chunk_bytes)]
-        manifest = _pack_manifest(nonce, len(chunks), n, zlib.crc32(view))
+        manifest = pack_manifest(nonce, len(chunks), n, zlib.crc32(view))
         try:
             pipe = client.pipeline(transaction=True)
             for i, chunk in enumerate(chunks):
@@ -366,7 +246,7 @@ class RedisSwaPool:
         with self._lock:
             self.counters.entries_written += 1
             self.counters.bytes_written += n
-        previous = _parse_manifest(old) if old is not None else None
+        previous = parse_manifest(old) if old is not None else None
         if previous is not None and previous.nonce != nonce.hex():
             with suppress(RedisError, RedisClusterException, OSError):  # they expire anyway
                 client.unlink(*self._chunk_keys(base, previous))
@@ -408,7 +288,7 @@ class RedisSwaPool:
         return f"{_KEY_PREFIX}{{{self.namespace}:{bytes(key).hex()}}}"
 
     @staticmethod
-    def _chunk_keys(base: str, m: _Manifest) -> list[str]:
+    def _chunk_keys(base: str, m: Manifest) -> list[str]:
         return [f"{base}:{m.nonce}:{i}" for i in range(m.chunks)]
 
     def _server_for(self, key: bytes) -> _Server:
@@ -432,9 +312,9 @@ class RedisSwaPool:
             for r, raw in zip(reads, raws, strict=True):
                 if raw is None:
                     continue
-                r.manifest = _parse_manifest(raw)
+                r.manifest = parse_manifest(raw)
                 if r.manifest is None:  # compared (and deleted) as it was read; its chunks are unknown
-                    r.manifest, r.verdict = _Manifest(bytes(raw), "", 0, 0, 0), "corrupt_dropped"
+                    r.manifest, r.verdict = Manifest(bytes(raw), "", 0, 0, 0), "corrupt_dropped"
                     continue
                 for k in self._chunk_keys(r.base, r.manifest):
                     pipe.get(k)

@@ -5,7 +5,7 @@ V4.1 keeps window (SWA) state out of the persistent tier; a snapshot lives only 
 `kvdiet.storage.snapshot` with its own header and checksum), so any backend that stores bytes with a TTL
 fits the `SwaPool` protocol: `InProcessSwaPool` here (the default: this process's memory, gone with it) and
 `kvdiet.storage.redis_pool.RedisSwaPool` (Redis servers shared by every process and machine that lists
-them). `create_swa_pool` picks one from a ``--swa-pool`` value.
+them). `kvdiet.storage.swa_pool_factory.create_swa_pool` picks one from a ``--swa-pool`` value.
 
 Semantics shared by every backend: a value put at ``t0`` is served while ``now < t0 + ttl`` (fixed TTL;
 reads refresh LRU order, never the deadline); least recently used entries go first when the byte budget
@@ -29,8 +29,6 @@ __all__ = [
     "IN_PROCESS",
     "InProcessSwaPool",
     "SwaPool",
-    "check_swa_pool_spec",
-    "create_swa_pool",
     "default_swa_pool_bytes",
 ]
 
@@ -77,43 +75,6 @@ class SwaPool(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def check_swa_pool_spec(spec: str) -> str:
-    """``spec`` if it names a backend: ``in-process``, or Redis URLs (`kvdiet.storage.redis_pool.parse_redis_urls`).
-
-    Raises:
-        ValueError: anything else, naming the accepted forms.
-    """
-    if spec.strip() == IN_PROCESS:
-        return IN_PROCESS
-    from kvdiet.storage.redis_pool import parse_redis_urls
-
-    parse_redis_urls(spec)
-    return spec.strip()
-
-
-def create_swa_pool(
-    spec: str,
-    *,
-    namespace: str,
-    capacity_bytes: int | None = None,
-    ttl_s: float = DEFAULT_SWA_POOL_TTL_S,
-    clock: Clock | None = None,
-) -> SwaPool:
-    """The backend ``spec`` names (see `check_swa_pool_spec`), not opened yet.
-
-    ``namespace`` (the model fingerprint in hex) separates models on a shared backend; ``capacity_bytes``
-    bounds the in-process pool only (a Redis server's budget is its ``maxmemory``); ``ttl_s`` in seconds;
-    ``clock`` drives the in-process TTLs only (Redis expires keys on the server's clock).
-    Raises:
-        ValueError: a bad spec, capacity or TTL.
-    """
-    if check_swa_pool_spec(spec) == IN_PROCESS:
-        return InProcessSwaPool(capacity_bytes, ttl_s=ttl_s, clock=clock)
-    from kvdiet.storage.redis_pool import RedisSwaPool
-
-    return RedisSwaPool(spec, namespace=namespace, ttl_s=ttl_s)
 
 
 class InProcessSwaPool:

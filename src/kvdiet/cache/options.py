@@ -1,0 +1,53 @@
+"""`CacheOptions`: sizes, TTLs and SWA policy of the cache system, as plain data (no torch, no I/O), so the
+command line can build and check them without loading the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdiet.cache.policy import BoundedReplay, SwaPolicy
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PERSISTENT_TTL_S", "CacheOptions"]
+
+DEFAULT_BLOCK_SIZE = 64
+"""Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
+
+DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
+"""Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """Sizes, TTLs and policy of a `KVCache` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
+
+    Attributes:
+        kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
+        block_size: tokens per block (a multiple of every compress ratio).
+        persistent_dir: directory of the persistent tier (None: no persistent tier).
+        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
+        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default) or Redis URLs, one or
+            comma-separated (`kvdiet.storage.swa_pool_factory.create_swa_pool`).
+        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool
+            only, a Redis server's budget is its ``maxmemory``) and TTL in seconds.
+        policy: the SWA policy (DESIGN.md §5).
+        decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
+            forced off under ``full-store``, which keeps every token's window entries.
+        prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
+        cache_salt: optional salt mixed into every block hash (tenant isolation).
+    """
+
+    kv_cache_memory: int = 1 << 30
+    block_size: int = DEFAULT_BLOCK_SIZE
+    persistent_dir: str | Path | None = None
+    persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
+    persistent_size: int | None = None
+    swa_pool: str = IN_PROCESS
+    swa_pool_size: int | None = None
+    swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
+    policy: SwaPolicy = field(default_factory=BoundedReplay)
+    decoder_replay: bool = True
+    prefix_caching: bool = True
+    cache_salt: bytes | None = None

@@ -1,0 +1,139 @@
+"""What a model-free simulation takes and gives: `SimConfig` (one simulated serving instance), `RequestResult`
+(where one request's prompt came from) and `SimResult` (totals, series and per-request results of a run).
+Plain data; the run itself is `kvdiet.sim.model_free.simulate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvdiet.cache.manager import WindowSource
+from kvdiet.cache.policy import BoundedReplay, SwaPolicy
+from kvdiet.cache.spec import CacheSpec
+from kvdiet.config import ModelConfig, load_config
+from kvdiet.sim.cost import check_gpu
+
+__all__ = ["DEFAULT_DEVICE_BYTES", "DEFAULT_SWA_POOL_BYTES", "RequestResult", "SimConfig", "SimResult"]
+
+DEFAULT_DEVICE_BYTES = 32 * 10**9
+"""32 GB of global KV: a deliberately modest device pool (a quarter of one H200) so the lower tiers work."""
+DEFAULT_SWA_POOL_BYTES = 200 * 10**9
+"""10% of a DGX H200's 2 TB of host memory (DESIGN.md §1: 10% of each machine's DRAM)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated serving instance.
+
+    Attributes:
+        model: preset or config path whose byte geometry and FLOPs are used.
+        policy: the SWA policy.
+        device_bytes: device-pool budget for global KV (bytes).
+        persistent_bytes: persistent-tier budget (bytes; None = unbounded).
+        persistent_ttl_s: persistent-tier TTL (seconds; default 72 h).
+        swa_pool_bytes / swa_pool_ttl_s: SWA-pool budget (bytes) and TTL (seconds).
+        prefix_caching: look prompts up at all (off: every request cold).
+        gpu / mfu: the compute cost model (`kvdiet.sim.cost`).
+        output_tok_s: decode speed of one request (tokens/s) that sets when it finishes.
+        samples: points of the time series (hit rate and resident bytes over trace time).
+    """
+
+    model: str = "deepseek-v4.1-flash"
+    policy: SwaPolicy = field(default_factory=BoundedReplay)
+    device_bytes: int = DEFAULT_DEVICE_BYTES
+    persistent_bytes: int | None = None
+    persistent_ttl_s: float = 72 * 3600.0
+    swa_pool_bytes: int = DEFAULT_SWA_POOL_BYTES
+    swa_pool_ttl_s: float = 300.0
+    prefix_caching: bool = True
+    gpu: str = "h200"
+    mfu: float = 0.5
+    output_tok_s: float = 50.0
+    samples: int = 120
+
+    def check(self, block_size: int) -> ModelConfig:
+        """Load and check the config against a trace's block size; returns the config.
+
+        Raises:
+            ValueError: a non-positive size or TTL, a block size the compress ratios do not divide, a
+                checkpoint period that is not a multiple of the block size, or a dense config.
+        """
+        if self.device_bytes <= 0 or self.swa_pool_bytes <= 0:
+            raise ValueError("device and SWA-pool sizes must be > 0 bytes")
+        if self.persistent_bytes is not None and self.persistent_bytes <= 0:
+            raise ValueError("persistent size must be > 0 bytes")
+        if not (self.persistent_ttl_s > 0 and self.swa_pool_ttl_s > 0 and self.output_tok_s > 0):
+            raise ValueError("TTLs and output_tok_s must be > 0")
+        check_gpu(self.gpu, self.mfu)
+        if self.samples < 2:
+            raise ValueError(f"samples must be >= 2, got {self.samples}")
+        cfg = load_config(self.model)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"{self.model}: the trace study needs a V4-family config (window and tiers)")
+        for s in CacheSpec.from_config(cfg).compressed:
+            s.page_bytes(block_size)  # raises on a block size that splits a compression group
+        k = self.policy.checkpoint_every
+        if k is not None and k % block_size:
+            raise ValueError(
+                f"checkpoint period {k} must be a multiple of the trace's block size {block_size}"
+            )
+        return cfg
+
+    @property
+    def label(self) -> str:
+        """``policy @ model``, e.g. ``bounded-replay @ deepseek-v4.1-flash``."""
+        return f"{self.policy} @ {self.model}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What happened to one request (the sequence the engine-mode run is compared with).
+
+    Attributes:
+        device_tokens / persistent_tokens: adopted global KV by tier (tokens).
+        window_source: ``swa-pool``, ``persistent``, ``window-blocks``, ``replay`` or ``none``.
+        replayed_tokens / computed_tokens: recomputed below H / prefilled from H (tokens).
+    """
+
+    device_tokens: int
+    persistent_tokens: int
+    window_source: WindowSource
+    replayed_tokens: int
+    computed_tokens: int
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_tokens + self.persistent_tokens
+
+
+@dataclass
+class SimResult:
+    """Totals, time series and the per-request sequence of one simulated run (`simulate`)."""
+
+    config: SimConfig
+    summary: dict[str, object]
+    series: dict[str, list[float]]
+    requests: list[RequestResult]
+    snapshot_ages_s: list[float]
+
+    def as_dict(self) -> dict[str, object]:
+        """The JSON form: the label, the config, the summary and the time series (not per request)."""
+        cfg = self.config
+        return {
+            "label": cfg.label,
+            "model": cfg.model,
+            "policy": str(cfg.policy),
+            "config": {
+                "device_bytes": cfg.device_bytes,
+                "persistent_bytes": cfg.persistent_bytes,
+                "persistent_ttl_s": cfg.persistent_ttl_s,
+                "swa_pool_bytes": cfg.swa_pool_bytes,
+                "swa_pool_ttl_s": cfg.swa_pool_ttl_s,
+                "prefix_caching": cfg.prefix_caching,
+                "gpu": cfg.gpu,
+                "mfu": cfg.mfu,
+                "output_tok_s": cfg.output_tok_s,
+            },
+            "summary": self.summary,
+            "series": self.series,
+        }

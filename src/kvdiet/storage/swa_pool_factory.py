@@ -1,0 +1,45 @@
+"""``--swa-pool`` specs → SWA-pool backends: parses a spec (``in-process`` or Redis URLs) and builds the backend it
+names. The only module that knows every backend; the backends do not know each other.
+"""
+
+from __future__ import annotations
+
+from kvdiet.storage.clock import Clock
+from kvdiet.storage.redis_pool import RedisSwaPool
+from kvdiet.storage.redis_urls import parse_redis_urls
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, InProcessSwaPool, SwaPool
+
+__all__ = ["check_swa_pool_spec", "create_swa_pool"]
+
+
+def check_swa_pool_spec(spec: str) -> str:
+    """``spec`` if it names a backend: ``in-process``, or Redis URLs (`kvdiet.storage.redis_urls.parse_redis_urls`).
+
+    Raises:
+        ValueError: anything else, naming the accepted forms.
+    """
+    if spec.strip() == IN_PROCESS:
+        return IN_PROCESS
+    parse_redis_urls(spec)
+    return spec.strip()
+
+
+def create_swa_pool(
+    spec: str,
+    *,
+    namespace: str,
+    capacity_bytes: int | None = None,
+    ttl_s: float = DEFAULT_SWA_POOL_TTL_S,
+    clock: Clock | None = None,
+) -> SwaPool:
+    """The backend ``spec`` names (see `check_swa_pool_spec`), not opened yet.
+
+    ``namespace`` (the model fingerprint in hex) separates models on a shared backend; ``capacity_bytes``
+    bounds the in-process pool only (a Redis server's budget is its ``maxmemory``); ``ttl_s`` in seconds;
+    ``clock`` drives the in-process TTLs only (Redis expires keys on the server's clock).
+    Raises:
+        ValueError: a bad spec, capacity or TTL.
+    """
+    if check_swa_pool_spec(spec) == IN_PROCESS:
+        return InProcessSwaPool(capacity_bytes, ttl_s=ttl_s, clock=clock)
+    return RedisSwaPool(spec, namespace=namespace, ttl_s=ttl_s)

@@ -1,0 +1,120 @@
+"""The import graph of ``src/kvdiet`` has no cycle (issue 14).
+
+Every import counts, module-level or inside a function: a lazy import that only hides a cycle is still a
+cycle. Imports under ``if TYPE_CHECKING:`` are annotations only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvdiet
+
+ROOT = Path(kvdiet.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The kvdiet modules ``name`` imports (``from pkg import mod`` names the module, else the package)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+        for stmt in branch.body
+        for node in ast.walk(stmt)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                kept = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(kept + ([node.module] if node.module else []))
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_cycle() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 50 and graph["kvdiet.cli"]  # the walk saw the package
+    assert _cycles(graph) == []
+
+
+def test_the_model_does_not_import_the_cache_layer() -> None:
+    """The model computes; blocks are reserved by the cache layer before the forward (issue 14)."""
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("kvdiet.model."):
+            cache = {m for m in _imports(name, path, modules) if m.split(".")[:2] == ["kvdiet", "cache"]}
+            assert not cache, f"{name} imports {sorted(cache)}"
+
+
+def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
