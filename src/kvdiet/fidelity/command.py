@@ -128,6 +128,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
         "prompt_names": names,
         "prompt_tokens": [int(p.numel()) for p in prompts],
         "contexts": contexts,
+        "decoder_start": model.plan.decoder_start,
         "rows": args.rows,
         "chunk": chunk,
         "hits": hits,

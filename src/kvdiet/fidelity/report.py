@@ -8,6 +8,7 @@ figures come from.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,12 +37,35 @@ def points_table(points: Sequence[Point]) -> str:
 
 
 def _series(points: Sequence[Point], *, x: str = "context") -> dict[str, tuple[list[float], list[float]]]:
+    """One line per variant (per context when x is the hit length), x ascending."""
     out: dict[str, tuple[list[float], list[float]]] = {}
-    for p in points:
-        xs, ys = out.setdefault(p.variant, ([], []))
+    for p in sorted(points, key=lambda p: getattr(p, x)):
+        label = p.variant if x == "context" else f"context {p.context:,}"
+        xs, ys = out.setdefault(label, ([], []))
         xs.append(getattr(p, x))
         ys.append(p.value)
     return out
+
+
+def _grouped(points: Sequence[Point], decoder_start: int | None) -> list[Point]:
+    """CSA2 points averaged over the layers of a group (Reuse in the encoder / the decoder, Reindex, pool)."""
+    groups: dict[tuple[str, int], list[Point]] = {}
+    for p in points:
+        layer = int(re.search(r"L(\d+)", p.variant).group(1))
+        if p.variant.startswith("reuse"):
+            side = "decoder" if decoder_start is not None and layer >= decoder_start else "encoder"
+            name = f"Reuse layers ({side}) vs own attention"
+        elif p.variant.startswith("reindex"):
+            name = "Reindex layers vs their KV source"
+        else:
+            name = "candidate-pool recall of the dense top-k"
+        groups.setdefault((name, p.context), []).append(p)
+    return [
+        Point(
+            ps[0].experiment, name, ps[0].measure, c, sum(q.value for q in ps) / len(ps), sum(q.n for q in ps)
+        )
+        for (name, c), ps in groups.items()
+    ]
 
 
 def _plot(
@@ -71,7 +95,12 @@ def write_report(directory: str | Path, result: dict, points: dict[str, list[Poi
     fig.suptitle(f"Cache precision — {label}", fontsize=9)
     files.append(_save(fig, out / "cache_precision.png"))
     fig, ax = plt.subplots(figsize=(7, 4))
-    _plot(ax, sel, f"CSA2 selection — {label}", "overlap / recall")
+    _plot(
+        ax,
+        _grouped(sel, result.get("decoder_start")),
+        f"CSA2 selection — {label} (mean over layers)",
+        "share",
+    )
     files.append(_save(fig, out / "selection.png"))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     enc = [p for p in rep if p.variant == "encoder-side"]
