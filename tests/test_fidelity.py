@@ -163,3 +163,35 @@ def test_fidelity_command_json_and_report(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "exceeds the sliding window 8" in bad.stderr
     missing = subprocess.run([*cmd[:4], "--prompts", str(tmp_path / "none")], capture_output=True, text=True)
     assert missing.returncode == 2 and "no such file or folder" in missing.stderr
+
+
+def test_default_hit_lengths_and_prompts_too_short() -> None:
+    from kvdiet.fidelity.command import _hits
+
+    assert _hits("auto", window=128, top=1000) == [192, 896]  # blocks of 64: just above the window, one short
+    assert _hits("auto", window=8, top=96) == [10, 94]  # a short context: any even length
+    assert _hits("auto", window=8, top=10) == []
+    ids = ",".join(str(3 + i % 60) for i in range(20))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdiet.cli",
+            "fidelity",
+            "--model",
+            "v4.1-micro",
+            "--prompt-ids",
+            ids,
+            "--contexts",
+            "64",
+            "--rows",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        run.returncode == 2
+        and "no prompt reaches the shortest context 64 (the longest has 20 tokens)" in run.stderr
+    )

@@ -80,3 +80,16 @@ def test_golden_command_errors_in_one_line(tmp_path: Path) -> None:
     )
     assert run.returncode == 2
     assert run.stderr.strip() == f"kvdiet golden: error: no reference_outputs.safetensors in {tmp_path}"
+
+
+def test_damaged_or_incomplete_golden_folders_are_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        compare_golden(tmp_path / "nowhere")
+    (tmp_path / "reference_outputs.safetensors").write_bytes(b"\x10" + b"\x00" * 99)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        compare_golden(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        compare_golden(tmp_path)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        compare_golden(tmp_path, tol=float("inf"))

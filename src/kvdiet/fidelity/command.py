@@ -65,7 +65,7 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         "--hits",
         default="auto",
         help="prefix-hit lengths for encoder-side replay, comma-separated (default: 2 block-aligned lengths "
-        "between the window and the longest context)",
+        "between the window and the longest context: just above the window and one block short of it)",
     )
     p.add_argument("--continuation", type=int, default=8, help="greedy tokens compared after each replay (8)")
     p.add_argument("--report", metavar="DIR", help="write report.md and PNG plots into DIR")
@@ -97,7 +97,13 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             f"--rows {args.rows} exceeds the sliding window {window} (bounded replay keeps that many)"
         )
     prompts, names = _prompts(args, files, tokenizer, limit=args.max_prompts)
-    top = max(min(max(contexts), p.numel()) for p in prompts)
+    longest = max(p.numel() for p in prompts)
+    if longest < contexts[0]:
+        raise ValueError(
+            f"no prompt reaches the shortest context {contexts[0]:,} (the longest has {longest:,} tokens): "
+            "lower --contexts or give longer prompts"
+        )
+    top = max(c for c in contexts if c <= longest)
     hits = _hits(args.hits, window=window, top=top)
     label = (
         f"{args.weights} ({model.load_report.numerics} numerics)"
@@ -199,5 +205,6 @@ def _hits(spec: str, *, window: int, top: int) -> list[int]:
         if bad:
             raise ValueError(f"--hits {bad}: each must be even and between the window {window} and {top}")
         return hits
-    lo, hi = (window // 64 + 1) * 64, (top - 64) // 64 * 64  # just above the window; a block short of all
-    return sorted({lo, hi}) if lo <= hi else []
+    align = 64 if top - window >= 256 else 2  # blocks of 64 tokens; any even hit on a short context
+    lo, hi = (window // align + 1) * align, (top - align) // align * align  # just above the window; one short
+    return sorted({lo, hi}) if window < lo <= hi < top else []

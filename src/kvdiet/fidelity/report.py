@@ -73,7 +73,7 @@ def _plot(
 ) -> None:
     for label, (xs, ys) in _series(points, x=x).items():
         ax.plot(xs, [max(y, 1e-12) for y in ys] if log else ys, marker="o", label=label)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title + (" (0 drawn at 1e-12)" if log else ""), fontsize=9)
     ax.set_xlabel("context (tokens)" if x == "context" else "prefix-hit length (tokens)")
     ax.set_ylabel(ylabel)
     if log:

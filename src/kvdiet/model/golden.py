@@ -101,12 +101,16 @@ def compare_golden(
         kvdiet.model.checkpoint.WeightsError / kvdiet.config.ConfigError: the checkpoint does not load.
         ValueError: the outputs file lacks ``prompt_tokens`` or ``prompt_logits``, or a bad ``tol``.
     """
-    if not tol > 0:
-        raise ValueError(f"tol must be > 0, got {tol}")
+    if not 0 < tol < float("inf"):
+        raise ValueError(f"tol must be a finite number > 0, got {tol}")
     directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no such folder: {directory}")
     outputs = directory / OUTPUTS_FILE
     if not outputs.is_file():
         raise FileNotFoundError(f"no {OUTPUTS_FILE} in {directory}")
+    if not any(f.name != OUTPUTS_FILE for f in directory.glob("*.safetensors")):
+        raise FileNotFoundError(f"no checkpoint (safetensors weights besides {OUTPUTS_FILE}) in {directory}")
     ref = _read_outputs(outputs)
     model, report = load_checkpoint(directory, token_map=ref.get("engram.token_map"), numerics=numerics)
     prompt = ref["prompt_tokens"].long()
@@ -213,8 +217,11 @@ def _decode(
 
 
 def _read_outputs(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        out = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            out = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as exc:  # safetensors raises its own SafetensorError on a damaged file
+        raise ValueError(f"{path} is not a readable safetensors file (damaged or truncated?): {exc}") from exc
     missing = [n for n in ("prompt_tokens", "prompt_logits") if n not in out]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}")
@@ -285,6 +292,10 @@ def _compare_caches(
 # --- command line ---------------------------------------------------------------------------------
 
 
+def _or_none(value: int | None) -> str:
+    return "none" if value is None else str(value)
+
+
 def run_golden_command(args: argparse.Namespace, console) -> int:
     """Run ``kvdiet golden``; returns the exit code."""
     from rich.table import Table
@@ -334,8 +345,8 @@ def run_golden_command(args: argparse.Namespace, console) -> int:
             )
         console.print(table)
         firsts = [
-            f"first diverging prompt row: {report.first_diverging_row}",
-            f"first diverging decode step (ties unresolved): {report.first_diverging_decode_step}",
+            f"first diverging prompt row: {_or_none(report.first_diverging_row)}",
+            f"first diverging decode step (ties unresolved): {_or_none(report.first_diverging_decode_step)}",
             "first top-k difference: "
             + (
                 "none"
