@@ -44,12 +44,20 @@ SEED = 0
 GB = 1e9
 
 
+def fp8(o: int, i: int) -> int:
+    """Bytes of an [o, i] FP8 weight: E4M3 values + one UE8M0 scale per 32×32 tile."""
+    return o * i + (-(-o // 32)) * (-(-i // 32))
+
+
+def fp4(o: int, i: int) -> int:
+    """Bytes of an [o, i] FP4 weight: E2M1 nibbles + one UE8M0 scale per 32 inputs."""
+    return o * i // 2 + o * i // 32
+
+
 def released_bytes(cfg) -> dict[str, float]:
     """Checkpoint, resident (fp8 numerics) and routed-expert bytes of ``cfg`` by the release's storage."""
     h, n = cfg.hidden_size, cfg.num_hidden_layers
     plan = LayerPlan.from_config(cfg)
-    fp8 = lambda o, i: o * i + (-(-o // 32)) * (-(-i // 32))  # noqa: E731 - E4M3 + one scale per 32×32
-    fp4 = lambda o, i: o * i // 2 + o * i // 32  # noqa: E731 - E2M1 + one scale per 32 inputs
     attn = fp8(cfg.q_lora_rank, h) + fp8(cfg.num_attention_heads * cfg.head_dim, cfg.q_lora_rank)
     attn += fp8(cfg.head_dim, h) + fp8(h, cfg.o_groups * cfg.o_lora_rank)
     wo_a = cfg.num_attention_heads * cfg.head_dim * cfg.o_lora_rank  # bf16 on disk, fp32 resident

@@ -1,4 +1,4 @@
-"""plan_restore: the restore plan of every SWA policy around the window, block and checkpoint edges."""
+"""SwaPolicy.plan: the restore plan of every SWA policy around the window, block and checkpoint edges."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from kvdiet.cache.manager import RestorePlan, exact_recompute_start, plan_restore
+from kvdiet.cache.manager import RestorePlan, exact_recompute_start
 from kvdiet.cache.policy import SwaPolicy
 
 COLD = RestorePlan(0, None, None, 0)
@@ -29,9 +29,7 @@ class Store:
 def _plan(
     policy: str, h: int, store: Store, *, window: int = 8, layers: int = 3, align: int = 4
 ) -> RestorePlan:
-    return plan_restore(
-        SwaPolicy.parse(policy), h, window=window, num_layers=layers, align=align, has_snapshot=store
-    )
+    return SwaPolicy.parse(policy).plan(h, window=window, num_layers=layers, align=align, has_snapshot=store)
 
 
 def _tuple(p: RestorePlan) -> tuple:
@@ -212,7 +210,7 @@ def test_sweep_matches_documented_rules(
             for h in _positions(w, layers, bs, periods):
                 want, want_calls = _expected(policy, h, w, layers, align, has)
                 store = Store(has)
-                got = plan_restore(policy, h, window=w, num_layers=layers, align=align, has_snapshot=store)
+                got = policy.plan(h, window=w, num_layers=layers, align=align, has_snapshot=store)
                 where = f"{policy} H={h} W={w} L={layers} align={align} store={store_name}"
                 assert got == want, where
                 assert store.calls == want_calls, where
@@ -240,7 +238,7 @@ def test_sweep_exercises_every_outcome() -> None:
             policy = SwaPolicy.parse(name)
             for _, has in _stores(seed=0):
                 for h in _positions(w, layers, bs, periods):
-                    p = plan_restore(policy, h, window=w, num_layers=layers, align=align, has_snapshot=has)
+                    p = policy.plan(h, window=w, num_layers=layers, align=align, has_snapshot=has)
                     kind = (
                         "cold" if p.hit_tokens == 0 else "snapshot" if p.snapshot_at is not None else "replay"
                     )

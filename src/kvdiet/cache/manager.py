@@ -1,7 +1,7 @@
 """Where a prefix hit's window state comes from: the restore plan of each SWA policy (DESIGN.md §5).
 
 Control plane only. Given the global-KV hit ``H`` (tokens, a block multiple) and which stored window states
-exist, `plan_restore` (each policy's `kvdiet.cache.policy.SwaPolicy.plan`) says which global KV to adopt,
+exist, each policy's `kvdiet.cache.policy.SwaPolicy.plan` says which global KV to adopt,
 which window snapshot to load and which tokens to recompute. The runner (`kvdiet.engine.kv_cache`) executes the plan.
 
 | policy | window state at H | fallback |
@@ -19,14 +19,13 @@ split; a plan whose recompute would start at 0 adopts nothing (a cold prefill co
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvdiet.cache.policy import SwaPolicy
+    pass
 
-__all__ = ["COLD", "KeyKind", "RestorePlan", "WindowSource", "exact_recompute_start", "plan_restore"]
+__all__ = ["COLD", "KeyKind", "RestorePlan", "WindowSource", "exact_recompute_start"]
 
 
 class KeyKind(enum.StrEnum):
@@ -96,27 +95,3 @@ def exact_recompute_start(hit_tokens: int, window: int, num_layers: int, align: 
     """``H − (W + (L−1)(W−1))`` aligned down to ``align``, clamped at 0 (vLLM PR #57281's exact window)."""
     start = max(0, hit_tokens - (window + (num_layers - 1) * (window - 1)))
     return start - start % align
-
-
-def plan_restore(
-    policy: SwaPolicy,
-    hit_tokens: int,
-    *,
-    window: int,
-    num_layers: int,
-    align: int,
-    has_snapshot: Callable[[int], bool],
-) -> RestorePlan:
-    """The restore plan for a global-KV hit of ``hit_tokens`` under ``policy`` (`SwaPolicy.plan`).
-
-    Args:
-        policy: the SWA policy.
-        hit_tokens: H, tokens of global KV found (a multiple of the block size; 0 = miss).
-        window: W (config ``sliding_window``).
-        num_layers: layers with a window (all of them).
-        align: replay starts are multiples of this (lcm of the compress ratios).
-        has_snapshot: whether the policy's store (``policy.store``) holds window state at a position.
-    """
-    return policy.plan(
-        hit_tokens, window=window, num_layers=num_layers, align=align, has_snapshot=has_snapshot
-    )

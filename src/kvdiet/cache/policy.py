@@ -125,9 +125,20 @@ class SwaPolicy:
         align: int,
         has_snapshot: Callable[[int], bool],
     ) -> RestorePlan:
-        """The restore plan for a global-KV hit of ``hit_tokens`` (see `kvdiet.cache.manager.plan_restore`);
-        the default stores nothing and recomputes the exact dependency window."""
-        return _recompute(hit_tokens, window, num_layers, align)
+        """The restore plan for a global-KV hit; the default restores the window state at H from ``store``
+        when it holds some, else recomputes the exact dependency window.
+
+        Args:
+            hit_tokens: H, tokens of global KV found (a multiple of the block size; 0 = miss).
+            window: W (config ``sliding_window``).
+            num_layers: layers with a window (all of them).
+            align: replay starts are multiples of this (lcm of the compress ratios).
+            has_snapshot: whether ``store`` holds window state at a position (tokens).
+        """
+        h = hit_tokens
+        if self.store is not None and h > 0 and has_snapshot(h):
+            return RestorePlan(h, h, self.store, h)
+        return _recompute(h, window, num_layers, align)
 
     def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
         """Window bytes kept in the persistent tier for a session of ``num_tokens`` tokens with
@@ -219,20 +230,6 @@ class BoundarySnapshot(_BoundaryPolicy):
     name = "boundary-snapshot"
     store = WindowSource.PERSISTENT
 
-    def plan(
-        self,
-        hit_tokens: int,
-        *,
-        window: int,
-        num_layers: int,
-        align: int,
-        has_snapshot: Callable[[int], bool],
-    ) -> RestorePlan:
-        h = hit_tokens
-        if h > 0 and has_snapshot(h):
-            return RestorePlan(h, h, WindowSource.PERSISTENT, h)
-        return _recompute(h, window, num_layers, align)
-
     def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
         return boundaries * spec.window_bytes_per_request
 
@@ -247,20 +244,6 @@ class FullStore(SwaPolicy):
     name = "full-store"
     store = WindowSource.WINDOW_BLOCKS
     decoder_replay = False
-
-    def plan(
-        self,
-        hit_tokens: int,
-        *,
-        window: int,
-        num_layers: int,
-        align: int,
-        has_snapshot: Callable[[int], bool],
-    ) -> RestorePlan:
-        h = hit_tokens
-        if h > 0 and has_snapshot(h):
-            return RestorePlan(h, h, WindowSource.WINDOW_BLOCKS, h)
-        return _recompute(h, window, num_layers, align)
 
     def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
         return num_tokens * spec.window_entry_bytes_per_token

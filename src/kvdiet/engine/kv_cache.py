@@ -3,7 +3,7 @@
 What a request goes through (DESIGN.md §2):
 1. `KVCache.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
    longest prefix from the device pool, then continue it from the persistent tier (blocks loaded back into
-   the pool); plan the window state at the hit boundary H with the SWA policy (`plan_restore`): restore a
+   the pool); plan the window state at the hit boundary H with the SWA policy (`SwaPolicy.plan`): restore a
    snapshot, or rewind the request and recompute from the plan's replay start. The hit is capped below the
    prompt's last token, whose logits the request needs.
 2. `KVCache.prefill` / `KVCache.decode`: run the model; each block that fills is published to the
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policy import Capture
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
@@ -412,8 +412,7 @@ class KVCache:
                 fetched[pos] = data
             return data is not None
 
-        return plan_restore(
-            policy,
+        return policy.plan(
             hit,
             window=self.window,
             num_layers=len(self.model.plan.layers),

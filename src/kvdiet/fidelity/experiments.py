@@ -243,10 +243,9 @@ def _csa2_measures(sel: Selection, rows: torch.Tensor, pos: torch.Tensor) -> dic
         out[f"reuse L{info.layer_id} vs own attention"] = set_overlap(idx, valid, own_idx, own_valid)
         return out
     if not info.owns_index_keys:  # Reindex: own selection vs the KV source's
-        src_idx, src_valid = sel.seg.topk[info.kv_src]
-        r0 = rows - (sel.seg.positions.shape[0] - src_idx.shape[0])
+        src_idx, src_valid = sel.seg.topk[info.kv_src]  # the same rows: published in this segment
         out[f"reindex L{info.layer_id} vs L{info.kv_src}"] = set_overlap(
-            idx, valid, src_idx[r0], src_valid[r0]
+            idx, valid, src_idx[rows], src_valid[rows]
         )
     if info.candidate == "consumer":  # the candidate pool's recall of the dense top-k
         q_idx, w = attn.indexer.queries(sel.qr[rows], sel.x[rows], pos, attn.rope, attn.codecs.index_key)

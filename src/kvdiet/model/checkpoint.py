@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Checkpoint", "TensorInfo", "WeightsError", "reference_name"]
+__all__ = ["ROUTED_EXPERT", "Checkpoint", "TensorInfo", "WeightsError", "reference_name"]
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 256 << 20  # bytes; a larger header is not a safetensors file
@@ -66,6 +66,8 @@ _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"\.e_score_correction_bias$", ".bias"),
     )
 )
+ROUTED_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+"""A routed expert's tensors or modules: ``layers.{layer}.ffn.experts.{expert}.…`` (groups: layer, expert)."""
 _SKIPPED = re.compile(r"^(model\.)?(mtp|vision|aligner|image_[a-z_]*)[.]")
 
 

@@ -12,8 +12,10 @@
 "FP8 activations" is the reference's ``act_quant(x, 32, ue8m0)``: the input's last dim is cut into blocks of
 32, each scaled by ``2^ceil(log2(max(amax, 1e-4)/448))`` and rounded to E4M3 (`fp8_activations`, the same
 recipe as the window cache, ``kvdiet.formats.fp8``). The weight is dequantised exactly (every E4M3 and E2M1
-value times a power of two is an fp32 value) and the product runs in fp32, as DeepSeek's CPU kernels compute
-``fp8_gemm`` / ``fp4_gemm``. Only the stored bytes stay resident: 1 B (FP8) or ½ B (FP4) per weight.
+value times a power of two is an fp32 value) and the product runs in fp32 (DeepSeek's ``fp8_gemm`` /
+``fp4_gemm`` scale per-block partial sums instead: the same values, summed in another order, so the two agree
+to fp32 rounding). Only the stored bytes stay resident: 1 B (FP8) or ½ B (FP4) per weight; the fp32 weight
+is rebuilt on every call (memory over speed).
 
 This module knows nothing about checkpoints (``kvdiet.model.loader`` sets the storage) or about which layers
 DeepSeek quantises.

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from torch import nn
 
 from kvdiet.config import NUMERICS, ConfigError, ModelConfig, load_config
 from kvdiet.formats.fp8 import quantize_window
-from kvdiet.model.checkpoint import Checkpoint, TensorInfo, WeightsError
+from kvdiet.model.checkpoint import ROUTED_EXPERT, Checkpoint, TensorInfo, WeightsError
 from kvdiet.model.engram import Fp8Embedding
 from kvdiet.model.expert_cache import ExpertCache
 from kvdiet.model.linear import Linear, dequantize_fp4_weight, dequantize_fp8_weight
@@ -68,7 +67,6 @@ __all__ = [
     "save_weights",
 ]
 
-_ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])$")
 _FLOATS = ("F32", "BF16", "F16", "F64")
 _FP4_CODES = ("F4", "I8", "U8")
 _SCALE_CODES = ("F8_E8M0", "U8", *_FLOATS)
@@ -213,7 +211,7 @@ def load_checkpoint(
             layer.ffn.routed = cache.layer(layer.info.layer_id)
     linears = _count_linears(model)
     for name, info in ckpt.tensors.items():
-        if _ROUTED.match(name.removesuffix(".weight")):
+        if name.endswith(".weight") and ROUTED_EXPERT.match(name):
             linears[_storage_of(info)] += 1
     report = LoadReport(chosen, linears, len(ckpt.skipped), True, tuple(row_tables), ckpt.nbytes, cache)
     model.weights_digest = _headers_digest(ckpt)
@@ -290,7 +288,7 @@ def _match(model: Transformer, ckpt: Checkpoint, *, block: int | None, lazy_expe
             problem = _check_linear(module, f"{dot}weight", w, s, block)
             if problem:
                 problems.append(problem)
-            elif not (lazy_experts and _ROUTED.match(prefix)):
+            elif not (lazy_experts and ROUTED_EXPERT.match(prefix + ".")):
                 plan.append(_LinearStep(module, w, s, _edge(module, s, block)))
         elif isinstance(module, Fp8Embedding):
             w, s = take(f"{dot}weight"), take(f"{dot}scale")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.checkpoint import Checkpoint
+from kvdiet.model.checkpoint import ROUTED_EXPERT, Checkpoint
 from kvdiet.planner.weights import estimate_weights
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "random_weights_bytes",
 ]
 
-_ROUTED = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
 _ENGRAM_TABLE = re.compile(r"\.engram\.embed\.(weight|scale)$")
 _MARGIN = 1.1  # norms, mHC and other small tensors the estimate leaves out, and allocator slack
 _GB = 1e9
@@ -101,7 +100,7 @@ def checkpoint_footprint(
     per_expert: dict[tuple[int, int], int] = {}
     for name in ckpt.tensors:
         size = _resident_bytes(ckpt, name, numerics=numerics, table_resident_bytes=table_resident_bytes)
-        match = _ROUTED.match(name)
+        match = ROUTED_EXPERT.match(name)
         if match:
             key = (int(match.group(1)), int(match.group(2)))
             per_expert[key] = per_expert.get(key, 0) + size

@@ -6,7 +6,7 @@ write path after it, with byte sizes from `kvdiet.cache.spec.CacheSpec` instead 
 1. **Lookup.** The prompt's ``hash_ids`` blocks (chained: an id names a whole prefix) are matched in the
    device pool, then the persistent tier, up to ``(n − 1) // B`` blocks (the last token is always
    computed). H = matched blocks × B.
-2. **Restore plan.** `kvdiet.cache.manager.plan_restore` with the policy and "is window state stored at
+2. **Restore plan.** `SwaPolicy.plan` of the policy and "is window state stored at
    H?" answered by the SWA pool (``bounded-replay``), the persistent tier's snapshots (``boundary-snapshot``,
    ``checkpoint:K``) or its window blocks (``full-store``). The plan fixes the adopted hit, the window
    source and the replayed tokens.
@@ -37,7 +37,7 @@ import itertools
 import math
 from collections.abc import Callable
 
-from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource, plan_restore
+from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
 from kvdiet.layer_plan import LayerPlan
@@ -201,8 +201,8 @@ class _Run:
                 found[pos] = self.snap_time.get(key, now)
             return ok
 
-        plan = plan_restore(
-            pol, hit, window=g.window, num_layers=g.num_layers, align=g.align, has_snapshot=has_snapshot
+        plan = pol.plan(
+            hit, window=g.window, num_layers=g.num_layers, align=g.align, has_snapshot=has_snapshot
         )
         adopted = plan.hit_tokens
         source = plan.snapshot_source or (WindowSource.REPLAY if adopted else WindowSource.NONE)
