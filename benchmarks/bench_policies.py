@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
 
@@ -71,7 +71,7 @@ def main() -> None:
             kv_cache_memory=budget,
             block_size=args.block_size,
             persistent_dir=folder,
-            policy=SwaPolicy.parse(name),
+            policy=parse_policy(name),
             decoder_replay=False,
         )
         with KVCache(model, opts) as a:

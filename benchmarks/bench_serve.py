@@ -146,7 +146,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def engine_args(args: argparse.Namespace, persistent_dir: Path | None) -> Any:
-    from kvdiet.cache.policy import SwaPolicy
+    from kvdiet.cache.policies import parse_policy
     from kvdiet.engine.args import EngineArgs
     from kvdiet.engine.kv_cache import CacheOptions
     from kvdiet.engine.scheduler import SchedulerConfig
@@ -156,7 +156,7 @@ def engine_args(args: argparse.Namespace, persistent_dir: Path | None) -> Any:
         kv_cache_memory=parse_bytes(args.kv_cache_memory),
         block_size=args.block_size,
         persistent_dir=persistent_dir,
-        policy=SwaPolicy.parse(args.swa_policy),
+        policy=parse_policy(args.swa_policy),
     )
     return EngineArgs(
         model=args.model,

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from kvdiet.cache.manager import RestorePlan, exact_recompute_start
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.plan import RestorePlan, exact_recompute_start
+from kvdiet.cache.policies import SwaPolicy, parse_policy
 
 COLD = RestorePlan(0, None, None, 0)
 
@@ -29,7 +29,7 @@ class Store:
 def _plan(
     policy: str, h: int, store: Store, *, window: int = 8, layers: int = 3, align: int = 4
 ) -> RestorePlan:
-    return SwaPolicy.parse(policy).plan(h, window=window, num_layers=layers, align=align, has_snapshot=store)
+    return parse_policy(policy).plan(h, window=window, num_layers=layers, align=align, has_snapshot=store)
 
 
 def _tuple(p: RestorePlan) -> tuple:
@@ -201,9 +201,9 @@ def _stores(seed: int) -> list[tuple[str, Callable[[int], bool]]]:
 def test_sweep_matches_documented_rules(
     w: int, layers: int, align: int, bs: int, periods: tuple[int, ...]
 ) -> None:
-    policies = [SwaPolicy.parse(p) for p in ("bounded-replay", "boundary-snapshot", "full-store")]
-    policies += [SwaPolicy.parse(f"checkpoint:{k}") for k in periods]
-    policies.append(SwaPolicy.parse("exact-recompute"))
+    policies = [parse_policy(p) for p in ("bounded-replay", "boundary-snapshot", "full-store")]
+    policies += [parse_policy(f"checkpoint:{k}") for k in periods]
+    policies.append(parse_policy("exact-recompute"))
     checked = 0
     for store_name, has in _stores(seed=w * 1000 + align):
         for policy in policies:
@@ -235,7 +235,7 @@ def test_sweep_exercises_every_outcome() -> None:
     for w, layers, align, bs, periods in GEOMETRIES:
         names = ["bounded-replay", "boundary-snapshot", "full-store", f"checkpoint:{periods[0]}"]
         for name in [*names, "exact-recompute"]:
-            policy = SwaPolicy.parse(name)
+            policy = parse_policy(name)
             for _, has in _stores(seed=0):
                 for h in _positions(w, layers, bs, periods):
                     p = policy.plan(h, window=w, num_layers=layers, align=align, has_snapshot=has)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
 from kvdiet.engine.engine import LLMEngine
 from kvdiet.engine.generate import generate
@@ -57,7 +57,7 @@ def _engine(
     opts = CacheOptions(
         kv_cache_memory=blocks * model.new_pool(1, block_size=BS).block_bytes,
         block_size=BS,
-        policy=SwaPolicy.parse(policy),
+        policy=parse_policy(policy),
     )
     cache = KVCache(model, opts).open()
     return LLMEngine(

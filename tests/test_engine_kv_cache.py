@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvdiet.cache.block_pool import NoFreeBlocksError
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Session
 from kvdiet.model.transformer import Transformer
@@ -47,7 +47,7 @@ def _cache(model: Transformer, tmp: Path | None, policy: str = "bounded-replay",
         kv_cache_memory=blocks * model.new_pool(1, block_size=bs).block_bytes,
         block_size=bs,
         persistent_dir=tmp,
-        policy=SwaPolicy.parse(policy),
+        policy=parse_policy(policy),
         decoder_replay=kw.pop("decoder_replay", False),
         **kw,
     )
@@ -386,7 +386,7 @@ def test_b08_pooled_snapshot_holds_only_the_last_window(micro) -> None:
         c.abort(s)
         bad = micro.new_state(c.pool)
         with pytest.raises(ValueError, match="global KV"):
-            restore_snapshot(bad, c.swa_pool.get(next(iter(c.swa_pool._items))), c.fingerprint)
+            restore_snapshot(bad, c.swa_pool._entries.values()[0][0], c.fingerprint)
 
 
 def test_b29_fully_cached_prompt(micro) -> None:
@@ -454,10 +454,11 @@ def test_corrupt_pool_snapshot_falls_back_to_replay(micro) -> None:
     with _cache(micro, None) as c:
         _run(c, ids)
         pool = c.swa_pool
-        for key, (value, deadline) in list(pool._items.items()):
+        entries = pool._entries._items
+        for key, (value, size, deadline) in list(entries.items()):
             broken = bytearray(value)
             broken[len(broken) // 2] ^= 0x01
-            pool._items[key] = (bytes(broken), deadline)
+            entries[key] = (bytes(broken), size, deadline)
         s, _ = _run(c, ids)
     assert (s.provenance.window_source, s.provenance.replayed_tokens) == ("replay", W)
     assert c.stats.swa_pool.corrupt_dropped == 1 and c.stats.snapshot_restores == 0

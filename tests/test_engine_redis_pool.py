@@ -18,7 +18,7 @@ import pytest
 import redis
 import torch
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.cli import main
 from kvdiet.config import load_config
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Session
@@ -45,7 +45,7 @@ def _cache(model: Transformer, swa_pool: str) -> KVCache:
         kv_cache_memory=200 * model.new_pool(1, block_size=BS).block_bytes,
         block_size=BS,
         swa_pool=swa_pool,
-        policy=SwaPolicy.parse("bounded-replay"),
+        policy=parse_policy("bounded-replay"),
         decoder_replay=False,
     )
     return KVCache(model, opts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiet.cache.policy import Checkpoint, SwaPolicy
+from kvdiet.cache.policies import Checkpoint, parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 
@@ -15,10 +15,10 @@ def spec() -> CacheSpec:
 
 
 def test_parse() -> None:
-    assert SwaPolicy.parse("checkpoint:4096") == Checkpoint(4096)
-    assert str(SwaPolicy.parse("checkpoint:64")) == "checkpoint:64"
-    assert SwaPolicy.parse("bounded-replay").exact is False
-    assert SwaPolicy.parse("full-store").exact is True
+    assert parse_policy("checkpoint:4096") == Checkpoint(4096)
+    assert str(parse_policy("checkpoint:64")) == "checkpoint:64"
+    assert parse_policy("bounded-replay").exact is False
+    assert parse_policy("full-store").exact is True
     for bad, needle in [
         ("lru", "unknown SWA policy"),
         ("checkpoint", "needs a period"),
@@ -27,24 +27,24 @@ def test_parse() -> None:
         ("full-store:3", "takes no argument"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            SwaPolicy.parse(bad)
+            parse_policy(bad)
 
 
 def test_persistent_bytes(spec: CacheSpec) -> None:
     n = 10_000
     glob = spec.global_bytes(n)
-    assert SwaPolicy.parse("bounded-replay").persistent_bytes(spec, n, boundaries=3) == glob
-    assert SwaPolicy.parse("exact-recompute").persistent_bytes(spec, n, boundaries=3) == glob
+    assert parse_policy("bounded-replay").persistent_bytes(spec, n, boundaries=3) == glob
+    assert parse_policy("exact-recompute").persistent_bytes(spec, n, boundaries=3) == glob
     assert (
-        SwaPolicy.parse("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
+        parse_policy("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
     )
-    assert SwaPolicy.parse("full-store").persistent_bytes(spec, n, boundaries=3) == glob + n * 40 * 528
-    assert SwaPolicy.parse("checkpoint:4096").persistent_bytes(spec, n, boundaries=3) == glob + 2 * 2_703_360
+    assert parse_policy("full-store").persistent_bytes(spec, n, boundaries=3) == glob + n * 40 * 528
+    assert parse_policy("checkpoint:4096").persistent_bytes(spec, n, boundaries=3) == glob + 2 * 2_703_360
 
 
 def test_recompute_tokens(spec: CacheSpec) -> None:
-    assert SwaPolicy.parse("bounded-replay").recompute_tokens(spec, 10_000) == 128
-    assert SwaPolicy.parse("bounded-replay").recompute_tokens(spec, 50) == 50  # clamped at the hit
-    assert SwaPolicy.parse("exact-recompute").recompute_tokens(spec, 10_000) == 128 + 39 * 127
-    assert SwaPolicy.parse("checkpoint:256").recompute_tokens(spec, 10_000) == 255
-    assert SwaPolicy.parse("full-store").recompute_tokens(spec, 10_000) == 0
+    assert parse_policy("bounded-replay").recompute_tokens(spec, 10_000) == 128
+    assert parse_policy("bounded-replay").recompute_tokens(spec, 50) == 50  # clamped at the hit
+    assert parse_policy("exact-recompute").recompute_tokens(spec, 10_000) == 128 + 39 * 127
+    assert parse_policy("checkpoint:256").recompute_tokens(spec, 10_000) == 255
+    assert parse_policy("full-store").recompute_tokens(spec, 10_000) == 0

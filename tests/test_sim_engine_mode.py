@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.engine.kv_cache import CacheOptions
@@ -63,7 +63,7 @@ def test_prompts_depend_only_on_the_id_at_each_position() -> None:
 )
 def test_engine_and_model_free_give_the_same_sequence(policy: str) -> None:
     cfg = EngineModeConfig(
-        model="v4.1-micro", max_requests=6, cache=CacheOptions(policy=SwaPolicy.parse(policy))
+        model="v4.1-micro", max_requests=6, cache=CacheOptions(policy=parse_policy(policy))
     )
     res = run_engine_mode(TRACE, cfg)
     assert res.requests == res.model_free and res.agreeing == 6

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.sim.cost import CostModel, _sum_min_floor
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
+from kvdiet.sim.size_tier import SizeTier
 from kvdiet.sim.study import findings, parse_run, parse_sweep, run_study
 from kvdiet.sim.traces import Trace, TraceRequest
-from kvdiet.sim.ttl_lru import TtlLru
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.swa_pool import InProcessSwaPool
@@ -36,25 +36,27 @@ def req(t: float, n: int, ids: tuple[int, ...], out: int = 1) -> TraceRequest:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_ttl_lru_answers_like_the_in_process_swa_pool(seed: int) -> None:
+def test_the_size_tier_answers_like_the_in_process_swa_pool(seed: int) -> None:
     rng = random.Random(seed)
     clock = ManualClock()
     real = InProcessSwaPool(1000, ttl_s=5.0, clock=clock)
-    sim = TtlLru(1000, 5.0, refresh=True)
+    sim = SizeTier(1000, 5.0, refresh=True, clock=clock)
     for _ in range(400):
         clock.advance(rng.choice([0.0, 0.5, 1.0, 2.5]))
         key = rng.randrange(12)
         if rng.random() < 0.5:
             size = rng.choice([100, 250, 400, 1200])
-            assert real.put(bytes([key]), bytes(size)) == sim.put(key, size, clock.now())
+            assert real.put_many([(bytes([key]), None, bytes(size))]) == sim.put_many([(key, None, size)])
         else:
-            assert (real.get(bytes([key])) is not None) == sim.get(key, clock.now())
+            got = real.get_many([bytes([key])])[0]
+            assert (None if got is None else len(got)) == sim.get_many([key])[0]
         real.sweep()
-        sim.expire(clock.now())
+        sim.expire()
         assert (len(real), real.nbytes) == (len(sim), sim.nbytes)
+    assert real.counters == sim.counters
 
 
-def test_ttl_lru_keeps_the_persistent_tiers_ttl_and_lru_rules(tmp_path: Path) -> None:
+def test_the_size_tier_keeps_the_persistent_tiers_ttl_and_lru_rules(tmp_path: Path) -> None:
     clock = ManualClock(1000.0)
     identity = StoreIdentity("cd" * 32, ("fp4_e2m1_e4m3x16",), 2)
     key = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
@@ -66,15 +68,15 @@ def test_ttl_lru_keeps_the_persistent_tiers_ttl_and_lru_rules(tmp_path: Path) ->
     with PersistentStore(
         tmp_path / "ssd", identity, ttl_s=10.0, capacity_bytes=2 * file_size, clock=clock
     ) as real:
-        sim = TtlLru(2 * file_size, 10.0, refresh=False)
+        sim = SizeTier(2 * file_size, 10.0, refresh=False, clock=clock)
 
         def put(i: int) -> None:
-            real.put(key[i], toks[i], bytes(100))
-            sim.put(i, file_size, clock.now())
+            assert real.put_many([(key[i], toks[i], bytes(100))]) == sim.put_many([(i, None, file_size)])
 
         def live(i: int) -> bool:
-            got = real.get(key[i], toks[i]) is not None
-            assert got == sim.get(i, clock.now())
+            assert real.contains_prefix([key[i]]) == sim.contains_prefix([i])
+            got = real.get_many([key[i]], [toks[i]])[0] is not None
+            assert got == (sim.get_many([i])[0] is not None)
             return got
 
         put(0)
@@ -137,7 +139,7 @@ def test_the_pool_ttl_decides_between_restore_and_replay() -> None:
 
 def test_v4_boundary_snapshots_persist_window_state_and_cost_more_bytes() -> None:
     trace = Trace([req(0, 1124, (1, 2, 3), out=600), req(60, 1600, (1, 2, 4, 5))], 512)
-    v4 = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=SwaPolicy.parse("boundary-snapshot")))
+    v4 = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot")))
     assert v4.requests[1].window_source == "persistent"
     spec = CacheSpec.from_config(load_config("deepseek-v4-flash"))
     # A: blocks 1, 2 + one output block (1124 + 600 − 1 = 1723 → 3 blocks); B: block 4. Snapshots: A at
@@ -163,10 +165,10 @@ def test_a_small_device_pool_sends_hits_to_the_persistent_tier() -> None:
 def test_exact_recompute_and_checkpoints_recompute_what_the_manager_plans() -> None:
     ids = tuple(range(1, 21))
     trace = Trace([req(0, 20 * 512, ids), req(30, 20 * 512, ids)], 512)  # the same 10,240-token prompt
-    exact = simulate(trace, SimConfig(policy=SwaPolicy.parse("exact-recompute"))).requests[1]
+    exact = simulate(trace, SimConfig(policy=parse_policy("exact-recompute"))).requests[1]
     # H = 19 blocks = 9,728; recompute from H − (128 + 39 × 127) = 4,647, aligned down to 2: 4,646
     assert (exact.hit_tokens, exact.replayed_tokens) == (9728, 9728 - 4646)
-    ckpt = simulate(trace, SimConfig(policy=SwaPolicy.parse("checkpoint:4096"))).requests[1]
+    ckpt = simulate(trace, SimConfig(policy=parse_policy("checkpoint:4096"))).requests[1]
     assert (ckpt.window_source, ckpt.replayed_tokens) == ("persistent", 9728 - 8192)
 
 
@@ -182,7 +184,7 @@ def test_the_same_trace_and_config_give_identical_results() -> None:
     a, b = simulate(trace, SimConfig()), simulate(trace, SimConfig())
     assert a.as_dict() == b.as_dict() and a.requests == b.requests
     study = run_study(
-        trace, [SimConfig(), replace(SimConfig(), policy=SwaPolicy.parse("exact-recompute"))], jobs=2
+        trace, [SimConfig(), replace(SimConfig(), policy=parse_policy("exact-recompute"))], jobs=2
     )
     assert study.runs[0].as_dict() == a.as_dict()
 
@@ -232,4 +234,4 @@ def test_study_findings_are_ratios_of_the_runs() -> None:
     with pytest.raises(ValueError, match="unknown SWA policy"):
         parse_run("lru@deepseek-v4.1-flash", base)
     with pytest.raises(ValueError, match="multiple of the trace's block size"):
-        simulate(trace, SimConfig(policy=SwaPolicy.parse("checkpoint:1000")))
+        simulate(trace, SimConfig(policy=parse_policy("checkpoint:1000")))

@@ -286,7 +286,7 @@ def test_threads_keep_nbytes_consistent() -> None:
     finally:
         sys.setswitchinterval(old_interval)
     assert errors == []
-    held = sum(len(v) for v, _ in pool._items.values())
+    held = sum(len(v) for v, _ in pool._entries.values())
     assert pool.nbytes == held
     assert pool.nbytes <= pool.capacity_bytes
     c = pool.counters

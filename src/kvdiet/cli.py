@@ -16,7 +16,7 @@ from rich.console import Console
 
 from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
-from kvdiet.cache.manager import WindowSource
+from kvdiet.cache.plan import WindowSource
 from kvdiet.config import PRESETS, ConfigError, load_config
 from kvdiet.engine.args import EngineArgs, add_numerics_arg
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report

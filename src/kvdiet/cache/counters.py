@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["TierCounters"]
+__all__ = ["CacheStats", "TierCounters"]
 
 
 @dataclass(slots=True)
@@ -45,3 +45,35 @@ class TierCounters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters of a whole cache system: one `TierCounters` per tier plus the replay work.
+
+    Attributes:
+        device / persistent / swa_pool: each tier's counters.
+        replayed_tokens: tokens recomputed below a hit to rebuild window state.
+        computed_tokens: prompt tokens prefilled from the hit on.
+        snapshot_restores: hits whose window state was restored (not replayed).
+        snapshots_stored: window snapshots stored (SWA pool or persistent tier).
+    """
+
+    device: TierCounters
+    persistent: TierCounters
+    swa_pool: TierCounters
+    replayed_tokens: int = 0
+    computed_tokens: int = 0
+    snapshot_restores: int = 0
+    snapshots_stored: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "device": self.device.as_dict(),
+            "persistent": self.persistent.as_dict(),
+            "swa_pool": self.swa_pool.as_dict(),
+            "replayed_tokens": self.replayed_tokens,
+            "computed_tokens": self.computed_tokens,
+            "snapshot_restores": self.snapshot_restores,
+            "snapshots_stored": self.snapshots_stored,
+        }

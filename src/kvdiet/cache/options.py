@@ -7,16 +7,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiet.cache.policy import BoundedReplay, SwaPolicy
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS
+from kvdiet.cache.policies import BoundedReplay, SwaPolicy
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PERSISTENT_TTL_S", "CacheOptions"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_PERSISTENT_TTL_S",
+    "DEFAULT_SWA_POOL_TTL_S",
+    "IN_PROCESS",
+    "CacheOptions",
+]
 
 DEFAULT_BLOCK_SIZE = 64
 """Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
 
 DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
 """Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""
+
+DEFAULT_SWA_POOL_TTL_S = 300.0
+"""5 minutes: the SWA pool's TTL "of minutes" (DESIGN.md §1, seed 001)."""
+
+IN_PROCESS = "in-process"
+"""The ``--swa-pool`` value of the default backend, `kvdiet.storage.swa_pool.InProcessSwaPool`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from kvdiet.cache.options import CacheOptions
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.layer_plan import LayerPlan
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
@@ -294,7 +294,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
         swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
-        policy=parse_flag("--swa-policy", SwaPolicy.parse, args.swa_policy),
+        policy=parse_flag("--swa-policy", parse_policy, args.swa_policy),
         decoder_replay=not args.no_swa_bounded_replay,
         prefix_caching=args.enable_prefix_caching,
     )

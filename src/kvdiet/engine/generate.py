@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from kvdiet.cache.plan import Provenance
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
-from kvdiet.engine.kv_cache import CacheOptions, KVCache, Provenance
+from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.engram import compressed_token_map

@@ -1,20 +1,20 @@
-"""The KV-cache system of one model: device pool, prefix cache, persistent tier, SWA pool, replay, policies.
+"""The engine's cache system of one model: executes the control plane's actions with tensors.
 
-What a request goes through (DESIGN.md §2):
+What a request goes through (DESIGN.md §2; the rules are `kvdiet.cache.control.ControlPlane`'s):
 1. `KVCache.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
-   longest prefix from the device pool, then continue it from the persistent tier (blocks loaded back into
-   the pool); plan the window state at the hit boundary H with the SWA policy (`SwaPolicy.plan`): restore a
-   snapshot, or rewind the request and recompute from the plan's replay start. The hit is capped below the
-   prompt's last token, whose logits the request needs.
-2. `KVCache.prefill` / `KVCache.decode`: run the model; each block that fills is published to the
-   device prefix index and written through to the persistent tier; window state is captured at the
-   positions the policy keeps (the prompt's last block boundary, the last boundary reached, every K tokens,
-   or every token's window entries for ``full-store``).
-3. `KVCache.finish` stores the captured window state (SWA pool or persistent tier) and returns the blocks;
-   `KVCache.abort` only returns the blocks. Both are idempotent.
+   longest prefix from the device pool (`BlockPool.lookup_and_take`), then load its continuation from the
+   persistent tier into fresh blocks (`ControlPlane.load`); the plan at the hit (`ControlPlane.plan`):
+   restore the window state it read (a snapshot, or ``full-store``'s window blocks) or rewind the request
+   and replay from the plan's start. The hit is capped below the prompt's last token, whose logits the
+   request needs.
+2. `KVCache.prefill` / `KVCache.decode`: blocks are reserved (`kvdiet.cache.reserve`), the model runs;
+   each block that fills is published to the device prefix index, and `ControlPlane.after_forward` writes
+   it through and captures window state where the policy keeps it (prefill chunks end at
+   `ControlPlane.capture_points`).
+3. `KVCache.finish` stores the window state held for the end and returns the blocks; `KVCache.abort` only
+   returns the blocks. Both are idempotent.
 
 The model reads and writes global KV in place in the device pool through each request's block table.
-This module knows the model only through `Transformer`'s public methods.
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
-from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource
+from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry
+from kvdiet.cache.keys import HashKeys
 from kvdiet.cache.options import CacheOptions
-from kvdiet.cache.policy import Capture
+from kvdiet.cache.plan import Replay, RestoreWindow, WindowSource
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.cache.reserve import reserve_blocks
+from kvdiet.engine.session import Session
+from kvdiet.engine.window_blocks import WindowBlockLog, restore_window_blocks, window_block_bytes
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
@@ -40,92 +42,7 @@ from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_by
 from kvdiet.storage.swa_pool import SwaPool
 from kvdiet.storage.swa_pool_factory import create_swa_pool
 
-__all__ = [
-    "CacheOptions",
-    "CacheStats",
-    "KVCache",
-    "Provenance",
-    "Session",
-    "pool_num_blocks",
-    "weights_checksum",
-]
-
-_LOAD_BATCH = 32
-"""Blocks read from the persistent tier per batch (one index transaction each)."""
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """Counters of the whole system: one `TierCounters` per tier plus replay work (tokens)."""
-
-    device: TierCounters
-    persistent: TierCounters
-    swa_pool: TierCounters
-    replayed_tokens: int = 0
-    computed_tokens: int = 0
-    snapshot_restores: int = 0
-    snapshots_stored: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "device": self.device.as_dict(),
-            "persistent": self.persistent.as_dict(),
-            "swa_pool": self.swa_pool.as_dict(),
-            "replayed_tokens": self.replayed_tokens,
-            "computed_tokens": self.computed_tokens,
-            "snapshot_restores": self.snapshot_restores,
-            "snapshots_stored": self.snapshots_stored,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Provenance:
-    """Where a prompt's tokens came from.
-
-    Attributes:
-        prompt_tokens: N.
-        device_tokens / persistent_tokens: global KV taken from the device pool / loaded from the persistent
-            tier (tokens; block multiples; together the hit H).
-        window_source: ``"swa-pool"``, ``"persistent"`` (a stored snapshot), ``"window-blocks"``
-            (full-store), ``"replay"`` (bounded or exact recompute) or ``"none"`` (cold).
-        window_tokens: tokens whose window state was restored from ``window_source`` (0 for replay/cold).
-        replayed_tokens: tokens recomputed below H to rebuild window state (global KV not rewritten).
-        computed_tokens: tokens ``[H, N)`` prefilled as usual.
-        exact: whether the continuation equals a cold run (False for a bounded replay).
-    """
-
-    prompt_tokens: int
-    device_tokens: int
-    persistent_tokens: int
-    window_source: WindowSource
-    window_tokens: int
-    replayed_tokens: int
-    computed_tokens: int
-    exact: bool
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.device_tokens + self.persistent_tokens
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self) | {"hit_tokens": self.hit_tokens}
-
-
-@dataclass(slots=True)
-class Session:
-    """One request inside the cache system (created by `KVCache.start`)."""
-
-    state: RequestState
-    tokens: list[int]
-    prompt_tokens: int
-    provenance: Provenance
-    plan: RestorePlan
-    hashes: list[bytes]
-    persisted: int  # leading blocks known to be in the persistent tier
-    captures: dict[int, bytes] = field(default_factory=dict)  # position → window snapshot, stored at finish
-    window_blocks: dict[int, bytes] = field(default_factory=dict)  # full-store: block index → [L, bs, width]
-    window_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # full-store rows of a partial block
-    done: bool = False
+__all__ = ["CacheOptions", "KVCache", "Session", "pool_num_blocks", "weights_checksum"]
 
 
 def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
@@ -159,11 +76,6 @@ def weights_checksum(model: torch.nn.Module) -> str:
             h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     h.update(str(getattr(model, "weights_digest", "")).encode())
     return h.hexdigest()
-
-
-def _derived_key(block_hash: bytes, kind: KeyKind, tag: bytes = b"") -> bytes:
-    """The tier key of ``kind`` at a block (``tag``: the decoder-replay mark of window snapshots)."""
-    return hashlib.blake2b(block_hash, digest_size=32, person=b"kvdiet-" + kind.encode() + tag).digest()
 
 
 class KVCache:
@@ -232,15 +144,27 @@ class KVCache:
                 clock=self.clock,
             )
         )
-        self.stats = CacheStats(
-            self.pool.blocks.counters,
-            self.persistent.counters if self.persistent is not None else TierCounters(),
-            self.swa_pool.counters,
-        )
         self.decoder_replay = opts.decoder_replay and opts.policy.decoder_replay
-        # window snapshots taken with decoder-side bounded replay hold approximate decoder windows: keyed
-        # apart, so an exact run never restores one (nor the reverse); global KV is the same in both modes
-        self._window_tag = b"-r" if self.decoder_replay else b""
+        geometry = Geometry(
+            block_size=bs,
+            window=cfg.sliding_window,
+            num_layers=len(model.plan.layers),
+            align=self.align,
+            block_bytes=self.pool.block_bytes,
+            window_block_bytes=window_block_bytes(model, bs),
+        )
+        # window snapshots taken with decoder-side replay hold approximate decoder windows: keyed apart, so
+        # an exact run never restores one (nor the reverse); global KV is the same in both modes
+        self.control: ControlPlane[bytes] = ControlPlane(
+            opts.policy,
+            geometry,
+            HashKeys(b"-r" if self.decoder_replay else b""),
+            persistent=self.persistent,
+            swa_pool=self.swa_pool,
+            device=self.pool.blocks.counters,
+            prefix_caching=opts.prefix_caching,
+        )
+        self.stats = self.control.stats
         self._opened = False
 
     # --- lifecycle of the tiers ---
@@ -275,9 +199,6 @@ class KVCache:
     def window(self) -> int:
         return self.model.cfg.sliding_window
 
-    def _persistent_on(self) -> bool:
-        return self.persistent is not None and self.persistent.enabled
-
     # --- request start: lookup, load, restore or replay ---
 
     def start(self, prompt_ids: Sequence[int]) -> Session:
@@ -291,59 +212,60 @@ class KVCache:
         that fails validation is a miss (counted as corrupt) and the plan falls back as if it were absent.
         """
         ids = self.model.check_tokens(prompt_ids).tolist()
-        n, bs, w = len(ids), self.options.block_size, self.window
+        n, bs, control = len(ids), self.options.block_size, self.control
         blocks = [ids[s : s + bs] for s in range(0, n - bs + 1, bs)]
         hashes = self._hashes(ROOT_HASH, blocks)
-        usable = (n - 1) // bs if self.options.prefix_caching else 0  # keep the last token to compute
-        device = self.pool.blocks.lookup_and_take(hashes[:usable], blocks[:usable])
-        loaded = self._load_persistent(hashes[len(device) : usable], blocks[len(device) : usable])
-        taken = device + loaded
-        hit = len(taken) * bs
-        c = self.stats
-        c.device.query_tokens += usable * bs
-        c.device.hit_tokens += len(device) * bs
-        if self.persistent is not None:
-            c.persistent.query_tokens += (usable - len(device)) * bs
-            c.persistent.hit_tokens += len(loaded) * bs
+        req: CacheRequest[bytes] = CacheRequest(n, list(hashes), list(blocks))
+        usable = control.usable_blocks(n)
+        taken = self.pool.blocks.lookup_and_take(hashes[:usable], blocks[:usable])
+        device = len(taken)
 
-        fetched: dict[int, bytes] = {}
-        plan = self._plan(hit, hashes, blocks, fetched)
-        state = self.model.new_state(self.pool, blocks=taken, num_tokens=hit)
-        if plan.hit_tokens == 0 and hit:
-            state.table.release()
-            state = self.model.new_state(self.pool)
-        if plan.snapshot_source is not None:
+        def accept(i: int, payload: bytes) -> bool:
+            if self.pool.blocks.num_free == 0:
+                return False
+            (b,) = self.pool.allocate(1)
+            self.pool.write_block(b, payload)
+            self.pool.blocks.publish(b, hashes[i], blocks[i])
+            taken.append(b)
+            return True
+
+        loaded = control.load(req, device, usable, accept)
+        plan, window = control.plan(req, len(taken))
+        state = self._state(taken, plan.hit_tokens)
+        if isinstance(window, RestoreWindow):
             try:
-                self._restore(state, plan, fetched[plan.snapshot_at], ids)
-                c.snapshot_restores += 1
+                self._restore(state, window, ids)
             except SnapshotError:
-                tier = c.swa_pool if plan.snapshot_source is WindowSource.SWA_POOL else c.persistent
-                tier.corrupt_dropped += 1
-                plan = self._plan(hit, hashes, blocks, {}, allow_snapshots=False)
+                control.corrupt(window)
+                plan, window = control.plan(req, len(taken), use_stored=False)
                 if plan.hit_tokens == 0:
                     state.table.release()
                     state = self.model.new_state(self.pool)
-        if plan.snapshot_source is None and plan.hit_tokens:
-            self.model.rewind(state, plan.replay_start, ids)
-        if plan.snapshot_source is WindowSource.SWA_POOL:
-            c.swa_pool.hit_tokens += min(w, hit)
-        if self.options.policy.store is WindowSource.SWA_POOL and hit:
-            c.swa_pool.query_tokens += min(w, hit)
-        c.replayed_tokens += plan.replay_tokens
-        c.computed_tokens += n - plan.hit_tokens
+        if isinstance(window, Replay):
+            self.model.rewind(state, window.start, ids)
+        prov = control.admit(req, plan, device_blocks=device, loaded_blocks=loaded)
         adopted = plan.hit_tokens // bs
-        prov = Provenance(
-            prompt_tokens=n,
-            device_tokens=min(len(device), adopted) * bs,
-            persistent_tokens=max(0, adopted - len(device)) * bs,
-            window_source=plan.snapshot_source
-            or (WindowSource.REPLAY if plan.hit_tokens else WindowSource.NONE),
-            window_tokens=min(w, plan.snapshot_at or 0) if plan.snapshot_source else 0,
-            replayed_tokens=plan.replay_tokens,
-            computed_tokens=n - plan.hit_tokens,
-            exact=not plan.clipped,
-        )
-        return Session(state, ids, n, prov, plan, hashes[:adopted], persisted=adopted)
+        del req.blocks[adopted:], req.block_tokens[adopted:]  # later blocks are hashed as they fill
+        log = WindowBlockLog(bs, adopted) if self._logs_window_blocks() else None
+        return Session(state, ids, n, prov, req, log)
+
+    def _state(self, taken: list[int], hit_tokens: int) -> RequestState:
+        """A request state on the blocks taken; none of them when the plan adopts nothing."""
+        if hit_tokens == 0 and taken:
+            self.pool.blocks.release(taken)
+            taken = []
+        return self.model.new_state(self.pool, blocks=taken, num_tokens=hit_tokens)
+
+    def _restore(self, state: RequestState, window: RestoreWindow[bytes], ids: list[int]) -> None:
+        """Load the window state a plan restores. Raises `SnapshotError` on a payload that fails validation."""
+        if window.source is WindowSource.WINDOW_BLOCKS:
+            data = b"".join(window.payloads)
+            restore_window_blocks(self.model, state, window.at, data, ids, self.options.block_size)
+        else:
+            restore_snapshot(state, window.payloads[0], self.fingerprint)
+
+    def _logs_window_blocks(self) -> bool:
+        return self.options.policy.store is WindowSource.WINDOW_BLOCKS and self.persistent is not None
 
     def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int = 1) -> int:
         """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
@@ -352,7 +274,7 @@ class KVCache:
         queue); so do persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
         n, bs = len(prompt_ids), self.options.block_size
         total = -(-(n + extra_tokens) // bs)
-        usable = (n - 1) // bs if self.options.prefix_caching else 0
+        usable = self.control.usable_blocks(n)
         if usable == 0:
             return total
         blocks = [list(prompt_ids[s : s + bs]) for s in range(0, usable * bs, bs)]
@@ -365,102 +287,6 @@ class KVCache:
             parent = chain_hash(parent, block, self.fingerprint, self.options.cache_salt)
             out.append(parent)
         return out
-
-    def _load_persistent(self, hashes: list[bytes], blocks: list[list[int]]) -> list[int]:
-        """Load the longest run of ``hashes`` from the persistent tier into fresh device blocks."""
-        if not hashes or not self._persistent_on():
-            return []
-        present = self.persistent.contains_prefix(hashes)  # index only: how far to read
-        out: list[int] = []
-        for s in range(0, present, _LOAD_BATCH):  # batches, so a broken chain stops the reads early
-            keys, toks = hashes[s : s + _LOAD_BATCH], blocks[s : s + _LOAD_BATCH]
-            for h, tokens, payload in zip(keys, toks, self.persistent.get_many(keys, toks), strict=True):
-                if payload is None or len(payload) != self.pool.block_bytes or self.pool.blocks.num_free == 0:
-                    return out
-                (b,) = self.pool.allocate(1)
-                self.pool.write_block(b, payload)
-                self.pool.blocks.publish(b, h, tokens)
-                out.append(b)
-        return out
-
-    def _plan(
-        self,
-        hit: int,
-        hashes: list[bytes],
-        blocks: list[list[int]],
-        fetched: dict[int, bytes],
-        *,
-        allow_snapshots: bool = True,
-    ) -> RestorePlan:
-        policy, bs = self.options.policy, self.options.block_size
-
-        def has_snapshot(pos: int) -> bool:
-            if not allow_snapshots or pos % bs or pos <= 0:
-                return False
-            i = pos // bs - 1
-            if policy.store is WindowSource.SWA_POOL:
-                data = self.swa_pool.get(_derived_key(hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag))
-            elif policy.store is WindowSource.WINDOW_BLOCKS:
-                data = self._read_window_blocks(pos, hashes, blocks)
-            elif self._persistent_on():
-                data = self.persistent.get(
-                    _derived_key(hashes[i], KeyKind.SNAPSHOT, self._window_tag), blocks[i]
-                )
-            else:
-                data = None
-            if data is not None:
-                fetched[pos] = data
-            return data is not None
-
-        return policy.plan(
-            hit,
-            window=self.window,
-            num_layers=len(self.model.plan.layers),
-            align=self.align,
-            has_snapshot=has_snapshot,
-        )
-
-    def _restore(self, state: RequestState, plan: RestorePlan, data: bytes, ids: list[int]) -> None:
-        if plan.snapshot_source is WindowSource.WINDOW_BLOCKS:
-            self._restore_window_blocks(state, plan.snapshot_at, data, ids)
-        else:
-            restore_snapshot(state, data, self.fingerprint)
-
-    # --- full-store: every token's window entries, one payload per block ---
-
-    def _window_block_bytes(self) -> int:
-        c = self.model.codecs.window
-        return len(self.model.plan.layers) * self.options.block_size * c.width * c.dtype.itemsize
-
-    def _read_window_blocks(self, pos: int, hashes: list[bytes], blocks: list[list[int]]) -> bytes | None:
-        if not self._persistent_on():
-            return None
-        bs = self.options.block_size
-        first = max(0, pos - self.window) // bs
-        parts = []
-        for i in range(first, pos // bs):
-            data = self.persistent.get(_derived_key(hashes[i], KeyKind.WINDOW_BLOCK), blocks[i])
-            if data is None or len(data) != self._window_block_bytes():
-                return None
-            parts.append(data)
-        return b"".join(parts)
-
-    def _restore_window_blocks(self, state: RequestState, pos: int, data: bytes, ids: list[int]) -> None:
-        bs, w = self.options.block_size, self.window
-        first = max(0, pos - w) // bs * bs
-        layers = len(state.windows)
-        ring = state.windows[0]
-        rows = torch.frombuffer(bytearray(data), dtype=ring.rows.dtype).view(
-            -1, layers, bs, ring.rows.shape[1]
-        )
-        rows = rows.permute(1, 0, 2, 3).reshape(layers, -1, ring.rows.shape[1])  # [L, tokens, width]
-        positions = torch.arange(first, pos)
-        keep = positions >= pos - w
-        self.model.rewind(state, pos, ids)  # empties rings and tails, history at pos
-        for layer, r in enumerate(state.windows):
-            slots = positions[keep] % w
-            r.rows[slots] = rows[layer][keep]
-            r.positions[slots] = positions[keep]
 
     # --- running the model ---
 
@@ -491,20 +317,20 @@ class KVCache:
             if max_tokens is None
             else min(session.prompt_tokens, state.num_tokens + max_tokens)
         )
-        stops = self._capture_points(session)
+        stops = self.control.capture_points(session.prompt_tokens)
         logits = None
         while state.num_tokens < n:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
             reserve_blocks([(state.table, end)])  # the model computes; the cache allocates
-            log = self._log_windows(session)
+            self._start_log(session)
             try:
                 logits = self.model.prefill(
                     state, session.tokens[start:end], bounded_replay=self.decoder_replay
                 )
             finally:
-                self._stop_logging(session)
-            self._after_forward(session, log)
+                self._stop_log(session)
+            self._after_forward(session, start)
             if progress is not None:
                 progress.advance(end - start)
         return logits
@@ -516,132 +342,65 @@ class KVCache:
             NoFreeBlocksError: the pool cannot hold one more token of every session (nothing allocated).
         """
         reserve_blocks([(s.state.table, s.state.num_tokens + 1) for s in sessions])
-        logs = [self._log_windows(s) for s in sessions]
+        starts = [s.state.num_tokens for s in sessions]
+        for s in sessions:
+            self._start_log(s)
         try:
             logits = self.model.decode([s.state for s in sessions], tokens)
         finally:
             for s in sessions:
-                self._stop_logging(s)
-        for s, t, log in zip(sessions, tokens, logs, strict=True):
+                self._stop_log(s)
+        for s, t, start in zip(sessions, tokens, starts, strict=True):
             s.tokens.append(int(t))
-            self._after_forward(s, log)
+            self._after_forward(s, start)
         return logits
 
-    def _capture_points(self, session: Session) -> list[int]:
-        bs, n = self.options.block_size, session.prompt_tokens
-        policy = self.options.policy
-        points = {(n - 1) // bs * bs, n // bs * bs} - {0}
-        points |= set(policy.checkpoints(n))
-        return sorted(points)
-
-    def _log_windows(self, session: Session) -> list | None:
-        if self.options.policy.store is not WindowSource.WINDOW_BLOCKS or not self._persistent_on():
-            return None
-        log: list = []
-        for ring in session.state.windows:
-            ring.log = log
-        return log
+    @staticmethod
+    def _start_log(session: Session) -> None:
+        if session.window_log is not None:
+            session.window_log.start(session.state)
 
     @staticmethod
-    def _stop_logging(session: Session) -> None:
-        for ring in session.state.windows:
-            ring.log = None
+    def _stop_log(session: Session) -> None:
+        if session.window_log is not None:
+            session.window_log.stop(session.state)
 
-    def _after_forward(self, session: Session, log: list | None) -> None:
-        state, bs = session.state, self.options.block_size
-        if log is not None:
-            self._collect_windows(session, log)
-        pos = state.num_tokens
-        full = pos // bs
-        if full > len(session.hashes):
-            parent = session.hashes[-1] if session.hashes else ROOT_HASH
-            blocks = [session.tokens[i * bs : (i + 1) * bs] for i in range(len(session.hashes), full)]
-            session.hashes += self._hashes(parent, blocks)
-            for i in range(full - len(blocks), full):
-                self.pool.blocks.publish(
-                    state.table.ids[i], session.hashes[i], session.tokens[i * bs : (i + 1) * bs]
-                )
-            self._write_through(session, full)
-        plan = session.plan
-        if (
-            pos % bs == 0
-            and pos > 0
-            and pos >= plan.hit_tokens
-            and not (plan.clipped and pos == plan.hit_tokens)
-        ):
-            self._capture(session, pos)  # a bounded replay's state at H is approximate: never stored
+    def _after_forward(self, session: Session, start: int) -> None:
+        """Publish the blocks that filled, then let the control plane write through and capture."""
+        state, req, bs = session.state, session.cache, self.options.block_size
+        end = state.num_tokens
+        full = end // bs
+        if full > len(req.blocks):
+            first = len(req.blocks)
+            blocks = [session.tokens[i * bs : (i + 1) * bs] for i in range(first, full)]
+            hashes = self._hashes(req.blocks[-1] if req.blocks else ROOT_HASH, blocks)
+            req.blocks += hashes
+            req.block_tokens += blocks
+            for i in range(first, full):
+                self.pool.blocks.publish(state.table.ids[i], req.blocks[i], req.block_tokens[i])
+        log = session.window_log
 
-    def _write_through(self, session: Session, full: int) -> None:
-        if not self._persistent_on():
-            return
-        bs, items = self.options.block_size, []
-        for i in range(session.persisted, full):
-            tokens = session.tokens[i * bs : (i + 1) * bs]
-            items.append((session.hashes[i], tokens, self.pool.read_block(session.state.table.ids[i])))
-            rows = session.window_blocks.pop(i, None)
-            if rows is not None:
-                items.append((_derived_key(session.hashes[i], KeyKind.WINDOW_BLOCK), tokens, rows))
-        if items:
-            self.persistent.put_many(items)
-        session.persisted = full
+        def snapshot(pos: int) -> bytes:
+            assert pos == end, "prefill chunks end at every capture point"
+            return snapshot_bytes(state, self.fingerprint)
 
-    def _collect_windows(self, session: Session, log: list) -> None:
-        """full-store: gather this forward's window rows of every layer; cut them into whole blocks."""
-        bs = self.options.block_size
-        if not log:
-            return
-        rows = torch.stack([r for r, _ in log])  # [L, T, width]: one write per layer
-        pos = log[0][1]
-        if session.window_pending is not None:
-            rows, pos = (
-                torch.cat([session.window_pending[0], rows], 1),
-                torch.cat([session.window_pending[1], pos]),
-            )
-        done = int(pos[-1] + 1) // bs
-        for i in range(max(int(pos[0]) // bs, session.persisted), done):
-            sel = (pos >= i * bs) & (pos < (i + 1) * bs)
-            if int(sel.sum()) == bs:
-                session.window_blocks[i] = rows[:, sel].contiguous().view(torch.uint8).numpy().tobytes()
-        keep = pos >= done * bs
-        session.window_pending = (rows[:, keep], pos[keep]) if bool(keep.any()) else None
-
-    def _capture(self, session: Session, pos: int) -> None:
-        bs = self.options.block_size
-        capture = self.options.policy.capture_at(pos, prompt_boundary=(session.prompt_tokens - 1) // bs * bs)
-        if capture is None:
-            return
-        data = snapshot_bytes(session.state, self.fingerprint)
-        if capture is Capture.NOW:
-            self._store_snapshot(session, pos, data)
-        else:
-            session.captures = {pos: data}  # the latest boundary past the prompt's; stored at finish
-
-    def _store_snapshot(self, session: Session, pos: int, data: bytes) -> None:
-        i, bs = pos // self.options.block_size - 1, self.options.block_size
-        if self.options.policy.store is WindowSource.SWA_POOL:
-            ok = self.swa_pool.put(
-                _derived_key(session.hashes[i], KeyKind.POOL_SNAPSHOT, self._window_tag), data
-            )
-        elif self._persistent_on():
-            ok = self.persistent.put(
-                _derived_key(session.hashes[i], KeyKind.SNAPSHOT, self._window_tag),
-                session.tokens[i * bs : (i + 1) * bs],
-                data,
-            )
-        else:
-            ok = False
-        self.stats.snapshots_stored += int(ok)
+        self.control.after_forward(
+            req,
+            start,
+            end,
+            block=lambda i: self.pool.read_block(state.table.ids[i]),
+            window_block=lambda i: log.pop(i) if log is not None else None,
+            snapshot=snapshot,
+        )
 
     # --- end of a request ---
 
     def finish(self, session: Session) -> None:
-        """Store the captured window state (full blocks were written through as they filled) and return the
-        blocks. A second call (or a call after `abort`) does nothing."""
+        """Store the window state held for the end (full blocks were written through as they filled) and
+        return the blocks. A second call (or a call after `abort`) does nothing."""
         if session.done:
             return
-        for pos, data in session.captures.items():
-            self._store_snapshot(session, pos, data)
-        session.captures.clear()
+        self.control.finish(session.cache)
         self.abort(session)
 
     def abort(self, session: Session) -> None:

@@ -17,8 +17,9 @@ from kvdiet.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from kvdiet.cache.plan import Provenance
     from kvdiet.engine.detokenizer import IncrementalDetokenizer
-    from kvdiet.engine.kv_cache import Provenance, Session
+    from kvdiet.engine.session import Session
 
 __all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus"]
 

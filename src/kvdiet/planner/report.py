@@ -1,6 +1,6 @@
 """The planner's report: layer plan, bytes per token, window state, totals, SWA policies, capacity.
 
-Everything here is addition over `kvdiet.cache.spec.CacheSpec` and `kvdiet.cache.policy.SwaPolicy`; the
+Everything here is addition over `kvdiet.cache.spec.CacheSpec` and `kvdiet.cache.policies.SwaPolicy`; the
 planner defines no byte count of its own. The report is a plain JSON-able dict (what ``kvdiet plan
 --json`` prints); `kvdiet.planner.render` turns it into tables.
 """
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import DenseConfig, ModelConfig
 from kvdiet.layer_plan import LayerPlan
@@ -190,7 +190,7 @@ def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
         f"checkpoint:{every}",
         "exact-recompute",
     ):
-        policy = SwaPolicy.parse(text)
+        policy = parse_policy(text)
         # Amortise over a long session made of 64 segments of `tokens_per_boundary` tokens.
         tokens = 64 * n
         stored = policy.persistent_bytes(spec, tokens, boundaries=64)

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvdiet.cache.manager import WindowSource
+from kvdiet.cache.plan import WindowSource
 from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = ["add_replay_parser", "run_replay"]
@@ -185,7 +185,7 @@ def _plan(args: argparse.Namespace):
     if not names:
         raise ValueError("--runs: no runs")
     if args.mode == "engine":
-        from kvdiet.cache.policy import SwaPolicy
+        from kvdiet.cache.policies import parse_policy
         from kvdiet.engine.kv_cache import CacheOptions
         from kvdiet.sim.engine_mode import EngineModeConfig
 
@@ -193,7 +193,7 @@ def _plan(args: argparse.Namespace):
             raise ValueError("--max-requests and --engine-block-size must be >= 1, --time-scale >= 0")
         configs = []
         for name in dict.fromkeys(n.split("@")[0] for n in names):  # each policy once, in order
-            policy = SwaPolicy.parse(name)
+            policy = parse_policy(name)
             cache = CacheOptions(
                 kv_cache_memory=parse_bytes(args.kv_cache_memory),
                 persistent_ttl_s=parse_duration(args.persistent_ttl),

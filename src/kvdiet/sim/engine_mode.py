@@ -30,13 +30,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvdiet.cache.plan import Provenance
 from kvdiet.engine.engine import LLMEngine
 from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 from kvdiet.sim.model_free import simulate
-from kvdiet.sim.records import RequestResult, SimConfig
+from kvdiet.sim.records import SimConfig
 from kvdiet.sim.traces import Trace, TraceRequest
 from kvdiet.storage.clock import ManualClock
 
@@ -125,10 +126,10 @@ class EngineModeResult:
 
     config: EngineModeConfig
     trace: Trace
-    requests: list[RequestResult]
+    requests: list[Provenance]
     ttft_s: list[float]
     wall_s: float
-    model_free: list[RequestResult]
+    model_free: list[Provenance]
 
     @property
     def agreeing(self) -> int:
@@ -241,7 +242,7 @@ def _drive(engine: LLMEngine, trace: Trace, config: EngineModeConfig, clock: Man
         for r in trace.requests
     ]
     order: dict[str, int] = {}
-    results: list[RequestResult | None] = [None] * len(prompts)
+    results: list[Provenance | None] = [None] * len(prompts)
     ttft: list[float] = [0.0] * len(prompts)
     done = 0
     start = time.perf_counter()
@@ -265,10 +266,7 @@ def _drive(engine: LLMEngine, trace: Trace, config: EngineModeConfig, clock: Man
             if not out.finished:
                 continue
             i = order[out.request_id]
-            p = out.provenance
-            results[i] = RequestResult(
-                p.device_tokens, p.persistent_tokens, p.window_source, p.replayed_tokens, p.computed_tokens
-            )
+            results[i] = out.provenance
             ttft[i] = out.ttft_s if out.ttft_s is not None else 0.0
             done += 1
             if progress is not None:

@@ -1,33 +1,23 @@
 """Model-free trace replay: the cache tiers of a serving instance simulated in trace time, no model run.
 
-Each request of a `Trace` goes through the same steps as `kvdiet.engine.kv_cache.KVCache.start` and the
-write path after it, with byte sizes from `kvdiet.cache.spec.CacheSpec` instead of tensors:
+Each request of a `Trace` goes through the same control plane as the engine
+(`kvdiet.cache.control.ControlPlane`: lookup, restore plan, write-through, capture points, what is stored
+where) on tiers whose values are byte sizes (`kvdiet.sim.size_tier.SizeTier`: the TTL and LRU rules of
+`kvdiet.cache.ttl_lru.TtlLru`, the in-process SWA pool's own). This module only executes the plans with
+sizes, keeps trace time and adds up what happened; there is no second copy of any cache rule here.
 
-1. **Lookup.** The prompt's ``hash_ids`` blocks (chained: an id names a whole prefix) are matched in the
-   device pool, then the persistent tier, up to ``(n − 1) // B`` blocks (the last token is always
-   computed). H = matched blocks × B.
-2. **Restore plan.** `SwaPolicy.plan` of the policy and "is window state stored at
-   H?" answered by the SWA pool (``bounded-replay``), the persistent tier's snapshots (``boundary-snapshot``,
-   ``checkpoint:K``) or its window blocks (``full-store``). The plan fixes the adopted hit, the window
-   source and the replayed tokens.
-3. **Writes.** The prompt's and output's full blocks go to the device pool (LRU) and through to the
-   persistent tier (an unexpired entry is not rewritten; its TTL is not extended); ``full-store`` also
-   writes each block's window entries. Window snapshots, as the engine captures them: at the prompt
-   boundary ``(n − 1) // B × B`` when prefill reaches it, and at the last boundary the output reaches
-   (stored when the request finishes) — only positions a forward reaches: past the adopted hit, or at it
-   when an exact recompute rebuilt it (a restored state is already stored; a bounded replay's is
-   approximate and never stored); ``checkpoint:K`` at every multiple of K instead.
+Trace time: a request's lookup happens at its arrival; its prefill (from the plan's replay start to the
+prompt's end: one `ControlPlane.after_forward`) ends ``prefill GPU-seconds`` later (the `kvdiet.sim.cost`
+model) and its decode (to the output's end, then `ControlPlane.finish`) ``output_tokens / output_tok_s``
+after that. Blocks and snapshots are stored at those times; TTLs count from them.
 
-Trace time: a request's lookup happens at its arrival; prefill ends ``prefill GPU-seconds`` later (the
-`kvdiet.sim.cost` model) and the request finishes ``output_tokens / output_tok_s`` after that. Snapshots
-and blocks are stored at those times; TTLs count from them.
-
-Modelled as the real tiers behave (the tests hold them to `InProcessSwaPool`, `PersistentStore` and
-`BlockPool`): fixed TTLs counted from the write, ``now >= deadline`` expired; LRU by last use beyond a byte
-budget; a value larger than the whole budget refused. Not modelled: the blocks a running request pins in
-the device pool (requests hold nothing between events), persistent-entry header bytes (payload only),
-and any reuse of output blocks — the trace's ids cover prompts only, so an output block is never hit.
-A trace without ids (Azure) gives every prompt unique blocks.
+The device pool is a size tier without TTL in LRU order: a lookup moves the blocks it takes to the back,
+and the blocks a request filled go to the back when it fills them, the first one last (as
+`kvdiet.cache.block_pool.BlockPool.release` frees a table last block first, so a prefix's head outlives its
+tail). Not modelled: the blocks a running request pins in the device pool (requests hold nothing between
+events), persistent-entry header bytes (payload only), and any reuse of output blocks — the trace's ids
+cover prompts only, so an output block is never hit. A trace without ids (Azure) gives every prompt unique
+blocks.
 """
 
 from __future__ import annotations
@@ -37,31 +27,18 @@ import itertools
 import math
 from collections.abc import Callable
 
-from kvdiet.cache.manager import KeyKind, RestorePlan, WindowSource
+from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, prompt_boundary
+from kvdiet.cache.keys import KeyKind, TupleKeys
+from kvdiet.cache.plan import Provenance, RestoreWindow, WindowSource
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
-from kvdiet.layer_plan import LayerPlan
 from kvdiet.sim.cost import CostModel
-from kvdiet.sim.records import RequestResult, SimConfig, SimResult
+from kvdiet.sim.records import SimConfig, SimResult
+from kvdiet.sim.size_tier import SizeTier
 from kvdiet.sim.traces import Trace
-from kvdiet.sim.ttl_lru import TtlLru
+from kvdiet.storage.clock import ManualClock
 
 __all__ = ["simulate"]
-
-
-class _Geometry:
-    """Byte sizes (from the cache spec) and replay parameters of one config at one block size."""
-
-    def __init__(self, cfg: ModelConfig, block_size: int) -> None:
-        spec = CacheSpec.from_config(cfg)
-        plan = LayerPlan.from_config(cfg)
-        self.block_size = block_size
-        self.block_bytes = spec.global_bytes(block_size)
-        self.snapshot_bytes = spec.window_bytes_per_request
-        self.window_block_bytes = block_size * spec.window_entry_bytes_per_token
-        self.window = cfg.sliding_window
-        self.num_layers = len(plan.layers)
-        self.align = math.lcm(*(plan[s].compress_ratio for s in plan.kv_sources))
 
 
 def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None] | None = None) -> SimResult:
@@ -81,36 +58,35 @@ def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None]
 class _Run:
     def __init__(self, trace: Trace, sc: SimConfig, cfg: ModelConfig, progress) -> None:
         self.trace, self.sc, self.progress = trace, sc, progress
-        self.geo = g = _Geometry(cfg, trace.block_size)
+        self.geo = g = Geometry.from_config(cfg, trace.block_size)
+        self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
-        self.device = TtlLru(sc.device_bytes // g.block_bytes * g.block_bytes, None, refresh=False)
-        self.persistent = TtlLru(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False)
-        self.swa = TtlLru(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True)
-        self.snap_time: dict[object, float] = {}  # snapshot key → when stored (ages of pool hits)
-        self.events: list[tuple[float, int, Callable[[float], None]]] = []
+        self.clock = ManualClock(trace.requests[0].arrival_s if trace.requests else 0.0)
+        self.device = SizeTier(
+            sc.device_bytes // g.block_bytes * g.block_bytes, None, refresh=False, clock=self.clock
+        )
+        self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
+        self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
+        self.control: ControlPlane[int] = ControlPlane(
+            sc.policy,
+            g,
+            TupleKeys(),
+            persistent=self.persistent,
+            swa_pool=self.swa,
+            device=self.device.counters,
+            prefix_caching=sc.prefix_caching,
+        )
+        self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
         self.unique = itertools.count(-1, -1)  # ids of blocks the trace never names (outputs, Azure)
-        self.totals = dict.fromkeys(
-            (
-                "prompt_tokens",
-                "lookup_tokens",
-                "device_hit_tokens",
-                "persistent_hit_tokens",
-                "replayed_tokens",
-                "computed_tokens",
-                "snapshots_stored",
-                "persistent_bytes_written",
-                "swa_pool_bytes_written",
-            ),
-            0,
-        )
+        self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
         self.boundaries: set[int] = set()  # prefix ids at which an earlier request's prompt or output ended
         self.boundary_hits = 0  # requests whose hit H ends at such a boundary (where a snapshot can be)
         self.hits = 0  # requests with any global-KV hit
         self.ages: list[float] = []
-        self.results: list[RequestResult] = []
+        self.results: list[Provenance] = []
 
     # --- driver ---
 
@@ -130,11 +106,10 @@ class _Run:
                 self._sample(marks[mark], series, window)
                 mark += 1
             self._advance(req.arrival_s)
-            before = (self.totals["device_hit_tokens"], self.totals["persistent_hit_tokens"])
-            self._request(req)
+            result = self._request(req)
             window[0] += req.input_tokens
-            window[1] += self.totals["device_hit_tokens"] - before[0]
-            window[2] += self.totals["persistent_hit_tokens"] - before[1]
+            window[1] += result.device_tokens
+            window[2] += result.persistent_tokens
             if self.progress is not None and (i + 1) % 1000 == 0:
                 self.progress(i + 1)
         while mark < n:
@@ -147,8 +122,9 @@ class _Run:
 
     def _sample(self, t: float, series: dict[str, list[float]], window: list[int]) -> None:
         self._advance(t)
-        self.persistent.expire(t)
-        self.swa.expire(t)
+        self.clock.set(max(self.clock.now(), t))
+        self.persistent.expire()
+        self.swa.expire()
         prompt = window[0]
         series["t_s"].append(round(t, 3))
         series["device_hit"].append(round(window[1] / prompt, 6) if prompt else 0.0)
@@ -157,159 +133,111 @@ class _Run:
         series["swa_pool_bytes"].append(self.swa.nbytes)
         window[:] = [0, 0, 0]
 
-    def _at(self, t: float, fn: Callable[[float], None]) -> None:
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn))
 
     def _advance(self, now: float) -> None:
         while self.events and self.events[0][0] <= now:
             t, _, fn = heapq.heappop(self.events)
-            fn(t)
+            self.clock.set(max(self.clock.now(), t))
+            fn()
+        if now != math.inf:
+            self.clock.set(max(self.clock.now(), now))
 
-    # --- one request ---
+    # --- one request: the control plane's steps, executed with sizes ---
 
-    def _request(self, req) -> None:
-        g, sc, pol = self.geo, self.sc, self.sc.policy
+    def _request(self, req) -> Provenance:
+        g, control = self.geo, self.control
         bs, n, now = g.block_size, req.input_tokens, req.arrival_s
         full = n // bs
+        last = n + max(req.output_tokens, 1) - 1  # tokens in the cache at finish (the last is not fed)
         ids = list(req.hash_ids[:full]) if req.hash_ids is not None else []
         ids += [next(self.unique) for _ in range(full - len(ids))]
-        usable = (n - 1) // bs if sc.prefix_caching else 0
+        # blocks past the prompt's full ones (the straddling block, output blocks, a partial last block):
+        # never named by the trace, so unique; they occupy the device pool like any other block
+        every = ids + [next(self.unique) for _ in range(-(-last // bs) - full)]
+        cached = CacheRequest(n, every)
+
+        usable = control.usable_blocks(n)
         d = 0
-        while d < usable and self.device.get(ids[d], now):
+        while d < usable and self.device.entries.get(every[d], now) is not None:
             d += 1
-        p = 0
-        while d + p < usable and self.persistent.get((KeyKind.BLOCK, ids[d + p]), now):
-            p += 1
-        hit = (d + p) * bs
-        self.totals["lookup_tokens"] += usable * bs
-        self.hits += hit > 0
-
-        found: dict[int, float] = {}
-
-        def has_snapshot(pos: int) -> bool:
-            key = (KeyKind.snapshot_in(pol.store), ids[pos // bs - 1])
-            if pol.store is WindowSource.SWA_POOL:
-                ok = self.swa.get(key, now)
-            elif pol.store is WindowSource.WINDOW_BLOCKS:
-                first = max(0, pos - g.window) // bs
-                ok = all(
-                    self.persistent.get((KeyKind.WINDOW_BLOCK, ids[i]), now) for i in range(first, pos // bs)
-                )
-            else:
-                ok = self.persistent.get(key, now)
-            if ok:
-                found[pos] = self.snap_time.get(key, now)
-            return ok
-
-        plan = pol.plan(
-            hit, window=g.window, num_layers=g.num_layers, align=g.align, has_snapshot=has_snapshot
-        )
-        adopted = plan.hit_tokens
-        source = plan.snapshot_source or (WindowSource.REPLAY if adopted else WindowSource.NONE)
-        if plan.snapshot_source is WindowSource.SWA_POOL:
-            self.ages.append(now - found[plan.snapshot_at])
-        if hit and ids[hit // bs - 1] in self.boundaries:
-            self.boundary_hits += 1
-        self.sources[source] += 1
-        dev_tokens = min(d * bs, adopted)
-        result = RequestResult(dev_tokens, adopted - dev_tokens, source, plan.replay_tokens, n - adopted)
+        loaded = control.load(cached, d, usable, lambda i, payload: True)
+        plan, window = control.plan(cached, d + loaded)
+        result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
         self.results.append(result)
-        t = self.totals
-        t["prompt_tokens"] += n
-        t["device_hit_tokens"] += result.device_tokens
-        t["persistent_hit_tokens"] += result.persistent_tokens
-        t["replayed_tokens"] += plan.replay_tokens
-        t["computed_tokens"] += n - adopted
+
+        hit, adopted = (d + loaded) * bs, plan.hit_tokens
+        self.lookup_tokens += usable * bs
+        self.hits += hit > 0
+        if hit and every[hit // bs - 1] in self.boundaries:
+            self.boundary_hits += 1
+        self.sources[result.window_source] += 1
+        if isinstance(window, RestoreWindow) and window.source is WindowSource.SWA_POOL:
+            self.ages.append(now - self.swa.entries.written_at(window.keys[0]))
 
         flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
-            adopted, n, decoder_every_row=not pol.decoder_replay
+            adopted, n, decoder_every_row=not self.sc.policy.decoder_replay
         )
         self.flops += flops
         prefill_end = now + self.cost.seconds(flops)
-        last = n + max(req.output_tokens, 1) - 1  # tokens in the cache at finish (the last is not fed)
-        finish = prefill_end + req.output_tokens / sc.output_tok_s
-        # blocks past the prompt's full ones (the straddling block, output blocks, a partial last block):
-        # never named by the trace, so unique; they occupy the device pool like any other block
-        tail_ids = [next(self.unique) for _ in range(-(-last // bs) - full)]
+        finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        every = ids + tail_ids
-        self._touch(every[: adopted // bs], now)
-        prompt_blocks = -(-n // bs)
-        self._at(prefill_end, lambda at: self._write_blocks(every, adopted // bs, full, at, prompt_blocks))
-        self._at(finish, lambda at: self._write_blocks(every, full, last // bs, at, -(-last // bs), 0))
-        self._snapshots(every, n, last, plan, prefill_end, finish)
+        self._touch(every[: adopted // bs])
+        self._at(prefill_end, lambda: self._forward(cached, plan.replay_start, n, adopted // bs))
+        self._at(finish, lambda: self._forward(cached, n, last, 0, finish=True))
+        return result
 
-    def _touch(self, ids: list[int], now: float) -> None:
+    def _forward(
+        self, cached: CacheRequest[int], start: int, end: int, touch_from: int, *, finish: bool = False
+    ) -> None:
+        """The forward over ``[start, end)`` is done: the control plane writes and captures (sizes for
+        payloads); the request's blocks from ``touch_from`` to the last one it holds go to the back of the
+        device pool's LRU order; the boundary reached is recorded (for ``boundary_hits``)."""
+        g = self.geo
+        self.control.after_forward(
+            cached,
+            start,
+            end,
+            block=lambda i: g.block_bytes,
+            window_block=lambda i: g.window_block_bytes,
+            snapshot=lambda pos: self.snapshot_bytes,
+        )
+        self._touch(cached.blocks[touch_from : -(-end // g.block_size)])
+        boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
+        if boundary > 0:
+            self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
+        if finish:
+            self.control.finish(cached)
+
+    def _touch(self, ids: list[int]) -> None:
         """Make ``ids`` the most recently used device blocks, the first one last."""
-        self.device.touch(ids[::-1], self.geo.block_bytes, now)
-
-    def _write_blocks(
-        self, ids: list[int], first: int, end: int, now: float, held: int, touch_from: int | None = None
-    ) -> None:
-        """Blocks ``[first, end)`` filled: written through to the persistent tier. The device pool gets the
-        request's blocks ``[touch_from, held)`` (default ``first``) as the most recently used, the first one
-        last (as `BlockPool.release` frees a table last block first, so a prefix's head outlives its tail)."""
-        g, full_store = self.geo, self.sc.policy.store is WindowSource.WINDOW_BLOCKS
-        for i in range(first, end):
-            self.persistent.put((KeyKind.BLOCK, ids[i]), g.block_bytes, now)
-            if full_store:
-                self.persistent.put((KeyKind.WINDOW_BLOCK, ids[i]), g.window_block_bytes, now)
-        self._touch(ids[first if touch_from is None else touch_from : held], now)
-
-    def _snapshots(
-        self, ids: list[int], n: int, last: int, plan: RestorePlan, t_prefill: float, t_end: float
-    ) -> None:
-        """Queue the window snapshots the engine would store (module docstring, step 3), and record the
-        request's prompt and output boundaries whatever the policy stores (for `boundary_hits`)."""
-        pol, bs, adopted = self.sc.policy, self.geo.block_size, plan.hit_tokens
-        # the state at H is stored only if a forward recomputed it exactly (not restored, not clipped)
-        at_hit = plan.replay_tokens > 0 and not plan.clipped
-        prompt_boundary = (n - 1) // bs * bs
-        final = last // bs * bs
-        for pos, when, store in (
-            (
-                prompt_boundary,
-                t_prefill,
-                prompt_boundary > adopted or (prompt_boundary == adopted and at_hit),
-            ),
-            (final, t_end, final > max(prompt_boundary, adopted)),
-        ):
-            if pos > 0:
-                self._at(when, lambda at, pos=pos, store=store: self._boundary(ids, pos, at, store))
-        for pos in pol.checkpoints(last):
-            if pos > adopted or (pos == adopted and at_hit):
-                self._at(t_prefill if pos <= n else t_end, lambda at, pos=pos: self._store(ids, pos, at))
-
-    def _boundary(self, ids: list[int], pos: int, now: float, store: bool) -> None:
-        key = ids[pos // self.geo.block_size - 1]
-        self.boundaries.add(key)
-        if store and self.sc.policy.stores_boundaries:
-            self._store(ids, pos, now)
-
-    def _store(self, ids: list[int], pos: int, now: float) -> None:
-        """Store the window snapshot at ``pos`` (SWA pool for bounded-replay, else the persistent tier)."""
-        store = self.sc.policy.store
-        key = (KeyKind.snapshot_in(store), ids[pos // self.geo.block_size - 1])
-        tier = self.swa if store is WindowSource.SWA_POOL else self.persistent
-        if tier.put(key, self.geo.snapshot_bytes, now):
-            self.totals["snapshots_stored"] += 1
-            self.snap_time[key] = now
+        self.device.touch(ids[::-1], self.geo.block_bytes)
 
     # --- totals ---
 
     def _summary(self) -> dict[str, object]:
-        t, g = dict(self.totals), self.geo
-        kinds = self.persistent.kind_bytes
+        g, stats, results = self.geo, self.control.stats, self.results
+        kinds = self.persistent.entries.kind_bytes
+        t = {
+            "prompt_tokens": sum(r.prompt_tokens for r in results),
+            "lookup_tokens": self.lookup_tokens,
+            "device_hit_tokens": sum(r.device_tokens for r in results),
+            "persistent_hit_tokens": sum(r.persistent_tokens for r in results),
+            "replayed_tokens": stats.replayed_tokens,
+            "computed_tokens": stats.computed_tokens,
+            "snapshots_stored": stats.snapshots_stored,
+            "persistent_bytes_written": self.persistent.counters.bytes_written,
+            "swa_pool_bytes_written": self.swa.counters.bytes_written,
+        }
         prompt = t["prompt_tokens"] or 1
-        t["persistent_bytes_written"] = self.persistent.bytes_written
-        t["swa_pool_bytes_written"] = self.swa.bytes_written
         ages = sorted(self.ages)
         pool_restores = self.sources[WindowSource.SWA_POOL]
         stored = (
             pool_restores + self.sources[WindowSource.PERSISTENT] + self.sources[WindowSource.WINDOW_BLOCKS]
         )
         return t | {
-            "requests": len(self.results),
+            "requests": len(results),
             "device_hit_ratio": round(t["device_hit_tokens"] / prompt, 6),
             "persistent_hit_ratio": round(t["persistent_hit_tokens"] / prompt, 6),
             "hit_ratio": round((t["device_hit_tokens"] + t["persistent_hit_tokens"]) / prompt, 6),
@@ -329,13 +257,13 @@ class _Run:
             "persistent_kv_bytes": kinds.get(KeyKind.BLOCK, 0),
             "persistent_window_bytes": kinds.get(KeyKind.SNAPSHOT, 0) + kinds.get(KeyKind.WINDOW_BLOCK, 0),
             "persistent_entries": len(self.persistent),
-            "persistent_evictions": self.persistent.evictions,
-            "persistent_expirations": self.persistent.expirations,
-            "swa_pool_evictions": self.swa.evictions,
-            "swa_pool_expirations": self.swa.expirations,
+            "persistent_evictions": self.persistent.counters.evictions,
+            "persistent_expirations": self.persistent.counters.expirations,
+            "swa_pool_evictions": self.swa.counters.evictions,
+            "swa_pool_expirations": self.swa.counters.expirations,
             "device_blocks": self.device.capacity // g.block_bytes if self.device.capacity else 0,
             "block_bytes": g.block_bytes,
-            "snapshot_bytes": g.snapshot_bytes,
+            "snapshot_bytes": self.snapshot_bytes,
             "cost_formula": self.cost.formula,
         }
 

@@ -1,5 +1,5 @@
-"""What a model-free simulation takes and gives: `SimConfig` (one simulated serving instance), `RequestResult`
-(where one request's prompt came from) and `SimResult` (totals, series and per-request results of a run).
+"""What a model-free simulation takes and gives: `SimConfig` (one simulated serving instance) and `SimResult`
+(totals, series and the per-request `kvdiet.cache.plan.Provenance` of a run).
 Plain data; the run itself is `kvdiet.sim.model_free.simulate`.
 """
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdiet.cache.manager import WindowSource
-from kvdiet.cache.policy import BoundedReplay, SwaPolicy
+from kvdiet.cache.plan import Provenance
+from kvdiet.cache.policies import BoundedReplay, SwaPolicy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig, load_config
 from kvdiet.sim.cost import check_gpu
 
-__all__ = ["DEFAULT_DEVICE_BYTES", "DEFAULT_SWA_POOL_BYTES", "RequestResult", "SimConfig", "SimResult"]
+__all__ = ["DEFAULT_DEVICE_BYTES", "DEFAULT_SWA_POOL_BYTES", "SimConfig", "SimResult"]
 
 DEFAULT_DEVICE_BYTES = 32 * 10**9
 """32 GB of global KV: a deliberately modest device pool (a quarter of one H200) so the lower tiers work."""
@@ -85,27 +85,6 @@ class SimConfig:
         return f"{self.policy} @ {self.model}"
 
 
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    """What happened to one request (the sequence the engine-mode run is compared with).
-
-    Attributes:
-        device_tokens / persistent_tokens: adopted global KV by tier (tokens).
-        window_source: ``swa-pool``, ``persistent``, ``window-blocks``, ``replay`` or ``none``.
-        replayed_tokens / computed_tokens: recomputed below H / prefilled from H (tokens).
-    """
-
-    device_tokens: int
-    persistent_tokens: int
-    window_source: WindowSource
-    replayed_tokens: int
-    computed_tokens: int
-
-    @property
-    def hit_tokens(self) -> int:
-        return self.device_tokens + self.persistent_tokens
-
-
 @dataclass
 class SimResult:
     """Totals, time series and the per-request sequence of one simulated run (`simulate`)."""
@@ -113,7 +92,7 @@ class SimResult:
     config: SimConfig
     summary: dict[str, object]
     series: dict[str, list[float]]
-    requests: list[RequestResult]
+    requests: list[Provenance]
     snapshot_ages_s: list[float]
 
     def as_dict(self) -> dict[str, object]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import matplotlib
 
-from kvdiet.cache.manager import WindowSource
+from kvdiet.cache.plan import WindowSource
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from kvdiet.cache.manager import WindowSource
-from kvdiet.cache.policy import SwaPolicy
+from kvdiet.cache.plan import WindowSource
+from kvdiet.cache.policies import parse_policy
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
@@ -67,10 +67,10 @@ def parse_run(text: str, base: SimConfig) -> SimConfig:
     """``POLICY[@MODEL]`` → ``base`` with that policy (and model).
 
     Raises:
-        ValueError: an unknown policy (`SwaPolicy.parse`).
+        ValueError: an unknown policy (`kvdiet.cache.policies.parse_policy`).
     """
     policy, _, model = text.strip().partition("@")
-    return replace(base, policy=SwaPolicy.parse(policy), model=model or base.model)
+    return replace(base, policy=parse_policy(policy), model=model or base.model)
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,32 @@ class RedisSwaPool:
         the server down (see the module docstring for the counters)."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """`get` for each of ``keys``, in order: two pipelined round trips per server."""
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
+        """`put` each ``(key, tokens, value)`` (``tokens`` unused: snapshot keys name whole prefixes); returns
+        how many were stored."""
+        return sum(self.put(key, value) for key, _, value in items)
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` have a live manifest (one ``EXISTS`` each; no value read, nothing
+        counted); a server down or failing ends the run there."""
+        for i, key in enumerate(keys):
+            server = self._server_for(key)
+            client = self._client(server)
+            if client is None:
+                return i
+            try:
+                found = client.exists(f"{self._base(key)}:m")
+            except (RedisError, RedisClusterException, OSError) as exc:
+                self._failed(server, exc, "lookup failed")
+                return i
+            if not found:
+                return i
+        return len(keys)
+
+    def get_many(
+        self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
+    ) -> list[bytes | None]:
+        """`get` for each of ``keys``, in order: two pipelined round trips per server (``tokens`` unused)."""
         out: list[bytes | None] = [None] * len(keys)
         groups: dict[int, list[_Read]] = {}
         for i, key in enumerate(keys):

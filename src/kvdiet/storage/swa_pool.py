@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
 from kvdiet.cache.counters import TierCounters
+from kvdiet.cache.options import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS
+from kvdiet.cache.tier import Tier
+from kvdiet.cache.ttl_lru import TtlLru
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.units import format_bytes
 
@@ -32,22 +34,15 @@ __all__ = [
     "default_swa_pool_bytes",
 ]
 
-DEFAULT_SWA_POOL_TTL_S = 300.0
-"""5 minutes: the pool's TTL "of minutes" (DESIGN.md §1, seed 001)."""
-
-IN_PROCESS = "in-process"
-"""The ``--swa-pool`` value of the default backend, `InProcessSwaPool`."""
-
 
 def default_swa_pool_bytes() -> int:
     """10% of this machine's physical RAM in bytes (DESIGN.md §1: 10% of each machine's DRAM)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
 
 
-class SwaPool(Protocol):
-    """What the cache manager needs from an SWA-pool backend."""
-
-    counters: TierCounters
+class SwaPool(Tier[bytes], Protocol):
+    """What the control plane needs from an SWA-pool backend: the `kvdiet.cache.tier.Tier` calls plus
+    ``open``, single-key ``put``/``get`` and what it holds."""
 
     def open(self) -> None:
         """Connect (a remote backend); never raises on I/O: an unreachable backend only makes misses."""
@@ -61,10 +56,6 @@ class SwaPool(Protocol):
         """The value, or None (absent, expired, evicted, backend down)."""
         ...
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """`get` for several keys under the same rules."""
-        ...
-
     @property
     def nbytes(self) -> int:
         """Bytes of values held now (for metrics; a shared backend reports what it can see)."""
@@ -74,11 +65,10 @@ class SwaPool(Protocol):
         """Entries held now."""
         ...
 
-    def close(self) -> None: ...
-
 
 class InProcessSwaPool:
-    """An LRU byte budget with a fixed TTL, in this process's memory. Thread-safe.
+    """An LRU byte budget with a fixed TTL, in this process's memory (`kvdiet.cache.ttl_lru.TtlLru` under a
+    lock, on a clock). Thread-safe.
 
     Args:
         capacity_bytes: budget in bytes (default `default_swa_pool_bytes`).
@@ -101,9 +91,7 @@ class InProcessSwaPool:
         self.capacity_bytes, self.ttl_s = capacity, float(ttl_s)
         self.clock = clock or SystemClock()
         self.counters = TierCounters()
-        self._items: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()  # key → (value, deadline)
-        self._deadlines: deque[tuple[float, bytes]] = deque()  # put order = deadline order (fixed TTL)
-        self._nbytes = 0
+        self._entries: TtlLru[bytes] = TtlLru(capacity, self.ttl_s, refresh=True, counters=self.counters)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -111,81 +99,47 @@ class InProcessSwaPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of values held (including expired ones not yet swept)."""
-        return self._nbytes
+        """Bytes of values held (expired ones leave at the next call)."""
+        return self._entries.nbytes
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._entries)
 
     def open(self) -> None:
         """Nothing to connect."""
 
     def put(self, key: bytes, value: bytes) -> bool:
-        size = len(value)
-        if size > self.capacity_bytes:
-            return False
+        with self._lock:
+            return self._entries.put(key, bytes(value), len(value), self.clock.now())
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
+        """`put` each ``(key, tokens, value)`` (``tokens`` unused: snapshot keys name whole prefixes); returns
+        how many were stored."""
         with self._lock:
             now = self.clock.now()
-            self._drop(key)
-            if self._nbytes + size > self.capacity_bytes:
-                self._expire(now)  # expired values go before any live one is evicted
-            while self._nbytes + size > self.capacity_bytes:
-                self._drop(next(iter(self._items)))
-                self.counters.evictions += 1
-            self._items[key] = (bytes(value), now + self.ttl_s)
-            self._deadlines.append((now + self.ttl_s, key))
-            self._nbytes += size
-            self.counters.entries_written += 1
-            self.counters.bytes_written += size
-        return True
+            return sum(self._entries.put(k, bytes(v), len(v), now) for k, _, v in items)
 
     def get(self, key: bytes) -> bytes | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get_many(
+        self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
+    ) -> list[bytes | None]:
         with self._lock:
             now = self.clock.now()
-            for key in keys:
-                self.counters.lookups += 1
-                item = self._items.get(key)
-                if item is not None and now >= item[1]:
-                    self._drop(key)
-                    self.counters.expirations += 1
-                    item = None
-                if item is None:
-                    out.append(None)
-                    continue
-                self._items.move_to_end(key)
-                self.counters.hits += 1
-                self.counters.bytes_read += len(item[0])
-                out.append(item[0])
-        return out
+            return [self._entries.get(k, now) for k in keys]
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are held and live (no LRU move, nothing counted)."""
+        with self._lock:
+            self._entries.expire(self.clock.now())
+            return next((i for i, k in enumerate(keys) if k not in self._entries), len(keys))
 
     def sweep(self) -> int:
         """Drop every expired value; returns how many."""
         with self._lock:
-            return self._expire(self.clock.now())
-
-    def _expire(self, now: float) -> int:
-        """Drop values whose deadline is ≤ ``now`` (oldest deadlines first); lock held."""
-        dead = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, key = self._deadlines.popleft()
-            item = self._items.get(key)
-            if item is not None and item[1] == deadline:  # not rewritten since
-                self._drop(key)
-                dead += 1
-        self.counters.expirations += dead
-        return dead
+            return self._entries.expire(self.clock.now())
 
     def close(self) -> None:
         with self._lock:
-            self._items.clear()
-            self._deadlines.clear()
-            self._nbytes = 0
-
-    def _drop(self, key: bytes) -> None:
-        item = self._items.pop(key, None)
-        if item is not None:
-            self._nbytes -= len(item[0])
+            self._entries.clear()

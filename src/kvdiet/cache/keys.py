@@ -1,0 +1,62 @@
+"""Tier keys: what a key names beside the block hash (or trace id) it derives from.
+
+One vocabulary for the engine and the simulator. Each executor gives the control plane a `KeyScheme` that
+turns ``(block, kind)`` into the key its tiers store: the engine's `HashKeys` derives 32-byte keys from the
+chained block hash (``blake2b(hash, person=b"kvdiet-" + kind + tag)``; a block's global KV is keyed by the
+hash itself); the simulator's `TupleKeys` uses ``(kind, trace id)`` tuples, which also let a size-only tier
+count resident bytes by kind.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Hashable
+from typing import Protocol
+
+__all__ = ["HashKeys", "KeyKind", "KeyScheme", "TupleKeys"]
+
+
+class KeyKind(enum.StrEnum):
+    """What a tier key names (the values are the ``person`` strings of `HashKeys`)."""
+
+    BLOCK = "kv"
+    """A block's global KV."""
+    SNAPSHOT = "snap"
+    """A window snapshot in the persistent tier (boundary-snapshot, checkpoint:K)."""
+    POOL_SNAPSHOT = "swa"
+    """A window snapshot in the SWA pool (bounded-replay)."""
+    WINDOW_BLOCK = "win"
+    """A block's window entries (full-store)."""
+
+
+class KeyScheme(Protocol):
+    """Turns a block's identity (chained hash or trace id) and a `KeyKind` into a tier key."""
+
+    def key(self, block: Hashable, kind: KeyKind) -> Hashable: ...
+
+
+class HashKeys:
+    """The engine's keys: 32-byte ``blake2b`` digests of the chained block hash.
+
+    Args:
+        window_tag: appended to the person string of window snapshots (``b"-r"`` when taken with
+            decoder-side replay, whose decoder windows are approximate: an exact run never restores one).
+    """
+
+    def __init__(self, window_tag: bytes = b"") -> None:
+        self.window_tag = window_tag
+
+    def key(self, block: bytes, kind: KeyKind) -> bytes:
+        if kind is KeyKind.BLOCK:
+            return block
+        tag = self.window_tag if kind in (KeyKind.SNAPSHOT, KeyKind.POOL_SNAPSHOT) else b""
+        return hashlib.blake2b(block, digest_size=32, person=b"kvdiet-" + kind.encode() + tag).digest()
+
+
+class TupleKeys:
+    """The simulator's keys: ``(kind, block)`` tuples (the kind is what `kvdiet.cache.ttl_lru.TtlLru`
+    counts resident bytes by)."""
+
+    def key(self, block: Hashable, kind: KeyKind) -> tuple[KeyKind, Hashable]:
+        return (kind, block)

@@ -1,0 +1,23 @@
+"""``boundary-snapshot`` (the V4 deployment): one window snapshot per prompt/output end, persisted."""
+
+from __future__ import annotations
+
+from kvdiet.cache.plan import WindowSource
+from kvdiet.cache.policies.base import BoundaryCapture
+from kvdiet.cache.spec import CacheSpec
+
+__all__ = ["BoundarySnapshot"]
+
+
+class BoundarySnapshot(BoundaryCapture):
+    """V4 deployment: one window snapshot per prompt/output end, in the persistent tier; a hit at a stored
+    boundary restores it, any other hit recomputes the exact dependency window."""
+
+    name = "boundary-snapshot"
+    store = WindowSource.PERSISTENT
+
+    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
+        return boundaries * spec.window_bytes_per_request
+
+    def worst_recompute(self, window: int, num_layers: int) -> int:
+        return 0

@@ -1,0 +1,67 @@
+"""``checkpoint:K``: one window snapshot every K tokens, persisted; a hit recomputes from the latest one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvdiet.cache.plan import COLD, RestorePlan, WindowSource
+from kvdiet.cache.policies.base import Capture, SwaPolicy, recompute_plan
+from kvdiet.cache.spec import CacheSpec
+
+__all__ = ["Checkpoint"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Checkpoint(SwaPolicy):
+    """``checkpoint:K``: one window snapshot every K tokens in the persistent tier; a hit at H restores the
+    latest checkpoint C ≤ H and recomputes ``[C, H)``.
+
+    Attributes:
+        checkpoint_every: K in tokens (> 0).
+    """
+
+    checkpoint_every: int
+    name: ClassVar[str] = "checkpoint"
+    store: ClassVar[WindowSource | None] = WindowSource.PERSISTENT
+
+    @classmethod
+    def from_argument(cls, text: str, arg: str) -> SwaPolicy:
+        if not arg.isdigit() or int(arg) <= 0:
+            raise ValueError(
+                f"SWA policy {text!r}: checkpoint needs a period K > 0 in tokens, e.g. checkpoint:4096"
+            )
+        return cls(int(arg))
+
+    def __str__(self) -> str:
+        return f"checkpoint:{self.checkpoint_every}"
+
+    def checkpoints(self, end: int) -> range:
+        return range(self.checkpoint_every, end + 1, self.checkpoint_every)
+
+    def capture_at(self, pos: int, *, prompt_boundary: int) -> Capture | None:
+        return None if pos % self.checkpoint_every else Capture.NOW
+
+    def plan(
+        self,
+        hit_tokens: int,
+        *,
+        window: int,
+        num_layers: int,
+        align: int,
+        has_snapshot: Callable[[int], bool],
+    ) -> RestorePlan:
+        h = hit_tokens
+        if h <= 0:
+            return COLD
+        c = h - h % self.checkpoint_every
+        if c > 0 and has_snapshot(c):
+            return RestorePlan(h, c, WindowSource.PERSISTENT, c)
+        return recompute_plan(h, window, num_layers, align)
+
+    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
+        return (num_tokens // self.checkpoint_every) * spec.window_bytes_per_request
+
+    def worst_recompute(self, window: int, num_layers: int) -> int:
+        return self.checkpoint_every - 1

@@ -1,0 +1,156 @@
+"""`TtlLru`: the TTL and LRU rules of a byte-budget tier, once, for every tier that keeps them in memory.
+
+The SWA pool in this process (`kvdiet.storage.swa_pool.InProcessSwaPool`: values are snapshot bytes) and
+every tier of the model-free simulator (`kvdiet.sim.size_tier.SizeTier`: values are byte sizes) are this
+class; the persistent tier keeps the same rules in its SQLite index (`kvdiet.storage.persistent`, held to
+this class by ``tests/test_sim_model_free.py``). Pure data: no clock (callers pass ``now``), no lock.
+
+Rules:
+- fixed TTL counted from the write: an entry put at ``t0`` is live while ``now < t0 + ttl``; reads never
+  move the deadline (case B23); entries past it are dropped (and counted) at the next call;
+- LRU by last use beyond the byte budget: a hit moves the entry to the back; a put that does not fit
+  evicts from the front (expired entries go first, so a live one is never evicted for a dead one);
+- a put of a live key replaces it with a new deadline (``refresh=True``: the SWA pool) or keeps it as it
+  is (``refresh=False``: the persistent tier, whose TTL a rewrite does not extend);
+- a value larger than the whole budget is refused; ``capacity=None`` is unbounded, ``ttl=None`` never
+  expires.
+Time must not go backwards between calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from kvdiet.cache.counters import TierCounters
+
+__all__ = ["TtlLru"]
+
+V = TypeVar("V")
+
+
+class TtlLru(Generic[V]):
+    """Values with byte sizes under a byte budget: fixed TTL from the write, LRU by last use.
+
+    Args:
+        capacity: budget in bytes (None: unbounded).
+        ttl: seconds an entry stays live (None: forever).
+        refresh: whether a put of a live key replaces it (new value, new deadline).
+        counters: where lookups, hits, bytes read and written, evictions and expirations are counted.
+        kind: maps a key to the class its bytes are counted under in ``kind_bytes`` (default: none kept).
+    """
+
+    def __init__(
+        self,
+        capacity: int | None,
+        ttl: float | None,
+        *,
+        refresh: bool,
+        counters: TierCounters | None = None,
+        kind: Callable[[Hashable], Hashable] | None = None,
+    ) -> None:
+        self.capacity, self.ttl, self.refresh = capacity, ttl, refresh
+        self.counters = counters if counters is not None else TierCounters()
+        self.kind = kind
+        self.kind_bytes: dict[Hashable, int] = {}
+        self.nbytes = 0
+        self._items: OrderedDict[Hashable, tuple[V, int, float]] = (
+            OrderedDict()
+        )  # key → value, size, deadline
+        self._deadlines: deque[tuple[float, Hashable]] = deque()  # write order = deadline order
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether ``key`` is held (live at the last call; no LRU move, nothing counted)."""
+        return key in self._items
+
+    def written_at(self, key: Hashable) -> float | None:
+        """When the entry held under ``key`` was written (seconds; None: not held or no TTL)."""
+        item = self._items.get(key)
+        return None if item is None or self.ttl is None else item[2] - self.ttl
+
+    def values(self) -> list[tuple[V, int]]:
+        """``(value, size)`` of every entry held, least recently used first."""
+        return [(v, n) for v, n, _ in self._items.values()]
+
+    def expire(self, now: float) -> int:
+        """Drop every entry whose deadline is ≤ ``now``; returns how many (also counted)."""
+        dq, dead = self._deadlines, 0
+        while dq and dq[0][0] <= now:
+            deadline, key = dq.popleft()
+            item = self._items.get(key)
+            if item is not None and item[2] == deadline:  # not rewritten since
+                self._drop(key)
+                dead += 1
+        self.counters.expirations += dead
+        return dead
+
+    def get(self, key: Hashable, now: float) -> V | None:
+        """The value if ``key`` is live at ``now`` (a hit moves it to the back of the LRU order)."""
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self.expire(now)
+        c = self.counters
+        c.lookups += 1
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        c.hits += 1
+        c.bytes_read += item[1]
+        return item[0]
+
+    def touch(self, keys: list[Hashable], value: V, size: int, now: float) -> None:
+        """Move each held key to the back in order; `put` ``value`` (``size`` bytes) where absent. Nothing is
+        counted for the keys held (the device pool's free queue, which is not a lookup)."""
+        items = self._items
+        for key in keys:
+            if key in items:
+                items.move_to_end(key)
+            else:
+                self.put(key, value, size, now)
+
+    def put(self, key: Hashable, value: V, size: int, now: float) -> bool:
+        """Store ``value`` (``size`` bytes) under ``key`` at ``now``; False when refused (larger than the
+        budget). A live key is replaced (``refresh``) or kept as it is (True, nothing written)."""
+        cap = self.capacity
+        if cap is not None and size > cap:
+            return False
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self.expire(now)
+        items = self._items
+        if key in items:
+            if not self.refresh:
+                return True
+            self._drop(key)
+        if cap is not None:
+            while self.nbytes + size > cap:
+                self._drop(next(iter(items)))
+                self.counters.evictions += 1
+        deadline = math.inf if self.ttl is None else now + self.ttl
+        items[key] = (value, size, deadline)
+        if self.ttl is not None:
+            self._deadlines.append((deadline, key))
+        self.nbytes += size
+        if self.kind is not None:
+            k = self.kind(key)
+            self.kind_bytes[k] = self.kind_bytes.get(k, 0) + size
+        self.counters.entries_written += 1
+        self.counters.bytes_written += size
+        return True
+
+    def clear(self) -> None:
+        """Forget every entry (counters stay)."""
+        self._items.clear()
+        self._deadlines.clear()
+        self.kind_bytes.clear()
+        self.nbytes = 0
+
+    def _drop(self, key: Hashable) -> None:
+        _, size, _ = self._items.pop(key)
+        self.nbytes -= size
+        if self.kind is not None:
+            self.kind_bytes[self.kind(key)] -= size
