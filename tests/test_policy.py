@@ -35,9 +35,7 @@ def test_persistent_bytes(spec: CacheSpec) -> None:
     glob = spec.global_bytes(n)
     assert parse_policy("bounded-replay").persistent_bytes(spec, n, boundaries=3) == glob
     assert parse_policy("exact-recompute").persistent_bytes(spec, n, boundaries=3) == glob
-    assert (
-        parse_policy("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
-    )
+    assert parse_policy("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
     assert parse_policy("full-store").persistent_bytes(spec, n, boundaries=3) == glob + n * 40 * 528
     assert parse_policy("checkpoint:4096").persistent_bytes(spec, n, boundaries=3) == glob + 2 * 2_703_360
 
