@@ -160,7 +160,7 @@ class ControlPlane(Generic[V]):
         present = tier.contains_prefix(keys)
         done = 0
         for s in range(0, present, LOAD_BATCH):
-            batch = keys[s : s + LOAD_BATCH]
+            batch = keys[s : min(s + LOAD_BATCH, present)]  # nothing past the run: no read, no LRU move
             payloads = tier.get_many(batch, req.tokens(first + s, first + s + len(batch)))
             for payload in payloads:
                 if payload is None or value_bytes(payload) != self.geometry.block_bytes:

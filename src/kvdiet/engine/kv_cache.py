@@ -19,7 +19,6 @@ The model reads and writes global KV in place in the device pool through each re
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.cache.reserve import reserve_blocks
 from kvdiet.engine.session import Session
 from kvdiet.engine.window_blocks import WindowBlockLog, restore_window_blocks, window_block_bytes
+from kvdiet.model.checksum import weights_checksum
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
@@ -42,7 +42,7 @@ from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_by
 from kvdiet.storage.swa_pool import SwaPool
 from kvdiet.storage.swa_pool_factory import create_swa_pool
 
-__all__ = ["CacheOptions", "KVCache", "Session", "pool_num_blocks", "weights_checksum"]
+__all__ = ["CacheOptions", "KVCache", "Session", "pool_num_blocks"]
 
 
 def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
@@ -60,22 +60,6 @@ def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
             f"--kv-cache-memory {options.kv_cache_memory} B is below one block ({block_bytes} B)"
         )
     return num_blocks
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """SHA-256 hex of every parameter's name, shape, dtype and bytes (part of the model fingerprint).
-
-    Tensors not in memory (routed experts and Engram tables a checkpoint serves on first use) count by their
-    name and shape, and the model's ``weights_digest`` (the checkpoint's headers, sizes and times) stands
-    for their bytes.
-    """
-    h = hashlib.sha256()
-    for name, p in model.state_dict().items():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-        if p.device.type != "meta":
-            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    h.update(str(getattr(model, "weights_digest", "")).encode())
-    return h.hexdigest()
 
 
 class KVCache:
