@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.cache.policies import parse_policy
-from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.model.build import load_model
 
 SEED = 0
 POLICIES = ("bounded-replay", "boundary-snapshot", "full-store", "checkpoint:256", "exact-recompute")

@@ -32,9 +32,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.model.build import load_model
 from kvdiet.storage.swa_pool import InProcessSwaPool
 from kvdiet.units import parse_count
 

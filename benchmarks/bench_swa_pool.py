@@ -58,7 +58,7 @@ TTL_S = 600.0
 
 def mini_snapshot_bytes() -> int:
     """Bytes of a real v4.1-mini window snapshot (a fresh request state: every buffer is full size)."""
-    from kvdiet.engine.generate import load_model
+    from kvdiet.model.build import load_model
     from kvdiet.storage.snapshot import snapshot_bytes
 
     model, _ = load_model("v4.1-mini", seed=SEED)

@@ -1,5 +1,5 @@
 """`EngineLoop`: the engine on its thread, driven from asyncio — concurrent streams, early exit aborts,
-a failed step stops serving, close aborts what runs."""
+a failed step stops serving, close aborts what runs; typed commands; the immutable `EngineSnapshot`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.engine_snapshot import EngineSnapshot
 from kvdiet.engine.generate import generate
 from kvdiet.engine.kv_cache import CacheOptions
 from kvdiet.engine.loop import EngineDeadError, EngineLoop
@@ -30,7 +31,7 @@ def loop():
 
 
 async def _collect(loop: EngineLoop, ids: list[int], params: SamplingParams) -> list:
-    return [out async for out in loop.generate(ids, params)]
+    return [out async for out in loop.generate(loop.engine.prepare(ids, params))]
 
 
 def _wait_idle(loop: EngineLoop, timeout: float = 10.0) -> None:
@@ -59,7 +60,7 @@ def test_leaving_a_stream_early_aborts_the_request(loop: EngineLoop) -> None:
 
     async def main() -> int:
         n = 0
-        async for _ in loop.generate(list(range(1, 30)), SamplingParams(max_tokens=100)):
+        async for _ in loop.generate(loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=100))):
             n += 1
             if n == 2:
                 break
@@ -95,13 +96,13 @@ def test_a_failed_step_stops_serving(loop: EngineLoop) -> None:
     asyncio.run(main())
     assert not loop.healthy
     with pytest.raises(EngineDeadError):
-        loop.submit([1, 2], SamplingParams(), lambda out: None, "late")
+        loop.submit(loop.engine.prepare([1, 2], SamplingParams()), lambda out: None, "late")
 
 
 def test_close_aborts_running_requests() -> None:
     loop = EngineLoop(ARGS.create_engine()).start()
     got: list = []
-    loop.submit(list(range(1, 30)), SamplingParams(max_tokens=200), got.append, "r")
+    loop.submit(loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=200)), got.append, "r")
     time.sleep(0.3)
     loop.close()
     assert got and got[-1].finished and got[-1].finish_reason == "abort"
@@ -114,7 +115,9 @@ def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineL
         raise RuntimeError("Event loop is closed")
 
     free = loop.engine.cache.pool.blocks.num_free
-    loop.submit(list(range(1, 30)), SamplingParams(max_tokens=50), closed_event_loop, "gone")
+    loop.submit(
+        loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=50)), closed_event_loop, "gone"
+    )
     end = time.monotonic() + 30
     while loop.engine.stats.finished["abort"] == 0 and time.monotonic() < end:
         time.sleep(0.01)
@@ -140,13 +143,75 @@ def test_requests_queued_when_the_engine_fails_are_refused_not_forgotten() -> No
 
     loop.engine.step = failing_step
     got: dict[str, list] = {r: [] for r in "abc"}
-    loop.submit([1, 2, 3], SamplingParams(max_tokens=2), got["a"].append, "a")
+    loop.submit(loop.engine.prepare([1, 2, 3], SamplingParams(max_tokens=2)), got["a"].append, "a")
     time.sleep(0.3)  # the loop is inside the failing step now
-    loop.submit([4, 5], SamplingParams(max_tokens=2), got["b"].append, "b")
-    loop.submit([6, 7], SamplingParams(max_tokens=2), got["c"].append, "c")
+    loop.submit(loop.engine.prepare([4, 5], SamplingParams(max_tokens=2)), got["b"].append, "b")
+    loop.submit(loop.engine.prepare([6, 7], SamplingParams(max_tokens=2)), got["c"].append, "c")
     release.set()
     end = time.monotonic() + 10
     while not all(got.values()) and time.monotonic() < end:
         time.sleep(0.01)
     assert all(len(v) == 1 and isinstance(v[0], EngineDeadError) for v in got.values()), got
     loop.close()
+
+
+def test_a_duplicate_request_id_is_refused_and_the_loop_keeps_serving(loop: EngineLoop) -> None:
+    """The one refusal left below the edge: the prepared request is queued, the id is taken."""
+    first: list = []
+    second: list = []
+    params = SamplingParams(max_tokens=20)
+    loop.submit(loop.engine.prepare(list(range(1, 30)), params), first.append, "dup")
+    loop.submit(loop.engine.prepare([1, 2, 3], params), second.append, "dup")
+    end = time.monotonic() + 30
+    while not (first and first[-1].finished) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert len(second) == 1 and isinstance(second[0], ValueError) and "already in use" in str(second[0])
+    assert first[-1].finish_reason == "length" and len(first[-1].output_ids) == 20
+    assert loop.healthy
+
+
+def test_abort_all_ends_every_stream_with_abort(loop: EngineLoop) -> None:
+    free = loop.engine.cache.pool.blocks.num_free
+    got: dict[str, list] = {r: [] for r in "ab"}
+    for rid, out in got.items():
+        loop.submit(loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=200)), out.append, rid)
+    time.sleep(0.2)
+    loop.abort_all()
+    end = time.monotonic() + 10
+    while not all(v and v[-1].finished for v in got.values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert all(v[-1].finish_reason == "abort" for v in got.values()), got
+    _wait_idle(loop)
+    assert loop.healthy and loop.engine.cache.pool.blocks.num_free == free
+
+
+def _wait_snapshot(loop: EngineLoop, predicate, timeout: float = 10.0) -> EngineSnapshot:
+    end = time.monotonic() + timeout
+    while not predicate(loop.snapshot) and time.monotonic() < end:
+        time.sleep(0.05)
+    return loop.snapshot
+
+
+def test_the_snapshot_is_an_immutable_copy_of_the_engine_figures(loop: EngineLoop) -> None:
+    import dataclasses
+
+    async def run(ids: list[int]) -> list:
+        return await _collect(loop, ids, SamplingParams(max_tokens=3))
+
+    asyncio.run(run(list(range(1, 30))))
+    before = _wait_snapshot(loop, lambda s: s.generation_tokens == 3)
+    assert isinstance(before, EngineSnapshot)
+    blocks = loop.engine.cache.pool.blocks
+    assert (before.num_running, before.num_waiting, before.num_used_blocks) == (0, 0, 0)
+    assert before.num_blocks == blocks.num_blocks and before.kv_cache_usage == 0.0
+    assert (
+        before.prompt_tokens == 29
+        and before.device.query_tokens == loop.engine.cache.stats.device.query_tokens
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.generation_tokens = 0
+    queried = before.device.query_tokens
+    asyncio.run(run(list(range(1, 30))))  # the same prompt again: a device-pool hit
+    after = _wait_snapshot(loop, lambda s: s.generation_tokens == 6)
+    assert after is not before and after.device.hit_tokens > 0 and after.device.query_tokens > queried
+    assert before.device.query_tokens == queried and before.device.hit_tokens == 0  # the old one never moves

@@ -78,12 +78,12 @@ def test_prefill_rate_counts_only_computed_tokens(tmp_path) -> None:
 
 
 def test_block_size_is_checked_before_the_model_loads(capsys, monkeypatch, tmp_path) -> None:
-    import kvdiet.engine.generate
+    import kvdiet.model.build
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(kvdiet.engine.generate, "load_model", no_load)
+    monkeypatch.setattr(kvdiet.model.build, "load_model", no_load)
     argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "3"]
     assert main([*argv, "--persistent-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -135,7 +135,7 @@ def test_keyboard_interrupt_anywhere_in_a_command_is_one_line(capsys, monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvdiet.engine.generate, "generate", interrupted)
+    monkeypatch.setattr(kvdiet.engine.generate, "generate_prepared", interrupted)
     argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
     assert main([*argv, "--persistent-dir", "none"]) == 130
     assert capsys.readouterr().err == "kvdiet generate: interrupted\n"

@@ -51,7 +51,7 @@ def test_weights_flags_are_checked_before_loading(released: Path, tmp_path: Path
 
 
 def test_the_server_start_up_log_says_which_numerics_run(released: Path) -> None:
-    from kvdiet.engine.generate import load_model
+    from kvdiet.model.build import load_model
     from kvdiet.server.serve import weights_line
 
     random_model, _ = load_model("v4.1-micro")

@@ -115,6 +115,17 @@ def test_the_model_does_not_import_the_cache_layer() -> None:
             assert not cache, f"{name} imports {sorted(cache)}"
 
 
+def test_the_model_imports_nothing_that_drives_it() -> None:
+    """`load_model` lives in the model package; the engine, the server, the simulator and the commands import
+    the model, never the other way round (issue 14)."""
+    above = {"engine", "server", "sim", "fidelity", "cli"}
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("kvdiet.model."):
+            bad = {m for m in _imports(name, path, modules) if m.split(".")[1] in above}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

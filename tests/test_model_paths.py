@@ -240,7 +240,7 @@ def test_bounded_replay_keeps_global_kv_exact(micro: Transformer) -> None:
 
 
 def test_mini_measures_890_bytes_per_token() -> None:
-    from kvdiet.engine.generate import load_model
+    from kvdiet.model.build import load_model
 
     model, tokenizer = load_model("v4.1-mini", seed=0)
     assert tokenizer is not None and tokenizer.vocab_size == model.cfg.vocab_size == 129_280

@@ -152,8 +152,8 @@ class EngineArgs:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).
         """
         from kvdiet.engine.engine import LLMEngine
-        from kvdiet.engine.generate import load_model
         from kvdiet.engine.kv_cache import KVCache
+        from kvdiet.model.build import load_model
 
         model, tokenizer = load_model(
             self.model,

@@ -13,8 +13,9 @@ reached is stored (SWA pool under bounded replay): on resumption the prompt plus
 looked up again, the blocks still cached are reused and, while the snapshot lives, the continuation is
 exact.
 
-The engine is single-threaded: one caller (the `EngineLoop` thread, or `LLM`) drives it. `prepare` only
-reads the model config and the tokenizer and may be called from any thread.
+The engine is single-threaded: one caller (the `EngineLoop` thread, or `LLM`) drives it. `prepare` is the
+edge that validates a request, once (`kvdiet.engine.prepared`); it only reads the model config and the
+tokenizer and may be called from any thread. `add_prepared` and everything below it trust its result.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
 from kvdiet.engine.kv_cache import KVCache
+from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
 from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -123,42 +125,68 @@ class LLMEngine:
 
     # --- requests in ---
 
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """Validate a request and return its prompt token ids (text gets BOS prepended). Thread-safe.
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams) -> PreparedRequest:
+        """Validate a request once, at the edge, and return it prepared (text gets BOS prepended); what the
+        layers below may then assume is in `kvdiet.engine.prepared`. Thread-safe (reads only the model
+        config and the tokenizer).
 
         Raises:
-            ValueError: empty prompt; text without a tokenizer; a token id outside the vocabulary (index
-                and size named); stop or logit-bias ids outside it; stop strings without a tokenizer;
-                prompt + max_tokens > max_model_len (numbers and comparator in the message).
+            InvalidRequestError (a ValueError; ``param`` names the field), in this order: stop or logit-bias
+                ids outside the vocabulary; empty prompt; text without a tokenizer; text that is not valid
+                Unicode; a token id outside the vocabulary (index and size named); a prompt past
+                ``max_position_embeddings``; stop strings without a tokenizer; prompt + max_tokens >
+                max_model_len (numbers and comparator in the message).
         """
+        check_sampling_ids(params, self.model.cfg.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("empty prompt: give at least one character or token id")
+                raise InvalidRequestError(
+                    "empty prompt: give at least one character or token id", param="prompt"
+                )
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt)]
+                raise InvalidRequestError(
+                    "this model has no tokenizer: give the prompt as token ids", param="prompt"
+                )
+            try:
+                ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt)]
+            except ValueError as exc:  # not valid Unicode (an unpaired surrogate)
+                raise InvalidRequestError(str(exc), param="prompt") from None
         else:
-            ids = self.model.check_tokens(list(prompt)).tolist()
+            try:
+                ids = self.model.check_tokens(list(prompt)).tolist()
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="prompt") from None
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        params.check_vocab(self.model.cfg.vocab_size)
+            raise InvalidRequestError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop"
+            )
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens > "
-                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
+                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens",
+                param="prompt",
             )
-        return ids
+        return PreparedRequest(tuple(ids), params)
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None
     ) -> str:
-        """Validate (see `prepare`) and queue a request; returns its id.
+        """Validate (`prepare`) and queue a request; returns its id.
 
         Raises:
-            ValueError: invalid request (nothing changes), or a duplicate ``request_id``.
+            ValueError: invalid request (`InvalidRequestError`; nothing changes), or a duplicate ``request_id``.
         """
-        ids = self.prepare(prompt, params)
+        return self.add_prepared(self.prepare(prompt, params), request_id=request_id)
+
+    def add_prepared(self, request: PreparedRequest, *, request_id: str | None = None) -> str:
+        """Queue a request already validated by `prepare` (not checked again); returns its id.
+
+        Raises:
+            ValueError: a duplicate ``request_id`` (nothing changes).
+        """
+        ids, params = list(request.prompt_ids), request.params
+        assert ids and len(ids) + params.max_tokens <= self.max_model_len, "not prepared by this engine"
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

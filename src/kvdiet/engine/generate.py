@@ -1,4 +1,5 @@
-"""Single-request generation through the cache system: load a model, look the prompt up, prefill, decode.
+"""Single-request generation through the cache system: validate the request, look the prompt up, prefill,
+decode.
 
 The offline path behind ``kvdiet generate``: one request at a time through a `KVCache` (device pool, prefix
 cache, persistent tier, SWA pool, replay). Batching, scheduling and the server come from the engine proper.
@@ -8,23 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvdiet.cache.plan import Provenance
-from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
 from kvdiet.engine.sampling import SamplingParams, sample
-from kvdiet.model.engram import compressed_token_map
-from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
-from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["GenerateResult", "check_request", "generate", "load_model", "private_cache"]
+__all__ = ["GenerateResult", "check_request", "generate", "generate_prepared", "private_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,86 +60,28 @@ class GenerateResult:
         return len(self.output_ids) / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def load_model(
-    name_or_path: str | None,
-    *,
-    seed: int = 0,
-    weights: str | Path | None = None,
-    exact: bool = False,
-    numerics: str = "auto",
-    expert_cache_bytes: int | None = None,
-) -> tuple[Transformer, Tokenizer | None]:
-    """A V4.1 model (seeded random weights, or a checkpoint) and its tokenizer.
-
-    With ``weights`` the model is built from the checkpoint (`kvdiet.model.loader.load_checkpoint`: routed
-    experts read on first use, resident memory far below the checkpoint's size); its config is
-    ``name_or_path`` or, when that is None, the ``config.json`` beside the weights. The load report is kept
-    as ``model.load_report``. The tokenizer is the checkpoint's ``tokenizer.json`` when it has one, else the
-    real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test configs get none
-    (prompts are then token ids).
+def check_request(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams) -> PreparedRequest:
+    """Validate a prompt and its sampling parameters for ``model``, once (the offline edge; the contract is
+    in `kvdiet.engine.prepared`).
 
     Raises:
-        ConfigError: not a V4.1 config, or no config at all.
-        kvdiet.model.loader.WeightsError: the weights do not fit the config.
-        kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
+        InvalidRequestError (a ValueError): stop ids outside the vocabulary, bad token ids (see
+            `Transformer.check_tokens`), or a prompt plus ``max_tokens`` beyond ``max_position_embeddings``
+            (the real numbers in the message).
     """
-    if name_or_path is None:
-        found = model_config_path(weights)
-        if found is None:
-            raise ConfigError(f"no config.json beside the weights {weights}; give --model")
-        name_or_path = str(found)
-    cfg = load_config(name_or_path)
-    if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
-        raise ConfigError(f"{name_or_path!r} is not a DeepSeek-V4.1 config; generate runs V4.1 models only")
-    tokenizer = _tokenizer_for(cfg, weights)
-    token_map = None
-    if tokenizer is not None and cfg.engram_layer_ids:
-        token_map, _ = compressed_token_map(tokenizer)
-    elif weights is not None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
-        raise ConfigError(
-            f"{weights}: Engram needs the compressed-token map of the tokenizer, and no tokenizer.json is "
-            f"beside the weights (vocabulary {cfg.vocab_size:,}, not DeepSeek's)"
-        )
-    if weights is None:
-        model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
-        model.load_report = None
-    else:
-        model, report = load_checkpoint(
-            weights,
-            config=cfg,
-            token_map=token_map,
-            numerics=numerics,
-            exact=exact,
-            expert_cache_bytes=expert_cache_bytes,
-        )
-        model.load_report = report
-    return model, tokenizer
-
-
-def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | None:
-    """The checkpoint's own ``tokenizer.json`` when it has one, else DeepSeek's for its vocabulary size."""
-    folder = None if weights is None else (Path(weights) if Path(weights).is_dir() else Path(weights).parent)
-    if folder is not None and (folder / "tokenizer.json").is_file():
-        return Tokenizer(folder / "tokenizer.json")
-    return Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
-
-
-def check_request(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:
-    """Validate a prompt and its sampling parameters for ``model``; returns the ids as int64 [N].
-
-    Raises:
-        ValueError: bad token ids (see `Transformer.check_tokens`), stop ids outside the vocabulary, or a
-            prompt plus ``max_tokens`` beyond ``max_position_embeddings`` (the real numbers in the message).
-    """
-    params.check_vocab(model.cfg.vocab_size)
-    ids = model.check_tokens(prompt_ids)
+    check_sampling_ids(params, model.cfg.vocab_size)
+    try:
+        ids = model.check_tokens(prompt_ids).tolist()
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="prompt") from None
     limit = model.cfg.max_position_embeddings
-    if ids.numel() + params.max_tokens > limit:
-        raise ValueError(
-            f"prompt {ids.numel()} + max_tokens {params.max_tokens} = "
-            f"{ids.numel() + params.max_tokens} > max_position_embeddings {limit}"
+    if len(ids) + params.max_tokens > limit:
+        raise InvalidRequestError(
+            f"prompt {len(ids)} + max_tokens {params.max_tokens} = "
+            f"{len(ids) + params.max_tokens} > max_position_embeddings {limit}",
+            param="prompt",
         )
-    return ids
+    return PreparedRequest(tuple(ids), params)
 
 
 def private_cache(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> KVCache:
@@ -154,7 +94,7 @@ def private_cache(model: Transformer, num_tokens: int, options: CacheOptions | N
 
 def generate(
     model: Transformer,
-    prompt_ids: list[int],
+    prompt_ids: Sequence[int],
     params: SamplingParams,
     *,
     cache: KVCache | None = None,
@@ -162,29 +102,55 @@ def generate(
     progress: bool = False,
     progress_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> GenerateResult:
-    """Look ``prompt_ids`` up in ``cache``, prefill the rest in chunks of ``chunk_size`` tokens, then decode up
-    to ``params.max_tokens``; the blocks go back to the pool (and window state to its tier) at the end.
+    """Validate ``prompt_ids`` with ``params`` (`check_request`), then `generate_prepared`.
+
+    Raises:
+        ValueError: an invalid prompt or parameters (`InvalidRequestError`), or see `generate_prepared`.
+        NoFreeBlocksError: the device pool cannot hold the request.
+    """
+    return generate_prepared(
+        model,
+        check_request(model, prompt_ids, params),
+        cache=cache,
+        chunk_size=chunk_size,
+        progress=progress,
+        progress_interval_s=progress_interval_s,
+    )
+
+
+def generate_prepared(
+    model: Transformer,
+    request: PreparedRequest,
+    *,
+    cache: KVCache | None = None,
+    chunk_size: int = 512,
+    progress: bool = False,
+    progress_interval_s: float = DEFAULT_INTERVAL_S,
+) -> GenerateResult:
+    """Look a validated request's prompt up in ``cache``, prefill the rest in chunks of ``chunk_size`` tokens,
+    then decode up to ``params.max_tokens``; the blocks go back to the pool (and window state to its tier)
+    at the end. The request is not checked again (`kvdiet.engine.prepared`).
 
     Args:
+        request: from `check_request` for this ``model``.
         cache: the cache system (an open `KVCache`); None → a private one without tiers, sized for this
             request.
         progress: report the prefill on stderr (`PrefillProgress`: a bar on a terminal, else a line every
             ``progress_interval_s`` seconds).
     Raises:
-        ValueError: empty or invalid prompt, a prompt plus ``max_tokens`` beyond the context, bad
-            ``chunk_size`` — all before any state or tier changes.
+        ValueError: bad ``chunk_size`` (before any state or tier changes).
         NoFreeBlocksError: the device pool cannot hold the request.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    ids = check_request(model, prompt_ids, params)
+    ids, params = list(request.prompt_ids), request.params
     if cache is None:
-        cache = private_cache(model, ids.numel() + params.max_tokens)
+        cache = private_cache(model, len(ids) + params.max_tokens)
     start = time.perf_counter()
-    session = cache.start(ids.tolist())
+    session = cache.start(ids)
     try:
         done = session.state.num_tokens
-        with PrefillProgress(ids.numel(), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
+        with PrefillProgress(len(ids), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
             logits = cache.prefill(session, chunk_size=chunk_size, progress=bar)
         prefill_s = time.perf_counter() - start
         generator = torch.Generator().manual_seed(params.seed or 0)
@@ -205,4 +171,4 @@ def generate(
         cache.abort(session)
         raise
     cache.finish(session)
-    return GenerateResult(ids.numel(), out, finish, prefill_s, decode_s, measured, session.provenance)
+    return GenerateResult(len(ids), out, finish, prefill_s, decode_s, measured, session.provenance)

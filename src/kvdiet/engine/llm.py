@@ -86,9 +86,8 @@ class LLM:
         per = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per)} sampling parameters")
-        for p, sp in zip(batch, per, strict=True):
-            self.engine.prepare(p, sp)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, per, strict=True)]
+        prepared = [self.engine.prepare(p, sp) for p, sp in zip(batch, per, strict=True)]
+        ids = [self.engine.add_prepared(r) for r in prepared]
         final: dict[str, RequestOutput] = {}
         bar = Progress(
             TextColumn("requests"),

@@ -1,13 +1,15 @@
 """`EngineLoop`: the engine on its own thread, fed by asyncio callers (the server).
 
-One thread owns the `LLMEngine`: it takes commands (add, abort) from a queue between steps, runs steps
-while there is work, and hands each `RequestOutput` to its request's callback. Async callers use
-`EngineLoop.generate`, an async iterator of outputs; leaving it early (a client disconnect cancels it)
-aborts the request, so its blocks return to the pool at the next step boundary.
+One thread owns the `LLMEngine`: it takes typed commands (`kvdiet.engine.commands`: add, abort, abort
+all, shut down) from a queue between steps, runs steps while there is work, and hands each `RequestOutput`
+to its request's callback. Requests arrive already validated (`PreparedRequest`, from `LLMEngine.prepare`);
+the loop does not check them again. Async callers use `EngineLoop.generate`, an async iterator of outputs;
+leaving it early (a client disconnect cancels it) aborts the request, so its blocks return to the pool at
+the next step boundary.
 
-The loop also keeps `snapshot`, a plain dict of engine and cache figures refreshed from the engine
-thread (at most every ``refresh_s`` seconds), so metrics scrapes never touch the engine or its tiers from
-another thread. If a step raises, the loop stops serving (`healthy` turns False; pending requests get the
+The loop also keeps `snapshot`, an immutable `EngineSnapshot` of engine and cache figures taken on the
+engine thread (at most every ``refresh_s`` seconds), so metrics scrapes never touch the engine or its tiers
+from another thread. If a step raises, the loop stops serving (`healthy` turns False; pending requests get the
 error) rather than continue on a state it cannot trust.
 """
 
@@ -19,18 +21,17 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator
 
+from kvdiet.engine.commands import AbortAll, AbortRequest, AddRequest, Command, Deliver, Shutdown
 from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.engine_snapshot import EngineSnapshot
+from kvdiet.engine.prepared import PreparedRequest
 from kvdiet.engine.request import RequestOutput
-from kvdiet.engine.sampling import SamplingParams
 
 __all__ = ["EngineDeadError", "EngineLoop"]
 
 log = logging.getLogger("kvdiet.engine")
-
-Deliver = Callable[[RequestOutput | BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -43,12 +44,16 @@ class EngineLoop:
     Args:
         engine: the engine; after `start`, only the loop thread touches it.
         refresh_s: minimum seconds between two `snapshot` refreshes.
+    Attributes:
+        snapshot: the latest `EngineSnapshot` (None before `start`); replaced whole, never mutated, so any
+            thread may read it.
+        error: the exception that stopped the engine thread, or None.
     """
 
     def __init__(self, engine: LLMEngine, *, refresh_s: float = 0.25) -> None:
         self.engine = engine
         self.refresh_s = refresh_s
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._deliver: dict[str, Deliver] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -56,7 +61,7 @@ class EngineLoop:
         self._accepting = threading.Lock()  # orders `submit` against the loop stopping
         self._closed = False
         self.error: BaseException | None = None
-        self.snapshot: dict[str, Any] = {}
+        self.snapshot: EngineSnapshot | None = None
 
     # --- lifecycle ---
 
@@ -74,7 +79,7 @@ class EngineLoop:
         with self._accepting:
             self._closed = True
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Shutdown())
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -94,11 +99,9 @@ class EngineLoop:
 
     # --- requests (any thread) ---
 
-    def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, deliver: Deliver, request_id: str
-    ) -> None:
-        """Queue a validated request; ``deliver`` is called on the engine thread with each output (or an
-        exception when the engine fails).
+    def submit(self, request: PreparedRequest, deliver: Deliver, request_id: str) -> None:
+        """Queue a request validated by `LLMEngine.prepare`; ``deliver`` is called on the engine thread with
+        each output (or an exception: the engine failed, or ``request_id`` is already in use).
 
         Raises:
             EngineDeadError: the loop is not serving.
@@ -106,29 +109,30 @@ class EngineLoop:
         with self._accepting:  # a request queued here is either run or refused, never forgotten
             if not self.healthy:
                 raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
-            self._commands.put(("add", request_id, list(prompt_ids), params, deliver))
+            self._commands.put(AddRequest(request_id, request, deliver))
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (unknown or finished ids are ignored)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def abort_all(self) -> None:
         """Abort every request at the next step boundary (server shutdown: streams end with ``abort``)."""
-        self._commands.put(("abort-all",))
+        self._commands.put(AbortAll())
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None
+        self, request: PreparedRequest, *, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until the final one. Leaving early aborts it.
+        """Submit a request validated by `LLMEngine.prepare` and yield its outputs until the final one.
+        Leaving early aborts it.
 
         Raises:
             EngineDeadError: the engine is not serving, or failed while running this request.
-            ValueError: the engine rejected the request.
+            ValueError: ``request_id`` is already in use.
         """
         rid = request_id or f"req-{uuid.uuid4().hex}"
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self.submit(prompt_ids, params, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), rid)
+        self.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), rid)
         done = False
         try:
             while True:
@@ -173,8 +177,8 @@ class EngineLoop:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _delivered(cmd[4], error)
+            if isinstance(cmd, AddRequest):
+                _delivered(cmd.deliver, error)
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -188,20 +192,27 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, ids, params, deliver = cmd
-            try:
-                self.engine.add_request(ids, params, request_id=rid)
-            except ValueError as exc:
-                _delivered(deliver, exc)
-                return
-            self._deliver[rid] = deliver
-        elif cmd[0] in ("abort", "abort-all"):
-            for rid in [cmd[1]] if cmd[0] == "abort" else list(self.engine.requests):
-                out = self.engine.abort_request(rid)
-                if out is not None:
-                    self._send(out)
+    def _apply(self, cmd: Command) -> None:
+        match cmd:
+            case AddRequest(rid, request, deliver):
+                try:
+                    self.engine.add_prepared(request, request_id=rid)
+                except ValueError as exc:  # a duplicate id
+                    _delivered(deliver, exc)
+                    return
+                self._deliver[rid] = deliver
+            case AbortRequest(rid):
+                self._abort(rid)
+            case AbortAll():
+                for rid in list(self.engine.requests):
+                    self._abort(rid)
+            case Shutdown():
+                self._stop.set()
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._send(out)
 
     def _send(self, out: RequestOutput) -> None:
         rid = out.request_id
@@ -215,26 +226,7 @@ class EngineLoop:
         if not force and now - self._refreshed < self.refresh_s:
             return
         self._refreshed = now
-        e, cache = self.engine, self.engine.cache
-        blocks = cache.pool.blocks
-        persistent = cache.persistent if cache.persistent is not None and cache.persistent.enabled else None
-        pool = cache.swa_pool
-        self.snapshot = {
-            "num_running": e.num_running,
-            "num_waiting": e.num_waiting,
-            "num_blocks": blocks.num_blocks,
-            "num_used_blocks": blocks.num_used,
-            "num_free_blocks": blocks.num_free,
-            "num_cached_blocks": blocks.num_cached,
-            "num_preemptions": e.scheduler.num_preemptions,
-            "prompt_tokens": e.stats.prompt_tokens,
-            "generation_tokens": e.stats.generation_tokens,
-            "cache": cache.stats.as_dict(),
-            "persistent_bytes": persistent.nbytes if persistent is not None else 0,
-            "persistent_entries": len(persistent) if persistent is not None else 0,
-            "swa_pool_bytes": pool.nbytes,
-            "swa_pool_entries": len(pool),
-        }
+        self.snapshot = EngineSnapshot.take(self.engine)
 
 
 def _delivered(deliver: Deliver, item: RequestOutput | BaseException) -> bool:

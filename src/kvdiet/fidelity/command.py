@@ -77,8 +77,8 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     """Run ``kvdiet fidelity``. Raises ValueError/ConfigError on bad input (before the model loads)."""
     import torch
 
-    from kvdiet.engine.generate import load_model
     from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
+    from kvdiet.model.build import load_model
 
     contexts = sorted({parse_count(c) for c in args.contexts.split(",") if c.strip()})
     chunk = parse_count(args.chunk)

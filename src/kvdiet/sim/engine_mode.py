@@ -32,10 +32,10 @@ import numpy as np
 
 from kvdiet.cache.plan import Provenance
 from kvdiet.engine.engine import LLMEngine
-from kvdiet.engine.generate import load_model
 from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
+from kvdiet.model.build import load_model
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.traces import Trace, TraceRequest

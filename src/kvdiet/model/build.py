@@ -1,0 +1,82 @@
+"""`load_model`: a V4.1 model and its tokenizer from a preset, a config path or a checkpoint.
+
+The one place that turns a model name (and optionally a weights folder) into a `Transformer`: seeded random
+weights, or the released checkpoint through `kvdiet.model.loader.load_checkpoint`. It knows nothing of
+caches, engines or servers; those call it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
+from kvdiet.model.engram import compressed_token_map
+from kvdiet.model.loader import load_checkpoint
+from kvdiet.model.transformer import Transformer
+from kvdiet.tokenizer import Tokenizer
+
+__all__ = ["load_model"]
+
+
+def load_model(
+    name_or_path: str | None,
+    *,
+    seed: int = 0,
+    weights: str | Path | None = None,
+    exact: bool = False,
+    numerics: str = "auto",
+    expert_cache_bytes: int | None = None,
+) -> tuple[Transformer, Tokenizer | None]:
+    """A V4.1 model (seeded random weights, or a checkpoint) and its tokenizer.
+
+    With ``weights`` the model is built from the checkpoint (`kvdiet.model.loader.load_checkpoint`: routed
+    experts read on first use, resident memory far below the checkpoint's size); its config is
+    ``name_or_path`` or, when that is None, the ``config.json`` beside the weights. The load report is kept
+    as ``model.load_report``. The tokenizer is the checkpoint's ``tokenizer.json`` when it has one, else the
+    real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test configs get none
+    (prompts are then token ids).
+
+    Raises:
+        ConfigError: not a V4.1 config, or no config at all.
+        kvdiet.model.loader.WeightsError: the weights do not fit the config.
+        kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
+    """
+    if name_or_path is None:
+        found = model_config_path(weights)
+        if found is None:
+            raise ConfigError(f"no config.json beside the weights {weights}; give --model")
+        name_or_path = str(found)
+    cfg = load_config(name_or_path)
+    if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
+        raise ConfigError(f"{name_or_path!r} is not a DeepSeek-V4.1 config; generate runs V4.1 models only")
+    tokenizer = _tokenizer_for(cfg, weights)
+    token_map = None
+    if tokenizer is not None and cfg.engram_layer_ids:
+        token_map, _ = compressed_token_map(tokenizer)
+    elif weights is not None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
+        raise ConfigError(
+            f"{weights}: Engram needs the compressed-token map of the tokenizer, and no tokenizer.json is "
+            f"beside the weights (vocabulary {cfg.vocab_size:,}, not DeepSeek's)"
+        )
+    if weights is None:
+        model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
+        model.load_report = None
+    else:
+        model, report = load_checkpoint(
+            weights,
+            config=cfg,
+            token_map=token_map,
+            numerics=numerics,
+            exact=exact,
+            expert_cache_bytes=expert_cache_bytes,
+        )
+        model.load_report = report
+    return model, tokenizer
+
+
+def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | None:
+    """The checkpoint's own ``tokenizer.json`` when it has one, else DeepSeek's for its vocabulary size."""
+    folder = None if weights is None else (Path(weights) if Path(weights).is_dir() else Path(weights).parent)
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        return Tokenizer(folder / "tokenizer.json")
+    return Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None

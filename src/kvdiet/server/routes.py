@@ -1,0 +1,268 @@
+"""The API's route handlers, module-level on one `APIRouter`; `build_app` includes it.
+
+Each handler reads the server's `ServerContext` (engine loop, served model name, metrics, chat default) from
+``request.app.state`` through a FastAPI dependency. A generation request is validated once, here at the
+edge, before it reaches the engine (body schema, model name, unsupported fields, then `LLMEngine.prepare`:
+token ids, stop and logit-bias ids, context length); failures are HTTP 400 with an OpenAI error body and
+the engine keeps serving. The prepared request goes down unchanged (`kvdiet.engine.prepared`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from kvdiet.engine.loop import EngineLoop
+from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest
+from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.sampling import SamplingParams
+from kvdiet.server.chat_template import render_chat
+from kvdiet.server.errors import ApiError, AsciiJSONResponse
+from kvdiet.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvdiet.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body
+from kvdiet.server.streaming import final_output, sse_response, usage_body
+
+__all__ = ["ServerContext", "router"]
+
+_COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class ServerContext:
+    """What the handlers need, kept at ``app.state.server``.
+
+    Attributes:
+        loop: the engine loop every request runs on.
+        model_name: the name clients must use in ``model``.
+        metrics: the registry behind ``/metrics``.
+        default_max_tokens: chat ``max_tokens`` (tokens) when a request gives none, capped by the context left.
+    """
+
+    loop: EngineLoop
+    model_name: str
+    metrics: ServerMetrics
+    default_max_tokens: int
+
+
+def _context(request: Request) -> ServerContext:
+    return request.app.state.server
+
+
+Context = Annotated[ServerContext, Depends(_context)]
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(ctx: Context) -> Response:
+    if ctx.loop.healthy:
+        return Response(status_code=200)
+    return AsciiJSONResponse(
+        error_body("the engine is not running", status=503, kind="service_unavailable"), 503
+    )
+
+
+@router.get("/metrics")
+async def prometheus(ctx: Context) -> Response:
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(ctx: Context) -> dict:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": ctx.model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "kvdiet",
+                "max_model_len": ctx.loop.engine.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: Context) -> Response:
+    _check_common(ctx, body)
+    try:
+        prompt = body.single_prompt()
+    except ValueError as exc:
+        raise ApiError(str(exc), param="prompt") from None
+    params = _sampling(body, body.max_tokens if body.max_tokens is not None else _COMPLETIONS_MAX_TOKENS)
+    prepared = _prepare(ctx, prompt, params)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+
+    def chunk(out: RequestOutput, *, final: bool = False) -> dict:
+        choice = {
+            "index": 0,
+            "text": out.text if final else out.new_text,
+            "logprobs": None,
+            "finish_reason": _finish_reason(out),
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = list(out.output_ids if final else out.new_token_ids)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [choice],
+        } | ({"prompt_token_ids": list(prepared.prompt_ids)} if body.return_token_ids and final else {})
+
+    def final(out: RequestOutput) -> dict:
+        return chunk(out, final=True) | {"usage": usage_body(out)}
+
+    return await _respond(ctx, body, request, prepared, rid, created, "text_completion", chunk, final)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> Response:
+    _check_common(ctx, body)
+    engine = ctx.loop.engine
+    if engine.tokenizer is None:
+        raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = kwargs.pop("thinking", False)
+    if not isinstance(thinking, bool) or kwargs:
+        raise ApiError(
+            "chat_template_kwargs takes only 'thinking' (true or false)", param="chat_template_kwargs"
+        )
+    try:
+        text = render_chat([m.model_dump() for m in body.messages], thinking=thinking)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="messages") from None
+    try:
+        prompt_ids = engine.tokenizer.encode(text)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="messages") from None
+    wanted = body.max_completion_tokens or body.max_tokens
+    if wanted is None and len(prompt_ids) >= engine.max_model_len:
+        raise ApiError(
+            f"the prompt ({len(prompt_ids)} tokens) leaves no room for output: max_model_len is "
+            f"{engine.max_model_len}",
+            param="messages",
+        )
+    max_tokens = (
+        wanted
+        if wanted is not None
+        else max(1, min(ctx.default_max_tokens, engine.max_model_len - len(prompt_ids)))
+    )
+    params = _sampling(body, max_tokens)
+    prepared = _prepare(ctx, prompt_ids, params)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    first = [True]
+
+    def chunk(out: RequestOutput) -> dict:
+        delta: dict[str, Any] = {"content": out.new_text}
+        if first[0]:  # the first chunk also names the role
+            delta, first[0] = {"role": "assistant"} | delta, False
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(out)}
+        if body.return_token_ids:
+            choice["token_ids"] = list(out.new_token_ids)
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [choice],
+        }
+
+    def final(out: RequestOutput) -> dict:
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": ctx.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(out),
+                }
+                | ({"token_ids": list(out.output_ids)} if body.return_token_ids else {})
+            ],
+            "usage": usage_body(out),
+        } | ({"prompt_token_ids": list(prepared.prompt_ids)} if body.return_token_ids else {})
+
+    return await _respond(ctx, body, request, prepared, rid, created, "chat.completion.chunk", chunk, final)
+
+
+async def _respond(
+    ctx: ServerContext,
+    body: _Common,
+    request: Request,
+    prepared: PreparedRequest,
+    rid: str,
+    created: int,
+    kind: str,
+    chunk: Callable[[RequestOutput], dict],
+    final: Callable[[RequestOutput], dict],
+) -> Response:
+    """Run the request: with ``stream``, server-sent events of ``chunk(out)`` (``kind`` names the usage
+    chunk's object); else ``final(out)`` of the last output as JSON, or 499 when the client left first."""
+    if body.stream:
+        return sse_response(
+            ctx.loop,
+            prepared,
+            rid,
+            chunk,
+            include_usage=_include_usage(body),
+            created=created,
+            model_name=ctx.model_name,
+            kind=kind,
+        )
+    out = await final_output(ctx.loop, prepared, rid, request)
+    if out is None:
+        return Response(status_code=499)  # the client closed the connection (nginx's code)
+    return AsciiJSONResponse(final(out))
+
+
+def _check_common(ctx: ServerContext, body: _Common) -> None:
+    """The checks every generation route shares: model name, unsupported fields, stream options, a live
+    engine (503 otherwise)."""
+    if body.model is not None and body.model != ctx.model_name:
+        raise ApiError(
+            f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}", param="model"
+        )
+    problem = body.unsupported()
+    if problem is not None:
+        raise ApiError(problem)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    if not ctx.loop.healthy:
+        raise ApiError("the engine is not running", status=503, kind="service_unavailable")
+
+
+def _prepare(ctx: ServerContext, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
+    """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 naming the field."""
+    try:
+        return ctx.loop.engine.prepare(prompt, params)
+    except InvalidRequestError as exc:
+        # stop strings on a model without a tokenizer have always been reported against the prompt
+        raise ApiError(str(exc), param="prompt" if exc.param == "stop" else exc.param) from None
+
+
+def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens)
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def _include_usage(body: _Common) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
