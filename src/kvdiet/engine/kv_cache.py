@@ -188,14 +188,13 @@ class KVCache:
     def start(self, prompt_ids: Sequence[int]) -> Session:
         """Look the prompt up and prepare its request state (see the module docstring).
 
-        Returns a `Session` whose ``state.num_tokens`` is the first position still to prefill.
-        Raises:
-            ValueError: empty prompt, an id outside the vocabulary, longer than the context (before any
-                lookup or state change).
-        A full device pool only shortens what is loaded from the persistent tier; a stored window state
-        that fails validation is a miss (counted as corrupt) and the plan falls back as if it were absent.
+        ``prompt_ids`` were checked at the edge (`kvdiet.engine.prepared`: non-empty, in the vocabulary,
+        within the context) and are not checked again here. Returns a `Session` whose ``state.num_tokens``
+        is the first position still to prefill. A full device pool only shortens what is loaded from the
+        persistent tier; a stored window state that fails validation is a miss (counted as corrupt) and the
+        plan falls back as if it were absent.
         """
-        ids = self.model.check_tokens(prompt_ids).tolist()
+        ids = [int(t) for t in prompt_ids]
         n, bs, control = len(ids), self.options.block_size, self.control
         blocks = [ids[s : s + bs] for s in range(0, n - bs + 1, bs)]
         hashes = self._hashes(ROOT_HASH, blocks)
