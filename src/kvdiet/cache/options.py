@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdiet.cache.policy import BoundedReplay, SwaPolicy
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_PERSISTENT_TTL_S", "CacheOptions"]
-
-DEFAULT_BLOCK_SIZE = 64
-"""Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
+__all__ = ["DEFAULT_PERSISTENT_TTL_S", "CacheOptions"]
 
 DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
 """Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""

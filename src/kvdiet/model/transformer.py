@@ -27,16 +27,17 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
-from kvdiet.layer_plan import LayerInfo, LayerPlan
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerInfo, LayerPlan
 from kvdiet.model.attention import Attention, Segment, Selection
+from kvdiet.model.block_ids import BlockAllocator
 from kvdiet.model.engram import Engram, EngramHasher
 from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.moe import MoE
+from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
-from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE, DevicePool
 
 __all__ = ["Block", "Transformer"]
 
@@ -153,13 +154,15 @@ class Transformer(nn.Module):
     # --- state ---
 
     def new_pool(
-        self, num_blocks: int, *, block_size: int = DEFAULT_BLOCK_SIZE, growable: bool = False
+        self, num_blocks: int, *, block_size: int = DEFAULT_BLOCK_SIZE, blocks: BlockAllocator | None = None
     ) -> DevicePool:
-        """A paged device pool for this model's KV-source layers (`DevicePool`)."""
+        """A paged device pool of ``num_blocks`` blocks for this model's KV-source layers (`DevicePool`).
+
+        ``blocks``: the allocator of its block ids (the cache layer's `BlockPool` of ``num_blocks``), or None
+        for a private growable pool (a model used on its own). Raises ValueError as `DevicePool`.
+        """
         ratios = {s: self.plan[s].compress_ratio for s in self.plan.kv_sources}
-        return DevicePool(
-            ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, growable=growable
-        )
+        return DevicePool(ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, blocks=blocks)
 
     def new_state(
         self, pool: DevicePool | None = None, *, blocks: list[int] | None = None, num_tokens: int = 0
@@ -177,7 +180,7 @@ class Transformer(nn.Module):
             ValueError: ``num_tokens`` does not match ``blocks``.
         """
         cfg, c = self.cfg, self.codecs
-        pool = pool if pool is not None else self.new_pool(4, growable=True)
+        pool = pool if pool is not None else self.new_pool(4)
         blocks = list(blocks or [])
         if num_tokens != len(blocks) * pool.block_size:
             raise ValueError(

@@ -13,7 +13,7 @@ Cluster hash tag, so one snapshot's keys live in one slot and one MULTI/EXEC can
 
 Manifest (36 B, little-endian): magic ``b"KVRS"`` · version u16 (1) · flags u16 (0) · nonce (8 random
 bytes, hex in the chunk keys) · chunk count u32 · total length u64 (bytes) · CRC-32 of the value u32 ·
-CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.storage.snapshot`); never pickle.
+CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.model.snapshot`); never pickle.
 
 Writes: one MULTI/EXEC per value sets every chunk (``PX ttl + 1 s``: a reader that saw the manifest just
 before its deadline still finds the chunks) and then the manifest (``PX ttl``, with ``GET``: an overwritten
