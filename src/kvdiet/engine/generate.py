@@ -17,7 +17,7 @@ from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_pa
 from kvdiet.engine.kv_cache import CacheOptions, KVCache, Provenance
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
 from kvdiet.engine.sampling import SamplingParams, sample
-from kvdiet.model.engram import compressed_token_map
+from kvdiet.model.engram_hash import compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer

@@ -30,7 +30,8 @@ from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerInfo, LayerPlan
 from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.block_ids import BlockAllocator
-from kvdiet.model.engram import Engram, EngramHasher
+from kvdiet.model.engram import Engram
+from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
