@@ -59,7 +59,7 @@ TTL_S = 600.0
 def mini_snapshot_bytes() -> int:
     """Bytes of a real v4.1-mini window snapshot (a fresh request state: every buffer is full size)."""
     from kvdiet.model.build import load_model
-    from kvdiet.storage.snapshot import snapshot_bytes
+    from kvdiet.model.snapshot import snapshot_bytes
 
     model, _ = load_model("v4.1-mini", seed=SEED)
     state = model.new_state(model.new_pool(1, block_size=64))

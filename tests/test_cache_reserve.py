@@ -51,7 +51,7 @@ def test_all_or_none() -> None:
 def test_the_model_checks_its_table_and_allocates_nothing() -> None:
     model = Transformer.from_config(load_config("v4.1-micro"), seed=0)
     bs = 4
-    state = model.new_state(model.new_pool(4, block_size=bs))
+    state = model.new_state(model.new_pool(4, block_size=bs, blocks=BlockPool(4, bs)))
     tokens = torch.arange(1, 7)
     with pytest.raises(ValueError, match="block table covers 0 tokens but the forward writes up to token 6"):
         model.prefill(state, tokens)

@@ -373,7 +373,7 @@ def test_b01_window_state_never_from_slot_memory(micro, tmp_path) -> None:
 
 
 def test_b08_pooled_snapshot_holds_only_the_last_window(micro) -> None:
-    from kvdiet.storage.snapshot import restore_snapshot
+    from kvdiet.model.snapshot import restore_snapshot
 
     with _cache(micro, None) as c:
         ids = _ids(30)

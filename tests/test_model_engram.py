@@ -8,7 +8,8 @@ import torch
 
 from kvdiet.config import load_config
 from kvdiet.formats.fp8 import dequantize_window
-from kvdiet.model.engram import Engram, EngramHasher, compressed_token_map
+from kvdiet.model.engram import Engram
+from kvdiet.model.engram_hash import EngramHasher, compressed_token_map
 
 
 @pytest.fixture(scope="module")

@@ -118,3 +118,30 @@ def test_system_deps_without_apt_get_names_the_package(tmp_path: Path) -> None:
     proc = _run_system_deps(bin_dir)
     assert proc.returncode == 1
     assert "the tests need redis-server; install it with your package manager" in proc.stderr
+
+
+def _readme_tree(root: str) -> set[str]:
+    """The files the README's layout tree lists under ``root`` (``src/kvdiet/``), as paths below it: two
+    spaces of indent per level, a folder ends in ``/``, the first word of a line is the name."""
+    lines = README.splitlines()
+    listed, folders = set(), []
+    for line in lines[lines.index(root) + 1 :]:
+        if not line.startswith("  ") or not line.strip():
+            break
+        depth, name = (len(line) - len(line.lstrip(" "))) // 2 - 1, line.split()[0]
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            listed.add("/".join([*folders, name]))
+    return listed
+
+
+def test_the_layout_tree_lists_every_source_file_once() -> None:
+    """One line per file under ``src/kvdiet`` (issue 14): a file added, moved or removed updates the tree."""
+    files = {
+        p.relative_to(ROOT / "src" / "kvdiet").as_posix() for p in (ROOT / "src" / "kvdiet").rglob("*.py")
+    }
+    listed = _readme_tree("src/kvdiet/")
+    assert "model/paged_pool.py" in listed and "storage/persistent_index.py" in listed
+    assert sorted(files - listed) == [] and sorted(listed - files) == []

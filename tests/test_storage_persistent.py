@@ -502,13 +502,13 @@ def _items(ids: list[int]) -> list[tuple[bytes, list[int], bytes]]:
 
 def _count_transactions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = persistent._transaction
+    real = persistent.transaction
 
     def counting(db):
         calls.append(1)
         return real(db)
 
-    monkeypatch.setattr(persistent, "_transaction", counting)
+    monkeypatch.setattr(persistent, "transaction", counting)
     return calls
 
 

@@ -54,7 +54,7 @@ def test_eviction_by_one_store_never_deletes_a_file_another_store_just_wrote(
     b = PersistentStore(tmp_path, IDENTITY)
     with a, b:
         assert a.put(key_of(0), tokens_of(0), payload_of(0)) and a.put(key_of(1), tokens_of(1), payload_of(1))
-        real_unlink, raced = persistent._unlink, []
+        real_unlink, raced = persistent.unlink, []
         threads: list[threading.Thread] = []
 
         def unlink_while_b_writes(path: str) -> None:
@@ -67,7 +67,7 @@ def test_eviction_by_one_store_never_deletes_a_file_another_store_just_wrote(
                 threads[0].join(timeout=2.0)  # B is done, or waits for A's transaction to end
             real_unlink(path)
 
-        monkeypatch.setattr(persistent, "_unlink", unlink_while_b_writes)
+        monkeypatch.setattr(persistent, "unlink", unlink_while_b_writes)
         assert a.put(key_of(2), tokens_of(2), payload_of(2))  # evicts block 0, the least recently read
         monkeypatch.undo()
         assert raced == [1] and a.counters.evictions == 1

@@ -9,8 +9,9 @@ Two kinds:
   byte-count baseline by the planner (e.g. DeepSeek-LLM-67B).
 
 `load_config` resolves a preset name (``v4.1-mini``, ``deepseek-v4.1-flash``, …) or a path. Validation
-errors are `ConfigError` (a ``ValueError``) naming the field and the bad value. This module knows nothing
-of roles or bytes: `kvdiet.layer_plan` derives roles, `kvdiet.cache.spec` derives bytes.
+errors are `ConfigError` (a ``ValueError``) naming the field and the bad value; the checks of a
+`ModelConfig`'s values are `kvdiet.config_validation`. This module knows nothing of roles or bytes:
+`kvdiet.layer_plan` derives roles, `kvdiet.cache.spec` derives bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from kvdiet.config_validation import ConfigError, validate_model_config
 
 __all__ = [
     "NUMERICS",
@@ -40,10 +43,6 @@ V4_MODEL_TYPES = ("deepseek_v4",)
 
 NUMERICS = ("auto", "fp8", "bf16")
 """How weights stored FP8/FP4 compute (``--numerics``; `kvdiet.model.loader` documents each)."""
-
-
-class ConfigError(ValueError):
-    """A config file or field is invalid; the message names the field and the bad value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +149,7 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from an already flattened dict of JSON fields; unknown keys are ignored."""
         cfg = cls(**_coerce_fields(cls, data))
-        _validate(cfg)
+        validate_model_config(cfg)
         return cfg
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -352,114 +351,3 @@ def _as_json_dict(cfg: ModelConfig) -> dict[str, Any]:
             value = dataclasses.asdict(value)
         out[field.name] = value
     return out
-
-
-# --- validation -------------------------------------------------------------------------------------
-
-
-def _validate(cfg: ModelConfig) -> None:
-    """Check the fields that the layer plan, caches and formats depend on (v41-spec §1.2)."""
-    for field in (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "head_dim",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-        "max_position_embeddings",
-        "hc_mult",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "q_lora_rank",
-        "o_lora_rank",
-        "o_groups",
-    ):
-        if getattr(cfg, field) <= 0:
-            raise ConfigError(f"{field} must be > 0, got {getattr(cfg, field)}")
-    if cfg.sliding_window <= 0:
-        raise ConfigError(f"sliding_window must be > 0, got {cfg.sliding_window}")
-    if not 0 < cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
-        raise ConfigError(
-            f"qk_rope_head_dim must be even and in (0, head_dim={cfg.head_dim}), got {cfg.qk_rope_head_dim}"
-        )
-    if cfg.num_attention_heads % cfg.o_groups:
-        raise ConfigError(
-            f"num_attention_heads {cfg.num_attention_heads} is not a multiple of o_groups {cfg.o_groups}"
-        )
-    if cfg.num_experts_per_tok > cfg.n_routed_experts:
-        raise ConfigError(
-            f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds n_routed_experts {cfg.n_routed_experts}"
-        )
-    n = cfg.num_hidden_layers
-    if len(cfg.compress_ratios) < n:
-        raise ConfigError(
-            f"compress_ratios has {len(cfg.compress_ratios)} entries, fewer than num_hidden_layers={n}: "
-            f"{list(cfg.compress_ratios)}"
-        )
-    for i, r in enumerate(cfg.compress_ratios):
-        if r < 0:
-            raise ConfigError(f"compress_ratios[{i}] must be >= 0, got {r}")
-    if cfg.is_v41:
-        _validate_v41_sources(cfg)
-    for field in ("engram_layer_ids", "dspark_target_layer_ids"):
-        for layer in getattr(cfg, field) or ():
-            if not 0 <= layer < n:
-                raise ConfigError(f"{field} entry {layer} is outside [0, num_hidden_layers={n})")
-
-
-def _validate_v41_sources(cfg: ModelConfig) -> None:
-    n, ratios = cfg.num_hidden_layers, cfg.compress_ratios
-    for field in ("kv_source_layer_ids", "index_source_layer_ids"):
-        ids = getattr(cfg, field)
-        if not ids:
-            raise ConfigError(f"{field} is required for model_type {cfg.model_type!r}")
-        if list(ids) != sorted(set(ids)):
-            raise ConfigError(f"{field} must be strictly increasing, got {list(ids)}")
-        for layer in ids:
-            if not 0 <= layer < n:
-                raise ConfigError(f"{field} entry {layer} is outside [0, num_hidden_layers={n})")
-            if ratios[layer] == 0:
-                raise ConfigError(
-                    f"{field} entry {layer} has compress_ratios[{layer}] = 0 (an SWA-only layer)"
-                )
-    kv, idx = cfg.kv_source_layer_ids or (), cfg.index_source_layer_ids or ()
-    missing = sorted(set(kv) - set(idx))
-    if missing:
-        raise ConfigError(
-            f"kv_source_layer_ids {missing} are not in index_source_layer_ids: a KV source "
-            f"must own the indexer that writes its index keys"
-        )
-    for s in idx:
-        below = [k for k in kv if k <= s]
-        if not below:
-            raise ConfigError(f"index_source_layer_ids entry {s} is not at or above any KV source {list(kv)}")
-        if ratios[below[-1]] != ratios[s]:
-            raise ConfigError(
-                f"index source {s} (ratio {ratios[s]}) reads KV source {below[-1]} of ratio "
-                f"{ratios[below[-1]]}"
-            )
-    for layer in range(n):
-        r = ratios[layer]
-        if r == 0:
-            continue
-        below = [k for k in kv if k <= layer]
-        if not below:
-            raise ConfigError(
-                f"layer {layer} has compress_ratios[{layer}] = {r} but no KV source at or "
-                f"below it in {list(kv)}"
-            )
-        if ratios[below[-1]] != r:
-            raise ConfigError(
-                f"layer {layer} (ratio {r}) would read KV source {below[-1]} of ratio {ratios[below[-1]]}"
-            )
-    c = cfg.candidate_source_layer_id
-    if c is not None:
-        if c not in kv or c not in idx:
-            raise ConfigError(f"candidate_source_layer_id {c} must be both a KV and an index source")
-        for field in ("candidate_topk_blocks", "candidate_block_size"):
-            value = getattr(cfg, field)
-            if value is None or value <= 0:
-                raise ConfigError(f"{field} must be > 0 when candidate_source_layer_id is set, got {value}")

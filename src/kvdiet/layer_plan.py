@@ -27,7 +27,12 @@ from enum import StrEnum
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["V4_CSA_RATIO", "LayerInfo", "LayerPlan", "Role"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "V4_CSA_RATIO", "LayerInfo", "LayerPlan", "Role"]
+
+DEFAULT_BLOCK_SIZE = 64
+"""Tokens per block of the paged device pool (vLLM's block size for DeepSeek-V4 models); a multiple of every
+compress ratio (`LayerPlan.check_block_size`). Here so that the model and the cache layer share it without
+importing each other."""
 
 # V4REF builds an indexer only for compress_ratio == 4 layers (v41-spec §1.3, §9).
 V4_CSA_RATIO = 4

@@ -2,7 +2,7 @@
 
 Control plane only (ints, hashes, token ids; no tensors). A block covers ``block_size`` consecutive tokens
 of every KV-source layer's main-KV entries and index keys (the tensors live in
-`kvdiet.storage.device_pool`). Every block is in exactly one state:
+`kvdiet.model.paged_pool`). Every block is in exactly one state:
 
 - **used**: ref count > 0 (in some request's block table);
 - **cached**: ref count 0 but published under a prefix hash, so a later request can take it back;

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdiet.cache.policies import BoundedReplay, SwaPolicy
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -16,9 +17,6 @@ __all__ = [
     "IN_PROCESS",
     "CacheOptions",
 ]
-
-DEFAULT_BLOCK_SIZE = 64
-"""Tokens per block (vLLM's block size for DeepSeek-V4 models)."""
 
 DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
 """Global KV is kept at least 72 hours (seed 001, DESIGN.md §1)."""

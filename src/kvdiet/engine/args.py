@@ -119,7 +119,7 @@ class EngineArgs:
         from kvdiet.engine.engine import check_max_model_len
         from kvdiet.engine.kv_cache import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
-        from kvdiet.storage.device_pool import DevicePool
+        from kvdiet.model.paged_pool import DevicePool
 
         name = self.model if self.model is not None else model_config_path(self.weights)
         cfg = load_config(str(name) if name is not None else "v4.1-mini")

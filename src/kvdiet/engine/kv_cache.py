@@ -25,6 +25,7 @@ from dataclasses import asdict
 
 import torch
 
+from kvdiet.cache.block_pool import BlockPool
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry
 from kvdiet.cache.keys import HashKeys
 from kvdiet.cache.options import CacheOptions
@@ -34,11 +35,11 @@ from kvdiet.cache.reserve import reserve_blocks
 from kvdiet.engine.session import Session
 from kvdiet.engine.window_blocks import WindowBlockLog, restore_window_blocks, window_block_bytes
 from kvdiet.model.checksum import weights_checksum
+from kvdiet.model.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
-from kvdiet.storage.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
 from kvdiet.storage.swa_pool import SwaPool
 from kvdiet.storage.swa_pool_factory import create_swa_pool
 
@@ -93,7 +94,7 @@ class KVCache:
         ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]
         self.align = math.lcm(*ratios)
         num_blocks = pool_num_blocks(opts, model.new_pool(1, block_size=bs).block_bytes)
-        self.pool = model.new_pool(num_blocks, block_size=bs)
+        self.pool = model.new_pool(num_blocks, block_size=bs, blocks=BlockPool(num_blocks, bs))
         self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)
         self.fingerprint = model_fingerprint(
             {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
-from kvdiet.model.engram import compressed_token_map
+from kvdiet.model.engram_hash import compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer

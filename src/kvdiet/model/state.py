@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdiet.formats.codec import Codec
-from kvdiet.storage.device_pool import DevicePool
+from kvdiet.model.paged_pool import DevicePool
 
 __all__ = ["BlockTable", "CacheBytes", "CompressorTail", "PagedEntries", "RequestState", "WindowRing"]
 

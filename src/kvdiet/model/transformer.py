@@ -27,58 +27,21 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
-from kvdiet.layer_plan import LayerInfo, LayerPlan
-from kvdiet.model.attention import Attention, Segment, Selection
-from kvdiet.model.engram import Engram, EngramHasher
-from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerPlan
+from kvdiet.model.attention import Segment, Selection
+from kvdiet.model.block import Block
+from kvdiet.model.block_ids import BlockAllocator
+from kvdiet.model.engram_hash import EngramHasher
+from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
-from kvdiet.model.moe import MoE
+from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
-from kvdiet.storage.device_pool import DEFAULT_BLOCK_SIZE, DevicePool
 
-__all__ = ["Block", "Transformer"]
+__all__ = ["Transformer"]
 
 _INIT_STD = 0.02
-
-
-class Block(nn.Module):
-    """One layer: optional Engram, attention, MoE, and their mHC parameters (``layers.{i}.*`` names)."""
-
-    def __init__(self, cfg: ModelConfig, info: LayerInfo, codecs: CacheCodecs) -> None:
-        super().__init__()
-        hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
-        self.cfg, self.info = cfg, info
-        self.engram = Engram(cfg, info.layer_id) if info.layer_id in (cfg.engram_layer_ids or ()) else None
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, info, codecs)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = MoE(cfg)
-        for part in ("attn", "ffn"):
-            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size)))
-            self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
-            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
-
-    def coefficients(self, h: torch.Tensor, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC ``(pre, post, comb)`` of the ``attn`` or ``ffn`` sublayer for streams ``h`` [T, hc, hidden]."""
-        c = self.cfg
-        return hc_coefficients(
-            h,
-            getattr(self, f"hc_{part}_fn"),
-            getattr(self, f"hc_{part}_scale"),
-            getattr(self, f"hc_{part}_base"),
-            hc_mult=c.hc_mult,
-            rms_eps=c.rms_norm_eps,
-            hc_eps=c.hc_eps,
-            sinkhorn_iters=c.hc_sinkhorn_iters,
-        )
-
-    def ffn_half(self, h: torch.Tensor, attn_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FFN sublayer: returns ``(new streams, this FFN's pre)``."""
-        pre, post, comb = self.coefficients(h, "ffn")
-        out = self.ffn(self.ffn_norm(hc_collapse(h, attn_pre)))
-        return hc_expand(out, h, post, comb), pre
 
 
 class Transformer(nn.Module):
@@ -153,13 +116,15 @@ class Transformer(nn.Module):
     # --- state ---
 
     def new_pool(
-        self, num_blocks: int, *, block_size: int = DEFAULT_BLOCK_SIZE, growable: bool = False
+        self, num_blocks: int, *, block_size: int = DEFAULT_BLOCK_SIZE, blocks: BlockAllocator | None = None
     ) -> DevicePool:
-        """A paged device pool for this model's KV-source layers (`DevicePool`)."""
+        """A paged device pool of ``num_blocks`` blocks for this model's KV-source layers (`DevicePool`).
+
+        ``blocks``: the allocator of its block ids (the cache layer's `BlockPool` of ``num_blocks``), or None
+        for a private growable pool (a model used on its own). Raises ValueError as `DevicePool`.
+        """
         ratios = {s: self.plan[s].compress_ratio for s in self.plan.kv_sources}
-        return DevicePool(
-            ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, growable=growable
-        )
+        return DevicePool(ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, blocks=blocks)
 
     def new_state(
         self, pool: DevicePool | None = None, *, blocks: list[int] | None = None, num_tokens: int = 0
@@ -177,7 +142,7 @@ class Transformer(nn.Module):
             ValueError: ``num_tokens`` does not match ``blocks``.
         """
         cfg, c = self.cfg, self.codecs
-        pool = pool if pool is not None else self.new_pool(4, growable=True)
+        pool = pool if pool is not None else self.new_pool(4)
         blocks = list(blocks or [])
         if num_tokens != len(blocks) * pool.block_size:
             raise ValueError(

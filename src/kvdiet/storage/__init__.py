@@ -1,1 +1,1 @@
-"""Cache tiers behind small protocols: device pool, SWA pool, persistent store, clock."""
+"""Torch-free byte tiers behind small protocols: SWA pool (in-process, Redis), persistent store, clock."""

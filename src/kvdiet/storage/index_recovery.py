@@ -9,7 +9,8 @@ again, of whichever identity wrote it. The TTL is the opening store's, counted f
 time (the writer's TTL is not in the header); the LRU order restarts from creation times. Only headers are
 read: a damaged payload is still found, dropped and counted by the first read, as always. A file whose
 header does not parse, whose name is not its key, or that has expired is deleted (an index never serves a
-file without a row, so it could only take disk space).
+file without a row, so it could only take disk space). `damaged_hint` and `recovered_text` are the words the
+store's warnings use for both.
 
 Not known here: the index's schema, TTL or LRU rules, what a payload means.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from kvdiet.storage.entry import FORMAT_VERSION, KEY_BYTES, MAGIC, PREFIX, StoreIdentity
 
-__all__ = ["RecoveredEntry", "damaged", "move_aside", "recover_entries"]
+__all__ = ["RecoveredEntry", "damaged", "damaged_hint", "move_aside", "recover_entries", "recovered_text"]
 
 _MAX_HEADER_BYTES = 1 << 20  # a block's header holds its token ids: tens of KB at most
 
@@ -47,6 +48,14 @@ class RecoveredEntry:
 def damaged(exc: sqlite3.DatabaseError) -> bool:
     """Whether SQLite says the file is not a database or is corrupt (not: locked, unwritable, full)."""
     return getattr(exc, "sqlite_errorname", "") in ("SQLITE_NOTADB", "SQLITE_CORRUPT")
+
+
+def damaged_hint(exc: BaseException, index: Path) -> str:
+    """What to tell the user after ``exc`` when it says ``index`` is damaged (`damaged`): delete it, kvdiet
+    rebuilds it; else nothing (an empty string)."""
+    if isinstance(exc, sqlite3.DatabaseError) and damaged(exc):
+        return f"; the index {index} is damaged: delete it and kvdiet rebuilds it from the entry files"
+    return ""
 
 
 def move_aside(index: Path) -> Path | None:
@@ -120,3 +129,10 @@ def _recover(path: Path, ttl_s: float) -> RecoveredEntry | None:
     if len(key) != KEY_BYTES or path.name != f"{key.hex()}.kvb" or not math.isfinite(created):
         return None
     return RecoveredEntry(key, identity.tag, size, created, created + ttl_s)
+
+
+def recovered_text(recovered: tuple[int, int] | None) -> str:
+    """The warning's words for ``(entries recovered, files deleted)`` of a rebuilt index (None: nothing)."""
+    entries, dropped = recovered or (0, 0)
+    text = f"rebuilt the index from the entry files: {entries:,} entries"
+    return text + (f", {dropped:,} unusable or expired files deleted" if dropped else "")

@@ -13,7 +13,7 @@ Cluster hash tag, so one snapshot's keys live in one slot and one MULTI/EXEC can
 
 Manifest (36 B, little-endian): magic ``b"KVRS"`` · version u16 (1) · flags u16 (0) · nonce (8 random
 bytes, hex in the chunk keys) · chunk count u32 · total length u64 (bytes) · CRC-32 of the value u32 ·
-CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.storage.snapshot`); never pickle.
+CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.model.snapshot`); never pickle.
 
 Writes: one MULTI/EXEC per value sets every chunk (``PX ttl + 1 s``: a reader that saw the manifest just
 before its deadline still finds the chunks) and then the manifest (``PX ttl``, with ``GET``: an overwritten
@@ -33,7 +33,8 @@ makes the call a miss (None) or a refused put (False), counts ``backend_errors``
 a put), logs a warning (once a minute per server at most) and, unless the server answered with an error
 about the command itself, skips that server for ``backoff_s`` seconds, so a dead Redis costs at most one
 connect timeout per back-off instead of one per request; then the client reconnects by itself. Servers
-are independent: a dead one only loses its keys.
+are independent: a dead one only loses its keys. A server's client, drop script, health fields and memory
+statistics are a `kvdiet.storage.redis_server.RedisServer`.
 
 Not known here: what a snapshot holds, how pool keys are derived, and the servers' ``maxmemory`` (the
 servers evict, not this client; see the README's deployment section).
@@ -42,7 +43,6 @@ servers evict, not this client; see the README's deployment section).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -52,17 +52,13 @@ from contextlib import suppress
 from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
-from urllib.parse import urlsplit
 
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
 from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
-from redis.retry import Retry
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.redis_manifest import Manifest, pack_manifest, parse_manifest
-from kvdiet.storage.redis_urls import parse_redis_urls, redact_url, server_id
+from kvdiet.storage.redis_server import RedisServer
+from kvdiet.storage.redis_urls import parse_redis_urls, server_id
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S
 
 __all__ = [
@@ -87,36 +83,6 @@ _CHUNK_GRACE_MS = 1000  # chunks outlive their manifest by this much
 _WARN_EVERY_S = 60.0  # at most one warning per server per minute
 _STATS_EVERY_S = 1.0  # `nbytes`/`len` ask the servers at most this often
 _KEY_PREFIX = "kvdiet:swa:"
-# Deletes KEYS[2..] (chunks of the manifest read) and KEYS[1] (the manifest) if it still holds ARGV[1];
-# returns 1 if it did (the entry really was incomplete or corrupt), 0 if a writer replaced it meanwhile.
-_DROP = """
-for i = 2, #KEYS do redis.call('UNLINK', KEYS[i]) end
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('UNLINK', KEYS[1]) return 1 end
-return 0
-"""
-
-
-@dataclass(slots=True)
-class _Server:
-    """One Redis server (or a whole cluster) and its health, as this process sees it."""
-
-    url: str
-    ident: bytes  # what keys are hashed against (rendezvous)
-    client: Any = None  # redis.Redis | RedisCluster, made by `open` or after a back-off
-    drop: Any = None  # the registered `_DROP` script
-    down_until: float = 0.0  # time.monotonic() before which calls skip this server
-    down: bool = False  # the last call failed (for the reconnect log line)
-    warned_at: float = -math.inf
-    stats: tuple[int, int] = (0, 0)  # used_memory (B), keys
-    stats_at: float = -math.inf
-
-    @property
-    def cluster(self) -> bool:
-        return "+cluster" in urlsplit(self.url).scheme
-
-    @property
-    def name(self) -> str:
-        return redact_url(self.url)
 
 
 @dataclass(slots=True)
@@ -176,7 +142,7 @@ class RedisSwaPool:
         self.backoff_s = float(backoff_s)
         self.connect_timeout_s, self.socket_timeout_s = float(connect_timeout_s), float(socket_timeout_s)
         self.counters = TierCounters()
-        self._servers = [_Server(u, server_id(u).encode()) for u in parsed]
+        self._servers = [RedisServer(u, server_id(u).encode()) for u in parsed]
         self._ttl_ms = max(1, round(self.ttl_s * 1000))
         self._lock = threading.Lock()
 
@@ -315,14 +281,14 @@ class RedisSwaPool:
     def _chunk_keys(base: str, m: Manifest) -> list[str]:
         return [f"{base}:{m.nonce}:{i}" for i in range(m.chunks)]
 
-    def _server_for(self, key: bytes) -> _Server:
+    def _server_for(self, key: bytes) -> RedisServer:
         """Rendezvous (highest-random-weight) hashing: the server whose hash with ``key`` is largest."""
         if len(self._servers) == 1:
             return self._servers[0]
         key = bytes(key)
         return max(self._servers, key=lambda s: blake2b(s.ident + b"\0" + key, digest_size=8).digest())
 
-    def _read(self, server: _Server, reads: list[_Read], out: list[bytes | None]) -> None:
+    def _read(self, server: RedisServer, reads: list[_Read], out: list[bytes | None]) -> None:
         """Both round trips for the keys of one server; fills ``out``; failures make misses."""
         client = self._client(server)
         if client is None:
@@ -369,7 +335,7 @@ class RedisSwaPool:
             if r.verdict is not None:
                 self._drop(server, r)
 
-    def _drop(self, server: _Server, r: _Read) -> None:
+    def _drop(self, server: RedisServer, r: _Read) -> None:
         """Delete a bad or incomplete entry unless a writer replaced it since it was read; count it if so."""
         m = r.manifest
         try:
@@ -381,7 +347,7 @@ class RedisSwaPool:
             with self._lock:
                 setattr(self.counters, r.verdict, getattr(self.counters, r.verdict) + 1)
 
-    def _client(self, server: _Server) -> Any:
+    def _client(self, server: RedisServer) -> Any:
         """The server's client, or None while it is backed off (or cannot be made)."""
         if server.down and time.monotonic() < server.down_until:
             return None
@@ -389,27 +355,17 @@ class RedisSwaPool:
             return self._connect(server, at_start=False)
         return server.client
 
-    def _connect(self, server: _Server, *, at_start: bool) -> Any:
-        """Make the client (a cluster client asks a node for the slot map now). None on failure."""
-        options = {
-            "socket_timeout": self.socket_timeout_s,
-            "socket_connect_timeout": self.connect_timeout_s,
-            # One immediate retry: a pooled connection to a restarted server reconnects in the same call.
-            "retry": Retry(NoBackoff(), 1),
-        }
+    def _connect(self, server: RedisServer, *, at_start: bool) -> Any:
+        """Make the server's client (`RedisServer.connect`). None on failure (counted, backed off)."""
         try:
-            if server.cluster:
-                client = RedisCluster.from_url(server.url.replace("+cluster://", "://", 1), **options)
-            else:
-                client = redis.Redis.from_url(server.url, **options)
-            server.drop = client.register_script(_DROP)
+            return server.connect(
+                connect_timeout_s=self.connect_timeout_s, socket_timeout_s=self.socket_timeout_s
+            )
         except (RedisError, RedisClusterException, OSError) as exc:
             self._failed(server, exc, "unreachable at start-up" if at_start else "cannot connect")
             return None
-        server.client = client
-        return client
 
-    def _failed(self, server: _Server, exc: BaseException, what: str, *, write: bool = False) -> None:
+    def _failed(self, server: RedisServer, exc: BaseException, what: str, *, write: bool = False) -> None:
         """Count a failed call; back the server off unless it answered with an error about the command."""
         now = time.monotonic()
         answered = isinstance(exc, ResponseError) and not isinstance(exc, ClusterError)
@@ -432,14 +388,14 @@ class RedisSwaPool:
             args += (self.backoff_s,)
         _log.log(logging.WARNING if warn else logging.DEBUG, msg, *args)
 
-    def _succeeded(self, server: _Server) -> None:
+    def _succeeded(self, server: RedisServer) -> None:
         if server.down:
             with self._lock:
                 was_down, server.down = server.down, False
             if was_down:
                 _log.info("SWA pool %s: reachable again", server.name)
 
-    def _stats(self, server: _Server) -> tuple[int, int]:
+    def _stats(self, server: RedisServer) -> tuple[int, int]:
         """(used_memory B, keys) of a server, at most once per `_STATS_EVERY_S`; (0, 0) when down."""
         now = time.monotonic()
         if now - server.stats_at < _STATS_EVERY_S:
@@ -449,17 +405,11 @@ class RedisSwaPool:
         if client is None:
             server.stats = (0, 0)
             return server.stats
-        every = {"target_nodes": RedisCluster.PRIMARIES} if server.cluster else {}
         try:
-            info, keys = client.info("memory", **every), client.dbsize(**every)
+            server.stats = server.query_stats(client)
         except (RedisError, RedisClusterException, OSError) as exc:
             self._failed(server, exc, "INFO failed")
             server.stats = (0, 0)
             return server.stats
         self._succeeded(server)
-        if "used_memory" in info:
-            used = int(info["used_memory"])
-        else:  # a cluster answers per primary
-            used = sum(int(v.get("used_memory", 0)) for v in info.values() if isinstance(v, dict))
-        server.stats = (used, int(keys))
         return server.stats

@@ -2,7 +2,7 @@
 
 V4.1 keeps window (SWA) state out of the persistent tier; a snapshot lives only here, for minutes
 (seed 001: 10% of each machine's DRAM, TTL of minutes). Values are opaque bytes (a serialized
-`kvdiet.storage.snapshot` with its own header and checksum), so any backend that stores bytes with a TTL
+`kvdiet.model.snapshot` with its own header and checksum), so any backend that stores bytes with a TTL
 fits the `SwaPool` protocol: `InProcessSwaPool` here (the default: this process's memory, gone with it) and
 `kvdiet.storage.redis_pool.RedisSwaPool` (Redis servers shared by every process and machine that lists
 them). `kvdiet.storage.swa_pool_factory.create_swa_pool` picks one from a ``--swa-pool`` value.

@@ -7,9 +7,10 @@ table: a ratio-2 layer holds ``block_size / 2`` entries per block, a ratio-1 lay
 (v41-spec §5; block size 64 by default, as vLLM's DeepSeek-V4 path). Window rings, compressor tails and
 Engram history are per-request state, not pages of this pool.
 
-The block ids, ref counts and prefix index are `kvdiet.cache.block_pool.BlockPool` (``self.blocks``); this
-class adds only the tensors and the byte layout of one block (`block_bytes`, `read_block`, `write_block`)
-that the persistent tier stores.
+The block ids come from an allocator the caller passes (``self.blocks``, a `BlockAllocator`: the cache
+layer's `kvdiet.cache.block_pool.BlockPool` under an engine, which also keeps ref counts and the prefix
+index); without one the pool makes its own growable `PrivateBlocks`. This class adds only the tensors and
+the byte layout of one block (`block_bytes`, `read_block`, `write_block`) that the persistent tier stores.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Mapping
 
 import torch
 
-from kvdiet.cache.block_pool import BlockPool
-from kvdiet.cache.options import DEFAULT_BLOCK_SIZE
 from kvdiet.formats.codec import CacheCodecs, Codec
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
+from kvdiet.model.block_ids import BlockAllocator, PrivateBlocks
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DevicePool"]
+__all__ = ["DevicePool"]
 
 
 KINDS = ("main", "index")
@@ -36,9 +37,12 @@ class DevicePool:
         codecs: the model's cache codecs (``main`` and ``index_key`` are used).
         block_size: tokens per block; a multiple of every ratio.
         num_blocks: blocks to preallocate (≥ 1).
-        growable: allocate more blocks when full instead of raising (a model used without an engine).
+        blocks: the allocator of the block ids, holding ``num_blocks`` blocks (the cache layer's
+            `BlockPool`): the pool stays that size and the cache layer reserves blocks before each forward.
+            None: a private `PrivateBlocks`, and the pool is ``growable`` (a model used without an engine):
+            it allocates more blocks when full instead of raising.
     Raises:
-        ValueError: bad block size or count, no KV-source layer.
+        ValueError: bad block size or count, an allocator of another size, no KV-source layer.
     """
 
     def __init__(
@@ -48,7 +52,7 @@ class DevicePool:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int,
-        growable: bool = False,
+        blocks: BlockAllocator | None = None,
     ) -> None:
         if not ratios:
             raise ValueError("a device pool needs at least one KV-source layer")
@@ -59,8 +63,10 @@ class DevicePool:
             )
         self.ratios = dict(sorted(ratios.items()))
         self.codecs: dict[str, Codec] = {"main": codecs.main, "index": codecs.index_key}
-        self.block_size, self.growable = block_size, growable
-        self.blocks = BlockPool(num_blocks, block_size)
+        if blocks is not None and blocks.num_blocks != num_blocks:
+            raise ValueError(f"the allocator holds {blocks.num_blocks} blocks, the pool {num_blocks}")
+        self.block_size, self.growable = block_size, blocks is None
+        self.blocks: BlockAllocator = PrivateBlocks(num_blocks) if blocks is None else blocks
         self._data = {
             (layer, kind): torch.zeros(num_blocks, block_size // r, c.width, dtype=c.dtype)
             for layer, r in self.ratios.items()
@@ -89,7 +95,8 @@ class DevicePool:
         return t.view(-1, t.shape[-1])
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh block ids (growing first if growable). Raises `NoFreeBlocksError` otherwise."""
+        """``n`` fresh block ids (growing first if growable); otherwise the allocator's error when it has
+        fewer than ``n`` free (`kvdiet.cache.block_pool.NoFreeBlocksError` from the cache layer's pool)."""
         if self.growable and n > self.blocks.num_free:
             self._grow(max(n - self.blocks.num_free, self.num_blocks))
         return self.blocks.allocate(n)

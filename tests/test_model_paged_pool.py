@@ -1,0 +1,79 @@
+"""The paged device pool takes its block ids from an allocator (issue 14: the model does not allocate): the
+cache layer's `BlockPool` under an engine, or a private growable `PrivateBlocks` for a model on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdiet.cache.block_pool import BlockPool, NoFreeBlocksError
+from kvdiet.config import load_config
+from kvdiet.model.block_ids import PrivateBlocks
+from kvdiet.model.transformer import Transformer
+
+
+@pytest.fixture(scope="module")
+def micro() -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=0)
+
+
+def test_private_blocks_hand_out_ids_in_order_and_take_them_back_last_first() -> None:
+    blocks = PrivateBlocks(4)
+    assert blocks.allocate(3) == [0, 1, 2] and blocks.num_free == 1
+    blocks.release([0, 1])
+    assert blocks.allocate(3) == [3, 1, 0]  # the free queue: 3, then the released tail first
+    blocks.grow(2)
+    assert (blocks.num_blocks, blocks.num_free) == (6, 2) and blocks.allocate(2) == [4, 5]
+
+
+@pytest.mark.parametrize("bad", [[7], [2, 2]])
+def test_private_blocks_refuse_a_bad_release_and_change_nothing(bad: list[int]) -> None:
+    blocks = PrivateBlocks(4)
+    blocks.allocate(3)
+    with pytest.raises(ValueError, match="not all allocated"):
+        blocks.release(bad)
+    with pytest.raises(ValueError, match="not all allocated"):
+        blocks.release([3])  # free already
+    assert blocks.num_free == 1
+    with pytest.raises(ValueError, match="need 2 blocks, 1 free of 4"):
+        blocks.allocate(2)
+    with pytest.raises(ValueError, match="num_blocks >= 1"):
+        PrivateBlocks(0)
+
+
+def test_a_pool_without_an_allocator_grows(micro: Transformer) -> None:
+    pool = micro.new_pool(1, block_size=4)
+    assert pool.growable and isinstance(pool.blocks, PrivateBlocks)
+    ids = pool.allocate(3)
+    assert ids == [0, 1, 2] and pool.num_blocks == 3
+    assert pool.rows(micro.plan.kv_sources[0], "main").shape[0] == 3 * pool.entries_per_block(
+        micro.plan.kv_sources[0]
+    )
+
+
+def test_a_pool_on_the_cache_layers_block_pool_is_fixed(micro: Transformer) -> None:
+    blocks = BlockPool(2, 4)
+    pool = micro.new_pool(2, block_size=4, blocks=blocks)
+    assert not pool.growable and pool.blocks is blocks
+    state = micro.new_state(pool)
+    state.table.reserve(8)
+    assert blocks.num_free == 0
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)
+    state.table.release()
+    assert blocks.num_free == 2
+    blocks.check_integrity()
+    with pytest.raises(ValueError, match="the allocator holds 2 blocks, the pool 3"):
+        micro.new_pool(3, block_size=4, blocks=blocks)
+
+
+def test_a_block_round_trips_as_bytes(micro: Transformer) -> None:
+    pool = micro.new_pool(2, block_size=4)
+    state = micro.new_state(pool)
+    micro.prefill(state, list(range(1, 9)))
+    first, second = state.table.ids
+    payload = pool.read_block(first)
+    assert len(payload) == pool.block_bytes and payload != pool.read_block(second)
+    pool.write_block(second, payload)
+    assert pool.read_block(second) == payload
+    with pytest.raises(ValueError, match=f"a block payload is {pool.block_bytes} bytes, got 3"):
+        pool.write_block(first, b"abc")
