@@ -11,9 +11,7 @@ Cluster hash tag, so one snapshot's keys live in one slot and one MULTI/EXEC can
     kvdiet:swa:{NS:K}:m           manifest, the commit marker: written last, in the same MULTI/EXEC
     kvdiet:swa:{NS:K}:NONCE:i     chunk i (i = 0 … count−1) of the value, ``chunk_bytes`` each, the last shorter
 
-Manifest (36 B, little-endian): magic ``b"KVRS"`` · version u16 (1) · flags u16 (0) · nonce (8 random
-bytes, hex in the chunk keys) · chunk count u32 · total length u64 (bytes) · CRC-32 of the value u32 ·
-CRC-32 of the 32 bytes before it u32. Values are raw bytes (a `kvdiet.model.snapshot`); never pickle.
+The manifest's 36 bytes: `kvdiet.storage.redis_manifest`. Values are raw bytes (snapshots); never pickle.
 
 Writes: one MULTI/EXEC per value sets every chunk (``PX ttl + 1 s``: a reader that saw the manifest just
 before its deadline still finds the chunks) and then the manifest (``PX ttl``, with ``GET``: an overwritten
@@ -25,8 +23,8 @@ A manifest whose chunk is gone (evicted or expired by the server) is a miss coun
 manifest or value that fails its checks (length, magic, version, checksums) is a miss counted in
 ``corrupt_dropped``. Either is deleted, manifest and chunks (those of a manifest that fails its checks are
 unknown and left to their TTL), by a script that deletes the manifest only if it still holds the bytes
-read: when another writer replaced it meanwhile, the miss is a plain one. The
-server's own expirations are invisible (a plain miss): ``expirations`` stays 0.
+read: when another writer replaced it meanwhile, the miss is a plain one. The server's own expirations
+are invisible (a plain miss): ``expirations`` stays 0.
 
 Failures never raise out of `put`/`get`/`get_many`: a refused connection, a timeout or an error reply
 makes the call a miss (None) or a refused put (False), counts ``backend_errors`` (and ``write_errors`` for
@@ -59,7 +57,7 @@ from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.redis_manifest import Manifest, pack_manifest, parse_manifest
 from kvdiet.storage.redis_server import RedisServer
 from kvdiet.storage.redis_urls import parse_redis_urls, server_id
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, SwaPoolBase
 
 __all__ = [
     "DEFAULT_BACKOFF_S",
@@ -95,7 +93,7 @@ class _Read:
     verdict: str | None = None  # "evictions" (a chunk gone) or "corrupt_dropped" (failed a check)
 
 
-class RedisSwaPool:
+class RedisSwaPool(SwaPoolBase):
     """The SWA pool on one or more Redis servers or a Redis Cluster (see the module docstring). Thread-safe.
 
     Args:
@@ -111,8 +109,7 @@ class RedisSwaPool:
         ValueError: a bad URL, an empty namespace or one with braces or whitespace, a TTL or timeout
             not > 0, a chunk size outside 1 B–512 MiB, a negative back-off.
 
-    No I/O until `open`. ``counters.expirations`` stays 0 (the server expires keys silently);
-    ``evictions`` counts snapshots found incomplete (a chunk the server evicted or expired).
+    No I/O until `open`; the counters are as the module docstring says.
     """
 
     def __init__(
@@ -218,37 +215,25 @@ class RedisSwaPool:
                 client.unlink(*self._chunk_keys(base, previous))
         return True
 
-    def get(self, key: bytes) -> bytes | None:
-        """The value stored under ``key``, or None: absent, expired, evicted (whole or a chunk), corrupt, or
-        the server down (see the module docstring for the counters)."""
-        return self.get_many([key])[0]
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
-        """`put` each ``(key, tokens, value)`` (``tokens`` unused: snapshot keys name whole prefixes); returns
-        how many were stored."""
-        return sum(self.put(key, value) for key, _, value in items)
-
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a live manifest (one ``EXISTS`` each; no value read, nothing
         counted); a server down or failing ends the run there."""
         for i, key in enumerate(keys):
             server = self._server_for(key)
-            client = self._client(server)
-            if client is None:
-                return i
             try:
-                found = client.exists(f"{self._base(key)}:m")
+                client = self._client(server)
+                if client is None or not client.exists(f"{self._base(key)}:m"):
+                    return i
             except (RedisError, RedisClusterException, OSError) as exc:
                 self._failed(server, exc, "lookup failed")
-                return i
-            if not found:
                 return i
         return len(keys)
 
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
     ) -> list[bytes | None]:
-        """`get` for each of ``keys``, in order: two pipelined round trips per server (``tokens`` unused)."""
+        """The value stored under each of ``keys`` (``tokens`` unused), or None: absent, expired, evicted (whole
+        or a chunk), corrupt, or the server down (module docstring: the counters). Two round trips per server."""
         out: list[bytes | None] = [None] * len(keys)
         groups: dict[int, list[_Read]] = {}
         for i, key in enumerate(keys):

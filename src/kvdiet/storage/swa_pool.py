@@ -31,6 +31,7 @@ __all__ = [
     "IN_PROCESS",
     "InProcessSwaPool",
     "SwaPool",
+    "SwaPoolBase",
     "default_swa_pool_bytes",
 ]
 
@@ -66,7 +67,20 @@ class SwaPool(Tier[bytes], Protocol):
         ...
 
 
-class InProcessSwaPool:
+class SwaPoolBase:
+    """What every SWA-pool backend derives from its ``put`` and ``get_many``: ``get`` and ``put_many``."""
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value stored under ``key``, or None (`get_many` of one key)."""
+        return self.get_many([key])[0]
+
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
+        """`put` each ``(key, tokens, value)`` (``tokens`` unused: snapshot keys name whole prefixes); returns
+        how many were stored."""
+        return sum(self.put(key, value) for key, _, value in items)
+
+
+class InProcessSwaPool(SwaPoolBase):
     """An LRU byte budget with a fixed TTL, in this process's memory (`kvdiet.cache.ttl_lru.TtlLru` under a
     lock, on a clock). Thread-safe.
 
@@ -111,16 +125,6 @@ class InProcessSwaPool:
     def put(self, key: bytes, value: bytes) -> bool:
         with self._lock:
             return self._entries.put(key, bytes(value), len(value), self.clock.now())
-
-    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
-        """`put` each ``(key, tokens, value)`` (``tokens`` unused: snapshot keys name whole prefixes); returns
-        how many were stored."""
-        with self._lock:
-            now = self.clock.now()
-            return sum(self._entries.put(k, bytes(v), len(v), now) for k, _, v in items)
-
-    def get(self, key: bytes) -> bytes | None:
-        return self.get_many([key])[0]
 
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
