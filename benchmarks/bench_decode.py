@@ -5,7 +5,7 @@ length) rather than by prefill, so a 1M-token context is ready in seconds. For e
 times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
 swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the packed bytes one step must read
 against this machine's measured copy bandwidth (the floor a bandwidth-bound kernel could reach).
-Then it prefills one prompt at several chunk sizes, and measures how far bounded replay moves the last
+Then it prefills one prompt at several chunk sizes, and measures how far decoder-side replay moves the last
 position's logits against a full prefill. Prints tables, then one JSON line.
 
     python benchmarks/bench_decode.py                 # 4K, 32K, 128K, 512K, 1M; ~5 min on 2 cores
@@ -130,12 +130,12 @@ def time_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
 
 
 def replay_drift(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
-    """Max |Δ| of the last position's logits between bounded-replay prefill and full prefill (v41-spec §7.1)."""
+    """Max |Δ| of the last position's logits between decoder-side-replay prefill and full prefill (v41-spec §7.1)."""
     logits = []
-    for bounded in (True, False):
+    for decoder_replay in (True, False):
         state = model.new_state()
         for s in range(0, tokens.numel(), chunk):
-            last = model.prefill(state, tokens[s : s + chunk], bounded_replay=bounded)
+            last = model.prefill(state, tokens[s : s + chunk], decoder_replay=decoder_replay)
         logits.append(last)
     return (logits[0] - logits[1]).abs().max().item()
 
@@ -174,7 +174,7 @@ def main() -> None:
         "growth_1m_over_4k": rows[-1]["step_seconds"] / rows[0]["step_seconds"] if len(rows) > 1 else None,
         "prefill_tokens": prompt.numel(),
         "prefill_tokens_per_second": prefill,
-        "bounded_replay_max_abs_logit_drift": drift,
+        "decoder_replay_max_abs_logit_drift": drift,
     }
     if not args.json_only:
         console = Console(width=150)
@@ -196,13 +196,13 @@ def main() -> None:
                           f"{r['step_seconds'] / r['floor_seconds']:,.0f}×",
                           ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top))  # fmt: skip
         console.print(table)
-        pt = Table(title=f"prefill of {prompt.numel():,} tokens (bounded replay on)")
+        pt = Table(title=f"prefill of {prompt.numel():,} tokens (decoder-side replay on)")
         pt.add_column("chunk", justify="right")
         pt.add_column("tokens/s", justify="right")
         for c, v in prefill.items():
             pt.add_row(str(c), f"{v:,.1f}")
         console.print(pt)
-        console.print(f"bounded replay vs full prefill, last-position logits: max |Δ| = {drift:.4g}")
+        console.print(f"decoder-side replay vs full prefill, last-position logits: max |Δ| = {drift:.4g}")
         if result["growth_1m_over_4k"]:
             console.print(f"step time growth {rows[-1]['context']:,} / {rows[0]['context']:,}: "
                           f"{result['growth_1m_over_4k']:.2f}×")  # fmt: skip

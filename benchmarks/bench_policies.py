@@ -25,14 +25,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.cache.policies import parse_policy
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.model.build import load_model
 
 SEED = 0
 POLICIES = ("bounded-replay", "boundary-snapshot", "full-store", "checkpoint:256", "exact-recompute")
 
 
-def run(cache: KVCache, ids: list[int], output: int) -> tuple[list[int], torch.Tensor, float]:
+def run(cache: ModelRunner, ids: list[int], output: int) -> tuple[list[int], torch.Tensor, float]:
     """Prefill ``ids``, decode ``output`` greedy tokens; returns (all tokens fed, first logits, TTFT s)."""
     start = time.perf_counter()
     s = cache.start(ids)
@@ -74,18 +74,18 @@ def main() -> None:
             policy=parse_policy(name),
             decoder_replay=False,
         )
-        with KVCache(model, opts) as a:
+        with ModelRunner(model, opts) as a:
             fed, _, _ = run(a, prompt, args.output)
             stored = {"persistent": a.persistent.nbytes, "swa_pool": a.swa_pool.nbytes}
         turn2 = [*fed, *follow]
-        with KVCache(model, opts) as b:
+        with ModelRunner(model, opts) as b:
             _, logits, ttft = run(b, turn2, 0)
             prov = b.stats.replayed_tokens, b.stats.computed_tokens
         if cold_cache is None:
             cold_opts = CacheOptions(
                 kv_cache_memory=budget, block_size=args.block_size, prefix_caching=False, decoder_replay=False
             )
-            with KVCache(model, cold_opts) as c:
+            with ModelRunner(model, cold_opts) as c:
                 _, cold_logits, cold_ttft = run(c, turn2, 0)
                 cold_cache = (cold_logits, cold_ttft)
         drift = float((logits - cold_cache[0]).abs().max())

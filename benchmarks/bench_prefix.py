@@ -32,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.build import load_model
 from kvdiet.storage.swa_pool import InProcessSwaPool
@@ -52,7 +52,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def ttft(cache: KVCache, ids: list[int], chunk: int) -> tuple[float, dict, torch.Tensor]:
+def ttft(cache: ModelRunner, ids: list[int], chunk: int) -> tuple[float, dict, torch.Tensor]:
     """Seconds from request start to the first sampled token; the provenance; the first-token logits."""
     start = time.perf_counter()
     session = cache.start(ids)
@@ -98,9 +98,9 @@ def main() -> None:
     budget = (len(ids) // 64 + 8) * model.new_pool(1).block_bytes
     pool = InProcessSwaPool(1 << 30)
 
-    def cache(swa: InProcessSwaPool) -> KVCache:
+    def cache(swa: InProcessSwaPool) -> ModelRunner:
         opts = CacheOptions(kv_cache_memory=budget, persistent_dir=folder)
-        return KVCache(model, opts, tokenizer_id=tokenizer.identity, swa_pool=swa).open()
+        return ModelRunner(model, opts, tokenizer_id=tokenizer.identity, swa_pool=swa).open()
 
     rows: dict[str, tuple[float, dict]] = {}
     first = cache(pool)

@@ -148,7 +148,7 @@ def pct(values: list[float], q: float) -> float | None:
 def engine_args(args: argparse.Namespace, persistent_dir: Path | None) -> Any:
     from kvdiet.cache.policies import parse_policy
     from kvdiet.engine.args import EngineArgs
-    from kvdiet.engine.kv_cache import CacheOptions
+    from kvdiet.engine.runner import CacheOptions
     from kvdiet.engine.scheduler import SchedulerConfig
     from kvdiet.units import parse_bytes
 

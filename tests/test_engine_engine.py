@@ -11,8 +11,8 @@ from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
 from kvdiet.engine.engine import LLMEngine
 from kvdiet.engine.generate import generate
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import ScheduledStep, SchedulerConfig
 from kvdiet.model.transformer import Transformer
@@ -59,7 +59,7 @@ def _engine(
         block_size=BS,
         policy=parse_policy(policy),
     )
-    cache = KVCache(model, opts).open()
+    cache = ModelRunner(model, opts).open()
     return LLMEngine(
         model,
         cache,

@@ -6,7 +6,7 @@ import pytest
 
 from kvdiet import LLM, SamplingParams
 from kvdiet.engine.generate import generate
-from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.engine.runner import CacheOptions
 
 
 @pytest.fixture(scope="module")

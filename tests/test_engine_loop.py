@@ -11,8 +11,8 @@ import pytest
 from kvdiet.engine.args import EngineArgs
 from kvdiet.engine.engine_snapshot import EngineSnapshot
 from kvdiet.engine.generate import generate
-from kvdiet.engine.kv_cache import CacheOptions
 from kvdiet.engine.loop import EngineDeadError, EngineLoop
+from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 

@@ -21,13 +21,13 @@ import torch
 from kvdiet.cache.policies import parse_policy
 from kvdiet.cli import main
 from kvdiet.config import load_config
-from kvdiet.engine.kv_cache import CacheOptions, KVCache, Session
+from kvdiet.engine.runner import CacheOptions, ModelRunner, Session
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.redis_pool import RedisSwaPool
 from redis_helpers import RedisServer, free_port
 
 W, BS = 8, 4
-REPLAY_BOUND = 1e-3  # as in test_engine_kv_cache: a bounded replay moves micro's logits by ~5e-5
+REPLAY_BOUND = 1e-3  # as in test_engine_runner: a bounded replay moves micro's logits by ~5e-5
 KVDIET = [sys.executable, "-m", "kvdiet.cli"]
 
 
@@ -40,7 +40,7 @@ def _ids(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _cache(model: Transformer, swa_pool: str) -> KVCache:
+def _cache(model: Transformer, swa_pool: str) -> ModelRunner:
     opts = CacheOptions(
         kv_cache_memory=200 * model.new_pool(1, block_size=BS).block_bytes,
         block_size=BS,
@@ -48,10 +48,10 @@ def _cache(model: Transformer, swa_pool: str) -> KVCache:
         policy=parse_policy("bounded-replay"),
         decoder_replay=False,
     )
-    return KVCache(model, opts)
+    return ModelRunner(model, opts)
 
 
-def _run(cache: KVCache, ids: list[int]) -> tuple[Session, list[torch.Tensor]]:
+def _run(cache: ModelRunner, ids: list[int]) -> tuple[Session, list[torch.Tensor]]:
     s = cache.start(ids)
     out = [cache.prefill(s, chunk_size=16), cache.decode([s], [5])[0]]
     cache.finish(s)
@@ -162,7 +162,7 @@ def test_two_processes_share_snapshots_and_continue_exactly(tmp_path: Path, caps
     gets the global KV from the shared persistent directory and the window state at 60 from Redis, and
     produces exactly the tokens of a run without any cache."""
     prompt = [i % 64 for i in range(1, 61)]
-    flags = ["--json", "--no-swa-bounded-replay"]
+    flags = ["--json", "--no-decoder-replay"]
     with RedisServer(tmp_path / "redis") as server:
         shared = ["--persistent-dir", str(tmp_path / "kv"), "--swa-pool", server.url]
         a = _generate_json(["--prompt-ids", ",".join(map(str, prompt)), *flags, *shared], capsys)

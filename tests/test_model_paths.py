@@ -43,13 +43,13 @@ def test_decode_equals_reference_at_every_position(micro: Transformer) -> None:
 def test_chunked_prefill_at_every_split_equals_one_shot(micro: Transformer) -> None:
     toks = _tokens(44, seed=2)
     state = micro.new_state()
-    one_shot = micro.prefill(state, toks, bounded_replay=False, all_logits=True)
+    one_shot = micro.prefill(state, toks, decoder_replay=False, all_logits=True)
     assert (one_shot - forward_full(micro, toks)).abs().max().item() <= TOL
     splits = range(1, 44) if micro.exact else (1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 43)
     for split in splits:
         state = micro.new_state()
-        a = micro.prefill(state, toks[:split], bounded_replay=False, all_logits=True)
-        b = micro.prefill(state, toks[split:], bounded_replay=False, all_logits=True)
+        a = micro.prefill(state, toks[:split], decoder_replay=False, all_logits=True)
+        b = micro.prefill(state, toks[split:], decoder_replay=False, all_logits=True)
         assert (torch.cat([a, b]) - one_shot).abs().max().item() <= TOL, split
 
 
@@ -57,9 +57,9 @@ def test_three_chunks_then_decode(micro_exact: Transformer) -> None:
     m, toks = micro_exact, _tokens(40, seed=3)
     ref = forward_full(m, toks)
     state = m.new_state()
-    m.prefill(state, toks[:13], bounded_replay=False)
-    m.prefill(state, toks[13:14], bounded_replay=False)
-    last = m.prefill(state, toks[14:30], bounded_replay=False)
+    m.prefill(state, toks[:13], decoder_replay=False)
+    m.prefill(state, toks[13:14], decoder_replay=False)
+    last = m.prefill(state, toks[14:30], decoder_replay=False)
     assert (last - ref[29]).abs().max().item() <= TOL
     for t in range(30, 40):
         assert (m.decode([state], [int(toks[t])])[0] - ref[t]).abs().max().item() <= TOL
@@ -70,7 +70,7 @@ def test_batched_decode_of_different_lengths(micro_exact: Transformer) -> None:
     prompts = [_tokens(n, seed=n) for n in (5, 17, 30)]
     states = [m.new_state() for _ in prompts]
     for s, p in zip(states, prompts, strict=True):
-        m.prefill(s, p[:-1], bounded_replay=False)
+        m.prefill(s, p[:-1], decoder_replay=False)
     batched = m.decode(states, [int(p[-1]) for p in prompts])
     for row, p in zip(batched, prompts, strict=True):
         assert (row - forward_full(m, p)[-1]).abs().max().item() <= TOL
@@ -109,7 +109,7 @@ def test_b05_visibility_ratio_4() -> None:
         assert (forward_full(m, changed)[:t] - base[:t]).abs().max().item() <= CAUSAL_TOL, t
     state = m.new_state()
     for s in range(0, 13, 3):
-        out = m.prefill(state, toks[s : s + 3], bounded_replay=False, all_logits=True)
+        out = m.prefill(state, toks[s : s + 3], decoder_replay=False, all_logits=True)
         assert (out - base[s : s + 3]).abs().max().item() <= TOL
 
 
@@ -117,7 +117,7 @@ def test_b05_visibility_ratio_4() -> None:
 def test_b04_short_prompts(micro: Transformer, length: int) -> None:
     toks = _tokens(length, seed=length)
     state = micro.new_state()
-    last = micro.prefill(state, toks, bounded_replay=False)
+    last = micro.prefill(state, toks, decoder_replay=False)
     trace = ReferenceTrace()
     ref = forward_full(micro, toks, trace)
     assert len(state.main[1]) == length // 2 == trace.entries[1].shape[0]
@@ -141,11 +141,11 @@ def test_b06_state_accumulates_across_chunks_and_decode(micro_exact: Transformer
     Attention._select = spy
     try:
         one = m.new_state()
-        m.prefill(one, toks[:24], bounded_replay=False)
+        m.prefill(one, toks[:24], decoder_replay=False)
         one_shot = chosen.pop()
         chunked = m.new_state()
         for s in range(0, 24, 8):
-            m.prefill(chunked, toks[s : s + 8], bounded_replay=False)
+            m.prefill(chunked, toks[s : s + 8], decoder_replay=False)
         third = chosen[-1]
         counts = []
         for t in range(24, 28):
@@ -158,7 +158,7 @@ def test_b06_state_accumulates_across_chunks_and_decode(micro_exact: Transformer
     assert (third[0][third[1]] < 8).any()  # chunk 3 selects entries 0–7, written by earlier chunks
     assert counts == [12, 13, 13, 14]  # entry 12 appears at position 25, entry 13 at 27
     whole = m.new_state()
-    m.prefill(whole, toks, bounded_replay=False)
+    m.prefill(whole, toks, decoder_replay=False)
     assert torch.allclose(chunked.main[1].raw(), whole.main[1].raw(), atol=1e-5)
     assert torch.allclose(chunked.index_keys[1].raw(), whole.index_keys[1].raw(), atol=1e-5)
 
@@ -224,10 +224,10 @@ def test_context_limit(micro_exact: Transformer) -> None:
     assert state.num_tokens == 0
 
 
-def test_bounded_replay_keeps_global_kv_exact(micro: Transformer) -> None:
+def test_decoder_replay_keeps_global_kv_exact(micro: Transformer) -> None:
     toks = _tokens(40, seed=8)
     full, bounded = micro.new_state(), micro.new_state()
-    full_logits = micro.prefill(full, toks, bounded_replay=False)
+    full_logits = micro.prefill(full, toks, decoder_replay=False)
     replay_logits = micro.prefill(bounded, toks)
     for layer in full.main:
         assert torch.equal(full.main[layer].raw(), bounded.main[layer].raw())

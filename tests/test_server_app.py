@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiet.engine.args import EngineArgs
 from kvdiet.engine.generate import generate
-from kvdiet.engine.kv_cache import CacheOptions
 from kvdiet.engine.loop import EngineLoop
+from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 from kvdiet.server.app import build_app

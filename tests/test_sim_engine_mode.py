@@ -11,7 +11,7 @@ import pytest
 from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
-from kvdiet.engine.kv_cache import CacheOptions
+from kvdiet.engine.runner import CacheOptions
 from kvdiet.sim.engine_mode import EngineModeConfig, prompt_ids, run_engine_mode, scale_trace
 from kvdiet.sim.traces import Trace, TraceRequest
 

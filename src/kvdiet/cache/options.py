@@ -30,7 +30,7 @@ IN_PROCESS = "in-process"
 
 @dataclass(frozen=True, slots=True)
 class CacheOptions:
-    """Sizes, TTLs and policy of a `KVCache` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
+    """Sizes, TTLs and policy of a `ModelRunner` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
 
     Attributes:
         kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.

@@ -1,2 +1,2 @@
-"""Request-level driving of the model: the cache system (`KVCache`), single-request generation, and the
+"""Request-level driving of the model: the cache system (`ModelRunner`), single-request generation, and the
 continuous-batching engine (request, scheduler, engine, loop) behind `kvdiet.LLM` and ``kvdiet serve``."""

@@ -117,7 +117,7 @@ class EngineArgs:
             ConfigError: a bad model. ValueError: a bad setting (one line, named by its flag).
         """
         from kvdiet.engine.engine import check_max_model_len
-        from kvdiet.engine.kv_cache import pool_num_blocks
+        from kvdiet.engine.runner import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
         from kvdiet.model.paged_pool import DevicePool
 
@@ -152,7 +152,7 @@ class EngineArgs:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).
         """
         from kvdiet.engine.engine import LLMEngine
-        from kvdiet.engine.kv_cache import KVCache
+        from kvdiet.engine.runner import ModelRunner
         from kvdiet.model.build import load_model
 
         model, tokenizer = load_model(
@@ -163,7 +163,7 @@ class EngineArgs:
             numerics=self.numerics,
             expert_cache_bytes=self.expert_cache_bytes,
         )
-        cache = KVCache(
+        cache = ModelRunner(
             model, self.cache, tokenizer_id=tokenizer.identity if tokenizer else "none", swa_pool=swa_pool
         )
         engine = LLMEngine(
@@ -272,7 +272,7 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
         help="look prompts up in the cache tiers (default on; blocks are written either way)",
     )
     group.add_argument(
-        "--no-swa-bounded-replay",
+        "--no-decoder-replay",
         action="store_true",
         help="run the decoder layers on every prompt row instead of the last window (exact, slower)",
     )
@@ -295,7 +295,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
         swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
         policy=parse_flag("--swa-policy", parse_policy, args.swa_policy),
-        decoder_replay=not args.no_swa_bounded_replay,
+        decoder_replay=not args.no_decoder_replay,
         prefix_caching=args.enable_prefix_caching,
     )
 

@@ -25,7 +25,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         "generate",
         help="run the V4.1 model on a prompt with real packed caches and report speed and cache bytes",
         description="Tokenize a prompt with the real DeepSeek tokenizer, prefill it in chunks (decoder "
-        "layers on the last window rows only, unless --no-swa-bounded-replay), decode, and print the text "
+        "layers on the last window rows only, unless --no-decoder-replay), decode, and print the text "
         "and a summary: prompt tokens, prefill and decode tok/s, measured global KV bytes per token, window "
         "bytes, total cache bytes. Weights are seeded random unless --weights is given, so the text is "
         "meaningless; the caches, their bytes and the speed are real.",
@@ -121,7 +121,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         ValueError, ConfigError, OSError: bad flags, model or prompt. NoFreeBlocksError: the pool is too small.
     """
     from kvdiet.engine.generate import check_request, generate_prepared
-    from kvdiet.engine.kv_cache import KVCache
+    from kvdiet.engine.runner import ModelRunner
     from kvdiet.engine.sampling import SamplingParams
     from kvdiet.model.build import load_model
 
@@ -154,7 +154,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     request = check_request(model, ids, params)  # once, before any pool is allocated
-    cache = KVCache(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    cache = ModelRunner(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with cache:
         result = generate_prepared(
             model,
@@ -182,7 +182,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         "window_bytes": cache.window_bytes,
         "compressor_tail_bytes": cache.tail_bytes,
         "total_cache_bytes": cache.total_bytes,
-        "swa_bounded_replay": not args.no_swa_bounded_replay,
+        "decoder_replay": not args.no_decoder_replay,
         "swa_policy": args.swa_policy,
         **_weights_summary(model, args),
         "provenance": result.provenance.as_dict(),

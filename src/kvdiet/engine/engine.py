@@ -1,14 +1,14 @@
 """The engine: requests in, one scheduled step at a time, outputs out.
 
-`LLMEngine` owns the request table, the `Scheduler` and the cache system (`KVCache`). A step:
+`LLMEngine` owns the request table, the `Scheduler` and the cache system (`ModelRunner`). A step:
 1. the scheduler plans it (decodes of running requests, prefill chunks, admissions, preemptions);
-2. prefill chunks run one request at a time (`KVCache.prefill`, which also splits at the policy's
+2. prefill chunks run one request at a time (`ModelRunner.prefill`, which also splits at the policy's
    capture points); a request whose prompt is complete samples its first token;
-3. every decoding request feeds its pending token in one batched forward (`KVCache.decode`) and samples;
+3. every decoding request feeds its pending token in one batched forward (`ModelRunner.decode`) and samples;
 4. stop conditions (stop token ids, EOS unless ``ignore_eos``, stop strings, ``max_tokens``) end
    requests; their sessions finish (window state stored per the policy, blocks back to the pool).
 
-Preemption ends the session with `KVCache.finish`, so the window snapshot at the last block boundary it
+Preemption ends the session with `ModelRunner.finish`, so the window snapshot at the last block boundary it
 reached is stored (SWA pool under bounded replay): on resumption the prompt plus the outputs so far are
 looked up again, the blocks still cached are reused and, while the snapshot lives, the continuation is
 exact.
@@ -30,9 +30,9 @@ from typing import Protocol
 import torch
 
 from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
-from kvdiet.engine.kv_cache import KVCache
 from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
 from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from kvdiet.engine.runner import ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvdiet.model.transformer import Transformer
@@ -53,7 +53,7 @@ class EngineObserver(Protocol):
 
 @dataclass(slots=True)
 class EngineStats:
-    """Engine-level counters (requests and tokens; the cache's own counters are in `KVCache.stats`)."""
+    """Engine-level counters (requests and tokens; the cache's own counters are in `ModelRunner.stats`)."""
 
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
     generation_tokens: int = 0
@@ -89,7 +89,7 @@ class LLMEngine:
 
     Args:
         model: the V4.1 model.
-        cache: its open `KVCache` (device pool, prefix cache, tiers, policy).
+        cache: its open `ModelRunner` (device pool, prefix cache, tiers, policy).
         tokenizer: for text prompts, output text and stop strings (None: token ids only).
         max_model_len: longest prompt + output (tokens); default the config's ``max_position_embeddings``.
         scheduler: batching limits.
@@ -102,7 +102,7 @@ class LLMEngine:
     def __init__(
         self,
         model: Transformer,
-        cache: KVCache,
+        cache: ModelRunner,
         *,
         tokenizer: Tokenizer | None = None,
         max_model_len: int | None = None,
@@ -347,9 +347,9 @@ class LLMEngine:
 
 
 class _CacheOracle:
-    """`BlockOracle` on a `KVCache` (the scheduler's only view of the cache)."""
+    """`BlockOracle` on a `ModelRunner` (the scheduler's only view of the cache)."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: ModelRunner) -> None:
         self.cache = cache
         self.block_size = cache.options.block_size
 

@@ -1,7 +1,7 @@
 """Single-request generation through the cache system: validate the request, look the prompt up, prefill,
 decode.
 
-The offline path behind ``kvdiet generate``: one request at a time through a `KVCache` (device pool, prefix
+The offline path behind ``kvdiet generate``: one request at a time through a `ModelRunner` (device pool, prefix
 cache, persistent tier, SWA pool, replay). Batching, scheduling and the server come from the engine proper.
 """
 
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from kvdiet.cache.plan import Provenance
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
 from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
+from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.state import CacheBytes
 from kvdiet.model.transformer import Transformer
 
-__all__ = ["GenerateResult", "check_request", "generate", "generate_prepared", "private_cache"]
+__all__ = ["GenerateResult", "check_request", "generate", "generate_prepared", "private_runner"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +84,12 @@ def check_request(model: Transformer, prompt_ids: Sequence[int], params: Samplin
     return PreparedRequest(tuple(ids), params)
 
 
-def private_cache(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> KVCache:
-    """A `KVCache` with a device pool just large enough for one request of ``num_tokens`` tokens."""
+def private_runner(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> ModelRunner:
+    """A `ModelRunner` with a device pool just large enough for one request of ``num_tokens`` tokens."""
     opts = options or CacheOptions()
     probe = model.new_pool(1, block_size=opts.block_size)
     blocks = -(-num_tokens // opts.block_size) + 1
-    return KVCache(model, dataclasses.replace(opts, kv_cache_memory=blocks * probe.block_bytes))
+    return ModelRunner(model, dataclasses.replace(opts, kv_cache_memory=blocks * probe.block_bytes))
 
 
 def generate(
@@ -97,7 +97,7 @@ def generate(
     prompt_ids: Sequence[int],
     params: SamplingParams,
     *,
-    cache: KVCache | None = None,
+    cache: ModelRunner | None = None,
     chunk_size: int = 512,
     progress: bool = False,
     progress_interval_s: float = DEFAULT_INTERVAL_S,
@@ -122,7 +122,7 @@ def generate_prepared(
     model: Transformer,
     request: PreparedRequest,
     *,
-    cache: KVCache | None = None,
+    cache: ModelRunner | None = None,
     chunk_size: int = 512,
     progress: bool = False,
     progress_interval_s: float = DEFAULT_INTERVAL_S,
@@ -133,7 +133,7 @@ def generate_prepared(
 
     Args:
         request: from `check_request` for this ``model``.
-        cache: the cache system (an open `KVCache`); None → a private one without tiers, sized for this
+        cache: the cache system (an open `ModelRunner`); None → a private one without tiers, sized for this
             request.
         progress: report the prefill on stderr (`PrefillProgress`: a bar on a terminal, else a line every
             ``progress_interval_s`` seconds).
@@ -145,7 +145,7 @@ def generate_prepared(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     ids, params = list(request.prompt_ids), request.params
     if cache is None:
-        cache = private_cache(model, len(ids) + params.max_tokens)
+        cache = private_runner(model, len(ids) + params.max_tokens)
     start = time.perf_counter()
     session = cache.start(ids)
     try:

@@ -17,8 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvdiet.engine.args import EngineArgs
 from kvdiet.engine.engine import LLMEngine
-from kvdiet.engine.kv_cache import CacheOptions
 from kvdiet.engine.request import RequestOutput
+from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 

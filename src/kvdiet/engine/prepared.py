@@ -4,12 +4,12 @@ The edges are `LLMEngine.prepare` (the engine, `kvdiet.LLM`, the server's routes
 `kvdiet.engine.generate.check_request` (offline ``kvdiet generate``). Each checks a prompt and its sampling
 parameters once, before any state changes, and either raises `InvalidRequestError` or returns a
 `PreparedRequest`. Everything below the edge (the engine loop, `LLMEngine.add_prepared`, the scheduler,
-`KVCache.start`, the model's prefill) takes such a request as checked and does not check it again:
+`ModelRunner.start`, the model's prefill) takes such a request as checked and does not check it again:
 
 - ``prompt_ids`` is non-empty and every id is an ``int`` in ``[0, vocab_size)`` of the model's config;
 - ``len(prompt_ids) + params.max_tokens`` is at most the context limit of the edge (the engine's
   ``max_model_len``, itself at most the config's ``max_position_embeddings``; offline, the latter), so
-  every later `KVCache.start` of the prompt plus the outputs so far (a resumption after preemption) stays
+  every later `ModelRunner.start` of the prompt plus the outputs so far (a resumption after preemption) stays
   within it too;
 - every stop and logit-bias token id of ``params`` is in the vocabulary, and stop strings come only with a
   tokenizer (engine edge).

@@ -7,7 +7,7 @@ so one line is written every ``interval_s`` seconds instead, the first one ``int
 
     prefill 4,096/35,544 tokens (11.5%), 74.1 s, 55.3 tok/s computed, about 569 s left
 
-Not known here: what a token is or how the prefill runs (`KVCache.prefill` calls `advance`).
+Not known here: what a token is or how the prefill runs (`ModelRunner.prefill` calls `advance`).
 """
 
 from __future__ import annotations

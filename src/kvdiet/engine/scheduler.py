@@ -18,7 +18,7 @@ step that preempts admits nobody. Since every request fits the pool alone (the e
 ``max_model_len`` fits at start-up), the oldest request always progresses: no deadlock, no starvation.
 
 The scheduler deals only in requests, token counts and block counts; the cache system answers through
-`BlockOracle` (the engine implements it on `KVCache`). It knows nothing of tensors.
+`BlockOracle` (the engine implements it on `ModelRunner`). It knows nothing of tensors.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`Session`: one request inside the engine's cache system — its model state beside its control-plane record.
 
-Created by `kvdiet.engine.kv_cache.KVCache.start`, advanced by ``prefill``/``decode``, ended by ``finish`` or
+Created by `kvdiet.engine.runner.ModelRunner.start`, advanced by ``prefill``/``decode``, ended by ``finish`` or
 ``abort``. The control plane sees only ``cache`` (`kvdiet.cache.control.CacheRequest`: block hashes and
 token ids, the plan, what is persisted, the window state held for the end); the rest is tensors.
 """

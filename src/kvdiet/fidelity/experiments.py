@@ -1,7 +1,7 @@
 """The three fidelity experiments, each against its exact counterpart in the same run.
 
 All runs prefill a prompt in chunks that end at each context length L (and every ``chunk`` tokens), and
-compare the next-token logits of the last ``rows`` positions before L (decoder-side bounded replay keeps the
+compare the next-token logits of the last ``rows`` positions before L (decoder-side replay keeps the
 last window of each chunk, so ``rows`` ≤ ``sliding_window``).
 
 1. `cache_precision`: the model with fp32 caches against the same model with FP4 main KV, MXFP4 index keys
@@ -11,7 +11,7 @@ last window of each chunk, so ``rows`` ≤ ``sliding_window``).
    top-k by this layer's own attention mass over every visible compressed entry; Reindex layers — overlap
    with their KV source's top-k; candidate consumers — recall of the dense top-k (own scores, no candidate
    mask) by the selection made inside the candidate pool.
-3. `replay`: decoder-side bounded replay (decoder layers on each chunk's last window) against the full
+3. `replay`: decoder-side replay (decoder layers on each chunk's last window) against the full
    decoder; encoder-side replay after a prefix hit at H (rewind to H − window, recompute to L) against a cold
    prefill chunked the same way — KL, top-1, max |Δlogit| of the last row, and greedy continuation agreement.
 """
@@ -112,7 +112,7 @@ def prefill_rows(
     *,
     rows: int,
     chunk: int,
-    bounded_replay: bool = True,
+    decoder_replay: bool = True,
     state=None,
 ) -> tuple[dict[int, torch.Tensor], object]:
     """Prefill ``ids`` in chunks ending at each context; returns ``({L: logits fp32 [rows, V]}, state)``."""
@@ -122,7 +122,7 @@ def prefill_rows(
     for end in chunk_ends(contexts, chunk):
         if end <= start:
             continue
-        logits = model.prefill(state, ids[start:end], bounded_replay=bounded_replay, all_logits=True)
+        logits = model.prefill(state, ids[start:end], decoder_replay=decoder_replay, all_logits=True)
         if end in contexts:
             out[end] = logits[-rows:]
         start = end
@@ -282,7 +282,7 @@ def replay(
         if not reach:
             continue
         top = max(reach)
-        full, full_state = prefill_rows(model, ids, reach, rows=rows, chunk=chunk, bounded_replay=False)
+        full, full_state = prefill_rows(model, ids, reach, rows=rows, chunk=chunk, decoder_replay=False)
         bounded, bounded_state = prefill_rows(model, ids, reach, rows=rows, chunk=chunk)
         for c in reach:
             for measure, values in _logit_measures(full[c], bounded[c]).items():

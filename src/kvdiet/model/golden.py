@@ -119,7 +119,7 @@ def compare_golden(
         lambda sel: selections.setdefault(sel.attn.info.layer_id, []).append((sel.idx, sel.valid))
     ):
         state = model.new_state()
-        logits = model.prefill(state, prompt, bounded_replay=False, all_logits=True)
+        logits = model.prefill(state, prompt, decoder_replay=False, all_logits=True)
     caches = _compare_caches(ref, model, state)  # before decode moves the state on
     want = ref["prompt_logits"].float()
     rel = _row_errors(logits, want)
@@ -189,7 +189,7 @@ def _decode(
 
     def replay(upto: int) -> RequestState:
         state = model.new_state()
-        model.prefill(state, prompt, bounded_replay=False)
+        model.prefill(state, prompt, decoder_replay=False)
         for step in range(upto):
             with flip(flips[step]) if step in flips else contextlib.nullcontext():
                 model.decode([state], [tokens[step]])

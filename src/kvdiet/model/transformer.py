@@ -7,7 +7,7 @@ pre, final norm, LM head in fp32.
 
 Paths:
 - `Transformer.prefill`: any chunk of consecutive tokens of one request (chunks may split a ratio-2 pair).
-  With ``bounded_replay`` (default, as vLLM/SGLang/ATOM) the decoder layers (from the last KV source on)
+  With ``decoder_replay`` (default, as vLLM/SGLang/ATOM) the decoder layers (from the last KV source on)
   run only on the chunk's last ``sliding_window`` rows, whose windows read nothing older than
   ``chunk end − window``; every row still goes through the encoder and the last KV source's compressor and
   indexer keys, so the global KV is exactly that of a full prefill (v41-spec §6, §7.1).
@@ -245,7 +245,7 @@ class Transformer(nn.Module):
         state: RequestState,
         tokens: Sequence[int] | torch.Tensor,
         *,
-        bounded_replay: bool = True,
+        decoder_replay: bool = True,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Process a chunk of one request's tokens at positions ``state.num_tokens …``.
@@ -253,7 +253,7 @@ class Transformer(nn.Module):
         Args:
             state: the request's caches (updated).
             tokens: int [T], T ≥ 1.
-            bounded_replay: run the decoder layers only on the last ``sliding_window`` rows (see module doc).
+            decoder_replay: run the decoder layers only on the last ``sliding_window`` rows (see module doc).
             all_logits: return logits of every row that reached the head instead of the last one.
         Returns:
             fp32 [V] (last row) or [R, V] (R = T, or min(T, window) under bounded replay).
@@ -262,7 +262,7 @@ class Transformer(nn.Module):
             ValueError: the state's block table on a shared pool does not cover the new tokens.
         """
         ids = self.check_tokens(tokens, start=state.num_tokens)
-        keep = min(ids.numel(), self.cfg.sliding_window) if bounded_replay else ids.numel()
+        keep = min(ids.numel(), self.cfg.sliding_window) if decoder_replay else ids.numel()
         logits = self._forward([state], [ids], [keep])
         return logits if all_logits else logits[-1]
 

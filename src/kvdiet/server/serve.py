@@ -205,7 +205,7 @@ def startup_report(engine: object) -> list[str]:
         lines.append("persistent tier: off")
     lines.append(
         f"{cache.swa_pool!r}; "
-        f"SWA policy {opts.policy}; decoder-side bounded replay {'on' if cache.decoder_replay else 'off'}; "
+        f"SWA policy {opts.policy}; decoder-side replay {'on' if cache.decoder_replay else 'off'}; "
         f"prefix caching {'on' if opts.prefix_caching else 'off'}"
     )
     sched = engine.scheduler.config

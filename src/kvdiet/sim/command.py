@@ -186,7 +186,7 @@ def _plan(args: argparse.Namespace):
         raise ValueError("--runs: no runs")
     if args.mode == "engine":
         from kvdiet.cache.policies import parse_policy
-        from kvdiet.engine.kv_cache import CacheOptions
+        from kvdiet.engine.runner import CacheOptions
         from kvdiet.sim.engine_mode import EngineModeConfig
 
         if args.max_requests < 1 or args.engine_block_size < 1 or args.time_scale < 0:

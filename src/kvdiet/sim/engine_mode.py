@@ -32,7 +32,7 @@ import numpy as np
 
 from kvdiet.cache.plan import Provenance
 from kvdiet.engine.engine import LLMEngine
-from kvdiet.engine.kv_cache import CacheOptions, KVCache
+from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 from kvdiet.model.build import load_model
@@ -190,7 +190,9 @@ def run_engine_mode(
         )
         model, tokenizer = load_model(config.model, seed=config.seed)
         clock = ManualClock(scaled.requests[0].arrival_s)
-        cache = KVCache(model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock)
+        cache = ModelRunner(
+            model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock
+        )
         cache.open()
         try:
             longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)

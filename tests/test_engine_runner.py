@@ -15,7 +15,7 @@ import torch
 from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
-from kvdiet.engine.kv_cache import CacheOptions, KVCache, Session
+from kvdiet.engine.runner import CacheOptions, ModelRunner, Session
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.swa_pool import InProcessSwaPool
@@ -38,8 +38,8 @@ def micro(request) -> Transformer:
     return Transformer.from_config(load_config("v4.1-micro"), seed=3, exact=request.param)
 
 
-def _cache(model: Transformer, tmp: Path | None, policy: str = "bounded-replay", **kw) -> KVCache:
-    """An open cache with ``blocks`` device blocks; other keywords go to `CacheOptions` (or KVCache's
+def _cache(model: Transformer, tmp: Path | None, policy: str = "bounded-replay", **kw) -> ModelRunner:
+    """An open cache with ``blocks`` device blocks; other keywords go to `CacheOptions` (or ModelRunner's
     ``clock``/``swa_pool``)."""
     bs, blocks = kw.pop("block_size", BS), kw.pop("blocks", 200)
     extra = {k: kw.pop(k) for k in ("clock", "swa_pool") if k in kw}
@@ -51,10 +51,10 @@ def _cache(model: Transformer, tmp: Path | None, policy: str = "bounded-replay",
         decoder_replay=kw.pop("decoder_replay", False),
         **kw,
     )
-    return KVCache(model, opts, **extra).open()
+    return ModelRunner(model, opts, **extra).open()
 
 
-def _run(cache: KVCache, ids: list[int], decode: list[int] = ()) -> tuple[Session, list[torch.Tensor]]:
+def _run(cache: ModelRunner, ids: list[int], decode: list[int] = ()) -> tuple[Session, list[torch.Tensor]]:
     """Prefill ``ids`` then feed ``decode``; returns the session (finished) and every logits row."""
     s = cache.start(ids)
     out = [cache.prefill(s, chunk_size=16)]
@@ -103,7 +103,7 @@ def test_policy_continuation_after_restart(micro, tmp_path, policy, decoder_repl
 
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True), (True, True)])
 def test_window_snapshots_are_keyed_by_the_decoder_mode(micro, tmp_path, first, second) -> None:
-    """B21: a snapshot taken with decoder-side bounded replay (approximate decoder windows) is never restored
+    """B21: a snapshot taken with decoder-side replay (approximate decoder windows) is never restored
     by an exact run, nor the reverse; the global KV is shared by both modes."""
     pool, ids = InProcessSwaPool(1 << 30), _ids(61)
     with _cache(micro, tmp_path, decoder_replay=first, swa_pool=pool) as a:
@@ -214,7 +214,7 @@ def test_b23_ttls_at_the_edges(micro, tmp_path) -> None:
     a.close()
 
 
-def _first_block(cache: KVCache, ids: list[int]) -> tuple[bytes, list[int]]:
+def _first_block(cache: ModelRunner, ids: list[int]) -> tuple[bytes, list[int]]:
     from kvdiet.cache.prefix import block_hashes
 
     return block_hashes(ids, BS, cache.fingerprint)[0], ids[:BS]
@@ -245,7 +245,7 @@ def test_b21_other_identity_never_hits(tmp_path, change) -> None:
     else:
         bs = 8
     opts = dataclasses.replace(_cache(other, tmp_path).options, block_size=bs)
-    with KVCache(other, opts, tokenizer_id=tok) as b:
+    with ModelRunner(other, opts, tokenizer_id=tok) as b:
         s, _ = _run(b, ids)
         assert s.provenance.hit_tokens == 0
     with _cache(base, tmp_path) as same:  # the original identity still hits

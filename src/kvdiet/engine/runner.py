@@ -1,17 +1,17 @@
 """The engine's cache system of one model: executes the control plane's actions with tensors.
 
 What a request goes through (DESIGN.md §2; the rules are `kvdiet.cache.control.ControlPlane`'s):
-1. `KVCache.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
+1. `ModelRunner.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
    longest prefix from the device pool (`BlockPool.lookup_and_take`), then load its continuation from the
    persistent tier into fresh blocks (`ControlPlane.load`); the plan at the hit (`ControlPlane.plan`):
    restore the window state it read (a snapshot, or ``full-store``'s window blocks) or rewind the request
    and replay from the plan's start. The hit is capped below the prompt's last token, whose logits the
    request needs.
-2. `KVCache.prefill` / `KVCache.decode`: blocks are reserved (`kvdiet.cache.reserve`), the model runs;
+2. `ModelRunner.prefill` / `ModelRunner.decode`: blocks are reserved (`kvdiet.cache.reserve`), the model runs;
    each block that fills is published to the device prefix index, and `ControlPlane.after_forward` writes
    it through and captures window state where the policy keeps it (prefill chunks end at
    `ControlPlane.capture_points`).
-3. `KVCache.finish` stores the window state held for the end and returns the blocks; `KVCache.abort` only
+3. `ModelRunner.finish` stores the window state held for the end and returns the blocks; `ModelRunner.abort` only
    returns the blocks. Both are idempotent.
 
 The model reads and writes global KV in place in the device pool through each request's block table.
@@ -43,7 +43,7 @@ from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 from kvdiet.storage.swa_pool import SwaPool
 from kvdiet.storage.swa_pool_factory import create_swa_pool
 
-__all__ = ["CacheOptions", "KVCache", "Session", "pool_num_blocks"]
+__all__ = ["CacheOptions", "ModelRunner", "Session", "pool_num_blocks"]
 
 
 def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
@@ -63,7 +63,7 @@ def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
     return num_blocks
 
 
-class KVCache:
+class ModelRunner:
     """The cache system of one model (see the module docstring).
 
     Args:
@@ -154,7 +154,7 @@ class KVCache:
 
     # --- lifecycle of the tiers ---
 
-    def open(self) -> KVCache:
+    def open(self) -> ModelRunner:
         """Open the persistent tier and the SWA pool this cache owns (a failure there only disables the tier
         or makes the pool miss, with one warning); idempotent."""
         if self._opened:
@@ -174,7 +174,7 @@ class KVCache:
         if self._owns_swa_pool:
             self.swa_pool.close()
 
-    def __enter__(self) -> KVCache:
+    def __enter__(self) -> ModelRunner:
         return self.open()
 
     def __exit__(self, *exc: object) -> None:
@@ -310,7 +310,7 @@ class KVCache:
             self._start_log(session)
             try:
                 logits = self.model.prefill(
-                    state, session.tokens[start:end], bounded_replay=self.decoder_replay
+                    state, session.tokens[start:end], decoder_replay=self.decoder_replay
                 )
             finally:
                 self._stop_log(session)
