@@ -352,7 +352,7 @@ def run_http(
     try:
         server.start()
     except BaseException:
-        engine.cache.close()
+        engine.runner.close()
         raise
     try:
         vocab = engine.model.cfg.vocab_size
@@ -363,7 +363,7 @@ def run_http(
         )
         if warm[0].error:
             console.print(f"[red]warm-up failed: {warm[0].error}")
-        blocks = engine.cache.pool.blocks
+        blocks = engine.runner.pool.blocks
         wait_idle(engine, deadline)
         free_before = blocks.num_free
         results, wall = asyncio.run(

@@ -95,7 +95,7 @@ def _record_steps(engine: LLMEngine) -> list[tuple[ScheduledStep, int]]:
 
 
 def _assert_clean(engine: LLMEngine, free_at_start: int) -> None:
-    blocks = engine.cache.pool.blocks
+    blocks = engine.runner.pool.blocks
     assert blocks.num_free == free_at_start
     assert blocks.num_used == 0
     blocks.check_integrity()
@@ -104,7 +104,7 @@ def _assert_clean(engine: LLMEngine, free_at_start: int) -> None:
 
 def test_batch_equals_solo_runs_under_a_small_token_budget(micro: Transformer) -> None:
     engine = _engine(micro, max_num_seqs=3, budget=16)
-    free = engine.cache.pool.blocks.num_free
+    free = engine.runner.pool.blocks.num_free
     steps = _record_steps(engine)
     prompts = [_ids(n, seed=n) for n in (3, 9, 17, 30, 41)]
     params = SamplingParams(max_tokens=6)
@@ -123,7 +123,7 @@ def test_batch_equals_solo_runs_under_a_small_token_budget(micro: Transformer) -
 def test_preemption_resumes_with_the_same_tokens(micro: Transformer, policy: str) -> None:
     # 20 blocks of 4 tokens; four requests of 20 + 20 tokens need 10 blocks each: they must take turns.
     engine = _engine(micro, blocks=20, policy=policy, max_num_seqs=4, budget=32, max_model_len=64)
-    free = engine.cache.pool.blocks.num_free
+    free = engine.runner.pool.blocks.num_free
     prompts = [_ids(20, seed=100 + i) for i in range(4)]
     params = SamplingParams(max_tokens=20)
     outs = _run(engine, prompts, params)
@@ -144,15 +144,17 @@ def test_preempted_request_reuses_its_cached_prefix(micro: Transformer) -> None:
     # The preempted request looked up prompt + outputs again: its head blocks were still cached (tail-first
     # release leaves the prefix for last) and only the rest was recomputed.
     resumed = 40 + len(outs[1].output_ids)  # at most this many tokens looked up on resumption
-    assert engine.cache.stats.device.hit_tokens >= 32  # 8 of its 10 prompt blocks survived the other's decode
-    assert engine.cache.stats.computed_tokens <= 2 * 40 + resumed - 32
+    assert (
+        engine.runner.stats.device.hit_tokens >= 32
+    )  # 8 of its 10 prompt blocks survived the other's decode
+    assert engine.runner.stats.computed_tokens <= 2 * 40 + resumed - 32
     assert [list(o.output_ids) for o in outs] == [_solo(micro, p, params) for p in prompts]
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 4, 7])
 def test_abort_at_any_point_frees_every_block(micro: Transformer, steps: int) -> None:
     engine = _engine(micro, max_num_seqs=2, budget=8)
-    free = engine.cache.pool.blocks.num_free
+    free = engine.runner.pool.blocks.num_free
     rids = [engine.add_request(_ids(n, seed=n), SamplingParams(max_tokens=10)) for n in (5, 13, 22)]
     for _ in range(steps):
         engine.step()
@@ -173,10 +175,10 @@ def test_stop_token_max_tokens_and_scoring_only(micro: Transformer) -> None:
     first = ref.index(stop)
     (out,) = _run(engine, [p], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
     assert list(out.output_ids) == ref[: first + 1] and out.finish_reason == "stop"
-    computed = engine.cache.stats.computed_tokens
+    computed = engine.runner.stats.computed_tokens
     (score,) = _run(engine, [_ids(9, seed=10)], SamplingParams(max_tokens=0))
     assert score.output_ids == () and score.finish_reason == "length"
-    assert engine.cache.stats.computed_tokens == computed + 9  # the prompt was prefilled
+    assert engine.runner.stats.computed_tokens == computed + 9  # the prompt was prefilled
 
 
 def test_stop_strings_cut_the_text_and_never_stream_a_part_of_one(micro: Transformer) -> None:
@@ -215,12 +217,12 @@ def test_eos_stops_unless_ignored(micro: Transformer) -> None:
 
 def test_b26_empty_prompt_is_rejected_before_any_state_changes(micro: Transformer) -> None:
     engine = _engine(micro, tokenizer=LetterTokenizer())
-    free = engine.cache.pool.blocks.num_free
+    free = engine.runner.pool.blocks.num_free
     for empty in ([], ""):
         with pytest.raises(ValueError, match="empty prompt"):
             engine.add_request(empty, SamplingParams(max_tokens=2))
-    assert not engine.requests and engine.cache.pool.blocks.num_free == free
-    assert engine.cache.stats.device.query_tokens == 0
+    assert not engine.requests and engine.runner.pool.blocks.num_free == free
+    assert engine.runner.stats.device.query_tokens == 0
     (out,) = _run(engine, [[5, 6, 7]], SamplingParams(max_tokens=3))
     assert list(out.output_ids) == _solo(micro, [5, 6, 7], SamplingParams(max_tokens=3))
 
@@ -253,13 +255,13 @@ def test_b27_bad_token_ids_are_rejected_naming_the_id(micro, prompt, params, mes
 def test_b28_prompt_at_the_context_limit(micro: Transformer) -> None:
     engine = _engine(micro, max_model_len=32)
     decoded: list[int] = []
-    decode = engine.cache.decode
-    engine.cache.decode = lambda sessions, tokens: (decoded.append(len(sessions)), decode(sessions, tokens))[
+    decode = engine.runner.decode
+    engine.runner.decode = lambda sessions, tokens: (decoded.append(len(sessions)), decode(sessions, tokens))[
         1
     ]
     (out,) = _run(engine, [_ids(31, seed=1)], SamplingParams(max_tokens=1))
     assert len(out.output_ids) == 1 and out.finish_reason == "length"
-    assert engine.cache.stats.computed_tokens == 31 and not decoded  # position 31 is never written
+    assert engine.runner.stats.computed_tokens == 31 and not decoded  # position 31 is never written
     with pytest.raises(
         ValueError, match=r"prompt \(32 tokens\) \+ max_tokens \(1\) = 33 tokens > max_model_len 32"
     ):
@@ -323,7 +325,7 @@ def test_settings_are_checked_at_construction(micro: Transformer) -> None:
 
 def test_a_step_that_raises_leaves_nothing_held_after_abort(micro: Transformer) -> None:
     engine = _engine(micro, budget=16)
-    free = engine.cache.pool.blocks.num_free
+    free = engine.runner.pool.blocks.num_free
     b = engine.add_request(_ids(5, seed=50), SamplingParams(max_tokens=10))
     engine.step()  # b prefilled, first token sampled
     a = engine.add_request(_ids(5, seed=51), SamplingParams(max_tokens=1))
@@ -331,7 +333,7 @@ def test_a_step_that_raises_leaves_nothing_held_after_abort(micro: Transformer) 
     def broken(sessions, tokens):
         raise RuntimeError("decode failed")
 
-    engine.cache.decode = broken
+    engine.runner.decode = broken
     with pytest.raises(RuntimeError, match="decode failed"):
         engine.step()  # a's prefill finishes it, then b's decode raises before a is released
     assert engine.requests[a].finished and engine.requests[a].session is not None

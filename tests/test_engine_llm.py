@@ -28,11 +28,11 @@ def test_outputs_come_back_in_prompt_order_and_equal_solo_runs(llm) -> None:
 
 
 def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:
-    free = llm.engine.cache.pool.blocks.num_free
+    free = llm.engine.runner.pool.blocks.num_free
     with pytest.raises(ValueError, match="2 prompts but 1 sampling parameters"):
         llm.generate([[1, 2], [3, 4]], [SamplingParams()])
     with pytest.raises(ValueError, match="token id 99 at index 1"):
         llm.generate([[1, 2], [3, 99]], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
-    assert not llm.engine.requests and llm.engine.cache.pool.blocks.num_free == free
+    assert not llm.engine.requests and llm.engine.runner.pool.blocks.num_free == free

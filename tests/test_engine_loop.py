@@ -56,7 +56,7 @@ def test_concurrent_streams_equal_solo_runs(loop: EngineLoop) -> None:
 
 
 def test_leaving_a_stream_early_aborts_the_request(loop: EngineLoop) -> None:
-    free = loop.engine.cache.pool.blocks.num_free
+    free = loop.engine.runner.pool.blocks.num_free
 
     async def main() -> int:
         n = 0
@@ -68,7 +68,7 @@ def test_leaving_a_stream_early_aborts_the_request(loop: EngineLoop) -> None:
 
     assert asyncio.run(main()) == 2
     _wait_idle(loop)
-    assert not loop.engine.requests and loop.engine.cache.pool.blocks.num_free == free
+    assert not loop.engine.requests and loop.engine.runner.pool.blocks.num_free == free
     assert loop.engine.stats.finished["abort"] == 1
 
 
@@ -107,14 +107,14 @@ def test_close_aborts_running_requests() -> None:
     loop.close()
     assert got and got[-1].finished and got[-1].finish_reason == "abort"
     assert not loop.healthy
-    assert loop.engine.cache.pool.blocks.num_used == 0
+    assert loop.engine.runner.pool.blocks.num_used == 0
 
 
 def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineLoop) -> None:
     def closed_event_loop(_: object) -> None:
         raise RuntimeError("Event loop is closed")
 
-    free = loop.engine.cache.pool.blocks.num_free
+    free = loop.engine.runner.pool.blocks.num_free
     loop.submit(
         loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=50)), closed_event_loop, "gone"
     )
@@ -123,7 +123,7 @@ def test_a_departed_caller_is_aborted_and_the_engine_keeps_serving(loop: EngineL
         time.sleep(0.01)
     _wait_idle(loop)
     assert loop.healthy and loop.engine.stats.finished["abort"] == 1
-    assert loop.engine.cache.pool.blocks.num_free == free
+    assert loop.engine.runner.pool.blocks.num_free == free
 
     async def main() -> list:
         return await _collect(loop, [1, 2, 3], SamplingParams(max_tokens=2))
@@ -171,7 +171,7 @@ def test_a_duplicate_request_id_is_refused_and_the_loop_keeps_serving(loop: Engi
 
 
 def test_abort_all_ends_every_stream_with_abort(loop: EngineLoop) -> None:
-    free = loop.engine.cache.pool.blocks.num_free
+    free = loop.engine.runner.pool.blocks.num_free
     got: dict[str, list] = {r: [] for r in "ab"}
     for rid, out in got.items():
         loop.submit(loop.engine.prepare(list(range(1, 30)), SamplingParams(max_tokens=200)), out.append, rid)
@@ -182,7 +182,7 @@ def test_abort_all_ends_every_stream_with_abort(loop: EngineLoop) -> None:
         time.sleep(0.01)
     assert all(v[-1].finish_reason == "abort" for v in got.values()), got
     _wait_idle(loop)
-    assert loop.healthy and loop.engine.cache.pool.blocks.num_free == free
+    assert loop.healthy and loop.engine.runner.pool.blocks.num_free == free
 
 
 def _wait_snapshot(loop: EngineLoop, predicate, timeout: float = 10.0) -> EngineSnapshot:
@@ -201,12 +201,12 @@ def test_the_snapshot_is_an_immutable_copy_of_the_engine_figures(loop: EngineLoo
     asyncio.run(run(list(range(1, 30))))
     before = _wait_snapshot(loop, lambda s: s.generation_tokens == 3)
     assert isinstance(before, EngineSnapshot)
-    blocks = loop.engine.cache.pool.blocks
+    blocks = loop.engine.runner.pool.blocks
     assert (before.num_running, before.num_waiting, before.num_used_blocks) == (0, 0, 0)
     assert before.num_blocks == blocks.num_blocks and before.kv_cache_usage == 0.0
     assert (
         before.prompt_tokens == 29
-        and before.device.query_tokens == loop.engine.cache.stats.device.query_tokens
+        and before.device.query_tokens == loop.engine.runner.stats.device.query_tokens
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         before.generation_tokens = 0

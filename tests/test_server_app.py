@@ -232,7 +232,7 @@ def test_models_health_and_metrics(mini, client) -> None:
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
-    stats = loop.engine.cache.stats
+    stats = loop.engine.runner.stats
     assert samples[("kvdiet:prefix_cache_hits_total", (("tier", "device"),))] == stats.device.hit_tokens > 0
     assert samples[("kvdiet:prefix_cache_queries_total", (("tier", "persistent"),))] >= 0
     assert samples[("kvdiet:time_to_first_token_seconds_count", ())] >= 2
@@ -329,7 +329,7 @@ def test_the_openai_client_sees_a_bad_request_error(client) -> None:
 def test_client_disconnect_aborts_and_frees_blocks(mini, stream) -> None:
     base, loop = mini
     _wait_idle(loop)
-    free = loop.engine.cache.pool.blocks.num_free
+    free = loop.engine.runner.pool.blocks.num_free
     aborted = loop.engine.stats.finished["abort"]
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -348,8 +348,8 @@ def test_client_disconnect_aborts_and_frees_blocks(mini, stream) -> None:
     conn.close()
     _wait_idle(loop)
     assert loop.engine.stats.finished["abort"] == aborted + 1
-    assert loop.engine.cache.pool.blocks.num_free == free
-    loop.engine.cache.pool.blocks.check_integrity()  # safe: the engine thread is idle
+    assert loop.engine.runner.pool.blocks.num_free == free
+    loop.engine.runner.pool.blocks.check_integrity()  # safe: the engine thread is idle
 
 
 def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:

@@ -146,7 +146,7 @@ class EngineArgs:
         self, *, observer: EngineObserver | None = None, swa_pool: SwaPool | None = None
     ) -> LLMEngine:
         """Load the model and tokenizer, open the cache system (persistent tier, SWA pool) and build the
-        engine. The caller closes it with ``engine.cache.close()``.
+        engine. The caller closes it with ``engine.runner.close()``.
 
         Raises:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).

@@ -89,7 +89,7 @@ class LLMEngine:
 
     Args:
         model: the V4.1 model.
-        cache: its open `ModelRunner` (device pool, prefix cache, tiers, policy).
+        runner: its open `ModelRunner` (the cache system: device pool, prefix cache, tiers, policy).
         tokenizer: for text prompts, output text and stop strings (None: token ids only).
         max_model_len: longest prompt + output (tokens); default the config's ``max_position_embeddings``.
         scheduler: batching limits.
@@ -102,7 +102,7 @@ class LLMEngine:
     def __init__(
         self,
         model: Transformer,
-        cache: ModelRunner,
+        runner: ModelRunner,
         *,
         tokenizer: Tokenizer | None = None,
         max_model_len: int | None = None,
@@ -112,12 +112,12 @@ class LLMEngine:
         self.max_model_len = check_max_model_len(
             max_model_len,
             limit=model.cfg.max_position_embeddings,
-            block_size=cache.options.block_size,
-            num_blocks=cache.pool.blocks.num_blocks,
+            block_size=runner.options.block_size,
+            num_blocks=runner.pool.blocks.num_blocks,
         )
-        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.model, self.runner, self.tokenizer = model, runner, tokenizer
         self.observer = observer
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(), _CacheOracle(cache))
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), _CacheOracle(runner))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -214,7 +214,7 @@ class LLMEngine:
         if req.status is not RequestStatus.FINISHED or req.session is not None:
             self.scheduler.remove(req)
         if req.session is not None:
-            self.cache.abort(req.session)
+            self.runner.abort(req.session)
             req.session = None
         if req.finished:  # finished inside a step that then raised: released now, reported already or never
             del self.requests[request_id]
@@ -244,12 +244,12 @@ class LLMEngine:
                 req.first_provenance = req.session.provenance
                 self.stats.prompt_tokens += req.num_prompt_tokens
         for req, n in plan.prefills:
-            logits = self.cache.prefill(req.session, chunk_size=n, max_tokens=n)
+            logits = self.runner.prefill(req.session, chunk_size=n, max_tokens=n)
             if not req.is_prefilling:
                 self._accept(req, logits)
                 touched.append(req)
         if plan.decodes:
-            logits = self.cache.decode(
+            logits = self.runner.decode(
                 [r.session for r in plan.decodes], [r.pending_token for r in plan.decodes]
             )
             for req, row in zip(plan.decodes, logits, strict=True):
@@ -260,7 +260,7 @@ class LLMEngine:
         for req in touched:
             if req.finished:
                 self.scheduler.remove(req)
-                self.cache.finish(req.session)
+                self.runner.finish(req.session)
                 req.session = None
                 outputs.append(self._output(req))
             elif req.emitted_tokens < len(req.output_ids):
@@ -349,27 +349,29 @@ class LLMEngine:
 class _CacheOracle:
     """`BlockOracle` on a `ModelRunner` (the scheduler's only view of the cache)."""
 
-    def __init__(self, cache: ModelRunner) -> None:
-        self.cache = cache
-        self.block_size = cache.options.block_size
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.block_size = runner.options.block_size
 
     @property
     def num_free_blocks(self) -> int:
-        return self.cache.pool.blocks.num_free
+        return self.runner.pool.blocks.num_free
 
     def admission_blocks(self, request: Request) -> int:
-        return self.cache.admission_blocks(request.all_ids)
+        return self.runner.admission_blocks(request.all_ids)
 
     def begin(self, request: Request) -> None:
         ids = request.all_ids
-        request.session = self.cache.start(ids)
+        request.session = self.runner.start(ids)
         request.prefill_target = len(ids)
         request.pending_token = None
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         state = request.session.state
-        return max(0, -(-(state.num_tokens + num_tokens) // self.cache.options.block_size) - len(state.table))
+        return max(
+            0, -(-(state.num_tokens + num_tokens) // self.runner.options.block_size) - len(state.table)
+        )
 
     def preempt(self, request: Request) -> None:
-        self.cache.finish(request.session)
+        self.runner.finish(request.session)
         request.session = None

@@ -73,7 +73,7 @@ class EngineSnapshot:
     @classmethod
     def take(cls, engine: LLMEngine) -> EngineSnapshot:
         """Read ``engine`` and its cache now. Call it on the thread that drives the engine."""
-        cache = engine.cache
+        cache = engine.runner
         blocks, stats, pool = cache.pool.blocks, cache.stats, cache.swa_pool
         persistent = cache.persistent if cache.persistent is not None and cache.persistent.enabled else None
         return cls(

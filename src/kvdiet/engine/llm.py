@@ -114,7 +114,7 @@ class LLM:
         """Abort what is left and close the cache tiers."""
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
-        self.engine.cache.close()
+        self.engine.runner.close()
 
     def __enter__(self) -> LLM:
         return self

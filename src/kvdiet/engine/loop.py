@@ -89,7 +89,7 @@ class EngineLoop:
             deliver = self._deliver.pop(rid, None)
             if deliver is not None and out is not None:
                 _delivered(deliver, out)
-        self.engine.cache.close()
+        self.engine.runner.close()
 
     @property
     def healthy(self) -> bool:

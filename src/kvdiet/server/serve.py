@@ -185,7 +185,7 @@ class _AbortingServer(uvicorn.Server):
 def startup_report(engine: object) -> list[str]:
     """The start-up lines: KV-cache budget (blocks, tokens, bytes), maximum concurrency at max_model_len,
     the tiers and the policy."""
-    cache = engine.cache
+    cache = engine.runner
     pool, bs, opts = cache.pool, cache.options.block_size, cache.options
     blocks = pool.blocks.num_blocks
     tokens = blocks * bs
