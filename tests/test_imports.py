@@ -136,7 +136,7 @@ def test_the_model_imports_no_layer_above_it() -> None:
     """The model computes; blocks are reserved by the cache layer before the forward, tiers and serving are
     above it (DESIGN.md §3, issue 14). Checked on everything an import of a model module runs."""
     _, graph = _graph()
-    above = ("cache", "storage", "engine", "server", "sim")
+    above = ("cache", "storage", "engine", "server", "planner", "sim", "fidelity", "cli")
     for name in graph:
         if name.startswith("kvdiet.model."):
             bad = {m for m in _reached(name, graph) if m.split(".")[1:2] and m.split(".")[1] in above}

@@ -10,7 +10,7 @@ import pytest
 from kvdiet.cli import main
 from kvdiet.config import load_config
 from kvdiet.planner.report import PlanOptions, plan_report
-from kvdiet.planner.weights import estimate_weights
+from kvdiet.weights import estimate_weights
 
 REUSE_V41 = [
     *range(3, 8),

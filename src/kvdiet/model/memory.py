@@ -2,7 +2,7 @@
 tensor is allocated, so a model that cannot fit gets one line instead of the allocator's traceback or the OOM
 killer.
 
-- Random weights (`random_weights_bytes`): every parameter fp32 (``kvdiet.planner.weights`` counts them from the
+- Random weights (`random_weights_bytes`): every parameter fp32 (``kvdiet.weights`` counts them from the
   config), Engram tables as FP8 bytes plus the fp32 draw of the largest one.
 - A checkpoint (`checkpoint_footprint`): what stays resident — dense tensors as fp32, FP8/FP4 weights as their
   bytes under fp8 numerics (4 B per weight under bf16), Engram tables up to the row-read threshold — plus the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.checkpoint import ROUTED_EXPERT, Checkpoint
-from kvdiet.planner.weights import estimate_weights
+from kvdiet.weights import estimate_weights
 
 __all__ = [
     "CheckpointFootprint",

@@ -15,7 +15,7 @@ from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import DenseConfig, ModelConfig
 from kvdiet.layer_plan import LayerPlan
-from kvdiet.planner.weights import estimate_weights
+from kvdiet.weights import estimate_weights
 
 __all__ = ["GPUS", "PlanOptions", "all_full_config", "compare_reports", "plan_report"]
 
@@ -34,7 +34,7 @@ class PlanOptions:
         gpu: a `GPUS` name, or ``"custom"`` when ``gpu_mem_gb`` was given.
         gpu_mem_gb: memory of one device.
         num_gpus: devices sharing the weights and the cache.
-        weights_gb: device weight bytes; None → `kvdiet.planner.weights.estimate_weights`.
+        weights_gb: device weight bytes; None → `kvdiet.weights.estimate_weights`.
         tokens_per_boundary: tokens between prompt/output ends, to amortise ``boundary-snapshot``.
         checkpoint_every: K of the ``checkpoint:K`` row.
     """

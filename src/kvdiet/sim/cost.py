@@ -11,7 +11,7 @@ A model, not a measurement: it counts matrix work only, which dominates at these
   projections (q-LoRA ``wq_a``/``wq_b``, window ``wkv``, grouped output LoRA ``wo_a``/``wo_b``), its
   compressor gates and indexer projections where it owns them, the router, the shared experts and
   ``num_experts_per_tok`` routed experts of ``3 × hidden × moe_intermediate_size`` each — the same matrices
-  `kvdiet.planner.weights.estimate_weights` counts. Engram lookups and norms are ignored.
+  `kvdiet.weights.estimate_weights` counts. Engram lookups and norms are ignored.
 - **Attention**: a query at position p reads ``min(p + 1, W)`` window entries plus, on a compressed layer,
   ``min(index_topk, p // ratio)`` selected entries (V4 HCA layers: all ``p // ratio``); QKᵀ and PV cost
   ``4 × heads × head_dim`` FLOPs per entry read. An indexer scores every visible entry of its layer at
