@@ -113,6 +113,10 @@ HAND = [
     ("checkpoint:8", 28, {24}, (28, 24, "persistent", 24, 4, False), [24]),
     ("checkpoint:8", 28, {28}, (28, None, None, 4, 24, False), [24]),
     ("checkpoint:8", 31, set(), (31, None, None, 8, 23, False), [24]),  # 9 → 8
+    # K longer than the receptive field (22): the exact start E wins when it is at or past C
+    ("checkpoint:32", 50, {32}, (50, 32, "persistent", 32, 18, False), [32]),  # E = 28 < C = 32
+    ("checkpoint:32", 54, {32}, (54, None, None, 32, 22, False), []),  # E = 32 = C: no snapshot read
+    ("checkpoint:32", 60, {32}, (60, None, None, 36, 24, False), []),  # E = 38 → 36 > C = 32
     # exact-recompute
     ("exact-recompute", 0, set(), (0, None, None, 0, 0, False), []),
     ("exact-recompute", 8, {8}, (0, None, None, 0, 0, False), []),
@@ -153,14 +157,14 @@ def _expected(policy: SwaPolicy, h: int, w: int, layers: int, align: int, has: C
         if has(h):
             source = "window-blocks" if policy.name == "full-store" else "persistent"
             return RestorePlan(h, h, source, h), calls
+    start = _align_down(max(0, h - (w + (layers - 1) * (w - 1))), align)
     if policy.name == "checkpoint":
         k = policy.checkpoint_every
         c = (h // k) * k
-        if c > 0:
+        if c > start:  # "replay from the later of the two starts"
             calls = [c]
             if has(c):
                 return RestorePlan(h, c, "persistent", c), calls
-    start = _align_down(max(0, h - (w + (layers - 1) * (w - 1))), align)
     return (COLD if start == 0 else RestorePlan(h, None, None, start)), calls
 
 

@@ -45,4 +45,5 @@ def test_recompute_tokens(spec: CacheSpec) -> None:
     assert parse_policy("bounded-replay").recompute_tokens(spec, 50) == 50  # clamped at the hit
     assert parse_policy("exact-recompute").recompute_tokens(spec, 10_000) == 128 + 39 * 127
     assert parse_policy("checkpoint:256").recompute_tokens(spec, 10_000) == 255
+    assert parse_policy("checkpoint:8192").recompute_tokens(spec, 10_000) == 5_081  # never past exact
     assert parse_policy("full-store").recompute_tokens(spec, 10_000) == 0

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvdiet.cache.plan import COLD, RestorePlan, WindowSource
+from kvdiet.cache.plan import COLD, RestorePlan, WindowSource, exact_recompute_start
 from kvdiet.cache.policies.base import Capture, SwaPolicy, recompute_plan
 from kvdiet.cache.spec import CacheSpec
 
@@ -16,7 +16,8 @@ __all__ = ["Checkpoint"]
 @dataclass(frozen=True, slots=True, eq=False)
 class Checkpoint(SwaPolicy):
     """``checkpoint:K``: one window snapshot every K tokens in the persistent tier; a hit at H restores the
-    latest checkpoint C ≤ H and recomputes ``[C, H)``.
+    latest checkpoint C ≤ H and recomputes ``[C, H)`` — unless the exact recompute's start E (the receptive
+    field of the window layers) is at or past C: then it recomputes ``[E, H)`` and reads no snapshot.
 
     Attributes:
         checkpoint_every: K in tokens (> 0).
@@ -56,12 +57,12 @@ class Checkpoint(SwaPolicy):
         if h <= 0:
             return COLD
         c = h - h % self.checkpoint_every
-        if c > 0 and has_snapshot(c):
+        if c > exact_recompute_start(h, window, num_layers, align) and has_snapshot(c):
             return RestorePlan(h, c, WindowSource.PERSISTENT, c)
-        return recompute_plan(h, window, num_layers, align)
+        return recompute_plan(h, window, num_layers, align)  # replaying from the later start costs less
 
     def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
         return (num_tokens // self.checkpoint_every) * spec.window_bytes_per_request
 
     def worst_recompute(self, window: int, num_layers: int) -> int:
-        return self.checkpoint_every - 1
+        return min(self.checkpoint_every - 1, SwaPolicy.worst_recompute(self, window, num_layers))
