@@ -61,8 +61,11 @@ class Geometry:
         window: sliding window W (tokens).
         num_layers: layers with a window ring.
         align: replay starts are multiples of this (lcm of the compress ratios of the KV sources).
-        block_bytes: one block's global KV payload (bytes).
+        block_bytes: one block's global KV payload (bytes); the mean over `block_cycle` when blocks differ.
         window_block_bytes: one block's window entries of every layer (``full-store`` payload, bytes).
+        block_cycle: the payload of blocks ``0, 1, …`` repeating, when a compress ratio does not divide the
+            block size (V4-Flash's HCA, ratio 128, at 64-token blocks: an entry spans two blocks and is counted
+            in the block where its group completes); empty when every block holds ``block_bytes``.
     """
 
     block_size: int
@@ -71,19 +74,37 @@ class Geometry:
     align: int
     block_bytes: int
     window_block_bytes: int
+    block_cycle: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, block_size: int) -> Geometry:
-        """The geometry of the packed cache formats of ``cfg`` (`CacheSpec`) at ``block_size``."""
+        """The geometry of the packed cache formats of ``cfg`` (`CacheSpec`) at ``block_size``: block i holds
+        the entries whose compression group completes in it, ``global_bytes((i + 1)·B) − global_bytes(i·B)``.
+
+        Raises:
+            ValueError: ``block_size`` < 1.
+        """
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1 token, got {block_size}")
         spec, plan = CacheSpec.from_config(cfg), LayerPlan.from_config(cfg)
+        ratios = [plan[s].compress_ratio for s in plan.kv_sources]
+        period = math.lcm(block_size, *ratios) // block_size  # blocks after which the layout repeats
+        cycle = tuple(
+            spec.global_bytes((i + 1) * block_size) - spec.global_bytes(i * block_size) for i in range(period)
+        )
         return cls(
             block_size=block_size,
             window=cfg.sliding_window,
             num_layers=len(plan.layers),
-            align=math.lcm(*(plan[s].compress_ratio for s in plan.kv_sources)),
-            block_bytes=spec.global_bytes(block_size),
+            align=math.lcm(*ratios),
+            block_bytes=round(sum(cycle) / period),
             window_block_bytes=block_size * spec.window_entry_bytes_per_token,
+            block_cycle=cycle if len(set(cycle)) > 1 else (),
         )
+
+    def payload_bytes(self, block: int) -> int:
+        """Global KV bytes of block ``block`` (0-based) of a request."""
+        return self.block_cycle[block % len(self.block_cycle)] if self.block_cycle else self.block_bytes
 
 
 @dataclass(slots=True)
@@ -163,7 +184,7 @@ class ControlPlane(Generic[V]):
             batch = keys[s : min(s + LOAD_BATCH, present)]  # nothing past the run: no read, no LRU move
             payloads = tier.get_many(batch, req.tokens(first + s, first + s + len(batch)))
             for payload in payloads:
-                if payload is None or value_bytes(payload) != self.geometry.block_bytes:
+                if payload is None or value_bytes(payload) != self.geometry.payload_bytes(first + done):
                     return done
                 if not accept(first + done, payload):
                     return done

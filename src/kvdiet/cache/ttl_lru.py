@@ -14,7 +14,11 @@ Rules:
   is (``refresh=False``: the persistent tier, whose TTL a rewrite does not extend);
 - a value larger than the whole budget is refused; ``capacity=None`` is unbounded, ``ttl=None`` never
   expires.
-Time must not go backwards between calls.
+Time must not go backwards between calls. Kept exactly, event by event: the peak of the bytes held
+(``peak``, what each kind held then ``peak_kinds``, each kind's own peak ``kind_peak``), the bytes written
+(``counters.bytes_written``, by kind ``kind_written``) and the bytes held integrated over time
+(``byte_seconds``, by kind ``kind_byte_seconds``; an entry counts until its deadline, not until the call that
+finds it expired).
 """
 
 from __future__ import annotations
@@ -54,8 +58,15 @@ class TtlLru(Generic[V]):
         self.capacity, self.ttl, self.refresh = capacity, ttl, refresh
         self.counters = counters if counters is not None else TierCounters()
         self.kind = kind
-        self.kind_bytes: dict[Hashable, int] = {}
         self.nbytes = 0
+        self.kind_bytes: dict[Hashable, int] = {}
+        self.peak = 0  # the largest ``nbytes`` ever held, exact (checked at every put)
+        self.peak_kinds: dict[Hashable, int] = {}  # ``kind_bytes`` at that moment
+        self.kind_peak: dict[Hashable, int] = {}
+        self.kind_written: dict[Hashable, int] = {}
+        self.byte_seconds = 0.0  # ∫ nbytes dt from the first call to the last (expiries at their deadlines)
+        self.kind_byte_seconds: dict[Hashable, float] = {}
+        self._since: float | None = None  # the time ``byte_seconds`` runs to
         self._items: OrderedDict[Hashable, tuple[V, int, float]] = (
             OrderedDict()
         )  # key → value, size, deadline
@@ -78,21 +89,34 @@ class TtlLru(Generic[V]):
         return [(v, n) for v, n, _ in self._items.values()]
 
     def expire(self, now: float) -> int:
-        """Drop every entry whose deadline is ≤ ``now``; returns how many (also counted)."""
+        """Drop every entry whose deadline is ≤ ``now`` (its bytes counted in ``byte_seconds`` up to the
+        deadline); returns how many (also counted)."""
         dq, dead = self._deadlines, 0
         while dq and dq[0][0] <= now:
             deadline, key = dq.popleft()
             item = self._items.get(key)
             if item is not None and item[2] == deadline:  # not rewritten since
+                self._accrue(deadline)
                 self._drop(key)
                 dead += 1
+        self._accrue(now)
         self.counters.expirations += dead
         return dead
 
+    def _accrue(self, until: float) -> None:
+        """Add the bytes held since the last call to ``byte_seconds`` (and by kind), up to ``until``."""
+        if self._since is None or until <= self._since:
+            self._since = until if self._since is None else self._since
+            return
+        dt = until - self._since
+        self.byte_seconds += self.nbytes * dt
+        for k, n in self.kind_bytes.items():
+            self.kind_byte_seconds[k] = self.kind_byte_seconds.get(k, 0.0) + n * dt
+        self._since = until
+
     def get(self, key: Hashable, now: float) -> V | None:
         """The value if ``key`` is live at ``now`` (a hit moves it to the back of the LRU order)."""
-        if self._deadlines and self._deadlines[0][0] <= now:
-            self.expire(now)
+        self.expire(now)
         c = self.counters
         c.lookups += 1
         item = self._items.get(key)
@@ -103,15 +127,13 @@ class TtlLru(Generic[V]):
         c.bytes_read += item[1]
         return item[0]
 
-    def touch(self, keys: list[Hashable], value: V, size: int, now: float) -> None:
-        """Move each held key to the back in order; `put` ``value`` (``size`` bytes) where absent. Nothing is
-        counted for the keys held (the device pool's free queue, which is not a lookup)."""
-        items = self._items
-        for key in keys:
-            if key in items:
-                items.move_to_end(key)
-            else:
-                self.put(key, value, size, now)
+    def touch(self, key: Hashable, value: V, size: int, now: float) -> None:
+        """Move ``key`` to the back if held, else `put` ``value`` (``size`` bytes). Nothing is counted for a
+        held key (the device pool's free queue, which is not a lookup)."""
+        if key in self._items:
+            self._items.move_to_end(key)
+        else:
+            self.put(key, value, size, now)
 
     def put(self, key: Hashable, value: V, size: int, now: float) -> bool:
         """Store ``value`` (``size`` bytes) under ``key`` at ``now``; False when refused (larger than the
@@ -119,8 +141,7 @@ class TtlLru(Generic[V]):
         cap = self.capacity
         if cap is not None and size > cap:
             return False
-        if self._deadlines and self._deadlines[0][0] <= now:
-            self.expire(now)
+        self.expire(now)
         items = self._items
         if key in items:
             if not self.refresh:
@@ -137,7 +158,13 @@ class TtlLru(Generic[V]):
         self.nbytes += size
         if self.kind is not None:
             k = self.kind(key)
-            self.kind_bytes[k] = self.kind_bytes.get(k, 0) + size
+            held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + size
+            self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)
+            self.kind_written[k] = self.kind_written.get(k, 0) + size
+        if self.nbytes > self.peak:
+            self.peak = self.nbytes
+            if self.kind is not None:
+                self.peak_kinds = dict(self.kind_bytes)
         self.counters.entries_written += 1
         self.counters.bytes_written += size
         return True

@@ -72,7 +72,7 @@ class Transformer(nn.Module):
             raise ValueError(f"config {cfg.name!r} is {cfg.model_type}; the model implements V4.1 only")
         self.cfg, self.exact = cfg, exact
         self.weights_digest = ""  # set by the loader: identity of weights not held in memory
-        self.load_report = None  # set by kvdiet.engine.generate.load_model: the loader's LoadReport
+        self.load_report = None  # set by kvdiet.model.build.load_model: the loader's LoadReport
         self.plan = LayerPlan.from_config(cfg)
         self.codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
         self.hasher = EngramHasher(cfg, token_map) if cfg.engram_layer_ids else None

@@ -28,13 +28,13 @@ import math
 from collections.abc import Callable
 
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, prompt_boundary
-from kvdiet.cache.keys import KeyKind, TupleKeys
+from kvdiet.cache.keys import TupleKeys
 from kvdiet.cache.plan import Provenance, RestoreWindow, WindowSource
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.records import SimConfig, SimResult
-from kvdiet.sim.size_tier import SizeTier
+from kvdiet.sim.size_tier import SizeTier, tier_bytes
 from kvdiet.sim.traces import Trace
 from kvdiet.storage.clock import ManualClock
 
@@ -62,9 +62,7 @@ class _Run:
         self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
         self.clock = ManualClock(trace.requests[0].arrival_s if trace.requests else 0.0)
-        self.device = SizeTier(
-            sc.device_bytes // g.block_bytes * g.block_bytes, None, refresh=False, clock=self.clock
-        )
+        self.device = SizeTier(sc.device_bytes, None, refresh=False, clock=self.clock)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
         self.control: ControlPlane[int] = ControlPlane(
@@ -183,7 +181,7 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self._touch(every[: adopted // bs])
+        self._touch(cached, 0, adopted // bs)
         self._at(prefill_end, lambda: self._forward(cached, plan.replay_start, n, adopted // bs))
         self._at(finish, lambda: self._forward(cached, n, last, 0, finish=True))
         return result
@@ -199,25 +197,30 @@ class _Run:
             cached,
             start,
             end,
-            block=lambda i: g.block_bytes,
+            block=g.payload_bytes,
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self._touch(cached.blocks[touch_from : -(-end // g.block_size)])
+        self._touch(cached, touch_from, -(-end // g.block_size))
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
         if finish:
             self.control.finish(cached)
 
-    def _touch(self, ids: list[int]) -> None:
-        """Make ``ids`` the most recently used device blocks, the first one last."""
-        self.device.touch(ids[::-1], self.geo.block_bytes)
+    def _touch(self, cached: CacheRequest[int], first: int, end: int) -> None:
+        """Make blocks ``[first, end)`` of a request the most recently used device blocks, the first one last."""
+        blocks = cached.blocks
+        self.device.touch([(blocks[i], self.geo.payload_bytes(i)) for i in range(end - 1, first - 1, -1)])
 
     # --- totals ---
 
     def _summary(self) -> dict[str, object]:
         g, stats, results = self.geo, self.control.stats, self.results
+        self.persistent.expire()  # byte-hours run to the last event (the last request's end)
+        self.swa.expire()
+        reqs = self.trace.requests
+        span = self.clock.now() - (reqs[0].arrival_s if reqs else 0.0)
         kinds = self.persistent.entries.kind_bytes
         t = {
             "prompt_tokens": sum(r.prompt_tokens for r in results),
@@ -254,14 +257,19 @@ class _Run:
             "prefill_flops": self.flops,
             "prefill_gpu_s": round(self.cost.seconds(self.flops), 3),
             "persistent_bytes_resident": self.persistent.nbytes,
-            "persistent_kv_bytes": kinds.get(KeyKind.BLOCK, 0),
-            "persistent_window_bytes": kinds.get(KeyKind.SNAPSHOT, 0) + kinds.get(KeyKind.WINDOW_BLOCK, 0),
+            "persistent_kv_bytes": kinds.get("kv", 0),
+            "persistent_window_bytes": kinds.get("window", 0),
             "persistent_entries": len(self.persistent),
             "persistent_evictions": self.persistent.counters.evictions,
             "persistent_expirations": self.persistent.counters.expirations,
             "swa_pool_evictions": self.swa.counters.evictions,
             "swa_pool_expirations": self.swa.counters.expirations,
-            "device_blocks": self.device.capacity // g.block_bytes if self.device.capacity else 0,
+            **tier_bytes(self.persistent, "persistent", span),
+            **tier_bytes(self.swa, "swa_pool", span),
+            "span_s": round(span, 3),
+            "device_blocks": self.device.capacity // g.block_bytes
+            if self.device.capacity
+            else 0,  # mean size
             "block_bytes": g.block_bytes,
             "snapshot_bytes": self.snapshot_bytes,
             "cost_formula": self.cost.formula,

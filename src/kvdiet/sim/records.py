@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from kvdiet.cache.plan import Provenance
 from kvdiet.cache.policies import BoundedReplay, SwaPolicy
-from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig, load_config
 from kvdiet.sim.cost import check_gpu
 
@@ -55,8 +54,10 @@ class SimConfig:
         """Load and check the config against a trace's block size; returns the config.
 
         Raises:
-            ValueError: a non-positive size or TTL, a block size the compress ratios do not divide, a
-                checkpoint period that is not a multiple of the block size, or a dense config.
+            ValueError: a non-positive size or TTL, a checkpoint period that is not a multiple of the block
+                size, or a dense config. A block size a compress ratio does not divide is fine here: an
+                entry spanning two blocks counts in the block where its group completes
+                (`kvdiet.cache.control.Geometry.from_config`).
         """
         if self.device_bytes <= 0 or self.swa_pool_bytes <= 0:
             raise ValueError("device and SWA-pool sizes must be > 0 bytes")
@@ -70,8 +71,6 @@ class SimConfig:
         cfg = load_config(self.model)
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"{self.model}: the trace study needs a V4-family config (window and tiers)")
-        for s in CacheSpec.from_config(cfg).compressed:
-            s.page_bytes(block_size)  # raises on a block size that splits a compression group
         k = self.policy.checkpoint_every
         if k is not None and k % block_size:
             raise ValueError(

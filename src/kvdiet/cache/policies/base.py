@@ -120,8 +120,9 @@ class SwaPolicy:
         """Tokens recomputed to rebuild the window state at a hit of ``hit_tokens`` when nothing closer is
         stored (worst case: a checkpoint just missed, a miss of the SWA pool).
 
-        bounded-replay: W (v41-spec §7.2); checkpoint:K: up to K−1 (never more than exact-recompute); exact-recompute: the receptive field of
-        L window layers, W + (L−1)(W−1) (vLLM PR #57281); stored-snapshot policies: 0 at their boundaries.
+        bounded-replay: W (v41-spec §7.2); checkpoint:K: up to K−1 (never more than exact-recompute);
+        exact-recompute: the receptive field of L window layers, W + (L−1)(W−1) (vLLM PR #57281);
+        stored-snapshot policies: 0 at their boundaries.
         """
         if not spec.windows:
             return 0
