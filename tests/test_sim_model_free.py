@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdiet.cache.policies import parse_policy
+from kvdiet.cache.control import Geometry
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.sim.cost import CostModel, _sum_min_floor
@@ -170,6 +171,61 @@ def test_exact_recompute_and_checkpoints_recompute_what_the_manager_plans() -> N
     assert (exact.hit_tokens, exact.replayed_tokens) == (9728, 9728 - 4646)
     ckpt = simulate(trace, SimConfig(policy=parse_policy("checkpoint:4096"))).requests[1]
     assert (ckpt.window_source, ckpt.replayed_tokens) == ("persistent", 9728 - 8192)
+
+
+def test_checkpoints_longer_than_the_receptive_field_replay_from_the_exact_start() -> None:
+    ids = tuple(range(1, 31))
+    trace = Trace([req(0, 30 * 512, ids), req(30, 30 * 512, ids)], 512)  # H = 29 blocks = 14,848
+    exact = simulate(trace, SimConfig(policy=parse_policy("exact-recompute"))).requests[1]
+    assert exact.replayed_tokens == 14848 - 9766  # 14,848 − 5,081 = 9,767 → 9,766
+    # checkpoint:7680: C = 7,680 is before the exact start: recompute from 9,766, not 7,168 tokens from C
+    late = simulate(trace, SimConfig(policy=parse_policy("checkpoint:7680"))).requests[1]
+    assert (late.window_source, late.replayed_tokens) == ("replay", 14848 - 9766)
+    # checkpoint:14336: C = 14,336 is past it: restore C and recompute 512
+    near = simulate(trace, SimConfig(policy=parse_policy("checkpoint:14336"))).requests[1]
+    assert (near.window_source, near.replayed_tokens) == ("persistent", 512)
+
+
+def test_peak_written_and_byte_hours_are_exact_when_entries_expire_before_the_end() -> None:
+    # three 1,100-token prompts with their own blocks: A at 0 s, B at 10 s, C at 1,000 s; persistent TTL 100 s
+    trace = Trace([req(0, 1100, (1, 2, 3)), req(10, 1100, (4, 5, 6)), req(1000, 1100, (7, 8, 9))], 512)
+    cfg = SimConfig(persistent_ttl_s=100, swa_pool_ttl_s=300, output_tok_s=1e12, samples=2)
+    s = simulate(trace, cfg).summary
+    # each writes 2 blocks and one pool snapshot (at 1,024); A's and B's blocks overlap (10 … 100 s)
+    assert s["persistent_bytes_peak"] == 4 * BLOCK_BYTES
+    assert s["persistent_bytes_written"] == 6 * BLOCK_BYTES
+    assert s["persistent_bytes_end"] == s["persistent_bytes_resident"] == 2 * BLOCK_BYTES
+    # A's and B's blocks live exactly 100 s each; C's only until the end of the trace (its own prefill, ms)
+    assert s["persistent_byte_hours"] == pytest.approx(4 * BLOCK_BYTES * 100 / 3600, rel=1e-3)
+    # the pool holds A's and B's snapshots together (10 … 300 s); sampled at 0 and 1,000 s it never shows 2
+    assert s["swa_pool_bytes_peak"] == 2 * SNAPSHOT and s["swa_pool_bytes_end"] == SNAPSHOT
+    assert s["swa_pool_byte_hours"] == pytest.approx(2 * SNAPSHOT * 300 / 3600, rel=1e-3)
+    assert max(simulate(trace, cfg).series["swa_pool_bytes"]) < s["swa_pool_bytes_peak"]
+
+
+def test_the_window_share_is_read_at_the_persistent_peak() -> None:
+    spec = CacheSpec.from_config(load_config("deepseek-v4-flash"))
+    block, snap = spec.global_bytes(512), spec.window_bytes_per_request
+    trace = Trace([req(0, 1100, (1, 2, 3)), req(10, 1100, (4, 5, 6)), req(1000, 1100, (7, 8, 9))], 512)
+    cfg = SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot"), persistent_ttl_s=100)
+    s = simulate(trace, cfg).summary
+    assert s["persistent_bytes_peak"] == 4 * block + 2 * snap
+    assert s["persistent_window_share_at_peak"] == round(2 * snap / (4 * block + 2 * snap), 4)
+    assert s["persistent_window_bytes_written"] == 3 * snap and s["persistent_kv_bytes_written"] == 6 * block
+
+
+def test_v4_flash_runs_at_64_token_blocks_with_hca_entries_spanning_two_blocks() -> None:
+    cfg = load_config("deepseek-v4-flash")
+    spec = CacheSpec.from_config(cfg)
+    g = Geometry.from_config(cfg, 64)
+    assert g.block_cycle == (spec.global_bytes(64), spec.global_bytes(128) - spec.global_bytes(64))
+    assert g.block_cycle[1] > g.block_cycle[0]  # the ratio-128 entries complete in every second block
+    assert Geometry.from_config(load_config("deepseek-v4.1-flash"), 64).block_cycle == ()
+    trace = Trace([req(0, 200, (1, 2, 3)), req(30, 200, (1, 2, 3))], 64)
+    res = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot")))
+    # 3 full blocks written once: block 0 and 2 hold no HCA entry, block 1 holds one
+    assert res.summary["persistent_kv_bytes_written"] == spec.global_bytes(192)
+    assert res.requests[1].hit_tokens == 192 and res.requests[1].window_source == "persistent"
 
 
 def test_the_same_trace_and_config_give_identical_results() -> None:
