@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.control import Geometry
+from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.sim.cost import CostModel, _sum_min_floor
