@@ -228,6 +228,22 @@ def test_v4_flash_runs_at_64_token_blocks_with_hca_entries_spanning_two_blocks()
     assert res.requests[1].hit_tokens == 192 and res.requests[1].window_source == "persistent"
 
 
+def test_figures_split_by_context_regime_add_up_by_hand() -> None:
+    long_ids = tuple(range(100, 179))  # 79 ids for 40,000 tokens (78 full blocks + a partial one)
+    trace = Trace([req(0, 1100, (1, 2, 3)), req(10, 1100, (1, 2, 3)), req(20, 40_000, long_ids)], 512)
+    s = simulate(trace, SimConfig()).summary
+    assert "by_kind" not in s and "by_session" not in s  # the trace names neither
+    short, mid = s["by_regime"]["≤32K"], s["by_regime"]["32K-200K"]
+    assert list(s["by_regime"]) == ["≤32K", "32K-200K"]
+    assert (short["requests"], short["prompt_tokens"], short["hit_tokens"]) == (2, 2200, 1024)
+    assert (short["restores"], short["replays"], short["recomputed_tokens"]) == (1, 0, 1100 + 76)
+    # the repeat restored its state at 1,024 and wrote nothing new: A's 2 blocks and 1 snapshot only
+    assert (short["persistent_bytes_written"], short["swa_pool_bytes_written"]) == (2 * BLOCK_BYTES, SNAPSHOT)
+    assert (mid["requests"], mid["hit_tokens"], mid["recomputed_tokens"]) == (1, 0, 40_000)
+    assert (mid["persistent_bytes_written"], mid["swa_pool_bytes_written"]) == (78 * BLOCK_BYTES, SNAPSHOT)
+    assert short["hit_ratio"] == round(1024 / 2200, 6)
+
+
 def test_the_same_trace_and_config_give_identical_results() -> None:
     rng = random.Random(7)
     reqs = []

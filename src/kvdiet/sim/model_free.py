@@ -32,6 +32,7 @@ from kvdiet.cache.keys import TupleKeys
 from kvdiet.cache.plan import Provenance, RestoreWindow, WindowSource
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
+from kvdiet.sim.breakdown import Breakdown
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.size_tier import SizeTier, tier_bytes
@@ -85,6 +86,7 @@ class _Run:
         self.hits = 0  # requests with any global-KV hit
         self.ages: list[float] = []
         self.results: list[Provenance] = []
+        self.breakdown = Breakdown()
 
     # --- driver ---
 
@@ -164,6 +166,8 @@ class _Run:
         plan, window = control.plan(cached, d + loaded)
         result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
         self.results.append(result)
+        groups = Breakdown.keys(n, getattr(req, "kind", None), getattr(req, "session", None))
+        self.breakdown.add_request(groups, result)
 
         hit, adopted = (d + loaded) * bs, plan.hit_tokens
         self.lookup_tokens += usable * bs
@@ -182,17 +186,25 @@ class _Run:
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
         self._touch(cached, 0, adopted // bs)
-        self._at(prefill_end, lambda: self._forward(cached, plan.replay_start, n, adopted // bs))
-        self._at(finish, lambda: self._forward(cached, n, last, 0, finish=True))
+        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, adopted // bs))
+        self._at(finish, lambda: self._forward(cached, groups, n, last, 0, finish=True))
         return result
 
     def _forward(
-        self, cached: CacheRequest[int], start: int, end: int, touch_from: int, *, finish: bool = False
+        self,
+        cached: CacheRequest[int],
+        groups: tuple[tuple[str, str], ...],
+        start: int,
+        end: int,
+        touch_from: int,
+        *,
+        finish: bool = False,
     ) -> None:
         """The forward over ``[start, end)`` is done: the control plane writes and captures (sizes for
         payloads); the request's blocks from ``touch_from`` to the last one it holds go to the back of the
         device pool's LRU order; the boundary reached is recorded (for ``boundary_hits``)."""
         g = self.geo
+        written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
         self.control.after_forward(
             cached,
             start,
@@ -207,6 +219,11 @@ class _Run:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
         if finish:
             self.control.finish(cached)
+        self.breakdown.add_bytes(
+            groups,
+            self.persistent.counters.bytes_written - written[0],
+            self.swa.counters.bytes_written - written[1],
+        )
 
     def _touch(self, cached: CacheRequest[int], first: int, end: int) -> None:
         """Make blocks ``[first, end)`` of a request the most recently used device blocks, the first one last."""
@@ -273,6 +290,7 @@ class _Run:
             "block_bytes": g.block_bytes,
             "snapshot_bytes": self.snapshot_bytes,
             "cost_formula": self.cost.formula,
+            **self.breakdown.as_dict(),
         }
 
 
