@@ -34,7 +34,8 @@ from rich.table import Table
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.study import DEFAULT_RUNS, DEFAULT_TTL_SWEEP, parse_run, parse_sweep, run_study
-from kvdiet.sim.traces import infinite_cache_hit_ratio, read_trace
+from kvdiet.sim.trace_stats import infinite_cache_hit_ratio
+from kvdiet.sim.traces import read_trace
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"

@@ -71,6 +71,87 @@ def test_model_free_json_is_deterministic_and_the_report_is_written(tmp_path: Pa
         assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "report.md").read_text()
     assert "## Policy comparison" in md and "GPU-seconds = FLOPs / (H200" in md and "## Findings" in md
+    assert "{" not in md and "| input_tokens: total | " in md  # nested figures as rows, no raw dicts
+    assert "persistent unbounded TTL 72 h" in md and "SWA pool 200.00 GB TTL 5 min" in md
+    # global KV only, written at the same times, under exact-recompute and both checkpoints: one line, noted
+    assert (
+        "Identical lines, each drawn once: checkpoint:4096 @ deepseek-v4.1-flash = checkpoint:16384 @ "
+        "deepseek-v4.1-flash = exact-recompute @ deepseek-v4.1-flash." in md
+    )
+
+
+def test_json_is_strict_and_non_finite_numbers_become_null(tmp_path: Path, capsys) -> None:
+    from kvdiet.sim.command import _finite
+
+    assert _finite({"a": [1.5, float("nan")], "b": {"c": float("inf")}, "d": "x"}) == {
+        "a": [1.5, None],
+        "b": {"c": None},
+        "d": "x",
+    }
+    assert main(["replay", str(_trace(tmp_path / "t.jsonl", n=5)), "--mode", "stats", "--json"]) == 0
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in --json output")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse)["trace"]["requests"] == 5
+
+
+def test_a_failed_run_creates_no_report_dir_and_most_lines_skipped_exits_2(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "t.jsonl"
+    good = {"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}
+    path.write_text("\n".join([json.dumps(good), "{broken", '{"timestamp": Infinity}']) + "\n")
+    out = tmp_path / "out"
+    assert main(["replay", str(path), "--report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvdiet replay: error: {path}: 2 of 3 lines malformed, so the trace is refused")
+    assert "line 2: " in err and "line 3: " in err and err.count("\n") == 1
+    assert not out.exists()
+    (tmp_path / "file").write_text("")
+    assert main(["replay", str(path), "--report", str(tmp_path / "file" / "out")]) == 2
+    assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_the_engine_table_keeps_its_chosen_columns() -> None:
+    from kvdiet.sim.report import ENGINE_COLUMNS, engine_row
+
+    summary = {
+        "model": "v4.1-mini",
+        "policy": "bounded-replay",
+        "requests": 3,
+        "device_hit_ratio": 0.25,
+        "persistent_hit_ratio": 0.5,
+        "window_sources": {"swa-pool": 1, "none": 2},
+        "replayed_tokens": 1280,
+        "computed_tokens": 40,
+        "ttft_p50_s": 1.23456,
+        "ttft_p90_s": None,
+        "model_free_agreeing": 3,
+    }
+    assert list(engine_row(summary).values()) == [
+        "bounded-replay",
+        "3",
+        "25.0%",
+        "50.0%",
+        "swa-pool: 1, none: 2",
+        "1,280",
+        "40",
+        "1.235 s",
+        "-",
+        "3",
+    ]
+    assert len(ENGINE_COLUMNS) == 10
+
+
+def test_empty_hit_windows_are_gaps_and_identical_lines_are_grouped() -> None:
+    import math
+
+    from kvdiet.sim.report import hit_gaps, identical_lines
+
+    # buckets end at 0, 10, 20, 30 s; arrivals at 0, 5, 25 s: the bucket (10, 20] is empty
+    gaps = hit_gaps([0.5, 0.0, 0.0, 1.0], [0.0, 10.0, 20.0, 30.0], [25.0, 0.0, 5.0])
+    assert gaps[:2] == [0.5, 0.0] and math.isnan(gaps[2]) and gaps[3] == 1.0
+    groups = identical_lines([("a", [1, 2]), ("b", [1, 3]), ("c", [1, 2])])
+    assert groups == [(["a", "c"], [1, 2]), (["b"], [1, 3])]
 
 
 def test_the_table_is_printed(tmp_path: Path, capsys) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.sim.traces import TraceError, hit_ratio_variants, infinite_cache_hit_ratio, read_trace
+from kvdiet.sim.trace_stats import hit_ratio_variants, infinite_cache_hit_ratio
+from kvdiet.sim.traces import TraceError, read_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -51,11 +52,11 @@ def test_malformed_lines_are_reported_with_their_numbers(tmp_path: Path) -> None
         {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1]},
         {"timestamp": 2, "input_length": 10, "output_length": -1, "hash_ids": [1]},
         {"timestamp": 3, "input_length": 10, "output_length": 1, "hash_ids": [True]},
-        MOONCAKE[1],
+        *[MOONCAKE[1]] * 5,
     ]
     path = _write_jsonl(tmp_path / "bad.jsonl", rows)
     trace = read_trace(path)
-    assert [r.line for r in trace.requests] == [1, 6]
+    assert [r.line for r in trace.requests] == [1, 6, 7, 8, 9, 10]
     assert [e.split(": ", 1)[0] for e in trace.errors] == [f"{path}:{n}" for n in (2, 3, 4, 5)]
     assert "1 hash_ids for input_length 1024: expected ceil(1024 / 512) = 2" in trace.errors[1]
     assert "output_length must be an integer >= 0, got -1" in trace.errors[2]
@@ -130,5 +131,102 @@ def test_kvdiet_replay_reports_the_trace(tmp_path: Path, capsys) -> None:
         "mean_per_request": round((512 / 600 + 1024 / 1500) / 3, 4),
     }
     assert f"skipped {path}:4: " in err
-    assert main(["replay", str(path), "--strict"]) == 2
-    assert f"kvdiet replay: error: {path}:4: " in capsys.readouterr().err
+    assert (
+        "warning: timestamps go backwards: 1 of 3 requests arrive" in err
+        and stats["out_of_order_requests"] == 1
+    )
+    assert main(["replay", str(path), "--strict"]) == 2  # line 3 (0.5 s) follows line 2 (1 s)
+    assert f"kvdiet replay: error: {path}:3: arrives at 0.5 s, before line 2 (1 s)" in capsys.readouterr().err
+
+
+def _generic(tmp_path: Path, rows: list, name: str = "g.jsonl") -> Path:
+    return _write_jsonl(tmp_path / name, [{"format": "kvdiet-trace", "version": 1, "block_size": 16}, *rows])
+
+
+def test_one_id_per_full_block_is_read_and_the_partial_block_never_hits(tmp_path: Path) -> None:
+    rows = [
+        {"arrival_s": 0, "input_length": 40, "output_length": 1, "hash_ids": [7, 8]},  # 40 // 16 = 2 ids
+        {"arrival_s": 1, "input_length": 50, "output_length": 1, "hash_ids": [7, 8, 9]},  # 50 // 16 = 3
+        {"arrival_s": 2, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 9]},  # no partial block
+    ]
+    trace = read_trace(_generic(tmp_path, rows))
+    assert trace.full_blocks_only is True and not trace.errors
+    # each partial last block gets a fresh id above the trace's largest (9): 10, then 11
+    assert [r.hash_ids for r in trace.requests] == [(7, 8, 10), (7, 8, 9, 11), (7, 8, 9)]
+    # by hand: blocks 3 + 4 + 3 = 10; hits 0, then 7 and 8 (2), then 7, 8, 9 (3): 5 of 10
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(5 / 10)
+    # a later line that names its partial block breaks the trace's convention: skipped, naming line 2
+    mixed = read_trace(_generic(tmp_path, [*rows, *rows[:2], rows[0] | {"hash_ids": [7, 8, 12]}], "m.jsonl"))
+    assert len(mixed) == 5 and len(mixed.errors) == 1
+    assert (
+        "3 hash_ids for input_length 40: expected 40 // 16 = 2 (one id per full block, as line 2)"
+        in (mixed.errors[0])
+    )
+    assert read_trace(_write_jsonl(tmp_path / "c.jsonl", MOONCAKE)).full_blocks_only is False
+
+
+def test_a_trace_most_of_whose_lines_are_malformed_is_refused_with_a_summary(tmp_path: Path) -> None:
+    rows = [MOONCAKE[0], *[{"timestamp": 1, "input_length": 1500, "output_length": 1, "hash_ids": [1]}] * 2]
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(TraceError) as err:
+        read_trace(path)
+    assert str(err.value).startswith(f"{path}: 2 of 3 lines malformed, so the trace is refused; the first: ")
+    assert "line 2: 1 hash_ids for input_length 1500: expected ceil(1500 / 512) = 3, or 1500 // 512 = 2" in (
+        str(err.value)
+    )
+    assert "line 3: " in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ('{"arrival_s": Infinity, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got inf"),
+        ('{"arrival_s": NaN, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got nan"),
+        ('{"arrival_s": 1, "input_length": 16.5, "output_length": 1, "hash_ids": [1]}', "whole number"),
+        ('{"arrival_s": 1, "input_length": Infinity, "output_length": 1, "hash_ids": [1]}', "whole number"),
+        (
+            '{"timestamp": 1, "input_length": 16, "output_length": 1, "hash_ids": [1]}',
+            "no arrival_s (a generic",
+        ),
+    ],
+)
+def test_non_finite_times_and_fractional_lengths_are_refused_by_line(
+    tmp_path: Path, row: str, message: str
+) -> None:
+    ok = {"arrival_s": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}
+    path = _generic(tmp_path, [ok, row, ok])
+    trace = read_trace(path)
+    assert len(trace) == 2 and len(trace.errors) == 1 and trace.errors[0].startswith(f"{path}:3: ")
+    assert message in trace.errors[0]
+    with pytest.raises(TraceError, match=rf"{path}:3: "):
+        read_trace(path, strict=True)
+
+
+def test_an_integral_float_length_is_a_length(tmp_path: Path) -> None:
+    row = {"timestamp": 0, "input_length": 99266.0, "output_length": 5.0, "hash_ids": list(range(194))}
+    (r,) = read_trace(_write_jsonl(tmp_path / "t.jsonl", [row])).requests
+    assert (r.input_tokens, r.output_tokens) == (99266, 5) and len(r.hash_ids) == 194  # ceil(99266 / 512)
+
+
+def test_timestamps_going_backwards_are_counted_and_resorted(tmp_path: Path) -> None:
+    times = [0, 3000, 1000, 2000, 4000]  # lines 3 and 4 arrive before line 2's 3 s
+    rows = [{"timestamp": t, "input_length": 512, "output_length": 1, "hash_ids": [1]} for t in times]
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    trace = read_trace(path)
+    assert trace.out_of_order == 2 and [r.line for r in trace.requests] == [1, 3, 4, 2, 5]
+    with pytest.raises(TraceError, match=rf"{path}:3: arrives at 1 s, before line 2 \(3 s\)"):
+        read_trace(path, strict=True)
+
+
+def test_the_shape_of_the_first_record_names_the_expected_format(tmp_path: Path) -> None:
+    generic_line = {"arrival_s": 0, "input_length": 16, "output_length": 1, "hash_ids": [1]}
+    with pytest.raises(TraceError, match=r"generic kvdiet trace line .arrival_s. but no header"):
+        read_trace(_write_jsonl(tmp_path / "a.jsonl", [generic_line]))
+    session = {"id": "s", "block_size": 64, "requests": []}
+    with pytest.raises(TraceError, match=r"agentic session file .* --format agentic-sessions"):
+        read_trace(_write_jsonl(tmp_path / "s.json", [session]))
+    with pytest.raises(TraceError, match=r"not a known trace: .*the first record has prompt, t"):
+        read_trace(_write_jsonl(tmp_path / "x.jsonl", [{"t": 0, "prompt": "hi"}]))
+    # named explicitly as Mooncake, each line says which fields a Mooncake line has
+    with pytest.raises(TraceError, match=r"no timestamp .a Mooncake line has timestamp, input_length"):
+        read_trace(tmp_path / "a.jsonl", format="mooncake", strict=True)

@@ -22,3 +22,16 @@ def test_parse() -> None:
 def test_parse_rejects(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_count(bad)
+
+
+def test_format_duration_uses_human_units() -> None:
+    from kvdiet.units import format_duration
+
+    assert [format_duration(s) for s in (259200, 300, 90, 30, 0.25, 0)] == [
+        "72 h",
+        "5 min",
+        "1.5 min",
+        "30 s",
+        "250 ms",
+        "0 s",
+    ]

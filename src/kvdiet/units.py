@@ -7,9 +7,10 @@ are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prin
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["format_bytes", "format_count", "parse_bytes", "parse_count", "parse_duration"]
+__all__ = ["format_bytes", "format_count", "format_duration", "parse_bytes", "parse_count", "parse_duration"]
 
 _MULT = {
     "": 1,
@@ -90,6 +91,23 @@ def format_bytes(num: float) -> str:
         if abs(num) >= scale:
             return f"{num / scale:.2f} {unit}"
     return f"{num:g} B"
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds in the largest unit of ms, s, min, h that keeps the number >= 1: ``259200`` → ``'72 h'``,
+    ``300`` → ``'5 min'``, ``90`` → ``'1.5 min'``, ``30`` → ``'30 s'``, ``0.25`` → ``'250 ms'`` (at most
+    two decimals; the inverse of `parse_duration` up to rounding). A non-finite value prints as ``'inf s'``.
+    """
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
+    for unit, scale in (("h", 3600.0), ("min", 60.0), ("s", 1.0)):
+        if abs(seconds) >= scale:
+            return f"{_short(seconds / scale)} {unit}"
+    return f"{_short(seconds * 1e3)} ms" if seconds else "0 s"
+
+
+def _short(value: float) -> str:
+    return f"{value:,.2f}".rstrip("0").rstrip(".")
 
 
 def format_count(num: int) -> str:

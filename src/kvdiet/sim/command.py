@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -61,7 +63,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "generic JSONL, otherwise Mooncake)",
     )
     rep.add_argument(
-        "--strict", action="store_true", help="stop at the first malformed line (default: skip it)"
+        "--strict",
+        action="store_true",
+        help="stop at the first malformed line or timestamp going backwards (default: skip the line; "
+        "re-sort the requests with a warning)",
     )
     rep.add_argument(
         "--mode", default="model-free", choices=["model-free", "engine", "stats"], help="default model-free"
@@ -118,11 +123,16 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run_replay(args: argparse.Namespace, console: Console) -> None:
     """Run ``kvdiet replay`` with parsed ``args``.
 
+    The report directory is created only once the runs have succeeded; ``--json`` prints strict JSON
+    (a non-finite number becomes null).
+
     Raises:
-        ValueError: a bad flag value or trace line (strict), before any simulation.
+        ValueError: a bad flag value, a trace line (strict) or timestamp going backwards (strict), a trace
+            most of whose lines are malformed, before any simulation.
         OSError: the trace or the report directory.
     """
-    from kvdiet.sim.traces import read_trace, trace_stats
+    from kvdiet.sim.trace_stats import trace_stats
+    from kvdiet.sim.traces import read_trace
 
     jobs = _plan(args)  # flags checked before the trace is read
     trace = read_trace(args.trace, format=args.format, strict=args.strict)
@@ -130,6 +140,12 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
         print(f"kvdiet replay: skipped {line}", file=sys.stderr)
     if len(trace.errors) > 10:
         print(f"kvdiet replay: skipped {len(trace.errors) - 10} more lines", file=sys.stderr)
+    if trace.out_of_order:
+        print(
+            f"kvdiet replay: warning: timestamps go backwards: {trace.out_of_order:,} of {len(trace):,} "
+            "requests arrive before an earlier line's; re-sorted by arrival (--strict refuses)",
+            file=sys.stderr,
+        )
     if not trace.requests:
         raise ValueError(f"{args.trace}: no requests")
     stats = trace_stats(trace)
@@ -152,13 +168,14 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
             study=study,
             facts=facts,
             engine=engine,
+            arrivals_s=[r.arrival_s for r in trace.requests],
             command="kvdiet replay " + " ".join(shlex.quote(a) for a in sys.argv[2:])
             if sys.argv[1:2] == ["replay"]
             else "",
         )
         out["report"] = str(path)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(_finite(out), allow_nan=False))
         return
     _print(out, study, engine, console)
 
@@ -173,9 +190,7 @@ def _plan(args: argparse.Namespace):
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.report:
-        if Path(args.report).exists() and not Path(args.report).is_dir():
-            raise ValueError(f"--report {args.report}: exists and is not a directory")
-        Path(args.report).mkdir(parents=True, exist_ok=True)  # an OSError here, before any run
+        _check_report_dir(Path(args.report))
     from kvdiet.sim.study import DEFAULT_RUNS
 
     if args.runs is None:
@@ -235,6 +250,27 @@ def _plan(args: argparse.Namespace):
     return runs, sweeps
 
 
+def _check_report_dir(path: Path) -> None:
+    """Refuse, before any run, a report path that is a file or under no writable directory; creates nothing
+    (the report writer creates it once the runs succeed)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--report {path}: exists and is not a directory")
+    parent = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--report {path}: {parent} is not a writable directory")
+
+
+def _finite(value: object) -> object:
+    """``value`` with every NaN or infinite float replaced by None (strict JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _progress(console: Console, total: int, what: str) -> Progress:
     return Progress(
         TextColumn(f"[bold]{what}"),
@@ -286,8 +322,10 @@ def _print(out: dict, study, engine, console: Console) -> None:
     for key, value in stats.items():
         if isinstance(value, dict):
             text = ", ".join(f"{k} {v:,}" for k, v in value.items())
+        elif isinstance(value, bool | str):
+            text = str(value).lower()
         else:
-            text = str(value).lower() if isinstance(value, bool) else f"{value:,}"
+            text = f"{value:,}"
         console.print(f"{key:34s} {text}", markup=False, highlight=False, soft_wrap=True)
     if study is not None:
         from kvdiet.sim.report import comparison_rows
@@ -334,12 +372,13 @@ def _print(out: dict, study, engine, console: Console) -> None:
         for key, value in facts.items():
             console.print(f"{key:34s} {json.dumps(value)}", markup=False, highlight=False, soft_wrap=True)
     if engine:
-        table = Table(title="engine mode", title_justify="left")
-        rows = [e.summary() for e in engine]
-        for col in rows[0]:
-            table.add_column(col, justify="right")
-        for row in rows:
-            table.add_row(*(json.dumps(v) if isinstance(v, dict) else str(v) for v in row.values()))
+        from kvdiet.sim.report import ENGINE_COLUMNS, engine_row
+
+        table = Table(title="engine mode (--json or --report for every column)", title_justify="left")
+        for col in ENGINE_COLUMNS:
+            table.add_column(col, justify="left" if col in ("policy", "window sources") else "right")
+        for e in engine:
+            table.add_row(*engine_row(e.summary()).values())
         console.print(table)
     if "report" in out:
         console.print(f"wrote {out['report']}", markup=False, highlight=False)

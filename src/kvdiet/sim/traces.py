@@ -13,18 +13,27 @@ Formats (``format="auto"`` picks by the file: ``.csv`` → Azure; a first line w
 - **Azure** LLM inference 2023 (``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps with 100-ns digits):
   no prefix information, so every prompt is unique (``hash_ids`` is None).
 
+Both id conventions are read: one id per block, the partial last block included (``ceil``, Mooncake's), or
+one id per *full* block (``input_length // B``; the partial last block has none), decided per trace by its
+first request with a partial block; the reader gives each unnamed partial block a fresh id (never seen
+elsewhere in the trace, so it never hits), so every `TraceRequest` holds ``ceil`` ids. Lengths may be
+integral floats (``99266.0``); times must be finite.
+
 A malformed line is reported with its line number: ``strict=True`` raises `TraceError` at the first one;
-otherwise it is skipped, counted in `Trace.errors`, and reading goes on. This module knows nothing of
-models or caches.
+otherwise it is skipped, counted in `Trace.errors`, and reading goes on — unless most lines are skipped,
+which raises `TraceError` with a summary. Timestamps going backwards are re-sorted and counted
+(`Trace.out_of_order`); ``strict=True`` refuses them. This module knows nothing of models or caches.
 """
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 import json
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 __all__ = [
@@ -32,8 +41,6 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceRequest",
-    "hit_ratio_variants",
-    "infinite_cache_hit_ratio",
     "read_trace",
 ]
 
@@ -54,7 +61,8 @@ class TraceRequest:
     Attributes:
         arrival_s: seconds since the trace's first request.
         input_tokens / output_tokens: prompt and output lengths (tokens).
-        hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them), or None (unique prompt).
+        hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them; a partial last block the
+            trace left unnamed has a fresh id), or None (unique prompt).
         line: the line it came from (1-based).
     """
 
@@ -67,11 +75,19 @@ class TraceRequest:
 
 @dataclass(slots=True)
 class Trace:
-    """A read trace: requests in arrival order, the block size of their ``hash_ids``, and skipped lines."""
+    """A read trace: requests in arrival order, the block size of their ``hash_ids``, and skipped lines.
+
+    Attributes:
+        full_blocks_only: True when the file named full blocks only (the reader named each partial last
+            block), False when it named partial blocks too, None when no request had a partial block.
+        out_of_order: requests that arrive before an earlier line's (re-sorted).
+    """
 
     requests: list[TraceRequest]
     block_size: int
     errors: list[str] = field(default_factory=list)
+    full_blocks_only: bool | None = None
+    out_of_order: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -81,7 +97,10 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
     """Read a trace file (see the module docstring).
 
     Raises:
-        TraceError: ``strict`` and a malformed line; an unknown format; a generic file without its header.
+        TraceError: an unknown format; a first record of another shape than the format's (a generic line
+            without its header, an agentic session file); a generic file without its header; ``strict`` and
+            a malformed line or a timestamp going backwards; more lines malformed than read (a summary of
+            the first reasons with their line numbers).
         OSError: the file cannot be read.
     """
     path = Path(path)
@@ -90,118 +109,55 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
     if format == "auto":
         format = _detect(path)
     if format == "azure":
-        requests, errors = _collect(_azure(path), strict)
-        return Trace(requests, MOONCAKE_BLOCK_SIZE, errors)
-    generic = format == "jsonl"
-    block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
-    lines = _lines(path, skip_header=generic)
-    requests, errors = _collect(_jsonl(path, lines, block_size, generic=generic), strict)
-    return Trace(requests, block_size, errors)
-
-
-def infinite_cache_hit_ratio(trace: Trace) -> float:
-    """Share of all ``hash_ids`` blocks found by contiguous-prefix matching in a cache that never forgets:
-    each request hits its leading blocks up to the first one no earlier request had (chained ids make
-    "seen before" mean "same prefix"). Requests without ``hash_ids`` count their blocks as misses."""
-    seen: set[int] = set()
-    hits = total = 0
-    for r in trace.requests:
-        if r.hash_ids is None:
-            total += -(-r.input_tokens // trace.block_size)
-            continue
-        total += len(r.hash_ids)
-        matching = True
-        for h in r.hash_ids:
-            if matching and h in seen:
-                hits += 1
-            else:
-                matching = False
-            seen.add(h)
-    return hits / total if total else 0.0
-
-
-def hit_ratio_variants(trace: Trace) -> dict[str, float]:
-    """The infinite-cache hit ratio counted four ways (papers rarely say which they report):
-
-    - ``blocks``: hit blocks / all blocks (`infinite_cache_hit_ratio`);
-    - ``tokens``: hit tokens / prompt tokens (a hit partial last block counts its tokens);
-    - ``full_blocks``: hit blocks / full blocks (partial last blocks left out of both);
-    - ``mean_per_request``: the mean over requests of hit tokens / prompt tokens.
-    Contiguous-prefix matching as in `infinite_cache_hit_ratio`; requests without ids hit nothing.
-    """
-    seen: set[int] = set()
-    bs = trace.block_size
-    hit_blocks = blocks = hit_tokens = tokens = hit_full = full = 0
-    per_request = 0.0
-    for r in trace.requests:
-        n = r.input_tokens
-        ids = r.hash_ids if r.hash_ids is not None else ()
-        k = 0
-        while k < len(ids) and ids[k] in seen:
-            k += 1
-        seen.update(ids)
-        nblocks = -(-n // bs)
-        hit = min(k * bs, n)
-        hit_blocks, blocks = hit_blocks + k, blocks + nblocks
-        hit_tokens, tokens = hit_tokens + hit, tokens + n
-        hit_full, full = hit_full + min(k, n // bs), full + n // bs
-        per_request += hit / n if n else 0.0
-    reqs = len(trace.requests)
-    return {
-        "blocks": round(hit_blocks / blocks, 4) if blocks else 0.0,
-        "tokens": round(hit_tokens / tokens, 4) if tokens else 0.0,
-        "full_blocks": round(hit_full / full, 4) if full else 0.0,
-        "mean_per_request": round(per_request / reqs, 4) if reqs else 0.0,
-    }
-
-
-def trace_stats(trace: Trace) -> dict[str, object]:
-    """Summary of a trace: requests, duration (s), prompt and output tokens (total, mean, p50, p99),
-    blocks, the infinite-cache block hit ratio, and skipped lines."""
-    reqs = trace.requests
-    inputs = sorted(r.input_tokens for r in reqs)
-    outputs = sorted(r.output_tokens for r in reqs)
-
-    def pct(values: list[int], q: float) -> int:
-        return values[min(len(values) - 1, int(q * len(values)))] if values else 0
-
-    return {
-        "requests": len(reqs),
-        "duration_s": round(reqs[-1].arrival_s - reqs[0].arrival_s, 3) if reqs else 0.0,
-        "block_size": trace.block_size,
-        "has_prefix_ids": any(r.hash_ids is not None for r in reqs),
-        "input_tokens": {
-            "total": sum(inputs),
-            "mean": round(sum(inputs) / len(inputs), 1) if inputs else 0.0,
-            "p50": pct(inputs, 0.5),
-            "p99": pct(inputs, 0.99),
-        },
-        "output_tokens": {
-            "total": sum(outputs),
-            "mean": round(sum(outputs) / len(outputs), 1) if outputs else 0.0,
-            "p50": pct(outputs, 0.5),
-            "p99": pct(outputs, 0.99),
-        },
-        "blocks": sum(-(-r.input_tokens // trace.block_size) for r in reqs),
-        "infinite_cache_block_hit_ratio": round(infinite_cache_hit_ratio(trace), 4),
-        "infinite_cache_hit_ratio_variants": hit_ratio_variants(trace),
-        "skipped_lines": len(trace.errors),
-    }
+        block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
+    else:
+        generic = format == "jsonl"
+        block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
+        items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
+    ids = _IdConvention(path, block_size)
+    requests, errors, late = _collect(path, map(ids.check, items), strict)
+    if requests and requests[0].arrival_s < 0:  # an Azure file whose first row is not its earliest
+        requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
+    return Trace(_name_partial_blocks(requests, block_size), block_size, errors, ids.full_only, late)
 
 
 # --- readers ---
 
 
 def _detect(path: Path) -> str:
+    """The format of ``path`` from its suffix and the shape of its first record.
+
+    Raises:
+        TraceError: a first record that is a generic trace line without its header, an agentic session
+            file, or an object with none of the fields of a known trace.
+    """
     if path.suffix.lower() == ".csv":
         return "azure"
     with path.open(encoding="utf-8") as f:
-        first = f.readline()
+        first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
     except json.JSONDecodeError:
+        return "mooncake"  # each line is then reported as it is read
+    if not isinstance(head, dict):
         return "mooncake"
-    return "jsonl" if isinstance(head, dict) and head.get("format") == "kvdiet-trace" else "mooncake"
+    if head.get("format") == "kvdiet-trace":
+        return "jsonl"
+    if "timestamp" in head:
+        return "mooncake"
+    if "arrival_s" in head:
+        raise TraceError(
+            f"{path}:1: a generic kvdiet trace line (arrival_s) but no header: the file must start with "
+            '{"format": "kvdiet-trace", "version": 1, "block_size": B}'
+        )
+    if "requests" in head:
+        raise TraceError(
+            f"{path}:1: an agentic session file (top-level requests): use --format agentic-sessions"
+        )
+    raise TraceError(
+        f"{path}:1: not a known trace: expected a Mooncake line (timestamp, input_length, output_length, "
+        f"hash_ids) or a kvdiet-trace header; the first record has {', '.join(sorted(head)) or 'no fields'}"
+    )
 
 
 def _header_block_size(path: Path) -> int:
@@ -232,22 +188,32 @@ def _lines(path: Path, *, skip_header: bool) -> Iterator[tuple[int, str]]:
 
 def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, generic: bool):
     time_key, scale = ("arrival_s", 1.0) if generic else ("timestamp", 1e-3)
+    fields = (time_key, "input_length", "output_length", "hash_ids")
     for n, text in lines:
         try:
             obj = json.loads(text)
             if not isinstance(obj, dict):
                 raise ValueError("not a JSON object")
+            if missing := [k for k in fields if k not in obj]:
+                raise ValueError(
+                    f"no {', '.join(missing)} (a {'generic' if generic else 'Mooncake'} line has "
+                    f"{', '.join(fields)}; this one has {', '.join(sorted(obj)) or 'no fields'})"
+                )
             t = _number(obj, time_key) * scale
             inp, out = _count(obj, "input_length"), _count(obj, "output_length")
-            ids = obj.get("hash_ids")
+            ids = obj["hash_ids"]
             if not isinstance(ids, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) for h in ids
             ):
                 raise ValueError("hash_ids must be a list of integers")
-            if len(ids) != -(-inp // block_size):
+            full, blocks = inp // block_size, -(-inp // block_size)
+            if len(ids) not in (full, blocks):
+                other = (
+                    "" if full == blocks else f", or {inp} // {block_size} = {full} (one id per full block)"
+                )
                 raise ValueError(
                     f"{len(ids)} hash_ids for input_length {inp}: expected ceil({inp} / {block_size}) = "
-                    f"{-(-inp // block_size)}"
+                    f"{blocks}{other}"
                 )
             yield TraceRequest(t, inp, out, tuple(ids), n)
         except (ValueError, TypeError) as exc:
@@ -284,28 +250,96 @@ def _azure_time(text: str) -> dt.datetime:
     return dt.datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}" if frac else head)
 
 
-def _collect(items, strict: bool) -> tuple[list[TraceRequest], list[str]]:
-    requests, errors = [], []
+class _IdConvention:
+    """Decides from a trace's first request with a partial last block whether the trace names that block
+    (``ceil`` ids) or full blocks only (``//``); a later request that follows the other rule is malformed."""
+
+    def __init__(self, path: Path, block_size: int) -> None:
+        self.path, self.block_size = path, block_size
+        self.full_only: bool | None = None
+        self.line = 0
+
+    def check(self, item: TraceRequest | TraceError) -> TraceRequest | TraceError:
+        bs = self.block_size
+        if isinstance(item, TraceError) or item.hash_ids is None or item.input_tokens % bs == 0:
+            return item
+        n, k = item.input_tokens, len(item.hash_ids)
+        full_only = k == n // bs
+        if self.full_only is None:
+            self.full_only, self.line = full_only, item.line
+        elif full_only != self.full_only:
+            rule = (
+                f"{n} // {bs} = {n // bs} (one id per full block"
+                if self.full_only
+                else f"ceil({n} / {bs}) = {-(-n // bs)} (one id per block, the partial last one included"
+            )
+            return TraceError(
+                f"{self.path}:{item.line}: {k} hash_ids for input_length {n}: expected {rule}, as line {self.line})"
+            )
+        return item
+
+
+def _name_partial_blocks(requests: list[TraceRequest], block_size: int) -> list[TraceRequest]:
+    """Give each partial last block without an id a fresh one (above every id of the trace: never a hit)."""
+    top = max((h for r in requests if r.hash_ids for h in r.hash_ids), default=-1)
+    fresh = itertools.count(top + 1)
+    return [
+        replace(r, hash_ids=(*r.hash_ids, next(fresh)))
+        if r.hash_ids is not None and len(r.hash_ids) < -(-r.input_tokens // block_size)
+        else r
+        for r in requests
+    ]
+
+
+def _collect(path: Path, items, strict: bool) -> tuple[list[TraceRequest], list[str], int]:
+    """Requests sorted by arrival, skipped lines, and how many requests arrived before an earlier line's.
+
+    Raises:
+        TraceError: ``strict`` and a malformed line or a timestamp going backwards; more lines malformed
+            than read.
+    """
+    requests: list[TraceRequest] = []
+    errors: list[str] = []
+    late, latest = 0, None
     for item in items:
         if isinstance(item, TraceError):
             if strict:
                 raise item
             errors.append(str(item))
+            continue
+        if latest is not None and item.arrival_s < latest.arrival_s:
+            if strict:
+                raise TraceError(
+                    f"{path}:{item.line}: arrives at {item.arrival_s:g} s, before line {latest.line} "
+                    f"({latest.arrival_s:g} s): timestamps go backwards"
+                )
+            late += 1
         else:
-            requests.append(item)
+            latest = item
+        requests.append(item)
+    if len(errors) > len(requests):
+        first = "; ".join("line " + e.removeprefix(f"{path}:") for e in errors[:3])
+        raise TraceError(
+            f"{path}: {len(errors):,} of {len(errors) + len(requests):,} lines malformed, so the trace is "
+            f"refused; the first: {first}"
+        )
     requests.sort(key=lambda r: (r.arrival_s, r.line))
-    return requests, errors
+    return requests, errors, late
 
 
 def _number(obj: dict, key: str) -> float:
     value = obj.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 or value != value:
-        raise ValueError(f"{key} must be a number >= 0, got {value!r}")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not (0 <= value < math.inf):
+        raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def _count(obj: dict, key: str) -> int:
     value = obj.get(key)
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{key} must be a whole number of tokens, got {value!r}")
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
     return value
