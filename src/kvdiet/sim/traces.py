@@ -55,7 +55,10 @@ class TraceRequest:
         arrival_s: seconds since the trace's first request.
         input_tokens / output_tokens: prompt and output lengths (tokens).
         hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them), or None (unique prompt).
-        line: the line it came from (1-based).
+        line: the line it came from (1-based; in a session file, the request's place in it).
+        session / agent / kind: for traffic that carries them (`kvdiet.sim.agentic`), the session's id, the
+            agent that sent the request (``"main"`` or a sub-agent's id) and the traffic kind (``"agent"``,
+            ``"subagent"``, ``"chat"``); None otherwise.
     """
 
     arrival_s: float
@@ -63,6 +66,9 @@ class TraceRequest:
     output_tokens: int
     hash_ids: tuple[int, ...] | None
     line: int
+    session: str | None = None
+    agent: str | None = None
+    kind: str | None = None
 
 
 @dataclass(slots=True)
