@@ -35,7 +35,8 @@ examples:
 A run is POLICY[@MODEL]: bounded-replay, boundary-snapshot, full-store, checkpoint:K, exact-recompute;
 MODEL defaults to --model. Sweep axes: swa-pool-ttl, swa-pool-size, persistent-ttl, persistent-size,
 device-size (each sweeps the run of --sweep-run). Traces: Mooncake JSONL (github.com/kvcache-ai/Mooncake,
-FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github.com/Azure/AzurePublicDataset).
+FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github.com/Azure/AzurePublicDataset),
+agentic session files (a .json file or a folder of them: ../shared/traces/agentic-sample).
 """
 
 
@@ -54,13 +55,21 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    rep.add_argument("trace", help="trace file (.jsonl or .csv)")
+    rep.add_argument("trace", help="trace file (.jsonl, .csv, .json) or a folder of session files")
     rep.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "mooncake", "jsonl", "azure"],
-        help="trace format (default auto: .csv is Azure; a .jsonl with a kvdiet-trace header line is the "
-        "generic JSONL, otherwise Mooncake)",
+        choices=["auto", "mooncake", "jsonl", "azure", "agentic-sessions"],
+        help="trace format (default auto: a folder or a .json file is agentic-sessions; .csv is Azure; a "
+        ".jsonl with a kvdiet-trace header line is the generic JSONL, otherwise Mooncake)",
+    )
+    rep.add_argument(
+        "--session-start",
+        metavar="together|staggered:SECONDS|poisson:RATE",
+        help="agentic-sessions only: where each session (files by name) starts, as sessions carry no "
+        "absolute time. Default together: every session at 0 — no invented arrival process, and the most "
+        "overlap, so the tiers' capacities are under the most pressure; staggered:S starts session i at "
+        "i*S seconds; poisson:R draws exponential gaps at R sessions/s from a fixed seed",
     )
     rep.add_argument(
         "--strict",
@@ -131,11 +140,13 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
             most of whose lines are malformed, before any simulation.
         OSError: the trace or the report directory.
     """
+    from kvdiet.sim.agentic import session_reader
     from kvdiet.sim.trace_stats import trace_stats
     from kvdiet.sim.traces import read_trace
 
+    sessions = session_reader(args.trace, format=args.format, start=args.session_start, strict=args.strict)
     jobs = _plan(args)  # flags checked before the trace is read
-    trace = read_trace(args.trace, format=args.format, strict=args.strict)
+    trace = sessions() if sessions else read_trace(args.trace, format=args.format, strict=args.strict)
     for line in trace.errors[:10]:
         print(f"kvdiet replay: skipped {line}", file=sys.stderr)
     if len(trace.errors) > 10:

@@ -5,7 +5,8 @@ A trace gives lengths and prefix-block ids, not text. `scale_trace` shrinks ever
 runs in minutes on a CPU; `prompt_ids` then turns each request's ids into token ids deterministically:
 block i with id h is ``block_size`` tokens drawn from a generator seeded with ``(seed, h, i)``, so the same
 id at the same position always gives the same tokens and different ids give different tokens (a partial
-last block is the first tokens of its block). Requests without ids (Azure) get ids of their own.
+last block is the first tokens of its block). Requests without ids (Azure) get ids of their own, and so do
+the blocks past a request's ids (the partial last block of a trace with one id per full block).
 
 The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``) runs with its block size equal to the
 scaled block, its tiers (device pool, a persistent tier in a temporary directory unless one is given, the
@@ -53,7 +54,9 @@ def scale_trace(trace: Trace, block_size: int) -> Trace:
 
     A prompt of q full blocks and r leftover tokens becomes ``q × block_size + ceil(r × block_size /
     trace.block_size)`` tokens; an output of m tokens ``max(1, ceil(m × block_size / trace.block_size))``.
-    Hash ids and arrival times are kept, so ``len(hash_ids) == ceil(input / block_size)`` still holds.
+    Hash ids, arrival times and the other fields are kept (``len(hash_ids)`` is ``ceil(input / block_size)``
+    again for ids that name the partial block; with one id per full block, a last block that shrinks to a
+    full one has no id).
 
     Raises:
         ValueError: ``block_size`` < 1.
@@ -67,9 +70,7 @@ def scale_trace(trace: Trace, block_size: int) -> Trace:
         return q * block_size + -(-r * block_size // big)
 
     reqs = [
-        TraceRequest(
-            r.arrival_s, max(1, shrink(r.input_tokens)), max(1, shrink(r.output_tokens)), r.hash_ids, r.line
-        )
+        replace(r, input_tokens=max(1, shrink(r.input_tokens)), output_tokens=max(1, shrink(r.output_tokens)))
         for r in trace.requests
     ]
     return Trace(reqs, block_size, list(trace.errors))
@@ -78,7 +79,8 @@ def scale_trace(trace: Trace, block_size: int) -> Trace:
 def prompt_ids(
     request: TraceRequest, index: int, block_size: int, vocab_size: int, seed: int = 0
 ) -> list[int]:
-    """Token ids of ``request`` (see the module docstring); ``index`` names its blocks when it has no ids.
+    """Token ids of ``request`` (see the module docstring); ``index`` names its blocks that have no id (all of
+    them without ``hash_ids``; those past the last id with one id per full block).
 
     Raises:
         ValueError: the vocabulary leaves no room above `FIRST_TOKEN_ID` (or 4 for tiny test models).
@@ -88,7 +90,8 @@ def prompt_ids(
         raise ValueError(f"vocabulary of {vocab_size} ids is too small to synthesize prompts")
     n = request.input_tokens
     blocks = -(-n // block_size)
-    ids = request.hash_ids if request.hash_ids is not None else [-(index + 1)] * blocks
+    named = request.hash_ids if request.hash_ids is not None else ()
+    ids = [*named[:blocks], *[-(index + 1)] * (blocks - len(named))]
     out: list[int] = []
     for i in range(blocks):
         rng = np.random.Generator(np.random.PCG64([seed & _MASK, int(ids[i]) & _MASK, i]))

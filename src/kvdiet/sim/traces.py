@@ -63,7 +63,10 @@ class TraceRequest:
         input_tokens / output_tokens: prompt and output lengths (tokens).
         hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them; a partial last block the
             trace left unnamed has a fresh id), or None (unique prompt).
-        line: the line it came from (1-based).
+        line: the line it came from (1-based; in a session file, the request's place in it).
+        session / agent / kind: for traffic that carries them (`kvdiet.sim.agentic`), the session's id, the
+            agent that sent the request (``"main"`` or a sub-agent's id) and the traffic kind (``"agent"``,
+            ``"subagent"``, ``"chat"``); None otherwise.
     """
 
     arrival_s: float
@@ -71,6 +74,9 @@ class TraceRequest:
     output_tokens: int
     hash_ids: tuple[int, ...] | None
     line: int
+    session: str | None = None
+    agent: str | None = None
+    kind: str | None = None
 
 
 @dataclass(slots=True)
