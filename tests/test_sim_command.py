@@ -54,8 +54,12 @@ def test_model_free_json_is_deterministic_and_the_report_is_written(tmp_path: Pa
     v41 = runs["bounded-replay @ deepseek-v4.1-flash"]["summary"]
     v4 = runs["boundary-snapshot @ deepseek-v4-flash"]["summary"]
     f = second["findings"]
+    assert f["persistent_ratio_basis"] == "peak bytes"
     assert f["persistent_ratio_v41_over_v4"] == round(
-        v41["persistent_bytes_resident"] / v4["persistent_bytes_resident"], 4
+        v41["persistent_bytes_peak"] / v4["persistent_bytes_peak"], 4
+    )
+    assert f["persistent_ratio_written"] == round(
+        v41["persistent_bytes_written"] / v4["persistent_bytes_written"], 4
     )
     assert 0 < f["persistent_ratio_v41_over_v4"] < 0.26  # at most the global-KV ratio 890 / 3514.25
     assert [p["value"] for p in second["sweeps"]["swa-pool-ttl"]] == ["30s", "5m", "unbounded"]
@@ -145,7 +149,7 @@ def test_the_engine_table_keeps_its_chosen_columns() -> None:
 def test_empty_hit_windows_are_gaps_and_identical_lines_are_grouped() -> None:
     import math
 
-    from kvdiet.sim.report import hit_gaps, identical_lines
+    from kvdiet.sim.plots import hit_gaps, identical_lines
 
     # buckets end at 0, 10, 20, 30 s; arrivals at 0, 5, 25 s: the bucket (10, 20] is empty
     gaps = hit_gaps([0.5, 0.0, 0.0, 1.0], [0.0, 10.0, 20.0, 30.0], [25.0, 0.0, 5.0])

@@ -297,8 +297,15 @@ def test_study_findings_are_ratios_of_the_runs() -> None:
     runs = [parse_run("bounded-replay", base), parse_run("boundary-snapshot@deepseek-v4-flash", base)]
     study = run_study(trace, runs, [(parse_sweep("swa-pool-ttl=30s,2m"), runs[0])], jobs=1)
     f = findings(study)
-    v41, v4 = (r.summary["persistent_bytes_resident"] for r in study.runs)
-    assert f["persistent_ratio_v41_over_v4"] == round(v41 / v4, 4)
+    v41, v4 = (r.summary for r in study.runs)
+    assert f["persistent_ratio_v41_over_v4"] == round(
+        v41["persistent_bytes_peak"] / v4["persistent_bytes_peak"], 4
+    )
+    # the window share is read at V4's peak, not from what is left at the end
+    assert f["v4_window_share"] == v4["persistent_window_share_at_peak"] > 0
+    assert f["persistent_ratio_byte_hours"] == round(
+        v41["persistent_byte_hours"] / v4["persistent_byte_hours"], 4
+    )
     assert [label for label, _ in study.sweeps["swa-pool-ttl"]] == ["30s", "2m", "unbounded"]
     assert f["ttl_catch_share"] == {"30s": 0.0, "2m": 1.0} and f["ttl_for_catch"] == "2m"
     with pytest.raises(ValueError, match="AXIS"):

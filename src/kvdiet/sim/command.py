@@ -341,7 +341,7 @@ def _print(out: dict, study, engine, console: Console) -> None:
     if study is not None:
         from kvdiet.sim.report import comparison_rows
 
-        cols = ("run", "hit", "device", "persistent bytes", "of which window", "SWA pool peak", "replays")
+        cols = ("run", "hit", "device", "persistent peak", "window at peak", "SWA pool peak", "replays")
         table = Table(title="policy comparison (model-free; --json or --report for every column)")
         for col in (*cols, "recomputed", "GPU-s"):
             table.add_column(col, justify="left" if col == "run" else "right")
@@ -364,7 +364,7 @@ def _print(out: dict, study, engine, console: Console) -> None:
                 "SWA-pool restores",
                 "replays",
                 "SWA pool peak",
-                "persistent bytes",
+                "persistent peak",
             ):
                 t.add_column(col, justify="right")
             for label, r in points:
@@ -376,7 +376,7 @@ def _print(out: dict, study, engine, console: Console) -> None:
                     f"{r.summary['window_sources'][WindowSource.SWA_POOL]:,}",
                     rr["replays"],
                     rr["SWA pool peak"],
-                    rr["persistent bytes"],
+                    rr["persistent peak"],
                 )
             console.print(t)
         facts = out.get("findings") or {}

@@ -8,7 +8,7 @@ every policy. A sweep varies one setting of one run (``swa-pool-ttl``, ``swa-poo
 for "how much of what a pool could catch does this TTL catch". Runs are independent and go to worker
 processes (``jobs``).
 
-`findings` turns the results into the study's numbers: the persistent bytes of V4.1 (bounded replay) over
+`findings` turns the results into the study's numbers: the peak persistent bytes of V4.1 (bounded replay) over
 V4-Flash (boundary snapshots) and the window share of V4's, and the shortest swept TTL at which the SWA pool
 restores at least `CATCH_TARGET` of what an unbounded pool restores.
 """
@@ -171,12 +171,20 @@ def _find(runs: Sequence[SimResult], policy: str, model: str) -> SimResult | Non
     return next((r for r in runs if str(r.config.policy) == policy and r.config.model == model), None)
 
 
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
 def findings(study: Study) -> dict[str, object]:
     """The study's headline numbers (None where the runs they need are missing).
 
-    - ``persistent_ratio_v41_over_v4``: resident persistent bytes at the end of the trace, V4.1
-      ``bounded-replay`` over V4-Flash ``boundary-snapshot`` (the seeds' "about 1/8").
-    - ``v4_window_share``: the share of V4's persistent bytes that are window snapshots (seeds: "about half").
+    - ``persistent_ratio_v41_over_v4``: the persistent tier's peak bytes, V4.1 ``bounded-replay`` over
+      V4-Flash ``boundary-snapshot`` (the seeds' "about 1/8"); the same ratio of bytes written and of
+      byte-hours beside it (``…_written``, ``…_byte_hours``). The peak is the headline
+      (``persistent_ratio_basis``): bytes still resident when the trace ends depend on how much of the TTL
+      the trace's tail covers, so one long session decides them.
+    - ``v4_window_share``: the share of V4's persistent bytes that are window snapshots at its peak (seeds:
+      "about half"); ``v4_window_share_written`` of the bytes written.
     - ``ttl_for_catch``: the shortest swept SWA-pool TTL whose pool restores reach `CATCH_TARGET` of the
       unbounded pool's, with each TTL's share; ``snapshot_age_*``: how old the snapshots an unbounded pool
       restores are (seconds) — the TTL a pool needs is read off these.
@@ -186,22 +194,18 @@ def findings(study: Study) -> dict[str, object]:
     v4 = _find(study.runs, "boundary-snapshot", "deepseek-v4-flash")
     if v41 is not None and v4 is not None:
         a, b = v41.summary, v4.summary
-        out["persistent_bytes_v41"] = a["persistent_bytes_resident"]
-        out["persistent_bytes_v4"] = b["persistent_bytes_resident"]
-        out["persistent_ratio_v41_over_v4"] = (
-            round(a["persistent_bytes_resident"] / b["persistent_bytes_resident"], 4)
-            if b["persistent_bytes_resident"]
-            else None
+        out["persistent_ratio_basis"] = "peak bytes"
+        out["persistent_bytes_v41"] = a["persistent_bytes_peak"]
+        out["persistent_bytes_v4"] = b["persistent_bytes_peak"]
+        out["persistent_ratio_v41_over_v4"] = _ratio(a["persistent_bytes_peak"], b["persistent_bytes_peak"])
+        out["persistent_ratio_written"] = _ratio(a["persistent_bytes_written"], b["persistent_bytes_written"])
+        out["persistent_ratio_byte_hours"] = _ratio(a["persistent_byte_hours"], b["persistent_byte_hours"])
+        out["v4_window_share"] = b["persistent_window_share_at_peak"]
+        out["v4_window_share_written"] = _ratio(
+            b.get("persistent_window_bytes_written", 0), b["persistent_bytes_written"]
         )
-        out["v4_window_share"] = (
-            round(b["persistent_window_bytes"] / b["persistent_bytes_resident"], 4)
-            if b["persistent_bytes_resident"]
-            else None
-        )
-        out["global_kv_ratio_v41_over_v4"] = (
-            round(a["persistent_kv_bytes"] / b["persistent_kv_bytes"], 4)
-            if b["persistent_kv_bytes"]
-            else None
+        out["global_kv_ratio_v41_over_v4"] = _ratio(
+            a.get("persistent_kv_bytes_written", 0), b.get("persistent_kv_bytes_written", 0)
         )
     ttl = study.sweeps.get("swa-pool-ttl")
     if ttl:
