@@ -244,6 +244,23 @@ def test_figures_split_by_context_regime_add_up_by_hand() -> None:
     assert short["hit_ratio"] == round(1024 / 2200, 6)
 
 
+def test_restores_of_superseded_snapshots_are_counted_and_supersede_drops_them() -> None:
+    # A stores its snapshot at 1,024; B continues A (restores it) and stores a newer one at 1,536 on the same
+    # chain; C repeats A and restores the 1,024 snapshot, which is no longer its chain's newest
+    trace = Trace([req(0, 1100, (1, 2, 3)), req(10, 1600, (1, 2, 4, 5)), req(20, 1100, (1, 2, 3))], 512)
+    keep = simulate(trace, SimConfig())
+    assert [r.window_source for r in keep.requests] == ["none", "swa-pool", "swa-pool"]
+    s = keep.summary
+    assert s["pool_restores_of_older_snapshots"] == 1
+    assert s["swa_pool_bytes_peak"] == 2 * SNAPSHOT
+    drop = simulate(trace, SimConfig(swa_pool_supersede=True))
+    # B's snapshot replaced A's: C finds nothing at 1,024 and replays its last 128 tokens
+    assert [r.window_source for r in drop.requests] == ["none", "swa-pool", "replay"]
+    d = drop.summary
+    assert (d["pool_restores_of_older_snapshots"], d["swa_pool_bytes_peak"]) == (0, SNAPSHOT)
+    assert d["swa_pool_bytes_written"] == 2 * SNAPSHOT  # C's boundary 1,024 is its replayed hit: not stored
+
+
 def test_the_same_trace_and_config_give_identical_results() -> None:
     rng = random.Random(7)
     reqs = []

@@ -119,6 +119,8 @@ class CacheRequest(Generic[V]):
         plan: the adopted restore plan (set by `ControlPlane.admit`).
         persisted: leading blocks known to be in the persistent tier (written through or hit).
         held: window state captured to store when the request finishes: ``(position, value)`` or None.
+        pool_snapshots: keys of the SWA-pool snapshots of this request's chain it restored or stored, newest
+            last (what a newer snapshot of the chain supersedes).
     """
 
     prompt_tokens: int
@@ -127,6 +129,7 @@ class CacheRequest(Generic[V]):
     plan: RestorePlan = COLD
     persisted: int = 0
     held: tuple[int, V] | None = None
+    pool_snapshots: list[Hashable] = field(default_factory=list)
 
     def tokens(self, first: int, end: int) -> list[Sequence[int]] | None:
         return None if self.block_tokens is None else self.block_tokens[first:end]
@@ -144,6 +147,11 @@ class ControlPlane(Generic[V]):
         swa_pool: the SWA pool (None: none; bounded-replay then always replays).
         device: the device pool's counters (query and hit tokens are counted here).
         prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
+        supersede: a newer SWA-pool snapshot of a chain replaces the older ones this request restored or
+            stored (``swa_pool.discard_many``), so a session keeps one snapshot in the pool, its newest.
+        on_supersede: called with ``(new_key, older_keys)`` whenever a request stores a pool snapshot newer
+            than others of its chain (with or without ``supersede``): how a caller measures restores of a
+            snapshot that was no longer its chain's newest.
     """
 
     policy: SwaPolicy
@@ -153,6 +161,8 @@ class ControlPlane(Generic[V]):
     swa_pool: Tier[V] | None = None
     device: TierCounters = field(default_factory=TierCounters)
     prefix_caching: bool = True
+    supersede: bool = False
+    on_supersede: Callable[[Hashable, list[Hashable]], None] | None = None
     stats: CacheStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -271,6 +281,8 @@ class ControlPlane(Generic[V]):
             if plan.snapshot_source is WindowSource.SWA_POOL:
                 s.swa_pool.hit_tokens += min(g.window, hit)
         s.snapshot_restores += plan.snapshot_source is not None
+        if plan.snapshot_source is WindowSource.SWA_POOL:
+            req.pool_snapshots = [self.keys.key(req.blocks[hit // bs - 1], KeyKind.POOL_SNAPSHOT)]
         s.replayed_tokens += plan.replay_tokens
         s.computed_tokens += n - hit
         return Provenance.of(plan, prompt_tokens=n, device_tokens=device_blocks * bs, window=g.window)
@@ -357,4 +369,14 @@ class ControlPlane(Generic[V]):
             return
         i = pos // self.geometry.block_size - 1
         tokens = None if req.block_tokens is None or tier is not self.persistent else req.block_tokens[i]
-        self.stats.snapshots_stored += tier.put_many([(self.keys.key(req.blocks[i], kind), tokens, value)])
+        key = self.keys.key(req.blocks[i], kind)
+        pooled = kind is KeyKind.POOL_SNAPSHOT
+        older = [k for k in req.pool_snapshots if k != key] if pooled else []
+        if older and self.supersede:
+            tier.discard_many(older)  # replaced, never held beside the newer one
+        stored = tier.put_many([(key, tokens, value)])
+        self.stats.snapshots_stored += stored
+        if stored and pooled:
+            if older and self.on_supersede is not None:
+                self.on_supersede(key, older)
+            req.pool_snapshots = [key]

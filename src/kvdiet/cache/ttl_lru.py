@@ -169,6 +169,14 @@ class TtlLru(Generic[V]):
         self.counters.bytes_written += size
         return True
 
+    def discard(self, key: Hashable, now: float) -> bool:
+        """Drop ``key`` if held (not counted as an eviction or expiry); whether it was."""
+        self.expire(now)
+        if key not in self._items:
+            return False
+        self._drop(key)
+        return True
+
     def clear(self) -> None:
         """Forget every entry (counters stay)."""
         self._items.clear()

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvdiet.cache.plan import WindowSource
 from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = ["add_replay_parser", "run_replay"]
@@ -33,7 +32,7 @@ examples:
   kvdiet replay TRACE --mode stats                                                # trace statistics only
 
 A run is POLICY[@MODEL]: bounded-replay, boundary-snapshot, full-store, checkpoint:K, exact-recompute;
-MODEL defaults to --model. Sweep axes: swa-pool-ttl, swa-pool-size, persistent-ttl, persistent-size,
+MODEL defaults to --model. Sweep axes: swa-pool-ttl, swa-pool-size, swa-pool-supersede, persistent-ttl, persistent-size,
 device-size (each sweeps the run of --sweep-run). Traces: Mooncake JSONL (github.com/kvcache-ai/Mooncake,
 FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github.com/Azure/AzurePublicDataset),
 agentic session files (a .json file or a folder of them: ../shared/traces/agentic-sample).
@@ -106,6 +105,11 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     t.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
     t.add_argument("--swa-pool-size", default="200GB", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
     t.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
+    t.add_argument(
+        "--swa-pool-supersede",
+        action="store_true",
+        help="a session's newer SWA-pool snapshot replaces its older ones (default: they stay until TTL/LRU)",
+    )
     t.add_argument("--gpu", default="h200", help="GPU of the compute cost model: h100, h200, b200")
     t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
     t.add_argument(
@@ -196,7 +200,7 @@ def _plan(args: argparse.Namespace):
     from kvdiet.config import load_config
     from kvdiet.sim.cost import check_gpu
     from kvdiet.sim.records import SimConfig
-    from kvdiet.sim.study import DEFAULT_TTL_SWEEP, parse_run, parse_sweep
+    from kvdiet.sim.study import DEFAULT_SUPERSEDE_SWEEP, DEFAULT_TTL_SWEEP, parse_run, parse_sweep
 
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
@@ -246,6 +250,7 @@ def _plan(args: argparse.Namespace):
         persistent_ttl_s=parse_duration(args.persistent_ttl),
         swa_pool_bytes=parse_bytes(args.swa_pool_size),
         swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
+        swa_pool_supersede=args.swa_pool_supersede,
         gpu=args.gpu,
         mfu=args.mfu,
         output_tok_s=args.output_tok_s,
@@ -254,7 +259,7 @@ def _plan(args: argparse.Namespace):
     runs = [parse_run(n, base) for n in names]
     for model in {r.model for r in runs}:
         load_config(model)  # an unknown model fails before the trace is read
-    texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP]
+    texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
     sweeps = [] if texts == ["none"] else [(parse_sweep(t), parse_run(args.sweep_run, base)) for t in texts]
     if args.mode == "stats":
         return None
@@ -357,27 +362,12 @@ def _print(out: dict, study, engine, console: Console) -> None:
         console.print(study.runs[0].summary["cost_formula"], markup=False, highlight=False)
         for axis, points in study.sweeps.items():
             t = Table(title=f"sweep {axis} ({points[0][1].config.label})", title_justify="left")
-            for col in (
-                "value",
-                "hit",
-                "device",
-                "SWA-pool restores",
-                "replays",
-                "SWA pool peak",
-                "persistent peak",
-            ):
+            sweep_cols = ("hit", "device", "window restored", "replays", "SWA pool peak", "persistent peak")
+            for col in ("value", *sweep_cols):
                 t.add_column(col, justify="right")
             for label, r in points:
                 rr = comparison_rows([r])[0]
-                t.add_row(
-                    label,
-                    rr["hit"],
-                    rr["device"],
-                    f"{r.summary['window_sources'][WindowSource.SWA_POOL]:,}",
-                    rr["replays"],
-                    rr["SWA pool peak"],
-                    rr["persistent peak"],
-                )
+                t.add_row(label, *(str(rr[c]) for c in sweep_cols))
             console.print(t)
         facts = out.get("findings") or {}
         for key, value in facts.items():

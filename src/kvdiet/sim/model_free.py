@@ -74,7 +74,11 @@ class _Run:
             swa_pool=self.swa,
             device=self.device.counters,
             prefix_caching=sc.prefix_caching,
+            supersede=sc.swa_pool_supersede,
+            on_supersede=self._superseded,
         )
+        self.older: set[object] = set()  # pool snapshot keys a newer snapshot of their chain followed
+        self.restores_of_older = 0  # pool restores of such a snapshot
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
         self.unique = itertools.count(-1, -1)  # ids of blocks the trace never names (outputs, Azure)
@@ -177,6 +181,7 @@ class _Run:
         self.sources[result.window_source] += 1
         if isinstance(window, RestoreWindow) and window.source is WindowSource.SWA_POOL:
             self.ages.append(now - self.swa.entries.written_at(window.keys[0]))
+            self.restores_of_older += window.keys[0] in self.older
 
         flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
             adopted, n, decoder_every_row=not self.sc.policy.decoder_replay
@@ -225,6 +230,10 @@ class _Run:
             self.swa.counters.bytes_written - written[1],
         )
 
+    def _superseded(self, new_key: object, older: list[object]) -> None:
+        self.older.update(older)
+        self.older.discard(new_key)
+
     def _touch(self, cached: CacheRequest[int], first: int, end: int) -> None:
         """Make blocks ``[first, end)`` of a request the most recently used device blocks, the first one last."""
         blocks = cached.blocks
@@ -268,6 +277,7 @@ class _Run:
             if self.boundary_hits
             else 0.0,
             "stored_window_ratio": round(stored / self.boundary_hits, 6) if self.boundary_hits else 0.0,
+            "pool_restores_of_older_snapshots": self.restores_of_older,
             "snapshot_age_p50_s": _pct(ages, 0.5),
             "snapshot_age_p90_s": _pct(ages, 0.9),
             "recomputed_tokens": t["replayed_tokens"] + t["computed_tokens"],

@@ -31,6 +31,8 @@ class SimConfig:
         persistent_bytes: persistent-tier budget (bytes; None = unbounded).
         persistent_ttl_s: persistent-tier TTL (seconds; default 72 h).
         swa_pool_bytes / swa_pool_ttl_s: SWA-pool budget (bytes) and TTL (seconds).
+        swa_pool_supersede: a session's newer pool snapshot replaces its older ones
+            (`kvdiet.cache.control.ControlPlane` ``supersede``).
         prefix_caching: look prompts up at all (off: every request cold).
         gpu / mfu: the compute cost model (`kvdiet.sim.cost`).
         output_tok_s: decode speed of one request (tokens/s) that sets when it finishes.
@@ -44,6 +46,7 @@ class SimConfig:
     persistent_ttl_s: float = 72 * 3600.0
     swa_pool_bytes: int = DEFAULT_SWA_POOL_BYTES
     swa_pool_ttl_s: float = 300.0
+    swa_pool_supersede: bool = False
     prefix_caching: bool = True
     gpu: str = "h200"
     mfu: float = 0.5
@@ -107,6 +110,7 @@ class SimResult:
                 "persistent_ttl_s": cfg.persistent_ttl_s,
                 "swa_pool_bytes": cfg.swa_pool_bytes,
                 "swa_pool_ttl_s": cfg.swa_pool_ttl_s,
+                "swa_pool_supersede": cfg.swa_pool_supersede,
                 "prefix_caching": cfg.prefix_caching,
                 "gpu": cfg.gpu,
                 "mfu": cfg.mfu,

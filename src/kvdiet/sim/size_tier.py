@@ -81,6 +81,11 @@ class SizeTier:
         now = self.clock.now()
         return sum(self.entries.put(k, size, size, now) for k, _, size in items)
 
+    def discard_many(self, keys: Sequence[Hashable]) -> int:
+        """Drop each held key (a superseded snapshot); returns how many were held."""
+        now = self.clock.now()
+        return sum(self.entries.discard(k, now) for k in keys)
+
     def contains_prefix(self, keys: Sequence[Hashable]) -> int:
         self.entries.expire(self.clock.now())
         return next((i for i, k in enumerate(keys) if k not in self.entries), len(keys))

@@ -50,8 +50,18 @@ DEFAULT_RUNS = (
     "exact-recompute@deepseek-v4.1-flash",
 )
 DEFAULT_TTL_SWEEP = "swa-pool-ttl=30s,1m,2m,5m,10m,30m"
+DEFAULT_SUPERSEDE_SWEEP = "swa-pool-supersede=on"
+"""The sweep run again with each session's newer pool snapshot replacing its older ones."""
 CATCH_TARGET = 0.9
 """The share of an unbounded pool's restores a TTL must reach to "catch most boundary hits"."""
+
+
+def _switch(text: str) -> float:
+    """``on`` → 1, ``off`` → 0. Raises ValueError otherwise."""
+    if text not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {text!r}")
+    return float(text == "on")
+
 
 SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
     "swa-pool-ttl": ("swa_pool_ttl_s", parse_duration),
@@ -59,6 +69,7 @@ SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
     "persistent-ttl": ("persistent_ttl_s", parse_duration),
     "persistent-size": ("persistent_bytes", parse_bytes),
     "device-size": ("device_bytes", parse_bytes),
+    "swa-pool-supersede": ("swa_pool_supersede", _switch),
 }
 UNBOUNDED_TTL_S = 1e12
 
@@ -88,9 +99,14 @@ class Sweep:
         if self.axis == "swa-pool-ttl":
             values.append(UNBOUNDED_TTL_S)
             labels.append("unbounded")
+
+        def typed(v: float) -> float | int | bool:
+            if field_name.endswith("bytes"):
+                return int(v)
+            return bool(v) if field_name == "swa_pool_supersede" else v
+
         return [
-            (label, replace(base, **{field_name: int(v) if field_name.endswith("bytes") else v}))
-            for v, label in zip(values, labels, strict=True)
+            (label, replace(base, **{field_name: typed(v)})) for v, label in zip(values, labels, strict=True)
         ]
 
 

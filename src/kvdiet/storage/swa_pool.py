@@ -133,6 +133,12 @@ class InProcessSwaPool(SwaPoolBase):
             now = self.clock.now()
             return [self._entries.get(k, now) for k in keys]
 
+    def discard_many(self, keys: Sequence[bytes]) -> int:
+        """Drop each held key (a superseded snapshot); returns how many were held."""
+        with self._lock:
+            now = self.clock.now()
+            return sum(self._entries.discard(k, now) for k in keys)
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are held and live (no LRU move, nothing counted)."""
         with self._lock:
