@@ -127,21 +127,19 @@ class TtlLru(Generic[V]):
         c.bytes_read += item[1]
         return item[0]
 
-    def touch(self, key: Hashable, value: V, size: int, now: float) -> None:
-        """Move ``key`` to the back if held, else `put` ``value`` (``size`` bytes). Nothing is counted for a
-        held key (the device pool's free queue, which is not a lookup)."""
-        if key in self._items:
-            self._items.move_to_end(key)
-        else:
-            self.put(key, value, size, now)
-
     def put(self, key: Hashable, value: V, size: int, now: float) -> bool:
         """Store ``value`` (``size`` bytes) under ``key`` at ``now``; False when refused (larger than the
         budget). A live key is replaced (``refresh``) or kept as it is (True, nothing written)."""
+        if self.capacity is not None and size > self.capacity:
+            return False
+        self.expire(now)
+        return self._put(key, value, size, now)
+
+    def _put(self, key: Hashable, value: V, size: int, now: float) -> bool:
+        """`put` with expiry done at ``now``."""
         cap = self.capacity
         if cap is not None and size > cap:
             return False
-        self.expire(now)
         items = self._items
         if key in items:
             if not self.refresh:
@@ -168,6 +166,12 @@ class TtlLru(Generic[V]):
         self.counters.entries_written += 1
         self.counters.bytes_written += size
         return True
+
+    def put_many(self, items: list[tuple[Hashable, V, int]], now: float) -> int:
+        """`put` each ``(key, value, size)`` at ``now`` (one expiry pass); returns how many were stored."""
+        self.expire(now)
+        put = self._put
+        return sum(put(key, value, size, now) for key, value, size in items)
 
     def discard(self, key: Hashable, now: float) -> bool:
         """Drop ``key`` if held (not counted as an eviction or expiry); whether it was."""

@@ -11,12 +11,13 @@ prompt's end: one `ControlPlane.after_forward`) ends ``prefill GPU-seconds`` lat
 model) and its decode (to the output's end, then `ControlPlane.finish`) ``output_tokens / output_tok_s``
 after that. Blocks and snapshots are stored at those times; TTLs count from them.
 
-The device pool is a size tier without TTL in LRU order: a lookup moves the blocks it takes to the back,
-and the blocks a request filled go to the back when it fills them, the first one last (as
-`kvdiet.cache.block_pool.BlockPool.release` frees a table last block first, so a prefix's head outlives its
-tail). Not modelled: the blocks a running request pins in the device pool (requests hold nothing between
-events), persistent-entry header bytes (payload only), and any reuse of output blocks — the trace's ids
-cover prompts only, so an output block is never hit. A trace without ids (Azure) gives every prompt unique
+The device pool is `kvdiet.sim.device_tree.DeviceTree`: the blocks held form a tree of chains evicted least
+recently used leaf first, the order `kvdiet.cache.block_pool.BlockPool` keeps (it frees a table last block
+first, so a prefix's head outlives its tail); a lookup, and each forward's end, uses the request's blocks from
+the root. Its cost grows with the blocks a request adds, not with its prompt. Not modelled: the blocks a
+running request pins (a block evicted between its request's prefill and finish is added again at the
+finish), persistent-entry header bytes (payload only), and any reuse of output blocks — the trace's ids cover
+prompts only, so an output block is never hit. A trace without ids (Azure) gives every prompt unique
 blocks.
 """
 
@@ -34,6 +35,7 @@ from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
 from kvdiet.sim.breakdown import Breakdown
 from kvdiet.sim.cost import CostModel
+from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.size_tier import SizeTier, tier_bytes
 from kvdiet.sim.traces import Trace
@@ -63,7 +65,7 @@ class _Run:
         self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
         self.clock = ManualClock(trace.requests[0].arrival_s if trace.requests else 0.0)
-        self.device = SizeTier(sc.device_bytes, None, refresh=False, clock=self.clock)
+        self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
         self.control: ControlPlane[int] = ControlPlane(
@@ -163,9 +165,7 @@ class _Run:
         cached = CacheRequest(n, every)
 
         usable = control.usable_blocks(n)
-        d = 0
-        while d < usable and self.device.entries.get(every[d], now) is not None:
-            d += 1
+        d = self.device.match(every, usable)
         loaded = control.load(cached, d, usable, lambda i, payload: True)
         plan, window = control.plan(cached, d + loaded)
         result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
@@ -190,9 +190,9 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self._touch(cached, 0, adopted // bs)
-        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, adopted // bs))
-        self._at(finish, lambda: self._forward(cached, groups, n, last, 0, finish=True))
+        self.device.use(every, adopted // bs, g.payload_bytes, now)
+        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
+        self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
         return result
 
     def _forward(
@@ -201,13 +201,12 @@ class _Run:
         groups: tuple[tuple[str, str], ...],
         start: int,
         end: int,
-        touch_from: int,
         *,
         finish: bool = False,
     ) -> None:
         """The forward over ``[start, end)`` is done: the control plane writes and captures (sizes for
-        payloads); the request's blocks from ``touch_from`` to the last one it holds go to the back of the
-        device pool's LRU order; the boundary reached is recorded (for ``boundary_hits``)."""
+        payloads); the request's blocks up to the last one it holds become the device pool's most recently
+        used; the boundary reached is recorded (for ``boundary_hits``)."""
         g = self.geo
         written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
         self.control.after_forward(
@@ -218,7 +217,7 @@ class _Run:
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self._touch(cached, touch_from, -(-end // g.block_size))
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payload_bytes, self.clock.now())
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
@@ -233,11 +232,6 @@ class _Run:
     def _superseded(self, new_key: object, older: list[object]) -> None:
         self.older.update(older)
         self.older.discard(new_key)
-
-    def _touch(self, cached: CacheRequest[int], first: int, end: int) -> None:
-        """Make blocks ``[first, end)`` of a request the most recently used device blocks, the first one last."""
-        blocks = cached.blocks
-        self.device.touch([(blocks[i], self.geo.payload_bytes(i)) for i in range(end - 1, first - 1, -1)])
 
     # --- totals ---
 

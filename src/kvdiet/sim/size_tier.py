@@ -78,8 +78,7 @@ class SizeTier:
         return [self.entries.get(k, now) for k in keys]
 
     def put_many(self, items: Sequence[tuple[Hashable, Sequence[int] | None, int]]) -> int:
-        now = self.clock.now()
-        return sum(self.entries.put(k, size, size, now) for k, _, size in items)
+        return self.entries.put_many([(k, size, size) for k, _, size in items], self.clock.now())
 
     def discard_many(self, keys: Sequence[Hashable]) -> int:
         """Drop each held key (a superseded snapshot); returns how many were held."""
@@ -89,13 +88,6 @@ class SizeTier:
     def contains_prefix(self, keys: Sequence[Hashable]) -> int:
         self.entries.expire(self.clock.now())
         return next((i for i, k in enumerate(keys) if k not in self.entries), len(keys))
-
-    def touch(self, items: list[tuple[Hashable, int]]) -> None:
-        """Make each ``(key, size)`` the most recently used, in order, putting absent ones (the device pool's
-        LRU order)."""
-        now = self.clock.now()
-        for key, size in items:
-            self.entries.touch(key, size, size, now)
 
     def expire(self) -> None:
         """Drop what has expired by now (so resident bytes are exact at a sample)."""
