@@ -175,3 +175,17 @@ def test_admit_counts_the_lookup_and_gives_the_provenance() -> None:
     assert (s.persistent.query_tokens, s.persistent.hit_tokens) == (20, 12)
     assert (s.swa_pool.query_tokens, s.swa_pool.hit_tokens) == (8, 0)
     assert req.persisted == 5
+
+
+def test_no_state_is_captured_within_the_receptive_field_of_a_bounded_replay() -> None:
+    # W = 8, L = 3: the replay from 12 leaves approximate windows until 12 + 8 + 2 × 7 = 34
+    for n, stored, held in [(30, [], None), (40, [36], 40)]:  # prompt boundaries 28 (tainted), 36 (exact)
+        pool = FakeTier()
+        c = _control("bounded-replay", FakeTier(), pool)
+        req = CacheRequest(n, list(range(n // BS + 1)))
+        c.admit(req, RestorePlan(20, None, None, 12, clipped=True), device_blocks=5, loaded_blocks=0)
+        snaps: list[int] = []
+        _forward(c, req, 12, n, snaps)
+        assert snaps == stored + ([held] if held else []), n
+        assert [k[1] for k in pool.writes] == [p // BS - 1 for p in stored]  # 40 waits for the finish
+        assert (req.held[0] if req.held else None) == held

@@ -7,7 +7,7 @@ model-free simulator (`kvdiet.sim.model_free`) with sizes. A request goes throug
 
 1. `ControlPlane.usable_blocks` — how many prompt blocks may hit (the last token is always computed);
    the executor takes the longest prefix of them from its device pool;
-2. `ControlPlane.load` (`LoadBlocks`) — the run of the next blocks the persistent tier's index holds, read in
+2. `ControlPlane.load` — the run of the next blocks the persistent tier's index holds, read in
    batches; the executor accepts each payload into its device pool until a read misses or the pool is full;
 3. `ControlPlane.plan` — the policy's `RestorePlan` at the hit, probing the tier the policy keeps window
    state in, and the window action: `RestoreWindow` (payloads fetched) or `Replay`; on a payload that
@@ -180,7 +180,7 @@ class ControlPlane(Generic[V]):
         return (prompt_tokens - 1) // self.geometry.block_size if self.prefix_caching else 0
 
     def load(self, req: CacheRequest[V], first: int, end: int, accept: Callable[[int, V], bool]) -> int:
-        """Load blocks ``[first, end)`` of ``req`` from the persistent tier (`LoadBlocks`): the run its index
+        """Load blocks ``[first, end)`` of ``req`` from the persistent tier: the run its index
         holds, read `LOAD_BATCH` at a time; ``accept(i, payload)`` takes block ``i`` into the device pool and
         returns False when it cannot (pool full). Stops at the first miss, wrong-sized payload or refusal;
         returns how many blocks were accepted."""
@@ -311,16 +311,20 @@ class ControlPlane(Generic[V]):
         Writes blocks ``[req.persisted, end // B)`` through to the persistent tier (``block(i)`` gives block
         i's payload; under ``full-store``, ``window_block(i)`` its window entries or None), then captures the
         window state at each block boundary in ``(start, end]`` the policy keeps: ``snapshot(pos)`` is the
-        state at ``pos``. A
-        restored hit is not captured again (positions ≤ H are never reached), nor is a bounded replay's state
-        at H (approximate).
+        state at ``pos``. A restored hit is not captured again (positions ≤ H are never reached). After a
+        bounded (clipped) replay from S, no state is captured before ``S + W + (L−1)(W−1)``: the windows there
+        still read the entries the replay computed without their history (approximate), and a stored state
+        is restored as exact.
         """
         bs, full = self.geometry.block_size, end // self.geometry.block_size
         if full > req.persisted:
             self._write_through(req, full, block, window_block)
-        plan, boundary = req.plan, prompt_boundary(req.prompt_tokens, bs)
+        plan, boundary, g = req.plan, prompt_boundary(req.prompt_tokens, bs), self.geometry
+        exact_from = plan.hit_tokens
+        if plan.clipped:  # the receptive field of L window layers past the replay start (vLLM PR #57281)
+            exact_from = max(exact_from, plan.replay_start + g.window + (g.num_layers - 1) * (g.window - 1))
         for pos in range((start // bs + 1) * bs, end + 1, bs):
-            if pos < plan.hit_tokens or (plan.clipped and pos == plan.hit_tokens):
+            if pos < exact_from or (plan.clipped and pos == plan.hit_tokens):
                 continue
             capture = self.policy.capture_at(pos, prompt_boundary=boundary)
             if capture is Capture.NOW:

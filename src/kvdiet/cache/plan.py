@@ -3,7 +3,7 @@
 Plain data, no tensors. Given the global-KV hit ``H`` (tokens, a block multiple) and which stored window
 states exist, each policy's `kvdiet.cache.policies.SwaPolicy.plan` gives a `RestorePlan`: which global KV to
 adopt, which window state to load and which tokens to recompute. `kvdiet.cache.control.ControlPlane` turns
-lookups into plans and plans into actions (`LoadBlocks`, `RestoreWindow`, `Replay`, `Capture`); the engine's
+lookups into plans and plans into window actions (`RestoreWindow`, `Replay`); the engine's
 runner executes them with tensors, the simulator with byte sizes. `Provenance` is what both report per request.
 
 | policy | window state at H | fallback |
@@ -30,7 +30,6 @@ V = TypeVar("V")
 
 __all__ = [
     "COLD",
-    "LoadBlocks",
     "Provenance",
     "Replay",
     "RestorePlan",
@@ -88,15 +87,6 @@ def exact_recompute_start(hit_tokens: int, window: int, num_layers: int, align: 
     """``H − (W + (L−1)(W−1))`` aligned down to ``align``, clamped at 0 (vLLM PR #57281's exact window)."""
     start = max(0, hit_tokens - (window + (num_layers - 1) * (window - 1)))
     return start - start % align
-
-
-@dataclass(frozen=True, slots=True)
-class LoadBlocks:
-    """Load blocks ``[first, end)`` of the prompt (block indices) from the persistent tier into the device
-    pool: the index holds them now; a read may still miss, which ends the load there."""
-
-    first: int
-    end: int
 
 
 @dataclass(frozen=True, slots=True)

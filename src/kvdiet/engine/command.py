@@ -154,17 +154,17 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     request = check_request(model, ids, params)  # once, before any pool is allocated
-    cache = ModelRunner(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
-    with cache:
+    runner = ModelRunner(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    with runner:
         result = generate_prepared(
             model,
             request,
-            cache=cache,
+            cache=runner,
             chunk_size=args.chunk_size,
             progress=True,
             progress_interval_s=args.progress_interval,
         )
-        stats = cache.stats.as_dict()
+        stats = runner.stats.as_dict()
     cache = result.cache
     summary = {
         "model": args.model,
@@ -182,7 +182,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         "window_bytes": cache.window_bytes,
         "compressor_tail_bytes": cache.tail_bytes,
         "total_cache_bytes": cache.total_bytes,
-        "decoder_replay": not args.no_decoder_replay,
+        "decoder_replay": runner.decoder_replay,
         "swa_policy": args.swa_policy,
         **_weights_summary(model, args),
         "provenance": result.provenance.as_dict(),
