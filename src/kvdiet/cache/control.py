@@ -147,10 +147,11 @@ class ControlPlane(Generic[V]):
         swa_pool: the SWA pool (None: none; bounded-replay then always replays).
         device: the device pool's counters (query and hit tokens are counted here).
         prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
-        supersede: a newer SWA-pool snapshot of a chain replaces the older ones this request restored or
-            stored (``swa_pool.discard_many``), so a session keeps one snapshot in the pool, its newest.
-        on_supersede: called with ``(new_key, older_keys)`` whenever a request stores a pool snapshot newer
-            than others of its chain (with or without ``supersede``): how a caller measures restores of a
+        supersede: a request's prompt-end SWA-pool snapshot replaces the one it restored
+            (``swa_pool.discard_many``), so a session keeps its newest turn's snapshot. The output-end snapshot
+            (stored at finish) replaces nothing: the next turn may continue from either end.
+        on_supersede: called with ``(new_key, older_keys)`` whenever a request's prompt-end pool snapshot
+            follows one of its chain (with or without ``supersede``): how a caller measures restores of a
             snapshot that was no longer its chain's newest.
     """
 
@@ -356,7 +357,7 @@ class ControlPlane(Generic[V]):
         if req.held is not None:
             pos, value = req.held
             req.held = None
-            self._store_snapshot(req, pos, value)
+            self._store_snapshot(req, pos, value, supersedes=False)
 
     def _snapshot_kind(self) -> KeyKind | None:
         store = self.policy.store
@@ -367,14 +368,14 @@ class ControlPlane(Generic[V]):
     def _snapshot_tier(self) -> Tier[V] | None:
         return self.swa_pool if self.policy.store is WindowSource.SWA_POOL else self.persistent
 
-    def _store_snapshot(self, req: CacheRequest[V], pos: int, value: V) -> None:
+    def _store_snapshot(self, req: CacheRequest[V], pos: int, value: V, *, supersedes: bool = True) -> None:
         kind, tier = self._snapshot_kind(), self._snapshot_tier()
         if kind is None or tier is None:
             return
         i = pos // self.geometry.block_size - 1
         tokens = None if req.block_tokens is None or tier is not self.persistent else req.block_tokens[i]
         key = self.keys.key(req.blocks[i], kind)
-        pooled = kind is KeyKind.POOL_SNAPSHOT
+        pooled = kind is KeyKind.POOL_SNAPSHOT and supersedes
         older = [k for k in req.pool_snapshots if k != key] if pooled else []
         if older and self.supersede:
             tier.discard_many(older)  # replaced, never held beside the newer one
