@@ -5,8 +5,8 @@ Two traces, measured in one run:
 - ``mooncake``: the Mooncake conversation trace (12,031 requests, 1 h of Kimi traffic, 512-token blocks),
   expected at ``../shared/traces/mooncake/conversation_trace.jsonl`` (github.com/kvcache-ai/Mooncake,
   ``FAST25-release/traces/``); skipped when absent;
-- ``agentic``: a deterministic generator of coding-agent traffic sized like real sessions (`agentic_trace`:
-  ~13K requests, ~115K-token prompts on average, the whole growing context resent every few seconds,
+- ``agentic``: a deterministic generator of coding-agent traffic (`agentic_trace`: 13K requests, prompts of
+  84K tokens on average — real sessions average ~115K — the whole growing context resent every few seconds,
   sub-agents forking off a session's prefix, 64-token blocks, one id per full block).
 
 For each: the read (or generation), the infinite-cache pass (`infinite_cache_hit_ratio`, the least work any
