@@ -77,6 +77,9 @@ def test_model_free_json_is_deterministic_and_the_report_is_written(tmp_path: Pa
     assert "## Policy comparison" in md and "GPU-seconds = FLOPs / (H200" in md and "## Findings" in md
     assert "{" not in md and "| input_tokens: total | " in md  # nested figures as rows, no raw dicts
     assert "persistent unbounded TTL 72 h" in md and "SWA pool 200.00 GB TTL 5 min" in md
+    # every run split by context regime (the trace's prompts are all ≤ 32K), no kind in this trace
+    assert "## Policy comparison by context-length regime" in md and "by traffic kind" not in md
+    assert md.count("| ≤32K |") == len(second["runs"])
     # global KV only, written at the same times, under exact-recompute and both checkpoints: one line, noted
     assert (
         "Identical lines, each drawn once: checkpoint:4096 @ deepseek-v4.1-flash = checkpoint:16384 @ "

@@ -29,7 +29,7 @@ from kvdiet.sim.records import SimResult
 from kvdiet.sim.study import Study
 from kvdiet.units import format_bytes, format_duration
 
-__all__ = ["ENGINE_COLUMNS", "comparison_rows", "engine_row", "write_report"]
+__all__ = ["ENGINE_COLUMNS", "comparison_rows", "engine_row", "split_rows", "write_report"]
 
 _RESTORED = (WindowSource.SWA_POOL, WindowSource.PERSISTENT, WindowSource.WINDOW_BLOCKS)
 """Window sources that restore stored state (the others replay or start cold)."""
@@ -59,6 +59,28 @@ def comparison_rows(runs: list[SimResult]) -> list[dict[str, object]]:
                 "prefill GPU-s": f"{s['prefill_gpu_s']:,.0f}",
             }
         )
+    return rows
+
+
+def split_rows(runs: list[SimResult], split: str) -> list[dict[str, object]]:
+    """One row per run and group of ``split`` (``by_regime``, ``by_kind``, ``by_session``): which policy wins
+    for which part of the traffic (`kvdiet.sim.breakdown`); none when the runs do not carry the split."""
+    rows = []
+    for r in runs:
+        for group, g in r.summary.get(split, {}).items():
+            rows.append(
+                {
+                    "run": r.config.label,
+                    "group": group,
+                    "requests": f"{g['requests']:,}",
+                    "hit": f"{g['hit_ratio']:.1%}",
+                    "restores": f"{g['restores']:,}",
+                    "replays": f"{g['replays']:,}",
+                    "recomputed tokens": f"{g['recomputed_tokens']:,}",
+                    "persistent written": format_bytes(g["persistent_bytes_written"]),
+                    "SWA pool written": format_bytes(g["swa_pool_bytes_written"]),
+                }
+            )
     return rows
 
 
@@ -165,6 +187,11 @@ def write_report(
             md.append("\n## Findings\n")
             md.append(_facts_text(facts))
         hits = plot_hits(runs, arrivals_s, out / "hit_rate_over_time.png")
+        for split, title in (("by_regime", "context-length regime"), ("by_kind", "traffic kind")):
+            rows = split_rows(runs, split)
+            if rows:
+                md.append(f"\n## Policy comparison by {title}\n")
+                md.append(_table(rows))
         md.append(f"\n![hit rate over time]({hits})\n")
         md.append(f"\n![persistent bytes]({plot_persistent(runs, out / 'persistent_bytes.png')})\n")
         same = [labels for labels, _ in persistent_lines(runs) if len(labels) > 1]
