@@ -319,7 +319,7 @@ def test_kvdiet_replay_refuses_session_start_for_other_formats(tmp_path: Path, c
 
 
 @needs_sample
-def test_kvdiet_replay_on_the_sample(capsys) -> None:
+def test_kvdiet_replay_on_the_sample(tmp_path: Path, capsys) -> None:
     argv = [
         "replay",
         str(SAMPLE),
@@ -330,9 +330,16 @@ def test_kvdiet_replay_on_the_sample(capsys) -> None:
         "--sweep",
         "none",
     ]
-    assert main([*argv, "--json", "--jobs", "1"]) == 0
+    assert main([*argv, "--json", "--jobs", "1", "--report", str(tmp_path / "out")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["trace"]["requests"] == 49 and out["trace"]["skipped_lines"] == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert (
+        "## Per session (bounded-replay @ deepseek-v4.1-flash)" in md
+        and "## Policy comparison by traffic kind" in md
+    )
+    for session in ("sample-1", "sample-2", "sample-3"):
+        assert f"| {session} |" in md
     (run,) = out["runs"]
     assert run["summary"]["hit_ratio"] > 0.8  # each session resends its growing context
     split = run["summary"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiet.cache.plan import WindowSource
+from kvdiet.cache.policies import BoundedReplay
 from kvdiet.sim.engine_mode import EngineModeResult
 from kvdiet.sim.plots import (
     persistent_lines,
@@ -192,6 +193,11 @@ def write_report(
             if rows:
                 md.append(f"\n## Policy comparison by {title}\n")
                 md.append(_table(rows))
+        headline = next((r for r in runs if isinstance(r.config.policy, BoundedReplay)), runs[0])
+        sessions = split_rows([headline], "by_session")
+        if sessions:
+            md.append(f"\n## Per session ({headline.config.label})\n")
+            md.append(_table([{k: v for k, v in row.items() if k != "run"} for row in sessions]))
         md.append(f"\n![hit rate over time]({hits})\n")
         md.append(f"\n![persistent bytes]({plot_persistent(runs, out / 'persistent_bytes.png')})\n")
         same = [labels for labels, _ in persistent_lines(runs) if len(labels) > 1]
