@@ -130,8 +130,6 @@ class TtlLru(Generic[V]):
     def put(self, key: Hashable, value: V, size: int, now: float) -> bool:
         """Store ``value`` (``size`` bytes) under ``key`` at ``now``; False when refused (larger than the
         budget). A live key is replaced (``refresh``) or kept as it is (True, nothing written)."""
-        if self.capacity is not None and size > self.capacity:
-            return False
         self.expire(now)
         return self._put(key, value, size, now)
 

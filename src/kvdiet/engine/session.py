@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiet.cache.control import CacheRequest
-from kvdiet.cache.plan import Provenance, RestorePlan
+from kvdiet.cache.plan import Provenance
 from kvdiet.engine.window_blocks import WindowBlockLog
 from kvdiet.model.state import RequestState
 
@@ -38,8 +38,3 @@ class Session:
     cache: CacheRequest[bytes]
     window_log: WindowBlockLog | None = None
     done: bool = field(default=False)
-
-    @property
-    def plan(self) -> RestorePlan:
-        """The restore plan adopted at start."""
-        return self.cache.plan

@@ -170,7 +170,7 @@ class _Run:
         plan, window = control.plan(cached, d + loaded)
         result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
         self.results.append(result)
-        groups = Breakdown.keys(n, getattr(req, "kind", None), getattr(req, "session", None))
+        groups = Breakdown.keys(n, req.kind, req.session)
         self.breakdown.add_request(groups, result)
 
         hit, adopted = (d + loaded) * bs, plan.hit_tokens
@@ -288,9 +288,7 @@ class _Run:
             **tier_bytes(self.persistent, "persistent", span),
             **tier_bytes(self.swa, "swa_pool", span),
             "span_s": round(span, 3),
-            "device_blocks": self.device.capacity // g.block_bytes
-            if self.device.capacity
-            else 0,  # mean size
+            "device_blocks": self.device.capacity // g.block_bytes,  # mean size
             "block_bytes": g.block_bytes,
             "snapshot_bytes": self.snapshot_bytes,
             "cost_formula": self.cost.formula,

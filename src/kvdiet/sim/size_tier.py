@@ -61,10 +61,6 @@ class SizeTier:
         self.clock = clock
 
     @property
-    def capacity(self) -> int | None:
-        return self.entries.capacity
-
-    @property
     def nbytes(self) -> int:
         return self.entries.nbytes
 
