@@ -249,9 +249,8 @@ class ModelRunner:
             restore_snapshot(state, window.payloads[0], self.fingerprint)
 
     def _logs_window_blocks(self) -> bool:
-        return self.options.policy.store is WindowSource.WINDOW_BLOCKS and bool(
-            self.persistent and self.persistent.enabled
-        )
+        store = self.persistent  # not bool(store): an empty store has len 0
+        return self.options.policy.store is WindowSource.WINDOW_BLOCKS and store is not None and store.enabled
 
     def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int = 1) -> int:
         """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
