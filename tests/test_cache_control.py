@@ -51,7 +51,9 @@ def _forward(c: ControlPlane, req: CacheRequest, start: int, end: int, snaps: li
         snaps.append(pos)
         return 50
 
-    c.after_forward(req, start, end, block=lambda i: 100, window_block=lambda i: 30, snapshot=snapshot)
+    c.after_forward(
+        req, start, end, blocks=lambda i, j: [100] * (j - i), window_block=lambda i: 30, snapshot=snapshot
+    )
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvdiet.cache.policies import Checkpoint, parse_policy
@@ -47,3 +49,32 @@ def test_recompute_tokens(spec: CacheSpec) -> None:
     assert parse_policy("checkpoint:256").recompute_tokens(spec, 10_000) == 255
     assert parse_policy("checkpoint:8192").recompute_tokens(spec, 10_000) == 5_081  # never past exact
     assert parse_policy("full-store").recompute_tokens(spec, 10_000) == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bounded-replay",
+        "boundary-snapshot",
+        "full-store",
+        "exact-recompute",
+        "checkpoint:96",
+        "checkpoint:64",
+    ],
+)
+def test_capture_candidates_are_exactly_the_boundaries_capture_at_answers(name: str) -> None:
+    """A forward's end checks only `capture_candidates`: every block boundary where `capture_at` answers
+    must be among them, and each of them must be a block boundary in the range."""
+    policy, rng = parse_policy(name), random.Random(name)
+    for _ in range(300):
+        bs = rng.choice([16, 32, 64])
+        lo = rng.randint(0, 40) * bs
+        hi = lo + rng.randint(0, 60) * bs + rng.randint(0, bs - 1)
+        boundary = rng.randint(0, 80) * bs
+        answers = [
+            p for p in range(lo, hi + 1, bs) if policy.capture_at(p, prompt_boundary=boundary) is not None
+        ]
+        candidates = list(policy.capture_candidates(lo, hi, block_size=bs, prompt_boundary=boundary))
+        assert set(answers) <= set(candidates), (bs, lo, hi, boundary)
+        assert all(lo <= p <= hi and p % bs == 0 for p in candidates)
+        assert candidates == sorted(candidates)

@@ -11,8 +11,8 @@ import pytest
 from kvdiet.sim.device_tree import DeviceTree
 
 
-def _ten(i: int) -> int:
-    return 10
+def _ten(first: int, end: int) -> list[int]:
+    return [10] * (end - first)
 
 
 def test_the_least_recently_used_leaf_goes_first_and_its_parent_inherits_its_time() -> None:
@@ -39,7 +39,7 @@ def test_match_is_the_held_prefix() -> None:
 
 def test_a_block_larger_than_the_budget_ends_the_chain() -> None:
     d = DeviceTree(25)
-    d.use([1, 2, 3], 3, lambda i: 30 if i == 1 else 10, 0.0)
+    d.use([1, 2, 3], 3, lambda a, b: [30 if i == 1 else 10 for i in range(a, b)], 0.0)
     assert (1 in d, 2 in d, 3 in d) == (True, False, False) and d.nbytes == 10
 
 
@@ -64,14 +64,26 @@ class _ListLru:
             self.items.move_to_end(b)
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _chains(rng: random.Random, n: int) -> list[list[int]]:
+    """Chained ids that branch: each new chain keeps a prefix of an earlier one (a shared system prompt, a
+    sub-agent forking off its session) and continues with ids of its own."""
+    chains, fresh = [], iter(range(1, 10**6))
+    for _ in range(n):
+        keep = rng.choice(chains)[: rng.randint(0, 12)] if chains and rng.random() < 0.7 else []
+        chains.append(keep + [next(fresh) for _ in range(rng.randint(1, 25))])
+    return chains
+
+
+@pytest.mark.parametrize("seed", range(12))
 def test_the_same_blocks_as_a_per_block_lru_freeing_chains_tail_first(seed: int) -> None:
     rng = random.Random(seed)
-    chains = [[c * 1000 + i for i in range(rng.randint(3, 30))] for c in range(8)]
+    chains = _chains(rng, 10)
+    every = {b for c in chains for b in c}
     tree, ref = DeviceTree(400), _ListLru(400)
-    for step in range(300):
+    for step in range(400):
         chain = rng.choice(chains)
         end = rng.randint(1, len(chain))
         tree.use(chain, end, _ten, float(step))
         ref.use(chain, end)
-        assert {b for c in chains for b in c if b in tree} == set(ref.items), step
+        assert {b for b in every if b in tree} == set(ref.items), step
+        assert tree.nbytes == 10 * len(ref.items) == 10 * len(tree)

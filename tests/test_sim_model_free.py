@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdiet.cache.control import Geometry
+from kvdiet.cache.keys import KeyKind
 from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
@@ -47,10 +48,12 @@ def test_the_size_tier_answers_like_the_in_process_swa_pool(seed: int) -> None:
         key = rng.randrange(12)
         if rng.random() < 0.5:
             size = rng.choice([100, 250, 400, 1200])
-            assert real.put_many([(bytes([key]), None, bytes(size))]) == sim.put_many([(key, None, size)])
+            assert real.put_many([(bytes([key]), None, bytes(size))]) == sim.put_many(
+                [((KeyKind.POOL_SNAPSHOT, key), None, size)]
+            )
         else:
             got = real.get_many([bytes([key])])[0]
-            assert (None if got is None else len(got)) == sim.get_many([key])[0]
+            assert (None if got is None else len(got)) == sim.get_many([(KeyKind.POOL_SNAPSHOT, key)])[0]
         real.sweep()
         sim.expire()
         assert (len(real), real.nbytes) == (len(sim), sim.nbytes)
@@ -72,12 +75,14 @@ def test_the_size_tier_keeps_the_persistent_tiers_ttl_and_lru_rules(tmp_path: Pa
         sim = SizeTier(2 * file_size, 10.0, refresh=False, clock=clock)
 
         def put(i: int) -> None:
-            assert real.put_many([(key[i], toks[i], bytes(100))]) == sim.put_many([(i, None, file_size)])
+            assert real.put_many([(key[i], toks[i], bytes(100))]) == sim.put_many(
+                [((KeyKind.BLOCK, i), None, file_size)]
+            )
 
         def live(i: int) -> bool:
-            assert real.contains_prefix([key[i]]) == sim.contains_prefix([i])
+            assert real.contains_prefix([key[i]]) == sim.contains_prefix([(KeyKind.BLOCK, i)])
             got = real.get_many([key[i]], [toks[i]])[0] is not None
-            assert got == (sim.get_many([i])[0] is not None)
+            assert got == (sim.get_many([(KeyKind.BLOCK, i)])[0] is not None)
             return got
 
         put(0)

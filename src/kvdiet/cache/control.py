@@ -106,6 +106,13 @@ class Geometry:
         """Global KV bytes of block ``block`` (0-based) of a request."""
         return self.block_cycle[block % len(self.block_cycle)] if self.block_cycle else self.block_bytes
 
+    def payloads(self, first: int, end: int) -> list[int]:
+        """`payload_bytes` of blocks ``[first, end)``."""
+        if not self.block_cycle:
+            return [self.block_bytes] * max(0, end - first)
+        cycle = self.block_cycle
+        return [cycle[i % len(cycle)] for i in range(first, end)]
+
 
 @dataclass(slots=True)
 class CacheRequest(Generic[V]):
@@ -188,7 +195,7 @@ class ControlPlane(Generic[V]):
         tier = self.persistent
         if tier is None or first >= end:
             return 0
-        keys = [self.keys.key(b, KeyKind.BLOCK) for b in req.blocks[first:end]]
+        keys = self.keys.keys(req.blocks[first:end], KeyKind.BLOCK)
         present = tier.contains_prefix(keys)
         done = 0
         for s in range(0, present, LOAD_BATCH):
@@ -303,28 +310,30 @@ class ControlPlane(Generic[V]):
         start: int,
         end: int,
         *,
-        block: Callable[[int], V],
+        blocks: Callable[[int, int], Sequence[V]],
         window_block: Callable[[int], V | None],
         snapshot: Callable[[int], V],
     ) -> None:
         """A forward computed positions ``[start, end)`` of ``req`` (whose ``blocks`` cover ``end // B``).
 
-        Writes blocks ``[req.persisted, end // B)`` through to the persistent tier (``block(i)`` gives block
-        i's payload; under ``full-store``, ``window_block(i)`` its window entries or None), then captures the
-        window state at each block boundary in ``(start, end]`` the policy keeps: ``snapshot(pos)`` is the
-        state at ``pos``. A restored hit is not captured again (positions ≤ H are never reached). After a
+        Writes blocks ``[req.persisted, end // B)`` through to the persistent tier (``blocks(i, j)`` gives the
+        payloads of blocks ``[i, j)``; under ``full-store``, ``window_block(i)`` block i's window entries or
+        None), then captures the window state at each block boundary in ``(start, end]`` the policy keeps:
+        ``snapshot(pos)`` is the state at ``pos``. A restored hit is not captured again (positions ≤ H are
+        never reached). After a
         bounded (clipped) replay from S, no state is captured before ``S + W + (L−1)(W−1)``: the windows there
         still read the entries the replay computed without their history (approximate), and a stored state
         is restored as exact.
         """
         bs, full = self.geometry.block_size, end // self.geometry.block_size
         if full > req.persisted:
-            self._write_through(req, full, block, window_block)
+            self._write_through(req, full, blocks, window_block)
         plan, boundary, g = req.plan, prompt_boundary(req.prompt_tokens, bs), self.geometry
         exact_from = plan.hit_tokens
         if plan.clipped:  # the receptive field of L window layers past the replay start (vLLM PR #57281)
             exact_from = max(exact_from, plan.replay_start + g.window + (g.num_layers - 1) * (g.window - 1))
-        for pos in range((start // bs + 1) * bs, end + 1, bs):
+        lo = (start // bs + 1) * bs
+        for pos in self.policy.capture_candidates(lo, end, block_size=bs, prompt_boundary=boundary):
             if pos < exact_from or (plan.clipped and pos == plan.hit_tokens):
                 continue
             capture = self.policy.capture_at(pos, prompt_boundary=boundary)
@@ -337,18 +346,22 @@ class ControlPlane(Generic[V]):
         self,
         req: CacheRequest[V],
         full: int,
-        block: Callable[[int], V],
+        blocks: Callable[[int, int], Sequence[V]],
         window_block: Callable[[int], V | None],
     ) -> None:
-        tier = self.persistent
+        tier, first = self.persistent, req.persisted
         if tier is not None:
-            items = []
-            for i in range(req.persisted, full):
-                tokens = None if req.block_tokens is None else req.block_tokens[i]
-                items.append((self.keys.key(req.blocks[i], KeyKind.BLOCK), tokens, block(i)))
-                rows = window_block(i) if self.policy.store is WindowSource.WINDOW_BLOCKS else None
-                if rows is not None:
-                    items.append((self.keys.key(req.blocks[i], KeyKind.WINDOW_BLOCK), tokens, rows))
+            ids = req.blocks[first:full]
+            tokens = [None] * len(ids) if req.block_tokens is None else req.block_tokens[first:full]
+            items = list(zip(self.keys.keys(ids, KeyKind.BLOCK), tokens, blocks(first, full), strict=True))
+            if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
+                window_keys = self.keys.keys(ids, KeyKind.WINDOW_BLOCK)
+                kv, items = items, []
+                for i, item in enumerate(kv):
+                    items.append(item)
+                    rows = window_block(first + i)
+                    if rows is not None:
+                        items.append((window_keys[i], item[1], rows))
             tier.put_many(items)
         req.persisted = full
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from itertools import repeat
 from typing import Protocol
 
 __all__ = ["HashKeys", "KeyKind", "KeyScheme", "TupleKeys"]
@@ -35,6 +36,10 @@ class KeyScheme(Protocol):
 
     def key(self, block: Hashable, kind: KeyKind) -> Hashable: ...
 
+    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> list[Hashable]:
+        """`key` of each block, in order."""
+        ...
+
 
 class HashKeys:
     """The engine's keys: 32-byte ``blake2b`` digests of the chained block hash.
@@ -53,6 +58,9 @@ class HashKeys:
         tag = self.window_tag if kind in (KeyKind.SNAPSHOT, KeyKind.POOL_SNAPSHOT) else b""
         return hashlib.blake2b(block, digest_size=32, person=b"kvdiet-" + kind.encode() + tag).digest()
 
+    def keys(self, blocks: Sequence[bytes], kind: KeyKind) -> list[bytes]:
+        return list(blocks) if kind is KeyKind.BLOCK else [self.key(b, kind) for b in blocks]
+
 
 class TupleKeys:
     """The simulator's keys: ``(kind, block)`` tuples (the kind is what `kvdiet.cache.ttl_lru.TtlLru`
@@ -60,3 +68,6 @@ class TupleKeys:
 
     def key(self, block: Hashable, kind: KeyKind) -> tuple[KeyKind, Hashable]:
         return (kind, block)
+
+    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> list[tuple[KeyKind, Hashable]]:
+        return list(zip(repeat(kind), blocks))

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat, takewhile
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import TierCounters
@@ -70,7 +71,8 @@ class TtlLru(Generic[V]):
         self._items: OrderedDict[Hashable, tuple[V, int, float]] = (
             OrderedDict()
         )  # key → value, size, deadline
-        self._deadlines: deque[tuple[float, Hashable]] = deque()  # write order = deadline order
+        # (deadline, keys written together), in write order = deadline order
+        self._deadlines: deque[tuple[float, Sequence[Hashable]]] = deque()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -91,14 +93,15 @@ class TtlLru(Generic[V]):
     def expire(self, now: float) -> int:
         """Drop every entry whose deadline is ≤ ``now`` (its bytes counted in ``byte_seconds`` up to the
         deadline); returns how many (also counted)."""
-        dq, dead = self._deadlines, 0
+        dq, dead, items = self._deadlines, 0, self._items
         while dq and dq[0][0] <= now:
-            deadline, key = dq.popleft()
-            item = self._items.get(key)
-            if item is not None and item[2] == deadline:  # not rewritten since
-                self._accrue(deadline)
-                self._drop(key)
-                dead += 1
+            deadline, keys = dq.popleft()
+            self._accrue(deadline)
+            for key in keys:
+                item = items.get(key)
+                if item is not None and item[2] == deadline:  # not rewritten since
+                    self._drop(key)
+                    dead += 1
         self._accrue(now)
         self.counters.expirations += dead
         return dead
@@ -127,6 +130,27 @@ class TtlLru(Generic[V]):
         c.bytes_read += item[1]
         return item[0]
 
+    def get_many(self, keys: Sequence[Hashable], now: float) -> list[V | None]:
+        """`get` of each key at ``now`` (one expiry pass)."""
+        self.expire(now)
+        c, items, out = self.counters, self._items, []
+        c.lookups += len(keys)
+        for key in keys:
+            item = items.get(key)
+            if item is None:
+                out.append(None)
+                continue
+            items.move_to_end(key)
+            c.hits += 1
+            c.bytes_read += item[1]
+            out.append(item[0])
+        return out
+
+    def held_prefix(self, keys: Sequence[Hashable], now: float) -> int:
+        """How many leading ``keys`` are live at ``now`` (no LRU move, nothing counted)."""
+        self.expire(now)
+        return sum(1 for _ in takewhile(self._items.__contains__, keys))
+
     def put(self, key: Hashable, value: V, size: int, now: float) -> bool:
         """Store ``value`` (``size`` bytes) under ``key`` at ``now``; False when refused (larger than the
         budget). A live key is replaced (``refresh``) or kept as it is (True, nothing written)."""
@@ -150,7 +174,7 @@ class TtlLru(Generic[V]):
         deadline = math.inf if self.ttl is None else now + self.ttl
         items[key] = (value, size, deadline)
         if self.ttl is not None:
-            self._deadlines.append((deadline, key))
+            self._deadlines.append((deadline, (key,)))
         self.nbytes += size
         if self.kind is not None:
             k = self.kind(key)
@@ -165,11 +189,56 @@ class TtlLru(Generic[V]):
         self.counters.bytes_written += size
         return True
 
-    def put_many(self, items: list[tuple[Hashable, V, int]], now: float) -> int:
-        """`put` each ``(key, value, size)`` at ``now`` (one expiry pass); returns how many were stored."""
+    def put_many(
+        self, keys: Sequence[Hashable], values: Sequence[V], sizes: Sequence[int], now: float
+    ) -> int:
+        """`put` each ``keys[i]`` with ``values[i]`` of ``sizes[i]`` bytes at ``now`` (one expiry pass); returns
+        how many were stored.
+
+        Distinct new keys that fit without an eviction (a run of blocks written through) are stored at once:
+        the same entries, order, counts and peaks as one `put` after another (with nothing evicted, bytes
+        only grow during the batch, so every peak is reached at its end)."""
         self.expire(now)
+        if not keys:
+            return 0
+        total, cap = sum(sizes), self.capacity
+        if (
+            (cap is None or self.nbytes + total <= cap)
+            and self._items.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+        ):
+            self._put_new(keys, values, sizes, total, now)
+            return len(keys)
         put = self._put
-        return sum(put(key, value, size, now) for key, value, size in items)
+        return sum(put(key, value, size, now) for key, value, size in zip(keys, values, sizes, strict=True))
+
+    def _put_new(
+        self, keys: Sequence[Hashable], values: Sequence[V], sizes: Sequence[int], total: int, now: float
+    ) -> None:
+        """Store distinct keys none of which is held, known to fit the budget."""
+        deadline = math.inf if self.ttl is None else now + self.ttl
+        self._items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
+        if self.ttl is not None:
+            self._deadlines.append((deadline, tuple(keys)))
+        self.nbytes += total
+        if self.kind is not None:
+            kinds = list(map(self.kind, keys))
+            if len(set(kinds)) == 1:
+                added = {kinds[0]: total}
+            else:
+                added = {}
+                for k, n in zip(kinds, sizes, strict=True):
+                    added[k] = added.get(k, 0) + n
+            for k, n in added.items():
+                held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + n
+                self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)
+                self.kind_written[k] = self.kind_written.get(k, 0) + n
+        if self.nbytes > self.peak:
+            self.peak = self.nbytes
+            if self.kind is not None:
+                self.peak_kinds = dict(self.kind_bytes)
+        self.counters.entries_written += len(keys)
+        self.counters.bytes_written += total
 
     def discard(self, key: Hashable, now: float) -> bool:
         """Drop ``key`` if held (not counted as an eviction or expiry); whether it was."""

@@ -373,7 +373,7 @@ class ModelRunner:
             req,
             start,
             end,
-            block=lambda i: self.pool.read_block(state.table.ids[i]),
+            blocks=lambda i, j: [self.pool.read_block(b) for b in state.table.ids[i:j]],
             window_block=lambda i: log.pop(i) if log is not None else None,
             snapshot=snapshot,
         )

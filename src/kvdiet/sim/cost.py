@@ -138,7 +138,7 @@ class CostModel:
         return n
 
     @cached_property
-    def _classes(self) -> dict[int, tuple[float, tuple[tuple[int, int, int, bool], ...]]]:
+    def _classes(self) -> dict[int, tuple[int, tuple[tuple[int, int, int, bool], ...]]]:
         """Per layer set (0 every layer, 1 encoder, 2 decoder): linear FLOPs per token, and the attention
         classes ``(count, ratio, cap, owns_indexer)`` of its layers (few distinct ones)."""
         plan, cfg = self._plan, self.cfg
@@ -152,7 +152,7 @@ class CostModel:
                 cap = _ALL if info.role is Role.HCA else cfg.index_topk
                 sig = (info.compress_ratio, cap, info.owns_indexer)
                 counts[sig] = counts.get(sig, 0) + 1
-            linear = float(sum(self._layer_linear[i] for i in layers))
+            linear = sum(self._layer_linear[i] for i in layers)
             out[key] = (linear, tuple((k, *sig) for sig, k in sorted(counts.items())))
         return out
 
@@ -160,22 +160,33 @@ class CostModel:
         """FLOPs of queries at positions ``[a, b)`` through layer set ``which`` (see `_classes`)."""
         if b <= a:
             return 0.0
+        return float(self._cumulative(which, b) - self._cumulative(which, a))
+
+    @cached_property
+    def _memo(self) -> dict[tuple[int, int], int]:
+        return {}
+
+    def _cumulative(self, which: int, n: int) -> int:
+        """FLOPs of queries at positions ``[0, n)`` through layer set ``which`` (exact integer; memoised:
+        a trace's prompts end at the same positions again and again)."""
+        memo = self._memo
+        got = memo.get((which, n))
+        if got is not None:
+            return got
         c = self.cfg
         linear, classes = self._classes[which]
-        w = c.sliding_window
-        window_reads = _window_reads(b, w) - _window_reads(a, w)
+        window_reads = _window_reads(n, c.sliding_window)
         per_read = 4 * c.num_attention_heads * c.head_dim
         per_score = 2 * c.index_n_heads * c.index_head_dim
-        flops = linear * (b - a)
+        flops = linear * n
         for count, ratio, cap, indexer in classes:
-            reads = window_reads
-            if ratio:
-                reads += _sum_min_floor(b, cap, ratio) - _sum_min_floor(a, cap, ratio)
+            reads = window_reads + (_sum_min_floor(n, cap, ratio) if ratio else 0)
             layer = per_read * reads
             if indexer:
-                layer += per_score * (_sum_min_floor(b, _ALL, ratio) - _sum_min_floor(a, _ALL, ratio))
+                layer += per_score * _sum_min_floor(n, _ALL, ratio)
             flops += count * layer
-        return float(flops)
+        memo[(which, n)] = flops
+        return flops
 
     def prefill_flops(self, start: int, end: int, *, decoder_every_row: bool = False) -> float:
         """FLOPs to prefill positions ``[start, end)`` after ``start`` cached tokens (one chunk).
@@ -190,8 +201,14 @@ class CostModel:
         if not c.is_v41 or decoder_every_row or plan.decoder_start is None:
             return self._layers_flops(0, start, end) + head
         tail = max(start, end - c.sliding_window)
-        shared_kv = 2 * self._kv_params(plan[plan.decoder_start]) * (tail - start)
+        shared_kv = self._shared_kv_flops * (tail - start)
         return self._layers_flops(1, start, end) + shared_kv + self._layers_flops(2, tail, end) + head
+
+    @cached_property
+    def _shared_kv_flops(self) -> int:
+        """FLOPs per token of the decoder's shared KV projection (layer ``decoder_start``)."""
+        plan = self._plan
+        return 2 * self._kv_params(plan[plan.decoder_start])
 
     def replay_flops(self, start: int, end: int) -> float:
         """FLOPs to recompute the window state of positions ``[start, end)``: every layer, no LM head."""

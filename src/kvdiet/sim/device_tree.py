@@ -1,19 +1,23 @@
-"""`DeviceTree`: the simulator's device pool as a tree of chained blocks with LRU eviction of leaves, in time
-proportional to the blocks a request adds, not to its prompt's length.
+"""`DeviceTree`: the simulator's device pool as a radix tree of chained blocks with LRU eviction of leaves, in
+time proportional to the blocks a request adds or loses, not to its prompt's length.
 
 The engine's `kvdiet.cache.block_pool.BlockPool` frees a request's blocks last block first, so a prefix's head
 always outlives its tail, and a lookup takes a prefix from its root: the blocks held form a tree (a block's
-parent is the block before it in its chain) whose least recently used leaf is what the pool evicts next. This
-class keeps exactly that order without moving every block of a prompt on every request:
+parent is the block before it in its chain) whose least recently used leaf is what the pool evicts next.
+This class keeps exactly that order, one block at a time in effect, while storing runs:
 
-- a request's use of blocks ``[0, end)`` stamps only the last one (its ancestors' time is the newest of their
-  descendants', applied when a child is evicted and the parent becomes a leaf);
-- a lookup is a binary search over the request's chained ids (an id present implies its ancestors are):
-  O(log n) dictionary reads;
-- eviction pops the oldest leaf from a heap (stale heap entries are skipped): O(log n) per block evicted.
+- a *node* is a run of blocks with no branch inside it (a branch splits the node where it leaves); its
+  children hang off its last block;
+- a request's use of blocks ``[0, end)`` stamps only the last one (a *mark*); a block's time is the newest
+  mark at or below it in the tree, which is the time it takes on when everything after it is evicted;
+- a lookup is a binary search over the request's chained ids (an id present implies its ancestors are);
+- eviction pops the least recently used leaf node from a heap and drops blocks from its tail until enough
+  bytes are free, a mark makes the new tail newer (the node goes back on the heap), or the protected block
+  is reached; an emptied node hands its time to its parent.
 
-Ids name whole prefixes (chained, as trace hash ids are), so a block's parent is fixed when it is added.
-Sizes are bytes per block (`kvdiet.cache.control.Geometry.payload_bytes`); the budget is in bytes.
+Ids name whole prefixes (chained, as trace hash ids are), so a block's parent is fixed when it is added, and
+a block's position in its chain is known from the request that names it. Sizes are bytes per block
+(`kvdiet.cache.control.Geometry.payloads`); the budget is in bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +30,27 @@ from kvdiet.cache.counters import TierCounters
 
 __all__ = ["DeviceTree"]
 
-_ROOT = object()
+Stamp = tuple[float, int]
+_NEVER: Stamp = (float("-inf"), -1)  # a block no request ended at (yet)
+
+
+class _Node:
+    """A run of blocks: ``ids[k]`` is the block at chain position ``start + k``."""
+
+    __slots__ = ("ids", "kids", "live", "marks", "parent", "seq", "sizes", "start", "tail")
+
+    def __init__(self, parent: _Node | None, start: int, ids: list[Hashable], sizes: list[int]) -> None:
+        self.parent, self.start, self.ids, self.sizes = parent, start, ids, sizes
+        self.kids: set[_Node] = set()  # the nodes hanging off the last block
+        self.tail: Stamp = _NEVER  # the last block's time (marks at or after it, and evicted children's)
+        self.marks: list[tuple[int, Stamp]] = []  # max-heap by position (−pos) of marks before the last block
+        self.seq = -1  # the heap entry that is current for this node
+        self.live = True
+
+    @property
+    def end(self) -> int:
+        """Chain position after the last block."""
+        return self.start + len(self.ids)
 
 
 class DeviceTree:
@@ -40,94 +64,186 @@ class DeviceTree:
         self.capacity = capacity
         self.counters = TierCounters()
         self.nbytes = 0
-        self._parent: dict[Hashable, Hashable] = {}
-        self._children: dict[Hashable, int] = {}
-        self._size: dict[Hashable, int] = {}
-        self._stamp: dict[Hashable, tuple[float, int]] = {}  # (time, order): ties broken by use order
-        self._leaves: list[tuple[tuple[float, int], Hashable]] = []  # heap; stale entries skipped
+        self._node: dict[Hashable, _Node] = {}  # block → the node holding it
+        self._leaves: list[tuple[Stamp, int, _Node]] = []  # heap; entries no longer current are skipped
         self._order = itertools.count()
+        self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._size)
+        return len(self._node)
 
     def __contains__(self, block: Hashable) -> bool:
-        return block in self._size
+        return block in self._node
 
     def match(self, ids: Sequence[Hashable], limit: int) -> int:
         """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held)."""
+        held = self._node
         lo, hi = 0, limit  # ids[:lo] held; ids[hi:] not known held
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ids[mid - 1] in self._size:
+            if ids[mid - 1] in held:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def use(self, ids: Sequence[Hashable], end: int, size_of: Callable[[int], int], now: float) -> None:
-        """Blocks ``ids[:end]`` are in use at ``now``: those not held are added (block i is ``size_of(i)``
-        bytes; leaves are evicted to fit) and the last one becomes the most recently used, its ancestors with
-        it. Cost: a binary search, then the blocks added."""
+    def use(
+        self, ids: Sequence[Hashable], end: int, size_of: Callable[[int, int], list[int]], now: float
+    ) -> None:
+        """Blocks ``ids[:end]`` are in use at ``now``: those not held are added (``size_of(i, j)`` gives the
+        sizes of blocks ``[i, j)`` in bytes; leaves are evicted to fit, never the block the new ones hang
+        off) and the last one becomes the most recently used, its ancestors with it. A run that cannot fit
+        even with every other leaf evicted is added as far as it fits. Cost: a binary search, then the blocks
+        added and evicted."""
         if end <= 0:
             return
         first = self.match(ids, end)
-        parent = ids[first - 1] if first > 0 else _ROOT
-        for i in range(first, end):
-            if not self._add(ids[i], parent, size_of(i)):
-                end = i  # larger than the whole budget: the chain stops here
-                break
-            parent = ids[i]
+        if first < end:
+            parent = self._node[ids[first - 1]] if first > 0 else None
+            sizes = size_of(first, end)
+            big = next((k for k, n in enumerate(sizes) if n > self.capacity), None)
+            if (
+                big is not None
+            ):  # larger than the whole budget: the chain stops before it, nothing evicted for it
+                sizes = sizes[:big]
+            total = sum(sizes)
+            if self.nbytes + total > self.capacity:
+                self._evict(self.nbytes + total - self.capacity, parent, first - 1)
+            room, fit = self.capacity - self.nbytes, len(sizes)
+            if total > room:  # everything evictable is gone: the chain stops where the budget does
+                fit, total = 0, 0
+                while fit < len(sizes) and total + sizes[fit] <= room:
+                    total += sizes[fit]
+                    fit += 1
+            end = first + fit
+            if fit:
+                self._add(ids, first, end, sizes[:fit], total, parent)
         if end > 0:
-            self._stamp_leaf(ids[end - 1], now)
+            self._mark(self._node[ids[end - 1]], end - 1, (now, next(self._order)))
 
-    def _add(self, block: Hashable, parent: Hashable, size: int) -> bool:
-        if size > self.capacity:
-            return False
-        while self.nbytes + size > self.capacity:
-            if not self._evict(parent):  # the parent must stay while its child is added
-                return False
-        self._parent[block] = parent
-        self._children[block] = 0
-        self._size[block] = size
-        if parent is not _ROOT:
-            self._children[parent] += 1
-        self.nbytes += size
-        self.counters.entries_written += 1
-        self.counters.bytes_written += size
-        return True
+    # --- adding ---
 
-    def _stamp_leaf(self, block: Hashable, now: float) -> None:
-        stamp = (now, next(self._order))
-        self._stamp[block] = stamp
-        if self._children[block] == 0:
-            heapq.heappush(self._leaves, (stamp, block))
+    def _add(
+        self,
+        ids: Sequence[Hashable],
+        first: int,
+        end: int,
+        sizes: list[int],
+        total: int,
+        parent: _Node | None,
+    ) -> None:
+        """Hang ``ids[first:end]`` (none held) after chain position ``first − 1`` in ``parent``."""
+        run = list(ids[first:end])
+        if parent is not None and first < parent.end:  # a branch inside a run: split it there
+            self._split(parent, first)
+        if parent is not None and not parent.kids:  # the run continues a leaf: extend it
+            if parent.tail is not _NEVER:
+                heapq.heappush(parent.marks, (-(first - 1), parent.tail))
+            parent.tail = _NEVER
+            parent.seq = -1
+            parent.ids += run
+            parent.sizes += sizes
+            node = parent
+        else:
+            node = _Node(parent, first, run, sizes)
+            if parent is not None:
+                parent.kids.add(node)
+        self._node.update(zip(run, itertools.repeat(node)))
+        self.nbytes += total
+        self.counters.entries_written += len(run)
+        self.counters.bytes_written += total
 
-    def _evict(self, protect: Hashable) -> bool:
-        """Drop the least recently used leaf other than ``protect``; False when there is none."""
-        held, skipped = self._leaves, []
-        while held:
-            stamp, block = heapq.heappop(held)
-            if block not in self._size or self._children[block] or self._stamp.get(block) != stamp:
-                continue  # stale: gone, no longer a leaf, or used again since
-            if block == protect:
-                skipped.append((stamp, block))
+    def _split(self, node: _Node, at: int) -> None:
+        """Move ``node``'s blocks from chain position ``at`` on (and its children and marks there) to a new
+        child node."""
+        k = at - node.start
+        tail = _Node(node, at, node.ids[k:], node.sizes[k:])
+        del node.ids[k:], node.sizes[k:]
+        tail.kids, tail.tail = node.kids, node.tail
+        for child in tail.kids:
+            child.parent = tail
+        tail.marks = [m for m in node.marks if -m[0] >= at]
+        kept = [m for m in node.marks if -m[0] < at]
+        heapq.heapify(tail.marks)
+        heapq.heapify(kept)
+        node.marks, node.tail, node.kids, node.seq = kept, _NEVER, {tail}, -1
+        self._fold(node)
+        self._node.update(zip(tail.ids, itertools.repeat(tail)))
+        if not tail.kids and tail.tail is not _NEVER:
+            self._push(tail)
+
+    # --- time ---
+
+    def _mark(self, node: _Node, pos: int, stamp: Stamp) -> None:
+        """Block ``pos`` (chain position, in ``node``) is used at ``stamp``."""
+        if pos == node.end - 1:
+            node.tail = max(node.tail, stamp)
+            if not node.kids:
+                self._push(node)
+        else:
+            heapq.heappush(node.marks, (-pos, stamp))
+
+    def _fold(self, node: _Node) -> bool:
+        """Take the marks at ``node``'s last block into its time; whether that made it newer."""
+        last, newer = node.end - 1, False
+        while node.marks and -node.marks[0][0] >= last:
+            _, stamp = heapq.heappop(node.marks)
+            if stamp > node.tail:
+                node.tail, newer = stamp, True
+        return newer
+
+    def _push(self, node: _Node) -> None:
+        node.seq = next(self._seq)
+        heapq.heappush(self._leaves, (node.tail, node.seq, node))
+
+    # --- eviction ---
+
+    def _evict(self, need: int, protect: _Node | None, protect_pos: int) -> None:
+        """Evict least recently used leaf blocks until ``need`` bytes are free or no leaf but the protected
+        block (chain position ``protect_pos`` of ``protect``) is left."""
+        heap, skipped = self._leaves, []
+        while need > 0 and heap:
+            _, seq, node = heapq.heappop(heap)
+            if not node.live or node.seq != seq or node.kids:
+                continue  # not current: used, extended, split or emptied since
+            stop = protect_pos + 1 if node is protect else node.start  # the first block that may not go
+            if node.marks:
+                stop = max(stop, -node.marks[0][0] + 1)
+            need -= self._drop_tail(node, stop, need)
+            if not node.ids:
+                self._remove(node)
                 continue
-            for item in skipped:
-                heapq.heappush(held, item)
-            self._drop(block, stamp)
-            return True
-        for item in skipped:
-            heapq.heappush(held, item)
-        return False
+            self._fold(node)  # its new last block may carry a mark: its time then moves on
+            if node is protect and node.end == protect_pos + 1:
+                skipped.append(node)  # only the protected block is left: not this round
+            else:
+                self._push(node)
+        for node in skipped:
+            self._push(node)
 
-    def _drop(self, block: Hashable, stamp: tuple[float, int]) -> None:
-        parent = self._parent.pop(block)
-        self.nbytes -= self._size.pop(block)
-        del self._children[block], self._stamp[block]
-        self.counters.evictions += 1
-        if parent is not _ROOT:
-            self._children[parent] -= 1
-            # the parent was used whenever its child was: it is at least as recent
-            self._stamp[parent] = max(self._stamp.get(parent, stamp), stamp)
-            if self._children[parent] == 0:
-                heapq.heappush(self._leaves, (self._stamp[parent], parent))
+    def _drop_tail(self, node: _Node, stop: int, need: int) -> int:
+        """Drop blocks from ``node``'s tail, not below chain position ``stop``, until ``need`` bytes are
+        freed; returns the bytes freed."""
+        sizes, freed, k = node.sizes, 0, 0
+        most = node.end - stop
+        while k < most and freed < need:
+            k += 1
+            freed += sizes[-k]
+        if k:
+            held = self._node
+            for b in node.ids[-k:]:
+                del held[b]
+            del node.ids[-k:], sizes[-k:]
+            self.nbytes -= freed
+            self.counters.evictions += k
+        return freed
+
+    def _remove(self, node: _Node) -> None:
+        """An emptied node: its parent's last block inherits its time and may become a leaf."""
+        node.live = False
+        parent = node.parent
+        if parent is not None:
+            parent.kids.discard(node)
+            parent.tail = max(parent.tail, node.tail)
+            if not parent.kids:
+                self._push(parent)

@@ -23,6 +23,7 @@ blocks.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import math
@@ -37,7 +38,7 @@ from kvdiet.sim.breakdown import Breakdown
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
-from kvdiet.sim.size_tier import SizeTier, tier_bytes
+from kvdiet.sim.size_tier import SizeTier, class_bytes, tier_bytes
 from kvdiet.sim.traces import Trace
 from kvdiet.storage.clock import ManualClock
 
@@ -55,7 +56,13 @@ def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None]
         ValueError: from `SimConfig.check`.
     """
     cfg = config.check(trace.block_size)
-    return _Run(trace, config, cfg, progress).run()
+    collecting = gc.isenabled()
+    gc.disable()  # millions of small, acyclic entries: cycle collection would rescan them all, for nothing
+    try:
+        return _Run(trace, config, cfg, progress).run()
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Run:
@@ -190,7 +197,7 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self.device.use(every, adopted // bs, g.payload_bytes, now)
+        self.device.use(every, adopted // bs, g.payloads, now)
         self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
         self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
         return result
@@ -213,11 +220,11 @@ class _Run:
             cached,
             start,
             end,
-            block=g.payload_bytes,
+            blocks=g.payloads,
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payload_bytes, self.clock.now())
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, self.clock.now())
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
@@ -241,7 +248,7 @@ class _Run:
         self.swa.expire()
         reqs = self.trace.requests
         span = self.clock.now() - (reqs[0].arrival_s if reqs else 0.0)
-        kinds = self.persistent.entries.kind_bytes
+        kinds = class_bytes(self.persistent)
         t = {
             "prompt_tokens": sum(r.prompt_tokens for r in results),
             "lookup_tokens": self.lookup_tokens,

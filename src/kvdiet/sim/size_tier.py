@@ -2,12 +2,14 @@
 
 The values are sizes (ints), the rules are `kvdiet.cache.ttl_lru.TtlLru`'s (the same object the in-process
 SWA pool keeps its bytes in), and time is the simulator's trace time (a `ManualClock` it advances). Keys are
-`kvdiet.cache.keys.TupleKeys` tuples, so bytes are counted by class: a block's global KV or window state.
+`kvdiet.cache.keys.TupleKeys` tuples ``(kind, id)``, so bytes are counted by kind (read off the key in C:
+`operator.itemgetter`) and reported by class: a block's global KV or window state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from operator import itemgetter
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.cache.keys import KeyKind
@@ -17,19 +19,36 @@ from kvdiet.storage.clock import ManualClock
 __all__ = ["SizeTier", "tier_bytes"]
 
 
-def _kind(key: Hashable) -> str:
-    """The byte class of a key: ``"kv"`` (a block's global KV), ``"window"`` (snapshots, window blocks), or
-    ``""`` (the device pool's plain block ids)."""
-    if type(key) is not tuple:
-        return ""
-    return "kv" if key[0] is KeyKind.BLOCK else "window"
+def _class(kind: object) -> str:
+    """The byte class of a key's kind: ``"kv"`` (a block's global KV) or ``"window"`` (snapshots, window
+    blocks)."""
+    return "kv" if kind is KeyKind.BLOCK else "window"
+
+
+def _by_class(per_kind: dict, combine=sum) -> dict[str, float]:
+    out: dict[str, list] = {}
+    for kind, n in per_kind.items():
+        out.setdefault(_class(kind), []).append(n)
+    return {c: combine(ns) for c, ns in out.items()}
 
 
 def tier_bytes(tier: SizeTier, name: str, span_s: float) -> dict[str, int | float]:
     """A tier's bytes over a run of ``span_s`` seconds, as summary entries named ``<name>_…``: the peak held,
     the total written, byte-hours and the time-averaged bytes held, the bytes held at the end — overall and
-    for each byte class (``<name>_kv_…``, ``<name>_window_…``); plus the window share at the peak."""
+    for each byte class (``<name>_kv_…``, ``<name>_window_…``); plus the window share at the peak.
+
+    A tier holds one kind of window state (the policy's ``store`` decides which), so a class's peak is its
+    kind's peak.
+
+    Raises:
+        ValueError: the tier held two kinds of window state (no exact class peak).
+    """
     e = tier.entries
+    windows = {k for k in {*e.kind_written, *e.kind_bytes} if _class(k) == "window"}
+    if len(windows) > 1:
+        raise ValueError(f"{name} held window state of {len(windows)} kinds; its class peak is not defined")
+    written, peaks = _by_class(e.kind_written), _by_class(e.kind_peak, max)
+    byte_seconds, at_peak = _by_class(e.kind_byte_seconds), _by_class(e.peak_kinds)
     out: dict[str, int | float] = {
         f"{name}_bytes_peak": e.peak,
         f"{name}_bytes_written": tier.counters.bytes_written,
@@ -37,12 +56,17 @@ def tier_bytes(tier: SizeTier, name: str, span_s: float) -> dict[str, int | floa
         f"{name}_bytes_mean": round(e.byte_seconds / span_s) if span_s > 0 else e.nbytes,
         f"{name}_bytes_end": e.nbytes,
     }
-    for k in sorted(k for k in {*e.kind_written, *e.kind_bytes} if k):
-        out[f"{name}_{k}_bytes_peak"] = e.kind_peak.get(k, 0)
-        out[f"{name}_{k}_bytes_written"] = e.kind_written.get(k, 0)
-        out[f"{name}_{k}_byte_hours"] = round(e.kind_byte_seconds.get(k, 0.0) / 3600, 3)
-    out[f"{name}_window_share_at_peak"] = round(e.peak_kinds.get("window", 0) / e.peak, 4) if e.peak else 0.0
+    for c in sorted(written):
+        out[f"{name}_{c}_bytes_peak"] = peaks.get(c, 0)
+        out[f"{name}_{c}_bytes_written"] = written[c]
+        out[f"{name}_{c}_byte_hours"] = round(byte_seconds.get(c, 0.0) / 3600, 3)
+    out[f"{name}_window_share_at_peak"] = round(at_peak.get("window", 0) / e.peak, 4) if e.peak else 0.0
     return out
+
+
+def class_bytes(tier: SizeTier) -> dict[str, int]:
+    """Bytes held now by byte class (``"kv"``, ``"window"``)."""
+    return _by_class(tier.entries.kind_bytes)
 
 
 class SizeTier:
@@ -57,7 +81,9 @@ class SizeTier:
 
     def __init__(self, capacity: int | None, ttl: float | None, *, refresh: bool, clock: ManualClock) -> None:
         self.counters = TierCounters()
-        self.entries: TtlLru[int] = TtlLru(capacity, ttl, refresh=refresh, counters=self.counters, kind=_kind)
+        self.entries: TtlLru[int] = TtlLru(
+            capacity, ttl, refresh=refresh, counters=self.counters, kind=itemgetter(0)
+        )
         self.clock = clock
 
     @property
@@ -70,11 +96,13 @@ class SizeTier:
     def get_many(
         self, keys: Sequence[Hashable], tokens: Sequence[Sequence[int]] | None = None
     ) -> list[int | None]:
-        now = self.clock.now()
-        return [self.entries.get(k, now) for k in keys]
+        return self.entries.get_many(keys, self.clock.now())
 
     def put_many(self, items: Sequence[tuple[Hashable, Sequence[int] | None, int]]) -> int:
-        return self.entries.put_many([(k, size, size) for k, _, size in items], self.clock.now())
+        if not items:
+            return 0
+        keys, _, sizes = zip(*items, strict=True)
+        return self.entries.put_many(keys, sizes, sizes, self.clock.now())
 
     def discard_many(self, keys: Sequence[Hashable]) -> int:
         """Drop each held key (a superseded snapshot); returns how many were held."""
@@ -82,8 +110,7 @@ class SizeTier:
         return sum(self.entries.discard(k, now) for k in keys)
 
     def contains_prefix(self, keys: Sequence[Hashable]) -> int:
-        self.entries.expire(self.clock.now())
-        return next((i for i, k in enumerate(keys) if k not in self.entries), len(keys))
+        return self.entries.held_prefix(keys, self.clock.now())
 
     def expire(self) -> None:
         """Drop what has expired by now (so resident bytes are exact at a sample)."""

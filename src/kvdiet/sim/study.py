@@ -16,6 +16,7 @@ restores at least `CATCH_TARGET` of what an unbounded pool restores.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -137,8 +138,26 @@ class Study:
     sweeps: dict[str, list[tuple[str, SimResult]]]
 
 
-def _one(trace: Trace, config: SimConfig) -> SimResult:
-    return simulate(trace, config)
+_worker_trace: Trace | None = None
+"""The trace a worker process simulates (set once per worker by `_init_worker`)."""
+
+
+def _init_worker(trace: Trace) -> None:
+    global _worker_trace
+    _worker_trace = trace
+
+
+def _one(config: SimConfig) -> SimResult:
+    assert _worker_trace is not None, "a study worker starts with its trace"
+    return simulate(_worker_trace, config)
+
+
+def _pool(jobs: int, trace: Trace) -> ProcessPoolExecutor:
+    """Workers that each hold ``trace``: forked where the platform can (the trace is inherited, not
+    pickled: a large agentic trace takes seconds to unpickle), else sent once per worker."""
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else None)
+    return ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(trace,))
 
 
 def run_study(
@@ -171,8 +190,8 @@ def run_study(
             if progress is not None:
                 progress(len(done))
     else:
-        with ProcessPoolExecutor(jobs) as pool:
-            for cfg, res in zip(unique, pool.map(_one, [trace] * len(unique), unique), strict=True):
+        with _pool(jobs, trace) as pool:
+            for cfg, res in zip(unique, pool.map(_one, unique), strict=True):
                 done[cfg] = res
                 if progress is not None:
                     progress(len(done))

@@ -130,8 +130,7 @@ class InProcessSwaPool(SwaPoolBase):
         self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
     ) -> list[bytes | None]:
         with self._lock:
-            now = self.clock.now()
-            return [self._entries.get(k, now) for k in keys]
+            return self._entries.get_many(keys, self.clock.now())
 
     def discard_many(self, keys: Sequence[bytes]) -> int:
         """Drop each held key (a superseded snapshot); returns how many were held."""

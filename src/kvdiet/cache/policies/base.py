@@ -75,6 +75,11 @@ class SwaPolicy:
         last full-block boundary is ``prompt_boundary``; None: nothing (the default: no snapshots)."""
         return None
 
+    def capture_candidates(self, lo: int, hi: int, *, block_size: int, prompt_boundary: int) -> range:
+        """The block boundaries in ``[lo, hi]`` (``lo`` a multiple of ``block_size``) where `capture_at` may
+        answer something other than None, ascending: what a forward's end checks (default: none)."""
+        return range(0)
+
     def plan(
         self,
         hit_tokens: int,
@@ -151,3 +156,6 @@ class BoundaryCapture(SwaPolicy):
         if pos < prompt_boundary:
             return None  # a prefill chunk's end inside the prompt: neither the prompt's nor the output's end
         return Capture.NOW if pos == prompt_boundary else Capture.AT_FINISH
+
+    def capture_candidates(self, lo: int, hi: int, *, block_size: int, prompt_boundary: int) -> range:
+        return range(max(lo, prompt_boundary), hi + 1, block_size)

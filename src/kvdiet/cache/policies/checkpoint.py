@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -43,6 +44,10 @@ class Checkpoint(SwaPolicy):
 
     def capture_at(self, pos: int, *, prompt_boundary: int) -> Capture | None:
         return None if pos % self.checkpoint_every else Capture.NOW
+
+    def capture_candidates(self, lo: int, hi: int, *, block_size: int, prompt_boundary: int) -> range:
+        step = math.lcm(self.checkpoint_every, block_size)  # block boundaries that are checkpoints
+        return range(-(-lo // step) * step, hi + 1, step)
 
     def plan(
         self,
