@@ -171,22 +171,7 @@ class TtlLru(Generic[V]):
             while self.nbytes + size > cap:
                 self._drop(next(iter(items)))
                 self.counters.evictions += 1
-        deadline = math.inf if self.ttl is None else now + self.ttl
-        items[key] = (value, size, deadline)
-        if self.ttl is not None:
-            self._deadlines.append((deadline, (key,)))
-        self.nbytes += size
-        if self.kind is not None:
-            k = self.kind(key)
-            held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + size
-            self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)
-            self.kind_written[k] = self.kind_written.get(k, 0) + size
-        if self.nbytes > self.peak:
-            self.peak = self.nbytes
-            if self.kind is not None:
-                self.peak_kinds = dict(self.kind_bytes)
-        self.counters.entries_written += 1
-        self.counters.bytes_written += size
+        self._put_new((key,), (value,), (size,), size, now)
         return True
 
     def put_many(
