@@ -6,7 +6,7 @@ Two traces, measured in one run:
   expected at ``../shared/traces/mooncake/conversation_trace.jsonl`` (github.com/kvcache-ai/Mooncake,
   ``FAST25-release/traces/``); skipped when absent;
 - ``agentic``: a deterministic generator of coding-agent traffic (`agentic_trace`: 13K requests, prompts of
-  84K tokens on average — real sessions average ~115K — the whole growing context resent every few seconds,
+  117K tokens on average, as real sessions (~115K), the whole growing context resent every few seconds,
   sub-agents forking off a session's prefix, 64-token blocks, one id per full block).
 
 For each: the read (or generation), the infinite-cache pass (`infinite_cache_hit_ratio`, the least work any
@@ -50,8 +50,8 @@ BLOCK = 64
 
 
 def agentic_trace(requests: int = 13_000, seed: int = SEED) -> Trace:
-    """Coding-agent sessions: each starts from a 20K–60K-token context, adds 0.2K–3K tokens per turn, resends
-    the whole context every Exp(5 s) until it passes ~200K tokens; 1 turn in 12 forks a sub-agent that keeps
+    """Coding-agent sessions: each starts from a 60K–120K-token context, adds 0.2K–3K tokens per turn, resends
+    the whole context every Exp(5 s) until it passes ~250K tokens (prompts average 117K tokens); 1 turn in 12 forks a sub-agent that keeps
     the session's first blocks and runs 3–10 turns of its own. Sessions start Exp(30 s) apart. One id per
     full 64-token block, chained (an id names its whole prefix)."""
     rng = random.Random(seed)
@@ -61,8 +61,8 @@ def agentic_trace(requests: int = 13_000, seed: int = SEED) -> Trace:
     while len(out) < requests:
         start += rng.expovariate(1 / 30)
         ids: list[int] = []
-        tokens, t, name = rng.randint(20_000, 60_000), start, f"s{session}"
-        while tokens < 200_000 and len(out) < requests:
+        tokens, t, name = rng.randint(60_000, 120_000), start, f"s{session}"
+        while tokens < 250_000 and len(out) < requests:
             ids += [next(next_id) for _ in range(tokens // BLOCK - len(ids))]
             out.append(
                 TraceRequest(t, tokens, rng.randint(50, 800), tuple(ids), len(out) + 1, name, "main", "agent")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvdiet.sim.model_free import simulate
+from kvdiet.sim.records import SimConfig
 from kvdiet.sim.trace_stats import hit_ratio_variants, infinite_cache_hit_ratio
 from kvdiet.sim.traces import TraceError, read_trace
 
@@ -77,6 +79,38 @@ def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
         read_trace(_write_jsonl(tmp_path / "nohead.jsonl", rows[1:]), format="jsonl")
     with pytest.raises(TraceError, match="unknown trace format"):
         read_trace(tmp_path / "g.jsonl", format="parquet")
+
+
+def test_generic_lines_carry_session_agent_and_kind_and_the_study_splits_by_kind(tmp_path: Path) -> None:
+    head = {"format": "kvdiet-trace", "version": 1, "block_size": 64}
+    chat = {"session": "c1", "kind": "chat"}
+    agent = {"session": "a1", "agent": "main", "kind": "agent"}
+    rows = [
+        head,
+        {"arrival_s": 0.0, "input_length": 1024, "output_length": 1, "hash_ids": list(range(16)), **agent},
+        {"arrival_s": 1.0, "input_length": 100, "output_length": 1, "hash_ids": [100, 101], **chat},
+        {"arrival_s": 2.0, "input_length": 1088, "output_length": 1, "hash_ids": list(range(17)), **agent},
+        {"arrival_s": 3.0, "input_length": 64, "output_length": 1, "hash_ids": [200]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "mixed.jsonl", rows))
+    assert [(r.session, r.agent, r.kind) for r in trace.requests] == [
+        ("a1", "main", "agent"),
+        ("c1", None, "chat"),
+        ("a1", "main", "agent"),
+        (None, None, None),
+    ]
+    s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
+    by_kind = s["by_kind"]
+    assert {k: v["requests"] for k, v in by_kind.items()} == {"agent": 2, "chat": 1}
+    # the agent's second prompt finds the first's 16 blocks (1,024 tokens) and the window state stored
+    # at its end in the SWA pool: one restore, nothing recomputed before 1,024
+    agent_figures = by_kind["agent"]
+    assert (agent_figures["prompt_tokens"], agent_figures["hit_tokens"]) == (1024 + 1088, 1024)
+    assert agent_figures["restores"] == 1
+    assert (by_kind["chat"]["prompt_tokens"], by_kind["chat"]["hit_tokens"]) == (100, 0)
+    bad = [head, {"arrival_s": 0.0, "input_length": 64, "output_length": 1, "hash_ids": [1], "kind": 3}]
+    with pytest.raises(TraceError, match="kind must be a non-empty string, got 3"):
+        read_trace(_write_jsonl(tmp_path / "bad.jsonl", bad), strict=True)
 
 
 def test_azure_csv_has_unique_prompts_and_relative_times(tmp_path: Path) -> None:

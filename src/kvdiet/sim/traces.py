@@ -9,7 +9,9 @@ Formats (``format="auto"`` picks by the file: ``.csv`` → Azure; a first line w
   partial, so ``len(hash_ids) == ceil(input_length / 512)``).
 - **generic JSONL**: a header line ``{"format": "kvdiet-trace", "version": 1, "block_size": B}``, then
   objects with ``arrival_s`` (seconds), ``input_length``, ``output_length`` and ``hash_ids`` (blocks of B
-  tokens, same rule) — for traces with another block size (e.g. Alibaba Bailian's 16).
+  tokens, same rule) — for traces with another block size (e.g. Alibaba Bailian's 16) — and optionally
+  ``session``, ``agent`` and ``kind`` (strings: e.g. ``"agent"``, ``"subagent"``, ``"chat"`` for mixed
+  traffic), which the study splits its figures by.
 - **Azure** LLM inference 2023 (``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps with 100-ns digits):
   no prefix information, so every prompt is unique (``hash_ids`` is None).
 
@@ -64,9 +66,10 @@ class TraceRequest:
         hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them; a partial last block the
             trace left unnamed has a fresh id), or None (unique prompt).
         line: the line it came from (1-based; in a session file, the request's place in it).
-        session / agent / kind: for traffic that carries them (`kvdiet.sim.agentic`), the session's id, the
-            agent that sent the request (``"main"`` or a sub-agent's id) and the traffic kind (``"agent"``,
-            ``"subagent"``, ``"chat"``); None otherwise.
+        session / agent / kind: for traffic that carries them (agentic session files, `kvdiet.sim.agentic`;
+            generic lines with those columns), the session's id, the agent that sent the request (``"main"``
+            or a sub-agent's id) and the traffic kind (``"agent"``, ``"subagent"``, ``"chat"``, …); None
+            otherwise.
     """
 
     arrival_s: float
@@ -221,7 +224,8 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
                     f"{len(ids)} hash_ids for input_length {inp}: expected ceil({inp} / {block_size}) = "
                     f"{blocks}{other}"
                 )
-            yield TraceRequest(t, inp, out, tuple(ids), n)
+            labels = {k: _label(obj, k) for k in LABELS} if generic else {}
+            yield TraceRequest(t, inp, out, tuple(ids), n, **labels)
         except (ValueError, TypeError) as exc:
             yield TraceError(f"{path}:{n}: {exc}")
 
@@ -331,6 +335,20 @@ def _collect(path: Path, items, strict: bool) -> tuple[list[TraceRequest], list[
         )
     requests.sort(key=lambda r: (r.arrival_s, r.line))
     return requests, errors, late
+
+
+LABELS = ("session", "agent", "kind")
+"""Optional string columns of a generic line: which session and agent sent it, and its traffic kind."""
+
+
+def _label(obj: dict, key: str) -> str | None:
+    """An optional label column: a non-empty string, or None when absent."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
 
 
 def _number(obj: dict, key: str) -> float:
