@@ -51,9 +51,9 @@ BLOCK = 64
 
 def agentic_trace(requests: int = 13_000, seed: int = SEED) -> Trace:
     """Coding-agent sessions: each starts from a 60K–120K-token context, adds 0.2K–3K tokens per turn, resends
-    the whole context every Exp(5 s) until it passes ~250K tokens (prompts average 117K tokens); 1 turn in 12 forks a sub-agent that keeps
-    the session's first blocks and runs 3–10 turns of its own. Sessions start Exp(30 s) apart. One id per
-    full 64-token block, chained (an id names its whole prefix)."""
+    the whole context every Exp(5 s) until it passes ~250K tokens (prompts average 117K tokens); 1 turn in 12
+    forks a sub-agent that keeps the session's first blocks and runs 3–10 turns of its own. Sessions start
+    Exp(30 s) apart. One id per full 64-token block, chained (an id names its whole prefix)."""
     rng = random.Random(seed)
     next_id = iter(range(1 << 62))
     out: list[TraceRequest] = []

@@ -52,7 +52,9 @@ def test_an_abbreviated_flag_is_an_error(capsys, argv: list[str], abbreviated: s
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"kvdiet {argv[0]}: error: unrecognized arguments: {abbreviated}" in err  # the sub-command's
+    assert f"usage: kvdiet {argv[0]}" in err  # own usage, not the top level's
 
 
 @pytest.mark.parametrize(

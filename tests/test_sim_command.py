@@ -178,8 +178,10 @@ def test_the_table_is_printed(tmp_path: Path, capsys) -> None:
         (["--gpu", "tpu"], "unknown GPU"),
         (["--mfu", "0"], "MFU"),
         (["--device-size", "lots"], "lots"),
-        (["--runs", "checkpoint:1000", "--sweep", "none"], "multiple of the trace's block size"),
+        (["--runs", "checkpoint:1000", "--sweep", "none"], "run checkpoint:1000@"),
         (["--jobs", "0"], "--jobs"),
+        (["--max-requests", "-2"], "--max-requests must be >= 1, got -2"),  # checked in every mode
+        (["--time-scale", "-1"], "--time-scale must be >= 0"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str], message: str) -> None:

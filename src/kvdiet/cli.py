@@ -94,7 +94,11 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvdiet`` script; returns the exit status (2 on bad input)."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the sub-command's own usage, not the top level's
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console()
     try:
         if args.command == "plan":

@@ -204,6 +204,13 @@ def _plan(args: argparse.Namespace):
 
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    for flag, value, least in (
+        ("--max-requests", args.max_requests, 1),
+        ("--engine-block-size", args.engine_block_size, 1),
+        ("--time-scale", args.time_scale, 0),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.report:
         _check_report_dir(Path(args.report))
     from kvdiet.sim.study import DEFAULT_RUNS
@@ -219,8 +226,6 @@ def _plan(args: argparse.Namespace):
         from kvdiet.engine.runner import CacheOptions
         from kvdiet.sim.engine_mode import EngineModeConfig
 
-        if args.max_requests < 1 or args.engine_block_size < 1 or args.time_scale < 0:
-            raise ValueError("--max-requests and --engine-block-size must be >= 1, --time-scale >= 0")
         configs = []
         for name in dict.fromkeys(n.split("@")[0] for n in names):  # each policy once, in order
             policy = parse_policy(name)

@@ -77,7 +77,8 @@ class SimConfig:
         k = self.policy.checkpoint_every
         if k is not None and k % block_size:
             raise ValueError(
-                f"checkpoint period {k} must be a multiple of the trace's block size {block_size}"
+                f"run {self.policy}@{self.model}: checkpoint period {k} must be a multiple of the trace's "
+                f"block size {block_size} (e.g. checkpoint:{max(1, round(k / block_size)) * block_size})"
             )
         return cfg
 
