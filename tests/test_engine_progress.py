@@ -1,4 +1,4 @@
-"""`PrefillProgress` off a terminal: a line every interval (not every chunk), none for a short prefill, a last
+"""`StepProgress` off a terminal: a line every interval (not every chunk), none for a short prefill, a last
 line at the end once any was written, nothing when disabled (issue 18 point 4)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from kvdiet.engine.progress import PrefillProgress
+from kvdiet.engine.progress import StepProgress
 
 
 class FakeClock:
@@ -20,7 +20,7 @@ class FakeClock:
 
 def _run(steps: int, *, seconds_per_step: float, interval_s: float = 10.0, done: int = 0) -> list[str]:
     stream, clock = io.StringIO(), FakeClock()
-    with PrefillProgress(1000 + done, done=done, stream=stream, interval_s=interval_s, clock=clock) as bar:
+    with StepProgress(1000 + done, done=done, stream=stream, interval_s=interval_s, clock=clock) as bar:
         for _ in range(steps):
             clock.t += seconds_per_step
             bar.advance(1000 // steps)
@@ -48,12 +48,12 @@ def test_the_end_gets_a_line_and_cached_tokens_are_not_in_the_rate() -> None:
 
 def test_disabled_or_interrupted() -> None:
     stream, clock = io.StringIO(), FakeClock()
-    with PrefillProgress(10, enabled=False, stream=stream, interval_s=0, clock=clock) as bar:
+    with StepProgress(10, enabled=False, stream=stream, interval_s=0, clock=clock) as bar:
         bar.advance(10)
     assert stream.getvalue() == ""
     with (
         pytest.raises(KeyboardInterrupt),
-        PrefillProgress(10, stream=stream, interval_s=0, clock=clock) as bar,
+        StepProgress(10, stream=stream, interval_s=0, clock=clock) as bar,
     ):
         clock.t += 1
         bar.advance(5)
@@ -62,4 +62,4 @@ def test_disabled_or_interrupted() -> None:
         "prefill 5/10 tokens (50.0%), 1.0 s, 5.0 tok/s computed, about 1 s left"
     ]
     with pytest.raises(ValueError, match="must be >= 0"):
-        PrefillProgress(10, interval_s=-1)
+        StepProgress(10, interval_s=-1)

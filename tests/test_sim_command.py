@@ -168,9 +168,23 @@ def test_the_table_is_printed(tmp_path: Path, capsys) -> None:
     assert "policy comparison" in out and "bounded-replay@v4.1-flash" in out and "exact-recompute" in out
 
 
+def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) -> None:
+    trace = _trace(tmp_path / "t.jsonl", n=12)
+    argv = ["replay", str(trace), "--runs", "bounded-replay,exact-recompute", "--sweep", "none"]
+    assert main([*argv, "--progress-interval", "0", "--jobs", "1"]) == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("replaying")]
+    assert [x.split(" (")[0] for x in lines] == [
+        "replaying 12 requests 1/2 runs",
+        "replaying 12 requests 2/2 runs",
+    ]
+    assert main([*argv, "--jobs", "1"]) == 0  # shorter than the default 10 s: no line
+    assert "replaying" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (["--progress-interval", "-1"], "--progress-interval must be >= 0 seconds"),
         (["--runs", "lru"], "unknown SWA policy"),
         (["--runs", "bounded-replay@no-such-model"], "no-such-model"),
         (["--sweep", "pool=1"], "AXIS=V1,V2"),

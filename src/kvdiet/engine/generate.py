@@ -16,7 +16,7 @@ import torch
 
 from kvdiet.cache.plan import Provenance
 from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
-from kvdiet.engine.progress import DEFAULT_INTERVAL_S, PrefillProgress
+from kvdiet.engine.progress import DEFAULT_INTERVAL_S, StepProgress
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.state import CacheBytes
@@ -135,7 +135,7 @@ def generate_prepared(
         request: from `check_request` for this ``model``.
         cache: the cache system (an open `ModelRunner`); None → a private one without tiers, sized for this
             request.
-        progress: report the prefill on stderr (`PrefillProgress`: a bar on a terminal, else a line every
+        progress: report the prefill on stderr (`StepProgress`: a bar on a terminal, else a line every
             ``progress_interval_s`` seconds).
     Raises:
         ValueError: bad ``chunk_size`` (before any state or tier changes).
@@ -150,7 +150,7 @@ def generate_prepared(
     session = cache.start(ids)
     try:
         done = session.state.num_tokens
-        with PrefillProgress(len(ids), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
+        with StepProgress(len(ids), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
             logits = cache.prefill(session, chunk_size=chunk_size, progress=bar)
         prefill_s = time.perf_counter() - start
         generator = torch.Generator().manual_seed(params.seed or 0)

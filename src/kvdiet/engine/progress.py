@@ -1,13 +1,15 @@
-"""Progress of a long prefill, on stderr: a live bar on a terminal, plain lines at a steady pace elsewhere.
+"""Progress of long work, on stderr: a live bar on a terminal, plain lines at a steady pace elsewhere.
 
-A prefill of a long prompt runs for minutes on a CPU. On a terminal the bar redraws in place and vanishes
-at the end; in a file or a pipe (``kvdiet generate ... 2> log``, a CI job, ``nohup``) a bar prints nothing,
-so one line is written every ``interval_s`` seconds instead, the first one ``interval_s`` after the start
-(a prefill shorter than that prints nothing) and a last one at the end once any was written:
+A prefill of a long prompt runs for minutes on a CPU, and so does a trace replay. On a terminal the bar
+redraws in place and vanishes at the end; in a file or a pipe (``kvdiet generate ... 2> log``, a CI job,
+``nohup``) a bar prints nothing, so one line is written every ``interval_s`` seconds instead, the first one
+``interval_s`` after the start (work shorter than that prints nothing) and a last one at the end once any
+was written:
 
     prefill 4,096/35,544 tokens (11.5%), 74.1 s, 55.3 tok/s computed, about 569 s left
+    engine bounded-replay 3/8 requests (37.5%), 41.0 s, 0.1 requests/s, about 68 s left
 
-Not known here: what a token is or how the prefill runs (`ModelRunner.prefill` calls `advance`).
+Not known here: what the work is (`ModelRunner.prefill`, the replay command call `advance`).
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-__all__ = ["DEFAULT_INTERVAL_S", "PrefillProgress"]
+__all__ = ["DEFAULT_INTERVAL_S", "StepProgress"]
 
 DEFAULT_INTERVAL_S = 10.0
 """Seconds between two progress lines when the stream is not a terminal."""
 
 
-class PrefillProgress:
-    """Reports a prefill of ``total`` tokens of which ``done`` are already cached; a context manager.
+class StepProgress:
+    """Reports work of ``total`` steps of which ``done`` are done at the start; a context manager.
 
     Args:
-        total: prompt tokens.
-        done: tokens already in the cache at the start (a prefix hit; not computed, not in the rate).
+        total: steps (prompt tokens of a prefill, requests or runs of a replay).
+        done: steps done at the start (a prefill's prefix hit: not computed, not in the rate).
+        label / unit / rate_unit: how a line names the work, its steps and their rate (default: a prefill
+            in tokens, ``tok/s computed``).
         enabled: False → report nothing.
         stream: where to write (default ``sys.stderr``, so stdout keeps only the result).
         interval_s: seconds between lines when ``stream`` is not a terminal (≥ 0; 0 = a line per chunk).
@@ -49,11 +53,15 @@ class PrefillProgress:
         stream: TextIO | None = None,
         interval_s: float = DEFAULT_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        label: str = "prefill",
+        unit: str = "tokens",
+        rate_unit: str = "tok/s computed",
     ) -> None:
         if not interval_s >= 0:
             raise ValueError(f"the progress interval must be >= 0 seconds, got {interval_s}")
         self.total, self.done, self.start_done = total, done, done
         self.enabled, self.interval_s, self.clock = enabled, interval_s, clock
+        self.label, self.unit, self.rate_unit = label, unit, rate_unit
         self.stream = stream if stream is not None else sys.stderr
         self._bar: Progress | None = None
         self._task = None
@@ -61,29 +69,29 @@ class PrefillProgress:
         self._lines = 0
         self._written = -1  # ``done`` at the last line
 
-    def __enter__(self) -> PrefillProgress:
+    def __enter__(self) -> StepProgress:
         self._start = self._last = self.clock()
         if self.enabled and _is_terminal(self.stream):
             self._bar = Progress(
-                TextColumn("prefill"),
+                TextColumn(self.label),
                 BarColumn(),
-                TextColumn("{task.completed}/{task.total} tokens"),
+                TextColumn(f"{{task.completed}}/{{task.total}} {self.unit}"),
                 TimeElapsedColumn(),
                 TimeRemainingColumn(),
                 console=Console(file=self.stream),
                 transient=True,
             )
             self._bar.start()
-            self._task = self._bar.add_task("prefill", total=self.total, completed=self.done)
+            self._task = self._bar.add_task(self.label, total=self.total, completed=self.done)
         return self
 
-    def advance(self, tokens: int) -> None:
-        """``tokens`` more prompt tokens are in the cache."""
-        self.done += tokens
+    def advance(self, steps: int) -> None:
+        """``steps`` more steps are done (prompt tokens in the cache, requests or runs finished)."""
+        self.done += steps
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(self._task, advance=tokens)
+            self._bar.update(self._task, advance=steps)
             return
         now = self.clock()
         if now - self._last >= self.interval_s:
@@ -100,8 +108,9 @@ class PrefillProgress:
         elapsed = now - self._start
         computed = self.done - self.start_done
         rate = computed / elapsed if elapsed > 0 else 0.0
-        line = f"prefill {self.done:,}/{self.total:,} tokens ({100 * self.done / max(self.total, 1):.1f}%), "
-        line += f"{elapsed:.1f} s, {rate:,.1f} tok/s computed"
+        share = 100 * self.done / max(self.total, 1)
+        line = f"{self.label} {self.done:,}/{self.total:,} {self.unit} ({share:.1f}%), "
+        line += f"{elapsed:.1f} s, {rate:,.1f} {self.rate_unit}"
         if rate > 0 and self.done < self.total:
             line += f", about {(self.total - self.done) / rate:,.0f} s left"
         print(line, file=self.stream, flush=True)

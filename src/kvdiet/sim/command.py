@@ -12,12 +12,13 @@ import math
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvdiet.engine.progress import StepProgress
 from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = ["add_replay_parser", "run_replay"]
@@ -99,6 +100,14 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     g.add_argument("--model", default="deepseek-v4.1-flash", help="config of runs without @MODEL")
     g.add_argument("--jobs", type=int, help="worker processes (default: CPU count)")
+    g.add_argument(
+        "--progress-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="progress goes to stderr: a bar on a terminal, else a line every SECONDS (default 10; 0 = after "
+        "every run or request)",
+    )
     t = rep.add_argument_group("tiers (model-free)")
     t.add_argument("--device-size", default="32GB", help="device-pool budget for global KV (default 32GB)")
     t.add_argument("--persistent-size", help="persistent-tier budget, LRU beyond it (default unbounded)")
@@ -204,6 +213,8 @@ def _plan(args: argparse.Namespace):
 
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.progress_interval >= 0:
+        raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
     for flag, value, least in (
         ("--max-requests", args.max_requests, 1),
         ("--engine-block-size", args.engine_block_size, 1),
@@ -292,15 +303,16 @@ def _finite(value: object) -> object:
     return value
 
 
-def _progress(console: Console, total: int, what: str) -> Progress:
-    return Progress(
-        TextColumn(f"[bold]{what}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
+def _progress(err: Console, total: int, label: str, unit: str, interval_s: float) -> StepProgress:
+    """A bar on a terminal, else a line every ``interval_s`` on stderr (a log, a pipe, CI)."""
+    return StepProgress(
+        total, stream=err.file, label=label, unit=unit, rate_unit=f"{unit}/s", interval_s=interval_s
     )
+
+
+def _counter(bar: StepProgress) -> Callable[[int], None]:
+    """A callback taking the count done so far (what the runners report) for ``bar``."""
+    return lambda k: bar.advance(k - bar.done)
 
 
 def _model_free(trace, plan, args, err: Console):
@@ -310,11 +322,8 @@ def _model_free(trace, plan, args, err: Console):
     for cfg in [*runs, *(base for _, base in sweeps)]:
         cfg.check(trace.block_size)  # before the progress bar: errors stay one clean line
     total = len(set(runs) | {cfg for s, base in sweeps for _, cfg in s.configs(base)})
-    with _progress(err, total, f"replaying {len(trace):,} requests") as bar:
-        task = bar.add_task("runs", total=total)
-        study = run_study(
-            trace, runs, sweeps, jobs=args.jobs, progress=lambda k: bar.update(task, completed=k)
-        )
+    with _progress(err, total, f"replaying {len(trace):,} requests", "runs", args.progress_interval) as bar:
+        study = run_study(trace, runs, sweeps, jobs=args.jobs, progress=_counter(bar))
     return study, findings(study)
 
 
@@ -324,9 +333,8 @@ def _engine(trace, configs, args, err: Console):
     out = []
     for cfg in configs:
         n = min(cfg.max_requests, len(trace))
-        with _progress(err, n, f"engine {cfg.cache.policy}") as bar:
-            task = bar.add_task("requests", total=n)
-            out.append(run_engine_mode(trace, cfg, progress=lambda k, t=task: bar.update(t, completed=k)))
+        with _progress(err, n, f"engine {cfg.cache.policy}", "requests", args.progress_interval) as bar:
+            out.append(run_engine_mode(trace, cfg, progress=_counter(bar)))
     return out
 
 
