@@ -23,6 +23,7 @@ from kvdiet.fidelity.command import add_fidelity_parser, run_fidelity
 from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve
 from kvdiet.sim.command import add_replay_parser, run_replay
+from kvdiet.threads import add_threads_arg, bound_spinning, set_threads
 
 __all__ = ["main"]
 
@@ -59,6 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     _add_golden_parser(sub)
     add_fidelity_parser(sub)
+    for name in ("generate", "serve", "replay", "golden", "fidelity"):  # the commands that run the model
+        add_threads_arg(sub.choices[name])
     return parser
 
 
@@ -94,6 +97,7 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvdiet`` script; returns the exit status (2 on bad input)."""
+    bound_spinning()  # before anything loads torch (`kvdiet.threads`)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the sub-command's own usage, not the top level's
@@ -101,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console()
     try:
+        if hasattr(args, "threads") and (args.command != "replay" or args.mode == "engine"):
+            set_threads(args.threads)  # the commands that run the model
         if args.command == "plan":
             run_plan(args, console)
         elif args.command == "generate":
