@@ -194,8 +194,19 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--device-size", "lots"], "lots"),
         (["--runs", "checkpoint:1000", "--sweep", "none"], "run checkpoint:1000@"),
         (["--jobs", "0"], "--jobs"),
-        (["--max-requests", "-2"], "--max-requests must be >= 1, got -2"),  # checked in every mode
-        (["--time-scale", "-1"], "--time-scale must be >= 0"),
+        (["--max-requests", "-2"], "--max-requests must be a finite number >= 1, got -2"),  # every mode
+        (["--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
+        (["--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),  # it once hung
+        (["--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["--output-tok-s", "0"], "--output-tok-s must be a finite number > 0"),
+        (["--device-size", "0"], "--device-size must be > 0 bytes"),
+        (["--swa-pool-ttl", "abc"], "--swa-pool-ttl: cannot parse duration 'abc'"),
+        (["--persistent-size", "-1GB"], "--persistent-size: "),
+        (["--sweep", "swa-pool-ttl=abc"], "--sweep: cannot parse duration 'abc'"),
+        (["--sweep", "none", "--sweep", "swa-pool-ttl=1m"], "cannot be combined with another --sweep"),
+        (["--runs", "bounded-replay,exact-recompute,bounded-replay"], "--runs: bounded-replay given twice"),
+        (["--threads", "0"], "--threads must be between 1 and"),  # refused in model-free mode too
+        (["--threads", "100000"], "--threads must be between 1 and"),  # OpenMP crashed on it
     ],
 )
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str], message: str) -> None:
@@ -203,3 +214,17 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str]
     assert main(["replay", str(trace), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvdiet replay: error: ") and message in err
+
+
+def test_a_missing_trace_is_one_line(capsys) -> None:
+    assert main(["replay", "no-such-trace.jsonl"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvdiet replay: error: no-such-trace.jsonl: no such trace file or folder"
+    )
+
+
+def test_report_tables_escape_a_pipe_in_a_label() -> None:
+    from kvdiet.sim.report import _table
+
+    row = _table([{"kind": "chat|tools", "requests": 3}]).splitlines()[2]
+    assert row == "| chat\\|tools | 3 |"

@@ -101,16 +101,29 @@ def test_generic_lines_carry_session_agent_and_kind_and_the_study_splits_by_kind
     ]
     s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
     by_kind = s["by_kind"]
-    assert {k: v["requests"] for k, v in by_kind.items()} == {"agent": 2, "chat": 1}
+    # the line without a kind is its own group: the split adds up to the run
+    assert {k: v["requests"] for k, v in by_kind.items()} == {"agent": 2, "chat": 1, "(untagged)": 1}
+    assert sum(v["prompt_tokens"] for v in by_kind.values()) == s["prompt_tokens"]
     # the agent's second prompt finds the first's 16 blocks (1,024 tokens) and the window state stored
     # at its end in the SWA pool: one restore, nothing recomputed before 1,024
     agent_figures = by_kind["agent"]
     assert (agent_figures["prompt_tokens"], agent_figures["hit_tokens"]) == (1024 + 1088, 1024)
     assert agent_figures["restores"] == 1
     assert (by_kind["chat"]["prompt_tokens"], by_kind["chat"]["hit_tokens"]) == (100, 0)
-    bad = [head, {"arrival_s": 0.0, "input_length": 64, "output_length": 1, "hash_ids": [1], "kind": 3}]
-    with pytest.raises(TraceError, match="kind must be a non-empty string, got 3"):
-        read_trace(_write_jsonl(tmp_path / "bad.jsonl", bad), strict=True)
+    line = {"arrival_s": 0.0, "input_length": 64, "output_length": 1, "hash_ids": [1]}
+    for kind in (3, "", "  ", "a\nb"):
+        with pytest.raises(TraceError, match="kind must be a non-blank string of printable characters"):
+            read_trace(_write_jsonl(tmp_path / "bad.jsonl", [head, line | {"kind": kind}]), strict=True)
+    for header, message in (
+        (head | {"version": 2}, "generic trace version 2; this reader reads version 1"),
+        (
+            head | {"block_size": "16"},
+            "block_size must be an integer >= 1 \\(tokens per hash id\\), got '16'",
+        ),
+        ({"format": "kvdiet-trace", "version": 1}, "block_size must be an integer >= 1"),
+    ):
+        with pytest.raises(TraceError, match=message):
+            read_trace(_write_jsonl(tmp_path / "head.jsonl", [header, line]), format="jsonl")
 
 
 def test_azure_csv_has_unique_prompts_and_relative_times(tmp_path: Path) -> None:

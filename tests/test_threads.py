@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvdiet.cli import main
-from kvdiet.threads import SPIN_COUNT, available_cores, bound_spinning, set_threads
+from kvdiet.threads import SPIN_COUNT, available_cores, bound_spinning, max_threads, set_threads
 
 
 def test_available_cores_is_this_process_affinity() -> None:
@@ -45,13 +45,16 @@ def test_too_late_once_torch_is_loaded() -> None:
     assert "torch" in sys.modules and bound_spinning() is False
 
 
-def test_set_threads_sizes_torchs_pool_and_refuses_zero() -> None:
+def test_set_threads_sizes_torchs_pool_and_refuses_zero_and_too_many() -> None:
     before = torch.get_num_threads()
     try:
         assert set_threads(1) == 1 and torch.get_num_threads() == 1
         assert set_threads(None) == available_cores() == torch.get_num_threads()
-        with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
-            set_threads(0)
+        for bad in (0, max_threads() + 1):
+            with pytest.raises(
+                ValueError, match=rf"--threads must be between 1 and {max_threads()} .*, got {bad}"
+            ):
+                set_threads(bad)
     finally:
         torch.set_num_threads(before)
 
@@ -63,6 +66,10 @@ def test_the_threads_flag_reaches_torch_and_a_bad_one_is_one_line(capsys) -> Non
         assert main([*base, "--persistent-dir", "none", "--threads", "1", "--json"]) == 0
         assert torch.get_num_threads() == 1
         assert main([*base, "--threads", "0"]) == 2
-        assert capsys.readouterr().err.strip() == "kvdiet generate: error: --threads must be >= 1, got 0"
+        err = capsys.readouterr().err.strip()
+        assert (
+            err
+            == f"kvdiet generate: error: --threads must be between 1 and {max_threads()} (4 per core), got 0"
+        )
     finally:
         torch.set_num_threads(before)

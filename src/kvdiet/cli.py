@@ -23,7 +23,7 @@ from kvdiet.fidelity.command import add_fidelity_parser, run_fidelity
 from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve
 from kvdiet.sim.command import add_replay_parser, run_replay
-from kvdiet.threads import add_threads_arg, bound_spinning, set_threads
+from kvdiet.threads import add_threads_arg, bound_spinning, check_threads, set_threads
 
 __all__ = ["main"]
 
@@ -105,8 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     console = Console()
     try:
-        if hasattr(args, "threads") and (args.command != "replay" or args.mode == "engine"):
-            set_threads(args.threads)  # the commands that run the model
+        if hasattr(args, "threads"):
+            check_threads(args.threads)  # in every mode, used or not
+            if args.command != "replay" or args.mode == "engine":
+                set_threads(args.threads)  # the commands that run the model
         if args.command == "plan":
             run_plan(args, console)
         elif args.command == "generate":

@@ -25,7 +25,15 @@ import argparse
 import os
 import sys
 
-__all__ = ["SPIN_COUNT", "add_threads_arg", "available_cores", "bound_spinning", "set_threads"]
+__all__ = [
+    "SPIN_COUNT",
+    "add_threads_arg",
+    "available_cores",
+    "bound_spinning",
+    "check_threads",
+    "max_threads",
+    "set_threads",
+]
 
 
 def available_cores() -> int:
@@ -47,14 +55,25 @@ def bound_spinning() -> bool:
     return "torch" not in sys.modules
 
 
+def max_threads() -> int:
+    """The most threads ``--threads`` takes: 4 per core of the machine (beyond that OpenMP fails to create
+    them or crashes, and nothing is gained)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_threads(threads: int | None) -> None:
+    """Raises ValueError unless ``threads`` is None or in ``[1, max_threads()]`` (one line naming the flag)."""
+    if threads is not None and not 1 <= threads <= max_threads():
+        raise ValueError(f"--threads must be between 1 and {max_threads()} (4 per core), got {threads}")
+
+
 def set_threads(threads: int | None) -> int:
     """Size torch's CPU pool: ``threads``, or `available_cores` when None; returns the size.
 
     Raises:
-        ValueError: ``threads`` < 1.
+        ValueError: ``threads`` outside ``[1, max_threads()]``.
     """
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads)
     import torch
 
     n = threads if threads is not None else available_cores()
@@ -68,5 +87,6 @@ def add_threads_arg(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         metavar="N",
-        help=f"CPU threads for the model (default: the cores this process may use, {available_cores()} here)",
+        help=f"CPU threads for the model (default: the cores this process may use, {available_cores()} here; "
+        "replay: engine mode only)",
     )

@@ -72,6 +72,11 @@ class SessionStart:
         return self.mode if self.mode == "together" else f"{self.mode}:{self.value:g}"
 
 
+MAX_START_VALUE = 1e9
+"""The largest ``staggered`` gap (s, ~32 years) or ``poisson`` rate (per s) taken: beyond it start times stop
+being finite numbers."""
+
+
 def parse_session_start(text: str) -> SessionStart:
     """``together``, ``staggered:SECONDS`` (≥ 0) or ``poisson:RATE`` (sessions per second, > 0).
 
@@ -86,11 +91,15 @@ def parse_session_start(text: str) -> SessionStart:
             value = float(arg)
         except ValueError:
             value = math.nan
-        if math.isfinite(value) and (value > 0 if mode == "poisson" else value >= 0):
+        if (
+            math.isfinite(value)
+            and (value > 0 if mode == "poisson" else value >= 0)
+            and value <= MAX_START_VALUE
+        ):
             return SessionStart(mode, value)
     raise ValueError(
-        f"--session-start {text!r}: expected together, staggered:SECONDS (>= 0) or poisson:RATE "
-        "(sessions per second, > 0)"
+        f"--session-start {text!r}: expected together, staggered:SECONDS (0 to 1e9) or poisson:RATE "
+        "(sessions per second, > 0, at most 1e9)"
     )
 
 
@@ -108,7 +117,7 @@ def session_reader(
     if format == "agentic-sessions" or (
         format == "auto" and (path.is_dir() or path.suffix.lower() == ".json")
     ):
-        when = parse_session_start(start or "together")
+        when = parse_session_start("together" if start is None else start)
         return lambda: read_sessions(path, start=when, strict=strict)
     if start is not None:
         raise ValueError("--session-start applies to agentic session files (--format agentic-sessions)")

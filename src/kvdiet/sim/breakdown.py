@@ -5,7 +5,9 @@ The split the decision table of seed 003 asks for before a policy is chosen: a p
 trace may lose on the part of the traffic a deployment cares about. Regimes are by prompt length (tokens,
 K = 1,024): ``≤32K`` (N ≤ 32,768), ``32K-200K``, ``≥200K`` (N ≥ 204,800). Kinds (``agent``, ``subagent``,
 ``chat``) and sessions come from the trace (`kvdiet.sim.traces.TraceRequest.kind` / ``.session``) when it
-carries them. Bytes are what the request's own forwards wrote (global KV and window state), per tier.
+carries them; when only some requests carry one, the others form the group `UNTAGGED`, so every split
+adds up to the whole run. Bytes are what the request's own forwards wrote (global KV and window state), per
+tier.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from dataclasses import asdict, dataclass
 
 from kvdiet.cache.plan import Provenance, WindowSource
 
-__all__ = ["REGIMES", "Breakdown", "GroupFigures", "regime_of"]
+__all__ = ["REGIMES", "UNTAGGED", "Breakdown", "GroupFigures", "regime_of"]
 
 REGIMES = ("≤32K", "32K-200K", "≥200K")
 """The context-length regimes, shortest first."""
+UNTAGGED = "(untagged)"
+"""The kind or session group of the requests a trace gives none (shown only beside tagged ones)."""
 
 
 def regime_of(prompt_tokens: int) -> str:
@@ -58,13 +62,13 @@ class Breakdown:
 
     @staticmethod
     def keys(prompt_tokens: int, kind: str | None, session: str | None) -> tuple[tuple[str, str], ...]:
-        """The groups a request belongs to: its regime, and its kind and session when the trace names them."""
-        keys = [("regime", regime_of(prompt_tokens))]
-        if kind is not None:
-            keys.append(("kind", kind))
-        if session is not None:
-            keys.append(("session", session))
-        return tuple(keys)
+        """The groups a request belongs to: its regime, its kind and its session (`UNTAGGED` when the trace
+        names none)."""
+        return (
+            ("regime", regime_of(prompt_tokens)),
+            ("kind", kind if kind is not None else UNTAGGED),
+            ("session", session if session is not None else UNTAGGED),
+        )
 
     def add_request(self, keys: tuple[tuple[str, str], ...], p: Provenance) -> None:
         """Count one request's lookup (`Provenance`)."""
@@ -89,7 +93,7 @@ class Breakdown:
 
     def as_dict(self) -> dict[str, dict[str, dict[str, int | float]]]:
         """``{"by_regime": {...}, "by_kind": {...}, "by_session": {...}}`` (regimes in order, the rest sorted;
-        a split the trace does not carry is absent)."""
+        a split the trace does not carry — every request `UNTAGGED` — is absent)."""
         out: dict[str, dict[str, dict[str, int | float]]] = {}
         for split in ("regime", "kind", "session"):
             names = [n for s, n in self.groups if s == split]
@@ -97,6 +101,6 @@ class Breakdown:
                 names = [r for r in REGIMES if r in names]
             else:
                 names.sort()
-            if names:
+            if names and names != [UNTAGGED]:
                 out[f"by_{split}"] = {n: self.groups[(split, n)].as_dict() for n in names}
         return out

@@ -159,6 +159,8 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
 
     sessions = session_reader(args.trace, format=args.format, start=args.session_start, strict=args.strict)
     jobs = _plan(args)  # flags checked before the trace is read
+    if not Path(args.trace).exists():
+        raise ValueError(f"{args.trace}: no such trace file or folder")
     trace = sessions() if sessions else read_trace(args.trace, format=args.format, strict=args.strict)
     for line in trace.errors[:10]:
         print(f"kvdiet replay: skipped {line}", file=sys.stderr)
@@ -218,10 +220,19 @@ def _plan(args: argparse.Namespace):
     for flag, value, least in (
         ("--max-requests", args.max_requests, 1),
         ("--engine-block-size", args.engine_block_size, 1),
+        ("--max-num-seqs", args.max_num_seqs, 1),
         ("--time-scale", args.time_scale, 0),
+        ("--output-tok-s", args.output_tok_s, 1e-9),
     ):
-        if value < least:
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
+        if not (math.isfinite(value) and value >= least):
+            bound = "> 0" if least == 1e-9 else f">= {least}"
+            raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
+    for flag in ("--device-size", "--swa-pool-size", "--persistent-size", "--kv-cache-memory"):
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is not None and _flag(flag, parse_bytes, text) <= 0:
+            raise ValueError(f"{flag} must be > 0 bytes, got {text!r}")
+    for flag in ("--swa-pool-ttl", "--persistent-ttl"):
+        _flag(flag, parse_duration, getattr(args, flag[2:].replace("-", "_")))
     if args.report:
         _check_report_dir(Path(args.report))
     from kvdiet.sim.study import DEFAULT_RUNS
@@ -232,6 +243,8 @@ def _plan(args: argparse.Namespace):
         names = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not names:
         raise ValueError("--runs: no runs")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"--runs: {', '.join(twice)} given twice")
     if args.mode == "engine":
         from kvdiet.cache.policies import parse_policy
         from kvdiet.engine.runner import CacheOptions
@@ -276,10 +289,24 @@ def _plan(args: argparse.Namespace):
     for model in {r.model for r in runs}:
         load_config(model)  # an unknown model fails before the trace is read
     texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
-    sweeps = [] if texts == ["none"] else [(parse_sweep(t), parse_run(args.sweep_run, base)) for t in texts]
+    if "none" in texts and len(texts) > 1:
+        raise ValueError("--sweep none runs no sweep: it cannot be combined with another --sweep")
+    sweeps = (
+        []
+        if texts == ["none"]
+        else [(_flag("--sweep", parse_sweep, t), parse_run(args.sweep_run, base)) for t in texts]
+    )
     if args.mode == "stats":
         return None
     return runs, sweeps
+
+
+def _flag(flag: str, parse: Callable[[str], object], text: str):
+    """``parse(text)``, its ValueError prefixed with the flag (one line that names what to fix)."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _check_report_dir(path: Path) -> None:

@@ -131,7 +131,9 @@ def _cell(value: object) -> str:
         return ", ".join(f"{k}: {_cell(v)}" for k, v in value.items()) or "-"
     if isinstance(value, bool) or value is None:
         return str(value).lower() if value is not None else "-"
-    return f"{value:,}" if isinstance(value, int | float) else str(value)
+    if isinstance(value, int | float):
+        return f"{value:,}"
+    return str(value).replace("\\", "\\\\").replace("|", "\\|")  # a label's "|" must not split the row
 
 
 def _table(rows: list[dict[str, object]]) -> str:

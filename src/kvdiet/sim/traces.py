@@ -170,19 +170,28 @@ def _detect(path: Path) -> str:
 
 
 def _header_block_size(path: Path) -> int:
-    """The ``block_size`` of a generic trace's header line."""
-    block_size = None
+    """The ``block_size`` of a generic trace's header line.
+
+    Raises:
+        TraceError: no header line, another version than 1, or a block size that is not an integer >= 1.
+    """
+    expected = '{"format": "kvdiet-trace", "version": 1, "block_size": B}'
     with path.open(encoding="utf-8") as f:
         first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
-        if isinstance(head, dict) and head.get("format") == "kvdiet-trace":
-            block_size = head.get("block_size")
     except json.JSONDecodeError:
-        pass
+        head = None
+    if not isinstance(head, dict) or head.get("format") != "kvdiet-trace":
+        raise TraceError(f"{path}:1: a generic trace starts with {expected}")
+    if head.get("version") != 1:
+        raise TraceError(
+            f"{path}:1: generic trace version {head.get('version')!r}; this reader reads version 1"
+        )
+    block_size = head.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise TraceError(
-            f'{path}:1: a generic trace starts with {{"format": "kvdiet-trace", "version": 1, "block_size": B}}'
+            f"{path}:1: block_size must be an integer >= 1 (tokens per hash id), got {block_size!r}"
         )
     return block_size
 
@@ -346,8 +355,8 @@ def _label(obj: dict, key: str) -> str | None:
     value = obj.get(key)
     if value is None:
         return None
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    if not isinstance(value, str) or not value.strip() or not value.isprintable():
+        raise ValueError(f"{key} must be a non-blank string of printable characters, got {value!r}")
     return value
 
 
