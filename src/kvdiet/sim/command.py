@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.engine.progress import StepProgress
-from kvdiet.units import parse_bytes, parse_duration
+from kvdiet.sim.replay_flags import plan_runs
 
 __all__ = ["add_replay_parser", "run_replay"]
 
@@ -158,7 +157,7 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.sim.traces import read_trace
 
     sessions = session_reader(args.trace, format=args.format, start=args.session_start, strict=args.strict)
-    jobs = _plan(args)  # flags checked before the trace is read
+    jobs = plan_runs(args)  # flags checked before the trace is read
     if not Path(args.trace).exists():
         raise ValueError(f"{args.trace}: no such trace file or folder")
     trace = sessions() if sessions else read_trace(args.trace, format=args.format, strict=args.strict)
@@ -204,119 +203,6 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
         print(json.dumps(_finite(out), allow_nan=False))
         return
     _print(out, study, engine, console)
-
-
-def _plan(args: argparse.Namespace):
-    """Check every flag and build the run configs (model-free) or engine configs."""
-    from kvdiet.config import load_config
-    from kvdiet.sim.cost import check_gpu
-    from kvdiet.sim.records import SimConfig
-    from kvdiet.sim.study import DEFAULT_SUPERSEDE_SWEEP, DEFAULT_TTL_SWEEP, parse_run, parse_sweep
-
-    if args.jobs is not None and args.jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
-    if not args.progress_interval >= 0:
-        raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
-    for flag, value, least in (
-        ("--max-requests", args.max_requests, 1),
-        ("--engine-block-size", args.engine_block_size, 1),
-        ("--max-num-seqs", args.max_num_seqs, 1),
-        ("--time-scale", args.time_scale, 0),
-        ("--output-tok-s", args.output_tok_s, 1e-9),
-    ):
-        if not (math.isfinite(value) and value >= least):
-            bound = "> 0" if least == 1e-9 else f">= {least}"
-            raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
-    for flag in ("--device-size", "--swa-pool-size", "--persistent-size", "--kv-cache-memory"):
-        text = getattr(args, flag[2:].replace("-", "_"))
-        if text is not None and _flag(flag, parse_bytes, text) <= 0:
-            raise ValueError(f"{flag} must be > 0 bytes, got {text!r}")
-    for flag in ("--swa-pool-ttl", "--persistent-ttl"):
-        _flag(flag, parse_duration, getattr(args, flag[2:].replace("-", "_")))
-    if args.report:
-        _check_report_dir(Path(args.report))
-    from kvdiet.sim.study import DEFAULT_RUNS
-
-    if args.runs is None:
-        names = list(DEFAULT_RUNS) if args.mode != "engine" else ["bounded-replay"]
-    else:
-        names = [r.strip() for r in args.runs.split(",") if r.strip()]
-    if not names:
-        raise ValueError("--runs: no runs")
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise ValueError(f"--runs: {', '.join(twice)} given twice")
-    if args.mode == "engine":
-        from kvdiet.cache.policies import parse_policy
-        from kvdiet.engine.runner import CacheOptions
-        from kvdiet.sim.engine_mode import EngineModeConfig
-
-        configs = []
-        for name in dict.fromkeys(n.split("@")[0] for n in names):  # each policy once, in order
-            policy = parse_policy(name)
-            cache = CacheOptions(
-                kv_cache_memory=parse_bytes(args.kv_cache_memory),
-                persistent_ttl_s=parse_duration(args.persistent_ttl),
-                swa_pool_size=parse_bytes(args.swa_pool_size),
-                swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
-                policy=policy,
-            )
-            configs.append(
-                EngineModeConfig(
-                    model=args.engine_model,
-                    block_size=args.engine_block_size,
-                    max_requests=args.max_requests,
-                    time_scale=args.time_scale,
-                    cache=cache,
-                    max_num_seqs=args.max_num_seqs,
-                    seed=args.seed,
-                )
-            )
-        return configs
-    base = SimConfig(
-        model=args.model,
-        device_bytes=parse_bytes(args.device_size),
-        persistent_bytes=parse_bytes(args.persistent_size) if args.persistent_size else None,
-        persistent_ttl_s=parse_duration(args.persistent_ttl),
-        swa_pool_bytes=parse_bytes(args.swa_pool_size),
-        swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
-        swa_pool_supersede=args.swa_pool_supersede,
-        gpu=args.gpu,
-        mfu=args.mfu,
-        output_tok_s=args.output_tok_s,
-    )
-    check_gpu(base.gpu, base.mfu)
-    runs = [parse_run(n, base) for n in names]
-    for model in {r.model for r in runs}:
-        load_config(model)  # an unknown model fails before the trace is read
-    texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
-    if "none" in texts and len(texts) > 1:
-        raise ValueError("--sweep none runs no sweep: it cannot be combined with another --sweep")
-    sweeps = (
-        []
-        if texts == ["none"]
-        else [(_flag("--sweep", parse_sweep, t), parse_run(args.sweep_run, base)) for t in texts]
-    )
-    if args.mode == "stats":
-        return None
-    return runs, sweeps
-
-
-def _flag(flag: str, parse: Callable[[str], object], text: str):
-    """``parse(text)``, its ValueError prefixed with the flag (one line that names what to fix)."""
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None
-
-
-def _check_report_dir(path: Path) -> None:
-    """Refuse, before any run, a report path that is a file or under no writable directory; creates nothing
-    (the report writer creates it once the runs succeed)."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--report {path}: exists and is not a directory")
-    parent = next(p for p in (path, *path.absolute().parents) if p.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--report {path}: {parent} is not a writable directory")
 
 
 def _finite(value: object) -> object:
