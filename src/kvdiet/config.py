@@ -219,6 +219,7 @@ PRESETS: dict[str, str] = {
     "deepseek-v4-flash": "deepseek-v4-flash-0731.json",
     "v4.1-mini": "v4.1-mini.json",
     "v4.1-micro": "v4.1-micro.json",
+    "v4-mini": "v4-mini.json",
     "deepseek-llm-67b": "deepseek-llm-67b.json",
 }
 

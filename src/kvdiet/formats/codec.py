@@ -8,14 +8,21 @@ the no-cache reference applies it at the same points where the cached path store
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from kvdiet.formats import fp4, fp8, mxfp4
-from kvdiet.formats.layout import EntryFormat, index_key_format, main_kv_format, window_format
+from kvdiet.formats import fp4, fp8, mxfp4, v4_record
+from kvdiet.formats.layout import (
+    EntryFormat,
+    index_key_format,
+    main_kv_format,
+    v4_record_format,
+    window_format,
+)
 
 __all__ = ["CacheCodecs", "Codec", "exact_codec", "packed_codec"]
 
@@ -71,7 +78,8 @@ def packed_codec(fmt: EntryFormat, module: ModuleType, suffix: str) -> Codec:
 
 @dataclass(frozen=True, slots=True)
 class CacheCodecs:
-    """The three V4.1 cache codecs of a model: main KV, index keys, window entries (v41-spec §5.2)."""
+    """The three cache codecs of a model: main KV, index keys, window entries (v41-spec §5.2; V4-Flash:
+    `for_v4`)."""
 
     main: Codec
     index_key: Codec
@@ -87,3 +95,23 @@ class CacheCodecs:
             packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"),
             packed_codec(window_format(head_dim), fp8, "window"),
         )
+
+    @classmethod
+    def for_v4(cls, head_dim: int, index_head_dim: int, rope_dim: int) -> CacheCodecs:
+        """V4-Flash's packed codecs: the FP8 record (E4M3 nope dims + bf16 RoPE dims, 584 B at 512/64) for main
+        KV and window entries, MXFP4 index keys (68 B at 128) (v41-spec §5.2, §9).
+
+        Raises:
+            ValueError: ``head_dim − rope_dim`` not a positive multiple of 64, or ``index_head_dim`` not a
+                multiple of 32.
+        """
+        record = v4_record_format(head_dim, rope_dim)
+        v4 = Codec(
+            record.name,
+            head_dim,
+            record.bytes_per_entry,
+            torch.uint8,
+            functools.partial(v4_record.encode_v4_record, rope_dim=rope_dim),
+            functools.partial(v4_record.decode_v4_record, rope_dim=rope_dim),
+        )
+        return cls(v4, packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"), v4)

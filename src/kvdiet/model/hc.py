@@ -2,7 +2,8 @@
 
 The transformer block owns the parameters (checkpoint names ``hc_attn_fn`` / ``hc_attn_scale`` /
 ``hc_attn_base`` and ``hc_ffn_*``) and decides which pre-mix feeds which sublayer (the V4.1 shift, v41-spec
-§8.1); this module only computes coefficients and mixes streams. All math is fp32.
+§8.1); this module only computes coefficients and mixes streams. All math is fp32 (fp64 when the
+streams are fp64, `kvdiet.model.layers.widen`).
 
 Shapes: streams ``h`` [..., T, hc, hidden]; ``fn`` [(2+hc)·hc, hc·hidden]; ``scale`` [3]; ``base``
 [(2+hc)·hc]; ``pre``/``post`` [..., T, hc]; ``comb`` [..., T, hc, hc]. The model uses no leading dims.
@@ -12,8 +13,47 @@ Source: v41-spec §8.1a (DeepSeek's V4.1 reference ``hc_pre`` / ``hc_post`` and 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["hc_coefficients", "hc_collapse", "hc_expand", "hc_init_streams", "hc_initial_pre"]
+from kvdiet.config import ModelConfig
+from kvdiet.model.layers import widen
+
+__all__ = [
+    "add_sublayer_hc",
+    "hc_coefficients",
+    "hc_collapse",
+    "hc_expand",
+    "hc_init_streams",
+    "hc_initial_pre",
+    "sublayer_coefficients",
+]
+
+
+def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
+    """Register a block's mHC parameters under DeepSeek's names: ``hc_{attn,ffn}_fn`` [(2+hc)·hc, hc·hidden]
+    (zeros), ``hc_{attn,ffn}_base`` [(2+hc)·hc] (zeros), ``hc_{attn,ffn}_scale`` [3] (ones)."""
+    hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
+    for part in ("attn", "ffn"):
+        block.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size)))
+        block.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
+        block.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+
+
+def sublayer_coefficients(
+    block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_coefficients` of the ``attn`` or ``ffn`` sublayer of ``block`` (see `add_sublayer_hc`) for streams
+    ``h`` [T, hc, hidden]."""
+    return hc_coefficients(
+        h,
+        getattr(block, f"hc_{part}_fn"),
+        getattr(block, f"hc_{part}_scale"),
+        getattr(block, f"hc_{part}_base"),
+        hc_mult=cfg.hc_mult,
+        rms_eps=cfg.rms_norm_eps,
+        hc_eps=cfg.hc_eps,
+        sinkhorn_iters=cfg.hc_sinkhorn_iters,
+    )
 
 
 def hc_coefficients(
@@ -58,8 +98,8 @@ def hc_coefficients(
         )
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
-    flat = h.float().flatten(-2)  # [..., T, hc·hidden]
-    fn, scale, base = fn.float(), scale.float(), base.float()
+    flat = widen(h).flatten(-2)  # [..., T, hc·hidden]
+    fn, scale, base = fn.to(flat.dtype), scale.to(flat.dtype), base.to(flat.dtype)
     mixes = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [..., T, n_mix]
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
@@ -77,7 +117,8 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
     h: [..., T, hc, hidden], pre: [..., T, hc] -> fp32 [..., T, hidden].
     """
-    return (pre.float()[..., None] * h.float()).sum(-2)
+    h = widen(h)
+    return (pre.to(h.dtype)[..., None] * h).sum(-2)
 
 
 def hc_expand(
@@ -91,15 +132,15 @@ def hc_expand(
     Returns:
         fp32 [..., T, hc, hidden].
     """
-    mixed = (
-        comb.float().transpose(-1, -2) @ residual.float()
-    )  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
-    return post.float()[..., None] * x.float()[..., None, :] + mixed
+    residual = widen(residual)
+    dt = residual.dtype
+    mixed = comb.to(dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
+    return post.to(dt)[..., None] * x.to(dt)[..., None, :] + mixed
 
 
 def hc_init_streams(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
     """Copy the embedding output into every stream: x [..., T, hidden] -> fp32 [..., T, hc_mult, hidden]."""
-    x = x.float()
+    x = widen(x)
     return x[..., None, :].expand(*x.shape[:-1], hc_mult, x.shape[-1]).clone()
 
 

@@ -17,7 +17,16 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "rope_frequencies"]
+__all__ = ["RMSNorm", "Rope", "rope_frequencies", "widen"]
+
+
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its compute dtype: fp32 for fp32 and narrower floats (bf16, fp16), fp64 kept as fp64.
+
+    The model computes in fp32 as DeepSeek's reference does; a model converted to fp64 (``model.double()``,
+    as the peer tests against transformers run it) computes in fp64 throughout instead.
+    """
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 class RMSNorm(nn.Module):
@@ -36,8 +45,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] any float dtype -> fp32 [..., dim]."""
-        x = x.float()
+        """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64)."""
+        x = widen(x)
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
 
     def extra_repr(self) -> str:
@@ -151,7 +160,7 @@ class Rope:
             inverse: rotate by −angle; undoes the query-position rotation of the attention output (§2).
         Returns:
             A new tensor, same shape and dtype as ``x`` (the rotation itself runs in fp32 complex arithmetic,
-            like the reference ``apply_rotary_emb``).
+            like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``).
         Raises:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
@@ -162,8 +171,10 @@ class Rope:
         cis = torch.polar(torch.ones_like(angles), angles)
         if inverse:
             cis = cis.conj()
+        if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
+            cis = cis.to(torch.complex128)
         pairs = torch.view_as_complex(
-            x[..., x.shape[-1] - d :].float().unflatten(-1, (d // 2, 2)).contiguous()
+            widen(x[..., x.shape[-1] - d :]).unflatten(-1, (d // 2, 2)).contiguous()
         )
         rotated = torch.view_as_real(pairs * cis).flatten(-2)
         out = x.clone()

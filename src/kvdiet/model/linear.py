@@ -35,6 +35,7 @@ from torch import nn
 from kvdiet.formats.e2m1 import DECODE_TABLE, pack_nibbles
 from kvdiet.formats.fp8 import fake_quant_window
 from kvdiet.formats.mxfp4 import quantize_index_key
+from kvdiet.model.layers import widen
 
 __all__ = [
     "FP4_BLOCK",
@@ -220,21 +221,22 @@ class Linear(nn.Module):
         self.scale = scale
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as fp32 [out, in] (dequantised when stored quantised)."""
+        """The weight as fp32 [out, in] (dequantised when stored quantised; a dense fp64 weight stays fp64)."""
         if self.storage == "fp8":
             return dequantize_fp8_weight(self.weight, self.scale, block=self.block)
         if self.storage == "fp4":
             return dequantize_fp4_weight(self.weight, self.scale)
-        return self.weight.float()
+        return widen(self.weight)
 
     # Instrumentation (`kvdiet golden`'s rounding-tie search): when set, ``input_hook(layer, x, q)`` sees each
     # quantised layer's input x and its FP8 values q and returns the values to use. None in normal runs.
     input_hook: ClassVar[Callable[[Linear, torch.Tensor, torch.Tensor], torch.Tensor] | None] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in] any float dtype → fp32 [..., out]; FP8 activations first when the weight is quantised."""
+        """x: [..., in] any float dtype → fp32 [..., out] (fp64 for a dense fp64 weight: a model run in fp64);
+        FP8 activations first when the weight is quantised."""
         if self.storage == "dense":
-            return F.linear(x.float(), self.weight)
+            return F.linear(widen(x).to(self.weight.dtype), self.weight)
         q = fp8_activations(x)
         if Linear.input_hook is not None:
             q = Linear.input_hook(self, x.float(), q)

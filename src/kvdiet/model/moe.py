@@ -2,11 +2,16 @@
 the swiglu clamp, and one always-on shared expert (v41-spec §8.2, §8.2a; DeepSeek's reference ``Gate``,
 ``Expert`` and ``MoE``).
 
-Everything runs in fp32; a linear whose weight is stored FP8 or FP4 (the released checkpoint's shared and
-routed experts) quantises its input to FP8 first (`kvdiet.model.linear`). Routed experts come from
+Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weight is stored FP8 or FP4
+(the released checkpoint's shared and routed experts) quantises its input to FP8 first
+(`kvdiet.model.linear`). Routed experts come from
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
 Tokens are grouped per expert (one matmul per used expert, no per-token loop). This module has no effect on
 the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+
+V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
+``tid2eid[v]`` (a checkpoint buffer [vocab, k]) instead of the router's top-k; the router's scores still
+weigh them (transformers ``DeepseekV4HashRouter``; V4 reference ``Gate`` with ``hash``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.expert_cache import LayerExperts
+from kvdiet.model.layers import widen
 from kvdiet.model.linear import Linear
 
 __all__ = ["Expert", "Gate", "MoE"]
@@ -25,34 +31,62 @@ _INIT_STD = 0.02  # config ``initializer_range``
 
 
 class Gate(nn.Module):
-    """The router: ``weight`` fp32 [n_routed_experts, hidden] and ``bias`` fp32 [n_routed_experts].
+    """The router: ``weight`` fp32 [n_routed_experts, hidden], and ``bias`` fp32 [n_routed_experts] (top-k
+    routing) or ``tid2eid`` int64 [hash_vocab, k] (hash routing).
 
     Scores are ``sqrt(softplus(x·Wᵀ))`` (config ``scoring_func`` ``sqrtsoftplus``). Experts are chosen by the
-    top-k of ``scores + bias``; the bias only selects. Routing weights are the chosen raw scores, divided by
-    (their sum + 1e−20) when ``norm_topk_prob`` and k > 1, times ``routed_scaling_factor``.
+    top-k of ``scores + bias`` (the bias only selects), or are ``tid2eid[token id]`` when hash-routed.
+    Routing weights are the chosen raw scores, divided by (their sum + 1e−20) when ``norm_topk_prob`` and
+    k > 1, times ``routed_scaling_factor``.
     """
 
     def __init__(
-        self, hidden: int, n_experts: int, topk: int, *, norm_topk_prob: bool, routed_scaling_factor: float
+        self,
+        hidden: int,
+        n_experts: int,
+        topk: int,
+        *,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        hash_vocab: int | None = None,
     ) -> None:
         super().__init__()
         self.topk = topk
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        if hash_vocab is None:
+            self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+            self.register_buffer("tid2eid", None)
+        else:
+            self.bias = None
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, topk, dtype=torch.int64))
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=_INIT_STD)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (weights fp32 [T, k], expert ids int64 [T, k]).
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden]; token_ids: int64 [T] (hash routing only) -> (weights [T, k] in x's compute dtype,
+        expert ids int64 [T, k]).
 
         Ties in ``scores + bias`` go to the lowest expert index (a stable descending sort), so the choice
         never depends on ``torch.topk``'s unspecified tie order or on the thread count.
+
+        Raises:
+            ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
-        scores = torch.sqrt(F.softplus(x.float() @ self.weight.float().T))  # [T, E]
-        order = torch.sort(scores + self.bias.float(), dim=-1, descending=True, stable=True).indices
-        ids = order[:, : self.topk]
+        x = widen(x)
+        scores = torch.sqrt(F.softplus(x @ self.weight.to(x.dtype).T))  # [T, E]
+        if self.tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids")
+            ids = self.tid2eid[token_ids]
+            if bool(((ids < 0) | (ids >= scores.shape[1])).any()):
+                raise ValueError(f"tid2eid names an expert outside [0, {scores.shape[1]})")
+        else:
+            order = torch.sort(scores + self.bias.to(x.dtype), dim=-1, descending=True, stable=True).indices
+            ids = order[:, : self.topk]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob and self.topk > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -78,8 +112,9 @@ class Expert(nn.Module):
                 nn.init.normal_(lin.weight, std=_INIT_STD)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [N, hidden]; weight: fp32 [N, 1] routing weights or None (shared expert) -> fp32 [N, hidden]."""
-        x = x.float()
+        """x: [N, hidden]; weight: [N, 1] routing weights or None (shared expert) -> [N, hidden], fp32 (fp64
+        in a model run in fp64)."""
+        x = widen(x)
         gate = self.w1(x)
         up = self.w3(x)
         if self.swiglu_limit > 0:
@@ -98,11 +133,14 @@ class MoE(nn.Module):
     ``n_routed_experts`` `Expert` of ``moe_intermediate_size``), ``shared_experts`` (one `Expert` of
     ``n_shared_experts · moe_intermediate_size``, weight 1).
 
+    Args:
+        cfg: the model config.
+        hash_routed: route by ``gate.tid2eid`` (V4-Flash's first ``num_hash_layers`` layers).
     Raises:
         ValueError: ``scoring_func`` is not ``sqrtsoftplus`` or ``n_shared_experts`` < 1.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, hash_routed: bool = False) -> None:
         super().__init__()
         if cfg.scoring_func != "sqrtsoftplus":
             raise ValueError(f"scoring_func {cfg.scoring_func!r} is not supported (only 'sqrtsoftplus')")
@@ -116,6 +154,7 @@ class MoE(nn.Module):
             cfg.num_experts_per_tok,
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
+            hash_vocab=cfg.vocab_size if hash_routed else None,
         )
         self.experts = nn.ModuleList(
             Expert(hidden, inter, swiglu_limit=cfg.swiglu_limit) for _ in range(cfg.n_routed_experts)
@@ -124,17 +163,22 @@ class MoE(nn.Module):
         # Set by the loader when routed experts are read on first use (``kvdiet.model.expert_cache``).
         self.routed: LayerExperts | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] (any float dtype) -> fp32 [T, hidden]."""
-        x = x.float()
-        weights, ids = self.gate(x)  # [T, k] each
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, hidden] (any float dtype); token_ids: int64 [T], needed by a hash-routed layer -> [T, hidden],
+        fp32 (fp64 in a model run in fp64).
+
+        Raises:
+            ValueError: see `Gate.forward`.
+        """
+        x = widen(x)
+        weights, ids = self.gate(x, token_ids)  # [T, k] each
         num_tokens, k = ids.shape
         flat_ids = ids.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
         tokens = order // k
         sorted_weights = weights.flatten()[order, None]
-        sorted_out = torch.empty(order.numel(), x.shape[1], dtype=torch.float32)
+        sorted_out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
         experts = self.experts if self.routed is None else self.routed
         start = 0
         for e, n in enumerate(counts):

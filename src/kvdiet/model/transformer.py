@@ -38,6 +38,7 @@ from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
+from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 
 __all__ = ["Transformer"]
 
@@ -168,30 +169,9 @@ class Transformer(nn.Module):
         """Validate a chunk whose first token sits at position ``start``; returns int64 [T].
 
         Raises:
-            ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
-                ``max_position_embeddings``.
+            ValueError: see `kvdiet.model.token_ids.check_token_ids`.
         """
-        v = self.cfg.vocab_size
-        try:
-            ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
-        except (OverflowError, RuntimeError, TypeError, ValueError):
-            bad = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
-            raise ValueError(
-                f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {v})"
-            ) from None
-        if ids.numel() == 0:
-            raise ValueError("empty prompt: at least one token id is needed")
-        bad = ((ids < 0) | (ids >= v)).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {v})")
-        end = start + ids.numel()
-        if end > self.cfg.max_position_embeddings:
-            raise ValueError(
-                f"{start} cached + {ids.numel()} new tokens = {end} > "
-                f"max_position_embeddings {self.cfg.max_position_embeddings}"
-            )
-        return ids
+        return check_token_ids(self.cfg, tokens, start=start)
 
     def rewind(self, state: RequestState, start: int, prefix_ids: Sequence[int] | torch.Tensor) -> None:
         """Reset a request's local state to position ``start``, keeping its global KV (encoder-side replay).
@@ -274,13 +254,7 @@ class Transformer(nn.Module):
             ValueError: lengths differ, a state appears twice, a token is invalid, or a block table on a
                 shared pool does not cover its new token (nothing changes then).
         """
-        if len(states) != len(tokens) or not states:
-            raise ValueError(
-                f"decode needs one token per state, got {len(tokens)} tokens for {len(states)} states"
-            )
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("the same request state appears twice in one decode batch")
-        ids = [self.check_tokens([t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
+        ids = decode_token_ids(self.cfg, states, tokens)
         return self._forward(list(states), ids, [1] * len(states))
 
     @staticmethod

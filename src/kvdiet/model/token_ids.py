@@ -1,0 +1,66 @@
+"""Validation of the token ids a forward is given, shared by the V4.1 and V4-Flash models.
+
+Both raise ``ValueError`` naming the bad id and its index before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvdiet.config import ModelConfig
+
+__all__ = ["check_token_ids", "decode_token_ids"]
+
+
+class _HasLength(Protocol):
+    num_tokens: int
+
+
+def check_token_ids(
+    cfg: ModelConfig, tokens: Sequence[int] | torch.Tensor, *, start: int = 0
+) -> torch.Tensor:
+    """Validate a chunk whose first token sits at position ``start``; returns int64 [T].
+
+    Raises:
+        ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
+            ``max_position_embeddings``.
+    """
+    v = cfg.vocab_size
+    try:
+        ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+    except (OverflowError, RuntimeError, TypeError, ValueError):
+        bad = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
+        raise ValueError(f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {v})") from None
+    if ids.numel() == 0:
+        raise ValueError("empty prompt: at least one token id is needed")
+    bad = ((ids < 0) | (ids >= v)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {v})")
+    end = start + ids.numel()
+    if end > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{start} cached + {ids.numel()} new tokens = {end} > "
+            f"max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    return ids
+
+
+def decode_token_ids(
+    cfg: ModelConfig, states: Sequence[_HasLength], tokens: Sequence[int]
+) -> list[torch.Tensor]:
+    """One int64 [1] per request of a decode batch: ``tokens[b]`` at position ``states[b].num_tokens``.
+
+    Raises:
+        ValueError: an empty batch, lengths that differ, a state that appears twice, or a bad token.
+    """
+    if len(states) != len(tokens) or not states:
+        raise ValueError(
+            f"decode needs one token per state, got {len(tokens)} tokens for {len(states)} states"
+        )
+    if len({id(s) for s in states}) != len(states):
+        raise ValueError("the same request state appears twice in one decode batch")
+    return [check_token_ids(cfg, [t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
