@@ -17,38 +17,13 @@ from safetensors.torch import save_file
 
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
+from kvdiet.model.state import CompressorTail
 from kvdiet.model.v4 import V4Transformer
-from kvdiet.model.v4.compressor import CompressorState
 from kvdiet.model.v4.indexer import V4Indexer
+from v4_helpers import tiny_v4_config
 
 PROMPT = 300  # crosses the HCA windows ending at 128 and 256
 TOL = 1e-6  # max |Δlogit| / max |logit| per row (issue 15)
-
-
-def tiny_v4_config():
-    """4 layers: SWA, CSA (ratio 4, overlapping, indexer top-4), HCA (ratio 128), CSA; 2 hash-routed MoE layers."""
-    return load_config("deepseek-v4-flash").replace(
-        vocab_size=256,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        head_dim=64,
-        qk_rope_head_dim=16,
-        q_lora_rank=32,
-        o_lora_rank=16,
-        o_groups=2,
-        index_n_heads=8,
-        index_head_dim=32,
-        index_topk=4,
-        sliding_window=8,
-        compress_ratios=[0, 4, 128, 4, 0],
-        num_hash_layers=2,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        dspark_target_layer_ids=None,
-        dspark_block_size=None,
-    )
 
 
 def random_v4(seed: int = 1) -> V4Transformer:
@@ -188,12 +163,14 @@ def test_cache_holds_one_entry_per_window_and_the_open_rows():
     model = V4Transformer.from_config(tiny_v4_config(), seed=2, exact=True)
     state = model.new_state()
     model.prefill(state, list(range(131)))
-    swa, csa, hca = state.layers[0], state.layers[1], state.layers[2]
-    assert swa.entries.shape[0] == 0 and swa.window.shape == (7, 64)  # window − 1 rows kept
-    assert csa.entries.shape == (32, 64) and csa.index_keys.shape == (32, 32)
-    assert csa.compressor.count == 3 and csa.compressor.prev_kv.shape == (4, 64)
-    assert hca.entries.shape == (1, 64) and hca.compressor.count == 3
-    assert hca.compressor.prev_kv is None  # HCA does not overlap
+    assert 1 not in state.windows[0].positions.tolist() and state.windows[0].positions.max() == 130
+    assert sorted(state.main) == [1, 2, 3] and sorted(state.index_keys) == [1, 3]  # HCA has no index keys
+    assert len(state.main[1]) == 32 and len(state.index_keys[1]) == 32 and len(state.main[2]) == 1
+    csa, hca = state.tails[1], state.tails[2]
+    # CSA: the last complete window (tokens 124..127) then 3 open rows, main (2·64) and index (2·32) columns
+    assert csa.count == 3 and csa.kv.shape == (8, 2 * 64 + 2 * 32)
+    assert bool(torch.isfinite(csa.score[:7]).all()) and bool(torch.isinf(csa.score[7]).all())
+    assert hca.count == 3 and hca.kv.shape == (128, 64)  # HCA does not overlap
 
 
 def test_bad_input_is_refused_before_any_state_changes():
@@ -205,14 +182,14 @@ def test_bad_input_is_refused_before_any_state_changes():
         model.prefill(state, [4, 256])
     with pytest.raises(ValueError, match="one token per state"):
         model.decode([state], [1, 2])
-    assert state.num_tokens == 3 and state.layers[1].compressor.count == 3
+    assert state.num_tokens == 3 and state.tails[1].count == 3
     with pytest.raises(ValueError, match="implements V4-Flash"):
         V4Transformer(load_config("v4.1-micro"))
     with pytest.raises(ValueError, match=r"ratio 4 \(CSA\) or 128 \(HCA\), not \[2\]"):
         V4Transformer(cfg.replace(compress_ratios=[0, 2, 128, 4, 0]))
     attn = model.layers[1].attn
-    with pytest.raises(ValueError, match="covers 0 tokens but the chunk starts at 5"):
-        attn.compressor(torch.zeros(1, 64), 5, CompressorState.empty(128), attn.rope)
+    with pytest.raises(ValueError, match="tail holds 0 rows but position 5 needs 1"):
+        attn.compressor(torch.zeros(1, 64), 5, CompressorTail(8, 192), slice(0, 128), attn.rope)
     with pytest.raises(ValueError, match="needs the token ids"):
         model.layers[0].ffn(torch.zeros(2, 64))
 
@@ -226,12 +203,12 @@ def test_v4_mini_holds_exactly_the_planners_global_bytes():
     state = model.new_state()
     model.prefill(state, list(range(1000, 1200)))
     model.prefill(state, list(range(1200, 1256)))
-    assert state.global_bytes() == spec.global_bytes(256) == 899_648
-    assert state.global_bytes() / 256 == 3514.25
+    held = state.cache_bytes()
+    assert held.global_bytes == spec.global_bytes(256) == 899_648
+    assert held.global_bytes_per_token == 3514.25
+    assert held.window_bytes == spec.window_bytes_per_request == 43 * 128 * 584
     model.decode([state], [7])
-    assert state.global_bytes() == spec.global_bytes(257)
-    held = state.nbytes()
-    assert held["window"] == cfg.num_hidden_layers * (cfg.sliding_window - 1) * 584  # the next token's window
+    assert state.cache_bytes().global_bytes == spec.global_bytes(257)
 
 
 def test_packed_caches_round_every_stored_value_and_stay_close_to_exact():
@@ -245,9 +222,9 @@ def test_packed_caches_round_every_stored_value_and_stay_close_to_exact():
     err = rel_error(lb, la)
     assert 1e-6 < err.max() < 0.05  # rounded, and only by the formats' error
     # FP8 record at 128/64: 64 E4M3 + 64 bf16 (128 B) + 1 UE8M0 scale, padded to 8 → 200 B
-    assert b.layers[1].entries.dtype == torch.uint8 and b.layers[1].entries.shape == (35, 200)
-    assert b.layers[1].index_keys.shape == (35, 64 // 2 + 2)  # MXFP4: 32 B of E2M1 + 2 UE8M0 scales
+    assert b.main[1].raw().dtype == torch.uint8 and b.main[1].raw().shape == (35, 200)
+    assert b.index_keys[1].raw().shape == (35, 64 // 2 + 2)  # MXFP4: 32 B of E2M1 + 2 UE8M0 scales
     # The stored window entries read back as the FP8 record rounds them.
-    codec = packed.layers[0].attn.codecs.window
-    values = codec.decode(b.layers[0].window)
+    values, _ = b.windows[0].read()
+    codec = b.windows[0].codec
     assert torch.equal(codec.decode(codec.encode(values)), values)

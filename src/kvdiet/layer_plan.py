@@ -27,12 +27,15 @@ from enum import StrEnum
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "V4_CSA_RATIO", "LayerInfo", "LayerPlan", "Role"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "V4_BLOCK_SIZE", "V4_CSA_RATIO", "LayerInfo", "LayerPlan", "Role"]
 
 DEFAULT_BLOCK_SIZE = 64
 """Tokens per block of the paged device pool (vLLM's block size for DeepSeek-V4 models); a multiple of every
 compress ratio (`LayerPlan.check_block_size`). Here so that the model and the cache layer share it without
 importing each other."""
+
+V4_BLOCK_SIZE = 128
+"""V4-Flash's block size when none is chosen: the smallest that holds whole HCA entries (ratio 128)."""
 
 # V4REF builds an indexer only for compress_ratio == 4 layers (v41-spec §1.3, §9).
 V4_CSA_RATIO = 4

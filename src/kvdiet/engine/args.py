@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
-from kvdiet.layer_plan import LayerPlan
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
 from kvdiet.units import parse_bytes, parse_duration
 
@@ -123,18 +123,21 @@ class EngineArgs:
 
         name = self.model if self.model is not None else model_config_path(self.weights)
         cfg = load_config(str(name) if name is not None else "v4.1-mini")
-        if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
+        if not isinstance(cfg, ModelConfig):
             return  # create_engine refuses it with the model's own message
         plan, bs = LayerPlan.from_config(cfg), self.cache.block_size
         try:
             plan.check_block_size(bs)
         except ValueError as exc:
             raise ValueError(f"--block-size: {exc}") from None
-        codecs = CacheCodecs.for_dims(
-            cfg.head_dim, cfg.index_head_dim, exact=KV_CACHE_DTYPES[self.kv_cache_dtype]
-        )
+        exact = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if cfg.is_v41:
+            codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
+        else:
+            codecs = CacheCodecs.for_v4(cfg.head_dim, cfg.index_head_dim, cfg.qk_rope_head_dim, exact=exact)
         ratios = {s: plan[s].compress_ratio for s in plan.kv_sources}
-        block_bytes = DevicePool(ratios, codecs, block_size=bs, num_blocks=1).block_bytes
+        indexed = frozenset(s for s in plan.kv_sources if plan[s].owns_index_keys)
+        block_bytes = DevicePool(ratios, codecs, block_size=bs, num_blocks=1, indexed=indexed).block_bytes
         check_max_model_len(
             self.max_model_len,
             limit=cfg.max_position_embeddings,
@@ -234,7 +237,12 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
     group.add_argument(
         "--kv-cache-memory", default="1GiB", help="device-pool budget for global KV (default 1GiB)"
     )
-    group.add_argument("--block-size", type=int, default=64, help="tokens per block (default 64)")
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per block (default 64 for V4.1; 128 for V4-Flash, whose HCA entries span 128 tokens)",
+    )
     group.add_argument(
         "--persistent-dir",
         default=persistent_default,
@@ -251,8 +259,9 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
     )
     group.add_argument(
         "--swa-policy",
-        default="bounded-replay",
-        help="bounded-replay (default), boundary-snapshot, full-store, checkpoint:K, exact-recompute",
+        default=None,
+        help="bounded-replay (the default for V4.1), boundary-snapshot (the default for V4-Flash, as its "
+        "deployments keep window state), full-store, checkpoint:K, exact-recompute",
     )
     group.add_argument(
         "--swa-pool",
@@ -283,7 +292,12 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     by its flag, and ConfigError on a bad model (from the config alone: before the model loads and before
     anything is opened or connected)."""
     cfg = load_config(args.model)
-    if isinstance(cfg, ModelConfig) and cfg.is_v41:  # before the model loads (seconds to minutes)
+    v4 = isinstance(cfg, ModelConfig) and not cfg.is_v41
+    if args.block_size is None:
+        args.block_size = V4_BLOCK_SIZE if v4 else DEFAULT_BLOCK_SIZE
+    if args.swa_policy is None:
+        args.swa_policy = "boundary-snapshot" if v4 else "bounded-replay"
+    if isinstance(cfg, ModelConfig):  # before the model loads (seconds to minutes)
         parse_flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),

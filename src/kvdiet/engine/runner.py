@@ -129,7 +129,10 @@ class ModelRunner:
                 clock=self.clock,
             )
         )
-        self.decoder_replay = opts.decoder_replay and opts.policy.decoder_replay
+        # V4-Flash has no decoder side (plan.decoder_start is None): nothing to narrow
+        self.decoder_replay = (
+            opts.decoder_replay and opts.policy.decoder_replay and model.plan.decoder_start is not None
+        )
         geometry = Geometry(
             block_size=bs,
             window=cfg.sliding_window,

@@ -57,11 +57,11 @@ class Codec:
         return self.width * torch.empty((), dtype=self.dtype).element_size()
 
 
-def exact_codec(dim: int) -> Codec:
-    """fp32 rows, unchanged (``roundtrip`` is the identity on fp32 input)."""
-    return Codec(
-        "fp32", dim, dim, torch.float32, lambda x: x.to(torch.float32).clone(), lambda r: r.float().clone()
-    )
+def exact_codec(dim: int, dtype: torch.dtype = torch.float32) -> Codec:
+    """Rows of ``dtype`` (fp32, or fp64 for a model run in fp64), unchanged (``roundtrip`` is the identity on
+    input of that dtype)."""
+    name = "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+    return Codec(name, dim, dim, dtype, lambda x: x.to(dtype).clone(), lambda r: r.to(dtype).clone())
 
 
 def packed_codec(fmt: EntryFormat, module: ModuleType, suffix: str) -> Codec:
@@ -97,14 +97,27 @@ class CacheCodecs:
         )
 
     @classmethod
-    def for_v4(cls, head_dim: int, index_head_dim: int, rope_dim: int) -> CacheCodecs:
+    def for_v4(
+        cls,
+        head_dim: int,
+        index_head_dim: int,
+        rope_dim: int,
+        *,
+        exact: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> CacheCodecs:
         """V4-Flash's packed codecs: the FP8 record (E4M3 nope dims + bf16 RoPE dims, 584 B at 512/64) for main
-        KV and window entries, MXFP4 index keys (68 B at 128) (v41-spec §5.2, §9).
+        KV and window entries, MXFP4 index keys (68 B at 128) (v41-spec §5.2, §9); ``exact`` → unquantised
+        rows of ``dtype``.
 
         Raises:
             ValueError: ``head_dim − rope_dim`` not a positive multiple of 64, or ``index_head_dim`` not a
                 multiple of 32.
         """
+        if exact:
+            return cls(
+                exact_codec(head_dim, dtype), exact_codec(index_head_dim, dtype), exact_codec(head_dim, dtype)
+            )
         record = v4_record_format(head_dim, rope_dim)
         v4 = Codec(
             record.name,

@@ -1,7 +1,8 @@
-"""`load_model`: a V4.1 model and its tokenizer from a preset, a config path or a checkpoint.
+"""`load_model`: a V4.1 or V4-Flash model and its tokenizer from a preset, a config path or a checkpoint.
 
-The one place that turns a model name (and optionally a weights folder) into a `Transformer`: seeded random
-weights, or the released checkpoint through `kvdiet.model.loader.load_checkpoint`. It knows nothing of
+The one place that turns a model name (and optionally a weights folder) into a `Transformer` (or a
+`kvdiet.model.v4.V4Transformer` for a V4-Flash config): seeded random weights, or (V4.1) the released
+checkpoint through `kvdiet.model.loader.load_checkpoint`. It knows nothing of
 caches, engines or servers; those call it.
 """
 
@@ -13,6 +14,7 @@ from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_pa
 from kvdiet.model.engram_hash import compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.transformer import Transformer
+from kvdiet.model.v4 import V4Transformer
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["load_model"]
@@ -26,8 +28,9 @@ def load_model(
     exact: bool = False,
     numerics: str = "auto",
     expert_cache_bytes: int | None = None,
-) -> tuple[Transformer, Tokenizer | None]:
-    """A V4.1 model (seeded random weights, or a checkpoint) and its tokenizer.
+) -> tuple[Transformer | V4Transformer, Tokenizer | None]:
+    """A V4.1 model (seeded random weights, or a checkpoint) or a V4-Flash model (seeded random weights) and
+    its tokenizer.
 
     With ``weights`` the model is built from the checkpoint (`kvdiet.model.loader.load_checkpoint`: routed
     experts read on first use, resident memory far below the checkpoint's size); its config is
@@ -37,7 +40,8 @@ def load_model(
     (prompts are then token ids).
 
     Raises:
-        ConfigError: not a V4.1 config, or no config at all.
+        ConfigError: not a DeepSeek-V4-family config, no config at all, or V4-Flash with ``weights`` (its
+            released checkpoint does not load yet).
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
     """
@@ -47,9 +51,18 @@ def load_model(
             raise ConfigError(f"no config.json beside the weights {weights}; give --model")
         name_or_path = str(found)
     cfg = load_config(name_or_path)
-    if not isinstance(cfg, ModelConfig) or not cfg.is_v41:
-        raise ConfigError(f"{name_or_path!r} is not a DeepSeek-V4.1 config; generate runs V4.1 models only")
+    if not isinstance(cfg, ModelConfig):
+        raise ConfigError(
+            f"{name_or_path!r} is not a DeepSeek-V4-family config (a dense baseline has no model)"
+        )
     tokenizer = _tokenizer_for(cfg, weights)
+    if not cfg.is_v41:
+        if weights is not None:
+            raise ConfigError(
+                f"{name_or_path!r} is V4-Flash: its checkpoint does not load yet (random weights only)"
+            )
+        model = V4Transformer.from_config(cfg, seed=seed, exact=exact)
+        return model, tokenizer
     token_map = None
     if tokenizer is not None and cfg.engram_layer_ids:
         token_map, _ = compressed_token_map(tokenizer)

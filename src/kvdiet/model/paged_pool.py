@@ -35,6 +35,8 @@ class DevicePool:
     Args:
         ratios: ``{KV-source layer: compress_ratio}`` (from the `LayerPlan`).
         codecs: the model's cache codecs (``main`` and ``index_key`` are used).
+        indexed: the layers that hold index keys beside their main KV; None → every layer (V4.1). V4-Flash's
+            HCA layers have no indexer.
         block_size: tokens per block; a multiple of every ratio.
         num_blocks: blocks to preallocate (≥ 1).
         blocks: the allocator of the block ids, holding ``num_blocks`` blocks (the cache layer's
@@ -53,6 +55,7 @@ class DevicePool:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int,
         blocks: BlockAllocator | None = None,
+        indexed: frozenset[int] | None = None,
     ) -> None:
         if not ratios:
             raise ValueError("a device pool needs at least one KV-source layer")
@@ -67,10 +70,16 @@ class DevicePool:
             raise ValueError(f"the allocator holds {blocks.num_blocks} blocks, the pool {num_blocks}")
         self.block_size, self.growable = block_size, blocks is None
         self.blocks: BlockAllocator = PrivateBlocks(num_blocks) if blocks is None else blocks
+        self._kinds = {
+            layer: tuple(k for k in KINDS if k == "main" or indexed is None or layer in indexed)
+            for layer in self.ratios
+        }
         self._data = {
-            (layer, kind): torch.zeros(num_blocks, block_size // r, c.width, dtype=c.dtype)
+            (layer, kind): torch.zeros(
+                num_blocks, block_size // r, self.codecs[kind].width, dtype=self.codecs[kind].dtype
+            )
             for layer, r in self.ratios.items()
-            for kind, c in self.codecs.items()
+            for kind in self._kinds[layer]
         }
 
     @property
@@ -109,8 +118,8 @@ class DevicePool:
     # --- one block as bytes (the persistent tier's payload) ---
 
     def read_block(self, block_id: int) -> bytes:
-        """The block's rows as raw bytes: for each layer (ascending), main rows then index-key rows."""
-        parts = [self._data[(layer, kind)][block_id] for layer in self.ratios for kind in KINDS]
+        """The block's rows as raw bytes: for each layer (ascending), main rows then index-key rows (if any)."""
+        parts = [self._data[(layer, kind)][block_id] for layer in self.ratios for kind in self._kinds[layer]]
         return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
 
     def write_block(self, block_id: int, payload: bytes) -> None:
@@ -120,7 +129,7 @@ class DevicePool:
         flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         at = 0
         for layer in self.ratios:
-            for kind in KINDS:
+            for kind in self._kinds[layer]:
                 dst = self._data[(layer, kind)][block_id]
                 n = dst.numel() * dst.element_size()
                 dst.view(torch.uint8).view(-1).copy_(flat[at : at + n])

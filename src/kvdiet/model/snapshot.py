@@ -111,9 +111,13 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
     for _, tail in sorted(state.tails.items()):
         (count,) = struct.unpack_from("<I", take(4, np.dtype("u1"), (4,)).numpy().tobytes())
         shape = tuple(tail.kv.shape)
+        size, dtype = (
+            tail.kv.element_size(),
+            np.dtype(str(tail.kv.dtype).removeprefix("torch.")).newbyteorder("<"),
+        )
         kv, score = (
-            take(4 * tail.kv.numel(), np.dtype("<f4"), shape),
-            take(4 * tail.kv.numel(), np.dtype("<f4"), shape),
+            take(size * tail.kv.numel(), dtype, shape),
+            take(size * tail.kv.numel(), dtype, shape),
         )
         if count >= shape[0]:
             raise SnapshotError(f"compressor tail holds {count} rows, a group has {shape[0]}")
@@ -126,7 +130,11 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
         ring.rows.copy_(r)
         ring.positions.copy_(p)
     for (_, tail), (count, kv, score) in zip(sorted(state.tails.items()), tails, strict=True):
-        tail.replace(kv[:count], score[:count])
+        tail.kv.copy_(
+            kv
+        )  # every row: V4-Flash's CSA tails carry the last complete window before the open rows
+        tail.score.copy_(score)
+        tail.count = count
     state.engram_history = history
     state.num_tokens = h
     return h

@@ -152,11 +152,16 @@ class WindowRing:
 
 
 class CompressorTail:
-    """fp32 projections of the open group's tokens (a ratio-r compressor), kept until the group completes."""
+    """fp32 projections of the open group's tokens (a ratio-r compressor), kept until the group completes.
 
-    def __init__(self, ratio: int, dim: int) -> None:
-        self.kv = torch.zeros(ratio, dim)
-        self.score = torch.full((ratio, dim), float("-inf"))
+    ``rows`` is the group size r for V4.1. V4-Flash's CSA layers keep 2r rows: the last complete window's
+    projections (rows ``[0, r)``; zero kv and −inf scores before the first window completes) and then the
+    open window's ``count`` rows (`kvdiet.model.v4.compressor`). ``dtype`` is fp64 in a model run in fp64.
+    """
+
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> None:
+        self.kv = torch.zeros(rows, dim, dtype=dtype)
+        self.score = torch.full((rows, dim), float("-inf"), dtype=dtype)
         self.count = 0
 
     def replace(self, kv: torch.Tensor, score: torch.Tensor) -> None:
@@ -173,7 +178,7 @@ class CompressorTail:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * 4 + self.score.numel() * 4
+        return (self.kv.numel() + self.score.numel()) * self.kv.element_size()
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,12 +245,13 @@ class RequestState:
 
     def cache_bytes(self) -> CacheBytes:
         """Bytes measured from the allocated storage (rows written for global KV; rings and tails in full)."""
-        per_layer = {layer: (self.main[layer].nbytes, self.index_keys[layer].nbytes) for layer in self.main}
-        # tokens covered by the rows written: entries × ratio (a tail exists only for ratio > 1 layers)
-        covered = {
-            layer: len(self.main[layer]) * (self.tails[layer].kv.shape[0] if layer in self.tails else 1)
+        per_layer = {
+            layer: (self.main[layer].nbytes, self.index_keys[layer].nbytes if layer in self.index_keys else 0)
             for layer in self.main
         }
+        # tokens covered by the rows written: entries × ratio
+        ratios = self.table.pool.ratios
+        covered = {layer: len(self.main[layer]) * ratios[layer] for layer in self.main}
         return CacheBytes(
             num_tokens=self.num_tokens,
             global_bytes=sum(m + i for m, i in per_layer.values()),

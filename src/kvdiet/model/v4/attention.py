@@ -14,60 +14,28 @@ HCA (ratio 128) attends every entry whose window is complete (``j < (t+1)//128``
 indexer's selection. SWA-only layers use base ``rope_theta``; compressed layers ``compress_rope_theta`` with
 YaRN (`Rope.for_layer`).
 
-Caches are packed as V4-Flash stores them (``codecs``, `CacheCodecs.for_v4`): window entries and compressed
-entries in the 584-B FP8 record, index keys Hadamard-rotated in MXFP4; a value is rounded when it is written
-and every read, the writing token's own included, sees the stored value. ``codecs=None`` keeps them exact,
-in the compute dtype (the peer tests against transformers, which does not quantise).
+Caches live in the request's `RequestState`, packed as V4-Flash stores them (`CacheCodecs.for_v4`): window
+entries in a 128-slot ring and compressed entries in the paged device pool, both in the 584-B FP8 record,
+index keys Hadamard-rotated in MXFP4; a value is rounded when it is written and every read, the writing
+token's own included, sees the stored value. Exact codecs keep them unquantised (the peer tests against
+transformers, which does not quantise). A replayed chunk (after `V4Transformer.rewind`) recomputes entries
+the request already holds without writing them again.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.formats.codec import CacheCodecs, Codec
+from kvdiet.formats.codec import CacheCodecs
 from kvdiet.model.layers import RMSNorm, Rope, widen
 from kvdiet.model.linear import Linear
-from kvdiet.model.v4.compressor import CompressorState, V4Compressor
+from kvdiet.model.state import PagedEntries, RequestState
+from kvdiet.model.v4.compressor import V4Compressor
 from kvdiet.model.v4.indexer import V4Indexer, hadamard
 
-__all__ = ["V4Attention", "V4LayerCache"]
-
-
-@dataclass
-class V4LayerCache:
-    """One request's caches of one V4 layer: stored rows, packed uint8 [n, bytes per entry] or exact values
-    [n, dim] in the compute dtype.
-
-    Attributes:
-        window: K=V of the last n ≤ window − 1 tokens (after RoPE), oldest first.
-        entries: compressed KV entries 0 … N − 1 (after norm and RoPE); empty on SWA-only layers.
-        index_keys: the indexer's keys, one per entry (CSA only; packed: Hadamard-rotated MXFP4).
-        compressor / index_compressor: open-window rows (`CompressorState`), None where absent.
-    """
-
-    window: torch.Tensor
-    entries: torch.Tensor
-    index_keys: torch.Tensor
-    compressor: CompressorState | None = None
-    index_compressor: CompressorState | None = None
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held by kind: ``window``, ``entries``, ``index_keys``, ``state`` (open-window rows)."""
-
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        states = [s for s in (self.compressor, self.index_compressor) if s is not None]
-        return {
-            "window": size(self.window),
-            "entries": size(self.entries),
-            "index_keys": size(self.index_keys),
-            "state": sum(s.nbytes() for s in states),
-        }
+__all__ = ["V4Attention"]
 
 
 class V4Attention(nn.Module):
@@ -77,12 +45,12 @@ class V4Attention(nn.Module):
 
     Args:
         cfg: a V4 config; ratio: this layer's ``compress_ratios`` entry (0, 4 or 128).
-        codecs: the packed cache codecs, or None for exact caches.
+        codecs: the cache codecs (`CacheCodecs.for_v4`: packed, or exact).
     """
 
-    def __init__(self, cfg: ModelConfig, ratio: int, codecs: CacheCodecs | None) -> None:
+    def __init__(self, cfg: ModelConfig, ratio: int, codecs: CacheCodecs) -> None:
         super().__init__()
-        self.codecs = codecs
+        self.codecs, self.packed = codecs, codecs.main.dtype == torch.uint8
         self.ratio, self.window = ratio, cfg.sliding_window
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.o_groups, self.eps = cfg.o_groups, cfg.rms_norm_eps
@@ -114,31 +82,19 @@ class V4Attention(nn.Module):
             else None
         )
 
-    def new_cache(self, dtype: torch.dtype = torch.float32) -> V4LayerCache:
-        """Empty caches of one request (``dtype``: the compute dtype, for exact caches)."""
-        d, di = self.head_dim, self.indexer.head_dim if self.indexer is not None else 0
-        c = self.codecs
+    @property
+    def tail_width(self) -> int:
+        """Columns of this layer's compressor tail: the main compressor's, then the indexer's (0: no tail)."""
+        if self.compressor is None:
+            return 0
+        return self.compressor.width + (self.indexer.compressor.width if self.indexer is not None else 0)
 
-        def rows(codec: Codec | None, dim: int) -> torch.Tensor:
-            return (
-                torch.empty(0, codec.width, dtype=codec.dtype) if codec else torch.empty(0, dim, dtype=dtype)
-            )
-
-        return V4LayerCache(
-            window=rows(c and c.window, d),
-            entries=rows(c and c.main, d),
-            index_keys=rows(c and c.index_key, di),
-            compressor=CompressorState.empty(self.compressor.width, dtype) if self.compressor else None,
-            index_compressor=(
-                CompressorState.empty(self.indexer.compressor.width, dtype) if self.indexer else None
-            ),
-        )
-
-    def forward(self, x: torch.Tensor, start_pos: int, cache: V4LayerCache) -> torch.Tensor:
-        """Attention output [T, hidden] of rows x [T, hidden] at positions ``start_pos …`` (caches updated).
+    def forward(self, x: torch.Tensor, start_pos: int, state: RequestState, layer: int) -> torch.Tensor:
+        """Attention output [T, hidden] of rows x [T, hidden] at positions ``start_pos …``; writes this layer's
+        window ring, compressor tail, entries and index keys in ``state``.
 
         Raises:
-            ValueError: the caches do not end at ``start_pos`` (see `V4Compressor.forward`).
+            ValueError: the tail does not end at ``start_pos`` (see `V4Compressor.forward`).
         """
         x = widen(x)
         t, h, d = x.shape[0], self.n_heads, self.head_dim
@@ -147,33 +103,28 @@ class V4Attention(nn.Module):
         q = self.wq_b(qr).view(t, h, d)
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)
         q = self.rope.rotate(q.transpose(0, 1), pos).transpose(0, 1)  # [T, H, D]
-        kv_rows, kv = self._store("window", self.rope.rotate(self.kv_norm(self.wkv(x)), pos))  # [T, D]
-
-        held = cache.window.shape[0]
-        keys = torch.cat([self._load("window", cache.window, kv.dtype), kv])  # positions start_pos − held …
-        key_pos = torch.arange(start_pos - held, start_pos + t)
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), pos)
+        ring = state.windows[layer]
+        kv = ring.codec.roundtrip(kv.float() if self.packed else kv).to(x.dtype)  # as the ring stores it
+        old, old_pos = ring.read()
+        keep = old_pos > start_pos - self.window
+        keys = torch.cat([old[keep].to(x.dtype), kv])
+        key_pos = torch.cat([old_pos[keep], pos])
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
+        ring.write(kv, pos)
         if self.compressor is not None:
-            new, _ = self.compressor(x, start_pos, cache.compressor, self.rope)
-            cache.entries = torch.cat([cache.entries, self._store("main", new)[0]])
-            entries = self._load("main", cache.entries, kv.dtype)
+            entries = self._compress(x, qr, pos, state, layer)
             visible = torch.arange(entries.shape[0])[None, :] < ((pos + 1) // self.ratio)[:, None]
             if self.indexer is not None:
-                new_keys, _ = self.indexer.compressor(x, start_pos, cache.index_compressor, self.rope)
-                if self.codecs is not None:
-                    new_keys = hadamard(new_keys)
-                cache.index_keys = torch.cat([cache.index_keys, self._store("index_key", new_keys)[0]])
-                index_keys = self._load("index_key", cache.index_keys, kv.dtype)
-                codec = self.codecs.index_key if self.codecs is not None else None
-                scores = self.indexer.scores(qr, x, pos, index_keys, self.rope, codec)
+                keys_i = state.index_keys[layer].read().to(x.dtype)
+                codec = self.codecs.index_key if self.packed else None
+                scores = self.indexer.scores(qr, x, pos, keys_i, self.rope, codec)
                 picks = self.indexer.select(scores, pos)
                 chosen = torch.zeros(t, entries.shape[0] + 1, dtype=torch.bool)
                 chosen.scatter_(1, picks.where(picks >= 0, entries.shape[0]), True)
                 visible &= chosen[:, :-1]
             keys = torch.cat([keys, entries])
             mask = torch.cat([mask, visible], dim=1)
-        keep = self.window - 1
-        cache.window = torch.cat([cache.window, kv_rows])[-keep:].clone() if keep else cache.window[:0]
 
         logits = torch.einsum("thd,nd->thn", q, keys) * d**-0.5
         logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
@@ -186,17 +137,31 @@ class V4Attention(nn.Module):
         grouped = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)
         return self.wo_b(grouped)
 
-    def _store(self, kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows to store, the values a read gives back)`` of vectors x [n, dim] under codec ``kind``."""
-        codec = getattr(self.codecs, kind) if self.codecs is not None else None
-        if codec is None:
-            return x, x
-        rows = codec.encode(x.float())
-        return rows, codec.decode(rows).to(x.dtype)
+    def _compress(
+        self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, state: RequestState, layer: int
+    ) -> torch.Tensor:
+        """Run the compressor (and the indexer's), append the entries the request does not hold yet, and
+        return every entry of this layer [N, D] as stored."""
+        start, tail = int(pos[0]), state.tails[layer]
+        main_cols = slice(0, self.compressor.width)
+        new, ids = self.compressor(x, start, tail, main_cols, self.rope)
+        _append_new(state.main[layer], new, ids)
+        if self.indexer is not None:
+            index_cols = slice(self.compressor.width, self.tail_width)
+            keys, ids = self.indexer.compressor(x, start, tail, index_cols, self.rope)
+            _append_new(state.index_keys[layer], hadamard(keys) if self.packed else keys, ids)
+        tail.count = (start + x.shape[0]) % self.ratio
+        return state.main[layer].read().to(x.dtype)
 
-    def _load(self, kind: str, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Stored rows of codec ``kind`` as values [n, dim] in ``dtype``."""
-        codec = getattr(self.codecs, kind) if self.codecs is not None else None
-        if codec is None:
-            return rows.to(dtype)
-        return codec.decode(rows).to(dtype) if rows.shape[0] else torch.empty(0, codec.dim, dtype=dtype)
+
+def _append_new(entries: PagedEntries, values: torch.Tensor, ids: torch.Tensor) -> None:
+    """Append the entries ``ids`` [M] (consecutive) that ``entries`` does not hold yet; a replay recomputes
+    held ones and must not rewrite them. Raises ValueError on a gap."""
+    held = len(entries)
+    new = ids >= held
+    if not bool(new.any()):
+        return
+    if int(ids[new][0]) != held:
+        raise ValueError(f"entry {int(ids[new][0])} would leave a gap after {held} entries")
+    packed = entries.codec.dtype == torch.uint8
+    entries.append(values[new].float() if packed else values[new])

@@ -10,57 +10,24 @@ v41-spec §3.2 (DeepSeek's V4 reference ``Compressor``; transformers ``DeepseekV
   j − 1 and channels ``[D:]`` ("Cb") of window j are pooled together, a softmax over 2r rows per channel;
   window 0 has no previous Ca (weight 0).
 
-Then RoPE at the window's first position ``j·r`` (the caller's table). The rows of an open window wait in
-`CompressorState`, and an overlapping compressor also keeps the last complete window's Ca rows, so chunked
-prefill and single-token decode give exactly the entries of a one-shot pass. The indexer of a CSA layer runs
-its own overlapping compressor at ``index_head_dim``.
+Then RoPE at the window's first position ``j·r`` (the caller's table). The open window's rows wait in the
+request's `CompressorTail` (rows ``[0, count)``); an overlapping compressor's tail has 2r rows, the last
+complete window's projections first (rows ``[0, r)``, only their Ca half is read), the open rows after them
+(``[r, r + count)``). So chunked prefill and single-token decode give exactly the entries of a one-shot pass.
+A CSA layer's main and index compressors share one tail side by side (columns ``cols``; their windows move
+together), and the caller sets ``tail.count`` once both have run.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvdiet.model.layers import RMSNorm, Rope, widen
 from kvdiet.model.linear import Linear
+from kvdiet.model.state import CompressorTail
 
-__all__ = ["CompressorState", "V4Compressor"]
-
-
-@dataclass
-class CompressorState:
-    """One request's open-window rows of one compressor.
-
-    Attributes:
-        kv / score: [m, C] the projections (score with ``ape`` added) of the open window's first m < r
-            tokens, in the model's compute dtype (C = 2·D when overlapping, else D).
-        prev_kv / prev_score: [r, D] the Ca channels of the last complete window (overlapping only), or None
-            before the first window completes.
-        entries: windows completed so far (entry ids ``0 … entries − 1``).
-    """
-
-    kv: torch.Tensor
-    score: torch.Tensor
-    prev_kv: torch.Tensor | None = None
-    prev_score: torch.Tensor | None = None
-    entries: int = 0
-
-    @classmethod
-    def empty(cls, width: int, dtype: torch.dtype = torch.float32) -> CompressorState:
-        """A state with no rows: ``width`` = C."""
-        return cls(torch.empty(0, width, dtype=dtype), torch.empty(0, width, dtype=dtype))
-
-    @property
-    def count(self) -> int:
-        """Rows of the open window held (< ratio)."""
-        return self.kv.shape[0]
-
-    def nbytes(self) -> int:
-        """Bytes held (the open rows and the carried Ca rows)."""
-        held = [self.kv, self.score, self.prev_kv, self.prev_score]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+__all__ = ["V4Compressor"]
 
 
 class V4Compressor(nn.Module):
@@ -90,48 +57,51 @@ class V4Compressor(nn.Module):
         return self.wkv.out_features
 
     def forward(
-        self, x: torch.Tensor, start_pos: int, state: CompressorState, rope: Rope
+        self, x: torch.Tensor, start_pos: int, tail: CompressorTail, cols: slice, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries of the windows completed by rows ``x`` at positions ``start_pos …``.
 
         Args:
             x: [T, hidden], consecutive positions from ``start_pos``.
             start_pos: position of ``x[0]``.
-            state: the request's open-window rows (updated in place).
+            tail: the request's tail of this layer; columns ``cols`` (``width`` of them) are this
+                compressor's and are updated in place; ``tail.count`` is left to the caller.
+            cols: this compressor's columns of the tail.
             rope: the layer's RoPE table (entries are rotated at their window's first position).
         Returns:
             ``(entries [M, D] after norm and RoPE, entry ids int64 [M])``, in x's compute dtype.
         Raises:
-            ValueError: the state does not end at ``start_pos`` (nothing changes then).
+            ValueError: the tail does not hold exactly ``start_pos % ratio`` open rows (nothing changes then).
         """
         r, d = self.ratio, self.head_dim
-        if state.entries * r + state.count != start_pos:
+        base = r if self.overlap else 0  # where the open rows start
+        held = tail.count
+        if held != start_pos % r:
             raise ValueError(
-                f"compressor state covers {state.entries * r + state.count} tokens but the chunk starts at "
-                f"{start_pos}"
+                f"compressor tail holds {held} rows but position {start_pos} needs {start_pos % r}"
             )
         x = widen(x)
         kv = self.wkv(x)
-        pos_in_window = torch.arange(start_pos, start_pos + x.shape[0]) % r
-        score = self.wgate(x) + self.ape.to(kv.dtype)[pos_in_window]
-        kv = torch.cat([state.kv.to(kv.dtype), kv])
-        score = torch.cat([state.score.to(kv.dtype), score])
+        score = self.wgate(x) + self.ape.to(kv.dtype)[torch.arange(start_pos, start_pos + x.shape[0]) % r]
+        kv = torch.cat([tail.kv[base : base + held, cols].to(kv.dtype), kv])
+        score = torch.cat([tail.score[base : base + held, cols].to(kv.dtype), score])
         m = kv.shape[0] // r
-        first = state.entries
-        state.kv, state.score = kv[m * r :].clone(), score[m * r :].clone()
-        if m == 0:
-            return kv.new_empty(0, d), torch.empty(0, dtype=torch.int64)
-        kv, score = kv[: m * r].view(m, r, -1), score[: m * r].view(m, r, -1)
-        if self.overlap:
-            prev_kv = kv.new_zeros(m, r, d)
-            prev_score = score.new_full((m, r, d), float("-inf"))
-            prev_kv[1:], prev_score[1:] = kv[:-1, :, :d], score[:-1, :, :d]
-            if state.prev_kv is not None:
-                prev_kv[0], prev_score[0] = state.prev_kv, state.prev_score
-            state.prev_kv, state.prev_score = kv[-1, :, :d].clone(), score[-1, :, :d].clone()
-            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)  # [m, 2r, D]
-            score = torch.cat([prev_score, score[..., d:]], dim=1)
-        pooled = (kv * torch.softmax(score, dim=1)).sum(dim=1)
-        ids = torch.arange(first, first + m)
-        state.entries += m
-        return rope.rotate(self.norm(pooled), ids * r), ids
+        first = (start_pos - held) // r
+        rest_kv, rest_score = kv[m * r :], score[m * r :]
+        entries = kv.new_empty(0, d)
+        if m:
+            win_kv, win_score = kv[: m * r].view(m, r, -1), score[: m * r].view(m, r, -1)
+            if self.overlap:
+                prev_kv = torch.cat([tail.kv[None, :r, cols][..., :d].to(kv.dtype), win_kv[:-1, :, :d]])
+                prev_score = torch.cat(
+                    [tail.score[None, :r, cols][..., :d].to(kv.dtype), win_score[:-1, :, :d]]
+                )
+                tail.kv[:r, cols], tail.score[:r, cols] = win_kv[-1], win_score[-1]
+                win_kv = torch.cat([prev_kv, win_kv[..., d:]], dim=1)  # [m, 2r, D]
+                win_score = torch.cat([prev_score, win_score[..., d:]], dim=1)
+            pooled = (win_kv * torch.softmax(win_score, dim=1)).sum(dim=1)
+            entries = rope.rotate(self.norm(pooled), torch.arange(first, first + m) * r)
+        tail.kv[base:, cols], tail.score[base:, cols] = 0.0, float("-inf")
+        tail.kv[base : base + rest_kv.shape[0], cols] = rest_kv
+        tail.score[base : base + rest_kv.shape[0], cols] = rest_score
+        return entries, torch.arange(first, first + m)

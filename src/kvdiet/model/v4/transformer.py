@@ -12,50 +12,40 @@ Block l: ``pre, post, comb = mHC(h)``; ``h = post·attn(attn_norm(Σ pre_i h_i))
 FFN (``ffn_norm``, MoE). Parameters carry DeepSeek's checkpoint names, so a DeepSeek-format state dict loads
 with `torch.nn.Module.load_state_dict`. Computes in fp32, or in fp64 after ``model.double()``. Caches are
 packed as V4-Flash stores them (584-B FP8 records, MXFP4 index keys; `V4Attention`) unless ``exact``.
+
+Request state is the engine's `RequestState`: a 128-slot window ring per layer, main KV of every CSA and
+HCA layer and index keys of every CSA layer in the paged device pool (`new_pool`, blocks a multiple of 128
+tokens), one compressor tail per compressed layer. So the engine's prefix cache, tiers, SWA pool and
+policies run V4-Flash as they run V4.1; V4 has no decoder side, so prefill never narrows.
 Bad input raises ``ValueError`` before any state changes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
+from kvdiet.layer_plan import V4_BLOCK_SIZE, LayerPlan
+from kvdiet.model.block_ids import BlockAllocator
 from kvdiet.model.hc import add_sublayer_hc, hc_collapse, hc_expand, hc_init_streams, sublayer_coefficients
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.moe import MoE
+from kvdiet.model.paged_pool import DevicePool
+from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
-from kvdiet.model.v4.attention import V4Attention, V4LayerCache
+from kvdiet.model.transformer import Transformer
+from kvdiet.model.v4.attention import V4Attention
 
-__all__ = ["V4Block", "V4State", "V4Transformer"]
+__all__ = ["V4Block", "V4Transformer"]
+
 
 _INIT_STD = 0.02  # config ``initializer_range``
-
-
-@dataclass
-class V4State:
-    """One request's caches: one `V4LayerCache` per layer and the tokens processed so far."""
-
-    layers: list[V4LayerCache]
-    num_tokens: int = 0
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held by kind, summed over layers (see `V4LayerCache.nbytes`)."""
-        out: dict[str, int] = {}
-        for cache in self.layers:
-            for kind, n in cache.nbytes().items():
-                out[kind] = out.get(kind, 0) + n
-        return out
-
-    def global_bytes(self) -> int:
-        """Bytes of global KV actually held: compressed entries and index keys of every layer."""
-        held = self.nbytes()
-        return held["entries"] + held["index_keys"]
 
 
 class V4Block(nn.Module):
@@ -76,13 +66,13 @@ class V4Block(nn.Module):
         return sublayer_coefficients(self, self.cfg, h, part)
 
     def forward(
-        self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int, int, V4LayerCache]]
+        self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int, RequestState]]
     ) -> torch.Tensor:
-        """Streams h [R, hc, hidden] of token ids [R] → new streams; ``rows`` = (first row, end row, first
-        position, cache) of each request's consecutive rows."""
+        """Streams h [R, hc, hidden] of token ids [R] → new streams; ``rows`` = (first row, end row, state) of
+        each request's consecutive rows (its first at ``state.num_tokens``)."""
         pre, post, comb = self.coefficients(h, "attn")
         x = self.attn_norm(hc_collapse(h, pre))
-        out = torch.cat([self.attn(x[s:e], start, cache) for s, e, start, cache in rows])
+        out = torch.cat([self.attn(x[s:e], st.num_tokens, st, self.layer_id) for s, e, st in rows])
         h = hc_expand(out, h, post, comb)
         pre, post, comb = self.coefficients(h, "ffn")
         out = self.ffn(self.ffn_norm(hc_collapse(h, pre)), ids)
@@ -111,7 +101,11 @@ class V4Transformer(nn.Module):
         if odd:
             raise ValueError(f"V4-Flash layers compress at ratio 4 (CSA) or 128 (HCA), not {odd}")
         self.cfg, self.exact = cfg, exact
-        codecs = None if exact else CacheCodecs.for_v4(cfg.head_dim, cfg.index_head_dim, cfg.qk_rope_head_dim)
+        self.plan = LayerPlan.from_config(cfg)
+        self.hasher = None  # no Engram in V4-Flash
+        self.weights_digest = ""  # set by a loader for weights not held in memory
+        self.load_report = None
+        codecs = self._codecs(torch.float32)
         hc = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(V4Block(cfg, i, codecs) for i in range(cfg.num_hidden_layers))
@@ -148,16 +142,105 @@ class V4Transformer(nn.Module):
         """The compute dtype: fp32, or fp64 after ``model.double()``."""
         return self.embed.weight.dtype
 
-    def new_state(self) -> V4State:
-        """Empty caches for one request."""
-        return V4State([block.attn.new_cache(self.dtype) for block in self.layers])
+    @property
+    def codecs(self) -> CacheCodecs:
+        """The cache codecs: V4-Flash's packed formats, or exact rows of the compute dtype."""
+        return self._codecs(self.dtype)
+
+    def _codecs(self, dtype: torch.dtype) -> CacheCodecs:
+        c = self.cfg
+        return CacheCodecs.for_v4(
+            c.head_dim, c.index_head_dim, c.qk_rope_head_dim, exact=self.exact, dtype=dtype
+        )
+
+    def new_pool(
+        self, num_blocks: int, *, block_size: int = V4_BLOCK_SIZE, blocks: BlockAllocator | None = None
+    ) -> DevicePool:
+        """A paged device pool of ``num_blocks`` blocks: main KV of every compressed layer, index keys of the
+        CSA layers. Raises ValueError as `DevicePool` (e.g. a block size that is not a multiple of 128)."""
+        sources = self.plan.kv_sources
+        ratios = {s: self.plan[s].compress_ratio for s in sources}
+        indexed = frozenset(s for s in sources if self.plan[s].owns_index_keys)
+        return DevicePool(
+            ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, blocks=blocks, indexed=indexed
+        )
+
+    def new_state(
+        self, pool: DevicePool | None = None, *, blocks: list[int] | None = None, num_tokens: int = 0
+    ) -> RequestState:
+        """Caches for one request (as `kvdiet.model.transformer.Transformer.new_state`): its global KV in
+        ``pool`` (None → a private growable pool) on ``blocks`` covering ``num_tokens`` tokens; window rings
+        and compressor tails start empty.
+
+        Raises:
+            ValueError: ``num_tokens`` does not match ``blocks``.
+        """
+        pool = pool if pool is not None else self.new_pool(4)
+        blocks = list(blocks or [])
+        if num_tokens != len(blocks) * pool.block_size:
+            raise ValueError(
+                f"{len(blocks)} blocks hold {len(blocks) * pool.block_size} tokens, not {num_tokens}"
+            )
+        table, codecs, dtype = BlockTable(pool, blocks), self.codecs, self.dtype
+        sources = self.plan.kv_sources
+        tails = {}
+        for s in sources:
+            attn = self.layers[s].attn
+            rows = 2 * attn.ratio if attn.compressor.overlap else attn.ratio
+            tails[s] = CompressorTail(rows, attn.tail_width, dtype)
+        return RequestState(
+            [WindowRing(codecs.window, self.cfg.sliding_window) for _ in self.layers],
+            {s: PagedEntries(table, s, "main", num_tokens // self.plan[s].compress_ratio) for s in sources},
+            {
+                s: PagedEntries(table, s, "index", num_tokens // self.plan[s].compress_ratio)
+                for s in sources
+                if self.plan[s].owns_index_keys
+            },
+            tails,
+            table,
+            num_tokens=num_tokens,
+        )
+
+    def check_tokens(self, tokens: Sequence[int] | torch.Tensor, *, start: int = 0) -> torch.Tensor:
+        """Validate a chunk whose first token sits at position ``start``; returns int64 [T] (see
+        `kvdiet.model.token_ids.check_token_ids`)."""
+        return check_token_ids(self.cfg, tokens, start=start)
+
+    def rewind(self, state: RequestState, start: int, prefix_ids: Sequence[int] | torch.Tensor) -> None:
+        """Reset a request's window rings and compressor tails to position ``start``, keeping its global KV;
+        the next `prefill` recomputes from ``start`` and writes only entries the request does not hold yet.
+
+        Args:
+            state: the request (its global KV covers at least ``start`` tokens).
+            start: the replay start, a multiple of 128 (no HCA window is split).
+            prefix_ids: the request's token ids (unused: V4-Flash keeps no token history; kept for the
+                engine's one interface).
+        Raises:
+            ValueError: ``start`` out of range or not aligned (nothing changes then).
+        """
+        align = math.lcm(*(self.plan[s].compress_ratio for s in self.plan.kv_sources))
+        if not 0 <= start <= state.num_tokens or start % align:
+            raise ValueError(
+                f"replay start {start} must be in [0, {state.num_tokens}] and a multiple of {align}"
+            )
+        for ring in state.windows:
+            ring.clear()
+        for tail in state.tails.values():
+            tail.clear()
+        state.num_tokens = start
 
     @torch.no_grad()
     def prefill(
-        self, state: V4State, tokens: Sequence[int] | torch.Tensor, *, all_logits: bool = False
+        self,
+        state: RequestState,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        decoder_replay: bool = False,
+        all_logits: bool = False,
     ) -> torch.Tensor:
         """Process a chunk of one request's tokens at positions ``state.num_tokens …`` (chunks may split any
-        compressor window).
+        compressor window). ``decoder_replay`` is accepted for the engine's one interface and does nothing:
+        V4-Flash has no decoder side to narrow.
 
         Returns:
             logits [V] of the last row, or [T, V] of every row with ``all_logits``, in the compute dtype.
@@ -165,29 +248,32 @@ class V4Transformer(nn.Module):
             ValueError: see `kvdiet.model.token_ids.check_token_ids`.
         """
         ids = check_token_ids(self.cfg, tokens, start=state.num_tokens)
+        self._check_tables([state], [ids])
         logits = self._forward([state], [ids])
         return logits if all_logits else logits[-1]
 
     @torch.no_grad()
-    def decode(self, states: Sequence[V4State], tokens: Sequence[int]) -> torch.Tensor:
+    def decode(self, states: Sequence[RequestState], tokens: Sequence[int]) -> torch.Tensor:
         """One token per request: ``tokens[b]`` at position ``states[b].num_tokens``; returns [B, V].
 
         Raises:
             ValueError: lengths differ, a state appears twice, or a token is invalid (nothing changes then).
         """
         ids = decode_token_ids(self.cfg, states, tokens)
+        self._check_tables(list(states), ids)
         return self._forward(list(states), ids)
 
-    def _forward(self, states: list[V4State], ids: list[torch.Tensor]) -> torch.Tensor:
+    _check_tables = staticmethod(Transformer._check_tables)
+
+    def _forward(self, states: list[RequestState], ids: list[torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
         flat = torch.cat(ids)
         h = hc_init_streams(self.embed(flat), cfg.hc_mult)
-        spans, start = [], 0
+        rows, start = [], 0
         for state, chunk in zip(states, ids, strict=True):
-            spans.append((start, start + chunk.numel(), state))
+            rows.append((start, start + chunk.numel(), state))
             start += chunk.numel()
-        for i, block in enumerate(self.layers):
-            rows = [(s, e, state.num_tokens, state.layers[i]) for s, e, state in spans]
+        for block in self.layers:
             h = block(h, flat, rows)
         for state, chunk in zip(states, ids, strict=True):
             state.num_tokens += chunk.numel()
