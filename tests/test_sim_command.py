@@ -133,9 +133,11 @@ def test_the_engine_table_keeps_its_chosen_columns() -> None:
         "ttft_p50_s": 1.23456,
         "ttft_p90_s": None,
         "model_free_agreeing": 3,
+        "persistent_bytes_written": 1_234_567,
+        "model_free_persistent_bytes_written": 1_200_000,
     }
     assert list(engine_row(summary).values()) == [
-        "bounded-replay",
+        "bounded-replay@v4.1-mini",
         "3",
         "25.0%",
         "50.0%",
@@ -145,8 +147,10 @@ def test_the_engine_table_keeps_its_chosen_columns() -> None:
         "1.235 s",
         "-",
         "3",
+        "1.23 MB",
+        "1.20 MB",
     ]
-    assert len(ENGINE_COLUMNS) == 10
+    assert len(ENGINE_COLUMNS) == 12
 
 
 def test_empty_hit_windows_are_gaps_and_identical_lines_are_grouped() -> None:

@@ -14,6 +14,7 @@ from kvdiet.config import load_config
 from kvdiet.engine.runner import CacheOptions
 from kvdiet.sim.engine_mode import EngineModeConfig, prompt_ids, run_engine_mode, scale_trace
 from kvdiet.sim.traces import Trace, TraceRequest
+from v4_helpers import tiny_v4_config
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -161,3 +162,39 @@ def test_requests_sharing_a_timestamp_run_in_order_in_both_modes() -> None:
     res = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=3))
     assert [r.arrival_s for r in res.trace.requests] == [0.0, 0.001, 0.002]
     assert res.requests == res.model_free and res.requests[1].hit_tokens == 32
+
+
+def test_v4_and_v41_on_the_same_slice_agree_with_the_model_free_runs_and_measure_their_bytes(
+    tmp_path,
+) -> None:
+    """The same slice through a tiny V4-Flash (boundary-snapshot) and V4.1 (bounded-replay) engine, blocks
+    of 128 tokens: each hit/miss sequence equals its model-free run, and the bytes the engine wrote are the
+    model-free payload bytes plus what only the engine stores (entry headers with the block's token ids;
+    snapshots carry compressor tails and ring positions beside the rings the model-free run counts)."""
+    v4 = tmp_path / "v4.json"
+    v4.write_text(
+        json.dumps(
+            tiny_v4_config().replace(head_dim=128, qk_rope_head_dim=64, index_head_dim=64).to_json_dict()
+        )
+    )
+    v41 = tmp_path / "v41.json"
+    v41.write_text(json.dumps(load_config("v4.1-micro").replace(max_position_embeddings=4096).to_json_dict()))
+    runs = {}
+    for model, policy in ((v4, "boundary-snapshot"), (v41, "bounded-replay")):
+        cfg = EngineModeConfig(
+            model=str(model), block_size=128, max_requests=6, cache=CacheOptions(policy=parse_policy(policy))
+        )
+        runs[policy] = res = run_engine_mode(TRACE, cfg)
+        assert res.requests == res.model_free and res.agreeing == 6
+        s = res.summary()
+        assert s["snapshots_stored"] == s["model_free_snapshots_stored"] > 0
+        spec = CacheSpec.from_config(load_config(str(model)))
+        assert res.model_free_summary["block_bytes"] == spec.global_bytes(128)
+        extra = s["persistent_bytes_written"] - s["model_free_persistent_bytes_written"]
+        assert extra > 0
+        if policy == "bounded-replay":  # blocks only: the difference is the entry headers
+            assert extra < s["persistent_entries_written"] * 1_000
+        else:  # each persistent snapshot also holds the compressor tails the model-free run leaves out
+            assert extra > s["snapshots_stored"] * spec.tail_bytes_per_request // 2
+    v4_sources = {r.window_source for r in runs["boundary-snapshot"].requests}
+    assert v4_sources == {"none", "persistent"}

@@ -85,7 +85,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument(
         "--runs",
         help="comma-separated POLICY[@MODEL] (model-free default: V4-Flash boundary-snapshot and full-store, "
-        "V4.1 under every policy; engine-mode default: bounded-replay, each policy once, @MODEL ignored)",
+        "V4.1 under every policy; engine mode: MODEL is the preset the engine loads, e.g. "
+        "boundary-snapshot@v4-mini,bounded-replay@v4.1-mini; default bounded-replay on --engine-model)",
     )
     g.add_argument(
         "--sweep",
@@ -124,10 +125,17 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
     )
     e = rep.add_argument_group("engine mode")
-    e.add_argument("--engine-model", default="v4.1-mini", help="model the engine loads (default v4.1-mini)")
+    e.add_argument(
+        "--engine-model",
+        default="v4.1-mini",
+        help="model the engine loads for runs without @MODEL (default v4.1-mini; v4-mini runs V4-Flash)",
+    )
     e.add_argument("--max-requests", type=int, default=8, help="requests from the trace's start (default 8)")
     e.add_argument(
-        "--engine-block-size", type=int, default=16, help="engine tokens per trace block (default 16)"
+        "--engine-block-size",
+        type=int,
+        default=None,
+        help="engine tokens per trace block, the same for every run (default 16; 128 when a run is V4-Flash)",
     )
     e.add_argument(
         "--time-scale",

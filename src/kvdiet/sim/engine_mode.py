@@ -8,9 +8,10 @@ id at the same position always gives the same tokens and different ids give diff
 last block is the first tokens of its block). Requests without ids (Azure) get ids of their own, and so do
 the blocks past a request's ids (the partial last block of a trace with one id per full block).
 
-The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``) runs with its block size equal to the
-scaled block, its tiers (device pool, a persistent tier in a temporary directory unless one is given, the
-SWA pool) on a manual clock in trace time: each request's lookups and stores happen at its trace arrival.
+The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``; ``v4-mini`` runs V4-Flash, whose blocks are
+multiples of 128 tokens) runs with its block size equal to the scaled block, its tiers (device pool, a
+persistent tier in a temporary directory unless one is given, the SWA pool) on a manual clock in trace
+time: each request's lookups and stores happen at its trace arrival.
 
 - ``time_scale = 0`` (default): one request at a time, each submitted when the previous finished (requests
   sharing a timestamp are spaced `SEQUENTIAL_GAP_S` apart in trace time) — the deterministic mode, whose
@@ -19,7 +20,9 @@ SWA pool) on a manual clock in trace time: each request's lookups and stores hap
 - ``time_scale > 0``: request i is submitted ``arrival_s × time_scale`` wall seconds after the start
   and requests overlap as the scheduler batches them; the clock follows the trace time of the wall clock.
 
-TTFT is measured: wall seconds from submission to the first output token.
+TTFT is measured: wall seconds from submission to the first output token. Bytes are measured too: what the
+engine wrote to each tier (payloads with their entry headers), beside the model-free run's counts for the
+same slice (payload bytes from the byte geometry).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class EngineModeConfig:
     """An engine-mode run.
 
     Attributes:
-        model: V4.1 preset or config the engine loads (seeded random weights).
+        model: V4.1 or V4-Flash preset or config the engine loads (seeded random weights).
         block_size: engine tokens per trace block (and the engine's block size).
         max_requests: requests taken from the trace's start.
         time_scale: wall seconds per trace second (0: one request at a time).
@@ -125,7 +128,13 @@ class EngineModeConfig:
 
 @dataclass
 class EngineModeResult:
-    """Per-request results of an engine-mode run, its TTFTs, and the model-free run it is compared with."""
+    """Per-request results of an engine-mode run, its TTFTs, and the model-free run it is compared with.
+
+    Attributes:
+        written: bytes and entries the engine wrote: ``persistent_bytes_written``,
+            ``persistent_entries_written``, ``swa_pool_bytes_written``, ``snapshots_stored``.
+        model_free_summary: the model-free run's summary (`kvdiet.sim.model_free.simulate`).
+    """
 
     config: EngineModeConfig
     trace: Trace
@@ -133,6 +142,8 @@ class EngineModeResult:
     ttft_s: list[float]
     wall_s: float
     model_free: list[Provenance]
+    written: dict[str, int] = field(default_factory=dict)
+    model_free_summary: dict[str, object] = field(default_factory=dict)
 
     @property
     def agreeing(self) -> int:
@@ -166,6 +177,11 @@ class EngineModeResult:
             "ttft_max_s": round(ttft[-1], 4) if ttft else None,
             "wall_s": round(self.wall_s, 3),
             "model_free_agreeing": self.agreeing,
+            **self.written,
+            **{
+                f"model_free_{k}": self.model_free_summary.get(k)
+                for k in ("persistent_bytes_written", "swa_pool_bytes_written", "snapshots_stored")
+            },
         }
 
 
@@ -207,6 +223,13 @@ def run_engine_mode(
                 scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
             )
             results, ttft, wall = _drive(engine, scaled, config, clock, progress)
+            st = cache.stats
+            written = {
+                "persistent_bytes_written": st.persistent.bytes_written,
+                "persistent_entries_written": st.persistent.entries_written,
+                "swa_pool_bytes_written": st.swa_pool.bytes_written,
+                "snapshots_stored": st.snapshots_stored,
+            }
         finally:
             cache.close()
     sim = simulate(
@@ -223,7 +246,7 @@ def run_engine_mode(
             output_tok_s=1e12,
         ),
     )
-    return EngineModeResult(config, scaled, results, ttft, wall, sim.requests)
+    return EngineModeResult(config, scaled, results, ttft, wall, sim.requests, written, sim.summary)
 
 
 SEQUENTIAL_GAP_S = 1e-3

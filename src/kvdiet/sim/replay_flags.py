@@ -31,7 +31,6 @@ def plan_runs(args: argparse.Namespace):
         raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
     for flag, value, least in (
         ("--max-requests", args.max_requests, 1),
-        ("--engine-block-size", args.engine_block_size, 1),
         ("--max-num-seqs", args.max_num_seqs, 1),
         ("--time-scale", args.time_scale, 0),
         ("--output-tok-s", args.output_tok_s, 1e-9),
@@ -60,10 +59,27 @@ def plan_runs(args: argparse.Namespace):
     if args.mode == "engine":
         from kvdiet.cache.policies import parse_policy
         from kvdiet.engine.runner import CacheOptions
+        from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
         from kvdiet.sim.engine_mode import EngineModeConfig
 
+        runs = list(
+            dict.fromkeys(
+                (n.split("@")[0], n.split("@")[1] if "@" in n else args.engine_model) for n in names
+            )
+        )
+        models = {m: load_config(m) for _, m in runs}
+        block = args.engine_block_size
+        if block is None:  # one slice for every run: V4-Flash needs blocks of 128
+            block = V4_BLOCK_SIZE if any(not c.is_v41 for c in models.values()) else DEFAULT_BLOCK_SIZE // 4
+        if not (math.isfinite(block) and block >= 1):
+            raise ValueError(f"--engine-block-size must be a finite number >= 1, got {block}")
+        for model, cfg in models.items():
+            try:
+                LayerPlan.from_config(cfg).check_block_size(block)
+            except ValueError as exc:
+                raise ValueError(f"--engine-block-size {block} for {model}: {exc}") from None
         configs = []
-        for name in dict.fromkeys(n.split("@")[0] for n in names):  # each policy once, in order
+        for name, model in runs:  # each run once, in order
             policy = parse_policy(name)
             cache = CacheOptions(
                 kv_cache_memory=parse_bytes(args.kv_cache_memory),
@@ -74,8 +90,8 @@ def plan_runs(args: argparse.Namespace):
             )
             configs.append(
                 EngineModeConfig(
-                    model=args.engine_model,
-                    block_size=args.engine_block_size,
+                    model=model,
+                    block_size=block,
                     max_requests=args.max_requests,
                     time_scale=args.time_scale,
                     cache=cache,

@@ -86,7 +86,7 @@ def split_rows(runs: list[SimResult], split: str) -> list[dict[str, object]]:
 
 
 ENGINE_COLUMNS = (
-    "policy",
+    "run",
     "requests",
     "device hit",
     "persistent hit",
@@ -96,6 +96,8 @@ ENGINE_COLUMNS = (
     "TTFT p50",
     "TTFT p90",
     "agreeing",
+    "persistent written",
+    "model-free persistent",
 )
 """The engine-mode columns the terminal shows (`engine_row`); --json and report.md carry every figure."""
 
@@ -110,7 +112,7 @@ def engine_row(summary: dict[str, object]) -> dict[str, str]:
         zip(
             ENGINE_COLUMNS,
             (
-                str(summary["policy"]),
+                f"{summary['policy']}@{summary['model']}",
                 f"{summary['requests']:,}",
                 f"{summary['device_hit_ratio']:.1%}",
                 f"{summary['persistent_hit_ratio']:.1%}",
@@ -120,6 +122,8 @@ def engine_row(summary: dict[str, object]) -> dict[str, str]:
                 seconds(summary["ttft_p50_s"]),
                 seconds(summary["ttft_p90_s"]),
                 str(summary["model_free_agreeing"]),
+                format_bytes(summary["persistent_bytes_written"]),
+                format_bytes(summary["model_free_persistent_bytes_written"]),
             ),
             strict=True,
         )
