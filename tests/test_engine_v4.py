@@ -117,3 +117,27 @@ def test_generate_v4_mini_prints_the_planners_bytes_per_token(tmp_path) -> None:
     p = second["provenance"]
     assert (p["persistent_tokens"], p["window_source"], p["computed_tokens"]) == (128, "persistent", 12)
     assert first["output_ids"] == second["output_ids"]
+
+
+def test_v4_snapshot_holds_only_the_tail_rows_in_use_and_restores_exactly() -> None:
+    """A snapshot keeps each tail's non-empty rows: at 256 no HCA row and each CSA tail's last window (4 rows);
+    at 290 also 34 HCA rows and 2 open CSA rows. Restored into a request whose windows and tails were
+    wiped, the continuation equals the original bit for bit."""
+    from kvdiet.model.snapshot import restore_snapshot, snapshot_bytes
+
+    model = V4Transformer.from_config(packable_config(), seed=5)
+    ids = _ids(300)
+    a = model.new_state()
+    model.prefill(a, ids[:256])
+    at_256 = snapshot_bytes(a, b"f")
+    model.prefill(a, ids[256:290])
+    at_290 = snapshot_bytes(a, b"f")
+    csa_row, hca_row = (2 * 128 + 2 * 64) * 4 * 2, 128 * 4 * 2  # kv + score, fp32
+    assert len(at_290) - len(at_256) == 2 * 2 * csa_row + 34 * hca_row
+    b = model.new_state()
+    model.prefill(b, ids[:256])  # the same chunks as a: the same global KV, bit for bit
+    model.prefill(b, ids[256:290])
+    model.rewind(b, 256, ids)  # rings and tails wiped; the global KV of 290 tokens stays
+    b.num_tokens = 290
+    assert restore_snapshot(b, at_290, b"f") == 290
+    assert torch.equal(model.prefill(a, ids[290:]), model.prefill(b, ids[290:]))

@@ -7,8 +7,11 @@ exact state the request had at H (v41-spec §7.2; case B08: nothing older than H
 
 Byte layout (little-endian): ``MAGIC`` (8 B) · header length (u32) · header (UTF-8 JSON: fingerprint,
 num_tokens, layer count, window, ring width and dtype, tail shapes, history length) · ring rows · ring
-positions (int64) · per tail: count (u32), kv and score (fp32) · history (int64) · CRC-32 of everything
-before it (u32). Never pickle. Any mismatch on read is `SnapshotError`.
+positions (int64) · per tail: count (u32), rows held n (u32), kv and score of rows ``[0, n)`` (the tail's
+dtype) · history (int64) · CRC-32 of everything before it (u32). A tail's rows past n are empty (zero kv,
+−inf scores) and are not written: a V4.1 tail holds its ``count`` open rows, a V4-Flash HCA tail its open
+rows of up to 127 (none at a multiple of 128), a CSA tail the last complete window and its open rows.
+Never pickle. Any mismatch on read is `SnapshotError`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvdiet.model.state import RequestState
 
 __all__ = ["MAGIC", "SnapshotError", "restore_snapshot", "snapshot_bytes"]
 
-MAGIC = b"KVDSWA01"
+MAGIC = b"KVDSWA02"  # 02: tails hold only their non-empty rows
 
 
 class SnapshotError(ValueError):
@@ -49,6 +52,12 @@ def _geometry(state: RequestState, fingerprint: bytes) -> dict[str, object]:
     }
 
 
+def _rows_held(score: torch.Tensor) -> int:
+    """Rows ``[0, n)`` of a tail that hold anything: after the last row with a finite score, all are empty."""
+    finite = torch.isfinite(score).any(dim=1).nonzero()
+    return int(finite[-1]) + 1 if finite.numel() else 0
+
+
 def snapshot_bytes(state: RequestState, fingerprint: bytes) -> bytes:
     """Serialize ``state``'s window rings, compressor tails and Engram history at ``state.num_tokens``."""
     rings = state.windows
@@ -57,7 +66,8 @@ def snapshot_bytes(state: RequestState, fingerprint: bytes) -> bytes:
     parts = [MAGIC, struct.pack("<I", len(head)), head]
     parts += [_np(r.rows) for r in rings] + [_np(r.positions) for r in rings]
     for _, tail in sorted(state.tails.items()):
-        parts += [struct.pack("<I", tail.count), _np(tail.kv), _np(tail.score)]
+        n = _rows_held(tail.score)
+        parts += [struct.pack("<II", tail.count, n), _np(tail.kv[:n]), _np(tail.score[:n])]
     parts.append(_np(state.engram_history.to(torch.int64)))
     body = b"".join(parts)
     return body + struct.pack("<I", zlib.crc32(body))
@@ -91,8 +101,8 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
                 f"window snapshot {key} {header.get(key)!r} does not match this model's {value!r}"
             )
     h = header["num_tokens"]
-    held = min((len(e) * state.table.pool.ratios[k] for k, e in state.main.items()), default=h)
-    if not 0 <= h <= state.num_tokens or h > held:
+    ratios = state.table.pool.ratios  # each layer must hold every entry completed by token h
+    if not 0 <= h <= state.num_tokens or any(len(e) < h // ratios[k] for k, e in state.main.items()):
         raise SnapshotError(f"snapshot at {h} tokens but the request's global KV covers {state.num_tokens}")
 
     def take(n: int, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -109,18 +119,13 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
     positions = [take(8 * r0.shape[0], np.dtype("<i8"), (r0.shape[0],)) for _ in rings]
     tails = []
     for _, tail in sorted(state.tails.items()):
-        (count,) = struct.unpack_from("<I", take(4, np.dtype("u1"), (4,)).numpy().tobytes())
-        shape = tuple(tail.kv.shape)
-        size, dtype = (
-            tail.kv.element_size(),
-            np.dtype(str(tail.kv.dtype).removeprefix("torch.")).newbyteorder("<"),
-        )
-        kv, score = (
-            take(size * tail.kv.numel(), dtype, shape),
-            take(size * tail.kv.numel(), dtype, shape),
-        )
-        if count >= shape[0]:
-            raise SnapshotError(f"compressor tail holds {count} rows, a group has {shape[0]}")
+        count, n = struct.unpack_from("<II", take(8, np.dtype("u1"), (8,)).numpy().tobytes())
+        size, width = tail.kv.shape
+        if count >= size or n > size:
+            raise SnapshotError(f"compressor tail holds {count} open of {n} rows, its size is {size}")
+        dtype = np.dtype(str(tail.kv.dtype).removeprefix("torch.")).newbyteorder("<")
+        nbytes = tail.kv.element_size() * n * width
+        kv, score = take(nbytes, dtype, (n, width)), take(nbytes, dtype, (n, width))
         tails.append((count, kv, score))
     history = take(8 * state.engram_history.numel(), np.dtype("<i8"), (state.engram_history.numel(),))
     if at != len(body):
@@ -130,10 +135,12 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
         ring.rows.copy_(r)
         ring.positions.copy_(p)
     for (_, tail), (count, kv, score) in zip(sorted(state.tails.items()), tails, strict=True):
-        tail.kv.copy_(
-            kv
-        )  # every row: V4-Flash's CSA tails carry the last complete window before the open rows
-        tail.score.copy_(score)
+        tail.kv.zero_()
+        tail.score.fill_(float("-inf"))
+        tail.kv[: kv.shape[0]], tail.score[: kv.shape[0]] = (
+            kv,
+            score,
+        )  # V4 CSA: the last window, then open rows
         tail.count = count
     state.engram_history = history
     state.num_tokens = h
