@@ -18,9 +18,10 @@ not do, kvdiet does here:
 - **Overwrites.** ``put`` on an existing key keeps the old value; this pool writes with ``upsert_parts``
   (header and payload as two parts, no copy into one buffer), which replaces it.
 - **Misses vs failures.** ``get`` answers ``b''`` for a missing key, a failed call and an empty value alike,
-  so reads go by sizes and return codes instead: ``get_size`` per key (a size; −704 absent; other negatives
-  failures), then one ``batch_get_into`` of every present value into buffers of those sizes. A value gone
-  between the two (evicted, removed, its owner gone) answers −704: a miss counted in ``evictions``. A value
+  so reads go by sizes and return codes instead: one ``batch_get_replica_desc`` gives the sizes of the
+  values present (keys it leaves out are checked by ``batch_is_exist``: absent, or a failure with its code),
+  then one ``batch_get_into`` reads every present value into buffers of those sizes (no local-buffer limit).
+  A value gone between the two (evicted, removed) answers −704: a miss counted in ``evictions``. A value
   whose header or checksum fails is a miss counted in ``corrupt_dropped`` and is removed.
 
 Failures never raise out of `put`/`get`/`get_many`: each is a miss or a refused put, counted in
@@ -42,17 +43,14 @@ Not known here: what a snapshot holds, how pool keys are derived, the master's c
 from __future__ import annotations
 
 import ctypes
-import logging
-import socket
 import threading
-import time
 import zlib
 from collections.abc import Sequence
-from contextlib import suppress
 from typing import Any
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
+from kvdiet.storage.mooncake_connection import UNREACHABLE, MooncakeConnection
 from kvdiet.storage.mooncake_header import HEADER, pack_header, parse_header
 from kvdiet.storage.mooncake_urls import MooncakeUrl, parse_mooncake_url
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, SwaPoolBase, default_swa_pool_bytes
@@ -64,17 +62,20 @@ __all__ = [
     "MooncakeSwaPool",
 ]
 
-_log = logging.getLogger(__name__)
-
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
 """16 MiB, Mooncake's default: a put stages its value here, so the largest value must fit (a V4.1-Flash
 window snapshot is about 2.77 MB; Mooncake refuses a larger one with −600)."""
 DEFAULT_BACKOFF_S = 1.0
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
 _OBJECT_NOT_FOUND = -704
-_UNREACHABLE = frozenset({-900, -901})  # RPC_FAIL, RPC_TIMEOUT (mooncake-store include/types.h ErrorCode)
-_WARN_EVERY_S = 60.0
 _KEY_PREFIX = "kvdiet:swa:"
+
+
+def _memory_size(replicas: Sequence[Any]) -> int | None:
+    """Bytes of a value from its replica descriptors (the first in memory), None when none is."""
+    return next(
+        (r.get_memory_descriptor().buffer_descriptor.size for r in replicas if r.is_memory_replica()), None
+    )
 
 
 class MooncakeSwaPool(SwaPoolBase):
@@ -123,14 +124,19 @@ class MooncakeSwaPool(SwaPoolBase):
             raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
         self.namespace, self.ttl_s = namespace, float(ttl_s)
         self.segment_bytes, self.local_buffer_bytes = segment, local_buffer_bytes
-        self.backoff_s, self.connect_timeout_s = float(backoff_s), float(connect_timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
         self.clock = clock or SystemClock()
         self.counters = TierCounters()
-        self._store: Any = None  # a set-up mooncake.store.MooncakeDistributedStore
-        self._down = False  # the last call to the master failed
-        self._down_until = 0.0  # time.monotonic() before which nothing is tried
-        self._warned_at = -float("inf")
         self._lock = threading.Lock()
+        self._conn = MooncakeConnection(
+            self.url,
+            segment_bytes=segment,
+            local_buffer_bytes=local_buffer_bytes,
+            backoff_s=float(backoff_s),
+            connect_timeout_s=self.connect_timeout_s,
+            counters=self.counters,
+            lock=self._lock,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -143,17 +149,13 @@ class MooncakeSwaPool(SwaPoolBase):
     def open(self) -> None:
         """Connect to the master and mount this process's segment. An unreachable master gets one warning;
         the pool works without it (misses) and connects after the back-off. Never raises on I/O."""
-        if self._store is None:
-            self._connect(at_start=True)
+        if self._conn.store is None:
+            self._conn.connect(at_start=True)
 
     def close(self) -> None:
         """Unmount this process's segment (its values leave the pool) and disconnect; a later call connects
         again. Idempotent. Takes Mooncake about 2 s."""
-        with self._lock:
-            store, self._store = self._store, None
-        if store is not None:
-            with suppress(Exception):
-                store.close()
+        self._conn.close()
 
     def __enter__(self) -> MooncakeSwaPool:
         self.open()
@@ -163,9 +165,18 @@ class MooncakeSwaPool(SwaPoolBase):
         self.close()
 
     @property
+    def backoff_s(self) -> float:
+        """Seconds the master is skipped after it failed to answer (settable)."""
+        return self._conn.backoff_s
+
+    @backoff_s.setter
+    def backoff_s(self, seconds: float) -> None:
+        self._conn.backoff_s = float(seconds)
+
+    @property
     def reachable(self) -> bool:
         """Whether the last call to the master succeeded (no I/O)."""
-        return not self._down
+        return not self._conn.down
 
     # ---- the SwaPool protocol --------------------------------------------------------------------
 
@@ -174,7 +185,7 @@ class MooncakeSwaPool(SwaPoolBase):
         there. False when the master is down or backed off, or Mooncake refused the write (no space: −200;
         a value over the local buffer: −600)."""
         view = memoryview(value).cast("B")
-        store = self._client()
+        store = self._conn.client()
         if store is None:
             with self._lock:
                 self.counters.write_errors += 1
@@ -185,24 +196,55 @@ class MooncakeSwaPool(SwaPoolBase):
         except Exception as exc:  # the binding raises only on bad arguments; never into the engine
             rc = exc
         if rc != 0:
-            self._failed(rc, "write failed", write=True)
+            self._conn.failed(rc, "write failed", write=True)
             return False
-        self._succeeded()
+        self._conn.succeeded()
         with self._lock:
             self.counters.entries_written += 1
             self.counters.bytes_written += len(view)
         return True
 
+    def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
+        """`put` each ``(key, tokens, value)`` (``tokens`` unused) in one ``batch_upsert_from`` (each value
+        copied once behind its header; per-key return codes); returns how many were stored."""
+        if len(items) <= 1:
+            return super().put_many(items)
+        store = self._conn.client()
+        if store is None:
+            with self._lock:
+                self.counters.write_errors += len(items)
+            return 0
+        deadline, names, bufs = self.clock.now() + self.ttl_s, [], []
+        for key, _, value in items:
+            view = memoryview(value).cast("B")
+            buf = bytearray(pack_header(deadline, len(view), zlib.crc32(view)))
+            buf += view
+            names.append(self._name(key))
+            bufs.append(buf)
+        ptrs = [ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) for b in bufs]
+        rcs = store.batch_upsert_from(names, ptrs, [len(b) for b in bufs])
+        for rc in rcs:
+            if rc != 0:
+                self._conn.failed(rc, "write failed", write=True)
+        stored = [len(b) - HEADER.size for b, rc in zip(bufs, rcs, strict=True) if rc == 0]
+        if stored:
+            self._conn.succeeded()
+        with self._lock:
+            self.counters.entries_written += len(stored)
+            self.counters.bytes_written += sum(stored)
+        return len(stored)
+
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
     ) -> list[bytes | None]:
         """The value stored under each of ``keys`` (``tokens`` unused), or None: absent, expired, evicted,
-        corrupt, its owner gone, or the master down (module docstring: the counters). One ``get_size`` per
-        key, then one ``batch_get_into``."""
+        corrupt, its owner gone, or the master down (module docstring: the counters). One
+        ``batch_get_replica_desc`` (the sizes), one ``batch_is_exist`` of the keys it did not name, one
+        ``batch_get_into``."""
         out: list[bytes | None] = [None] * len(keys)
         with self._lock:
             self.counters.lookups += len(keys)
-        store = self._client() if keys else None
+        store = self._conn.client() if keys else None
         if store is None:
             return out
         where: dict[str, list[int]] = {}  # name -> its indices in ``keys`` (each name is read once)
@@ -210,19 +252,22 @@ class MooncakeSwaPool(SwaPoolBase):
             where.setdefault(self._name(k), []).append(i)
         present: list[tuple[str, int]] = []  # (name, size)
         drop: list[tuple[str, str]] = []  # (name, counter)
+        descs = store.batch_get_replica_desc(list(where))  # absent, or the call failed: left out
         for name in where:
-            size = store.get_size(name)
-            if size == _OBJECT_NOT_FOUND:
+            size = _memory_size(descs.get(name, ()))
+            if size is None:
                 continue
-            if size < 0:
-                self._failed(size, "lookup failed")
-                if size in _UNREACHABLE:
-                    return out  # the rest would wait on a dead master
-            elif size < HEADER.size:
+            if size < HEADER.size:
                 drop.append((name, "corrupt_dropped"))
             else:
                 present.append((name, size))
-        self._succeeded()
+        if missing := [n for n in where if n not in descs]:  # absent, or did the call fail? (one more lookup)
+            err = min(store.batch_is_exist(missing))
+            if err < 0:
+                self._conn.failed(err, "lookup failed")
+                if err in UNREACHABLE:
+                    return out  # the rest would wait on a dead master
+        self._conn.succeeded()
         if present:
             self._read(store, where, present, out, drop)
         if drop:
@@ -231,7 +276,7 @@ class MooncakeSwaPool(SwaPoolBase):
 
     def discard_many(self, keys: Sequence[bytes]) -> int:
         """Remove each key's value (a superseded snapshot); returns how many were removed."""
-        store = self._client() if keys else None
+        store = self._conn.client() if keys else None
         if store is None:
             return 0
         return sum(rc == 0 for rc in store.batch_remove([self._name(k) for k in keys], True))
@@ -239,12 +284,12 @@ class MooncakeSwaPool(SwaPoolBase):
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a value (``batch_is_exist``: an index lookup, so a value past its
         deadline still counts until a read finds it expired); nothing counted. A failure ends the run."""
-        store = self._client() if keys else None
+        store = self._conn.client() if keys else None
         if store is None:
             return 0
         found = store.batch_is_exist([self._name(k) for k in keys])
         if (err := min(found, default=0)) < 0:
-            self._failed(err, "lookup failed")
+            self._conn.failed(err, "lookup failed")
         return next((i for i, e in enumerate(found) if e != 1), len(keys))
 
     @property
@@ -280,7 +325,7 @@ class MooncakeSwaPool(SwaPoolBase):
                     self.counters.evictions += 1
                 continue
             if rc < 0:
-                self._failed(rc, "read failed")
+                self._conn.failed(rc, "read failed")
                 continue
             if rc != size:  # overwritten with another size meanwhile: a plain miss
                 continue
@@ -304,97 +349,7 @@ class MooncakeSwaPool(SwaPoolBase):
         try:
             store.batch_remove([name for name, _ in drop], True)
         except Exception as exc:  # counted below anyway: the value was bad when read
-            self._failed(exc, "remove failed")
+            self._conn.failed(exc, "remove failed")
         with self._lock:
             for _, counter in drop:
                 setattr(self.counters, counter, getattr(self.counters, counter) + 1)
-
-    def _client(self) -> Any:
-        """The set-up client, or None while the master is backed off or does not answer."""
-        if self._down and time.monotonic() < self._down_until:
-            return None
-        if self._store is None:
-            return self._connect(at_start=False)
-        if self._down and not self._port_open():  # a dead master makes each client call take ~4.5 s
-            self._failed(ConnectionRefusedError("master port closed"), "unreachable")
-            return None
-        return self._store
-
-    def _port_open(self) -> bool:
-        try:
-            with socket.create_connection((self.url.host, self.url.port), timeout=self.connect_timeout_s):
-                return True
-        except OSError:
-            return False
-
-    def _local_host(self) -> str:
-        """``?local_host=``, else the address this machine reaches the master from (no packet is sent)."""
-        if self.url.local_host:
-            return self.url.local_host
-        try:
-            with socket.socket(
-                socket.AF_INET6 if ":" in self.url.host else socket.AF_INET, socket.SOCK_DGRAM
-            ) as s:
-                s.connect((self.url.host, self.url.port))
-                return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-    def _connect(self, *, at_start: bool) -> Any:
-        """Set up a client and mount the segment; None on failure (counted, warned, backed off)."""
-        what = "unreachable at start-up" if at_start else "cannot connect"
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except (ImportError, OSError) as exc:  # no extra, or no libibverbs.so.1
-            self._failed(exc, f"{what}: Mooncake unavailable (pip install 'kvdiet[mooncake]'; libibverbs1)")
-            return None
-        if not self._port_open():
-            self._failed(ConnectionRefusedError(f"nothing answers at {self.url.master}"), what)
-            return None
-        store = MooncakeDistributedStore()
-        rc = store.setup(
-            self._local_host(),
-            "P2PHANDSHAKE",
-            self.segment_bytes,
-            self.local_buffer_bytes,
-            "tcp",
-            "",
-            self.url.master,
-        )
-        if rc != 0:
-            with suppress(Exception):
-                store.close()
-            self._failed(-900 if rc == -1 else rc, what)
-            return None
-        with self._lock:
-            self._store = store
-        self._succeeded()
-        return store
-
-    def _failed(self, err: int | BaseException, what: str, *, write: bool = False) -> None:
-        """Count a failed call; back the master off when it did not answer (an RPC failure or no connection)."""
-        now = time.monotonic()
-        unreachable = isinstance(err, OSError | ImportError) or err in _UNREACHABLE
-        with self._lock:
-            self.counters.backend_errors += 1
-            if write:
-                self.counters.write_errors += 1
-            if unreachable:
-                self._down, self._down_until = True, now + self.backoff_s
-            warn = now - self._warned_at >= _WARN_EVERY_S
-            if warn:
-                self._warned_at = now
-        detail = f"error {err}" if isinstance(err, int) else (str(err).strip() or type(err).__name__)
-        msg = "SWA pool %s: %s (%s); window-state misses become bounded replay"
-        args: tuple = (self.url, what, detail)
-        if unreachable:
-            msg += "; retrying every %g s"
-            args += (self.backoff_s,)
-        _log.log(logging.WARNING if warn else logging.DEBUG, msg, *args)
-
-    def _succeeded(self) -> None:
-        if self._down:
-            with self._lock:
-                was_down, self._down = self._down, False
-            if was_down:
-                _log.info("SWA pool %s: reachable again", self.url)
