@@ -1,6 +1,6 @@
 """The README's commands as a new user and CI run them (issue 18 points 2 and 9): the CPU-only set-up line
 pins the same torch as ``pyproject.toml``; the test command installs what the tests need
-(``tests/system-deps.sh``: redis-server through apt-get, sudo unless root) and ``.ci/run`` runs exactly
+(``tests/system-deps.sh``: redis-server and libibverbs1 through apt-get, sudo unless root) and ``.ci/run`` runs exactly
 that command and installs nothing itself."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_the_set_up_section_has_a_copyable_cpu_only_command() -> None:
 def test_the_test_command_installs_system_packages_first() -> None:
     cmd = _test_command()
     assert cmd.startswith("bash tests/system-deps.sh && python3 -m venv .venv && ")
-    assert cmd.endswith('pip install -e ".[dev]" && python -m pytest')
+    assert cmd.endswith('pip install -e ".[dev,mooncake]" && python -m pytest')
     assert os.access(SYSTEM_DEPS, os.R_OK)
 
 
@@ -67,7 +67,8 @@ def test_ci_runs_exactly_the_readme_command_and_installs_nothing_else() -> None:
 
 
 def _fake_bin(tmp_path: Path, *, uid: int, tools: tuple[str, ...]) -> tuple[Path, Path]:
-    """A PATH of stand-ins that log their calls: ``id -u`` prints ``uid``; apt-get and sudo log and succeed."""
+    """A PATH of stand-ins that log their calls: ``id -u`` prints ``uid``; apt-get and sudo log and succeed;
+    ``ldconfig -p`` lists libibverbs.so.1 (``ldconfig``) or not (``ldconfig-empty``)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     scripts = {
@@ -75,9 +76,11 @@ def _fake_bin(tmp_path: Path, *, uid: int, tools: tuple[str, ...]) -> tuple[Path
         "apt-get": f'#!/bin/sh\necho "apt-get $*" >> {log}\n',
         "sudo": f'#!/bin/sh\necho "sudo" >> {log}\nexec "$@"\n',
         "redis-server": "#!/bin/sh\nexit 0\n",
+        "ldconfig": "#!/bin/sh\necho '\tlibibverbs.so.1 (libc6,x86-64) => /lib/libibverbs.so.1'\n",
+        "ldconfig-empty": "#!/bin/sh\necho '0 libs found in cache'\n",
     }
     for name in tools:
-        path = bin_dir / name
+        path = bin_dir / name.removesuffix("-empty")
         path.write_text(scripts[name])
         path.chmod(0o755)
     (bin_dir / "env").symlink_to(shutil.which("env"))
@@ -95,29 +98,36 @@ def _run_system_deps(bin_dir: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(("uid", "sudo"), [(1000, ["sudo"]), (0, [])], ids=["user", "root"])
-def test_system_deps_installs_redis_server_when_missing(tmp_path: Path, uid: int, sudo: list[str]) -> None:
-    bin_dir, log = _fake_bin(tmp_path, uid=uid, tools=("id", "apt-get", "sudo"))
+def test_system_deps_installs_what_is_missing(tmp_path: Path, uid: int, sudo: list[str]) -> None:
+    bin_dir, log = _fake_bin(tmp_path, uid=uid, tools=("id", "apt-get", "sudo", "ldconfig-empty"))
     proc = _run_system_deps(bin_dir)
     assert proc.returncode == 0, proc.stderr
     assert log.read_text().splitlines() == [
         *sudo,
         "apt-get update",
         *sudo,
-        "apt-get install -y --no-install-recommends redis-server",
+        "apt-get install -y --no-install-recommends redis-server libibverbs1",
     ]
 
 
+def test_system_deps_installs_only_libibverbs_when_redis_is_there(tmp_path: Path) -> None:
+    bin_dir, log = _fake_bin(tmp_path, uid=0, tools=("id", "apt-get", "redis-server", "ldconfig-empty"))
+    proc = _run_system_deps(bin_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines()[-1] == "apt-get install -y --no-install-recommends libibverbs1"
+
+
 def test_system_deps_does_nothing_when_all_is_there(tmp_path: Path) -> None:
-    bin_dir, log = _fake_bin(tmp_path, uid=1000, tools=("id", "apt-get", "sudo", "redis-server"))
+    bin_dir, log = _fake_bin(tmp_path, uid=1000, tools=("id", "apt-get", "sudo", "redis-server", "ldconfig"))
     proc = _run_system_deps(bin_dir)
     assert proc.returncode == 0 and not log.exists() and proc.stderr == ""
 
 
 def test_system_deps_without_apt_get_names_the_package(tmp_path: Path) -> None:
-    bin_dir, _ = _fake_bin(tmp_path, uid=1000, tools=("id",))
+    bin_dir, _ = _fake_bin(tmp_path, uid=1000, tools=("id", "ldconfig-empty"))
     proc = _run_system_deps(bin_dir)
     assert proc.returncode == 1
-    assert "the tests need redis-server; install it with your package manager" in proc.stderr
+    assert "the tests need redis-server libibverbs1; install it with your package manager" in proc.stderr
 
 
 def _readme_tree(root: str) -> set[str]:

@@ -37,10 +37,11 @@ class CacheOptions:
         block_size: tokens per block (a multiple of every compress ratio).
         persistent_dir: directory of the persistent tier (None: no persistent tier).
         persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
-        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default) or Redis URLs, one or
-            comma-separated (`kvdiet.storage.swa_pool_factory.create_swa_pool`).
-        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool
-            only, a Redis server's budget is its ``maxmemory``) and TTL in seconds.
+        swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default), Redis URLs, one or
+            comma-separated, or ``mooncake://HOST:PORT`` (`kvdiet.storage.swa_pool_factory.create_swa_pool`).
+        swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool's
+            budget or the segment this process gives a Mooncake pool, 0 for none; a Redis server's budget is its
+            ``maxmemory``) and TTL in seconds.
         policy: the SWA policy (DESIGN.md §5).
         decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
             forced off under ``full-store``, which keeps every token's window entries.

@@ -268,12 +268,15 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
         default="in-process",
         help="where window snapshots live: in-process (default; dies with the process), "
         "redis://HOST:PORT/DB, several such URLs separated by commas (keys sharded over them), or "
-        "redis+cluster://HOST:PORT (a Redis Cluster); shared by every process that names it",
+        "redis+cluster://HOST:PORT (a Redis Cluster), or mooncake://HOST:PORT (a Mooncake Store master; "
+        "the kvdiet[mooncake] extra); shared by every process that names it",
     )
     group.add_argument(
-        "--swa-pool-size", help="in-process SWA-pool budget (default 10%% of host RAM; Redis: its maxmemory)"
+        "--swa-pool-size",
+        help="in-process SWA-pool budget, or the segment this process gives a Mooncake pool (0: none) "
+        "(default 10%% of host RAM; Redis: its maxmemory)",
     )
-    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, in-process or Redis (default 5m)")
+    group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, any backend (default 5m)")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -2,7 +2,7 @@
 
 Defaults: model ``v4.1-mini`` (seeded random weights, the real DeepSeek tokenizer), the persistent tier in
 the user's cache directory (``$XDG_CACHE_HOME/kvdiet/persistent``, else ``~/.cache/kvdiet/persistent``),
-the in-process SWA pool (``--swa-pool redis://HOST:PORT/DB`` shares it through Redis), bounded replay,
+the in-process SWA pool (``--swa-pool redis://HOST:PORT/DB`` or ``mooncake://HOST:PORT`` shares it), bounded replay,
 ``127.0.0.1:8000``. The start-up log states the KV-cache budget
 in blocks, tokens and bytes and the maximum concurrency at ``--max-model-len``, as vLLM's does.
 """
@@ -35,6 +35,7 @@ examples:
   kvdiet serve --max-model-len 32K --max-num-seqs 8 --api-key secret
   kvdiet serve --model v4.1-micro --persistent-dir none --port 8001   # token-id prompts only
   kvdiet serve --swa-pool redis://127.0.0.1:6379/0      # window snapshots shared through Redis
+  kvdiet serve --swa-pool mooncake://127.0.0.1:50051 --swa-pool-size 0   # ... through Mooncake Store
 then:
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "v4.1-mini", "prompt": "The KV cache", "max_tokens": 8}'

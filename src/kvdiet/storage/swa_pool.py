@@ -3,9 +3,10 @@
 V4.1 keeps window (SWA) state out of the persistent tier; a snapshot lives only here, for minutes
 (seed 001: 10% of each machine's DRAM, TTL of minutes). Values are opaque bytes (a serialized
 `kvdiet.model.snapshot` with its own header and checksum), so any backend that stores bytes with a TTL
-fits the `SwaPool` protocol: `InProcessSwaPool` here (the default: this process's memory, gone with it) and
+fits the `SwaPool` protocol: `InProcessSwaPool` here (the default: this process's memory, gone with it),
 `kvdiet.storage.redis_pool.RedisSwaPool` (Redis servers shared by every process and machine that lists
-them). `kvdiet.storage.swa_pool_factory.create_swa_pool` picks one from a ``--swa-pool`` value.
+them) and `kvdiet.storage.mooncake_pool.MooncakeSwaPool` (a Mooncake Store cluster).
+`kvdiet.storage.swa_pool_factory.create_swa_pool` picks one from a ``--swa-pool`` value.
 
 Semantics shared by every backend: a value put at ``t0`` is served while ``now < t0 + ttl`` (fixed TTL;
 reads refresh LRU order, never the deadline); least recently used entries go first when the byte budget
