@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import CacheStats, TierCounters
@@ -131,7 +132,7 @@ class CacheRequest(Generic[V]):
     """
 
     prompt_tokens: int
-    blocks: list[Hashable]
+    blocks: Sequence[Hashable]
     block_tokens: list[Sequence[int]] | None = None
     plan: RestorePlan = COLD
     persisted: int = 0
@@ -355,13 +356,13 @@ class ControlPlane(Generic[V]):
             tokens = [None] * len(ids) if req.block_tokens is None else req.block_tokens[first:full]
             items = list(zip(self.keys.keys(ids, KeyKind.BLOCK), tokens, blocks(first, full), strict=True))
             if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
-                window_keys = self.keys.keys(ids, KeyKind.WINDOW_BLOCK)
-                kv, items = items, []
-                for i, item in enumerate(kv):
-                    items.append(item)
-                    rows = window_block(first + i)
-                    if rows is not None:
-                        items.append((window_keys[i], item[1], rows))
+                rows = list(map(window_block, range(first, full)))
+                window = zip(self.keys.keys(ids, KeyKind.WINDOW_BLOCK), tokens, rows, strict=True)
+                pairs = zip(items, window, strict=True)
+                if None in rows:
+                    items = [item for pair in pairs for item in pair if item[2] is not None]
+                else:
+                    items = list(chain.from_iterable(pairs))
             tier.put_many(items)
         req.persisted = full
 

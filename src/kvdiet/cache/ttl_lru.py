@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import repeat, takewhile
+from itertools import compress, repeat, takewhile
+from operator import eq
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import TierCounters
@@ -208,12 +209,10 @@ class TtlLru(Generic[V]):
         self.nbytes += total
         if self.kind is not None:
             kinds = list(map(self.kind, keys))
-            if len(set(kinds)) == 1:
+            if kinds.count(kinds[0]) == len(kinds):
                 added = {kinds[0]: total}
-            else:
-                added = {}
-                for k, n in zip(kinds, sizes, strict=True):
-                    added[k] = added.get(k, 0) + n
+            else:  # each kind's bytes, in order of first appearance (C-level passes, no loop per key)
+                added = {k: sum(compress(sizes, map(eq, kinds, repeat(k)))) for k in dict.fromkeys(kinds)}
             for k, n in added.items():
                 held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + n
                 self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)
