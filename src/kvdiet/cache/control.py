@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, cycle, islice
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import CacheStats, TierCounters
@@ -90,7 +90,7 @@ class Geometry:
         spec, plan = CacheSpec.from_config(cfg), LayerPlan.from_config(cfg)
         ratios = [plan[s].compress_ratio for s in plan.kv_sources]
         period = math.lcm(block_size, *ratios) // block_size  # blocks after which the layout repeats
-        cycle = tuple(
+        sizes = tuple(
             spec.global_bytes((i + 1) * block_size) - spec.global_bytes(i * block_size) for i in range(period)
         )
         return cls(
@@ -98,9 +98,9 @@ class Geometry:
             window=cfg.sliding_window,
             num_layers=len(plan.layers),
             align=math.lcm(*ratios),
-            block_bytes=round(sum(cycle) / period),
+            block_bytes=round(sum(sizes) / period),
             window_block_bytes=block_size * spec.window_entry_bytes_per_token,
-            block_cycle=cycle if len(set(cycle)) > 1 else (),
+            block_cycle=sizes if len(set(sizes)) > 1 else (),
         )
 
     def payload_bytes(self, block: int) -> int:
@@ -111,8 +111,8 @@ class Geometry:
         """`payload_bytes` of blocks ``[first, end)``."""
         if not self.block_cycle:
             return [self.block_bytes] * max(0, end - first)
-        cycle = self.block_cycle
-        return [cycle[i % len(cycle)] for i in range(first, end)]
+        start = first % len(self.block_cycle)
+        return list(islice(cycle(self.block_cycle), start, start + max(0, end - first)))
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat, takewhile
-from operator import eq
+from operator import eq, not_
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import TierCounters
@@ -181,20 +181,27 @@ class TtlLru(Generic[V]):
         """`put` each ``keys[i]`` with ``values[i]`` of ``sizes[i]`` bytes at ``now`` (one expiry pass); returns
         how many were stored.
 
-        Distinct new keys that fit without an eviction (a run of blocks written through) are stored at once:
-        the same entries, order, counts and peaks as one `put` after another (with nothing evicted, bytes
-        only grow during the batch, so every peak is reached at its end)."""
+        Distinct keys whose new ones fit without an eviction (a run of blocks written through) are stored at
+        once: the same entries, order, counts and peaks as one `put` after another (with nothing evicted,
+        bytes only grow during the batch, so every peak is reached at its end; a live key is kept as it is
+        unless ``refresh``)."""
         self.expire(now)
         if not keys:
             return 0
-        total, cap = sum(sizes), self.capacity
-        if (
-            (cap is None or self.nbytes + total <= cap)
-            and self._items.keys().isdisjoint(keys)
-            and len(set(keys)) == len(keys)
-        ):
-            self._put_new(keys, values, sizes, total, now)
-            return len(keys)
+        cap, batch = self.capacity, (keys, values, sizes)
+        held = list(map(self._items.__contains__, keys))
+        if any(held):
+            if self.refresh or (cap is not None and max(sizes) > cap):
+                batch = None  # each put replaces a live key (or one is refused): one after another
+            else:  # live keys are kept as they are: only the others are written
+                keep = list(map(not_, held))
+                batch = tuple(list(compress(seq, keep)) for seq in batch)
+        if batch is not None:
+            total = sum(batch[2])
+            if (cap is None or self.nbytes + total <= cap) and len(set(batch[0])) == len(batch[0]):
+                if batch[0]:
+                    self._put_new(*batch, total, now)
+                return len(keys)
         put = self._put
         return sum(put(key, value, size, now) for key, value, size in zip(keys, values, sizes, strict=True))
 

@@ -197,7 +197,7 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self.device.use(every, adopted // bs, g.payloads, now)
+        self.device.use(every, adopted // bs, g.payloads)
         self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
         self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
         return result
@@ -224,7 +224,7 @@ class _Run:
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, self.clock.now())
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads)
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
