@@ -69,9 +69,9 @@ class TtlLru(Generic[V]):
         self.byte_seconds = 0.0  # ∫ nbytes dt from the first call to the last (expiries at their deadlines)
         self.kind_byte_seconds: dict[Hashable, float] = {}
         self._since: float | None = None  # the time ``byte_seconds`` runs to
-        self._items: OrderedDict[Hashable, tuple[V, int, float]] = (
-            OrderedDict()
-        )  # key → value, size, deadline
+        # key → value, size, deadline; least recently used first where a budget needs that order to evict
+        # by, else (unbounded: nothing is ever evicted) a plain dict in write order, cheaper to write
+        self._items: dict[Hashable, tuple[V, int, float]] = OrderedDict() if capacity is not None else {}
         # (deadline, keys written together), in write order = deadline order
         self._deadlines: deque[tuple[float, Sequence[Hashable]]] = deque()
 
@@ -88,7 +88,7 @@ class TtlLru(Generic[V]):
         return None if item is None or self.ttl is None else item[2] - self.ttl
 
     def values(self) -> list[tuple[V, int]]:
-        """``(value, size)`` of every entry held, least recently used first."""
+        """``(value, size)`` of every entry held, least recently used first (unbounded: in write order)."""
         return [(v, n) for v, n, _ in self._items.values()]
 
     def expire(self, now: float) -> int:
@@ -126,7 +126,8 @@ class TtlLru(Generic[V]):
         item = self._items.get(key)
         if item is None:
             return None
-        self._items.move_to_end(key)
+        if self.capacity is not None:
+            self._items.move_to_end(key)
         c.hits += 1
         c.bytes_read += item[1]
         return item[0]
@@ -134,14 +135,15 @@ class TtlLru(Generic[V]):
     def get_many(self, keys: Sequence[Hashable], now: float) -> list[V | None]:
         """`get` of each key at ``now`` (one expiry pass)."""
         self.expire(now)
-        c, items, out = self.counters, self._items, []
+        c, items, out, lru = self.counters, self._items, [], self.capacity is not None
         c.lookups += len(keys)
         for key in keys:
             item = items.get(key)
             if item is None:
                 out.append(None)
                 continue
-            items.move_to_end(key)
+            if lru:
+                items.move_to_end(key)
             c.hits += 1
             c.bytes_read += item[1]
             out.append(item[0])
