@@ -78,9 +78,12 @@ class DeviceTree:
         return block in self._node
 
     def match(self, ids: Sequence[Hashable], limit: int) -> int:
-        """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held)."""
+        """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held; the last
+        one is tried first, as a chain already used is held whole)."""
         held = self._node
-        lo, hi = 0, limit  # ids[:lo] held; ids[hi:] not known held
+        if limit > 0 and ids[limit - 1] in held:
+            return limit
+        lo, hi = 0, limit - 1  # ids[:lo] held; ids[hi:] not held
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if ids[mid - 1] in held:

@@ -80,6 +80,9 @@ class SizeTier:
         return self.entries.get_many(keys, self.clock.now())
 
     def put_many(self, items: Sequence[tuple[Hashable, Sequence[int] | None, int]]) -> int:
+        if len(items) == 1:  # a snapshot
+            key, _, size = items[0]
+            return int(self.entries.put(key, size, size, self.clock.now()))
         if not items:
             return 0
         keys, _, sizes = zip(*items, strict=True)
