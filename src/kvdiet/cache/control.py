@@ -358,11 +358,9 @@ class ControlPlane(Generic[V]):
             if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
                 rows = list(map(window_block, range(first, full)))
                 window = zip(self.keys.keys(ids, KeyKind.WINDOW_BLOCK), tokens, rows, strict=True)
-                pairs = zip(items, window, strict=True)
-                if None in rows:
-                    items = [item for pair in pairs for item in pair if item[2] is not None]
-                else:
-                    items = list(chain.from_iterable(pairs))
+                items = list(chain.from_iterable(zip(items, window, strict=True)))
+                if None in rows:  # a block without window entries: its global KV only
+                    items = [item for item in items if item[2] is not None]
             tier.put_many(items)
         req.persisted = full
 
