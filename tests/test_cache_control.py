@@ -8,7 +8,7 @@ import pytest
 
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry
 from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.keys import KeyKind, TupleKeys
+from kvdiet.cache.keys import IdKeys, KeyKind
 from kvdiet.cache.plan import Replay, RestorePlan, RestoreWindow, WindowSource
 from kvdiet.cache.policies import parse_policy
 
@@ -43,7 +43,7 @@ class FakeTier:
 
 
 def _control(policy: str, persistent: FakeTier | None = None, pool: FakeTier | None = None) -> ControlPlane:
-    return ControlPlane(parse_policy(policy), GEO, TupleKeys(), persistent=persistent, swa_pool=pool)
+    return ControlPlane(parse_policy(policy), GEO, IdKeys(), persistent=persistent, swa_pool=pool)
 
 
 def _forward(c: ControlPlane, req: CacheRequest, start: int, end: int, snaps: list[int]) -> None:
@@ -73,15 +73,15 @@ def test_capture_points_are_the_prompts_boundaries_and_the_checkpoints(
 
 def test_load_reads_the_indexed_run_and_stops_at_a_refusal() -> None:
     ids = list(range(10))
-    ssd = FakeTier({(KeyKind.BLOCK, i): 100 for i in (2, 3, 4, 5, 7)})
+    ssd = FakeTier(dict.fromkeys((2, 3, 4, 5, 7), 100))  # a block's key is its id (IdKeys)
     c = _control("bounded-replay", ssd)
     req = CacheRequest(41, ids)
     assert c.load(req, 2, 10, lambda i, v: True) == 4  # 2..5; 6 is not indexed
-    assert ssd.reads == [(KeyKind.BLOCK, i) for i in (2, 3, 4, 5)]
+    assert ssd.reads == [2, 3, 4, 5]
     taken: list[int] = []
     assert c.load(req, 2, 10, lambda i, v: len(taken) < 2 and not taken.append(i)) == 2
     assert taken == [2, 3]
-    ssd.held[(KeyKind.BLOCK, 3)] = 99  # a payload of the wrong size ends the run
+    ssd.held[3] = 99  # a payload of the wrong size ends the run
     assert c.load(req, 2, 10, lambda i, v: True) == 1
 
 
@@ -119,7 +119,7 @@ def test_boundary_snapshots_store_the_prompt_end_at_once_and_the_last_boundary_a
     snaps: list[int] = []
     _forward(c, req, 0, 8, snaps)  # the prompt boundary (10 − 1) // 4 × 4 = 8: stored now
     assert snaps == [8] and ssd.writes[-1] == (KeyKind.SNAPSHOT, 1)
-    assert ssd.writes[:2] == [(KeyKind.BLOCK, 0), (KeyKind.BLOCK, 1)]  # written through first
+    assert ssd.writes[:2] == [0, 1]  # written through first
     _forward(c, req, 8, 10, snaps)
     _forward(c, req, 10, 17, snaps)  # decode past 12 and 16: the latest is held
     assert snaps == [8, 12, 16] and req.held == (16, 50)
@@ -127,7 +127,7 @@ def test_boundary_snapshots_store_the_prompt_end_at_once_and_the_last_boundary_a
     c.finish(req)
     c.finish(req)  # once
     assert ssd.writes.count((KeyKind.SNAPSHOT, 3)) == 1 and c.stats.snapshots_stored == 2
-    assert [k for k in ssd.writes if k[0] is KeyKind.WINDOW_BLOCK] == []  # only full-store writes those
+    assert not any(isinstance(k, tuple) and k[0] is KeyKind.WINDOW_BLOCK for k in ssd.writes)  # full-store's
 
 
 def test_the_state_at_the_hit_is_captured_only_when_an_exact_recompute_rebuilt_it() -> None:
@@ -152,9 +152,9 @@ def test_full_store_writes_each_blocks_window_entries_beside_its_kv() -> None:
     c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded_blocks=0)
     _forward(c, req, 0, 9, [])
     assert ssd.writes == [
-        (KeyKind.BLOCK, 0),
+        0,
         (KeyKind.WINDOW_BLOCK, 0),
-        (KeyKind.BLOCK, 1),
+        1,
         (KeyKind.WINDOW_BLOCK, 1),
     ]
     assert req.persisted == 2

@@ -28,7 +28,8 @@ def _state(t: TtlLru) -> tuple:
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize(
-    ("capacity", "ttl", "refresh"), [(None, 30.0, False), (600, 10.0, True), (900, None, False)]
+    ("capacity", "ttl", "refresh"),
+    [(None, 30.0, False), (600, 10.0, True), (900, None, False), (90, 10.0, False)],
 )
 def test_a_batch_equals_one_put_after_another(
     seed: int, capacity: int | None, ttl: float | None, refresh: bool

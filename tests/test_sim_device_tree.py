@@ -17,14 +17,14 @@ def _ten(first: int, end: int) -> list[int]:
 
 def test_the_least_recently_used_leaf_goes_first_and_its_parent_inherits_its_time() -> None:
     d = DeviceTree(50)
-    d.use([1, 2, 3], 3, _ten, 0.0)
-    d.use([4, 5], 2, _ten, 1.0)
-    d.use([1, 2], 2, _ten, 2.0)  # a shorter prefix of the first chain: 2 is used, 3 is not
-    d.use([6], 1, _ten, 3.0)  # 60 > 50: the oldest leaf is 3 (0 s); 2 is not a leaf while 3 is held
+    d.use([1, 2, 3], 3, _ten)
+    d.use([4, 5], 2, _ten)
+    d.use([1, 2], 2, _ten)  # a shorter prefix of the first chain: 2 is used, 3 is not
+    d.use([6], 1, _ten)  # 60 > 50: the oldest leaf is 3 (used first); 2 is not a leaf while 3 is held
     assert 3 not in d and d.match([1, 2, 3], 3) == 2 and len(d) == 5
-    d.use([7], 1, _ten, 4.0)  # leaves now 2 (2 s), 5 (1 s), 6, so 5 goes
+    d.use([7], 1, _ten)  # leaves now 2 (used third), 5 (second), 6, so 5 goes
     assert 5 not in d and 4 in d
-    d.use([8], 1, _ten, 5.0)  # 4 became a leaf with its child's time (1 s): the oldest
+    d.use([8], 1, _ten)  # 4 became a leaf with its child's time (second): the oldest
     assert 4 not in d and {1, 2, 6, 7, 8} == {b for b in range(1, 9) if b in d}
     assert d.nbytes == 50 and d.counters.evictions == 3
 
@@ -32,14 +32,14 @@ def test_the_least_recently_used_leaf_goes_first_and_its_parent_inherits_its_tim
 def test_match_is_the_held_prefix() -> None:
     d = DeviceTree(10**6)
     ids = list(range(100, 120))
-    d.use(ids, 13, _ten, 0.0)
+    d.use(ids, 13, _ten)
     assert [d.match(ids, n) for n in (0, 5, 13, 20)] == [0, 5, 13, 13]
     assert d.match([999, 1000], 2) == 0  # ids are chained: another first id is another chain
 
 
 def test_a_block_larger_than_the_budget_ends_the_chain() -> None:
     d = DeviceTree(25)
-    d.use([1, 2, 3], 3, lambda a, b: [30 if i == 1 else 10 for i in range(a, b)], 0.0)
+    d.use([1, 2, 3], 3, lambda a, b: [30 if i == 1 else 10 for i in range(a, b)])
     assert (1 in d, 2 in d, 3 in d) == (True, False, False) and d.nbytes == 10
 
 
@@ -83,7 +83,7 @@ def test_the_same_blocks_as_a_per_block_lru_freeing_chains_tail_first(seed: int)
     for step in range(400):
         chain = rng.choice(chains)
         end = rng.randint(1, len(chain))
-        tree.use(chain, end, _ten, float(step))
+        tree.use(chain, end, _ten)
         ref.use(chain, end)
         assert {b for b in every if b in tree} == set(ref.items), step
         assert tree.nbytes == 10 * len(ref.items) == 10 * len(tree)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, cycle, islice
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import CacheStats, TierCounters
@@ -89,7 +90,7 @@ class Geometry:
         spec, plan = CacheSpec.from_config(cfg), LayerPlan.from_config(cfg)
         ratios = [plan[s].compress_ratio for s in plan.kv_sources]
         period = math.lcm(block_size, *ratios) // block_size  # blocks after which the layout repeats
-        cycle = tuple(
+        sizes = tuple(
             spec.global_bytes((i + 1) * block_size) - spec.global_bytes(i * block_size) for i in range(period)
         )
         return cls(
@@ -97,9 +98,9 @@ class Geometry:
             window=cfg.sliding_window,
             num_layers=len(plan.layers),
             align=math.lcm(*ratios),
-            block_bytes=round(sum(cycle) / period),
+            block_bytes=round(sum(sizes) / period),
             window_block_bytes=block_size * spec.window_entry_bytes_per_token,
-            block_cycle=cycle if len(set(cycle)) > 1 else (),
+            block_cycle=sizes if len(set(sizes)) > 1 else (),
         )
 
     def payload_bytes(self, block: int) -> int:
@@ -110,8 +111,8 @@ class Geometry:
         """`payload_bytes` of blocks ``[first, end)``."""
         if not self.block_cycle:
             return [self.block_bytes] * max(0, end - first)
-        cycle = self.block_cycle
-        return [cycle[i % len(cycle)] for i in range(first, end)]
+        start = first % len(self.block_cycle)
+        return list(islice(cycle(self.block_cycle), start, start + max(0, end - first)))
 
 
 @dataclass(slots=True)
@@ -131,7 +132,7 @@ class CacheRequest(Generic[V]):
     """
 
     prompt_tokens: int
-    blocks: list[Hashable]
+    blocks: Sequence[Hashable]
     block_tokens: list[Sequence[int]] | None = None
     plan: RestorePlan = COLD
     persisted: int = 0
@@ -355,13 +356,11 @@ class ControlPlane(Generic[V]):
             tokens = [None] * len(ids) if req.block_tokens is None else req.block_tokens[first:full]
             items = list(zip(self.keys.keys(ids, KeyKind.BLOCK), tokens, blocks(first, full), strict=True))
             if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
-                window_keys = self.keys.keys(ids, KeyKind.WINDOW_BLOCK)
-                kv, items = items, []
-                for i, item in enumerate(kv):
-                    items.append(item)
-                    rows = window_block(first + i)
-                    if rows is not None:
-                        items.append((window_keys[i], item[1], rows))
+                rows = list(map(window_block, range(first, full)))
+                window = zip(self.keys.keys(ids, KeyKind.WINDOW_BLOCK), tokens, rows, strict=True)
+                items = list(chain.from_iterable(zip(items, window, strict=True)))
+                if None in rows:  # a block without window entries: its global KV only
+                    items = [item for item in items if item[2] is not None]
             tier.put_many(items)
         req.persisted = full
 

@@ -3,8 +3,8 @@
 One vocabulary for the engine and the simulator. Each executor gives the control plane a `KeyScheme` that
 turns ``(block, kind)`` into the key its tiers store: the engine's `HashKeys` derives 32-byte keys from the
 chained block hash (``blake2b(hash, person=b"kvdiet-" + kind + tag)``; a block's global KV is keyed by the
-hash itself); the simulator's `TupleKeys` uses ``(kind, trace id)`` tuples, which also let a size-only tier
-count resident bytes by kind.
+hash itself); the simulator's `IdKeys` uses the trace id for a block's global KV and ``(kind, trace id)``
+tuples for the rest, which also let a size-only tier count resident bytes by class.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from itertools import repeat
 from typing import Protocol
 
-__all__ = ["HashKeys", "KeyKind", "KeyScheme", "TupleKeys"]
+__all__ = ["HashKeys", "IdKeys", "KeyKind", "KeyScheme"]
 
 
 class KeyKind(enum.StrEnum):
@@ -36,7 +36,7 @@ class KeyScheme(Protocol):
 
     def key(self, block: Hashable, kind: KeyKind) -> Hashable: ...
 
-    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> list[Hashable]:
+    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> Sequence[Hashable]:
         """`key` of each block, in order."""
         ...
 
@@ -62,12 +62,14 @@ class HashKeys:
         return list(blocks) if kind is KeyKind.BLOCK else [self.key(b, kind) for b in blocks]
 
 
-class TupleKeys:
-    """The simulator's keys: ``(kind, block)`` tuples (the kind is what `kvdiet.cache.ttl_lru.TtlLru`
-    counts resident bytes by)."""
+class IdKeys:
+    """The simulator's keys: a block's global KV under its trace id itself (an int, as `HashKeys` keys it by
+    the hash), every other kind under a ``(kind, id)`` tuple — so a size-only tier tells a block's global KV
+    from window state by the key's type alone (`kvdiet.sim.size_tier`), and the run of block keys a
+    write-through stores is the ids as they are."""
 
-    def key(self, block: Hashable, kind: KeyKind) -> tuple[KeyKind, Hashable]:
-        return (kind, block)
+    def key(self, block: Hashable, kind: KeyKind) -> Hashable:
+        return block if kind is KeyKind.BLOCK else (kind, block)
 
-    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> list[tuple[KeyKind, Hashable]]:
-        return list(zip(repeat(kind), blocks))
+    def keys(self, blocks: Sequence[Hashable], kind: KeyKind) -> Sequence[Hashable]:
+        return blocks if kind is KeyKind.BLOCK else list(zip(repeat(kind), blocks))

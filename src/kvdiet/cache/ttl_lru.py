@@ -26,7 +26,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import repeat, takewhile
+from itertools import compress, repeat, takewhile
+from operator import eq, not_
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import TierCounters
@@ -68,9 +69,9 @@ class TtlLru(Generic[V]):
         self.byte_seconds = 0.0  # ∫ nbytes dt from the first call to the last (expiries at their deadlines)
         self.kind_byte_seconds: dict[Hashable, float] = {}
         self._since: float | None = None  # the time ``byte_seconds`` runs to
-        self._items: OrderedDict[Hashable, tuple[V, int, float]] = (
-            OrderedDict()
-        )  # key → value, size, deadline
+        # key → value, size, deadline; least recently used first where a budget needs that order to evict
+        # by, else (unbounded: nothing is ever evicted) a plain dict in write order, cheaper to write
+        self._items: dict[Hashable, tuple[V, int, float]] = OrderedDict() if capacity is not None else {}
         # (deadline, keys written together), in write order = deadline order
         self._deadlines: deque[tuple[float, Sequence[Hashable]]] = deque()
 
@@ -87,7 +88,7 @@ class TtlLru(Generic[V]):
         return None if item is None or self.ttl is None else item[2] - self.ttl
 
     def values(self) -> list[tuple[V, int]]:
-        """``(value, size)`` of every entry held, least recently used first."""
+        """``(value, size)`` of every entry held, least recently used first (unbounded: in write order)."""
         return [(v, n) for v, n, _ in self._items.values()]
 
     def expire(self, now: float) -> int:
@@ -125,7 +126,8 @@ class TtlLru(Generic[V]):
         item = self._items.get(key)
         if item is None:
             return None
-        self._items.move_to_end(key)
+        if self.capacity is not None:
+            self._items.move_to_end(key)
         c.hits += 1
         c.bytes_read += item[1]
         return item[0]
@@ -133,14 +135,15 @@ class TtlLru(Generic[V]):
     def get_many(self, keys: Sequence[Hashable], now: float) -> list[V | None]:
         """`get` of each key at ``now`` (one expiry pass)."""
         self.expire(now)
-        c, items, out = self.counters, self._items, []
+        c, items, out, lru = self.counters, self._items, [], self.capacity is not None
         c.lookups += len(keys)
         for key in keys:
             item = items.get(key)
             if item is None:
                 out.append(None)
                 continue
-            items.move_to_end(key)
+            if lru:
+                items.move_to_end(key)
             c.hits += 1
             c.bytes_read += item[1]
             out.append(item[0])
@@ -180,20 +183,27 @@ class TtlLru(Generic[V]):
         """`put` each ``keys[i]`` with ``values[i]`` of ``sizes[i]`` bytes at ``now`` (one expiry pass); returns
         how many were stored.
 
-        Distinct new keys that fit without an eviction (a run of blocks written through) are stored at once:
-        the same entries, order, counts and peaks as one `put` after another (with nothing evicted, bytes
-        only grow during the batch, so every peak is reached at its end)."""
+        Distinct keys whose new ones fit without an eviction (a run of blocks written through) are stored at
+        once: the same entries, order, counts and peaks as one `put` after another (with nothing evicted,
+        bytes only grow during the batch, so every peak is reached at its end; a live key is kept as it is
+        unless ``refresh``)."""
         self.expire(now)
         if not keys:
             return 0
-        total, cap = sum(sizes), self.capacity
-        if (
-            (cap is None or self.nbytes + total <= cap)
-            and self._items.keys().isdisjoint(keys)
-            and len(set(keys)) == len(keys)
-        ):
-            self._put_new(keys, values, sizes, total, now)
-            return len(keys)
+        cap, batch = self.capacity, (keys, values, sizes)
+        held = list(map(self._items.__contains__, keys))
+        if any(held):
+            if self.refresh or (cap is not None and max(sizes) > cap):
+                batch = None  # each put replaces a live key (or one is refused): one after another
+            else:  # live keys are kept as they are: only the others are written
+                keep = list(map(not_, held))
+                batch = tuple(list(compress(seq, keep)) for seq in batch)
+        if batch is not None:
+            total = sum(batch[2])
+            if (cap is None or self.nbytes + total <= cap) and len(set(batch[0])) == len(batch[0]):
+                if batch[0]:
+                    self._put_new(*batch, total, now)
+                return len(keys)
         put = self._put
         return sum(put(key, value, size, now) for key, value, size in zip(keys, values, sizes, strict=True))
 
@@ -208,12 +218,10 @@ class TtlLru(Generic[V]):
         self.nbytes += total
         if self.kind is not None:
             kinds = list(map(self.kind, keys))
-            if len(set(kinds)) == 1:
+            if kinds.count(kinds[0]) == len(kinds):
                 added = {kinds[0]: total}
-            else:
-                added = {}
-                for k, n in zip(kinds, sizes, strict=True):
-                    added[k] = added.get(k, 0) + n
+            else:  # each kind's bytes, in order of first appearance (C-level passes, no loop per key)
+                added = {k: sum(compress(sizes, map(eq, kinds, repeat(k)))) for k in dict.fromkeys(kinds)}
             for k, n in added.items():
                 held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + n
                 self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)

@@ -12,7 +12,6 @@ tier.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from kvdiet.cache.plan import Provenance, WindowSource
@@ -55,29 +54,31 @@ class Breakdown:
     """Figures per regime, per traffic kind and per session, added up request by request."""
 
     def __init__(self) -> None:
-        self.groups: dict[tuple[str, str], GroupFigures] = {}
+        self.figures: dict[tuple[str, str], GroupFigures] = {}
+        self._groups: dict[tuple[str, str | None, str | None], tuple[GroupFigures, ...]] = {}
 
-    def _of(self, keys: Iterable[tuple[str, str]]) -> list[GroupFigures]:
-        return [self.groups.setdefault(k, GroupFigures()) for k in keys]
+    def groups(self, prompt_tokens: int, kind: str | None, session: str | None) -> tuple[GroupFigures, ...]:
+        """The figures of the groups a request belongs to: its regime, its kind and its session (`UNTAGGED`
+        when the trace names none); what `add_request` and `add_bytes` count into."""
+        key = (regime_of(prompt_tokens), kind, session)
+        got = self._groups.get(key)
+        if got is None:
+            names = (
+                ("regime", key[0]),
+                ("kind", kind if kind is not None else UNTAGGED),
+                ("session", session if session is not None else UNTAGGED),
+            )
+            got = self._groups[key] = tuple(self.figures.setdefault(n, GroupFigures()) for n in names)
+        return got
 
-    @staticmethod
-    def keys(prompt_tokens: int, kind: str | None, session: str | None) -> tuple[tuple[str, str], ...]:
-        """The groups a request belongs to: its regime, its kind and its session (`UNTAGGED` when the trace
-        names none)."""
-        return (
-            ("regime", regime_of(prompt_tokens)),
-            ("kind", kind if kind is not None else UNTAGGED),
-            ("session", session if session is not None else UNTAGGED),
-        )
-
-    def add_request(self, keys: tuple[tuple[str, str], ...], p: Provenance) -> None:
-        """Count one request's lookup (`Provenance`)."""
+    def add_request(self, groups: tuple[GroupFigures, ...], p: Provenance) -> None:
+        """Count one request's lookup (`Provenance`) in its ``groups``."""
         restored = p.window_source in (
             WindowSource.SWA_POOL,
             WindowSource.PERSISTENT,
             WindowSource.WINDOW_BLOCKS,
         )
-        for g in self._of(keys):
+        for g in groups:
             g.requests += 1
             g.prompt_tokens += p.prompt_tokens
             g.hit_tokens += p.hit_tokens
@@ -85,9 +86,9 @@ class Breakdown:
             g.replays += p.window_source is WindowSource.REPLAY
             g.recomputed_tokens += p.replayed_tokens + p.computed_tokens
 
-    def add_bytes(self, keys: tuple[tuple[str, str], ...], persistent: int, swa_pool: int) -> None:
-        """Count bytes a request's forwards wrote to the persistent tier and the SWA pool."""
-        for g in self._of(keys):
+    def add_bytes(self, groups: tuple[GroupFigures, ...], persistent: int, swa_pool: int) -> None:
+        """Count bytes a request's forwards wrote to the persistent tier and the SWA pool in its ``groups``."""
+        for g in groups:
             g.persistent_bytes_written += persistent
             g.swa_pool_bytes_written += swa_pool
 
@@ -96,11 +97,11 @@ class Breakdown:
         a split the trace does not carry — every request `UNTAGGED` — is absent)."""
         out: dict[str, dict[str, dict[str, int | float]]] = {}
         for split in ("regime", "kind", "session"):
-            names = [n for s, n in self.groups if s == split]
+            names = [n for s, n in self.figures if s == split]
             if split == "regime":
                 names = [r for r in REGIMES if r in names]
             else:
                 names.sort()
             if names and names != [UNTAGGED]:
-                out[f"by_{split}"] = {n: self.groups[(split, n)].as_dict() for n in names}
+                out[f"by_{split}"] = {n: self.figures[(split, n)].as_dict() for n in names}
         return out

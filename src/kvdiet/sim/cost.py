@@ -160,19 +160,21 @@ class CostModel:
         """FLOPs of queries at positions ``[a, b)`` through layer set ``which`` (see `_classes`)."""
         if b <= a:
             return 0.0
-        return float(self._cumulative(which, b) - self._cumulative(which, a))
+        memo = self._memo[which]  # a trace's prompts end at the same positions again and again
+        hi, lo = memo.get(b), memo.get(a)
+        if hi is None:
+            hi = memo[b] = self._cumulative(which, b)
+        if lo is None:
+            lo = memo[a] = self._cumulative(which, a)
+        return float(hi - lo)
 
     @cached_property
-    def _memo(self) -> dict[tuple[int, int], int]:
-        return {}
+    def _memo(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """`_cumulative` of each layer set, by position."""
+        return {}, {}, {}
 
     def _cumulative(self, which: int, n: int) -> int:
-        """FLOPs of queries at positions ``[0, n)`` through layer set ``which`` (exact integer; memoised:
-        a trace's prompts end at the same positions again and again)."""
-        memo = self._memo
-        got = memo.get((which, n))
-        if got is not None:
-            return got
+        """FLOPs of queries at positions ``[0, n)`` through layer set ``which`` (exact integer)."""
         c = self.cfg
         linear, classes = self._classes[which]
         window_reads = _window_reads(n, c.sliding_window)
@@ -185,7 +187,6 @@ class CostModel:
             if indexer:
                 layer += per_score * _sum_min_floor(n, _ALL, ratio)
             flops += count * layer
-        memo[(which, n)] = flops
         return flops
 
     def prefill_flops(self, start: int, end: int, *, decoder_every_row: bool = False) -> float:

@@ -8,8 +8,9 @@ This class keeps exactly that order, one block at a time in effect, while storin
 
 - a *node* is a run of blocks with no branch inside it (a branch splits the node where it leaves); its
   children hang off its last block;
-- a request's use of blocks ``[0, end)`` stamps only the last one (a *mark*); a block's time is the newest
-  mark at or below it in the tree, which is the time it takes on when everything after it is evicted;
+- a request's use of blocks ``[0, end)`` stamps only the last one (a *mark*: the count of uses so far, so
+  uses are ordered as they are made); a block's time is the newest mark at or below it in the tree, which
+  is the time it takes on when everything after it is evicted;
 - a lookup is a binary search over the request's chained ids (an id present implies its ancestors are);
 - eviction pops the least recently used leaf node from a heap and drops blocks from its tail until enough
   bytes are free, a mark makes the new tail newer (the node goes back on the heap), or the protected block
@@ -30,8 +31,9 @@ from kvdiet.cache.counters import TierCounters
 
 __all__ = ["DeviceTree"]
 
-Stamp = tuple[float, int]
-_NEVER: Stamp = (float("-inf"), -1)  # a block no request ended at (yet)
+Stamp = int
+"""When a block was last used: uses are numbered in the order they are made (trace time never goes back)."""
+_NEVER: Stamp = -1  # a block no request ended at (yet)
 
 
 class _Node:
@@ -76,9 +78,12 @@ class DeviceTree:
         return block in self._node
 
     def match(self, ids: Sequence[Hashable], limit: int) -> int:
-        """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held)."""
+        """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held; the last
+        one is tried first, as a chain already used is held whole)."""
         held = self._node
-        lo, hi = 0, limit  # ids[:lo] held; ids[hi:] not known held
+        if limit > 0 and ids[limit - 1] in held:
+            return limit
+        lo, hi = 0, limit - 1  # ids[:lo] held; ids[hi:] not held
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if ids[mid - 1] in held:
@@ -87,10 +92,8 @@ class DeviceTree:
                 hi = mid - 1
         return lo
 
-    def use(
-        self, ids: Sequence[Hashable], end: int, size_of: Callable[[int, int], list[int]], now: float
-    ) -> None:
-        """Blocks ``ids[:end]`` are in use at ``now``: those not held are added (``size_of(i, j)`` gives the
+    def use(self, ids: Sequence[Hashable], end: int, size_of: Callable[[int, int], list[int]]) -> None:
+        """Blocks ``ids[:end]`` are in use now: those not held are added (``size_of(i, j)`` gives the
         sizes of blocks ``[i, j)`` in bytes; leaves are evicted to fit, never the block the new ones hang
         off) and the last one becomes the most recently used, its ancestors with it. A run that cannot fit
         even with every other leaf evicted is added as far as it fits. Cost: a binary search, then the blocks
@@ -101,11 +104,8 @@ class DeviceTree:
         if first < end:
             parent = self._node[ids[first - 1]] if first > 0 else None
             sizes = size_of(first, end)
-            big = next((k for k, n in enumerate(sizes) if n > self.capacity), None)
-            if (
-                big is not None
-            ):  # larger than the whole budget: the chain stops before it, nothing evicted for it
-                sizes = sizes[:big]
+            if max(sizes) > self.capacity:  # larger than the whole budget: the chain stops before it
+                sizes = sizes[: next(k for k, n in enumerate(sizes) if n > self.capacity)]
             total = sum(sizes)
             if self.nbytes + total > self.capacity:
                 self._evict(self.nbytes + total - self.capacity, parent, first - 1)
@@ -119,7 +119,7 @@ class DeviceTree:
             if fit:
                 self._add(ids, first, end, sizes[:fit], total, parent)
         if end > 0:
-            self._mark(self._node[ids[end - 1]], end - 1, (now, next(self._order)))
+            self._mark(self._node[ids[end - 1]], end - 1, next(self._order))
 
     # --- adding ---
 
@@ -137,7 +137,7 @@ class DeviceTree:
         if parent is not None and first < parent.end:  # a branch inside a run: split it there
             self._split(parent, first)
         if parent is not None and not parent.kids:  # the run continues a leaf: extend it
-            if parent.tail is not _NEVER:
+            if parent.tail != _NEVER:
                 heapq.heappush(parent.marks, (-(first - 1), parent.tail))
             parent.tail = _NEVER
             parent.seq = -1
@@ -169,7 +169,7 @@ class DeviceTree:
         node.marks, node.tail, node.kids, node.seq = kept, _NEVER, {tail}, -1
         self._fold(node)
         self._node.update(zip(tail.ids, itertools.repeat(tail)))
-        if not tail.kids and tail.tail is not _NEVER:
+        if not tail.kids and tail.tail != _NEVER:
             self._push(tail)
 
     # --- time ---
@@ -177,7 +177,7 @@ class DeviceTree:
     def _mark(self, node: _Node, pos: int, stamp: Stamp) -> None:
         """Block ``pos`` (chain position, in ``node``) is used at ``stamp``."""
         if pos == node.end - 1:
-            node.tail = max(node.tail, stamp)
+            node.tail = stamp  # the newest there is
             if not node.kids:
                 self._push(node)
         else:

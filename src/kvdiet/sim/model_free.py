@@ -30,11 +30,11 @@ import math
 from collections.abc import Callable
 
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, prompt_boundary
-from kvdiet.cache.keys import TupleKeys
+from kvdiet.cache.keys import IdKeys
 from kvdiet.cache.plan import Provenance, RestoreWindow, WindowSource
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import ModelConfig
-from kvdiet.sim.breakdown import Breakdown
+from kvdiet.sim.breakdown import Breakdown, GroupFigures
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
@@ -78,7 +78,7 @@ class _Run:
         self.control: ControlPlane[int] = ControlPlane(
             sc.policy,
             g,
-            TupleKeys(),
+            IdKeys(),
             persistent=self.persistent,
             swa_pool=self.swa,
             device=self.device.counters,
@@ -90,7 +90,7 @@ class _Run:
         self.restores_of_older = 0  # pool restores of such a snapshot
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
-        self.unique = itertools.count(-1, -1)  # ids of blocks the trace never names (outputs, Azure)
+        self.unique = -1  # the next id of a block the trace never names (outputs, Azure); counts down
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
@@ -162,13 +162,13 @@ class _Run:
     def _request(self, req) -> Provenance:
         g, control = self.geo, self.control
         bs, n, now = g.block_size, req.input_tokens, req.arrival_s
-        full = n // bs
         last = n + max(req.output_tokens, 1) - 1  # tokens in the cache at finish (the last is not fed)
-        ids = list(req.hash_ids[:full]) if req.hash_ids is not None else []
-        ids += [next(self.unique) for _ in range(full - len(ids))]
-        # blocks past the prompt's full ones (the straddling block, output blocks, a partial last block):
-        # never named by the trace, so unique; they occupy the device pool like any other block
-        every = ids + [next(self.unique) for _ in range(-(-last // bs) - full)]
+        named = req.hash_ids[: n // bs] if req.hash_ids is not None else ()
+        # the other blocks (a prompt the trace gives no ids, the straddling block, output blocks): never
+        # named by the trace, so unique; they occupy the device pool like any other block
+        fresh = -(-last // bs) - len(named)
+        every = named + tuple(range(self.unique, self.unique - fresh, -1))
+        self.unique -= fresh
         cached = CacheRequest(n, every)
 
         usable = control.usable_blocks(n)
@@ -177,7 +177,7 @@ class _Run:
         plan, window = control.plan(cached, d + loaded)
         result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
         self.results.append(result)
-        groups = Breakdown.keys(n, req.kind, req.session)
+        groups = self.breakdown.groups(n, req.kind, req.session)
         self.breakdown.add_request(groups, result)
 
         hit, adopted = (d + loaded) * bs, plan.hit_tokens
@@ -197,7 +197,7 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self.device.use(every, adopted // bs, g.payloads, now)
+        self.device.use(every, adopted // bs, g.payloads)
         self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
         self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
         return result
@@ -205,7 +205,7 @@ class _Run:
     def _forward(
         self,
         cached: CacheRequest[int],
-        groups: tuple[tuple[str, str], ...],
+        groups: tuple[GroupFigures, ...],
         start: int,
         end: int,
         *,
@@ -224,7 +224,7 @@ class _Run:
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, self.clock.now())
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads)
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])

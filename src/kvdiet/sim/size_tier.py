@@ -2,53 +2,36 @@
 
 The values are sizes (ints), the rules are `kvdiet.cache.ttl_lru.TtlLru`'s (the same object the in-process
 SWA pool keeps its bytes in), and time is the simulator's trace time (a `ManualClock` it advances). Keys are
-`kvdiet.cache.keys.TupleKeys` tuples ``(kind, id)``, so bytes are counted by kind (read off the key in C:
-`operator.itemgetter`) and reported by class: a block's global KV or window state.
+`kvdiet.cache.keys.IdKeys`: a block's global KV under its trace id (an int), window state under a
+``(kind, id)`` tuple; so bytes are counted by class — ``"kv"`` or ``"window"`` — read off the key's type (in
+C: `type`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from operator import itemgetter
 
 from kvdiet.cache.counters import TierCounters
-from kvdiet.cache.keys import KeyKind
 from kvdiet.cache.ttl_lru import TtlLru
 from kvdiet.storage.clock import ManualClock
 
-__all__ = ["SizeTier", "tier_bytes"]
+__all__ = ["SizeTier", "class_bytes", "tier_bytes"]
 
 
-def _class(kind: object) -> str:
-    """The byte class of a key's kind: ``"kv"`` (a block's global KV) or ``"window"`` (snapshots, window
-    blocks)."""
-    return "kv" if kind is KeyKind.BLOCK else "window"
-
-
-def _by_class(per_kind: dict, combine=sum) -> dict[str, float]:
-    out: dict[str, list] = {}
-    for kind, n in per_kind.items():
-        out.setdefault(_class(kind), []).append(n)
-    return {c: combine(ns) for c, ns in out.items()}
+def _classes(per_type: dict) -> dict:
+    """Figures by key type → by byte class: ``"kv"`` (a block's global KV: an int key) or ``"window"`` (snapshots,
+    window blocks: a tuple key)."""
+    return {("kv" if t is int else "window"): n for t, n in per_type.items()}
 
 
 def tier_bytes(tier: SizeTier, name: str, span_s: float) -> dict[str, int | float]:
     """A tier's bytes over a run of ``span_s`` seconds, as summary entries named ``<name>_…``: the peak held,
     the total written, byte-hours and the time-averaged bytes held, the bytes held at the end — overall and
-    for each byte class (``<name>_kv_…``, ``<name>_window_…``); plus the window share at the peak.
-
-    A tier holds one kind of window state (the policy's ``store`` decides which), so a class's peak is its
-    kind's peak.
-
-    Raises:
-        ValueError: the tier held two kinds of window state (no exact class peak).
-    """
+    for each byte class (``<name>_kv_…``, ``<name>_window_…``; each class's own exact peak); plus the window
+    share at the peak."""
     e = tier.entries
-    windows = {k for k in {*e.kind_written, *e.kind_bytes} if _class(k) == "window"}
-    if len(windows) > 1:
-        raise ValueError(f"{name} held window state of {len(windows)} kinds; its class peak is not defined")
-    written, peaks = _by_class(e.kind_written), _by_class(e.kind_peak, max)
-    byte_seconds, at_peak = _by_class(e.kind_byte_seconds), _by_class(e.peak_kinds)
+    written, peaks = _classes(e.kind_written), _classes(e.kind_peak)
+    byte_seconds, at_peak = _classes(e.kind_byte_seconds), _classes(e.peak_kinds)
     out: dict[str, int | float] = {
         f"{name}_bytes_peak": e.peak,
         f"{name}_bytes_written": tier.counters.bytes_written,
@@ -66,7 +49,7 @@ def tier_bytes(tier: SizeTier, name: str, span_s: float) -> dict[str, int | floa
 
 def class_bytes(tier: SizeTier) -> dict[str, int]:
     """Bytes held now by byte class (``"kv"``, ``"window"``)."""
-    return _by_class(tier.entries.kind_bytes)
+    return _classes(tier.entries.kind_bytes)
 
 
 class SizeTier:
@@ -81,9 +64,7 @@ class SizeTier:
 
     def __init__(self, capacity: int | None, ttl: float | None, *, refresh: bool, clock: ManualClock) -> None:
         self.counters = TierCounters()
-        self.entries: TtlLru[int] = TtlLru(
-            capacity, ttl, refresh=refresh, counters=self.counters, kind=itemgetter(0)
-        )
+        self.entries: TtlLru[int] = TtlLru(capacity, ttl, refresh=refresh, counters=self.counters, kind=type)
         self.clock = clock
 
     @property
@@ -99,6 +80,9 @@ class SizeTier:
         return self.entries.get_many(keys, self.clock.now())
 
     def put_many(self, items: Sequence[tuple[Hashable, Sequence[int] | None, int]]) -> int:
+        if len(items) == 1:  # a snapshot
+            key, _, size = items[0]
+            return int(self.entries.put(key, size, size, self.clock.now()))
         if not items:
             return 0
         keys, _, sizes = zip(*items, strict=True)
