@@ -13,56 +13,26 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvdiet.cache.policies import parse_policy
 from kvdiet.cli import main
 from kvdiet.config import load_config
-from kvdiet.engine.runner import CacheOptions, ModelRunner, Session
+from kvdiet.engine.runner import ModelRunner
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.mooncake_pool import MooncakeSwaPool
 from mooncake_helpers import MooncakeMaster, SegmentHolder
+from pool_engine_helpers import W, pool_cache
+from pool_engine_helpers import close as _close
+from pool_engine_helpers import ids as _ids
+from pool_engine_helpers import run_one as _run
+from pool_engine_helpers import same as _same
 from redis_helpers import free_port
 
-W, BS = 8, 4
-REPLAY_BOUND = 1e-3  # as in test_engine_runner: a bounded replay moves micro's logits by ~5e-5
 KVDIET = [sys.executable, "-m", "kvdiet.cli"]
 
 
 @pytest.fixture(scope="module")
 def micro() -> Transformer:
     return Transformer.from_config(load_config("v4.1-micro"), seed=3, exact=True)
-
-
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _cache(model: Transformer, swa_pool: str, segment_bytes: int = 16 << 20) -> ModelRunner:
-    opts = CacheOptions(
-        kv_cache_memory=200 * model.new_pool(1, block_size=BS).block_bytes,
-        block_size=BS,
-        swa_pool=swa_pool,
-        swa_pool_size=segment_bytes,
-        policy=parse_policy("bounded-replay"),
-        decoder_replay=False,
-    )
-    return ModelRunner(model, opts)
-
-
-def _run(cache: ModelRunner, ids: list[int]) -> tuple[Session, list[torch.Tensor]]:
-    s = cache.start(ids)
-    out = [cache.prefill(s, chunk_size=16), cache.decode([s], [5])[0]]
-    cache.finish(s)
-    return s, out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(float((x - y).abs().max()) < REPLAY_BOUND for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow
@@ -165,3 +135,8 @@ def test_two_processes_share_snapshots_and_continue_exactly(tmp_path: Path, caps
     p = b["provenance"]
     assert (p["persistent_tokens"], p["window_source"], p["replayed_tokens"]) == (60, "replay", W)
     assert b["cache_stats"]["swa_pool"]["hits"] == 0  # gone with the process that held them
+
+
+def _cache(model: Transformer, swa_pool: str, segment_bytes: int = 16 << 20) -> ModelRunner:
+    """The shared runner with a 16 MiB segment of this process in the pool."""
+    return pool_cache(model, swa_pool, segment_bytes)

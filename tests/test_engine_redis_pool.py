@@ -16,54 +16,25 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 
-from kvdiet.cache.policies import parse_policy
 from kvdiet.cli import main
 from kvdiet.config import load_config
-from kvdiet.engine.runner import CacheOptions, ModelRunner, Session
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.redis_pool import RedisSwaPool
+from pool_engine_helpers import W
+from pool_engine_helpers import close as _close
+from pool_engine_helpers import ids as _ids
+from pool_engine_helpers import pool_cache as _cache
+from pool_engine_helpers import run_one as _run
+from pool_engine_helpers import same as _same
 from redis_helpers import RedisServer, free_port
 
-W, BS = 8, 4
-REPLAY_BOUND = 1e-3  # as in test_engine_runner: a bounded replay moves micro's logits by ~5e-5
 KVDIET = [sys.executable, "-m", "kvdiet.cli"]
 
 
 @pytest.fixture(scope="module")
 def micro() -> Transformer:
     return Transformer.from_config(load_config("v4.1-micro"), seed=3, exact=True)
-
-
-def _ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _cache(model: Transformer, swa_pool: str) -> ModelRunner:
-    opts = CacheOptions(
-        kv_cache_memory=200 * model.new_pool(1, block_size=BS).block_bytes,
-        block_size=BS,
-        swa_pool=swa_pool,
-        policy=parse_policy("bounded-replay"),
-        decoder_replay=False,
-    )
-    return ModelRunner(model, opts)
-
-
-def _run(cache: ModelRunner, ids: list[int]) -> tuple[Session, list[torch.Tensor]]:
-    s = cache.start(ids)
-    out = [cache.prefill(s, chunk_size=16), cache.decode([s], [5])[0]]
-    cache.finish(s)
-    return s, out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(float((x - y).abs().max()) < REPLAY_BOUND for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.slow
