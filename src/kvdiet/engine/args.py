@@ -45,7 +45,7 @@ class EngineArgs:
     """What to load and how to run it.
 
     Attributes:
-        model: preset name or V4.1 config path (``v4.1-mini``: real cache geometry, real tokenizer); None
+        model: preset name or V4.1 / V4-Flash config path (``v4.1-mini``: real cache geometry, real tokenizer); None
             with ``weights``: the checkpoint's ``config.json``.
         seed: seed of the random weights (ignored with ``weights``).
         weights: a checkpoint (folder or safetensors file, `kvdiet.model.loader.load_checkpoint`), or None

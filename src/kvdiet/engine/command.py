@@ -36,7 +36,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     gen.add_argument(
         "--model",
-        help="preset or V4.1 config path (default: the config.json beside --weights, else v4.1-mini)",
+        help="preset or V4.1 / V4-Flash config path (default: the config.json beside --weights, else v4.1-mini)",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")

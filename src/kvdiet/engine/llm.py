@@ -32,7 +32,7 @@ class LLM:
     ``with`` block) closes the tiers.
 
     Args:
-        model: preset or V4.1 config path (default ``v4.1-mini``).
+        model: preset or V4.1 / V4-Flash config path (default ``v4.1-mini``).
         args: full `EngineArgs` (then the keywords below must be left out).
         seed, weights, kv_cache_dtype, max_model_len: see `EngineArgs`.
         cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy).

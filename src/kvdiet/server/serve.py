@@ -61,7 +61,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        help="preset or V4.1 config path (default: the config.json beside --weights, else v4.1-mini)",
+        help="preset or V4.1 / V4-Flash config path (default: the config.json beside --weights, else v4.1-mini)",
     )
     p.add_argument("--served-model-name", help="name clients use in 'model' (default: --model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")

@@ -310,10 +310,15 @@ def _print(out: dict, study, engine, console: Console) -> None:
         from kvdiet.sim.report import ENGINE_COLUMNS, engine_row
 
         table = Table(title="engine mode (--json or --report for every column)", title_justify="left")
+        rows = [engine_row(e.summary()) for e in engine]
+        widest = max(len(r["run"]) for r in rows)  # a run's POLICY@MODEL in full: models may share a prefix
         for col in ENGINE_COLUMNS:
-            table.add_column(col, justify="left" if col in ("policy", "window sources") else "right")
-        for e in engine:
-            table.add_row(*engine_row(e.summary()).values())
+            left = col in ("run", "window sources")
+            table.add_column(
+                col, justify="left" if left else "right", min_width=widest if col == "run" else None
+            )
+        for row in rows:
+            table.add_row(*row.values())
         console.print(table)
     if "report" in out:
         console.print(f"wrote {out['report']}", markup=False, highlight=False)

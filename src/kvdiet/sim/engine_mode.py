@@ -27,6 +27,7 @@ same slice (payload bytes from the byte geometry).
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -154,8 +155,10 @@ class EngineModeResult:
         ttft = sorted(self.ttft_s)
         prompt = sum(r.input_tokens for r in self.trace.requests) or 1
 
-        def pct(q: float) -> float | None:
-            return round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 4) if ttft else None
+        def pct(
+            q: float,
+        ) -> float | None:  # nearest rank: the smallest value with at least q of them at or below
+            return round(ttft[max(0, math.ceil(q * len(ttft)) - 1)], 4) if ttft else None
 
         sources: dict[str, int] = {}
         for r in self.requests:
