@@ -49,14 +49,22 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
     ("flag", "value", "needle"),
     [
         ("--swa-policy", "lru", "unknown SWA policy"),
-        ("--swa-policy", "checkpoint:6", "multiple of the block size"),
+        (
+            "--swa-policy",
+            "checkpoint:6",
+            "--swa-policy: checkpoint period 6 must be a multiple of the block size",
+        ),
         ("--persistent-ttl", "soon", "cannot parse duration"),
         ("--kv-cache-memory", "10B", "below one block"),
         ("--block-size", "3", "multiple of every compress ratio"),
         ("--block-size", "0", "multiple of every compress ratio [1, 2]"),
         ("--max-tokens", "1000000000", "> max_position_embeddings 256"),  # checked before any allocation
         ("--kv-cache-memory", "500", "blocks"),  # one 4-token block: the pool runs out while decoding
-        ("--prompt-ids", "99999999999999999999", "outside the vocabulary [0, 64)"),
+        ("--prompt-ids", "99999999999999999999", "--prompt-ids: token id"),
+        ("--prompt-ids", "1,,2", "--prompt-ids: item 2 is empty"),
+        ("--max-tokens", "-1", "--max-tokens: max_tokens must be >= 0"),
+        ("--top-p", "2", "--top-p: top_p must be in (0, 1]"),
+        ("--chunk-size", "0", "--chunk-size must be >= 1"),
     ],
 )
 def test_bad_cache_flags_exit_2_with_one_line(capsys, tmp_path, flag, value, needle) -> None:

@@ -202,6 +202,11 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),  # it once hung
         (["--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["--mode", "engine", "--runs", "checkpoint:100@v4-mini"], "multiple of the engine block size 128"),
+        (
+            ["--mode", "engine", "--runs", "bounded-replay@v4-mini", "--engine-block-size", "16"],
+            "for v4-mini",
+        ),
         (["--output-tok-s", "0"], "--output-tok-s must be a finite number > 0"),
         (["--device-size", "0"], "--device-size must be > 0 bytes"),
         (["--swa-pool-ttl", "abc"], "--swa-pool-ttl: cannot parse duration 'abc'"),

@@ -127,9 +127,15 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
 
     if not args.progress_interval >= 0:
         raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    if args.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+    except ValueError as exc:  # name the flag, not the field: "max_tokens must be …" → "--max-tokens: …"
+        field = str(exc).split(" ", 1)[0]
+        raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
     text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     model, tokenizer = load_model(
@@ -140,8 +146,12 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         expert_cache_bytes=engine_args.expert_cache_bytes,
     )
     if args.prompt_ids is not None:
+        items = args.prompt_ids.split(",")
+        if any(not t.strip() for t in items) and args.prompt_ids.strip():
+            empty = next(i for i, t in enumerate(items) if not t.strip())
+            raise ValueError(f"--prompt-ids: item {empty + 1} is empty (ids are comma-separated integers)")
         try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            ids = [int(t) for t in items if t.strip()]
         except ValueError as exc:
             raise ValueError(f"--prompt-ids must be comma-separated integers: {exc}") from exc
     elif tokenizer is None:
@@ -153,7 +163,19 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
             raise ValueError("empty prompt: the prompt text has no characters")
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
-    request = check_request(model, ids, params)  # once, before any pool is allocated
+    try:
+        request = check_request(model, ids, params)  # once, before any pool is allocated
+    except ValueError as exc:
+        if "max_tokens" in str(exc):  # the context limit names the prompt and --max-tokens already
+            raise
+        flag = (
+            "--prompt-ids"
+            if args.prompt_ids is not None
+            else "--prompt-file"
+            if args.prompt_file
+            else "--prompt"
+        )
+        raise ValueError(f"{flag}: {exc}") from None
     runner = ModelRunner(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
     with runner:
         result = generate_prepared(

@@ -54,7 +54,7 @@ def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
     """
     k, bs = options.policy.checkpoint_every, options.block_size
     if k is not None and k % bs:
-        raise ValueError(f"checkpoint period {k} must be a multiple of the block size {bs}")
+        raise ValueError(f"--swa-policy: checkpoint period {k} must be a multiple of the block size {bs}")
     num_blocks = options.kv_cache_memory // block_bytes
     if num_blocks < 1:
         raise ValueError(

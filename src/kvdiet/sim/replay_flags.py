@@ -81,6 +81,11 @@ def plan_runs(args: argparse.Namespace):
         configs = []
         for name, model in runs:  # each run once, in order
             policy = parse_policy(name)
+            if policy.checkpoint_every is not None and policy.checkpoint_every % block:
+                raise ValueError(
+                    f"--runs: {name}: checkpoint period {policy.checkpoint_every} must be a multiple of the "
+                    f"engine block size {block}"
+                )
             cache = CacheOptions(
                 kv_cache_memory=parse_bytes(args.kv_cache_memory),
                 persistent_ttl_s=parse_duration(args.persistent_ttl),
