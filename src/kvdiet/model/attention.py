@@ -228,15 +228,9 @@ class Attention(nn.Module):
             return
         layer, state = self.info.layer_id, seg.state
         latent, gids = self.compressor(x, seg.start_pos, state.tails.get(layer))
-        held = len(state.main[layer])
-        if gids.numel() and int(gids[0]) < held:  # a replay: never rewrite entries the request holds (B03)
-            new = gids >= held
-            latent, gids = latent[new], gids[new]
+        new = state.main[layer].unheld(gids)  # a replay: never rewrite entries the request holds (B03)
+        latent, gids = latent[new], gids[new]
         if gids.numel():
-            if int(gids[0]) != held:
-                raise RuntimeError(
-                    f"layer {layer}: entry {int(gids[0])} would leave a gap after {held} entries"
-                )
             first = gids * self.info.compress_ratio
             state.index_keys[layer].append(self.indexer.keys(latent, first, self.rope))
             state.main[layer].append(self.compressed_entries(latent, gids))

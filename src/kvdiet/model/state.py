@@ -70,6 +70,22 @@ class PagedEntries:
     def _slots(self, idx: torch.Tensor) -> torch.Tensor:
         return self.table.tensor()[idx // self.per_block] * self.per_block + idx % self.per_block
 
+    def unheld(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of the consecutive entry ids ``ids`` int64 [M] this request does not hold yet (bool [M]).
+
+        A replay recomputes entries below ``len`` and must not write them again (case B03); the first new one
+        must be ``len``.
+
+        Raises:
+            ValueError: the first unheld id would leave a gap after the held entries.
+        """
+        new = ids >= self._len
+        if bool(new.any()) and int(ids[new][0]) != self._len:
+            raise ValueError(
+                f"layer {self.layer}: entry {int(ids[new][0])} would leave a gap after {self._len}"
+            )
+        return new
+
     def append(self, values: torch.Tensor) -> None:
         """Encode and store fp32 ``values`` [M, dim] as entries ``len .. len+M−1`` (blocks must be reserved)."""
         self.write_rows(self.codec.encode(values))

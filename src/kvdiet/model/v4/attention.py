@@ -112,56 +112,57 @@ class V4Attention(nn.Module):
         key_pos = torch.cat([old_pos[keep], pos])
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - self.window)
         ring.write(kv, pos)
+        # keys every row shares (window, HCA entries) [n, D] with mask [T, n]; keys of each row's own (CSA: the
+        # indexer's picks, gathered) [T, k, D] with mask [T, k]
+        picked, picked_mask = keys.new_empty(t, 0, d), torch.zeros(t, 0, dtype=torch.bool)
         if self.compressor is not None:
-            entries = self._compress(x, qr, pos, state, layer)
-            visible = torch.arange(entries.shape[0])[None, :] < ((pos + 1) // self.ratio)[:, None]
-            if self.indexer is not None:
+            self._compress(x, pos, state, layer)
+            entries = state.main[layer]
+            if self.indexer is None:  # HCA: every entry whose window is complete
+                keys = torch.cat([keys, entries.read().to(x.dtype)])
+                visible = torch.arange(len(entries))[None, :] < ((pos + 1) // self.ratio)[:, None]
+                mask = torch.cat([mask, visible], dim=1)
+            else:  # CSA: only the entries the indexer picks (−1: none)
                 keys_i = state.index_keys[layer].read().to(x.dtype)
                 codec = self.codecs.index_key if self.packed else None
-                scores = self.indexer.scores(qr, x, pos, keys_i, self.rope, codec)
-                picks = self.indexer.select(scores, pos)
-                chosen = torch.zeros(t, entries.shape[0] + 1, dtype=torch.bool)
-                chosen.scatter_(1, picks.where(picks >= 0, entries.shape[0]), True)
-                visible &= chosen[:, :-1]
-            keys = torch.cat([keys, entries])
-            mask = torch.cat([mask, visible], dim=1)
+                picks = self.indexer.select(self.indexer.scores(qr, x, pos, keys_i, self.rope, codec), pos)
+                picked_mask = picks >= 0
+                picked = entries.read(picks.clamp(min=0)).to(x.dtype)
 
-        logits = torch.einsum("thd,nd->thn", q, keys) * d**-0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        scale = d**-0.5
+        logits = torch.cat(
+            [torch.einsum("thd,nd->thn", q, keys) * scale, torch.einsum("thd,tkd->thk", q, picked) * scale],
+            dim=-1,
+        )
+        logits = logits.masked_fill(~torch.cat([mask, picked_mask], dim=1)[:, None, :], float("-inf"))
         sink = self.attn_sink.to(logits.dtype)[None, :, None].expand(t, h, 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-        o = torch.einsum("thn,nd->thd", probs, keys)
+        n = keys.shape[0]
+        o = torch.einsum("thn,nd->thd", probs[..., :n], keys) + torch.einsum(
+            "thk,tkd->thd", probs[..., n:], picked
+        )
         o = self.rope.rotate(o.transpose(0, 1), pos, inverse=True).transpose(0, 1)  # [T, H, D]
         groups = o.reshape(t, self.o_groups, -1)  # [T, G, H·D/G]
         w = self.wo_a.dense_weight().to(o.dtype).view(self.o_groups, -1, groups.shape[-1])
         grouped = torch.einsum("tgi,goi->tgo", groups, w).flatten(1)
         return self.wo_b(grouped)
 
-    def _compress(
-        self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, state: RequestState, layer: int
-    ) -> torch.Tensor:
-        """Run the compressor (and the indexer's), append the entries the request does not hold yet, and
-        return every entry of this layer [N, D] as stored."""
+    def _compress(self, x: torch.Tensor, pos: torch.Tensor, state: RequestState, layer: int) -> None:
+        """Run the compressor (and the indexer's) and append the entries the request does not hold yet."""
         start, tail = int(pos[0]), state.tails[layer]
-        main_cols = slice(0, self.compressor.width)
-        new, ids = self.compressor(x, start, tail, main_cols, self.rope)
+        new, ids = self.compressor(x, start, tail, slice(0, self.compressor.width), self.rope)
         _append_new(state.main[layer], new, ids)
         if self.indexer is not None:
             index_cols = slice(self.compressor.width, self.tail_width)
             keys, ids = self.indexer.compressor(x, start, tail, index_cols, self.rope)
             _append_new(state.index_keys[layer], hadamard(keys) if self.packed else keys, ids)
         tail.count = (start + x.shape[0]) % self.ratio
-        return state.main[layer].read().to(x.dtype)
 
 
 def _append_new(entries: PagedEntries, values: torch.Tensor, ids: torch.Tensor) -> None:
-    """Append the entries ``ids`` [M] (consecutive) that ``entries`` does not hold yet; a replay recomputes
-    held ones and must not rewrite them. Raises ValueError on a gap."""
-    held = len(entries)
-    new = ids >= held
-    if not bool(new.any()):
-        return
-    if int(ids[new][0]) != held:
-        raise ValueError(f"entry {int(ids[new][0])} would leave a gap after {held} entries")
-    packed = entries.codec.dtype == torch.uint8
-    entries.append(values[new].float() if packed else values[new])
+    """Append ``values`` [M, dim] of entry ids ``ids`` [M] that ``entries`` does not hold yet
+    (`PagedEntries.unheld`; a packed codec encodes fp32)."""
+    new = entries.unheld(ids)
+    if bool(new.any()):
+        packed = entries.codec.dtype == torch.uint8
+        entries.append(values[new].float() if packed else values[new])
