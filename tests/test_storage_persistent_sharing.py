@@ -80,6 +80,33 @@ def test_eviction_by_one_store_never_deletes_a_file_another_store_just_wrote(
     assert index_rows(tmp_path) == entry_files(tmp_path)
 
 
+def _open_at_once(store: PersistentStore, barrier: threading.Barrier) -> None:
+    barrier.wait(timeout=30)
+    store.open()
+
+
+def test_stores_opening_one_new_directory_at_once_all_open(tmp_path: Path) -> None:
+    """Several stores (as several processes started together) open one new directory at the same moment:
+    every one is enabled. SQLite refuses the switch of a new index to WAL at once, without waiting, while
+    another connection holds a lock; a store that took that as a failure ran with its tier off (CI
+    caught it in the two-process test below)."""
+    refused = []
+    for trial in range(40):
+        directory, barrier = tmp_path / str(trial), threading.Barrier(6)
+        stores = [PersistentStore(directory, IDENTITY) for _ in range(6)]
+
+        threads = [threading.Thread(target=_open_at_once, args=(s, barrier)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        refused += [(trial, i) for i, s in enumerate(stores) if not s.enabled]
+        assert stores[0].put(key_of(trial), tokens_of(trial), payload_of(trial)) == stores[0].enabled
+        for s in stores:
+            s.close()
+    assert refused == []
+
+
 def _entry_file_bytes(directory: Path, i: int) -> bytes:
     with PersistentStore(directory, IDENTITY) as s:
         s.put(key_of(i), tokens_of(i), payload_of(i))

@@ -14,6 +14,7 @@ Not known here: the entry files (`kvdiet.storage.entry_files`), the store's thre
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -65,7 +66,7 @@ def connect(
     )
     try:
         db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
-        db.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")
         recovered = None
         with transaction(db):
@@ -94,6 +95,25 @@ def connect(
             db.close()
         raise
     return db, recovered
+
+
+def _enter_wal(db: sqlite3.Connection) -> None:
+    """Switch ``db`` to WAL mode. Switching a new database out of rollback mode needs an exclusive lock, and
+    SQLite answers "database is locked" at once, without its busy handler, while another process holds any
+    lock on it (two processes opening one new directory): retry for up to the busy timeout.
+
+    Raises:
+        sqlite3.OperationalError: still locked after ``BUSY_TIMEOUT_S`` seconds, or any other error.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 @contextmanager
