@@ -23,14 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvdiet.cache.options import DEFAULT_GLOBAL_POOL_TTL_S
+from kvdiet.storage.clock import Clock
 from kvdiet.storage.entry import EntryCodec, StoreIdentity
 from kvdiet.storage.mooncake_tier import MooncakeTier
+from kvdiet.storage.mooncake_urls import check_mooncake_spec
 
-__all__ = ["DEFAULT_GLOBAL_POOL_TTL_S", "MooncakeGlobalPool"]
-
-DEFAULT_GLOBAL_POOL_TTL_S = 3600.0
-"""1 hour: long enough for the sessions and shared system prompts that other machines continue, short against
-the disk tier's 72 h (the durable copy); `kvdiet.cache.options.DEFAULT_GLOBAL_POOL_TTL_S` re-exports it."""
+__all__ = ["DEFAULT_GLOBAL_POOL_TTL_S", "MooncakeGlobalPool", "create_global_pool"]
 
 
 class MooncakeGlobalPool(MooncakeTier):
@@ -96,3 +95,25 @@ class MooncakeGlobalPool(MooncakeTier):
             return payload if verdict == "ok" else None
 
         return self._read_many([k for k, _ in asked], accept)
+
+
+def create_global_pool(
+    spec: str,
+    *,
+    identity: StoreIdentity,
+    segment_bytes: int | None = None,
+    ttl_s: float = DEFAULT_GLOBAL_POOL_TTL_S,
+    clock: Clock | None = None,
+) -> MooncakeGlobalPool:
+    """The global pool ``spec`` (``mooncake://HOST[:PORT]``) names, not opened yet.
+
+    Raises:
+        ValueError naming ``--global-pool``: a bad URL, no ``mooncake`` package, a bad size or TTL.
+    """
+    return MooncakeGlobalPool(
+        check_mooncake_spec(spec, flag="--global-pool"),
+        identity=identity,
+        segment_bytes=segment_bytes,
+        ttl_s=ttl_s,
+        clock=clock,
+    )

@@ -5,11 +5,19 @@ and imports nothing of Mooncake (the ``kvdiet[mooncake]`` extra is optional).
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["DEFAULT_MASTER_PORT", "SCHEME", "MooncakeUrl", "is_mooncake_url", "parse_mooncake_url"]
+__all__ = [
+    "DEFAULT_MASTER_PORT",
+    "SCHEME",
+    "MooncakeUrl",
+    "check_mooncake_spec",
+    "is_mooncake_url",
+    "parse_mooncake_url",
+]
 
 SCHEME = "mooncake"
 DEFAULT_MASTER_PORT = 50051
@@ -81,3 +89,19 @@ def parse_mooncake_url(spec: str, *, flag: str = "--swa-pool") -> MooncakeUrl:
         except ValueError:
             raise ValueError(f"{flag}: local_host={local[0]!r} in {text!r} is not an IP address") from None
     return MooncakeUrl(parts.hostname, port or DEFAULT_MASTER_PORT, local[0])
+
+
+def check_mooncake_spec(spec: str, *, flag: str) -> str:
+    """``spec`` (stripped) when it is a good Mooncake URL (`parse_mooncake_url`) and the ``mooncake`` package is
+    installed (looked up, not imported).
+
+    Raises:
+        ValueError naming ``flag``: a bad URL, or no ``mooncake`` package (the ``kvdiet[mooncake]`` extra).
+    """
+    parse_mooncake_url(spec, flag=flag)
+    if importlib.util.find_spec("mooncake") is None:
+        raise ValueError(
+            f"{flag}: a Mooncake tier needs the mooncake package: pip install 'kvdiet[mooncake]' "
+            "(and the system library libibverbs1)"
+        )
+    return spec.strip()
