@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 
+from kvdiet.cli import main
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.entry import EntryCodec, StoreIdentity
 from kvdiet.storage.mooncake_global import MooncakeGlobalPool
@@ -210,3 +211,28 @@ def test_master_down_misses_and_refused_writes_never_raise(ident: StoreIdentity,
     assert len(warnings) == 1 and warnings[0].startswith("global pool mooncake://127.0.0.1:")
     assert "persistent tier or are computed" in warnings[0]
     pool.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--global-pool", "mooncake://127.0.0.1:0"], "--global-pool: port 0"),
+        (
+            ["--global-pool", "redis://127.0.0.1:6379/0"],
+            "--global-pool: 'redis://127.0.0.1:6379/0' is not a Mooncake",
+        ),
+        (
+            ["--global-pool", "mooncake://h:1", "--global-pool-size", "lots"],
+            "--global-pool-size: cannot parse",
+        ),
+        (
+            ["--global-pool", "mooncake://h:1", "--global-pool-ttl", "0s"],
+            "--global-pool-ttl: duration must be > 0",
+        ),
+    ],
+)
+def test_cli_refuses_bad_global_pool_flags_with_exit_2(capsys, flags: list[str], message: str) -> None:
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
+    assert main([*argv, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvdiet generate: error: {message}") and err.count("\n") == 1
