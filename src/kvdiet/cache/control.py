@@ -7,14 +7,16 @@ model-free simulator (`kvdiet.sim.model_free`) with sizes. A request goes throug
 
 1. `ControlPlane.usable_blocks` — how many prompt blocks may hit (the last token is always computed);
    the executor takes the longest prefix of them from its device pool;
-2. `ControlPlane.load` — the run of the next blocks the persistent tier's index holds, read in
-   batches; the executor accepts each payload into its device pool until a read misses or the pool is full;
+2. `ControlPlane.load` — the run of the next blocks the global pool holds, then the run the persistent
+   tier's index holds from there, read in batches; the executor accepts each payload into its device pool
+   until a read misses or the pool is full; a block from one of the two is copied into the other;
 3. `ControlPlane.plan` — the policy's `RestorePlan` at the hit, probing the tier the policy keeps window
    state in, and the window action: `RestoreWindow` (payloads fetched) or `Replay`; on a payload that
    fails validation the executor calls `ControlPlane.plan` again with ``use_stored=False``;
 4. `ControlPlane.admit` — counts the lookup and returns the `Provenance`;
 5. after every forward that computed positions ``[start, end)``, `ControlPlane.after_forward` — writes the
-   blocks filled since through to the persistent tier (with their window entries under ``full-store``)
+   blocks filled since through to the global pool and the persistent tier (there with their window
+   entries under ``full-store``)
    and captures window state at the block boundaries the policy keeps (`SwaPolicy.capture_at`): stored at
    once or held for `ControlPlane.finish`. The executor stops prefill chunks at `ControlPlane.capture_points`
    so each capture falls at a forward's end.
@@ -66,7 +68,8 @@ class CacheRequest(Generic[V]):
             appends them as blocks fill; trace ids in the simulator, all known up front).
         block_tokens: each full block's token ids (checked back by the persistent tier), or None (simulator).
         plan: the adopted restore plan (set by `ControlPlane.admit`).
-        persisted: leading blocks known to be in the persistent tier (written through or hit).
+        persisted: leading blocks known to be in the lower tiers (global pool, persistent tier): written
+            through, hit, or copied there by `ControlPlane.load`.
         held: window state captured to store when the request finishes: ``(position, value)`` or None.
         pool_snapshots: keys of the SWA-pool snapshots of this request's chain it restored or stored, newest
             last (what a newer snapshot of the chain supersedes).

@@ -3,7 +3,8 @@
 Each request of a `Trace` goes through the same control plane as the engine
 (`kvdiet.cache.control.ControlPlane`: lookup, restore plan, write-through, capture points, what is stored
 where) on tiers whose values are byte sizes (`kvdiet.sim.size_tier.SizeTier`: the TTL and LRU rules of
-`kvdiet.cache.ttl_lru.TtlLru`, the in-process SWA pool's own). This module only executes the plans with
+`kvdiet.cache.ttl_lru.TtlLru`, the in-process SWA pool's own; a global-KV DRAM tier between the device pool
+and the persistent tier when ``SimConfig.global_pool_bytes`` > 0). This module only executes the plans with
 sizes, keeps trace time and adds up what happened; there is no second copy of any cache rule here.
 
 Trace time: a request's lookup happens at its arrival; its prefill (from the plan's replay start to the
