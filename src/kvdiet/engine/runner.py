@@ -234,7 +234,7 @@ class ModelRunner:
         """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
         consume: all the blocks the tokens span, except leading prefix blocks other requests hold now
         (shared, not consumed). Blocks cached but unreferenced count as consumed (they leave the free
-        queue); so do persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
+        queue); so do global-pool and persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
         n, bs = len(prompt_ids), self.options.block_size
         total = -(-(n + extra_tokens) // bs)
         usable = self.control.usable_blocks(n)
