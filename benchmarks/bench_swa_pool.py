@@ -16,7 +16,10 @@ Engram history, header). Backends, one client thread each:
   installed; its GB/s is requests/s × size;
 - ``mooncake (kvdiet)``: `MooncakeSwaPool` (header + payload by ``upsert_parts``, CRC-32; a get is ``get_size``
   per key then one ``batch_get_into``, CRC checked; a batch of puts is one put after another);
-- ``mooncake-py``: the same client's ``upsert`` / ``get`` (batched: ``upsert_batch`` / ``get_batch``).
+- ``mooncake-py``: the same client's ``upsert`` / ``get`` (batched: ``upsert_batch`` / ``get_batch``);
+- ``global pool (kvdiet)``, 64-token blocks only: `MooncakeGlobalPool` (``--global-pool``) on the same master: each
+  block a whole persistent entry (JSON header with the 64 token ids, CRC-32) behind the Mooncake header, checked
+  back on every read (identity, key, token ids); a single value is a batch of one.
 
 Each figure: distinct keys, every value put then every value read, after an untimed warm-up; batches of
 ``--batch`` keys (default 16); latencies are per call (one value or one batch); GB/s = value bytes moved /
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import importlib.util
 import io
 import json
@@ -199,9 +203,10 @@ def redis_benchmark(url: str, size: int, ops: int) -> dict[str, dict] | None:
 
 
 def backends(
-    mem: InProcessSwaPool, raw: redis.Redis, rpool: RedisSwaPool, mpool, held: dict
+    mem: InProcessSwaPool, raw: redis.Redis, rpool: RedisSwaPool, mpool, held: dict, gpool=None
 ) -> dict[str, tuple[Callable, Callable]]:
-    """Each backend's batched ``put(keys, value)`` and ``get(keys)`` (a batch of one is a single call)."""
+    """Each backend's batched ``put(keys, value)`` and ``get(keys)`` (a batch of one is a single call); the
+    global pool's keys are 32-byte hashes of the bench's keys, its token ids ``0 … block_size − 1``."""
 
     def pool_ops(p) -> tuple[Callable, Callable]:
         def put(ks, v):
@@ -245,6 +250,16 @@ def backends(
             ),
             lambda ks: [store.get(names(ks)[0])] if len(ks) == 1 else store.get_batch(names(ks)),
         )
+    if gpool is not None:
+        tokens = list(range(gpool.identity.block_size))
+
+        def hashed(ks):
+            return [hashlib.blake2b(k, digest_size=32).digest() for k in ks]
+
+        out["global pool (kvdiet)"] = (
+            lambda ks, v: gpool.put_many([(k, tokens, v) for k in hashed(ks)]),
+            lambda ks: gpool.get_many(hashed(ks), [tokens] * len(ks)),
+        )
     return out
 
 
@@ -272,7 +287,7 @@ def main() -> None:
         raw = redis.Redis.from_url(rurl)
         rpool = RedisSwaPool(rurl, namespace=f"bench-{uuid.uuid4().hex}", ttl_s=TTL_S)
         rpool.open()
-        mpool = None
+        mpool = gpool = None
         if murl is not None:
             from kvdiet.storage.mooncake_pool import MooncakeSwaPool
 
@@ -284,6 +299,14 @@ def main() -> None:
                 local_buffer_bytes=LOCAL_BUFFER_BYTES,
             )
             mpool.open()
+            from kvdiet.storage.entry import StoreIdentity
+            from kvdiet.storage.mooncake_global import MooncakeGlobalPool
+
+            identity = StoreIdentity(uuid.uuid4().hex, ("fp4_e2m1_e4m3x16", "mxfp4"), 64)
+            gpool = MooncakeGlobalPool(
+                murl, identity=identity, ttl_s=TTL_S, segment_bytes=0, local_buffer_bytes=LOCAL_BUFFER_BYTES
+            )
+            gpool.open()
         for label, size in sizes.items():
             value = rng.randbytes(size)
             ops = max(args.min_ops, min(args.max_ops, int(args.total_mb * 1e6 / size)))
@@ -293,7 +316,8 @@ def main() -> None:
             held: dict[bytes, bytearray] = {}
             mem = InProcessSwaPool(2 * (ops + args.batch) * size + (64 << 20), ttl_s=TTL_S)
             r: dict[str, object] = {"bytes": size, "ops": ops}
-            for backend, (put, get) in backends(mem, raw, rpool, mpool, held).items():
+            blocks = gpool if mpool is not None and label == "V4.1-Flash 64-token block" else None
+            for backend, (put, get) in backends(mem, raw, rpool, mpool, held, blocks).items():
                 for batch in (1, args.batch):
                     r.setdefault(backend, {})[str(batch)] = measure(put, get, value, ops, batch)
                     held.clear()
@@ -312,6 +336,10 @@ def main() -> None:
         raw.close()
         if mpool is not None:
             errors["mooncake"] = mpool.counters.backend_errors + mpool.counters.write_errors
+            errors["global pool"] = sum(
+                getattr(gpool.counters, k) for k in ("backend_errors", "write_errors", "corrupt_dropped")
+            )
+            gpool.close()
             mpool.close()
 
     table = Table(title=f"SWA pool, one client, {os.cpu_count()} CPUs (GB = 1e9 B; latency per call)")

@@ -11,6 +11,7 @@ import importlib.util
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,18 @@ def raw_client(master: MooncakeMaster, *, segment_bytes: int = 0):
     )
     assert rc == 0, f"setup failed: {rc}"
     return store
+
+
+def master_with_segment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A module's own master with one 64 MiB segment holder (the tiers under test contribute none); the body of
+    a module-scoped ``master`` fixture."""
+    d = tmp_path_factory.mktemp("mooncake")
+    with MooncakeMaster(d) as m, SegmentHolder(d, m):
+        yield m
+
+
+def raw_client_of(master: MooncakeMaster) -> Iterator:
+    """`raw_client`, closed after use; the body of a module-scoped ``raw`` fixture."""
+    store = raw_client(master)
+    yield store
+    store.close()

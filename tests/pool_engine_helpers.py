@@ -1,11 +1,17 @@
 """What the engine tests on a shared SWA pool (Redis, Mooncake) have in common (not a test module): the
-v4.1-micro runner on a pool URL, one request with one decode step, and the comparisons of their logits."""
+v4.1-micro runner on a pool URL, one request with one decode step, the comparisons of their logits, and
+``kvdiet generate`` in a process of its own or in this one."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import torch
 
 from kvdiet.cache.policies import parse_policy
+from kvdiet.cli import main
 from kvdiet.engine.runner import CacheOptions, ModelRunner, Session
 from kvdiet.model.transformer import Transformer
 
@@ -45,3 +51,21 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(float((x - y).abs().max()) < REPLAY_BOUND for x, y in zip(a, b, strict=True))
+
+
+KVDIET = [sys.executable, "-m", "kvdiet.cli"]
+GENERATE = ["generate", "--model", "v4.1-micro", "--max-tokens", "3", "--block-size", "4"]
+
+
+def generate_process(argv: list[str]) -> dict:
+    """``kvdiet generate`` on v4.1-micro (3 tokens, blocks of 4) with ``argv`` in a process of its own; its
+    ``--json`` output."""
+    proc = subprocess.run([*KVDIET, *GENERATE, *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def generate_here(argv: list[str], capsys) -> dict:
+    """The same ``kvdiet generate`` in this process (``capsys``: pytest's capture fixture)."""
+    assert main([*GENERATE, *argv]) == 0
+    return json.loads(capsys.readouterr().out)

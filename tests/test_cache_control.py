@@ -6,7 +6,7 @@ from collections.abc import Hashable, Sequence
 
 import pytest
 
-from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry
+from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, Loaded
 from kvdiet.cache.counters import TierCounters
 from kvdiet.cache.keys import IdKeys, KeyKind
 from kvdiet.cache.plan import Replay, RestorePlan, RestoreWindow, WindowSource
@@ -76,13 +76,13 @@ def test_load_reads_the_indexed_run_and_stops_at_a_refusal() -> None:
     ssd = FakeTier(dict.fromkeys((2, 3, 4, 5, 7), 100))  # a block's key is its id (IdKeys)
     c = _control("bounded-replay", ssd)
     req = CacheRequest(41, ids)
-    assert c.load(req, 2, 10, lambda i, v: True) == 4  # 2..5; 6 is not indexed
+    assert c.load(req, 2, 10, lambda i, v: True) == Loaded(0, 4)  # 2..5; 6 is not indexed
     assert ssd.reads == [2, 3, 4, 5]
     taken: list[int] = []
-    assert c.load(req, 2, 10, lambda i, v: len(taken) < 2 and not taken.append(i)) == 2
+    assert c.load(req, 2, 10, lambda i, v: len(taken) < 2 and not taken.append(i)) == Loaded(0, 2)
     assert taken == [2, 3]
     ssd.held[3] = 99  # a payload of the wrong size ends the run
-    assert c.load(req, 2, 10, lambda i, v: True) == 1
+    assert c.load(req, 2, 10, lambda i, v: True) == Loaded(0, 1)
 
 
 def test_a_pool_snapshot_is_restored_else_bounded_replay_replays_the_last_window() -> None:
@@ -115,7 +115,7 @@ def test_boundary_snapshots_store_the_prompt_end_at_once_and_the_last_boundary_a
     ssd = FakeTier()
     c = _control("boundary-snapshot", ssd)
     req = CacheRequest(10, list(range(5)))
-    c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded_blocks=0)
+    c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded=Loaded(0, 0))
     snaps: list[int] = []
     _forward(c, req, 0, 8, snaps)  # the prompt boundary (10 − 1) // 4 × 4 = 8: stored now
     assert snaps == [8] and ssd.writes[-1] == (KeyKind.SNAPSHOT, 1)
@@ -139,7 +139,7 @@ def test_the_state_at_the_hit_is_captured_only_when_an_exact_recompute_rebuilt_i
         ssd = FakeTier()
         c = _control("boundary-snapshot", ssd)
         req = CacheRequest(10, list(range(5)))
-        c.admit(req, plan, device_blocks=2, loaded_blocks=0)
+        c.admit(req, plan, device_blocks=2, loaded=Loaded(0, 0))
         snaps: list[int] = []
         _forward(c, req, plan.replay_start, 10, snaps)
         assert snaps == stored, plan
@@ -149,7 +149,7 @@ def test_full_store_writes_each_blocks_window_entries_beside_its_kv() -> None:
     ssd = FakeTier()
     c = _control("full-store", ssd)
     req = CacheRequest(9, list(range(3)))
-    c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded_blocks=0)
+    c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded=Loaded(0, 0))
     _forward(c, req, 0, 9, [])
     assert ssd.writes == [
         0,
@@ -164,7 +164,7 @@ def test_admit_counts_the_lookup_and_gives_the_provenance() -> None:
     ssd, pool = FakeTier(), FakeTier()
     c = _control("bounded-replay", ssd, pool)
     req = CacheRequest(30, list(range(7)))
-    prov = c.admit(req, RestorePlan(20, None, None, 12, clipped=True), device_blocks=2, loaded_blocks=3)
+    prov = c.admit(req, RestorePlan(20, None, None, 12, clipped=True), device_blocks=2, loaded=Loaded(0, 3))
     assert (prov.device_tokens, prov.persistent_tokens, prov.replayed_tokens, prov.computed_tokens) == (
         8,
         12,
@@ -185,9 +185,88 @@ def test_no_state_is_captured_within_the_receptive_field_of_a_bounded_replay() -
         pool = FakeTier()
         c = _control("bounded-replay", FakeTier(), pool)
         req = CacheRequest(n, list(range(n // BS + 1)))
-        c.admit(req, RestorePlan(20, None, None, 12, clipped=True), device_blocks=5, loaded_blocks=0)
+        c.admit(req, RestorePlan(20, None, None, 12, clipped=True), device_blocks=5, loaded=Loaded(0, 0))
         snaps: list[int] = []
         _forward(c, req, 12, n, snaps)
         assert snaps == stored + ([held] if held else []), n
         assert [k[1] for k in pool.writes] == [p // BS - 1 for p in stored]  # 40 waits for the finish
         assert (req.held[0] if req.held else None) == held
+
+
+# --- the global pool: device → DRAM → disk ---
+
+
+class LoggedTier(FakeTier):
+    """A `FakeTier` that also appends ``(name, key)`` of every read to a log shared between tiers."""
+
+    def __init__(self, name: str, log: list, held: dict[Hashable, int] | None = None) -> None:
+        super().__init__(held)
+        self.name, self.log = name, log
+
+    def get_many(self, keys: Sequence[Hashable], tokens=None) -> list[int | None]:
+        self.log += [(self.name, k) for k in keys]
+        return super().get_many(keys, tokens)
+
+
+def _tiers(glob: dict, disk: dict) -> tuple[ControlPlane, LoggedTier, LoggedTier, list]:
+    log: list = []
+    g, d = LoggedTier("dram", log, glob), LoggedTier("disk", log, disk)
+    c = ControlPlane(parse_policy("bounded-replay"), GEO, IdKeys(), persistent=d, global_pool=g)
+    return c, g, d, log
+
+
+def test_load_reads_the_global_pool_first_and_the_persistent_tier_continues_its_run() -> None:
+    c, g, d, log = _tiers(dict.fromkeys((2, 3, 6), 100), dict.fromkeys((2, 3, 4, 5, 7), 100))
+    req = CacheRequest(41, list(range(10)))
+    assert c.load(req, 2, 10, lambda i, v: True) == Loaded(2, 2)  # 2, 3 from DRAM; 4, 5 from disk; 6 not read
+    assert log == [("dram", 2), ("dram", 3), ("disk", 4), ("disk", 5)]
+    assert d.writes == [2, 3] and g.writes == [4, 5]  # DRAM hits kept on this disk; disk hits promoted
+    log.clear()
+    assert c.load(req, 0, 10, lambda i, v: True) == Loaded(0, 0)  # block 0 is nowhere: nothing read
+    assert log == []
+
+
+def test_a_bad_global_payload_falls_through_to_disk_and_a_refusal_stops_both() -> None:
+    c, g, d, log = _tiers({2: 100, 3: 99, 4: 100}, dict.fromkeys((3, 4), 100))
+    req = CacheRequest(41, list(range(10)))
+    assert c.load(req, 2, 10, lambda i, v: True) == Loaded(1, 2)  # 3 has the wrong size in DRAM
+    assert log == [("dram", 2), ("dram", 3), ("dram", 4), ("disk", 3), ("disk", 4)]
+    assert d.writes == [2] and g.writes == [3, 4] and g.held[3] == 100  # the disk's good copy replaces it
+    log.clear()
+    taken: list[int] = []
+    assert c.load(req, 2, 10, lambda i, v: len(taken) < 1 and not taken.append(i)) == Loaded(1, 0)
+    assert ("disk", 3) not in log  # the device pool is full: the disk is not read
+
+
+def test_admit_counts_each_tier_and_provenance_splits_the_hit() -> None:
+    c, *_ = _tiers({}, {})
+    req = CacheRequest(41, list(range(10)))
+    prov = c.admit(req, RestorePlan(32, None, None, 24, clipped=True), device_blocks=2, loaded=Loaded(3, 3))
+    assert (prov.device_tokens, prov.global_pool_tokens, prov.persistent_tokens) == (8, 12, 12)
+    assert prov.hit_tokens == 32 and prov.as_dict()["hit_tokens"] == 32
+    s = c.stats
+    assert (s.device.query_tokens, s.device.hit_tokens) == (40, 8)
+    assert (s.global_pool.query_tokens, s.global_pool.hit_tokens) == (32, 12)
+    assert (s.persistent.query_tokens, s.persistent.hit_tokens) == (20, 12)
+    assert s.as_dict()["global_pool"]["hit_tokens"] == 12
+    short = c.admit(req, RestorePlan(12, None, None, 4, clipped=True), device_blocks=1, loaded=Loaded(3, 3))
+    assert (short.device_tokens, short.global_pool_tokens, short.persistent_tokens) == (4, 8, 0)
+
+
+def test_blocks_are_written_through_to_both_tiers_global_kv_only_in_dram() -> None:
+    g, d = FakeTier(), FakeTier()
+    c = ControlPlane(parse_policy("full-store"), GEO, IdKeys(), persistent=d, global_pool=g)
+    req = CacheRequest(13, list(range(3)))
+    c.admit(req, RestorePlan(0, None, None, 0), device_blocks=0, loaded=Loaded(0, 0))
+    _forward(c, req, 0, 12, [])
+    assert g.writes == [0, 1, 2]
+    assert d.writes == [
+        0,
+        (KeyKind.WINDOW_BLOCK, 0),
+        1,
+        (KeyKind.WINDOW_BLOCK, 1),
+        2,
+        (KeyKind.WINDOW_BLOCK, 2),
+    ]
+    _forward(c, req, 12, 13, [])
+    assert g.writes == [0, 1, 2]  # nothing new filled

@@ -5,29 +5,23 @@ prompts exactly; an engine that held the segment takes the snapshots with it."""
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from kvdiet.cli import main
 from kvdiet.config import load_config
 from kvdiet.engine.runner import ModelRunner
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.mooncake_pool import MooncakeSwaPool
 from mooncake_helpers import MooncakeMaster, SegmentHolder
-from pool_engine_helpers import W, pool_cache
+from pool_engine_helpers import W, generate_here, generate_process, pool_cache
 from pool_engine_helpers import close as _close
 from pool_engine_helpers import ids as _ids
 from pool_engine_helpers import run_one as _run
 from pool_engine_helpers import same as _same
 from redis_helpers import free_port
-
-KVDIET = [sys.executable, "-m", "kvdiet.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +77,8 @@ def test_down_at_start_up_one_warning_and_bounded_replay(micro, caplog) -> None:
 # --- processes ---
 
 
-def _generate(argv: list[str]) -> dict:
-    cmd = [*KVDIET, "generate", "--model", "v4.1-micro", "--max-tokens", "3", "--block-size", "4", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
-def _generate_here(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
-    assert main(["generate", "--model", "v4.1-micro", "--max-tokens", "3", "--block-size", "4", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
+_generate = generate_process
+_generate_here = generate_here
 
 
 @pytest.mark.slow

@@ -215,6 +215,7 @@ def test_repeated_prompt_reports_cached_tokens_by_tier(mini, client) -> None:
     d = second.usage.prompt_tokens_details
     assert d.cached_tokens == hit > 0
     assert d.model_extra["device_tokens"] == hit and d.model_extra["persistent_tokens"] == 0
+    assert d.model_extra["global_pool_tokens"] == 0  # no --global-pool
     assert d.model_extra["window_source"] == "swa-pool" and d.model_extra["replayed_tokens"] == 0
 
 
@@ -374,3 +375,44 @@ def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
         assert _get(base, "/health")[0] == 503
         status, err = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
         assert status == 503
+
+
+def test_metrics_export_the_global_pool_as_its_own_tier() -> None:
+    """Each tier's counters under its own ``tier`` label: distinct numbers per tier, so a mix-up shows."""
+    import dataclasses
+
+    from kvdiet.cache.counters import TierCounters
+    from kvdiet.engine.engine_snapshot import EngineSnapshot
+
+    def tier(base: int) -> TierCounters:
+        return TierCounters(*(base + i for i in range(len(dataclasses.fields(TierCounters)))))
+
+    snap = EngineSnapshot(
+        *([1] * 9),
+        device=tier(100),
+        persistent=tier(200),
+        swa_pool=tier(300),
+        global_pool=tier(400),
+        replayed_tokens=0,
+        computed_tokens=0,
+        snapshot_restores=0,
+        snapshots_stored=0,
+        persistent_bytes=0,
+        persistent_entries=0,
+        swa_pool_bytes=0,
+        swa_pool_entries=0,
+    )
+    text = ServerMetrics(lambda: snap, "m").render().decode()
+    samples = {
+        (s.name, s.labels.get("tier")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if "tier" in s.labels
+    }
+    g = snap.global_pool
+    assert samples[("kvdiet:prefix_cache_queries_total", "global_pool")] == g.query_tokens == 400
+    assert samples[("kvdiet:prefix_cache_hits_total", "global_pool")] == g.hit_tokens == 401
+    assert samples[("kvdiet:prefix_cache_hits_total", "persistent")] == 201
+    assert samples[("kvdiet:cache_corrupt_dropped_total", "global_pool")] == g.corrupt_dropped
+    assert samples[("kvdiet:cache_backend_errors_total", "global_pool")] == g.backend_errors == 411
+    assert ("kvdiet:cache_backend_errors_total", "persistent") not in samples  # a local tier

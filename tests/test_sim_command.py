@@ -172,6 +172,31 @@ def test_the_table_is_printed(tmp_path: Path, capsys) -> None:
     assert "policy comparison" in out and "bounded-replay@v4.1-flash" in out and "exact-recompute" in out
 
 
+def test_a_global_pool_adds_its_column_to_the_tables_and_the_report(tmp_path: Path, capsys) -> None:
+    trace = _trace(tmp_path / "t.jsonl", n=40)
+    argv = [
+        "replay",
+        str(trace),
+        "--runs",
+        "bounded-replay",
+        "--sweep",
+        "global-pool-ttl=1m,1h",
+        "--jobs",
+        "1",
+    ]
+    report = tmp_path / "report"
+    assert main([*argv, "--global-pool-size", "10GB", "--device-size", "1GB", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "global pool" in out and "sweep global-pool-ttl" in out
+    md = (report / "report.md").read_text()
+    assert "| global pool |" in md and "global pool 10.00 GB TTL 1 h" in md
+    assert main([*argv[:4], "--sweep", "none", "--json", "--global-pool-size", "10GB"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert run["config"]["global_pool_bytes"] == 10 * 10**9 and "global_pool_hit_ratio" in run["summary"]
+    assert main([*argv[:4], "--sweep", "none"]) == 0
+    assert "global pool" not in capsys.readouterr().out  # off by default: the tables are unchanged
+
+
 def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) -> None:
     trace = _trace(tmp_path / "t.jsonl", n=12)
     argv = ["replay", str(trace), "--runs", "bounded-replay,exact-recompute", "--sweep", "none"]
@@ -214,6 +239,8 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--sweep", "swa-pool-ttl=abc"], "--sweep: cannot parse duration 'abc'"),
         (["--sweep", "none", "--sweep", "swa-pool-ttl=1m"], "cannot be combined with another --sweep"),
         (["--runs", "bounded-replay,exact-recompute,bounded-replay"], "--runs: bounded-replay given twice"),
+        (["--global-pool-size", "-1GB"], "--global-pool-size: "),
+        (["--global-pool-ttl", "0s"], "--global-pool-ttl: duration must be > 0"),
         (["--threads", "0"], "--threads must be between 1 and"),  # refused in model-free mode too
         (["--threads", "100000"], "--threads must be between 1 and"),  # OpenMP crashed on it
     ],

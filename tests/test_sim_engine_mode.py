@@ -1,5 +1,6 @@
 """Engine-mode trace replay: scaled traces, synthesized prompts, and the real engine's hit/miss sequence equal
-to the model-free simulation's on the same trace (policies, a binding SWA-pool TTL, a small device pool)."""
+to the model-free simulation's on the same trace (policies, a binding SWA-pool TTL, a small device pool, the
+global pool on a real Mooncake master)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvdiet.config import load_config
 from kvdiet.engine.runner import CacheOptions
 from kvdiet.sim.engine_mode import EngineModeConfig, prompt_ids, run_engine_mode, scale_trace
 from kvdiet.sim.traces import Trace, TraceRequest
+from mooncake_helpers import master_with_segment
 from v4_helpers import tiny_v4_config
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -200,3 +202,34 @@ def test_v4_and_v41_on_the_same_slice_agree_with_the_model_free_runs_and_measure
             assert extra < s["snapshots_stored"] * spec.tail_bytes_per_request // 2
     v4_sources = {r.window_source for r in runs["boundary-snapshot"].requests}
     assert v4_sources == {"none", "persistent"}
+
+
+master = pytest.fixture(scope="module")(master_with_segment)
+
+
+def test_a_run_with_the_global_pool_agrees_and_splits_hits_over_three_tiers(master) -> None:
+    # a device pool of 5 blocks of 16 tokens; a global pool with a TTL of 100 trace seconds. Request 2 repeats
+    # request 0 after request 1 evicted it from the device pool: its 2 blocks come from the global pool.
+    # Request 3 repeats request 1 at 300 s: the device pool kept its first 2 blocks, the global pool's copies
+    # of the next 2 have expired, so the persistent tier continues the run.
+    block = CacheSpec.from_config(load_config("v4.1-micro")).global_bytes(16)
+    trace = Trace(
+        [
+            req(0, 1100, (1, 2, 3)),
+            req(1, 2100, (7, 8, 9, 10, 11)),
+            req(2, 1100, (1, 2, 3)),
+            req(300, 2100, (7, 8, 9, 10, 11)),
+        ],
+        512,
+    )
+    opts = CacheOptions(
+        kv_cache_memory=5 * block, global_pool=master.url, global_pool_size=0, global_pool_ttl_s=100.0
+    )
+    res = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=4, cache=opts))
+    assert res.requests == res.model_free and res.agreeing == 4
+    split = [(r.device_tokens, r.global_pool_tokens, r.persistent_tokens) for r in res.requests]
+    assert split == [(0, 0, 0), (0, 0, 0), (0, 32, 0), (32, 0, 32)]
+    s = res.summary()
+    assert s["global_pool_hit_ratio"] == round(32 / (35 + 66 + 35 + 66), 6)
+    assert s["global_pool_bytes_written"] > 0
+    assert res.model_free_summary["global_pool_hit_tokens"] == 32

@@ -168,6 +168,38 @@ def test_a_small_device_pool_sends_hits_to_the_persistent_tier() -> None:
     assert (r.device_tokens, r.persistent_tokens, r.window_source) == (512, 512, "swa-pool")
 
 
+def test_the_global_pool_answers_before_the_persistent_tier_until_its_ttl() -> None:
+    trace = Trace([req(0, 1124, (1, 2, 3)), req(10, 600, (7, 8)), req(20, 1124, (1, 2, 3))], 512)
+    small = dict(device_bytes=3 * BLOCK_BYTES)
+    # as above, A's repeat finds block 1 on the device; block 2 now comes from the global pool
+    on = simulate(trace, SimConfig(**small, global_pool_bytes=10 * BLOCK_BYTES, global_pool_ttl_s=60))
+    r = on.requests[2]
+    assert (r.device_tokens, r.global_pool_tokens, r.persistent_tokens, r.hit_tokens) == (512, 512, 0, 1024)
+    s = on.summary
+    assert s["global_pool_hit_tokens"] == 512 and s["global_pool_hit_ratio"] == round(
+        512 / (1124 + 600 + 1124), 6
+    )
+    assert s["hit_ratio"] == round(1024 / (1124 + 600 + 1124), 6)  # device 512 + global 512; no disk hit
+    # written through like the persistent tier: A's blocks 1, 2 and request 1's block 7
+    assert s["global_pool_bytes_written"] == 3 * BLOCK_BYTES == s["persistent_bytes_written"]
+    assert on.as_dict()["config"]["global_pool_bytes"] == 10 * BLOCK_BYTES
+    # a TTL shorter than the 20 s between A's write and its repeat: the disk continues the run instead, and
+    # its block 2 is promoted back into the global pool
+    short = simulate(trace, SimConfig(**small, global_pool_bytes=10 * BLOCK_BYTES, global_pool_ttl_s=15))
+    r = short.requests[2]
+    assert (r.device_tokens, r.global_pool_tokens, r.persistent_tokens) == (512, 0, 512)
+    assert short.summary["global_pool_bytes_written"] == 4 * BLOCK_BYTES
+    assert short.summary["global_pool_expirations"] >= 1
+    # without a global pool the run, its summary and its config are what they always were
+    off = simulate(trace, SimConfig(**small))
+    assert "global_pool_hit_ratio" not in off.summary and "global_pool_bytes" not in off.as_dict()["config"]
+    assert [(r.device_tokens, r.global_pool_tokens, r.persistent_tokens) for r in off.requests][2] == (
+        512,
+        0,
+        512,
+    )
+
+
 def test_exact_recompute_and_checkpoints_recompute_what_the_manager_plans() -> None:
     ids = tuple(range(1, 21))
     trace = Trace([req(0, 20 * 512, ids), req(30, 20 * 512, ids)], 512)  # the same 10,240-token prompt

@@ -9,6 +9,7 @@ import json
 import random
 from dataclasses import asdict
 
+from kvdiet.cache.plan import Provenance
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.study import (
     DEFAULT_RUNS,
@@ -52,6 +53,14 @@ def _trace(requests: int = 360, seed: int = 7) -> Trace:
     return Trace(out[:requests], 64)
 
 
+def _recorded(p: Provenance) -> dict[str, object]:
+    """A request's provenance as recorded at 5ee9bbd: without ``global_pool_tokens`` (a field added since, for
+    the shared global-KV DRAM tier, which these runs do not have: always 0 here)."""
+    d = asdict(p)
+    assert d.pop("global_pool_tokens") == 0
+    return d
+
+
 def _figures() -> str:
     base = SimConfig(device_bytes=150 * 10**6)  # V4-Flash holds 667 blocks of 64 tokens, V4.1 2,633
     sweeps = [
@@ -67,7 +76,7 @@ def _figures() -> str:
     ]
     study = run_study(_trace(), [parse_run(r, base) for r in DEFAULT_RUNS], sweeps, jobs=1)
     results = [*study.runs, *(r for points in study.sweeps.values() for _, r in points)]
-    every = [(r.as_dict(), [asdict(p) for p in r.requests], r.snapshot_ages_s) for r in results]
+    every = [(r.as_dict(), [_recorded(p) for p in r.requests], r.snapshot_ages_s) for r in results]
     return json.dumps([every, findings(study)], sort_keys=True, default=str)
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,25 +24,14 @@ from kvdiet.storage.mooncake_pool import MooncakeSwaPool
 from kvdiet.storage.mooncake_urls import parse_mooncake_url
 from kvdiet.storage.swa_pool import InProcessSwaPool
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec, create_swa_pool
-from mooncake_helpers import MooncakeMaster, SegmentHolder, raw_client
+from mooncake_helpers import MooncakeMaster, SegmentHolder, master_with_segment, raw_client_of
 from redis_helpers import free_port
 
 LOGGER = "kvdiet.storage.mooncake_pool"
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
-    """A master of this module's own with one 64 MiB segment holder; pools here contribute no segment."""
-    d = tmp_path_factory.mktemp("mooncake")
-    with MooncakeMaster(d) as m, SegmentHolder(d, m):
-        yield m
-
-
-@pytest.fixture(scope="module")
-def raw(master: MooncakeMaster):
-    store = raw_client(master)
-    yield store
-    store.close()
+master = pytest.fixture(scope="module")(master_with_segment)
+raw = pytest.fixture(scope="module")(raw_client_of)
 
 
 @pytest.fixture

@@ -7,14 +7,16 @@ model-free simulator (`kvdiet.sim.model_free`) with sizes. A request goes throug
 
 1. `ControlPlane.usable_blocks` — how many prompt blocks may hit (the last token is always computed);
    the executor takes the longest prefix of them from its device pool;
-2. `ControlPlane.load` — the run of the next blocks the persistent tier's index holds, read in
-   batches; the executor accepts each payload into its device pool until a read misses or the pool is full;
+2. `ControlPlane.load` — the run of the next blocks the global pool holds, then the run the persistent
+   tier's index holds from there, read in batches; the executor accepts each payload into its device pool
+   until a read misses or the pool is full; a block from one of the two is copied into the other;
 3. `ControlPlane.plan` — the policy's `RestorePlan` at the hit, probing the tier the policy keeps window
    state in, and the window action: `RestoreWindow` (payloads fetched) or `Replay`; on a payload that
    fails validation the executor calls `ControlPlane.plan` again with ``use_stored=False``;
 4. `ControlPlane.admit` — counts the lookup and returns the `Provenance`;
 5. after every forward that computed positions ``[start, end)``, `ControlPlane.after_forward` — writes the
-   blocks filled since through to the persistent tier (with their window entries under ``full-store``)
+   blocks filled since through to the global pool and the persistent tier (there with their window
+   entries under ``full-store``)
    and captures window state at the block boundaries the policy keeps (`SwaPolicy.capture_at`): stored at
    once or held for `ControlPlane.finish`. The executor stops prefill chunks at `ControlPlane.capture_points`
    so each capture falls at a forward's end.
@@ -24,95 +26,36 @@ Plain data: no torch, no clock (the tiers keep time), no I/O of its own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, cycle, islice
-from typing import Generic, TypeVar
+from itertools import chain
+from typing import Generic, NamedTuple, TypeVar
 
 from kvdiet.cache.counters import CacheStats, TierCounters
+from kvdiet.cache.geometry import Geometry, prompt_boundary
 from kvdiet.cache.keys import KeyKind, KeyScheme
 from kvdiet.cache.plan import COLD, Provenance, Replay, RestorePlan, RestoreWindow, WindowSource
 from kvdiet.cache.policies import Capture, SwaPolicy
-from kvdiet.cache.spec import CacheSpec
 from kvdiet.cache.tier import Tier, value_bytes
-from kvdiet.config import ModelConfig
-from kvdiet.layer_plan import LayerPlan
 
-__all__ = ["LOAD_BATCH", "CacheRequest", "ControlPlane", "Geometry", "prompt_boundary"]
+__all__ = ["LOAD_BATCH", "CacheRequest", "ControlPlane", "Geometry", "Loaded", "prompt_boundary"]
 
 V = TypeVar("V")
 
 LOAD_BATCH = 32
-"""Blocks read from the persistent tier per batch (one index transaction each), so a broken chain stops
-the reads early."""
+"""Blocks read from a lower tier per batch (one index transaction or one Mooncake batch each), so a broken
+chain stops the reads early."""
 
 
-def prompt_boundary(prompt_tokens: int, block_size: int) -> int:
-    """The prompt's last full-block boundary that leaves its last token to compute: ``(N − 1) // B × B``."""
-    return (prompt_tokens - 1) // block_size * block_size
+class Loaded(NamedTuple):
+    """Blocks `ControlPlane.load` took into the device pool, by the tier they came from (counts of blocks)."""
 
+    global_pool: int
+    persistent: int
 
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """The sizes the rules need (tokens and bytes).
-
-    Attributes:
-        block_size: tokens per block (B).
-        window: sliding window W (tokens).
-        num_layers: layers with a window ring.
-        align: replay starts are multiples of this (lcm of the compress ratios of the KV sources).
-        block_bytes: one block's global KV payload (bytes); the mean over `block_cycle` when blocks differ.
-        window_block_bytes: one block's window entries of every layer (``full-store`` payload, bytes).
-        block_cycle: the payload of blocks ``0, 1, …`` repeating, when a compress ratio does not divide the
-            block size (V4-Flash's HCA, ratio 128, at 64-token blocks: an entry spans two blocks and is counted
-            in the block where its group completes); empty when every block holds ``block_bytes``.
-    """
-
-    block_size: int
-    window: int
-    num_layers: int
-    align: int
-    block_bytes: int
-    window_block_bytes: int
-    block_cycle: tuple[int, ...] = ()
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, block_size: int) -> Geometry:
-        """The geometry of the packed cache formats of ``cfg`` (`CacheSpec`) at ``block_size``: block i holds
-        the entries whose compression group completes in it, ``global_bytes((i + 1)·B) − global_bytes(i·B)``.
-
-        Raises:
-            ValueError: ``block_size`` < 1.
-        """
-        if block_size < 1:
-            raise ValueError(f"block size must be >= 1 token, got {block_size}")
-        spec, plan = CacheSpec.from_config(cfg), LayerPlan.from_config(cfg)
-        ratios = [plan[s].compress_ratio for s in plan.kv_sources]
-        period = math.lcm(block_size, *ratios) // block_size  # blocks after which the layout repeats
-        sizes = tuple(
-            spec.global_bytes((i + 1) * block_size) - spec.global_bytes(i * block_size) for i in range(period)
-        )
-        return cls(
-            block_size=block_size,
-            window=cfg.sliding_window,
-            num_layers=len(plan.layers),
-            align=math.lcm(*ratios),
-            block_bytes=round(sum(sizes) / period),
-            window_block_bytes=block_size * spec.window_entry_bytes_per_token,
-            block_cycle=sizes if len(set(sizes)) > 1 else (),
-        )
-
-    def payload_bytes(self, block: int) -> int:
-        """Global KV bytes of block ``block`` (0-based) of a request."""
-        return self.block_cycle[block % len(self.block_cycle)] if self.block_cycle else self.block_bytes
-
-    def payloads(self, first: int, end: int) -> list[int]:
-        """`payload_bytes` of blocks ``[first, end)``."""
-        if not self.block_cycle:
-            return [self.block_bytes] * max(0, end - first)
-        start = first % len(self.block_cycle)
-        return list(islice(cycle(self.block_cycle), start, start + max(0, end - first)))
+    @property
+    def blocks(self) -> int:
+        return self.global_pool + self.persistent
 
 
 @dataclass(slots=True)
@@ -125,7 +68,8 @@ class CacheRequest(Generic[V]):
             appends them as blocks fill; trace ids in the simulator, all known up front).
         block_tokens: each full block's token ids (checked back by the persistent tier), or None (simulator).
         plan: the adopted restore plan (set by `ControlPlane.admit`).
-        persisted: leading blocks known to be in the persistent tier (written through or hit).
+        persisted: leading blocks known to be in the lower tiers (global pool, persistent tier): written
+            through, hit, or copied there by `ControlPlane.load`.
         held: window state captured to store when the request finishes: ``(position, value)`` or None.
         pool_snapshots: keys of the SWA-pool snapshots of this request's chain it restored or stored, newest
             last (what a newer snapshot of the chain supersedes).
@@ -152,6 +96,8 @@ class ControlPlane(Generic[V]):
         geometry: block size, window and payload sizes.
         keys: how tier keys derive from block identities.
         persistent: the persistent tier (None: none).
+        global_pool: the shared global-KV DRAM tier between the device pool and the persistent tier (None:
+            none): read before the persistent tier, written through with it.
         swa_pool: the SWA pool (None: none; bounded-replay then always replays).
         device: the device pool's counters (query and hit tokens are counted here).
         prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
@@ -168,6 +114,7 @@ class ControlPlane(Generic[V]):
     keys: KeyScheme
     persistent: Tier[V] | None = None
     swa_pool: Tier[V] | None = None
+    global_pool: Tier[V] | None = None
     device: TierCounters = field(default_factory=TierCounters)
     prefix_caching: bool = True
     supersede: bool = False
@@ -179,6 +126,7 @@ class ControlPlane(Generic[V]):
             self.device,
             self.persistent.counters if self.persistent is not None else TierCounters(),
             self.swa_pool.counters if self.swa_pool is not None else TierCounters(),
+            self.global_pool.counters if self.global_pool is not None else TierCounters(),
         )
 
     # --- lookup ---
@@ -188,26 +136,57 @@ class ControlPlane(Generic[V]):
         prefix caching is off."""
         return (prompt_tokens - 1) // self.geometry.block_size if self.prefix_caching else 0
 
-    def load(self, req: CacheRequest[V], first: int, end: int, accept: Callable[[int, V], bool]) -> int:
-        """Load blocks ``[first, end)`` of ``req`` from the persistent tier: the run its index
-        holds, read `LOAD_BATCH` at a time; ``accept(i, payload)`` takes block ``i`` into the device pool and
-        returns False when it cannot (pool full). Stops at the first miss, wrong-sized payload or refusal;
-        returns how many blocks were accepted."""
-        tier = self.persistent
+    def load(self, req: CacheRequest[V], first: int, end: int, accept: Callable[[int, V], bool]) -> Loaded:
+        """Load blocks ``[first, end)`` of ``req`` from the lower tiers, in order: the run of them the global
+        pool holds, then the run the persistent tier holds from there; each read `LOAD_BATCH` at a time.
+        ``accept(i, payload)`` takes block ``i`` into the device pool and returns False when it cannot (pool
+        full). Stops at the first miss, wrong-sized payload or refusal. Blocks from one tier are copied into
+        the other: a global-pool hit into the persistent tier (this machine's durable copy), a persistent
+        hit into the global pool (promoted, so other machines find it)."""
+        refused = False
+
+        def take(i: int, payload: V) -> bool:
+            nonlocal refused
+            refused = refused or not accept(i, payload)
+            return not refused
+
+        glob = self._load_from(self.global_pool, self.persistent, req, first, end, take)
+        disk = (
+            0 if refused else self._load_from(self.persistent, self.global_pool, req, first + glob, end, take)
+        )
+        return Loaded(glob, disk)
+
+    def _load_from(
+        self,
+        tier: Tier[V] | None,
+        copy_to: Tier[V] | None,
+        req: CacheRequest[V],
+        first: int,
+        end: int,
+        accept: Callable[[int, V], bool],
+    ) -> int:
+        """The run of blocks ``[first, end)`` ``tier`` holds, accepted until the first failure, each accepted
+        block also put in ``copy_to``; returns how many were accepted."""
         if tier is None or first >= end:
             return 0
         keys = self.keys.keys(req.blocks[first:end], KeyKind.BLOCK)
         present = tier.contains_prefix(keys)
-        done = 0
+        done, taken = 0, []
         for s in range(0, present, LOAD_BATCH):
             batch = keys[s : min(s + LOAD_BATCH, present)]  # nothing past the run: no read, no LRU move
-            payloads = tier.get_many(batch, req.tokens(first + s, first + s + len(batch)))
-            for payload in payloads:
+            tokens = req.tokens(first + s, first + s + len(batch))
+            for j, payload in enumerate(tier.get_many(batch, tokens)):
                 if payload is None or value_bytes(payload) != self.geometry.payload_bytes(first + done):
-                    return done
+                    break
                 if not accept(first + done, payload):
-                    return done
+                    break
+                taken.append((batch[j], None if tokens is None else tokens[j], payload))
                 done += 1
+            else:
+                continue
+            break
+        if copy_to is not None and taken:
+            copy_to.put_many(taken)
         return done
 
     def plan(
@@ -271,10 +250,10 @@ class ControlPlane(Generic[V]):
         tier.corrupt_dropped += 1
 
     def admit(
-        self, req: CacheRequest[V], plan: RestorePlan, *, device_blocks: int, loaded_blocks: int
+        self, req: CacheRequest[V], plan: RestorePlan, *, device_blocks: int, loaded: Loaded
     ) -> Provenance:
-        """Adopt ``plan`` for ``req``, whose lookup took ``device_blocks`` blocks from the device pool and loaded
-        ``loaded_blocks`` from the persistent tier: count the lookup and the work, and return the request's
+        """Adopt ``plan`` for ``req``, whose lookup took ``device_blocks`` blocks from the device pool and
+        ``loaded`` from the lower tiers (`load`): count the lookup and the work, and return the request's
         `Provenance`."""
         g, s = self.geometry, self.stats
         n, bs = req.prompt_tokens, g.block_size
@@ -282,9 +261,12 @@ class ControlPlane(Generic[V]):
         req.plan, req.persisted = plan, hit // bs
         s.device.query_tokens += usable * bs
         s.device.hit_tokens += device_blocks * bs
+        if self.global_pool is not None:
+            s.global_pool.query_tokens += (usable - device_blocks) * bs
+            s.global_pool.hit_tokens += loaded.global_pool * bs
         if self.persistent is not None:
-            s.persistent.query_tokens += (usable - device_blocks) * bs
-            s.persistent.hit_tokens += loaded_blocks * bs
+            s.persistent.query_tokens += (usable - device_blocks - loaded.global_pool) * bs
+            s.persistent.hit_tokens += loaded.persistent * bs
         if self.policy.store is WindowSource.SWA_POOL and hit:
             s.swa_pool.query_tokens += min(g.window, hit)
             if plan.snapshot_source is WindowSource.SWA_POOL:
@@ -294,7 +276,13 @@ class ControlPlane(Generic[V]):
             req.pool_snapshots = [self.keys.key(req.blocks[hit // bs - 1], KeyKind.POOL_SNAPSHOT)]
         s.replayed_tokens += plan.replay_tokens
         s.computed_tokens += n - hit
-        return Provenance.of(plan, prompt_tokens=n, device_tokens=device_blocks * bs, window=g.window)
+        return Provenance.of(
+            plan,
+            prompt_tokens=n,
+            device_tokens=device_blocks * bs,
+            global_pool_tokens=loaded.global_pool * bs,
+            window=g.window,
+        )
 
     # --- the write path ---
 
@@ -351,10 +339,13 @@ class ControlPlane(Generic[V]):
         window_block: Callable[[int], V | None],
     ) -> None:
         tier, first = self.persistent, req.persisted
-        if tier is not None:
+        if tier is not None or self.global_pool is not None:
             ids = req.blocks[first:full]
             tokens = [None] * len(ids) if req.block_tokens is None else req.block_tokens[first:full]
             items = list(zip(self.keys.keys(ids, KeyKind.BLOCK), tokens, blocks(first, full), strict=True))
+            if self.global_pool is not None:  # global KV only: window state stays in its own tiers
+                self.global_pool.put_many(items)
+        if tier is not None:
             if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
                 rows = list(map(window_block, range(first, full)))
                 window = zip(self.keys.keys(ids, KeyKind.WINDOW_BLOCK), tokens, rows, strict=True)

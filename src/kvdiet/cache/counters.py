@@ -6,7 +6,7 @@ entry and byte counts by the tier itself. Each tier updates its counters under i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["CacheStats", "TierCounters"]
 
@@ -52,7 +52,8 @@ class CacheStats:
     """Counters of a whole cache system: one `TierCounters` per tier plus the replay work.
 
     Attributes:
-        device / persistent / swa_pool: each tier's counters.
+        device / persistent / swa_pool / global_pool: each tier's counters (``global_pool``: the shared
+            global-KV DRAM tier; zeros when there is none).
         replayed_tokens: tokens recomputed below a hit to rebuild window state.
         computed_tokens: prompt tokens prefilled from the hit on.
         snapshot_restores: hits whose window state was restored (not replayed).
@@ -62,6 +63,7 @@ class CacheStats:
     device: TierCounters
     persistent: TierCounters
     swa_pool: TierCounters
+    global_pool: TierCounters = field(default_factory=TierCounters)
     replayed_tokens: int = 0
     computed_tokens: int = 0
     snapshot_restores: int = 0
@@ -70,6 +72,7 @@ class CacheStats:
     def as_dict(self) -> dict[str, object]:
         return {
             "device": self.device.as_dict(),
+            "global_pool": self.global_pool.as_dict(),
             "persistent": self.persistent.as_dict(),
             "swa_pool": self.swa_pool.as_dict(),
             "replayed_tokens": self.replayed_tokens,

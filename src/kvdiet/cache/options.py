@@ -12,6 +12,7 @@ from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_GLOBAL_POOL_TTL_S",
     "DEFAULT_PERSISTENT_TTL_S",
     "DEFAULT_SWA_POOL_TTL_S",
     "IN_PROCESS",
@@ -24,13 +25,18 @@ DEFAULT_PERSISTENT_TTL_S = 72 * 3600.0
 DEFAULT_SWA_POOL_TTL_S = 300.0
 """5 minutes: the SWA pool's TTL "of minutes" (DESIGN.md §1, seed 001)."""
 
+DEFAULT_GLOBAL_POOL_TTL_S = 3600.0
+"""1 hour: the shared global-KV DRAM tier's TTL, long enough for the sessions and shared system prompts other
+machines continue, short against the persistent tier's 72 h (the durable copy)."""
+
 IN_PROCESS = "in-process"
 """The ``--swa-pool`` value of the default backend, `kvdiet.storage.swa_pool.InProcessSwaPool`."""
 
 
 @dataclass(frozen=True, slots=True)
 class CacheOptions:
-    """Sizes, TTLs and policy of a `ModelRunner` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*`` flags).
+    """Sizes, TTLs and policy of a `ModelRunner` (the ``--kv-cache-memory``, ``--persistent-*``, ``--swa-*``,
+    ``--global-pool*`` flags).
 
     Attributes:
         kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
@@ -42,6 +48,10 @@ class CacheOptions:
         swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool's
             budget or the segment this process gives a Mooncake pool, 0 for none; a Redis server's budget is its
             ``maxmemory``) and TTL in seconds.
+        global_pool: the shared global-KV DRAM tier (``--global-pool mooncake://HOST[:PORT]``), read after the
+            device pool and before the persistent tier, written through like it (None: none).
+        global_pool_size / global_pool_ttl_s: the segment this process gives the global pool in bytes (None:
+            10% of host RAM; 0: none) and its TTL in seconds.
         policy: the SWA policy (DESIGN.md §5).
         decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
             forced off under ``full-store``, which keeps every token's window entries.
@@ -57,6 +67,9 @@ class CacheOptions:
     swa_pool: str = IN_PROCESS
     swa_pool_size: int | None = None
     swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S
+    global_pool: str | None = None
+    global_pool_size: int | None = None
+    global_pool_ttl_s: float = DEFAULT_GLOBAL_POOL_TTL_S
     policy: SwaPolicy = field(default_factory=BoundedReplay)
     decoder_replay: bool = True
     prefix_caching: bool = True

@@ -126,8 +126,9 @@ class Provenance:
 
     Attributes:
         prompt_tokens: N.
-        device_tokens / persistent_tokens: global KV taken from the device pool / loaded from the persistent
-            tier (tokens; block multiples; together the hit H).
+        device_tokens / global_pool_tokens / persistent_tokens: global KV taken from the device pool / loaded
+            from the shared global-KV DRAM tier / loaded from the persistent tier (tokens; block multiples;
+            together the hit H).
         window_source: where the window state at H came from (`WindowSource`).
         window_tokens: tokens whose window state was restored from ``window_source`` (0 for replay/cold).
         replayed_tokens: tokens recomputed below H to rebuild window state (global KV not rewritten).
@@ -137,6 +138,7 @@ class Provenance:
 
     prompt_tokens: int
     device_tokens: int
+    global_pool_tokens: int
     persistent_tokens: int
     window_source: WindowSource
     window_tokens: int
@@ -145,16 +147,28 @@ class Provenance:
     exact: bool
 
     @classmethod
-    def of(cls, plan: RestorePlan, *, prompt_tokens: int, device_tokens: int, window: int) -> Provenance:
-        """The record of a request of ``prompt_tokens`` whose device-pool hit was ``device_tokens`` and whose
-        restore plan is ``plan``; ``window`` is W (tokens)."""
+    def of(
+        cls,
+        plan: RestorePlan,
+        *,
+        prompt_tokens: int,
+        device_tokens: int,
+        global_pool_tokens: int = 0,
+        window: int,
+    ) -> Provenance:
+        """The record of a request of ``prompt_tokens`` whose device-pool hit was ``device_tokens``, whose
+        global-pool loads continued it by ``global_pool_tokens`` (the rest of the hit came from the persistent
+        tier) and whose restore plan is ``plan``; ``window`` is W (tokens). A plan that adopts less than was
+        found keeps the upper tiers' share first."""
         hit = plan.hit_tokens
         device = min(device_tokens, hit)
+        pooled = min(global_pool_tokens, hit - device)
         source = plan.snapshot_source or (WindowSource.REPLAY if hit else WindowSource.NONE)
         return cls(
             prompt_tokens=prompt_tokens,
             device_tokens=device,
-            persistent_tokens=hit - device,
+            global_pool_tokens=pooled,
+            persistent_tokens=hit - device - pooled,
             window_source=source,
             window_tokens=min(window, plan.snapshot_at or 0) if plan.snapshot_source else 0,
             replayed_tokens=plan.replay_tokens,
@@ -164,7 +178,7 @@ class Provenance:
 
     @property
     def hit_tokens(self) -> int:
-        return self.device_tokens + self.persistent_tokens
+        return self.device_tokens + self.global_pool_tokens + self.persistent_tokens
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self) | {"hit_tokens": self.hit_tokens}

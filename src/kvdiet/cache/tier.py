@@ -3,7 +3,8 @@
 
 Implementations: the persistent tier (`kvdiet.storage.persistent.PersistentStore`), the SWA pools
 (`kvdiet.storage.swa_pool.InProcessSwaPool`, `kvdiet.storage.redis_pool.RedisSwaPool`,
-`kvdiet.storage.mooncake_pool.MooncakeSwaPool`) — values are
+`kvdiet.storage.mooncake_pool.MooncakeSwaPool`), the global-KV DRAM tier
+(`kvdiet.storage.mooncake_global.MooncakeGlobalPool`) — values are
 payload bytes — and the simulator's `kvdiet.sim.size_tier.SizeTier`, whose values are byte sizes. What a
 call mutates: ``get_many`` moves hits in the LRU order and drops expired or corrupt entries it meets;
 ``put_many`` writes and evicts; ``contains_prefix`` changes nothing; every call updates ``counters``.

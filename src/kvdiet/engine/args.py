@@ -20,6 +20,7 @@ from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
+from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
 from kvdiet.units import parse_bytes, parse_duration
 
@@ -278,6 +279,17 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
     )
     group.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL, any backend (default 5m)")
     group.add_argument(
+        "--global-pool",
+        help="shared global-KV DRAM tier, mooncake://HOST[:PORT] (a Mooncake Store master; the kvdiet[mooncake] "
+        "extra): read after the device pool and before the persistent tier, written through like it, so a prefix "
+        "computed on one machine hits on another (default: none)",
+    )
+    group.add_argument(
+        "--global-pool-size",
+        help="the segment this process gives the global pool (default 10%% of host RAM; 0: none)",
+    )
+    group.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
+    group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -311,6 +323,11 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
         swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
+        global_pool=None
+        if args.global_pool is None
+        else check_mooncake_spec(args.global_pool, flag="--global-pool"),
+        global_pool_size=parse_flag("--global-pool-size", _bytes_or_none, args.global_pool_size),
+        global_pool_ttl_s=parse_flag("--global-pool-ttl", parse_duration, args.global_pool_ttl),
         policy=parse_flag("--swa-policy", parse_policy, args.swa_policy),
         decoder_replay=not args.no_decoder_replay,
         prefix_caching=args.enable_prefix_caching,

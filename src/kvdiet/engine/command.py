@@ -101,6 +101,8 @@ def _provenance_line(p: dict) -> str:
     parts = [f"{p['prompt_tokens']:,} prompt tokens:"]
     if p["device_tokens"]:
         parts.append(f"{p['device_tokens']:,} from the device pool,")
+    if p["global_pool_tokens"]:
+        parts.append(f"{p['global_pool_tokens']:,} from the global pool,")
     if p["persistent_tokens"]:
         parts.append(f"{p['persistent_tokens']:,} from the persistent tier,")
     if p["hit_tokens"]:

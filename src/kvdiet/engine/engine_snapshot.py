@@ -34,7 +34,8 @@ class EngineSnapshot:
         num_preemptions: requests preempted (counter).
         prompt_tokens: prompt tokens of admitted requests, first admission only (counter, tokens).
         generation_tokens: output tokens generated (counter, tokens).
-        device / persistent / swa_pool: each tier's counters (a private copy; `TierCounters` gives the units).
+        device / persistent / swa_pool / global_pool: each tier's counters (a private copy; `TierCounters`
+            gives the units; ``global_pool`` all zeros without ``--global-pool``).
         replayed_tokens: tokens recomputed below a prefix hit to rebuild window state (counter, tokens).
         computed_tokens: prompt tokens prefilled, not served by a tier (counter, tokens).
         snapshot_restores: window states restored from a snapshot (counter).
@@ -56,6 +57,7 @@ class EngineSnapshot:
     device: TierCounters
     persistent: TierCounters
     swa_pool: TierCounters
+    global_pool: TierCounters
     replayed_tokens: int
     computed_tokens: int
     snapshot_restores: int
@@ -89,6 +91,7 @@ class EngineSnapshot:
             device=dataclasses.replace(stats.device),
             persistent=dataclasses.replace(stats.persistent),
             swa_pool=dataclasses.replace(stats.swa_pool),
+            global_pool=dataclasses.replace(stats.global_pool),
             replayed_tokens=stats.replayed_tokens,
             computed_tokens=stats.computed_tokens,
             snapshot_restores=stats.snapshot_restores,

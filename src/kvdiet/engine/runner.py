@@ -3,10 +3,10 @@
 What a request goes through (DESIGN.md §2; the rules are `kvdiet.cache.control.ControlPlane`'s):
 1. `ModelRunner.start`: hash the prompt's full blocks (chained, bound to the model fingerprint); take the
    longest prefix from the device pool (`BlockPool.lookup_and_take`), then load its continuation from the
-   persistent tier into fresh blocks (`ControlPlane.load`); the plan at the hit (`ControlPlane.plan`):
-   restore the window state it read (a snapshot, or ``full-store``'s window blocks) or rewind the request
-   and replay from the plan's start. The hit is capped below the prompt's last token, whose logits the
-   request needs.
+   global pool, then the persistent tier, into fresh blocks (`ControlPlane.load`); the plan at the hit
+   (`ControlPlane.plan`): restore the window state it read (a snapshot, or ``full-store``'s window blocks)
+   or rewind the request and replay from the plan's start. The hit is capped below the prompt's last token,
+   whose logits the request needs.
 2. `ModelRunner.prefill` / `ModelRunner.decode`: blocks are reserved (`kvdiet.cache.reserve`), the model runs;
    each block that fills is published to the device prefix index, and `ControlPlane.after_forward` writes
    it through and captures window state where the policy keeps it (prefill chunks end at
@@ -33,15 +33,15 @@ from kvdiet.cache.plan import Replay, RestoreWindow, WindowSource
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.cache.reserve import reserve_blocks
 from kvdiet.engine.session import Session
+from kvdiet.engine.tiers import Tiers
 from kvdiet.engine.window_blocks import WindowBlockLog, restore_window_blocks, window_block_bytes
 from kvdiet.model.checksum import weights_checksum
 from kvdiet.model.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.storage.clock import Clock, SystemClock
-from kvdiet.storage.persistent import PersistentStore, StoreIdentity
+from kvdiet.storage.entry import StoreIdentity
 from kvdiet.storage.swa_pool import SwaPool
-from kvdiet.storage.swa_pool_factory import create_swa_pool
 
 __all__ = ["CacheOptions", "ModelRunner", "Session", "pool_num_blocks"]
 
@@ -76,7 +76,8 @@ class ModelRunner:
         clock: time source of the TTLs.
     Raises:
         ValueError: a budget below one block, a block size that splits a compression group, a checkpoint
-            period that is not a multiple of the block size, or a bad ``options.swa_pool``.
+            period that is not a multiple of the block size, or a bad ``options.swa_pool`` or
+            ``options.global_pool``.
     """
 
     def __init__(
@@ -106,29 +107,10 @@ class ModelRunner:
             }
         )
         self.clock = clock or SystemClock()
-        self.persistent = (
-            PersistentStore(
-                opts.persistent_dir,
-                StoreIdentity(self.fingerprint.hex(), self.formats, bs),
-                ttl_s=opts.persistent_ttl_s,
-                capacity_bytes=opts.persistent_size,
-                clock=self.clock,
-            )
-            if opts.persistent_dir is not None
-            else None
-        )
-        self._owns_swa_pool = swa_pool is None  # a pool handed in (shared, Redis) outlives this cache
-        self.swa_pool = (
-            swa_pool
-            if swa_pool is not None
-            else create_swa_pool(
-                opts.swa_pool,
-                namespace=self.fingerprint.hex(),
-                capacity_bytes=opts.swa_pool_size,
-                ttl_s=opts.swa_pool_ttl_s,
-                clock=self.clock,
-            )
-        )
+        identity = StoreIdentity(self.fingerprint.hex(), self.formats, bs)
+        self.tiers = Tiers.build(opts, identity, swa_pool=swa_pool, clock=self.clock)
+        self.persistent, self.swa_pool = self.tiers.persistent, self.tiers.swa_pool
+        self.global_pool = self.tiers.global_pool
         # V4-Flash has no decoder side (plan.decoder_start is None): nothing to narrow
         self.decoder_replay = (
             opts.decoder_replay and opts.policy.decoder_replay and model.plan.decoder_start is not None
@@ -149,6 +131,7 @@ class ModelRunner:
             HashKeys(b"-r" if self.decoder_replay else b""),
             persistent=self.persistent,
             swa_pool=self.swa_pool,
+            global_pool=self.global_pool,
             device=self.pool.blocks.counters,
             prefix_caching=opts.prefix_caching,
         )
@@ -158,24 +141,16 @@ class ModelRunner:
     # --- lifecycle of the tiers ---
 
     def open(self) -> ModelRunner:
-        """Open the persistent tier and the SWA pool this cache owns (a failure there only disables the tier
-        or makes the pool miss, with one warning); idempotent."""
-        if self._opened:
-            return self
-        if self.persistent is not None:
-            self.persistent.open()
-            self.persistent.sweep()  # expired entries leave now (and count), not at their next lookup
-        if self._owns_swa_pool:
-            self.swa_pool.open()
-        self._opened = True
+        """Open the persistent tier, the global pool and the SWA pool this cache owns (a failure there only
+        disables the tier or makes it miss, with one warning); idempotent."""
+        if not self._opened:
+            self.tiers.open()
+            self._opened = True
         return self
 
     def close(self) -> None:
-        if self.persistent is not None:
-            self.persistent.close()
+        self.tiers.close()
         self._opened = False
-        if self._owns_swa_pool:
-            self.swa_pool.close()
 
     def __enter__(self) -> ModelRunner:
         return self.open()
@@ -230,7 +205,7 @@ class ModelRunner:
                     state = self.model.new_state(self.pool)
         if isinstance(window, Replay):
             self.model.rewind(state, window.start, ids)
-        prov = control.admit(req, plan, device_blocks=device, loaded_blocks=loaded)
+        prov = control.admit(req, plan, device_blocks=device, loaded=loaded)
         adopted = plan.hit_tokens // bs
         del req.blocks[adopted:], req.block_tokens[adopted:]  # later blocks are hashed as they fill
         log = WindowBlockLog(bs, adopted) if self._logs_window_blocks() else None
@@ -259,7 +234,7 @@ class ModelRunner:
         """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
         consume: all the blocks the tokens span, except leading prefix blocks other requests hold now
         (shared, not consumed). Blocks cached but unreferenced count as consumed (they leave the free
-        queue); so do persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
+        queue); so do global-pool and persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
         n, bs = len(prompt_ids), self.options.block_size
         total = -(-(n + extra_tokens) // bs)
         usable = self.control.usable_blocks(n)

@@ -31,7 +31,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
-_TIERS = ("device", "persistent", "swa_pool")  # the ``tier`` label values, in `EngineSnapshot` field order
+_TIERS = (
+    "device",
+    "persistent",
+    "swa_pool",
+    "global_pool",
+)  # ``tier`` label values; [2:] are remote backends
 
 
 class ServerMetrics:
@@ -111,7 +116,7 @@ class _SnapshotCollector:
             c.add_metric(m, value)
             return c
 
-        tiers = dict(zip(_TIERS, (s.device, s.persistent, s.swa_pool), strict=True))
+        tiers = dict(zip(_TIERS, (s.device, s.persistent, s.swa_pool, s.global_pool), strict=True))
 
         def by_tier(
             name: str, doc: str, value: Callable[[TierCounters], int], labels: tuple[str, ...] = _TIERS

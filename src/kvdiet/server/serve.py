@@ -205,6 +205,9 @@ def startup_report(engine: object) -> list[str]:
     else:
         lines.append("persistent tier: off")
     lines.append(
+        f"global pool: {cache.global_pool!r}" if cache.global_pool is not None else "global pool: off"
+    )
+    lines.append(
         f"{cache.swa_pool!r}; "
         f"SWA policy {opts.policy}; decoder-side replay {'on' if cache.decoder_replay else 'off'}; "
         f"prefix caching {'on' if opts.prefix_caching else 'off'}"

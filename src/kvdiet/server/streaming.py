@@ -4,8 +4,8 @@ that leaves) or as server-sent events (`sse_response`), and the OpenAI ``usage``
 Either way, a client that disconnects aborts the request: its blocks return to the pool at the next step
 boundary. ``usage`` carries ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details``: ``cached_tokens`` (prompt tokens whose KV came from a cache tier) split into
-``device_tokens`` and ``persistent_tokens``, plus ``window_source`` and ``replayed_tokens`` (how the window
-state at the hit was rebuilt).
+``device_tokens``, ``global_pool_tokens`` and ``persistent_tokens``, plus ``window_source`` and
+``replayed_tokens`` (how the window state at the hit was rebuilt).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def usage_body(out: RequestOutput) -> dict:
     if p is not None:
         details |= {
             "device_tokens": p.device_tokens,
+            "global_pool_tokens": p.global_pool_tokens,
             "persistent_tokens": p.persistent_tokens,
             "window_source": p.window_source,
             "replayed_tokens": p.replayed_tokens,

@@ -33,7 +33,9 @@ examples:
 
 A run is POLICY[@MODEL]: bounded-replay, boundary-snapshot, full-store, checkpoint:K, exact-recompute;
 MODEL defaults to --model. Sweep axes: swa-pool-ttl, swa-pool-size, swa-pool-supersede, persistent-ttl, persistent-size,
-device-size (each sweeps the run of --sweep-run). Traces: Mooncake JSONL (github.com/kvcache-ai/Mooncake,
+global-pool-size, global-pool-ttl, device-size (each sweeps the run of --sweep-run; --global-pool-size > 0 adds the
+shared global-KV DRAM tier between the device pool and the persistent tier).
+Traces: Mooncake JSONL (github.com/kvcache-ai/Mooncake,
 FAST25-release/traces/), kvdiet's generic JSONL, Azure LLM inference CSV (github.com/Azure/AzurePublicDataset),
 agentic session files (a .json file or a folder of them: ../shared/traces/agentic-sample).
 """
@@ -119,6 +121,13 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="a session's newer SWA-pool snapshot replaces its older ones (default: they stay until TTL/LRU)",
     )
+    t.add_argument(
+        "--global-pool-size",
+        default="0",
+        help="shared global-KV DRAM tier between the device pool and the persistent tier, LRU beyond it "
+        "(default 0: none)",
+    )
+    t.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
     t.add_argument("--gpu", default="h200", help="GPU of the compute cost model: h100, h200, b200")
     t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
     t.add_argument(
@@ -280,7 +289,17 @@ def _print(out: dict, study, engine, console: Console) -> None:
     if study is not None:
         from kvdiet.sim.report import comparison_rows
 
-        cols = ("run", "hit", "device", "persistent peak", "window at peak", "SWA pool peak", "replays")
+        pooled = ("global pool",) if any(r.config.has_global_pool for r in study.runs) else ()
+        cols = (
+            "run",
+            "hit",
+            "device",
+            *pooled,
+            "persistent peak",
+            "window at peak",
+            "SWA pool peak",
+            "replays",
+        )
         table = Table(title="policy comparison (model-free; --json or --report for every column)")
         for col in (*cols, "recomputed", "GPU-s"):
             table.add_column(col, justify="left" if col == "run" else "right")
@@ -296,11 +315,20 @@ def _print(out: dict, study, engine, console: Console) -> None:
         console.print(study.runs[0].summary["cost_formula"], markup=False, highlight=False)
         for axis, points in study.sweeps.items():
             t = Table(title=f"sweep {axis} ({points[0][1].config.label})", title_justify="left")
-            sweep_cols = ("hit", "device", "window restored", "replays", "SWA pool peak", "persistent peak")
+            swept = [r for _, r in points]
+            pooled = ("global pool",) if any(r.config.has_global_pool for r in swept) else ()
+            sweep_cols = (
+                "hit",
+                "device",
+                *pooled,
+                "window restored",
+                "replays",
+                "SWA pool peak",
+                "persistent peak",
+            )
             for col in ("value", *sweep_cols):
                 t.add_column(col, justify="right")
-            for label, r in points:
-                rr = comparison_rows([r])[0]
+            for (label, _), rr in zip(points, comparison_rows(swept), strict=True):
                 t.add_row(label, *(str(rr[c]) for c in sweep_cols))
             console.print(t)
         facts = out.get("findings") or {}

@@ -10,8 +10,10 @@ the blocks past a request's ids (the partial last block of a trace with one id p
 
 The engine (`kvdiet.engine.LLMEngine`, default ``v4.1-mini``; ``v4-mini`` runs V4-Flash, whose blocks are
 multiples of 128 tokens) runs with its block size equal to the scaled block, its tiers (device pool, a
-persistent tier in a temporary directory unless one is given, the SWA pool) on a manual clock in trace
-time: each request's lookups and stores happen at its trace arrival.
+persistent tier in a temporary directory unless one is given, the SWA pool, and the global pool when
+``cache.global_pool`` names a Mooncake master: the model-free run then has a global tier of the same TTL whose
+capacity does not bind) on a manual clock in trace time: each request's lookups and stores happen at its trace
+arrival.
 
 - ``time_scale = 0`` (default): one request at a time, each submitted when the previous finished (requests
   sharing a timestamp are spaced `SEQUENTIAL_GAP_S` apart in trace time) — the deterministic mode, whose
@@ -133,7 +135,8 @@ class EngineModeResult:
 
     Attributes:
         written: bytes and entries the engine wrote: ``persistent_bytes_written``,
-            ``persistent_entries_written``, ``swa_pool_bytes_written``, ``snapshots_stored``.
+            ``persistent_entries_written``, ``swa_pool_bytes_written``, ``snapshots_stored`` (and
+            ``global_pool_bytes_written`` with a global pool).
         model_free_summary: the model-free run's summary (`kvdiet.sim.model_free.simulate`).
     """
 
@@ -172,6 +175,11 @@ class EngineModeResult:
             "prompt_tokens": sum(r.input_tokens for r in self.trace.requests),
             "device_hit_ratio": round(sum(r.device_tokens for r in self.requests) / prompt, 6),
             "persistent_hit_ratio": round(sum(r.persistent_tokens for r in self.requests) / prompt, 6),
+            **(
+                {"global_pool_hit_ratio": round(sum(r.global_pool_tokens for r in self.requests) / prompt, 6)}
+                if self.config.cache.global_pool is not None
+                else {}
+            ),
             "window_sources": sources,
             "replayed_tokens": sum(r.replayed_tokens for r in self.requests),
             "computed_tokens": sum(r.computed_tokens for r in self.requests),
@@ -233,6 +241,8 @@ def run_engine_mode(
                 "swa_pool_bytes_written": st.swa_pool.bytes_written,
                 "snapshots_stored": st.snapshots_stored,
             }
+            if opts.global_pool is not None:
+                written["global_pool_bytes_written"] = st.global_pool.bytes_written
         finally:
             cache.close()
     sim = simulate(
@@ -245,6 +255,10 @@ def run_engine_mode(
             persistent_ttl_s=opts.persistent_ttl_s,
             swa_pool_bytes=opts.swa_pool_size or 10**15,
             swa_pool_ttl_s=opts.swa_pool_ttl_s,
+            global_pool_bytes=0
+            if opts.global_pool is None
+            else 10**15,  # the master's capacity: not modelled
+            global_pool_ttl_s=opts.global_pool_ttl_s,
             prefix_caching=opts.prefix_caching,
             output_tok_s=1e12,
         ),

@@ -3,7 +3,8 @@
 Each request of a `Trace` goes through the same control plane as the engine
 (`kvdiet.cache.control.ControlPlane`: lookup, restore plan, write-through, capture points, what is stored
 where) on tiers whose values are byte sizes (`kvdiet.sim.size_tier.SizeTier`: the TTL and LRU rules of
-`kvdiet.cache.ttl_lru.TtlLru`, the in-process SWA pool's own). This module only executes the plans with
+`kvdiet.cache.ttl_lru.TtlLru`, the in-process SWA pool's own; a global-KV DRAM tier between the device pool
+and the persistent tier when ``SimConfig.global_pool_bytes`` > 0). This module only executes the plans with
 sizes, keeps trace time and adds up what happened; there is no second copy of any cache rule here.
 
 Trace time: a request's lookup happens at its arrival; its prefill (from the plan's replay start to the
@@ -75,12 +76,18 @@ class _Run:
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
+        self.glob = (  # Mooncake's upsert restarts a block's TTL: refresh
+            SizeTier(sc.global_pool_bytes, sc.global_pool_ttl_s, refresh=True, clock=self.clock)
+            if sc.has_global_pool
+            else None
+        )
         self.control: ControlPlane[int] = ControlPlane(
             sc.policy,
             g,
             IdKeys(),
             persistent=self.persistent,
             swa_pool=self.swa,
+            global_pool=self.glob,
             device=self.device.counters,
             prefix_caching=sc.prefix_caching,
             supersede=sc.swa_pool_supersede,
@@ -136,8 +143,7 @@ class _Run:
     def _sample(self, t: float, series: dict[str, list[float]], window: list[int]) -> None:
         self._advance(t)
         self.clock.set(max(self.clock.now(), t))
-        self.persistent.expire()
-        self.swa.expire()
+        self._expire()
         prompt = window[0]
         series["t_s"].append(round(t, 3))
         series["device_hit"].append(round(window[1] / prompt, 6) if prompt else 0.0)
@@ -145,6 +151,11 @@ class _Run:
         series["persistent_bytes"].append(self.persistent.nbytes)
         series["swa_pool_bytes"].append(self.swa.nbytes)
         window[:] = [0, 0, 0]
+
+    def _expire(self) -> None:
+        for tier in (self.persistent, self.swa, self.glob):
+            if tier is not None:
+                tier.expire()
 
     def _at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn))
@@ -174,13 +185,13 @@ class _Run:
         usable = control.usable_blocks(n)
         d = self.device.match(every, usable)
         loaded = control.load(cached, d, usable, lambda i, payload: True)
-        plan, window = control.plan(cached, d + loaded)
-        result = control.admit(cached, plan, device_blocks=d, loaded_blocks=loaded)
+        plan, window = control.plan(cached, d + loaded.blocks)
+        result = control.admit(cached, plan, device_blocks=d, loaded=loaded)
         self.results.append(result)
         groups = self.breakdown.groups(n, req.kind, req.session)
         self.breakdown.add_request(groups, result)
 
-        hit, adopted = (d + loaded) * bs, plan.hit_tokens
+        hit, adopted = (d + loaded.blocks) * bs, plan.hit_tokens
         self.lookup_tokens += usable * bs
         self.hits += hit > 0
         if hit and every[hit // bs - 1] in self.boundaries:
@@ -244,8 +255,7 @@ class _Run:
 
     def _summary(self) -> dict[str, object]:
         g, stats, results = self.geo, self.control.stats, self.results
-        self.persistent.expire()  # byte-hours run to the last event (the last request's end)
-        self.swa.expire()
+        self._expire()  # byte-hours run to the last event (the last request's end)
         reqs = self.trace.requests
         span = self.clock.now() - (reqs[0].arrival_s if reqs else 0.0)
         kinds = class_bytes(self.persistent)
@@ -266,40 +276,64 @@ class _Run:
         stored = (
             pool_restores + self.sources[WindowSource.PERSISTENT] + self.sources[WindowSource.WINDOW_BLOCKS]
         )
-        return t | {
-            "requests": len(results),
-            "device_hit_ratio": round(t["device_hit_tokens"] / prompt, 6),
-            "persistent_hit_ratio": round(t["persistent_hit_tokens"] / prompt, 6),
-            "hit_ratio": round((t["device_hit_tokens"] + t["persistent_hit_tokens"]) / prompt, 6),
-            "window_sources": dict(self.sources),
-            "hit_requests": self.hits,
-            "boundary_hits": self.boundary_hits,
-            "swa_pool_catch_ratio": round(pool_restores / self.boundary_hits, 6)
-            if self.boundary_hits
-            else 0.0,
-            "stored_window_ratio": round(stored / self.boundary_hits, 6) if self.boundary_hits else 0.0,
-            "pool_restores_of_older_snapshots": self.restores_of_older,
-            "snapshot_age_p50_s": _pct(ages, 0.5),
-            "snapshot_age_p90_s": _pct(ages, 0.9),
-            "recomputed_tokens": t["replayed_tokens"] + t["computed_tokens"],
-            "prefill_flops": self.flops,
-            "prefill_gpu_s": round(self.cost.seconds(self.flops), 3),
-            "persistent_bytes_resident": self.persistent.nbytes,
-            "persistent_kv_bytes": kinds.get("kv", 0),
-            "persistent_window_bytes": kinds.get("window", 0),
-            "persistent_entries": len(self.persistent),
-            "persistent_evictions": self.persistent.counters.evictions,
-            "persistent_expirations": self.persistent.counters.expirations,
-            "swa_pool_evictions": self.swa.counters.evictions,
-            "swa_pool_expirations": self.swa.counters.expirations,
-            **tier_bytes(self.persistent, "persistent", span),
-            **tier_bytes(self.swa, "swa_pool", span),
-            "span_s": round(span, 3),
-            "device_blocks": self.device.capacity // g.block_bytes,  # mean size
-            "block_bytes": g.block_bytes,
-            "snapshot_bytes": self.snapshot_bytes,
-            "cost_formula": self.cost.formula,
-            **self.breakdown.as_dict(),
+        return (
+            t
+            | {
+                "requests": len(results),
+                "device_hit_ratio": round(t["device_hit_tokens"] / prompt, 6),
+                "persistent_hit_ratio": round(t["persistent_hit_tokens"] / prompt, 6),
+                "hit_ratio": round((t["device_hit_tokens"] + t["persistent_hit_tokens"]) / prompt, 6),
+                "window_sources": dict(self.sources),
+                "hit_requests": self.hits,
+                "boundary_hits": self.boundary_hits,
+                "swa_pool_catch_ratio": round(pool_restores / self.boundary_hits, 6)
+                if self.boundary_hits
+                else 0.0,
+                "stored_window_ratio": round(stored / self.boundary_hits, 6) if self.boundary_hits else 0.0,
+                "pool_restores_of_older_snapshots": self.restores_of_older,
+                "snapshot_age_p50_s": _pct(ages, 0.5),
+                "snapshot_age_p90_s": _pct(ages, 0.9),
+                "recomputed_tokens": t["replayed_tokens"] + t["computed_tokens"],
+                "prefill_flops": self.flops,
+                "prefill_gpu_s": round(self.cost.seconds(self.flops), 3),
+                "persistent_bytes_resident": self.persistent.nbytes,
+                "persistent_kv_bytes": kinds.get("kv", 0),
+                "persistent_window_bytes": kinds.get("window", 0),
+                "persistent_entries": len(self.persistent),
+                "persistent_evictions": self.persistent.counters.evictions,
+                "persistent_expirations": self.persistent.counters.expirations,
+                "swa_pool_evictions": self.swa.counters.evictions,
+                "swa_pool_expirations": self.swa.counters.expirations,
+                **tier_bytes(self.persistent, "persistent", span),
+                **tier_bytes(self.swa, "swa_pool", span),
+                "span_s": round(span, 3),
+                "device_blocks": self.device.capacity // g.block_bytes,  # mean size
+                "block_bytes": g.block_bytes,
+                "snapshot_bytes": self.snapshot_bytes,
+                "cost_formula": self.cost.formula,
+                **self.breakdown.as_dict(),
+            }
+            | self._global_summary(results, prompt, span)
+        )
+
+    def _global_summary(self, results: list[Provenance], prompt: int, span: float) -> dict[str, object]:
+        """The global pool's figures (none without one: a run without it reports what it always did); the
+        global-pool hits are then part of ``hit_ratio`` too."""
+        tier = self.glob
+        if tier is None:
+            return {}
+        hits = sum(r.global_pool_tokens for r in results)
+        device, persistent = (
+            sum(getattr(r, f) for r in results) for f in ("device_tokens", "persistent_tokens")
+        )
+        return {
+            "global_pool_hit_tokens": hits,
+            "global_pool_hit_ratio": round(hits / prompt, 6),
+            "hit_ratio": round((device + hits + persistent) / prompt, 6),
+            "global_pool_entries": len(tier),
+            "global_pool_evictions": tier.counters.evictions,
+            "global_pool_expirations": tier.counters.expirations,
+            **tier_bytes(tier, "global_pool", span),
         }
 
 

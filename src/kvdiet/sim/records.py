@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdiet.cache.options import DEFAULT_GLOBAL_POOL_TTL_S
 from kvdiet.cache.plan import Provenance
 from kvdiet.cache.policies import BoundedReplay, SwaPolicy
 from kvdiet.config import ModelConfig, load_config
@@ -33,6 +34,8 @@ class SimConfig:
         swa_pool_bytes / swa_pool_ttl_s: SWA-pool budget (bytes) and TTL (seconds).
         swa_pool_supersede: a session's newer pool snapshot replaces its older ones
             (`kvdiet.cache.control.ControlPlane` ``supersede``).
+        global_pool_bytes / global_pool_ttl_s: the shared global-KV DRAM tier between the device pool and the
+            persistent tier: budget (bytes; 0 = no such tier, the default) and TTL (seconds; default 1 h).
         prefix_caching: look prompts up at all (off: every request cold).
         gpu / mfu: the compute cost model (`kvdiet.sim.cost`).
         output_tok_s: decode speed of one request (tokens/s) that sets when it finishes.
@@ -47,6 +50,8 @@ class SimConfig:
     swa_pool_bytes: int = DEFAULT_SWA_POOL_BYTES
     swa_pool_ttl_s: float = 300.0
     swa_pool_supersede: bool = False
+    global_pool_bytes: int = 0
+    global_pool_ttl_s: float = DEFAULT_GLOBAL_POOL_TTL_S
     prefix_caching: bool = True
     gpu: str = "h200"
     mfu: float = 0.5
@@ -57,15 +62,17 @@ class SimConfig:
         """Load and check the config against a trace's block size; returns the config.
 
         Raises:
-            ValueError: a non-positive size or TTL, a checkpoint period that is not a multiple of the block
-                size, or a dense config. A block size a compress ratio does not divide is fine here: an
-                entry spanning two blocks counts in the block where its group completes
-                (`kvdiet.cache.control.Geometry.from_config`).
+            ValueError: a non-positive size or TTL (a negative global-pool size), a checkpoint period that
+                is not a multiple of the block size, or a dense config. A block size a compress ratio does
+                not divide is fine here: an entry spanning two blocks counts in the block where its group
+                completes (`kvdiet.cache.control.Geometry.from_config`).
         """
         if self.device_bytes <= 0 or self.swa_pool_bytes <= 0:
             raise ValueError("device and SWA-pool sizes must be > 0 bytes")
         if self.persistent_bytes is not None and self.persistent_bytes <= 0:
             raise ValueError("persistent size must be > 0 bytes")
+        if self.global_pool_bytes < 0 or not self.global_pool_ttl_s > 0:
+            raise ValueError("global-pool size must be >= 0 bytes (0: none) and its TTL > 0")
         if not (self.persistent_ttl_s > 0 and self.swa_pool_ttl_s > 0 and self.output_tok_s > 0):
             raise ValueError("TTLs and output_tok_s must be > 0")
         check_gpu(self.gpu, self.mfu)
@@ -81,6 +88,11 @@ class SimConfig:
                 f"block size {block_size} (e.g. checkpoint:{max(1, round(k / block_size)) * block_size})"
             )
         return cfg
+
+    @property
+    def has_global_pool(self) -> bool:
+        """Whether the run has a global-KV DRAM tier (``global_pool_bytes`` > 0)."""
+        return self.global_pool_bytes > 0
 
     @property
     def label(self) -> str:
@@ -99,8 +111,14 @@ class SimResult:
     snapshot_ages_s: list[float]
 
     def as_dict(self) -> dict[str, object]:
-        """The JSON form: the label, the config, the summary and the time series (not per request)."""
+        """The JSON form: the label, the config, the summary and the time series (not per request). The
+        global pool's settings appear only when the run has one."""
         cfg = self.config
+        pool = (
+            {"global_pool_bytes": cfg.global_pool_bytes, "global_pool_ttl_s": cfg.global_pool_ttl_s}
+            if cfg.has_global_pool
+            else {}
+        )
         return {
             "label": cfg.label,
             "model": cfg.model,
@@ -112,6 +130,7 @@ class SimResult:
                 "swa_pool_bytes": cfg.swa_pool_bytes,
                 "swa_pool_ttl_s": cfg.swa_pool_ttl_s,
                 "swa_pool_supersede": cfg.swa_pool_supersede,
+                **pool,
                 "prefix_caching": cfg.prefix_caching,
                 "gpu": cfg.gpu,
                 "mfu": cfg.mfu,

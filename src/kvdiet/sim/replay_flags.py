@@ -42,7 +42,9 @@ def plan_runs(args: argparse.Namespace):
         text = getattr(args, flag[2:].replace("-", "_"))
         if text is not None and _flag(flag, parse_bytes, text) <= 0:
             raise ValueError(f"{flag} must be > 0 bytes, got {text!r}")
-    for flag in ("--swa-pool-ttl", "--persistent-ttl"):
+    if _flag("--global-pool-size", parse_bytes, args.global_pool_size) < 0:
+        raise ValueError(f"--global-pool-size must be >= 0 bytes (0: none), got {args.global_pool_size!r}")
+    for flag in ("--swa-pool-ttl", "--persistent-ttl", "--global-pool-ttl"):
         _flag(flag, parse_duration, getattr(args, flag[2:].replace("-", "_")))
     if args.report:
         _check_report_dir(Path(args.report))
@@ -113,6 +115,8 @@ def plan_runs(args: argparse.Namespace):
         swa_pool_bytes=parse_bytes(args.swa_pool_size),
         swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),
         swa_pool_supersede=args.swa_pool_supersede,
+        global_pool_bytes=parse_bytes(args.global_pool_size),
+        global_pool_ttl_s=parse_duration(args.global_pool_ttl),
         gpu=args.gpu,
         mfu=args.mfu,
         output_tok_s=args.output_tok_s,

@@ -36,8 +36,17 @@ _RESTORED = (WindowSource.SWA_POOL, WindowSource.PERSISTENT, WindowSource.WINDOW
 """Window sources that restore stored state (the others replay or start cold)."""
 
 
+def _global_cell(runs: list[SimResult], r: SimResult) -> dict[str, str]:
+    """The ``global pool`` column (its hit ratio; ``-`` for a run without one), when any of ``runs`` has one."""
+    if not any(x.config.has_global_pool for x in runs):
+        return {}
+    ratio = r.summary.get("global_pool_hit_ratio")
+    return {"global pool": "-" if ratio is None else f"{ratio:.1%}"}
+
+
 def comparison_rows(runs: list[SimResult]) -> list[dict[str, object]]:
-    """One row per run: the columns of the policy-comparison table (also printed by the CLI)."""
+    """One row per run: the columns of the policy-comparison table (also printed by the CLI); a ``global pool``
+    column (its hit ratio) when a run has the shared global-KV DRAM tier."""
     rows = []
     for r in runs:
         s = r.summary
@@ -47,6 +56,7 @@ def comparison_rows(runs: list[SimResult]) -> list[dict[str, object]]:
                 "run": r.config.label,
                 "hit": f"{s['hit_ratio']:.1%}",
                 "device": f"{s['device_hit_ratio']:.1%}",
+                **_global_cell(runs, r),
                 "persistent": f"{s['persistent_hit_ratio']:.1%}",
                 "persistent peak": format_bytes(s["persistent_bytes_peak"]),
                 "window at peak": f"{s['persistent_window_share_at_peak']:.1%}",
@@ -212,7 +222,8 @@ def write_report(
         md.append(f"\n![recomputed tokens]({plot_recomputed(runs, out / 'recomputed_tokens.png')})\n")
         for axis, points in study.sweeps.items():
             md.append(f"\n## Sweep: {axis} ({points[0][1].config.label})\n")
-            md.append(_table([{"value": label} | _sweep_row(r) for label, r in points]))
+            swept = [r for _, r in points]
+            md.append(_table([{"value": label} | _sweep_row(r, swept) for label, r in points]))
             if axis == "swa-pool-ttl":
                 md.append(f"\n![SWA-pool TTL]({plot_ttl(points, out / 'swa_pool_ttl.png')})\n")
             else:
@@ -238,18 +249,24 @@ def write_report(
 def _tiers(r: SimResult) -> str:
     c = r.config
     persistent = "unbounded" if c.persistent_bytes is None else format_bytes(c.persistent_bytes)
+    pool = (
+        f"global pool {format_bytes(c.global_pool_bytes)} TTL {format_duration(c.global_pool_ttl_s)}, "
+        if c.has_global_pool
+        else ""
+    )
     return (
-        f"device pool {format_bytes(c.device_bytes)}, persistent {persistent} TTL "
+        f"device pool {format_bytes(c.device_bytes)}, {pool}persistent {persistent} TTL "
         f"{format_duration(c.persistent_ttl_s)}, SWA pool {format_bytes(c.swa_pool_bytes)} TTL "
         f"{format_duration(c.swa_pool_ttl_s)}."
     )
 
 
-def _sweep_row(r: SimResult) -> dict[str, object]:
+def _sweep_row(r: SimResult, runs: list[SimResult]) -> dict[str, object]:
     s = r.summary
     return {
         "hit": f"{s['hit_ratio']:.1%}",
         "device": f"{s['device_hit_ratio']:.1%}",
+        **_global_cell(runs, r),
         "SWA-pool restores": f"{s['window_sources'][WindowSource.SWA_POOL]:,}",
         "replays": f"{s['window_sources'][WindowSource.REPLAY]:,}",
         "SWA pool peak": format_bytes(s["swa_pool_bytes_peak"]),

@@ -71,6 +71,8 @@ SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
     "persistent-size": ("persistent_bytes", parse_bytes),
     "device-size": ("device_bytes", parse_bytes),
     "swa-pool-supersede": ("swa_pool_supersede", _switch),
+    "global-pool-size": ("global_pool_bytes", parse_bytes),
+    "global-pool-ttl": ("global_pool_ttl_s", parse_duration),
 }
 UNBOUNDED_TTL_S = 1e12
 

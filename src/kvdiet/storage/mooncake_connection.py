@@ -1,6 +1,6 @@
-"""One Mooncake Store client as the Mooncake SWA pool sees it (`kvdiet.storage.mooncake_pool`): its set-up (a TCP
+"""One Mooncake Store client as a Mooncake tier sees it (`kvdiet.storage.mooncake_tier`): its set-up (a TCP
 check of the master's port, then ``setup`` with P2P handshakes over TCP and this process's segment), its health,
-the back-off after a failure and the warnings (at most one a minute). Counts failures in the pool's counters.
+the back-off after a failure and the warnings (at most one a minute). Counts failures in the tier's counters.
 
 Mooncake is imported at the first connection, not here (the ``kvdiet[mooncake]`` extra is optional): a missing
 package or ``libibverbs.so.1`` is a failure like a dead master. Not known here: keys, values, headers.
@@ -20,17 +20,18 @@ from kvdiet.storage.mooncake_urls import MooncakeUrl
 
 __all__ = ["UNREACHABLE", "MooncakeConnection"]
 
-_log = logging.getLogger("kvdiet.storage.mooncake_pool")  # one logger for the pool's lines
+_log = logging.getLogger("kvdiet.storage.mooncake_pool")  # one logger for the lines of every Mooncake tier
 UNREACHABLE = frozenset({-900, -901})
 """RPC_FAIL, RPC_TIMEOUT (mooncake-store ``include/types.h`` ``ErrorCode``): the master did not answer."""
 _WARN_EVERY_S = 60.0
 
 
 class MooncakeConnection:
-    """The client of one pool. ``segment_bytes`` / ``local_buffer_bytes``: this process's contribution to the
+    """The client of one tier. ``segment_bytes`` / ``local_buffer_bytes``: this process's contribution to the
     pool and its staging buffer (bytes); ``backoff_s``: seconds the master is skipped after it failed to
     answer; ``connect_timeout_s``: seconds the TCP check may take. Failures go to ``counters`` under ``lock``
-    (the pool's). No I/O until `connect` or `client`."""
+    (the tier's); warnings name the tier (``label``, e.g. ``"SWA pool"``) and what a miss costs (``fallback``).
+    No I/O until `connect` or `client`."""
 
     def __init__(
         self,
@@ -42,7 +43,10 @@ class MooncakeConnection:
         connect_timeout_s: float,
         counters: TierCounters,
         lock: threading.Lock,
+        label: str,
+        fallback: str,
     ) -> None:
+        self.label, self.fallback = label, fallback
         self.url, self.segment_bytes, self.local_buffer_bytes = url, segment_bytes, local_buffer_bytes
         self.backoff_s, self.connect_timeout_s = backoff_s, connect_timeout_s
         self.counters, self._lock = counters, lock
@@ -137,8 +141,8 @@ class MooncakeConnection:
             if warn:
                 self._warned_at = now
         detail = f"error {err}" if isinstance(err, int) else (str(err).strip() or type(err).__name__)
-        msg = "SWA pool %s: %s (%s); window-state misses become bounded replay"
-        args: tuple = (self.url, what, detail)
+        msg = "%s %s: %s (%s); %s"
+        args: tuple = (self.label, self.url, what, detail, self.fallback)
         if unreachable:
             msg += "; retrying every %g s"
             args += (self.backoff_s,)
@@ -150,4 +154,4 @@ class MooncakeConnection:
             with self._lock:
                 was_down, self.down = self.down, False
             if was_down:
-                _log.info("SWA pool %s: reachable again", self.url)
+                _log.info("%s %s: reachable again", self.label, self.url)

@@ -6,54 +6,25 @@ of minutes (seed 001, DESIGN.md §1); Mooncake Store is the LLM-serving field's 
 SGLang's KV connectors use it). Here it runs over TCP (``mooncake-transfer-engine-non-cuda``, the
 ``kvdiet[mooncake]`` extra, and Debian's ``libibverbs1``), with P2P handshakes instead of a metadata server.
 
-Each value is the 32-byte header of `kvdiet.storage.mooncake_header` (magic, version, the deadline, the
-payload's length and CRC-32) followed by the payload, raw bytes, under the key
-``kvdiet:swa:NS:K`` (``NS`` = the model fingerprint in hex, ``K`` = the pool key in hex). What Mooncake does
-not do, kvdiet does here:
-
-- **TTL.** Mooncake has no per-key expiry; the deadline in the header is the TTL (``now < deadline`` is
-  served; reads never extend it; wall clock, so machines need NTP-level agreement). An expired value is a
-  miss counted in ``expirations`` and is removed. Expired values nobody reads stay until the master's
-  eviction (from 90% full, oldest first) reclaims their space.
-- **Overwrites.** ``put`` on an existing key keeps the old value; this pool writes with ``upsert_parts``
-  (header and payload as two parts, no copy into one buffer), which replaces it.
-- **Misses vs failures.** ``get`` answers ``b''`` for a missing key, a failed call and an empty value alike,
-  so reads go by sizes and return codes instead: one ``batch_get_replica_desc`` gives the sizes of the
-  values present (keys it leaves out are checked by ``batch_is_exist``: absent, or a failure with its code),
-  then one ``batch_get_into`` reads every present value into buffers of those sizes (no local-buffer limit).
-  A value gone between the two (evicted, removed) answers −704: a miss counted in ``evictions``. A value
-  whose header or checksum fails is a miss counted in ``corrupt_dropped`` and is removed.
-
-Failures never raise out of `put`/`get`/`get_many`: each is a miss or a refused put, counted in
-``backend_errors`` (and ``write_errors`` for a put), with a warning at most once a minute. When the master
-does not answer (RPC failure, −900/−901, or its port refuses a connection) the pool skips it for ``backoff_s``
-seconds and then tries a TCP connection to its port (``connect_timeout_s``) before calling the client again:
-Mooncake's own calls take ~4.5 s each against a dead master and its ``setup`` ~90 s, so a dead master costs
-one short connect per back-off instead. Mooncake's client reconnects to a restarted master by itself (writes
-are refused, −200, for about a second until its segment is mounted again); a restarted master knows no keys.
-
-The segment this process contributes (``segment_bytes``) holds values any client put there, and it goes
-with the process: `close` (or an exit) takes those values with it; after a crash the master drops them
-within its ``--client_ttl`` (10 s), reads meanwhile fail (a miss). A deployment keeps the pool in one
-long-lived ``mooncake_client`` per machine and gives engine processes ``segment_bytes=0`` (README).
+Each value is the header of `kvdiet.storage.mooncake_header` followed by the snapshot, raw bytes, under the
+key ``kvdiet:swa:NS:K`` (``NS`` = the model fingerprint in hex, ``K`` = the pool key in hex). The TTL in that
+header, upserts, telling misses from failures, back-off and reconnects, and what a segment owner that exits
+takes with it are `kvdiet.storage.mooncake_tier.MooncakeTier`'s, shared with the global-KV DRAM tier.
 
 Not known here: what a snapshot holds, how pool keys are derived, the master's capacity and eviction.
 """
 
 from __future__ import annotations
 
-import ctypes
-import threading
-import zlib
 from collections.abc import Sequence
-from typing import Any
 
-from kvdiet.cache.counters import TierCounters
-from kvdiet.storage.clock import Clock, SystemClock
-from kvdiet.storage.mooncake_connection import UNREACHABLE, MooncakeConnection
-from kvdiet.storage.mooncake_header import HEADER, pack_header, parse_header
-from kvdiet.storage.mooncake_urls import MooncakeUrl, parse_mooncake_url
-from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, SwaPoolBase, default_swa_pool_bytes
+from kvdiet.storage.mooncake_tier import (
+    DEFAULT_BACKOFF_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_LOCAL_BUFFER_BYTES,
+    MooncakeTier,
+)
+from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, SwaPoolBase
 
 __all__ = [
     "DEFAULT_BACKOFF_S",
@@ -62,23 +33,8 @@ __all__ = [
     "MooncakeSwaPool",
 ]
 
-DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
-"""16 MiB, Mooncake's default: a put stages its value here, so the largest value must fit (a V4.1-Flash
-window snapshot is about 2.77 MB; Mooncake refuses a larger one with −600)."""
-DEFAULT_BACKOFF_S = 1.0
-DEFAULT_CONNECT_TIMEOUT_S = 0.25
-_OBJECT_NOT_FOUND = -704
-_KEY_PREFIX = "kvdiet:swa:"
 
-
-def _memory_size(replicas: Sequence[Any]) -> int | None:
-    """Bytes of a value from its replica descriptors (the first in memory), None when none is."""
-    return next(
-        (r.get_memory_descriptor().buffer_descriptor.size for r in replicas if r.is_memory_replica()), None
-    )
-
-
-class MooncakeSwaPool(SwaPoolBase):
+class MooncakeSwaPool(SwaPoolBase, MooncakeTier):
     """The SWA pool on one Mooncake Store cluster (see the module docstring). Thread-safe.
 
     Args:
@@ -98,258 +54,30 @@ class MooncakeSwaPool(SwaPoolBase):
     No I/O until `open`; Mooncake is imported then (a missing extra is a warning and misses, not an error).
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        namespace: str,
-        ttl_s: float = DEFAULT_SWA_POOL_TTL_S,
-        segment_bytes: int | None = None,
-        local_buffer_bytes: int = DEFAULT_LOCAL_BUFFER_BYTES,
-        backoff_s: float = DEFAULT_BACKOFF_S,
-        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-        clock: Clock | None = None,
-    ) -> None:
-        self.url: MooncakeUrl = parse_mooncake_url(url)
-        if not namespace or any(c in namespace for c in ": \t\r\n"):
-            raise ValueError(f"namespace must be non-empty, without ':' or whitespace, got {namespace!r}")
-        if not ttl_s > 0 or not connect_timeout_s > 0:
-            raise ValueError(f"TTL and timeout must be > 0 s, got {ttl_s} and {connect_timeout_s}")
-        segment = default_swa_pool_bytes() if segment_bytes is None else segment_bytes
-        if segment < 0 or local_buffer_bytes < (1 << 20):
-            raise ValueError(
-                f"need segment_bytes >= 0 and local_buffer_bytes >= 1 MiB, got {segment} and {local_buffer_bytes}"
-            )
-        if not backoff_s >= 0:
-            raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
-        self.namespace, self.ttl_s = namespace, float(ttl_s)
-        self.segment_bytes, self.local_buffer_bytes = segment, local_buffer_bytes
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.clock = clock or SystemClock()
-        self.counters = TierCounters()
-        self._lock = threading.Lock()
-        self._conn = MooncakeConnection(
-            self.url,
-            segment_bytes=segment,
-            local_buffer_bytes=local_buffer_bytes,
-            backoff_s=float(backoff_s),
-            connect_timeout_s=self.connect_timeout_s,
-            counters=self.counters,
-            lock=self._lock,
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"Mooncake SWA pool ({self.url}; TTL {self.ttl_s:g} s, segment {self.segment_bytes:,} B, "
-            f"local buffer {self.local_buffer_bytes:,} B)"
-        )
-
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    def open(self) -> None:
-        """Connect to the master and mount this process's segment. An unreachable master gets one warning;
-        the pool works without it (misses) and connects after the back-off. Never raises on I/O."""
-        if self._conn.store is None:
-            self._conn.connect(at_start=True)
-
-    def close(self) -> None:
-        """Unmount this process's segment (its values leave the pool) and disconnect; a later call connects
-        again. Idempotent. Takes Mooncake about 2 s."""
-        self._conn.close()
-
-    def __enter__(self) -> MooncakeSwaPool:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def backoff_s(self) -> float:
-        """Seconds the master is skipped after it failed to answer (settable)."""
-        return self._conn.backoff_s
-
-    @backoff_s.setter
-    def backoff_s(self, seconds: float) -> None:
-        self._conn.backoff_s = float(seconds)
-
-    @property
-    def reachable(self) -> bool:
-        """Whether the last call to the master succeeded (no I/O)."""
-        return not self._conn.down
-
-    # ---- the SwaPool protocol --------------------------------------------------------------------
+    PREFIX = "kvdiet:swa:"
+    FLAG = "--swa-pool"
+    LABEL = "SWA pool"
+    FALLBACK = "window-state misses become bounded replay"
+    DEFAULT_TTL_S = DEFAULT_SWA_POOL_TTL_S
 
     def put(self, key: bytes, value: bytes) -> bool:
         """Store ``value`` (bytes-like) under ``key`` (bytes) until now + ``ttl_s``, replacing any value
         there. False when the master is down or backed off, or Mooncake refused the write (no space: −200;
         a value over the local buffer: −600)."""
-        view = memoryview(value).cast("B")
-        store = self._conn.client()
-        if store is None:
-            with self._lock:
-                self.counters.write_errors += 1
-            return False
-        header = pack_header(self.clock.now() + self.ttl_s, len(view), zlib.crc32(view))
-        try:
-            rc = store.upsert_parts(self._name(key), header, view)
-        except Exception as exc:  # the binding raises only on bad arguments; never into the engine
-            rc = exc
-        if rc != 0:
-            self._conn.failed(rc, "write failed", write=True)
-            return False
-        self._conn.succeeded()
-        with self._lock:
-            self.counters.entries_written += 1
-            self.counters.bytes_written += len(view)
-        return True
+        return self._write([(key, [value])]) == 1
 
     def put_many(self, items: Sequence[tuple[bytes, Sequence[int] | None, bytes]]) -> int:
         """`put` each ``(key, tokens, value)`` (``tokens`` unused) in one ``batch_upsert_from`` (each value
         copied once behind its header; per-key return codes); returns how many were stored."""
-        if len(items) <= 1:
-            return super().put_many(items)
-        store = self._conn.client()
-        if store is None:
-            with self._lock:
-                self.counters.write_errors += len(items)
-            return 0
-        deadline, names, bufs = self.clock.now() + self.ttl_s, [], []
-        for key, _, value in items:
-            view = memoryview(value).cast("B")
-            buf = bytearray(pack_header(deadline, len(view), zlib.crc32(view)))
-            buf += view
-            names.append(self._name(key))
-            bufs.append(buf)
-        ptrs = [ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) for b in bufs]
-        rcs = store.batch_upsert_from(names, ptrs, [len(b) for b in bufs])
-        for rc in rcs:
-            if rc != 0:
-                self._conn.failed(rc, "write failed", write=True)
-        stored = [len(b) - HEADER.size for b, rc in zip(bufs, rcs, strict=True) if rc == 0]
-        if stored:
-            self._conn.succeeded()
-        with self._lock:
-            self.counters.entries_written += len(stored)
-            self.counters.bytes_written += sum(stored)
-        return len(stored)
+        return self._write([(key, [value]) for key, _, value in items])
 
     def get_many(
         self, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None = None
     ) -> list[bytes | None]:
         """The value stored under each of ``keys`` (``tokens`` unused), or None: absent, expired, evicted,
-        corrupt, its owner gone, or the master down (module docstring: the counters). One
-        ``batch_get_replica_desc`` (the sizes), one ``batch_is_exist`` of the keys it did not name, one
-        ``batch_get_into``."""
-        out: list[bytes | None] = [None] * len(keys)
-        with self._lock:
-            self.counters.lookups += len(keys)
-        store = self._conn.client() if keys else None
-        if store is None:
-            return out
-        where: dict[str, list[int]] = {}  # name -> its indices in ``keys`` (each name is read once)
-        for i, k in enumerate(keys):
-            where.setdefault(self._name(k), []).append(i)
-        present: list[tuple[str, int]] = []  # (name, size)
-        drop: list[tuple[str, str]] = []  # (name, counter)
-        descs = store.batch_get_replica_desc(list(where))  # absent, or the call failed: left out
-        for name in where:
-            size = _memory_size(descs.get(name, ()))
-            if size is None:
-                continue
-            if size < HEADER.size:
-                drop.append((name, "corrupt_dropped"))
-            else:
-                present.append((name, size))
-        if missing := [n for n in where if n not in descs]:  # absent, or did the call fail? (one more lookup)
-            err = min(store.batch_is_exist(missing))
-            if err < 0:
-                self._conn.failed(err, "lookup failed")
-                if err in UNREACHABLE:
-                    return out  # the rest would wait on a dead master
-        self._conn.succeeded()
-        if present:
-            self._read(store, where, present, out, drop)
-        if drop:
-            self._drop(store, drop)
-        return out
+        corrupt, its owner gone, or the master down (`kvdiet.storage.mooncake_tier`: the counters)."""
+        return self._read_many(keys)
 
     def discard_many(self, keys: Sequence[bytes]) -> int:
         """Remove each key's value (a superseded snapshot); returns how many were removed."""
-        store = self._conn.client() if keys else None
-        if store is None:
-            return 0
-        return sum(rc == 0 for rc in store.batch_remove([self._name(k) for k in keys], True))
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` have a value (``batch_is_exist``: an index lookup, so a value past its
-        deadline still counts until a read finds it expired); nothing counted. A failure ends the run."""
-        store = self._conn.client() if keys else None
-        if store is None:
-            return 0
-        found = store.batch_is_exist([self._name(k) for k in keys])
-        if (err := min(found, default=0)) < 0:
-            self._conn.failed(err, "lookup failed")
-        return next((i for i, e in enumerate(found) if e != 1), len(keys))
-
-    @property
-    def nbytes(self) -> int:
-        """0: Mooncake's client reports no pool usage (the master's metrics endpoint does)."""
-        return 0
-
-    def __len__(self) -> int:
-        """0: Mooncake's client reports no key count (the master's metrics endpoint does)."""
-        return 0
-
-    # ---- internals -------------------------------------------------------------------------------
-
-    def _name(self, key: bytes) -> str:
-        return f"{_KEY_PREFIX}{self.namespace}:{bytes(key).hex()}"
-
-    def _read(
-        self,
-        store: Any,
-        where: dict[str, list[int]],
-        present: list[tuple[str, int]],
-        out: list[bytes | None],
-        drop: list[tuple[str, str]],
-    ) -> None:
-        """Read every present value at once into buffers of its size, check it, fill ``out``."""
-        bufs = [bytearray(size) for _, size in present]
-        ptrs = [ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) for b in bufs]
-        rcs = store.batch_get_into([name for name, _ in present], ptrs, [len(b) for b in bufs])
-        now, hits, nread = self.clock.now(), 0, 0
-        for (name, size), buf, rc in zip(present, bufs, rcs, strict=True):
-            if rc == _OBJECT_NOT_FOUND:  # gone since its size was read
-                with self._lock:
-                    self.counters.evictions += 1
-                continue
-            if rc < 0:
-                self._conn.failed(rc, "read failed")
-                continue
-            if rc != size:  # overwritten with another size meanwhile: a plain miss
-                continue
-            view = memoryview(buf)
-            head = parse_header(view)
-            if head is None or zlib.crc32(view[HEADER.size :]) != head.crc:
-                drop.append((name, "corrupt_dropped"))
-            elif now >= head.deadline:
-                drop.append((name, "expirations"))
-            else:
-                value = bytes(view[HEADER.size :])
-                for i in where[name]:
-                    out[i] = value
-                hits, nread = hits + len(where[name]), nread + head.length * len(where[name])
-        with self._lock:
-            self.counters.hits += hits
-            self.counters.bytes_read += nread
-
-    def _drop(self, store: Any, drop: list[tuple[str, str]]) -> None:
-        """Remove expired or corrupt values (``force``: a read lease does not stop it) and count them."""
-        try:
-            store.batch_remove([name for name, _ in drop], True)
-        except Exception as exc:  # counted below anyway: the value was bad when read
-            self._conn.failed(exc, "remove failed")
-        with self._lock:
-            for _, counter in drop:
-                setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+        return MooncakeTier.discard_many(self, keys)

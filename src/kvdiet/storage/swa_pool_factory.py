@@ -4,11 +4,9 @@ the backend it names. The only module that knows every backend; the backends do 
 
 from __future__ import annotations
 
-import importlib.util
-
 from kvdiet.storage.clock import Clock
 from kvdiet.storage.mooncake_pool import MooncakeSwaPool
-from kvdiet.storage.mooncake_urls import is_mooncake_url, parse_mooncake_url
+from kvdiet.storage.mooncake_urls import check_mooncake_spec, is_mooncake_url
 from kvdiet.storage.redis_pool import RedisSwaPool
 from kvdiet.storage.redis_urls import parse_redis_urls
 from kvdiet.storage.swa_pool import DEFAULT_SWA_POOL_TTL_S, IN_PROCESS, InProcessSwaPool, SwaPool
@@ -27,13 +25,7 @@ def check_swa_pool_spec(spec: str) -> str:
     if spec.strip() == IN_PROCESS:
         return IN_PROCESS
     if is_mooncake_url(spec):
-        parse_mooncake_url(spec)
-        if importlib.util.find_spec("mooncake") is None:
-            raise ValueError(
-                "--swa-pool: a Mooncake pool needs the mooncake package: pip install 'kvdiet[mooncake]' "
-                "(and the system library libibverbs1)"
-            )
-        return spec.strip()
+        return check_mooncake_spec(spec, flag="--swa-pool")
     parse_redis_urls(spec)
     return spec.strip()
 
