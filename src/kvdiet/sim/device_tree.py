@@ -77,6 +77,15 @@ class DeviceTree:
     def __contains__(self, block: Hashable) -> bool:
         return block in self._node
 
+    def clear(self) -> None:
+        """Forget every block (counters stay), unlinking the nodes (a node and its children refer to each
+        other) so they are freed at once."""
+        for node in self._node.values():
+            node.parent, node.kids = None, set()
+        self._node.clear()
+        self._leaves.clear()
+        self.nbytes = 0
+
     def match(self, ids: Sequence[Hashable], limit: int) -> int:
         """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held; the last
         one is tried first, as a chain already used is held whole)."""
