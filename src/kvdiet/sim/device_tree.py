@@ -86,13 +86,21 @@ class DeviceTree:
         self._leaves.clear()
         self.nbytes = 0
 
-    def match(self, ids: Sequence[Hashable], limit: int) -> int:
+    def match(self, ids: Sequence[Hashable], limit: int, *, guess: int | None = None) -> int:
         """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held; the last
-        one is tried first, as a chain already used is held whole)."""
+        one is tried first, as a chain already used is held whole, then ``guess``, the caller's estimate,
+        checked by two lookups)."""
         held = self._node
         if limit > 0 and ids[limit - 1] in held:
             return limit
         lo, hi = 0, limit - 1  # ids[:lo] held; ids[hi:] not held
+        if guess is not None and 0 <= guess < limit:
+            if guess == 0 or ids[guess - 1] in held:
+                if ids[guess] not in held:
+                    return guess
+                lo = guess + 1
+            else:
+                hi = guess - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if ids[mid - 1] in held:
@@ -101,15 +109,22 @@ class DeviceTree:
                 hi = mid - 1
         return lo
 
-    def use(self, ids: Sequence[Hashable], end: int, size_of: Callable[[int, int], list[int]]) -> None:
+    def use(
+        self,
+        ids: Sequence[Hashable],
+        end: int,
+        size_of: Callable[[int, int], list[int]],
+        *,
+        guess: int | None = None,
+    ) -> None:
         """Blocks ``ids[:end]`` are in use now: those not held are added (``size_of(i, j)`` gives the
         sizes of blocks ``[i, j)`` in bytes; leaves are evicted to fit, never the block the new ones hang
         off) and the last one becomes the most recently used, its ancestors with it. A run that cannot fit
-        even with every other leaf evicted is added as far as it fits. Cost: a binary search, then the blocks
-        added and evicted."""
+        even with every other leaf evicted is added as far as it fits (``guess``: how many are likely held
+        already, see `match`). Cost: a binary search, then the blocks added and evicted."""
         if end <= 0:
             return
-        first = self.match(ids, end)
+        first = self.match(ids, end, guess=guess)
         if first < end:
             parent = self._node[ids[first - 1]] if first > 0 else None
             sizes = size_of(first, end)

@@ -209,9 +209,10 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self.device.use(every, adopted // bs, g.payloads)
-        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
-        self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
+        self.device.use(every, adopted // bs, g.payloads, guess=d)
+        held = max(d, adopted // bs)  # blocks held now: the likely start of the prompt's blocks to add
+        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, held))
+        self._at(finish, lambda: self._forward(cached, groups, n, last, -(-n // bs), finish=True))
         return result
 
     def _forward(
@@ -220,12 +221,14 @@ class _Run:
         groups: tuple[GroupFigures, ...],
         start: int,
         end: int,
+        held: int,
         *,
         finish: bool = False,
     ) -> None:
         """The forward over ``[start, end)`` is done: the control plane writes and captures (sizes for
         payloads); the request's blocks up to the last one it holds become the device pool's most recently
-        used; the boundary reached is recorded (for ``boundary_hits``)."""
+        used (``held``: how many of them the pool likely holds already); the boundary reached is recorded
+        (for ``boundary_hits``)."""
         g = self.geo
         written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
         self.control.after_forward(
@@ -236,7 +239,7 @@ class _Run:
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads)
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
