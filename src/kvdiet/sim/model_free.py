@@ -40,7 +40,6 @@ from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.size_tier import SizeTier, class_bytes, tier_bytes
 from kvdiet.sim.traces import Trace
-from kvdiet.storage.clock import ManualClock
 
 __all__ = ["simulate"]
 
@@ -74,7 +73,7 @@ class _Run:
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
         self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
-        self.clock = ManualClock(trace.requests[0].arrival_s if trace.requests else 0.0)
+        self.clock = _TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
@@ -147,7 +146,7 @@ class _Run:
 
     def _sample(self, t: float, series: dict[str, list[float]], window: list[int]) -> None:
         self._advance(t)
-        self.clock.set(max(self.clock.now(), t))
+        self.clock.t = max(self.clock.t, t)
         self.persistent.expire()
         self.swa.expire()
         prompt = window[0]
@@ -164,10 +163,10 @@ class _Run:
     def _advance(self, now: float) -> None:
         while self.events and self.events[0][0] <= now:
             t, _, fn = heapq.heappop(self.events)
-            self.clock.set(max(self.clock.now(), t))
+            self.clock.t = max(self.clock.t, t)
             fn()
         if now != math.inf:
-            self.clock.set(max(self.clock.now(), now))
+            self.clock.t = max(self.clock.t, now)
 
     # --- one request: the control plane's steps, executed with sizes ---
 
@@ -316,6 +315,19 @@ class _Run:
             "cost_formula": self.cost.formula,
             **self.breakdown.as_dict(),
         }
+
+
+class _TraceClock:
+    """Trace time (seconds) as the tiers read it: moved forward by the run only (single-threaded, so no lock,
+    unlike `kvdiet.storage.clock.ManualClock`)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float) -> None:
+        self.t = float(t)
+
+    def now(self) -> float:
+        return self.t
 
 
 def _pct(values: list[float], q: float) -> float | None:
