@@ -14,7 +14,9 @@ This class keeps exactly that order, one block at a time in effect, while storin
 - a lookup is a binary search over the request's chained ids (an id present implies its ancestors are);
 - eviction pops the least recently used leaf node from a heap and drops blocks from its tail until enough
   bytes are free, a mark makes the new tail newer (the node goes back on the heap), or the protected block
-  is reached; an emptied node hands its time to its parent.
+  is reached; an emptied node hands its time to its parent. A leaf has one heap entry: a use moves only
+  its time, and an entry popped with an older time than its node's goes back in at the newer one (times
+  are unique, so leaves leave the heap in the order of a heap updated at every use).
 
 Ids name whole prefixes (chained, as trace hash ids are), so a block's parent is fixed when it is added, and
 a block's position in its chain is known from the request that names it. Sizes are bytes per block
@@ -46,7 +48,7 @@ class _Node:
         self.kids: set[_Node] = set()  # the nodes hanging off the last block
         self.tail: Stamp = _NEVER  # the last block's time (marks at or after it, and evicted children's)
         self.marks: list[tuple[int, Stamp]] = []  # max-heap by position (−pos) of marks before the last block
-        self.seq = -1  # the heap entry that is current for this node
+        self.seq = -1  # the heap entry that is current for this node (-1: none)
         self.live = True
 
     @property
@@ -202,7 +204,7 @@ class DeviceTree:
         """Block ``pos`` (chain position, in ``node``) is used at ``stamp``."""
         if pos == node.end - 1:
             node.tail = stamp  # the newest there is
-            if not node.kids:
+            if not node.kids and node.seq < 0:  # a leaf's entry already in the heap stays (see `_evict`)
                 self._push(node)
         else:
             heapq.heappush(node.marks, (-pos, stamp))
@@ -227,9 +229,15 @@ class DeviceTree:
         block (chain position ``protect_pos`` of ``protect``) is left."""
         heap, skipped = self._leaves, []
         while need > 0 and heap:
-            _, seq, node = heapq.heappop(heap)
-            if not node.live or node.seq != seq or node.kids:
-                continue  # not current: used, extended, split or emptied since
+            tail, seq, node = heapq.heappop(heap)
+            if node.seq != seq:
+                continue  # not current: extended, split or pushed again since
+            node.seq = -1  # its entry is taken
+            if not node.live or node.kids:
+                continue  # emptied, or no longer a leaf
+            if tail != node.tail:  # used since it was pushed: back in at its time now
+                self._push(node)
+                continue
             stop = protect_pos + 1 if node is protect else node.start  # the first block that may not go
             if node.marks:
                 stop = max(stop, -node.marks[0][0] + 1)
