@@ -161,7 +161,7 @@ class DeviceTree:
         """Hang ``ids[first:end]`` (none held) after chain position ``first − 1`` in ``parent``."""
         run = list(ids[first:end])
         if parent is not None and first < parent.end:  # a branch inside a run: split it there
-            self._split(parent, first)
+            parent = self._split(parent, first)
         if parent is not None and not parent.kids:  # the run continues a leaf: extend it
             if parent.tail != _NEVER:
                 heapq.heappush(parent.marks, (-(first - 1), parent.tail))
@@ -179,10 +179,26 @@ class DeviceTree:
         self.counters.entries_written += len(run)
         self.counters.bytes_written += total
 
-    def _split(self, node: _Node, at: int) -> None:
-        """Move ``node``'s blocks from chain position ``at`` on (and its children and marks there) to a new
-        child node."""
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut ``node`` before chain position ``at``: the blocks from ``at`` on (with the children and the
+        marks there) and those before become two nodes, the second a child of the first. The smaller part is
+        the one moved to a new node (its blocks re-pointed). Returns the first node (ending at ``at − 1``)."""
         k = at - node.start
+        if 2 * k < len(node.ids):  # the head is smaller: it moves to a new node above ``node``
+            head = _Node(node.parent, node.start, node.ids[:k], node.sizes[:k])
+            del node.ids[:k], node.sizes[:k]
+            node.start = at
+            if node.parent is not None:
+                node.parent.kids.discard(node)
+                node.parent.kids.add(head)
+            node.parent, head.kids = head, {node}
+            head.marks = [m for m in node.marks if -m[0] < at]
+            node.marks = [m for m in node.marks if -m[0] >= at]
+            heapq.heapify(head.marks)
+            heapq.heapify(node.marks)
+            self._fold(head)
+            self._node.update(zip(head.ids, itertools.repeat(head)))
+            return head  # ``node`` keeps its time, children and heap entry
         tail = _Node(node, at, node.ids[k:], node.sizes[k:])
         del node.ids[k:], node.sizes[k:]
         tail.kids, tail.tail = node.kids, node.tail
@@ -197,6 +213,7 @@ class DeviceTree:
         self._node.update(zip(tail.ids, itertools.repeat(tail)))
         if not tail.kids and tail.tail != _NEVER:
             self._push(tail)
+        return node
 
     # --- time ---
 
