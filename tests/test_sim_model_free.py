@@ -15,7 +15,7 @@ from kvdiet.cache.keys import KeyKind
 from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
-from kvdiet.sim.cost import CostModel, _sum_min_floor
+from kvdiet.sim.cost import CostModel, _sum_min_floor, _window_reads
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.size_tier import SizeTier
@@ -323,6 +323,23 @@ def test_sum_min_floor_matches_brute_force() -> None:
         for cap in (1, 3, 7):
             for r in (1, 2, 4):
                 assert _sum_min_floor(n, cap, r) == sum(min(cap, p // r) for p in range(n))
+
+
+@pytest.mark.parametrize("model", ["deepseek-v4.1-flash", "deepseek-v4-flash"])
+def test_cumulative_flops_are_the_plain_sums(model: str) -> None:
+    """The written-out sums of `CostModel._cumulative` equal the per-class formula over `_window_reads` and
+    `_sum_min_floor`, on every layer set, below and past the window and the top-k cap."""
+    cost, cfg = CostModel(load_config(model)), load_config(model)
+    per_read = 4 * cfg.num_attention_heads * cfg.head_dim
+    per_score = 2 * cfg.index_n_heads * cfg.index_head_dim
+    for which, (linear, classes) in cost._classes.items():
+        for n in (0, 1, 5, 127, 128, 129, 4096, 65_537, 600_000, 1_000_003):
+            plain = linear * n
+            for count, ratio, cap, indexer in classes:
+                reads = _window_reads(n, cfg.sliding_window) + (_sum_min_floor(n, cap, ratio) if ratio else 0)
+                scores = _sum_min_floor(n, 1 << 62, ratio) if indexer else 0
+                plain += count * (per_read * reads + per_score * scores)
+            assert cost._cumulative(which, n) == plain, (model, which, n)
 
 
 def test_prefill_costs_follow_the_layer_plan() -> None:

@@ -95,6 +95,10 @@ class TtlLru(Generic[V]):
         """Drop every entry whose deadline is ≤ ``now`` (its bytes counted in ``byte_seconds`` up to the
         deadline); returns how many (also counted)."""
         dq, dead, items = self._deadlines, 0, self._items
+        if not dq or dq[0][0] > now:  # nothing due (most calls): only the byte-seconds run on
+            if self._since is None or now > self._since:
+                self._accrue(now)
+            return 0
         while dq and dq[0][0] <= now:
             deadline, keys = dq.popleft()
             self._accrue(deadline)
@@ -191,8 +195,8 @@ class TtlLru(Generic[V]):
         if not keys:
             return 0
         cap, batch = self.capacity, (keys, values, sizes)
-        held = list(map(self._items.__contains__, keys))
-        if any(held):
+        if any(map(self._items.__contains__, keys)):
+            held = list(map(self._items.__contains__, keys))
             if self.refresh or (cap is not None and max(sizes) > cap):
                 batch = None  # each put replaces a live key (or one is refused): one after another
             else:  # live keys are kept as they are: only the others are written
@@ -212,13 +216,17 @@ class TtlLru(Generic[V]):
     ) -> None:
         """Store distinct keys none of which is held, known to fit the budget."""
         deadline = math.inf if self.ttl is None else now + self.ttl
-        self._items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
+        one = len(keys) == 1  # a snapshot, or a request's one new block
+        if one:
+            self._items[keys[0]] = (values[0], total, deadline)
+        else:
+            self._items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
         if self.ttl is not None:
             self._deadlines.append((deadline, tuple(keys)))
         self.nbytes += total
         if self.kind is not None:
-            kinds = list(map(self.kind, keys))
-            if kinds.count(kinds[0]) == len(kinds):
+            kinds = [self.kind(keys[0])] if one else list(map(self.kind, keys))
+            if one or kinds.count(kinds[0]) == len(kinds):
                 added = {kinds[0]: total}
             else:  # each kind's bytes, in order of first appearance (C-level passes, no loop per key)
                 added = {k: sum(compress(sizes, map(eq, kinds, repeat(k)))) for k in dict.fromkeys(kinds)}

@@ -173,20 +173,39 @@ class CostModel:
         """`_cumulative` of each layer set, by position."""
         return {}, {}, {}
 
-    def _cumulative(self, which: int, n: int) -> int:
-        """FLOPs of queries at positions ``[0, n)`` through layer set ``which`` (exact integer)."""
+    @cached_property
+    def _terms(self) -> dict[int, tuple[int, int, tuple[tuple[int, int, int, int, int], ...]]]:
+        """`_classes` as the coefficients `_cumulative` multiplies, per layer set: linear FLOPs per token, FLOPs
+        per window entry read (every layer of the set reads its window), and per compressed class
+        ``(ratio, cap × ratio, cap, FLOPs per selected entry read, FLOPs per indexer score)``."""
         c = self.cfg
-        linear, classes = self._classes[which]
-        window_reads = _window_reads(n, c.sliding_window)
         per_read = 4 * c.num_attention_heads * c.head_dim
         per_score = 2 * c.index_n_heads * c.index_head_dim
-        flops = linear * n
-        for count, ratio, cap, indexer in classes:
-            reads = window_reads + (_sum_min_floor(n, cap, ratio) if ratio else 0)
-            layer = per_read * reads
-            if indexer:
-                layer += per_score * _sum_min_floor(n, _ALL, ratio)
-            flops += count * layer
+        out = {}
+        for which, (linear, classes) in self._classes.items():
+            window = sum(count for count, *_ in classes) * per_read
+            compressed = tuple(
+                (ratio, cap * ratio, cap, count * per_read, count * per_score if indexer else 0)
+                for count, ratio, cap, indexer in classes
+                if ratio
+            )
+            out[which] = (linear, window, compressed)
+        return out
+
+    def _cumulative(self, which: int, n: int) -> int:
+        """FLOPs of queries at positions ``[0, n)`` through layer set ``which`` (exact integer): per layer,
+        ``linear × n + per_read × (Σ_p min(p + 1, W) + Σ_p min(cap, p // ratio)) + per_score × Σ_p p // ratio``
+        (`_window_reads`, `_sum_min_floor`), with the sums written out (one call per new position)."""
+        linear, window, compressed = self._terms[which]
+        w = self.cfg.sliding_window
+        flops = linear * n + window * (n * (n + 1) // 2 if n <= w else w * (w + 1) // 2 + w * (n - w))
+        for ratio, span, cap, per_read, per_score in compressed:
+            q, rem = divmod(n, ratio)
+            every = ratio * q * (q - 1) // 2 + rem * q  # Σ_p p // ratio
+            if per_read:
+                flops += per_read * (every if n <= span else ratio * cap * (cap - 1) // 2 + cap * (n - span))
+            if per_score:
+                flops += per_score * every
         return flops
 
     def prefill_flops(self, start: int, end: int, *, decoder_every_row: bool = False) -> float:

@@ -14,7 +14,9 @@ This class keeps exactly that order, one block at a time in effect, while storin
 - a lookup is a binary search over the request's chained ids (an id present implies its ancestors are);
 - eviction pops the least recently used leaf node from a heap and drops blocks from its tail until enough
   bytes are free, a mark makes the new tail newer (the node goes back on the heap), or the protected block
-  is reached; an emptied node hands its time to its parent.
+  is reached; an emptied node hands its time to its parent. A leaf has one heap entry: a use moves only
+  its time, and an entry popped with an older time than its node's goes back in at the newer one (times
+  are unique, so leaves leave the heap in the order of a heap updated at every use).
 
 Ids name whole prefixes (chained, as trace hash ids are), so a block's parent is fixed when it is added, and
 a block's position in its chain is known from the request that names it. Sizes are bytes per block
@@ -46,7 +48,7 @@ class _Node:
         self.kids: set[_Node] = set()  # the nodes hanging off the last block
         self.tail: Stamp = _NEVER  # the last block's time (marks at or after it, and evicted children's)
         self.marks: list[tuple[int, Stamp]] = []  # max-heap by position (−pos) of marks before the last block
-        self.seq = -1  # the heap entry that is current for this node
+        self.seq = -1  # the heap entry that is current for this node (-1: none)
         self.live = True
 
     @property
@@ -77,13 +79,30 @@ class DeviceTree:
     def __contains__(self, block: Hashable) -> bool:
         return block in self._node
 
-    def match(self, ids: Sequence[Hashable], limit: int) -> int:
+    def clear(self) -> None:
+        """Forget every block (counters stay), unlinking the nodes (a node and its children refer to each
+        other) so they are freed at once."""
+        for node in self._node.values():
+            node.parent, node.kids = None, set()
+        self._node.clear()
+        self._leaves.clear()
+        self.nbytes = 0
+
+    def match(self, ids: Sequence[Hashable], limit: int, *, guess: int | None = None) -> int:
         """How many leading ``ids[:limit]`` are held (binary search: a held id's ancestors are held; the last
-        one is tried first, as a chain already used is held whole)."""
+        one is tried first, as a chain already used is held whole, then ``guess``, the caller's estimate,
+        checked by two lookups)."""
         held = self._node
         if limit > 0 and ids[limit - 1] in held:
             return limit
         lo, hi = 0, limit - 1  # ids[:lo] held; ids[hi:] not held
+        if guess is not None and 0 <= guess < limit:
+            if guess == 0 or ids[guess - 1] in held:
+                if ids[guess] not in held:
+                    return guess
+                lo = guess + 1
+            else:
+                hi = guess - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if ids[mid - 1] in held:
@@ -92,15 +111,22 @@ class DeviceTree:
                 hi = mid - 1
         return lo
 
-    def use(self, ids: Sequence[Hashable], end: int, size_of: Callable[[int, int], list[int]]) -> None:
+    def use(
+        self,
+        ids: Sequence[Hashable],
+        end: int,
+        size_of: Callable[[int, int], list[int]],
+        *,
+        guess: int | None = None,
+    ) -> None:
         """Blocks ``ids[:end]`` are in use now: those not held are added (``size_of(i, j)`` gives the
         sizes of blocks ``[i, j)`` in bytes; leaves are evicted to fit, never the block the new ones hang
         off) and the last one becomes the most recently used, its ancestors with it. A run that cannot fit
-        even with every other leaf evicted is added as far as it fits. Cost: a binary search, then the blocks
-        added and evicted."""
+        even with every other leaf evicted is added as far as it fits (``guess``: how many are likely held
+        already, see `match`). Cost: a binary search, then the blocks added and evicted."""
         if end <= 0:
             return
-        first = self.match(ids, end)
+        first = self.match(ids, end, guess=guess)
         if first < end:
             parent = self._node[ids[first - 1]] if first > 0 else None
             sizes = size_of(first, end)
@@ -135,7 +161,7 @@ class DeviceTree:
         """Hang ``ids[first:end]`` (none held) after chain position ``first − 1`` in ``parent``."""
         run = list(ids[first:end])
         if parent is not None and first < parent.end:  # a branch inside a run: split it there
-            self._split(parent, first)
+            parent = self._split(parent, first)
         if parent is not None and not parent.kids:  # the run continues a leaf: extend it
             if parent.tail != _NEVER:
                 heapq.heappush(parent.marks, (-(first - 1), parent.tail))
@@ -153,10 +179,26 @@ class DeviceTree:
         self.counters.entries_written += len(run)
         self.counters.bytes_written += total
 
-    def _split(self, node: _Node, at: int) -> None:
-        """Move ``node``'s blocks from chain position ``at`` on (and its children and marks there) to a new
-        child node."""
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut ``node`` before chain position ``at``: the blocks from ``at`` on (with the children and the
+        marks there) and those before become two nodes, the second a child of the first. The smaller part is
+        the one moved to a new node (its blocks re-pointed). Returns the first node (ending at ``at − 1``)."""
         k = at - node.start
+        if 2 * k < len(node.ids):  # the head is smaller: it moves to a new node above ``node``
+            head = _Node(node.parent, node.start, node.ids[:k], node.sizes[:k])
+            del node.ids[:k], node.sizes[:k]
+            node.start = at
+            if node.parent is not None:
+                node.parent.kids.discard(node)
+                node.parent.kids.add(head)
+            node.parent, head.kids = head, {node}
+            head.marks = [m for m in node.marks if -m[0] < at]
+            node.marks = [m for m in node.marks if -m[0] >= at]
+            heapq.heapify(head.marks)
+            heapq.heapify(node.marks)
+            self._fold(head)
+            self._node.update(zip(head.ids, itertools.repeat(head)))
+            return head  # ``node`` keeps its time, children and heap entry
         tail = _Node(node, at, node.ids[k:], node.sizes[k:])
         del node.ids[k:], node.sizes[k:]
         tail.kids, tail.tail = node.kids, node.tail
@@ -171,6 +213,7 @@ class DeviceTree:
         self._node.update(zip(tail.ids, itertools.repeat(tail)))
         if not tail.kids and tail.tail != _NEVER:
             self._push(tail)
+        return node
 
     # --- time ---
 
@@ -178,7 +221,7 @@ class DeviceTree:
         """Block ``pos`` (chain position, in ``node``) is used at ``stamp``."""
         if pos == node.end - 1:
             node.tail = stamp  # the newest there is
-            if not node.kids:
+            if not node.kids and node.seq < 0:  # a leaf's entry already in the heap stays (see `_evict`)
                 self._push(node)
         else:
             heapq.heappush(node.marks, (-pos, stamp))
@@ -203,9 +246,15 @@ class DeviceTree:
         block (chain position ``protect_pos`` of ``protect``) is left."""
         heap, skipped = self._leaves, []
         while need > 0 and heap:
-            _, seq, node = heapq.heappop(heap)
-            if not node.live or node.seq != seq or node.kids:
-                continue  # not current: used, extended, split or emptied since
+            tail, seq, node = heapq.heappop(heap)
+            if node.seq != seq:
+                continue  # not current: extended, split or pushed again since
+            node.seq = -1  # its entry is taken
+            if not node.live or node.kids:
+                continue  # emptied, or no longer a leaf
+            if tail != node.tail:  # used since it was pushed: back in at its time now
+                self._push(node)
+                continue
             stop = protect_pos + 1 if node is protect else node.start  # the first block that may not go
             if node.marks:
                 stop = max(stop, -node.marks[0][0] + 1)

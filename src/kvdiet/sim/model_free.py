@@ -41,7 +41,6 @@ from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.size_tier import SizeTier, class_bytes, tier_bytes
 from kvdiet.sim.traces import Trace
-from kvdiet.storage.clock import ManualClock
 
 __all__ = ["simulate"]
 
@@ -59,9 +58,12 @@ def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None]
     cfg = config.check(trace.block_size)
     collecting = gc.isenabled()
     gc.disable()  # millions of small, acyclic entries: cycle collection would rescan them all, for nothing
+    run = _Run(trace, config, cfg, progress)
     try:
-        return _Run(trace, config, cfg, progress).run()
+        return run.run()
     finally:
+        run.close()  # freed now, by reference counts: left to the cycle collector, that costs a third more
+        del run
         if collecting:
             gc.enable()
 
@@ -72,7 +74,7 @@ class _Run:
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
         self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
-        self.clock = ManualClock(trace.requests[0].arrival_s if trace.requests else 0.0)
+        self.clock = _TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
@@ -140,9 +142,20 @@ class _Run:
             self.progress(len(reqs))
         return SimResult(self.sc, self._summary(), series, self.results, self.ages)
 
+    def close(self) -> None:
+        """Drop the tiers' entries and the references back to this run (the control plane's callback), so
+        nothing of the run is left in a reference cycle."""
+        self.device.clear()
+        self.persistent.close()
+        self.swa.close()
+        if self.glob is not None:
+            self.glob.close()
+        self.control.on_supersede = None
+        self.events.clear()
+
     def _sample(self, t: float, series: dict[str, list[float]], window: list[int]) -> None:
         self._advance(t)
-        self.clock.set(max(self.clock.now(), t))
+        self.clock.t = max(self.clock.t, t)
         self._expire()
         prompt = window[0]
         series["t_s"].append(round(t, 3))
@@ -163,10 +176,10 @@ class _Run:
     def _advance(self, now: float) -> None:
         while self.events and self.events[0][0] <= now:
             t, _, fn = heapq.heappop(self.events)
-            self.clock.set(max(self.clock.now(), t))
+            self.clock.t = max(self.clock.t, t)
             fn()
         if now != math.inf:
-            self.clock.set(max(self.clock.now(), now))
+            self.clock.t = max(self.clock.t, now)
 
     # --- one request: the control plane's steps, executed with sizes ---
 
@@ -208,9 +221,10 @@ class _Run:
         prefill_end = now + self.cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
-        self.device.use(every, adopted // bs, g.payloads)
-        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n))
-        self._at(finish, lambda: self._forward(cached, groups, n, last, finish=True))
+        self.device.use(every, adopted // bs, g.payloads, guess=d)
+        held = max(d, adopted // bs)  # blocks held now: the likely start of the prompt's blocks to add
+        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, held))
+        self._at(finish, lambda: self._forward(cached, groups, n, last, -(-n // bs), finish=True))
         return result
 
     def _forward(
@@ -219,12 +233,14 @@ class _Run:
         groups: tuple[GroupFigures, ...],
         start: int,
         end: int,
+        held: int,
         *,
         finish: bool = False,
     ) -> None:
         """The forward over ``[start, end)`` is done: the control plane writes and captures (sizes for
         payloads); the request's blocks up to the last one it holds become the device pool's most recently
-        used; the boundary reached is recorded (for ``boundary_hits``)."""
+        used (``held``: how many of them the pool likely holds already); the boundary reached is recorded
+        (for ``boundary_hits``)."""
         g = self.geo
         written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
         self.control.after_forward(
@@ -235,7 +251,7 @@ class _Run:
             window_block=lambda i: g.window_block_bytes,
             snapshot=lambda pos: self.snapshot_bytes,
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads)
+        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
         if boundary > 0:
             self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
@@ -335,6 +351,19 @@ class _Run:
             "global_pool_expirations": tier.counters.expirations,
             **tier_bytes(tier, "global_pool", span),
         }
+
+
+class _TraceClock:
+    """Trace time (seconds) as the tiers read it: moved forward by the run only (single-threaded, so no lock,
+    unlike `kvdiet.storage.clock.ManualClock`)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float) -> None:
+        self.t = float(t)
+
+    def now(self) -> float:
+        return self.t
 
 
 def _pct(values: list[float], q: float) -> float | None:

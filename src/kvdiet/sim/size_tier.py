@@ -1,7 +1,7 @@
 """`SizeTier`: a cache tier of the model-free simulator — the `kvdiet.cache.tier.Tier` protocol over byte sizes.
 
 The values are sizes (ints), the rules are `kvdiet.cache.ttl_lru.TtlLru`'s (the same object the in-process
-SWA pool keeps its bytes in), and time is the simulator's trace time (a `ManualClock` it advances). Keys are
+SWA pool keeps its bytes in), and time is the simulator's trace time (a clock it advances). Keys are
 `kvdiet.cache.keys.IdKeys`: a block's global KV under its trace id (an int), window state under a
 ``(kind, id)`` tuple; so bytes are counted by class — ``"kv"`` or ``"window"`` — read off the key's type (in
 C: `type`).
@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 
 from kvdiet.cache.counters import TierCounters
 from kvdiet.cache.ttl_lru import TtlLru
-from kvdiet.storage.clock import ManualClock
+from kvdiet.storage.clock import Clock
 
 __all__ = ["SizeTier", "class_bytes", "tier_bytes"]
 
@@ -62,7 +62,7 @@ class SizeTier:
         clock: trace time, advanced by the simulator.
     """
 
-    def __init__(self, capacity: int | None, ttl: float | None, *, refresh: bool, clock: ManualClock) -> None:
+    def __init__(self, capacity: int | None, ttl: float | None, *, refresh: bool, clock: Clock) -> None:
         self.counters = TierCounters()
         self.entries: TtlLru[int] = TtlLru(capacity, ttl, refresh=refresh, counters=self.counters, kind=type)
         self.clock = clock
