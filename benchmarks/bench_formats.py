@@ -6,6 +6,10 @@ input, best of ``--repeats`` after an untimed warm-up on a slice, next to ``torc
 measured in the same run. Every call allocates its output, as the clone does. Prints a table, then one
 JSON line. Fixed seed; CPU only; honours ``torch.set_num_threads`` (``--threads``).
 
+``--clock cpu`` times process CPU seconds (all threads, user + system: page faults included) instead of wall
+seconds: on cores shared with other jobs wall times swing several-fold between runs (the clone's too), CPU
+times barely move.
+
 Unless set, ``OMP_WAIT_POLICY=PASSIVE``: with GOMP's default spin-wait, every multi-threaded op stalls for
 a scheduler quantum whenever another process shares the cores (figures then drop ~100×, clone included).
 
@@ -39,29 +43,38 @@ FORMATS: list[tuple[str, int, Callable, Callable]] = [
 FIGURES = ("pack", "unpack_bf16", "unpack_fp32")
 
 
-def best_seconds(fn: Callable[[torch.Tensor], object], arg: torch.Tensor, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls ``fn(arg)``, after an untimed warm-up on a slice of ``arg``."""
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def best_seconds(
+    fn: Callable[[torch.Tensor], object], arg: torch.Tensor, repeats: int, clock: str = "wall"
+) -> float:
+    """Best time (``clock``: wall or process CPU seconds) of ``repeats`` calls ``fn(arg)``, after an untimed
+    warm-up on a slice of ``arg``."""
+    now = CLOCKS[clock]
     fn(arg[: max(1, arg.shape[0] // 64)])
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn(arg)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, now() - start)
     return best
 
 
-def measure(x: torch.Tensor, repeats: int) -> tuple[float, dict[str, dict[str, float]]]:
+def measure(x: torch.Tensor, repeats: int, clock: str = "wall") -> tuple[float, dict[str, dict[str, float]]]:
     """Clone GB/s and, per format, GB/s of bf16 input and ratio to the clone for each of ``FIGURES``."""
     gb = x.numel() * x.element_size() / 1e9
-    clone_gbps = gb / best_seconds(torch.clone, x, repeats)
+    clone_gbps = gb / best_seconds(torch.clone, x, repeats, clock)
     results = {}
     for name, dim, encode, decode in FORMATS:
         xv = x.view(-1, dim)
         packed = encode(xv)
         seconds = {
-            "pack": best_seconds(encode, xv, repeats),
-            "unpack_bf16": best_seconds(lambda p, d=decode: d(p, dtype=torch.bfloat16), packed, repeats),
-            "unpack_fp32": best_seconds(decode, packed, repeats),
+            "pack": best_seconds(encode, xv, repeats, clock),
+            "unpack_bf16": best_seconds(
+                lambda p, d=decode: d(p, dtype=torch.bfloat16), packed, repeats, clock
+            ),
+            "unpack_fp32": best_seconds(decode, packed, repeats, clock),
         }
         r: dict[str, float] = {"bytes_per_entry": packed.shape[-1]}
         for key in FIGURES:
@@ -77,6 +90,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=256.0, help="bf16 input size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall or process CPU seconds")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     if args.threads:
@@ -84,11 +98,12 @@ def main() -> None:
     torch.manual_seed(0)
     rows = max(1, int(args.size_mb * 2**20) // (512 * 2))
     x = torch.randn(rows, 512, dtype=torch.bfloat16)
-    clone_gbps, results = measure(x, args.repeats)
+    clone_gbps, results = measure(x, args.repeats, args.clock)
 
     if not args.json_only:
         gb = x.numel() * 2 / 1e9
-        table = Table(title=f"bf16 [{rows}, 512] = {gb:.3f} GB, {torch.get_num_threads()} threads")
+        title = f"bf16 [{rows}, 512] = {gb:.3f} GB, {torch.get_num_threads()} threads, {args.clock} clock"
+        table = Table(title=title)
         heads = (
             "format",
             "B/entry",
@@ -112,6 +127,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "repeats": args.repeats,
+        "clock": args.clock,
         "clone_gbps": round(clone_gbps, 3),
         "formats": {name: {k: round(v, 3) for k, v in r.items()} for name, r in results.items()},
     }

@@ -30,3 +30,18 @@ def write_config(tmp_path: Path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="module", params=["native", "torch"])
+def format_backend(request):
+    """Run a module's tests on both FP4 codec paths: the compiled kernels (which must build here) and pure
+    torch (``KVDIET_NATIVE_KERNELS=0``)."""
+    from kvdiet.formats import native
+
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "torch":
+            mp.setenv(native.ENV, "0")
+        else:
+            mp.delenv(native.ENV, raising=False)
+            assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
+        yield request.param

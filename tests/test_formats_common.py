@@ -21,6 +21,8 @@ from hypothesis.extra import numpy as hnp
 from kvdiet.formats import fp4, fp8, layout, mxfp4, scales, v4_record
 from kvdiet.formats.layout import EntryFormat
 
+pytestmark = pytest.mark.usefixtures("format_backend")  # compiled kernels and pure torch
+
 
 @dataclass(frozen=True)
 class Fmt:

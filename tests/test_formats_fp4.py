@@ -36,6 +36,8 @@ BLOCK_A_BYTES = [0xF7, 0x82, 0x26, 0xC6, 0x10, 0x43, 0x65, 0xDA]
 BLOCK_B = [9.0, 4.5, 2.25, -0.375, 1.125, 3.75, 5.25, 7.5] + [0.0] * 8
 BLOCK_B_BYTES = [0x57, 0x83, 0x42, 0x66, 0, 0, 0, 0]
 
+pytestmark = pytest.mark.usefixtures("format_backend")  # compiled kernels and pure torch
+
 
 def test_main_kv_golden_entry():
     x = torch.tensor(BLOCK_A + BLOCK_B)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdiet.formats import e2m1
+from kvdiet.formats import e2m1, native
 from kvdiet.formats.layout import EntryFormat, main_kv_format
 from kvdiet.formats.scales import (
     E4M3_SCALE_BYTES,
@@ -55,6 +55,8 @@ from kvdiet.formats.scales import (
     e4m3_scale,
     e4m3_scale_to_float,
     entry_of_packed,
+    non_finite_error,
+    output_dtype,
     row_chunks,
 )
 
@@ -84,6 +86,7 @@ class Fp4Recipe:
         scale_bytes: stored scale bytes the recipe writes (inclusive range); others are rejected.
         scale: block amax float32 ``[r, nb]`` (may be modified in place) → ``(s float32, byte uint8)``.
         scale_to_float: stored scale bytes → float32 ``s``.
+        kernel: recipe id of the compiled kernels (``native.RECIPE_*``).
     """
 
     name: str
@@ -92,6 +95,7 @@ class Fp4Recipe:
     scale_bytes: tuple[int, int]
     scale: Callable[[Tensor], tuple[Tensor, Tensor]]
     scale_to_float: Callable[[Tensor], Tensor]
+    kernel: int
 
 
 def _main_kv_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,7 +103,13 @@ def _main_kv_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
 
 
 MAIN_KV = Fp4Recipe(
-    "fp4_e2m1_e4m3x16", 16, main_kv_format, E4M3_SCALE_BYTES, _main_kv_scale, e4m3_scale_to_float
+    "fp4_e2m1_e4m3x16",
+    16,
+    main_kv_format,
+    E4M3_SCALE_BYTES,
+    _main_kv_scale,
+    e4m3_scale_to_float,
+    native.RECIPE_E4M3X16,
 )
 
 
@@ -135,7 +145,17 @@ def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
 
 
 def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
-    """Fused ``pack_fp4(*quantize_fp4(x))``: ``x [..., dim]`` → uint8 entries ``[..., bytes_per_entry]``."""
+    """Fused ``pack_fp4(*quantize_fp4(x))``: ``x [..., dim]`` → uint8 entries ``[..., bytes_per_entry]``.
+
+    Runs the compiled kernels (``native``) when available, else the pure-torch chunks; the bytes are equal.
+    """
+    kernels = native.fp4_kernels()
+    if kernels is not None:
+        rows = as_rows(x, block=recipe.block, name=recipe.name)
+        packed = torch.empty(rows.shape[0], recipe.entry(rows.shape[1]).bytes_per_entry, dtype=torch.uint8)
+        if rows.shape[0] and (bad := kernels.encode_fp4(rows, recipe.kernel, packed)) >= 0:
+            raise non_finite_error(recipe.name, bad)
+        return packed.view(*x.shape[:-1], packed.shape[1])
     rows, fmt, ybuf, work = _setup(x, recipe)
     packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
     assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
@@ -175,9 +195,21 @@ def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: t
 
 
 def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
-    """Fused ``dequantize_fp4(*unpack_fp4(packed))``: entries → ``dtype`` ``[..., dim]``."""
+    """Fused ``dequantize_fp4(*unpack_fp4(packed))``: entries → ``dtype`` ``[..., dim]``.
+
+    Runs the compiled kernels (``native``) when available, else the pure-torch chunks; the values are equal.
+    """
     fmt = _entry_of(packed, recipe)
     rows = packed.reshape(-1, fmt.bytes_per_entry)
+    kernels = native.fp4_kernels()
+    if kernels is not None:
+        out = torch.empty(rows.shape[0], fmt.dim, dtype=output_dtype(dtype, name=recipe.name))
+        if rows.shape[1] > 1 and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        lo, hi = recipe.scale_bytes
+        if rows.shape[0] and kernels.decode_fp4(rows, recipe.kernel, lo, hi, out) >= 0:
+            check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)  # raises
+        return out.view(*packed.shape[:-1], fmt.dim)
     check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)
     table = e2m1.pair_table()
 

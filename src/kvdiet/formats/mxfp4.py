@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdiet.formats import native
 from kvdiet.formats.fp4 import (
     Fp4Recipe,
     decode_fp4,
@@ -74,7 +75,13 @@ def _index_key_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
 
 # Stored bytes 1 (2^-126, the amax floor) .. 252 (2^125, the cap).
 INDEX_KEY = Fp4Recipe(
-    "mxfp4", 32, index_key_format, (1, _MAX_EXPONENT + 127), _index_key_scale, ue8m0_to_float
+    "mxfp4",
+    32,
+    index_key_format,
+    (1, _MAX_EXPONENT + 127),
+    _index_key_scale,
+    ue8m0_to_float,
+    native.RECIPE_UE8M0X32,
 )
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "e4m3_scale",
     "e4m3_scale_to_float",
     "entry_of_packed",
+    "non_finite_error",
+    "output_dtype",
     "row_chunks",
     "ue8m0_scale",
     "ue8m0_to_float",
@@ -97,9 +99,13 @@ def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: in
     mag = torch.bitwise_and(xb.view(itype), mask, out=work.view(itype)[: xb.numel()].view(xb.shape))
     amax = mag.amax(-1)
     if amax.numel() and int(amax.max()) >= inf_bits:
-        row = first_row + int((amax >= inf_bits).any(-1).nonzero()[0])
-        raise ValueError(f"{name}: input holds a non-finite value (±inf or NaN) in row {row}")
+        raise non_finite_error(name, first_row + int((amax >= inf_bits).any(-1).nonzero()[0]))
     return amax.view(xb.dtype).float()
+
+
+def non_finite_error(name: str, row: int) -> ValueError:
+    """The error for an input row holding ±inf or NaN (``row``: index in the caller's rows)."""
+    return ValueError(f"{name}: input holds a non-finite value (±inf or NaN) in row {row}")
 
 
 def ue8m0_scale(y: torch.Tensor, *, max_exponent: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,9 +150,7 @@ def decode_rows(
     Raises:
         ValueError: ``dtype`` is neither float32 nor bfloat16.
     """
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{name}: output dtype must be float32 or bfloat16, got {dtype}")
-    out = torch.empty(rows, dim, dtype=dtype)
+    out = torch.empty(rows, dim, dtype=output_dtype(dtype, name=name))
     scratch = None if dtype == torch.float32 else torch.empty(chunk_rows(rows, dim), dim)
     for sl in row_chunks(rows, dim):
         chunk = out[sl] if scratch is None else scratch[: sl.stop - sl.start]
@@ -154,6 +158,17 @@ def decode_rows(
         if scratch is not None:
             out[sl].copy_(chunk)
     return out
+
+
+def output_dtype(dtype: torch.dtype, *, name: str) -> torch.dtype:
+    """``dtype`` if it is a dequantiser output dtype (float32 or bfloat16).
+
+    Raises:
+        ValueError: any other dtype.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: output dtype must be float32 or bfloat16, got {dtype}")
+    return dtype
 
 
 def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name: str) -> None:

@@ -1,0 +1,71 @@
+"""Compiled FP4 block codec: ``fp4_kernels.cpp``, built once per machine at first use.
+
+``fp4`` (and through it ``mxfp4``) encodes and decodes packed entries with these kernels when they are
+available: one pass over each row instead of some twenty torch ops, bit-identical to the pure-torch path
+(tests compare the two on every code, scale byte and rounding tie). The kernels are JIT-built by
+``torch.utils.cpp_extension`` into its cache directory (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the
+CPU capability torch detects (AVX512, AVX2 or baseline; part of the build's name, so machines sharing a
+cache directory never load each other's build). The first build takes about a minute; later processes load
+it in milliseconds.
+
+``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
+failed build logs a warning once and uses the pure-torch path too. It knows nothing of entry layouts
+beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["ENV", "RECIPE_E4M3X16", "RECIPE_UE8M0X32", "fp4_kernels"]
+
+ENV = "KVDIET_NATIVE_KERNELS"
+"""Environment variable: ``0`` selects the pure-torch format kernels."""
+RECIPE_E4M3X16 = 0
+"""Kernel recipe id: blocks of 16, E4M3 scales (``fp4_e2m1_e4m3x16``)."""
+RECIPE_UE8M0X32 = 1
+"""Kernel recipe id: blocks of 32, UE8M0 scales (``mxfp4``)."""
+
+_SOURCE = Path(__file__).with_name("fp4_kernels.cpp")
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_log = logging.getLogger(__name__)
+
+
+def fp4_kernels() -> ModuleType | None:
+    """The built kernels (``encode_fp4``, ``decode_fp4``), or None for the pure-torch path.
+
+    None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
+    process without a cached build compiles it (about a minute on 2 cores).
+    """
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    return _build()
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    from torch.utils.cpp_extension import load_inline
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = next((name for name in _ISA_FLAGS if capability.startswith(name)), "base")
+    flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]  # no FMA contraction: exact IEEE steps
+    source = _SOURCE.read_text()
+    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
+    name = f"kvdiet_fp4_{isa.lower()}_{digest}"
+    _log.info("loading FP4 kernels %s (built at first use: about a minute)", name)
+    try:
+        return load_inline(name, cpp_sources=source, extra_cflags=flags)
+    except Exception as error:  # no compiler, no headers: the pure-torch path still works
+        _log.warning("FP4 kernels did not build (%s); using the pure-torch path", error)
+        return None

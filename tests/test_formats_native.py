@@ -1,0 +1,104 @@
+"""The compiled FP4 kernels (``formats.native``) against the pure-torch path, bit for bit.
+
+Every (value byte, scale byte) pair through decode, every E2M1 rounding boundary at many scales, subnormal,
+huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.formats import fp4, mxfp4, native
+
+CODECS = [
+    pytest.param(fp4.encode_main_kv, fp4.decode_main_kv, fp4.MAIN_KV, 512, id="fp4_e2m1_e4m3x16"),
+    pytest.param(mxfp4.encode_index_key, mxfp4.decode_index_key, mxfp4.INDEX_KEY, 128, id="mxfp4"),
+]
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """``both(fn, *args, **kw)``: (compiled result, pure-torch result)."""
+    assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
+
+    def run(fn, *args, **kwargs):
+        monkeypatch.delenv(native.ENV, raising=False)
+        compiled = fn(*args, **kwargs)
+        monkeypatch.setenv(native.ENV, "0")
+        pure = fn(*args, **kwargs)
+        monkeypatch.delenv(native.ENV)
+        return compiled, pure
+
+    return run
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize(("encode", "decode", "recipe", "dim"), CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_every_value_byte_and_scale_byte(both, encode, decode, recipe, dim, dtype):
+    lo, hi = recipe.scale_bytes
+    block_bytes = recipe.block // 2
+    scale_bytes = torch.arange(lo, hi + 1, dtype=torch.uint8)
+    # one block per (scale byte, run of block_bytes value bytes); every value byte under every scale byte
+    values = torch.arange(256, dtype=torch.uint8).view(-1, block_bytes)  # [256/block_bytes, block_bytes]
+    blocks = torch.cat(
+        [values.repeat(len(scale_bytes), 1), scale_bytes.repeat_interleave(len(values)).unsqueeze(1)], 1
+    )
+    nb = dim // recipe.block
+    blocks = blocks[: len(blocks) // nb * nb].view(-1, nb, block_bytes + 1)
+    packed = torch.cat([blocks[..., :block_bytes].reshape(len(blocks), -1), blocks[..., block_bytes]], 1)
+    compiled, pure = both(decode, packed, dtype=dtype)
+    assert compiled.dtype == dtype and torch.equal(_bits(compiled), _bits(pure))
+
+
+def _boundary_inputs(dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of values at, just below and just above every E2M1 midpoint and grid point, at many scales."""
+    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.5])
+    near = torch.cat([grid, torch.nextafter(grid, grid + 1), torch.nextafter(grid, grid - 1)])
+    near = torch.cat([near, -near, torch.tensor([-0.0, 7.0, 1e-45, 2.0**-126, 2.0**-149])])
+    rows = []
+    for exponent in (-140, -130, -126, -100, -12, -9, -6, -1, 0, 1, 5, 9, 60, 120, 126):
+        row = (near * 2.0**exponent).float()
+        rows.append(torch.cat([row, row.flip(0)]).repeat(dim)[:dim])
+    x = torch.stack(rows)
+    x = torch.cat([x, torch.randn(64, dim, generator=torch.Generator().manual_seed(3))])
+    x = torch.cat([x, x * 1e-30, x * 1e30, torch.zeros(2, dim), torch.full((1, dim), 3.4e38)])
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+@pytest.mark.parametrize(("encode", "decode", "recipe", "dim"), CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_encode_matches_at_every_rounding_boundary(both, encode, decode, recipe, dim, dtype):
+    x = _boundary_inputs(dim, dtype)
+    compiled, pure = both(encode, x)
+    assert torch.equal(compiled, pure)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        decoded, expected = both(decode, compiled, dtype=out_dtype)
+        assert torch.equal(_bits(decoded), _bits(expected))
+
+
+@pytest.mark.parametrize(("encode", "decode", "recipe", "dim"), CODECS)
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+def test_errors_name_the_same_row(monkeypatch, encode, decode, recipe, dim, env):
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    x = torch.randn(9, 3, dim, generator=torch.Generator().manual_seed(4))
+    x[5, 1, 7] = float("nan")  # row 16 of the flattened input
+    with pytest.raises(ValueError, match=rf"^{recipe.name}: input holds a non-finite .* in row 16$"):
+        encode(x)
+    packed = encode(torch.randn(9, dim))
+    packed[6, -1] = 0  # no recipe writes scale byte 0
+    with pytest.raises(ValueError, match=rf"^{recipe.name}: stored scale byte 0 is outside"):
+        decode(packed)
+
+
+def test_environment_selects_the_pure_torch_path(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.fp4_kernels() is None
+    monkeypatch.setenv(native.ENV, "1")
+    assert native.fp4_kernels() is not None
