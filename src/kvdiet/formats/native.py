@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -64,8 +65,22 @@ def _build() -> ModuleType | None:
     digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
     name = f"kvdiet_fp4_{isa.lower()}_{digest}"
     _log.info("loading FP4 kernels %s (built at first use: about a minute)", name)
+    path = os.environ.get("PATH", "")
     try:
+        # torch runs ``ninja`` from PATH: the one pip installed with kvdiet, also when the venv is not active
+        os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path])
         return load_inline(name, cpp_sources=source, extra_cflags=flags)
     except Exception as error:  # no compiler, no headers: the pure-torch path still works
         _log.warning("FP4 kernels did not build (%s); using the pure-torch path", error)
         return None
+    finally:
+        os.environ["PATH"] = path
+
+
+def _ninja_dir() -> str:
+    """The folder of the ``ninja`` executable of the ``ninja`` package, or of this interpreter."""
+    try:
+        import ninja
+    except ImportError:
+        return str(Path(sys.executable).parent)
+    return str(ninja.BIN_DIR)
