@@ -229,6 +229,8 @@ def test_master_down_misses_and_refused_writes_never_raise(ident: StoreIdentity,
             ["--global-pool", "mooncake://h:1", "--global-pool-ttl", "0s"],
             "--global-pool-ttl: duration must be > 0",
         ),
+        (["--global-pool-size", "64MiB"], "--global-pool-size: no --global-pool is given"),
+        (["--global-pool-ttl", "10m"], "--global-pool-ttl: no --global-pool is given"),
     ],
 )
 def test_cli_refuses_bad_global_pool_flags_with_exit_2(capsys, flags: list[str], message: str) -> None:

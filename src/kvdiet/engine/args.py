@@ -288,7 +288,7 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
         "--global-pool-size",
         help="the segment this process gives the global pool (default 10%% of host RAM; 0: none)",
     )
-    group.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
+    group.add_argument("--global-pool-ttl", help="global-pool TTL (default 1h)")
     group.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -314,6 +314,17 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         args.swa_policy = "boundary-snapshot" if v4 else "bounded-replay"
     if isinstance(cfg, ModelConfig):  # before the model loads (seconds to minutes)
         parse_flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
+    if args.global_pool is None:
+        given = [
+            f
+            for f, v in (
+                ("--global-pool-size", args.global_pool_size),
+                ("--global-pool-ttl", args.global_pool_ttl),
+            )
+            if v
+        ]
+        if given:
+            raise ValueError(f"{given[0]}: no --global-pool is given (mooncake://HOST[:PORT])")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,
@@ -327,7 +338,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         if args.global_pool is None
         else check_mooncake_spec(args.global_pool, flag="--global-pool"),
         global_pool_size=parse_flag("--global-pool-size", _bytes_or_none, args.global_pool_size),
-        global_pool_ttl_s=parse_flag("--global-pool-ttl", parse_duration, args.global_pool_ttl),
+        global_pool_ttl_s=parse_flag("--global-pool-ttl", parse_duration, args.global_pool_ttl or "1h"),
         policy=parse_flag("--swa-policy", parse_policy, args.swa_policy),
         decoder_replay=not args.no_decoder_replay,
         prefix_caching=args.enable_prefix_caching,

@@ -69,9 +69,9 @@ def parse_mooncake_url(spec: str, *, flag: str = "--swa-pool") -> MooncakeUrl:
     except ValueError as exc:
         raise ValueError(f"{flag}: bad Mooncake URL {text!r}: {exc}") from None
     if parts.scheme.lower() != SCHEME:
-        raise ValueError(f"{flag}: {text!r} is not a Mooncake URL (mooncake://HOST:PORT)")
+        raise ValueError(f"{flag}: {text!r} is not a Mooncake URL (mooncake://HOST[:PORT])")
     if not parts.hostname:
-        raise ValueError(f"{flag}: {text!r} names no master host (mooncake://HOST:PORT)")
+        raise ValueError(f"{flag}: {text!r} names no master host (mooncake://HOST[:PORT])")
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"{flag}: port {port} of {text!r} is outside 1-65535")
     if parts.path not in ("", "/") or parts.username or parts.password or parts.fragment:
