@@ -223,7 +223,8 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--device-size", "lots"], "lots"),
         (["--runs", "checkpoint:1000", "--sweep", "none"], "run checkpoint:1000@"),
         (["--jobs", "0"], "--jobs"),
-        (["--max-requests", "-2"], "--max-requests must be a finite number >= 1, got -2"),  # every mode
+        (["--mode", "engine", "--max-requests", "-2"], "--max-requests must be a finite number >= 1, got -2"),
+        (["--max-requests", "200"], "--max-requests: engine mode only"),  # the model-free study ignored it
         (["--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),  # it once hung
         (["--max-num-seqs", "0"], "--max-num-seqs must be"),

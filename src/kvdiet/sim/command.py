@@ -139,7 +139,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         default="v4.1-mini",
         help="model the engine loads for runs without @MODEL (default v4.1-mini; v4-mini runs V4-Flash)",
     )
-    e.add_argument("--max-requests", type=int, default=8, help="requests from the trace's start (default 8)")
+    e.add_argument(
+        "--max-requests", type=int, help="requests from the trace's start (default 8; engine mode only)"
+    )
     e.add_argument(
         "--engine-block-size",
         type=int,

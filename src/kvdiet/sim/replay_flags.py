@@ -13,7 +13,10 @@ from pathlib import Path
 
 from kvdiet.units import parse_bytes, parse_duration
 
-__all__ = ["plan_runs"]
+__all__ = ["DEFAULT_ENGINE_REQUESTS", "plan_runs"]
+
+DEFAULT_ENGINE_REQUESTS = 8
+"""Requests from the trace's start that ``--mode engine`` replays without ``--max-requests``."""
 
 
 def plan_runs(args: argparse.Namespace):
@@ -29,6 +32,12 @@ def plan_runs(args: argparse.Namespace):
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if not args.progress_interval >= 0:
         raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
+    if args.max_requests is not None and args.mode != "engine":
+        raise ValueError(
+            "--max-requests: engine mode only (--mode engine); the model-free study replays the whole trace"
+        )
+    if args.max_requests is None:
+        args.max_requests = DEFAULT_ENGINE_REQUESTS
     for flag, value, least in (
         ("--max-requests", args.max_requests, 1),
         ("--max-num-seqs", args.max_num_seqs, 1),
