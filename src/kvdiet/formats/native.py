@@ -3,11 +3,11 @@
 ``fp4`` (and through it ``mxfp4``) encodes and decodes packed entries with these kernels when they are
 available: one pass over each row instead of some twenty torch ops, bit-identical to the pure-torch path
 (tests compare the two on every code, scale byte and rounding tie). The kernels are JIT-built by
-``torch.utils.cpp_extension`` into its cache directory (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the
-CPU capability torch detects (AVX512, AVX2 or baseline; part of the build's name, so machines sharing a
-cache directory never load each other's build). The first build takes about a minute; later processes load
-it in milliseconds.
+``torch.utils.cpp_extension`` into ``kvdiet/`` under its cache directory (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``; one build at a time under an flock, so a killed build never blocks
+the next) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the CPU capability torch
+detects (AVX512, AVX2 or baseline; part of the build's name, so machines sharing a cache directory never
+load each other's build). The first build takes about a minute; later processes load it in milliseconds.
 
 ``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
 failed build logs a warning once and uses the pure-torch path too. It knows nothing of entry layouts
@@ -67,9 +67,23 @@ def _build() -> ModuleType | None:
     _log.info("loading FP4 kernels %s (built at first use: about a minute)", name)
     path = os.environ.get("PATH", "")
     try:
-        # torch runs ``ninja`` from PATH: the one pip installed with kvdiet, also when the venv is not active
-        os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path])
-        return load_inline(name, cpp_sources=source, extra_cflags=flags)
+        import fcntl
+
+        from torch.utils.cpp_extension import get_default_build_root
+
+        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "kvdiet" / name
+        build.mkdir(parents=True, exist_ok=True)
+        # torch's own build lock (a ``lock`` file) outlives a build that was killed, and every later process
+        # would wait on it forever; an flock is released with its process: every kvdiet build holds it, so
+        # a ``lock`` file found under it was left by a killed build
+        with open(build.parent / f"{name}.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            if (build / "lock").exists():
+                _log.warning("FP4 kernels: removing the lock a killed build left in %s", build)
+                (build / "lock").unlink(missing_ok=True)
+            # torch runs ``ninja`` from PATH: the one pip installed with kvdiet, also without an active venv
+            os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path])
+            return load_inline(name, cpp_sources=source, extra_cflags=flags, build_directory=str(build))
     except Exception as error:  # no compiler, no headers: the pure-torch path still works
         _log.warning("FP4 kernels did not build (%s); using the pure-torch path", error)
         return None
