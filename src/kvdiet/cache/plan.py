@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from operator import attrgetter
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -182,3 +183,11 @@ class Provenance:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self) | {"hit_tokens": self.hit_tokens}
+
+    def __reduce__(self) -> tuple[type[Provenance], tuple]:
+        """Pickled as the constructor's arguments (a study's processes send one per request: faster than the
+        dataclass default)."""
+        return Provenance, _provenance_fields(self)
+
+
+_provenance_fields = attrgetter(*(f.name for f in fields(Provenance)))

@@ -5,8 +5,8 @@ A run is written ``POLICY@MODEL`` (``bounded-replay@deepseek-v4.1-flash``; the m
 config's). `DEFAULT_RUNS` compares V4-Flash as DeepSeek deploys it (``boundary-snapshot``) with V4.1 under
 every policy. A sweep varies one setting of one run (``swa-pool-ttl``, ``swa-pool-size``, ``persistent-ttl``,
 ``persistent-size``, ``device-size``); the SWA-pool TTL sweep gets an extra unbounded point, the reference
-for "how much of what a pool could catch does this TTL catch". Runs are independent and go to worker
-processes (``jobs``).
+for "how much of what a pool could catch does this TTL catch". Runs are independent: each goes to a process
+of its own forked from the study's, ``jobs`` at a time.
 
 `findings` turns the results into the study's numbers: the peak persistent bytes of V4.1 (bounded replay) over
 V4-Flash (boundary snapshots) and the window share of V4's, and the shortest swept TTL at which the SWA pool
@@ -19,12 +19,12 @@ import math
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from multiprocessing.connection import wait
 
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies import parse_policy
-from kvdiet.sim.model_free import simulate
+from kvdiet.sim.model_free import simulate, simulate_then_exit
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
 from kvdiet.units import parse_bytes, parse_duration
@@ -140,26 +140,45 @@ class Study:
     sweeps: dict[str, list[tuple[str, SimResult]]]
 
 
-_worker_trace: Trace | None = None
-"""The trace a worker process simulates (set once per worker by `_init_worker`)."""
-
-
-def _init_worker(trace: Trace) -> None:
-    global _worker_trace
-    _worker_trace = trace
-
-
-def _one(config: SimConfig) -> SimResult:
-    assert _worker_trace is not None, "a study worker starts with its trace"
-    return simulate(_worker_trace, config)
-
-
-def _pool(jobs: int, trace: Trace) -> ProcessPoolExecutor:
-    """Workers that each hold ``trace``: forked where the platform can (the trace is inherited, not
-    pickled: a large agentic trace takes seconds to unpickle), else sent once per worker."""
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else None)
-    return ProcessPoolExecutor(jobs, mp_context=context, initializer=_init_worker, initargs=(trace,))
+def _run_forked(
+    trace: Trace, configs: Sequence[SimConfig], jobs: int, finished: Callable[[SimConfig, SimResult], None]
+) -> None:
+    """Simulate each config in a process of its own forked from this one, ``jobs`` at a time, in order;
+    ``finished(config, result)`` as each ends. A forked process inherits the trace (not pickled: a large
+    agentic trace takes seconds to unpickle), sends its result back and exits without freeing its run
+    (`simulate_then_exit`). The first failure stops the others and is raised here (RuntimeError when a
+    process died without a word)."""
+    context = multiprocessing.get_context("fork")
+    todo, running = list(reversed(configs)), {}
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                config = todo.pop()
+                receive, send = context.Pipe(duplex=False)
+                proc = context.Process(
+                    target=simulate_then_exit, args=(trace, config, send.send), daemon=True
+                )
+                proc.start()
+                send.close()  # this end is the child's: its exit closes the pipe
+                running[receive] = (config, proc)
+            for receive in wait(list(running)):
+                config, proc = running.pop(receive)
+                try:
+                    ok, value = receive.recv()
+                except EOFError:
+                    ok, value = False, None
+                receive.close()
+                proc.join()
+                if not ok:
+                    if isinstance(value, Exception):
+                        raise value
+                    raise RuntimeError(f"the simulation of {config.label} died (exit code {proc.exitcode})")
+                finished(config, value)
+    finally:
+        for receive, (_, proc) in running.items():
+            proc.kill()
+            proc.join()
+            receive.close()
 
 
 def run_study(
@@ -186,17 +205,17 @@ def run_study(
     unique = list(dict.fromkeys(todo))  # a sweep point equal to a run is simulated once
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(unique)))
     done: dict[SimConfig, SimResult] = {}
-    if jobs == 1:
+
+    def finished(cfg: SimConfig, result: SimResult) -> None:
+        done[cfg] = result
+        if progress is not None:
+            progress(len(done))
+
+    if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
+        _run_forked(trace, unique, jobs, finished)
+    else:  # one job, or a platform that cannot fork: one run after another, here
         for cfg in unique:
-            done[cfg] = simulate(trace, cfg)
-            if progress is not None:
-                progress(len(done))
-    else:
-        with _pool(jobs, trace) as pool:
-            for cfg, res in zip(unique, pool.map(_one, unique), strict=True):
-                done[cfg] = res
-                if progress is not None:
-                    progress(len(done))
+            finished(cfg, simulate(trace, cfg))
     results = [done[cfg] for cfg in todo]
     out = Study(results[: len(runs)], {})
     for (axis, label), res in zip(points, results[len(runs) :], strict=True):
