@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat, takewhile
-from operator import eq, not_
+from operator import eq, is_, not_
 from typing import Generic, TypeVar
 
 from kvdiet.cache.counters import TierCounters
@@ -113,13 +113,16 @@ class TtlLru(Generic[V]):
 
     def _accrue(self, until: float) -> None:
         """Add the bytes held since the last call to ``byte_seconds`` (and by kind), up to ``until``."""
-        if self._since is None or until <= self._since:
-            self._since = until if self._since is None else self._since
+        since = self._since
+        if since is None or until <= since:
+            if since is None:
+                self._since = until
             return
-        dt = until - self._since
+        dt = until - since
         self.byte_seconds += self.nbytes * dt
+        seconds = self.kind_byte_seconds
         for k, n in self.kind_bytes.items():
-            self.kind_byte_seconds[k] = self.kind_byte_seconds.get(k, 0.0) + n * dt
+            seconds[k] = seconds.get(k, 0.0) + n * dt
         self._since = until
 
     def get(self, key: Hashable, now: float) -> V | None:
@@ -194,14 +197,14 @@ class TtlLru(Generic[V]):
         self.expire(now)
         if not keys:
             return 0
-        cap, batch = self.capacity, (keys, values, sizes)
-        if any(map(self._items.__contains__, keys)):
-            held = list(map(self._items.__contains__, keys))
-            if self.refresh or (cap is not None and max(sizes) > cap):
-                batch = None  # each put replaces a live key (or one is refused): one after another
-            else:  # live keys are kept as they are: only the others are written
-                keep = list(map(not_, held))
-                batch = tuple(list(compress(seq, keep)) for seq in batch)
+        cap, items = self.capacity, self._items
+        if not any(map(items.__contains__, keys)):  # a run of new blocks written through, most often
+            batch = (keys, values, sizes)
+        elif self.refresh or (cap is not None and max(sizes) > cap):
+            batch = None  # each put replaces a live key (or one is refused): one after another
+        else:  # live keys are kept as they are: only the others are written
+            keep = list(map(not_, map(items.__contains__, keys)))
+            batch = tuple(list(compress(seq, keep)) for seq in (keys, values, sizes))
         if batch is not None:
             total = sum(batch[2])
             if (cap is None or self.nbytes + total <= cap) and len(set(batch[0])) == len(batch[0]):
@@ -219,27 +222,37 @@ class TtlLru(Generic[V]):
         one = len(keys) == 1  # a snapshot, or a request's one new block
         if one:
             self._items[keys[0]] = (values[0], total, deadline)
+        elif sizes.count(sizes[0]) == len(sizes) and all(map(is_, values, repeat(values[0]))):
+            # one value for the whole run (the simulator's block sizes): one shared, immutable entry
+            self._items.update(zip(keys, repeat((values[0], sizes[0], deadline))))
         else:
             self._items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
         if self.ttl is not None:
-            self._deadlines.append((deadline, tuple(keys)))
+            self._deadlines.append((deadline, keys if type(keys) is tuple else tuple(keys)))
         self.nbytes += total
         if self.kind is not None:
-            kinds = [self.kind(keys[0])] if one else list(map(self.kind, keys))
-            if one or kinds.count(kinds[0]) == len(kinds):
-                added = {kinds[0]: total}
-            else:  # each kind's bytes, in order of first appearance (C-level passes, no loop per key)
-                added = {k: sum(compress(sizes, map(eq, kinds, repeat(k)))) for k in dict.fromkeys(kinds)}
-            for k, n in added.items():
-                held = self.kind_bytes[k] = self.kind_bytes.get(k, 0) + n
-                self.kind_peak[k] = max(self.kind_peak.get(k, 0), held)
-                self.kind_written[k] = self.kind_written.get(k, 0) + n
+            self._add_kinds(keys, sizes, total)
         if self.nbytes > self.peak:
             self.peak = self.nbytes
             if self.kind is not None:
                 self.peak_kinds = dict(self.kind_bytes)
-        self.counters.entries_written += len(keys)
-        self.counters.bytes_written += total
+        c = self.counters
+        c.entries_written += len(keys)
+        c.bytes_written += total
+
+    def _add_kinds(self, keys: Sequence[Hashable], sizes: Sequence[int], total: int) -> None:
+        """Count ``total`` new bytes (``sizes`` under ``keys``) by kind: held, peak, written."""
+        kinds = dict.fromkeys(map(self.kind, keys))  # in order of first appearance
+        if len(kinds) == 1:
+            added = dict.fromkeys(kinds, total)
+        else:  # each kind's bytes (C-level passes, no loop per key)
+            of = list(map(self.kind, keys))
+            added = {k: sum(compress(sizes, map(eq, of, repeat(k)))) for k in kinds}
+        held, peak, written = self.kind_bytes, self.kind_peak, self.kind_written
+        for k, n in added.items():
+            after = held[k] = held.get(k, 0) + n
+            peak[k] = max(peak.get(k, 0), after)
+            written[k] = written.get(k, 0) + n
 
     def discard(self, key: Hashable, now: float) -> bool:
         """Drop ``key`` if held (not counted as an eviction or expiry); whether it was."""

@@ -94,7 +94,7 @@ class CostModel:
         """The time formula with this model's numbers, for reports."""
         return FORMULA.format(gpu=self.gpu.upper(), rate=GPU_FP8_FLOPS[self.gpu] / 1e12, mfu=self.mfu)
 
-    @property
+    @cached_property
     def flops_per_second(self) -> float:
         """Effective FLOP/s: peak × MFU."""
         return GPU_FP8_FLOPS[self.gpu] * self.mfu

@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, prompt_boundary
@@ -41,26 +41,33 @@ from kvdiet.sim.breakdown import Breakdown, GroupFigures
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.device_tree import DeviceTree
 from kvdiet.sim.records import SimConfig, SimResult
-from kvdiet.sim.size_tier import SizeTier, class_bytes, tier_bytes
+from kvdiet.sim.size_tier import SizeTier, TraceClock, class_bytes, tier_bytes
 from kvdiet.sim.traces import Trace
 
-__all__ = ["simulate", "simulate_then_exit"]
+__all__ = ["request_blocks", "simulate", "simulate_then_exit"]
 
 
-def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None] | None = None) -> SimResult:
+def simulate(
+    trace: Trace,
+    config: SimConfig,
+    *,
+    progress: Callable[[int], None] | None = None,
+    blocks: Sequence[tuple[int, ...]] | None = None,
+) -> SimResult:
     """Replay ``trace`` through the tiers of ``config`` (see the module docstring).
 
     Args:
         trace: requests in arrival order.
         config: sizes, TTLs, policy, cost model.
         progress: called with the number of requests done, every 1,000 and at the end.
+        blocks: `request_blocks` of ``trace`` when the caller has them (a study: once for all its runs).
     Raises:
         ValueError: from `SimConfig.check`.
     """
     cfg = config.check(trace.block_size)
     collecting = gc.isenabled()
     gc.disable()  # millions of small, acyclic entries: cycle collection would rescan them all, for nothing
-    run = _Run(trace, config, cfg, progress)
+    run = _Run(trace, config, cfg, progress, blocks)
     try:
         return run.run()
     finally:
@@ -70,14 +77,31 @@ def simulate(trace: Trace, config: SimConfig, *, progress: Callable[[int], None]
             gc.enable()
 
 
-def simulate_then_exit(trace: Trace, config: SimConfig, send: Callable[[object], None]) -> NoReturn:
-    """`simulate` in a process that ends with it (a study's forked worker): ``send((True, result))`` or
-    ``send((False, exception))``, then the process exits at once, exit code 0 (1 when ``send`` failed). The run
-    is never freed entry by entry (the OS takes the process's memory back whole: freeing costs up to a tenth
-    of a run) and garbage collection stays off for the rest of the process."""
+def request_blocks(trace: Trace) -> list[tuple[int, ...]]:
+    """Each request's blocks as the simulator holds them: the trace's ids of its prompt's full blocks, then
+    one id of its own for each other block it fills up to its output's end (the straddling block, the output,
+    a prompt the trace gives no ids: never named by the trace, so never hit), counting down from −1 across
+    the trace. The same for every run of a trace."""
+    out, unique, bs = [], -1, trace.block_size
+    for req in trace.requests:
+        n = req.input_tokens
+        named = req.hash_ids[: n // bs] if req.hash_ids is not None else ()
+        fresh = -(-(n + max(req.output_tokens, 1) - 1) // bs) - len(named)  # to the cache's last token
+        out.append(named + tuple(range(unique, unique - fresh, -1)))
+        unique -= fresh
+    return out
+
+
+def simulate_then_exit(
+    trace: Trace, config: SimConfig, send: Callable[[object], None], blocks: Sequence[tuple[int, ...]]
+) -> NoReturn:
+    """`simulate` with ``blocks`` in a process that ends with it (a study's forked worker):
+    ``send((True, result))`` or ``send((False, exception))``, then the process exits at once, exit code 0 (1
+    when ``send`` failed), its run never freed entry by entry (the OS takes the memory back whole: freeing
+    costs up to a tenth of a run); garbage collection stays off."""
     gc.disable()
     try:
-        run = _Run(trace, config, config.check(trace.block_size), None)
+        run = _Run(trace, config, config.check(trace.block_size), None, blocks)
         out: tuple[bool, object] = (True, run.run())
     except Exception as e:  # sent to the parent, which raises it
         out = (False, e)
@@ -89,12 +113,13 @@ def simulate_then_exit(trace: Trace, config: SimConfig, send: Callable[[object],
 
 
 class _Run:
-    def __init__(self, trace: Trace, sc: SimConfig, cfg: ModelConfig, progress) -> None:
+    def __init__(self, trace: Trace, sc: SimConfig, cfg: ModelConfig, progress, blocks) -> None:
         self.trace, self.sc, self.progress = trace, sc, progress
+        self.blocks = request_blocks(trace) if blocks is None else blocks
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
         self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
-        self.clock = _TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
+        self.clock = TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
         self.swa = SizeTier(sc.swa_pool_bytes, sc.swa_pool_ttl_s, refresh=True, clock=self.clock)
@@ -119,7 +144,6 @@ class _Run:
         self.restores_of_older = 0  # pool restores of such a snapshot
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
-        self.unique = -1  # the next id of a block the trace never names (outputs, Azure); counts down
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
@@ -143,12 +167,12 @@ class _Run:
         }
         window = [0, 0, 0]  # prompt, device-hit, persistent-hit tokens since the last sample
         mark = 0
-        for i, req in enumerate(reqs):
+        for i, (req, every) in enumerate(zip(reqs, self.blocks, strict=True)):
             while mark < n - 1 and marks[mark] < req.arrival_s:
                 self._sample(marks[mark], series, window)
                 mark += 1
             self._advance(req.arrival_s)
-            result = self._request(req)
+            result = self._request(req, every)
             window[0] += req.input_tokens
             window[1] += result.device_tokens
             window[2] += result.persistent_tokens
@@ -203,21 +227,15 @@ class _Run:
 
     # --- one request: the control plane's steps, executed with sizes ---
 
-    def _request(self, req) -> Provenance:
+    def _request(self, req, every: tuple[int, ...]) -> Provenance:
         g, control = self.geo, self.control
         bs, n, now = g.block_size, req.input_tokens, req.arrival_s
         last = n + max(req.output_tokens, 1) - 1  # tokens in the cache at finish (the last is not fed)
-        named = req.hash_ids[: n // bs] if req.hash_ids is not None else ()
-        # the other blocks (a prompt the trace gives no ids, the straddling block, output blocks): never
-        # named by the trace, so unique; they occupy the device pool like any other block
-        fresh = -(-last // bs) - len(named)
-        every = named + tuple(range(self.unique, self.unique - fresh, -1))
-        self.unique -= fresh
         cached = CacheRequest(n, every)
 
         usable = control.usable_blocks(n)
         d = self.device.match(every, usable)
-        loaded = control.load(cached, d, usable, lambda i, payload: True)
+        loaded = control.load(cached, d, usable, _accept)
         plan, window = control.plan(cached, d + loaded.blocks)
         result = control.admit(cached, plan, device_blocks=d, loaded=loaded)
         self.results.append(result)
@@ -373,17 +391,9 @@ class _Run:
         }
 
 
-class _TraceClock:
-    """Trace time (seconds) as the tiers read it: moved forward by the run only (single-threaded, so no lock,
-    unlike `kvdiet.storage.clock.ManualClock`)."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: float) -> None:
-        self.t = float(t)
-
-    def now(self) -> float:
-        return self.t
+def _accept(i: int, payload: int) -> bool:
+    """A block loaded from a lower tier is taken into the device pool (`DeviceTree.use` makes room)."""
+    return True
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -15,7 +15,7 @@ from kvdiet.cache.counters import TierCounters
 from kvdiet.cache.ttl_lru import TtlLru
 from kvdiet.storage.clock import Clock
 
-__all__ = ["SizeTier", "class_bytes", "tier_bytes"]
+__all__ = ["SizeTier", "TraceClock", "class_bytes", "tier_bytes"]
 
 
 def _classes(per_type: dict) -> dict:
@@ -102,3 +102,16 @@ class SizeTier:
 
     def close(self) -> None:
         self.entries.clear()
+
+
+class TraceClock:
+    """Trace time (seconds) as the tiers read it: moved forward by the simulator only (single-threaded, so no
+    lock, unlike `kvdiet.storage.clock.ManualClock`)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: float) -> None:
+        self.t = float(t)
+
+    def now(self) -> float:
+        return self.t

@@ -24,7 +24,7 @@ from multiprocessing.connection import wait
 
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies import parse_policy
-from kvdiet.sim.model_free import simulate, simulate_then_exit
+from kvdiet.sim.model_free import request_blocks, simulate, simulate_then_exit
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
 from kvdiet.units import parse_bytes, parse_duration
@@ -141,13 +141,17 @@ class Study:
 
 
 def _run_forked(
-    trace: Trace, configs: Sequence[SimConfig], jobs: int, finished: Callable[[SimConfig, SimResult], None]
+    trace: Trace,
+    blocks: list[tuple[int, ...]],
+    configs: Sequence[SimConfig],
+    jobs: int,
+    finished: Callable[[SimConfig, SimResult], None],
 ) -> None:
     """Simulate each config in a process of its own forked from this one, ``jobs`` at a time, in order;
-    ``finished(config, result)`` as each ends. A forked process inherits the trace (not pickled: a large
-    agentic trace takes seconds to unpickle), sends its result back and exits without freeing its run
-    (`simulate_then_exit`). The first failure stops the others and is raised here (RuntimeError when a
-    process died without a word)."""
+    ``finished(config, result)`` as each ends. A forked process inherits the trace and its ``blocks``
+    (`request_blocks`; nothing pickled: a large agentic trace takes seconds to unpickle), sends its result
+    back and exits without freeing its run (`simulate_then_exit`). The first failure stops the others and is
+    raised here (RuntimeError when a process died without a word)."""
     context = multiprocessing.get_context("fork")
     todo, running = list(reversed(configs)), {}
     try:
@@ -155,9 +159,8 @@ def _run_forked(
             while todo and len(running) < jobs:
                 config = todo.pop()
                 receive, send = context.Pipe(duplex=False)
-                proc = context.Process(
-                    target=simulate_then_exit, args=(trace, config, send.send), daemon=True
-                )
+                args = (trace, config, send.send, blocks)
+                proc = context.Process(target=simulate_then_exit, args=args, daemon=True)
                 proc.start()
                 send.close()  # this end is the child's: its exit closes the pipe
                 running[receive] = (config, proc)
@@ -211,11 +214,12 @@ def run_study(
         if progress is not None:
             progress(len(done))
 
+    blocks = request_blocks(trace)  # the same for every run: once
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        _run_forked(trace, unique, jobs, finished)
+        _run_forked(trace, blocks, unique, jobs, finished)
     else:  # one job, or a platform that cannot fork: one run after another, here
         for cfg in unique:
-            finished(cfg, simulate(trace, cfg))
+            finished(cfg, simulate(trace, cfg, blocks=blocks))
     results = [done[cfg] for cfg in todo]
     out = Study(results[: len(runs)], {})
     for (axis, label), res in zip(points, results[len(runs) :], strict=True):

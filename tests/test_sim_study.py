@@ -1,0 +1,74 @@
+"""The study's runner: each simulation in a forked process (results, failures, a process that dies), the blocks
+every run of a trace shares, and the per-request records sent back."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import replace
+
+import pytest
+
+from kvdiet.cache.plan import Provenance, WindowSource
+from kvdiet.cache.policies import parse_policy
+from kvdiet.sim import study
+from kvdiet.sim.model_free import request_blocks, simulate
+from kvdiet.sim.records import SimConfig
+from kvdiet.sim.study import parse_sweep, run_study
+from kvdiet.sim.traces import Trace, TraceRequest
+
+
+def _trace() -> Trace:
+    reqs = [
+        TraceRequest(0.0, 1100, 600, (1, 2, 3), 1),  # 1,699 tokens cached: 2 named blocks, then −1, −2
+        TraceRequest(5.0, 1600, 1, (1, 2, 4, 5), 2),  # 1,600: 3 named blocks, the straddling one −3
+        TraceRequest(9.0, 512, 1, None, 3),  # no ids: its one block is its own, −4
+        TraceRequest(20.0, 1100, 30, (1, 2, 3), 4),  # 1,129: 2 named, then −5
+    ]
+    return Trace(reqs, 512)
+
+
+def test_request_blocks_are_the_named_ids_then_ids_of_their_own() -> None:
+    assert request_blocks(_trace()) == [(1, 2, -1, -2), (1, 2, 4, -3), (-4,), (1, 2, -5)]
+
+
+def test_forked_runs_give_what_runs_here_give() -> None:
+    trace = _trace()
+    runs = [SimConfig(), replace(SimConfig(), policy=parse_policy("full-store"))]
+    sweeps = [(parse_sweep("swa-pool-ttl=3s"), runs[0])]
+    done: list[int] = []
+    forked = run_study(trace, runs, sweeps, jobs=2, progress=done.append)
+    here = run_study(trace, runs, sweeps, jobs=1)
+    assert done == [1, 2, 3, 4]  # the 3 s point, the unbounded one, two runs
+    results = [[*s.runs, *(r for _, r in s.sweeps["swa-pool-ttl"])] for s in (forked, here)]
+    for a, b in zip(*results, strict=True):
+        assert (a.as_dict(), a.requests, a.snapshot_ages_s) == (b.as_dict(), b.requests, b.snapshot_ages_s)
+    assert forked.runs[0].as_dict() == simulate(trace, SimConfig()).as_dict()
+    assert [r.window_source for r in forked.runs[0].requests] == ["none", "swa-pool", "none", "swa-pool"]
+
+
+def _fails(trace, config, send, blocks) -> None:
+    send((False, ValueError(f"no run of {config.label}")))
+    os._exit(0)
+
+
+def _dies(trace, config, send, blocks) -> None:
+    os._exit(3)
+
+
+def test_a_failed_run_is_raised_here(monkeypatch) -> None:
+    monkeypatch.setattr(study, "simulate_then_exit", _fails)
+    with pytest.raises(ValueError, match="no run of bounded-replay"):
+        run_study(_trace(), [SimConfig(), replace(SimConfig(), swa_pool_ttl_s=1.0)], jobs=2)
+
+
+def test_a_process_that_dies_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(study, "simulate_then_exit", _dies)
+    with pytest.raises(RuntimeError, match=r"simulation of bounded-replay .* died \(exit code 3\)"):
+        run_study(_trace(), [SimConfig(), replace(SimConfig(), swa_pool_ttl_s=1.0)], jobs=2)
+
+
+def test_provenance_pickles_field_for_field() -> None:
+    p = Provenance(1100, 512, 0, 0, WindowSource.SWA_POOL, 128, 3, 588, False)
+    back = pickle.loads(pickle.dumps(p))
+    assert back == p and back.window_source is WindowSource.SWA_POOL and back.hit_tokens == 512
