@@ -27,7 +27,9 @@ from kvdiet.storage.swa_pool import InProcessSwaPool
 
 V41 = load_config("deepseek-v4.1-flash")
 BLOCK_BYTES = 890 * 512  # one 512-token block of V4.1 global KV
-SNAPSHOT = 40 * 128 * 528  # V4.1 window rings, 2,703,360 B
+SNAPSHOT = 40 * 128 * (528 + 8) + 3 * 8 + 3 * 8 + 16
+"""A V4.1 window snapshot at a block boundary: 40 rings of 128 entries and positions, 3 empty compressor
+tails' counts, the Engram history (3 ids) and the frame: 2,744,384 B (`CacheSpec.snapshot_bytes`)."""
 
 
 def req(t: float, n: int, ids: tuple[int, ...], out: int = 1) -> TraceRequest:
@@ -151,9 +153,11 @@ def test_v4_boundary_snapshots_persist_window_state_and_cost_more_bytes() -> Non
     # A: blocks 1, 2 + one output block (1124 + 600 − 1 = 1723 → 3 blocks); B: block 4. Snapshots: A at
     # 1024 (prompt) and 1536 (output end), B at 1536.
     blocks, snaps = 4, 3
-    expect = blocks * spec.global_bytes(512) + snaps * spec.window_bytes_per_request
+    snap = spec.snapshot_bytes(1024)  # = at 1536: every HCA tail empty, every CSA tail its last window
+    assert snap == spec.snapshot_bytes(1536) > spec.window_bytes_per_request
+    expect = blocks * spec.global_bytes(512) + snaps * snap
     assert v4.summary["persistent_bytes_resident"] == expect
-    assert v4.summary["persistent_window_bytes"] == snaps * spec.window_bytes_per_request
+    assert v4.summary["persistent_window_bytes"] == snaps * snap
 
 
 def test_a_small_device_pool_sends_hits_to_the_persistent_tier() -> None:
@@ -242,7 +246,7 @@ def test_peak_written_and_byte_hours_are_exact_when_entries_expire_before_the_en
 
 def test_the_window_share_is_read_at_the_persistent_peak() -> None:
     spec = CacheSpec.from_config(load_config("deepseek-v4-flash"))
-    block, snap = spec.global_bytes(512), spec.window_bytes_per_request
+    block, snap = spec.global_bytes(512), spec.snapshot_bytes(1024)
     trace = Trace([req(0, 1100, (1, 2, 3)), req(10, 1100, (4, 5, 6)), req(1000, 1100, (7, 8, 9))], 512)
     cfg = SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot"), persistent_ttl_s=100)
     s = simulate(trace, cfg).summary

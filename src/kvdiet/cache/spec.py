@@ -16,6 +16,8 @@ Kinds (v41-spec §5, §3):
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdiet.config import DenseConfig, ModelConfig
@@ -31,6 +33,7 @@ from kvdiet.layer_plan import LayerPlan, Role
 
 __all__ = [
     "FP32_BYTES",
+    "SNAPSHOT_FRAME_BYTES",
     "CacheSpec",
     "CompressedKVSpec",
     "CompressorTailSpec",
@@ -39,6 +42,8 @@ __all__ = [
 ]
 
 FP32_BYTES = 4
+SNAPSHOT_FRAME_BYTES = 16
+"""A window snapshot's magic (8 B), header length (u32) and CRC-32 (u32) (`kvdiet.model.snapshot`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +113,39 @@ class CompressorTailSpec:
     """fp32 rows a compressor keeps for an open group, per request: ``rows × width`` for kv and for score.
 
     V4.1 ratio 2: rows 2, width ``head_dim`` → 8 KiB per layer at head_dim 512 (v41-spec §3.1, §5.2).
-    Ratio-1 compressors keep nothing. V4 (v41-spec §3.2): CSA keeps 2·ratio rows of 2·head_dim (overlap),
-    plus its index compressor's 2·ratio rows of 2·index_head_dim; HCA keeps ratio rows of head_dim.
+    Ratio-1 compressors keep nothing. V4 (v41-spec §3.2): CSA keeps 2·ratio rows of 2·head_dim (overlap)
+    and its index compressor's 2·index_head_dim beside them (one tail, as the model holds it); HCA keeps
+    ratio rows of head_dim.
+
+    Attributes:
+        layer_id: the owning layer.
+        rows: rows allocated (``ratio``, or ``2 × ratio`` for an overlapping compressor).
+        width: fp32 values per row.
+        overlap: an overlapping (V4 CSA) compressor: rows ``[0, ratio)`` keep the last complete window,
+            the open rows follow at ``[ratio, ratio + open)``.
     """
 
     layer_id: int
     rows: int
     width: int
+    overlap: bool = False
 
     @property
     def bytes_per_request(self) -> int:
-        """``2 (kv and score) × rows × width × 4`` bytes."""
+        """``2 (kv and score) × rows × width × 4`` bytes: what the tail allocates."""
         return 2 * self.rows * self.width * FP32_BYTES
+
+    def rows_held(self, num_tokens: int) -> int:
+        """Rows that hold anything after ``num_tokens`` tokens (what a window snapshot writes).
+
+        Plain: the open rows, ``num_tokens mod ratio``. Overlapping: none before the first token, then the
+        ``ratio`` rows of the last complete window (empty before one completes, but written: the open rows
+        sit after them) and the open rows (`kvdiet.model.v4.compressor`).
+        """
+        if not self.overlap:
+            return num_tokens % self.rows
+        ratio = self.rows // 2
+        return 0 if num_tokens == 0 else ratio + num_tokens % ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +183,7 @@ class CacheSpec:
     tails: tuple[CompressorTailSpec, ...]
     dense: tuple[DenseKVSpec, ...] = ()
     encoder_layers: frozenset[int] = frozenset()
+    engram_history: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig | DenseConfig) -> CacheSpec:
@@ -178,8 +205,8 @@ class CacheSpec:
                 main = v4_record_format(cfg.head_dim, cfg.qk_rope_head_dim)
                 index = index_key_format(cfg.index_head_dim) if info.owns_index_keys else None
                 if info.role is Role.CSA:
-                    tails.append(CompressorTailSpec(info.layer_id, rows=2 * r, width=2 * cfg.head_dim))
-                    tails.append(CompressorTailSpec(info.layer_id, rows=2 * r, width=2 * cfg.index_head_dim))
+                    width = 2 * (cfg.head_dim + cfg.index_head_dim)  # main and index compressor, one tail
+                    tails.append(CompressorTailSpec(info.layer_id, 2 * r, width, overlap=True))
                 else:
                     tails.append(CompressorTailSpec(info.layer_id, rows=r, width=cfg.head_dim))
             compressed.append(CompressedKVSpec(info.layer_id, r, main, index))
@@ -191,8 +218,14 @@ class CacheSpec:
         windows = tuple(
             WindowSpec(layer, cfg.sliding_window, entry) for layer in range(cfg.num_hidden_layers)
         )
+        history = cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
         return cls(
-            cfg.name, tuple(compressed), windows, tuple(tails), encoder_layers=frozenset(plan.encoder_layers)
+            cfg.name,
+            tuple(compressed),
+            windows,
+            tuple(tails),
+            encoder_layers=frozenset(plan.encoder_layers),
+            engram_history=history,
         )
 
     # --- per token (global, grows with context) ---
@@ -241,6 +274,30 @@ class CacheSpec:
     def tail_bytes_per_request(self) -> int:
         """All compressor tails (fp32)."""
         return sum(t.bytes_per_request for t in self.tails)
+
+    def snapshot_bytes(self, num_tokens: int) -> int:
+        """Bytes of one window snapshot taken after ``num_tokens`` tokens, as `kvdiet.model.snapshot` writes it.
+
+        Every ring (entries and their int64 positions), per tail its two u32 counts and the kv and score
+        rows it holds (`CompressorTailSpec.rows_held`: at a V4-Flash block boundary the CSA layers' last
+        complete windows, 1.7 MB at V4-Flash widths), the Engram history (int64,
+        ``engram_max_ngram_size − 1`` ids, padded, from the first token on), the magic, length and CRC fields.
+        Not counted: the header's JSON (fingerprint and geometry, a few hundred bytes).
+        """
+        rings = sum(w.window * (w.entry.bytes_per_entry + 8) for w in self.windows)
+        tails = sum(8 + 2 * t.rows_held(num_tokens) * t.width * FP32_BYTES for t in self.tails)
+        history = 8 * self.engram_history if num_tokens else 0  # padded from the first token
+        return SNAPSHOT_FRAME_BYTES + rings + tails + history
+
+    def snapshot_sizes(self) -> Callable[[int], int]:
+        """`snapshot_bytes` as a table lookup, for callers that ask per request (the trace study).
+
+        From the first token on, a snapshot's size depends only on the position modulo the least common
+        multiple of the tails' ratios.
+        """
+        period = math.lcm(*(t.rows // 2 if t.overlap else t.rows for t in self.tails))
+        table = [self.snapshot_bytes(period + r) for r in range(period)]
+        return lambda n: table[n % period] if n > 0 else self.snapshot_bytes(0)
 
     @property
     def window_entry_bytes_per_token(self) -> int:

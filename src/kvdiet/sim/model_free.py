@@ -117,7 +117,7 @@ class _Run:
         self.trace, self.sc, self.progress = trace, sc, progress
         self.blocks = request_blocks(trace) if blocks is None else blocks
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
-        self.snapshot_bytes = CacheSpec.from_config(cfg).window_bytes_per_request
+        self.snapshot_sizes = CacheSpec.from_config(cfg).snapshot_sizes()
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
         self.clock = TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
@@ -287,7 +287,7 @@ class _Run:
             end,
             blocks=g.payloads,
             window_block=lambda i: g.window_block_bytes,
-            snapshot=lambda pos: self.snapshot_bytes,
+            snapshot=self.snapshot_sizes,
         )
         self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
         boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
@@ -363,7 +363,6 @@ class _Run:
                 "span_s": round(span, 3),
                 "device_blocks": self.device.capacity // g.block_bytes,  # mean size
                 "block_bytes": g.block_bytes,
-                "snapshot_bytes": self.snapshot_bytes,
                 "cost_formula": self.cost.formula,
                 **self.breakdown.as_dict(),
             }

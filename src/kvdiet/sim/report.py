@@ -237,8 +237,9 @@ def write_report(
         "- Requests are looked up at their arrival; their blocks and snapshots are stored when prefill ends "
         "(modelled GPU time) and when they finish (output tokens / `--output-tok-s`).\n"
         "- The trace's hash ids cover prompts only: output blocks are written but never hit.\n"
-        "- Snapshot bytes are the window rings (`CacheSpec.window_bytes_per_request`); persistent bytes are "
-        "payloads (entry headers excluded).\n"
+        "- Snapshot bytes are what the engine writes at that position (`CacheSpec.snapshot_bytes`: rings and "
+        "their positions, the compressor rows held, Engram history; its JSON header excluded); persistent "
+        "bytes are payloads (entry headers excluded).\n"
         "- Blocks pinned by running requests are not modelled (the device pool is an LRU of blocks).\n"
     )
     path = out / "report.md"
