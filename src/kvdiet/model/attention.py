@@ -52,7 +52,8 @@ def attend(
 
     Args:
         q: fp32 [B, H, D] queries.
-        win_kv: fp32 [L, D] window entries shared by the block; ``win_mask`` bool [B, L].
+        win_kv: fp32 [L, D] window entries shared by the block, or [B, L, D] each query's own (a batched
+            decode step: one query per request); ``win_mask`` bool [B, L].
         comp_kv: fp32 [B, K, D] per-query selected entries (or None); ``comp_mask`` bool [B, K].
         sink: fp32 [H] per-head sink logits.
         scale: softmax scale (head_dim^-½).
@@ -60,15 +61,19 @@ def attend(
         fp32 [B, H, D].
     """
     b, h, d = q.shape
-    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1)
+    shared = win_kv.dim() == 2
+    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1) if shared else torch.bmm(q, win_kv.transpose(1, 2))
     parts = [win.mul_(scale).masked_fill_(~win_mask[:, None, :], float("-inf"))]
     if comp_kv is not None:
         lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
         parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
     parts.append(sink.float()[None, :, None].expand(b, h, 1))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    n_win = win_kv.shape[0]
-    out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
+    n_win = win_kv.shape[-2]
+    if shared:
+        out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
+    else:
+        out = torch.bmm(probs[..., :n_win], win_kv)
     if comp_kv is not None:
         out += torch.bmm(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
     return out
