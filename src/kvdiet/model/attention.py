@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from kvdiet.model.layers import RMSNorm, Rope
 from kvdiet.model.linear import Linear
 from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
 from kvdiet.model.state import RequestState
+
+if TYPE_CHECKING:
+    from kvdiet.model.decode_step import DecodePlan
 
 __all__ = ["Attention", "Segment", "Selection", "attend"]
 
@@ -218,8 +222,16 @@ class Attention(nn.Module):
 
     # --- cached path ---
 
-    def forward(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
-        """Write this layer's global entries for ``x`` [T, hidden], then attend; returns fp32 [T, hidden]."""
+    def forward(
+        self, x: torch.Tensor, seg: Segment | list[Segment], plan: DecodePlan | None = None
+    ) -> torch.Tensor:
+        """Write this layer's global entries for ``x`` [T, hidden], then attend; returns fp32 [T, hidden].
+
+        With a decode step's ``plan``, ``seg`` is the list of the batch's segments (one row each, ``x`` [B,
+        hidden]) and the whole batch runs at once (`kvdiet.model.decode_step.decode_attention`).
+        """
+        if plan is not None:
+            return plan.attend(self, x, seg)
         self.update_global(x, seg)
         return self.attend_rows(x, seg)
 

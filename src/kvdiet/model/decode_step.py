@@ -52,6 +52,10 @@ class DecodePlan:
         floors = torch.tensor([s.window_floor for s in segs], device=pos.device)
         return cls(pos, older % window, older, (older >= 0) & (older >= floors[:, None]))
 
+    def attend(self, attn: Attention, x: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
+        """`decode_attention` of this step (what `Attention.forward` calls when given the plan)."""
+        return decode_attention(attn, x, segs, self)
+
 
 def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: DecodePlan) -> torch.Tensor:
     """`Attention.forward` of one row per request: ``x`` fp32 [B, hidden] → fp32 [B, hidden].

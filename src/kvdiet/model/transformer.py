@@ -31,7 +31,7 @@ from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerPlan
 from kvdiet.model.attention import Segment, Selection
 from kvdiet.model.block import Block
 from kvdiet.model.block_ids import BlockAllocator
-from kvdiet.model.decode_step import DecodePlan, decode_attention
+from kvdiet.model.decode_step import DecodePlan
 from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
@@ -320,7 +320,7 @@ class Transformer(nn.Module):
                 )
             elif plan is not None:
                 attn_pre, post, comb = block.coefficients(h, "attn")
-                out = decode_attention(block.attn, x, segs, plan)
+                out = block.attn(x, segs, plan)
             else:
                 attn_pre, post, comb = block.coefficients(h, "attn")
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
