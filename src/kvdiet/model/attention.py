@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from kvdiet.model.layers import RMSNorm, Rope
 from kvdiet.model.linear import Linear
 from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
 from kvdiet.model.state import RequestState
+
+if TYPE_CHECKING:
+    from kvdiet.model.decode_step import DecodePlan
 
 __all__ = ["Attention", "Segment", "Selection", "attend"]
 
@@ -52,7 +56,8 @@ def attend(
 
     Args:
         q: fp32 [B, H, D] queries.
-        win_kv: fp32 [L, D] window entries shared by the block; ``win_mask`` bool [B, L].
+        win_kv: fp32 [L, D] window entries shared by the block, or [B, L, D] each query's own (a batched
+            decode step: one query per request); ``win_mask`` bool [B, L].
         comp_kv: fp32 [B, K, D] per-query selected entries (or None); ``comp_mask`` bool [B, K].
         sink: fp32 [H] per-head sink logits.
         scale: softmax scale (head_dim^-½).
@@ -60,15 +65,19 @@ def attend(
         fp32 [B, H, D].
     """
     b, h, d = q.shape
-    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1)
+    shared = win_kv.dim() == 2
+    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1) if shared else torch.bmm(q, win_kv.transpose(1, 2))
     parts = [win.mul_(scale).masked_fill_(~win_mask[:, None, :], float("-inf"))]
     if comp_kv is not None:
         lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
         parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
     parts.append(sink.float()[None, :, None].expand(b, h, 1))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    n_win = win_kv.shape[0]
-    out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
+    n_win = win_kv.shape[-2]
+    if shared:
+        out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
+    else:
+        out = torch.bmm(probs[..., :n_win], win_kv)
     if comp_kv is not None:
         out += torch.bmm(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
     return out
@@ -213,8 +222,16 @@ class Attention(nn.Module):
 
     # --- cached path ---
 
-    def forward(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
-        """Write this layer's global entries for ``x`` [T, hidden], then attend; returns fp32 [T, hidden]."""
+    def forward(
+        self, x: torch.Tensor, seg: Segment | list[Segment], plan: DecodePlan | None = None
+    ) -> torch.Tensor:
+        """Write this layer's global entries for ``x`` [T, hidden], then attend; returns fp32 [T, hidden].
+
+        With a decode step's ``plan``, ``seg`` is the list of the batch's segments (one row each, ``x`` [B,
+        hidden]) and the whole batch runs at once (`kvdiet.model.decode_step.decode_attention`).
+        """
+        if plan is not None:
+            return plan.attend(self, x, seg)
         self.update_global(x, seg)
         return self.attend_rows(x, seg)
 

@@ -112,12 +112,15 @@ class PagedEntries:
         """The stored rows [len, width] (a gathered copy)."""
         return self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len))]
 
+    def raw_at(self, idx: torch.Tensor) -> torch.Tensor:
+        """The stored rows of entries ``idx`` (int64 [M], each in [0, len)) → [M, width] (a gathered copy)."""
+        return self.table.pool.rows(self.layer, self.kind)[self._slots(idx)]
+
     def read(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded fp32 entries: all [len, dim], or ``idx`` (int64, any shape, each in [0, len)) → [..., dim]."""
         if idx is None:
             return self.codec.decode(self.raw())
-        rows = self.table.pool.rows(self.layer, self.kind)[self._slots(idx.flatten())]
-        return self.codec.decode(rows).view(*idx.shape, self.codec.dim)
+        return self.codec.decode(self.raw_at(idx.flatten())).view(*idx.shape, self.codec.dim)
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +146,10 @@ class WindowRing:
         """
         if self.log is None:
             values, positions = values[-self.window :], positions[-self.window :]
-        rows = self.codec.encode(values)
+        self.store(self.codec.encode(values), positions)
+
+    def store(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """`write` of already-encoded ``rows`` [M, width] (a batched decode step encodes every request's at once)."""
         if self.log is not None:
             self.log.append((rows, positions))
             rows, positions = rows[-self.window :], positions[-self.window :]
@@ -187,6 +193,11 @@ class CompressorTail:
         self.score.fill_(float("-inf"))
         self.kv[:c], self.score[:c] = kv, score
         self.count = c
+
+    def push(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Add one row ``kv``/``score`` [dim] to the open group (it must have room: ``count < rows``)."""
+        self.kv[self.count], self.score[self.count] = kv, score
+        self.count += 1
 
     def clear(self) -> None:
         """No open group."""

@@ -31,6 +31,7 @@ from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerPlan
 from kvdiet.model.attention import Segment, Selection
 from kvdiet.model.block import Block
 from kvdiet.model.block_ids import BlockAllocator
+from kvdiet.model.decode_step import DecodePlan
 from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
 from kvdiet.model.layers import RMSNorm
@@ -298,6 +299,8 @@ class Transformer(nn.Module):
             ]
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
+        # a decode step (one row per request): each layer's attention runs over the whole batch at once
+        plan = DecodePlan.for_segments(segs, cfg.sliding_window) if start == len(segs) else None
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
         prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
         for block in self.layers:
@@ -315,6 +318,9 @@ class Transformer(nn.Module):
                 out = torch.cat(
                     [block.attn.attend_rows(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
                 )
+            elif plan is not None:
+                attn_pre, post, comb = block.coefficients(h, "attn")
+                out = block.attn(x, segs, plan)
             else:
                 attn_pre, post, comb = block.coefficients(h, "attn")
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
