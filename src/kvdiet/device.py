@@ -17,13 +17,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEVICE_PATTERN", "add_device_arg", "check_device", "device_scope", "to_host"]
+__all__ = [
+    "DEVICE_PATTERN",
+    "add_device_arg",
+    "check_device",
+    "device_scope",
+    "seconds",
+    "synchronize",
+    "to_host",
+]
 
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 """The values ``--device`` takes: ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -76,3 +85,22 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU, contiguous: the one explicit device → host crossing (a no-op for a contiguous CPU
     tensor). Callers name what crosses: logits to sample, a block payload, a snapshot."""
     return t.detach().to("cpu").contiguous()
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously; a no-op on the CPU): benchmarks time
+    between two of these."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Wall seconds of ``fn()``, the work it queued on ``device`` included (benchmarks time with it)."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start

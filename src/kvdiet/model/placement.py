@@ -1,6 +1,7 @@
 """`place`: move a V4.1 model to a device, including the tensors ``Module.to`` does not see.
 
-``Module.to`` moves parameters and buffers. A `Transformer` also holds tensors outside them, each moved
+``Module.to`` moves parameters and buffers (here every one not on the meta device: routed experts and
+Engram tables a checkpoint serves on first use stay there). A `Transformer` also holds tensors outside them, each moved
 here: every layer's RoPE frequencies (`kvdiet.model.layers.Rope`, a frozen value: replaced by a copy on the
 device, so ``Rope.rotate``'s ``freqs.to(x.device)`` is a no-op in the forward), the Engram hasher's token map,
 bucket primes, offsets and multipliers, and the routed-expert cache's target device (experts read on first
@@ -38,7 +39,10 @@ def place(model: nn.Module, device: torch.device | str) -> nn.Module:
         if device.type != "cpu":
             raise ValueError(f"--device {device}: the V4-Flash baseline model runs on the CPU only")
         return model
-    model.to(device)
+    if device == model.device:
+        return model
+    # tensors a checkpoint serves on first use stay on the meta device (Module.to refuses those)
+    model._apply(lambda t: t if t.is_meta else t.to(device))
     for module in model.modules():
         rope = getattr(module, "rope", None)
         if isinstance(rope, Rope):

@@ -67,7 +67,8 @@ class PagedEntries:
     def __len__(self) -> int:
         return self._len
 
-    def _slots(self, idx: torch.Tensor) -> torch.Tensor:
+    def slots(self, idx: torch.Tensor) -> torch.Tensor:
+        """Pool rows (of ``pool.rows(layer, kind)``) of entry ids ``idx`` (int64, any shape, on the pool's device)."""
         return self.table.tensor()[idx // self.per_block] * self.per_block + idx % self.per_block
 
     def unheld(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,7 @@ class PagedEntries:
                 f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
             )
         dev = self.table.pool.device
-        self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len, end, device=dev))] = (
+        self.table.pool.rows(self.layer, self.kind)[self.slots(torch.arange(self._len, end, device=dev))] = (
             rows.to(dev)
         )
         self._len = end
@@ -115,14 +116,14 @@ class PagedEntries:
     def raw(self) -> torch.Tensor:
         """The stored rows [len, width] (a gathered copy)."""
         return self.table.pool.rows(self.layer, self.kind)[
-            self._slots(torch.arange(self._len, device=self.table.pool.device))
+            self.slots(torch.arange(self._len, device=self.table.pool.device))
         ]
 
     def read(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded fp32 entries: all [len, dim], or ``idx`` (int64, any shape, each in [0, len)) → [..., dim]."""
         if idx is None:
             return self.codec.decode(self.raw())
-        rows = self.table.pool.rows(self.layer, self.kind)[self._slots(idx.flatten())]
+        rows = self.table.pool.rows(self.layer, self.kind)[self.slots(idx.flatten())]
         return self.codec.decode(rows).view(*idx.shape, self.codec.dim)
 
     @property
