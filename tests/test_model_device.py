@@ -168,3 +168,24 @@ def test_every_allocation_names_its_device_or_runs_in_the_scope(monkeypatch) -> 
         restore_snapshot(states[0], snapshot_bytes(states[0], b"fp"), b"fp")
         model.decode(states, [5, 6])
     assert seen.calls == []
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+        ("cuda:x", "--device must be cpu, cuda or cuda:N, got 'cuda:x'"),
+        pytest.param(
+            "cuda",
+            "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines' case"),
+        ),
+    ],
+)
+def test_a_bad_device_is_one_line_before_anything_loads(device: str, message: str, capsys) -> None:
+    # the weights do not exist: a device error first means nothing was read before the check
+    args = ["generate", "--weights", "/nonexistent/kvdiet", "--prompt-ids", "1", "--device", device]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == f"kvdiet generate: error: {message}"
+    assert main(["replay", "trace.jsonl", "--device", device]) == 2  # model-free too: checked, as --threads
+    assert capsys.readouterr().err.strip() == f"kvdiet replay: error: {message}"
