@@ -54,8 +54,8 @@ def case(device, *, b, h, k, splits, seed):
 def run(device):
     return [
         case(device, b=3, h=4, k=40, splits=1, seed=0),
-        case(device, b=2, h=5, k=70, splits=3, seed=1),   # heads padded to 16, a partial last block
-        case(device, b=2, h=16, k=16, splits=1, seed=2),
+        case(device, b=2, h=5, k=70, splits=3, seed=1),  # heads padded to 16, a partial last block
+        case(device, b=2, h=20, k=16, splits=1, seed=2),  # two blocks of 16 heads
     ]
 """
 

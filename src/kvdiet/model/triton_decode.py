@@ -4,12 +4,12 @@ straight from the paged device pool, never decoded into an fp32 copy.
 What it computes is `kvdiet.model.attention.attend` with ``comp_kv`` the decoded entries
 (``fp4_e2m1_e4m3x16``, `kvdiet.formats.fp4`): one softmax over the window keys, the selected compressed keys
 (an invalid selection slot masked) and the per-head sink (value 0). The kernel covers the selected entries,
-split over ``splits`` programs per query (flash-decoding): each program streams its share of the top-k slots,
-decodes each byte's two E2M1 nibbles (low nibble = even element, sign bit 3) and each 16-value block's E4M3
-scale in registers, and keeps an online softmax — running max ``m``, sum ``l`` and unnormalised output ``acc``
-for every head. `attend_packed` merges those partials with the window keys and the sink in torch
-(log-sum-exp), so the result equals ``attend``'s up to fp32 summation order. Decoded values are exact (an
-E2M1 value times an E4M3 scale is exact in fp32), as in the torch decode.
+split over ``splits`` programs per query and blocks of 16 heads (flash-decoding): each program streams its
+share of the top-k slots for its heads, decodes each byte's two E2M1 nibbles (low nibble = even element, sign
+bit 3) and each 16-value block's E4M3 scale in registers, and keeps an online softmax — running max ``m``, sum
+``l`` and unnormalised output ``acc`` for every head. `attend_packed` merges those partials with the window
+keys and the sink in torch (log-sum-exp), so the result equals ``attend``'s up to fp32 summation order.
+Decoded values are exact (an E2M1 value times an E4M3 scale is exact in fp32), as in the torch decode.
 
 Used on CUDA when ``triton`` imports (`available`); the tests run it on the CPU in Triton's interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported). It knows the entry layout of the main-KV format
@@ -25,6 +25,7 @@ import torch
 __all__ = ["attend_packed", "available", "sparse_partials"]
 
 _BLOCK_K = 16  # selected entries per loop step (tl.dot needs ≥ 16)
+_BLOCK_H = 16  # heads per program: its two [16, D/2] fp32 accumulators stay in registers
 
 
 @functools.cache
@@ -60,12 +61,13 @@ def _kernel():  # built on first use: importing triton is slow and it may be abs
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        split = tl.program_id(1)
-        num_splits = tl.num_programs(1)
+        # head blocks vary fastest: the programs reading the same entries run together (one HBM read, L2 after)
+        h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+        b = tl.program_id(1)
+        split = tl.program_id(2)
+        num_splits = tl.num_programs(2)
         d = 2 * HALF
         j = tl.arange(0, HALF)  # byte j holds elements 2j (low nibble) and 2j + 1 (high)
-        h = tl.arange(0, BLOCK_H)
         hmask = h < num_heads
         q_base = q_ptr + b * num_heads * d + h[:, None] * d + 2 * j[None, :]
         q_even = tl.load(q_base, mask=hmask[:, None], other=0.0)  # [BLOCK_H, HALF]
@@ -158,7 +160,7 @@ def sparse_partials(
     m = torch.empty(b, splits, h, device=q.device)
     l_sum = torch.empty(b, splits, h, device=q.device)
     acc = torch.empty(b, splits, h, d, device=q.device)
-    _kernel()[(b, splits)](
+    _kernel()[(-(-h // _BLOCK_H), b, splits)](
         q.contiguous(),
         rows.contiguous(),
         slots.to(torch.int64).contiguous(),
@@ -172,7 +174,7 @@ def sparse_partials(
         float(scale),
         HALF=d // 2,
         ENTRY=9 * d // 16,
-        BLOCK_H=max(16, 1 << (h - 1).bit_length()),
+        BLOCK_H=_BLOCK_H,
         BLOCK_K=_BLOCK_K,
     )
     return m, l_sum, acc
