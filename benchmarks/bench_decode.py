@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.build import load_model
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
@@ -33,18 +34,12 @@ from kvdiet.units import parse_count
 SEED = 0
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Bytes per second of ``torch.clone`` (read + write counted once, as a copy's throughput)."""
-    x = torch.empty(num_bytes // 4, dtype=torch.float32).uniform_()
+def copy_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
+    """Bytes per second of ``torch.clone`` on ``device`` (read + write counted once, as a copy's throughput)."""
+    x = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
     x.clone()
-    best = min(_timed(x.clone) for _ in range(3))
+    best = min(seconds(x.clone, device) for _ in range(3))
     return num_bytes / best
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def fill_state(model: Transformer, context: int, gen: torch.Generator) -> RequestState:
@@ -59,19 +54,20 @@ def fill_state(model: Transformer, context: int, gen: torch.Generator) -> Reques
             rows = codec.encode(torch.randn(block, codec.dim, generator=gen))
             reps = -(-n // block)
             store.write_rows(rows.repeat(reps, 1)[:n])
-    w = cfg.sliding_window
+    w, dev = cfg.sliding_window, model.device  # drawn on the host (same values on every device), then moved
     positions = torch.arange(max(0, context - w), context)
     for ring in state.windows:
-        ring.write(torch.randn(positions.numel(), cfg.head_dim, generator=gen), positions)
+        ring.write(torch.randn(positions.numel(), cfg.head_dim, generator=gen).to(dev), positions.to(dev))
     for layer, tail in state.tails.items():
         held = context % model.plan[layer].compress_ratio
         tail.replace(
-            torch.randn(held, cfg.head_dim, generator=gen), torch.randn(held, cfg.head_dim, generator=gen)
+            torch.randn(held, cfg.head_dim, generator=gen).to(dev),
+            torch.randn(held, cfg.head_dim, generator=gen).to(dev),
         )
     if model.hasher is not None:
         state.engram_history = torch.randint(
             0, model.hasher.compressed_vocab_size, (model.hasher.history_len,)
-        )
+        ).to(dev)
     state.num_tokens = context
     return state
 
@@ -113,7 +109,7 @@ def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[fl
     try:
         model.decode([state], [5])  # warm-up
         spent.clear()
-        times = [_timed(lambda: model.decode([state], [5])) for _ in range(steps)]
+        times = [seconds(lambda: model.decode([state], [5]), model.device) for _ in range(steps)]
     finally:
         for h in hooks:
             h.remove()
@@ -123,10 +119,8 @@ def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[fl
 def time_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
     """Prefill tokens per second of ``tokens`` in chunks of ``chunk``."""
     state = model.new_state()
-    start = time.perf_counter()
-    for s in range(0, tokens.numel(), chunk):
-        model.prefill(state, tokens[s : s + chunk])
-    return tokens.numel() / (time.perf_counter() - start)
+    chunks = tokens.split(chunk)
+    return tokens.numel() / seconds(lambda: [model.prefill(state, c) for c in chunks], model.device)
 
 
 def replay_drift(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
@@ -149,18 +143,20 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", default="1024", help="prompt length of the prefill sweep")
     parser.add_argument("--chunks", default="128,512,1024", help="prefill chunk sizes")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    add_device_arg(parser)
     args = parser.parse_args()
+    check_device(args.device)
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
-    model, _ = load_model("v4.1-mini", seed=SEED)
-    bandwidth = copy_bandwidth()
+    model, _ = load_model("v4.1-mini", seed=SEED, device=args.device)
+    bandwidth = copy_bandwidth(device=args.device)
     rows = []
     room = model.cfg.max_position_embeddings - (args.steps + 1)  # the timed steps must still fit
     for context in (min(parse_count(c), room) for c in args.contexts.split(",")):
         state = fill_state(model, context, gen)
-        seconds, roles = time_decode(model, state, args.steps)
+        step_s, roles = time_decode(model, state, args.steps)
         read = step_bytes(model, context)
-        rows.append({"context": context, "step_seconds": seconds, "roles": roles, "bytes_read": read,
+        rows.append({"context": context, "step_seconds": step_s, "roles": roles, "bytes_read": read,
                      "floor_seconds": read / bandwidth, "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
         del state
     prompt = torch.randint(0, model.cfg.vocab_size, (parse_count(args.prefill_tokens),), generator=gen)
@@ -169,6 +165,7 @@ def main() -> None:
     result = {
         "bench": "decode",
         "model": "v4.1-mini",
+        "device": args.device,
         "copy_gb_per_s": bandwidth / 1e9,
         "decode": rows,
         "growth_1m_over_4k": rows[-1]["step_seconds"] / rows[0]["step_seconds"] if len(rows) > 1 else None,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.config import load_config
+from kvdiet.device import add_device_arg, check_device, seconds
+from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
 from kvdiet.threads import set_threads
 
@@ -39,14 +40,9 @@ CONFIG = Path(__file__).resolve().parents[2] / "shared" / "golden" / "bench-40la
 SEED = 0
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
+def _best(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(seconds(fn, device) for _ in range(repeats))
 
 
 def _prompt(model: Transformer, n: int, offset: int = 0) -> torch.Tensor:
@@ -56,7 +52,9 @@ def _prompt(model: Transformer, n: int, offset: int = 0) -> torch.Tensor:
 
 def prefill_seconds(model: Transformer, tokens: torch.Tensor, decoder_replay: bool, repeats: int) -> float:
     """Best seconds of one whole-prompt prefill into a fresh state."""
-    return _best(lambda: model.prefill(model.new_state(), tokens, decoder_replay=decoder_replay), repeats)
+    return _best(
+        lambda: model.prefill(model.new_state(), tokens, decoder_replay=decoder_replay), model.device, repeats
+    )
 
 
 def decode_step_seconds(model: Transformer, tokens: torch.Tensor, steps: int) -> float:
@@ -64,10 +62,10 @@ def decode_step_seconds(model: Transformer, tokens: torch.Tensor, steps: int) ->
     state = model.new_state()
     token = int(model.prefill(state, tokens).argmax())
     times = []
+    out: list[torch.Tensor] = []
     for _ in range(steps + 1):  # the first step is a warm-up
-        start = time.perf_counter()
-        token = int(model.decode([state], [token])[0].argmax())
-        times.append(time.perf_counter() - start)
+        times.append(seconds(lambda t=token: out.append(model.decode([state], [t])), model.device))
+        token = int(out.pop()[0].argmax())
     return statistics.median(times[1:])
 
 
@@ -79,11 +77,10 @@ def batch_step_seconds(model: Transformer, batch: int, context: int, steps: int)
         tokens.append(int(model.prefill(state, _prompt(model, context, offset=1 + b)).argmax()))
         states.append(state)
     times = []
+    out: list[torch.Tensor] = []
     for _ in range(steps + 1):
-        start = time.perf_counter()
-        logits = model.decode(states, tokens)
-        times.append(time.perf_counter() - start)
-        tokens = logits.argmax(dim=-1).tolist()
+        times.append(seconds(lambda ts=tokens: out.append(model.decode(states, ts)), model.device))
+        tokens = out.pop().argmax(dim=-1).tolist()
     return statistics.median(times[1:])
 
 
@@ -106,14 +103,16 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads (default: the cores this process may use)"
     )
+    add_device_arg(parser)
     args = parser.parse_args()
+    check_device(args.device)
     threads = set_threads(args.threads)
     torch.manual_seed(SEED)
     cfg = load_config(args.config)
     # the golden files' stub Engram map (token i → i // 2): tiny vocabularies have no tokenizer to derive one
     stub = torch.arange(cfg.vocab_size) * cfg.engram_compressed_vocab_size // cfg.vocab_size
     model = Transformer.from_config(cfg, seed=SEED, token_map=stub if cfg.engram_layer_ids else None)
-    model.eval()
+    model = place(model.eval(), args.device)
     lengths = [int(t) for t in args.tokens.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     err = Console(stderr=True)
@@ -181,6 +180,7 @@ def main() -> None:
                 "seed": SEED,
                 "config": name,
                 "threads": threads,
+                "device": args.device,
                 "rows": rows,
                 "batch_scaling": scaling,
             }

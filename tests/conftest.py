@@ -45,3 +45,20 @@ def format_backend(request):
             mp.delenv(native.ENV, raising=False)
             assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
         yield request.param
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not __import__("torch").cuda.is_available(), reason="CUDA case: runs on a GPU machine"
+            ),
+        ),
+    ]
+)
+def device(request) -> str:
+    """The devices a model test runs on: ``cpu`` always, ``cuda`` where torch sees a GPU
+    (`benchmarks/gpu_check.sh` runs these tests there)."""
+    return request.param

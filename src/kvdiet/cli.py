@@ -17,6 +17,7 @@ from rich.console import Console
 from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import ConfigError
+from kvdiet.device import add_device_arg, check_device
 from kvdiet.engine.args import add_numerics_arg
 from kvdiet.engine.command import add_generate_parser, run_generate
 from kvdiet.fidelity.command import add_fidelity_parser, run_fidelity
@@ -62,6 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_fidelity_parser(sub)
     for name in ("generate", "serve", "replay", "golden", "fidelity"):  # the commands that run the model
         add_threads_arg(sub.choices[name])
+    for name in ("generate", "serve", "replay", "golden"):  # fidelity's experiments run on the CPU only
+        add_device_arg(sub.choices[name])
     return parser
 
 
@@ -107,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(args, "threads"):
             check_threads(args.threads)  # in every mode, used or not
+        if hasattr(args, "device"):
+            check_device(args.device)  # in every mode, before anything loads
             if args.command != "replay" or args.mode == "engine":
                 set_threads(args.threads)  # the commands that run the model
         if args.command == "plan":

@@ -57,6 +57,8 @@ class EngineArgs:
         cache: device pool, prefix cache, tiers and SWA policy.
         max_model_len: longest prompt + output in tokens (None: the config's ``max_position_embeddings``).
         scheduler: batching limits.
+        device: where the model, its device pool and request state live: ``cpu``, ``cuda`` or ``cuda:N``
+            (`kvdiet.device`).
     Raises:
         ValueError: an unknown ``kv_cache_dtype``.
     """
@@ -70,6 +72,7 @@ class EngineArgs:
     cache: CacheOptions = field(default_factory=CacheOptions)
     max_model_len: int | None = None
     scheduler: SchedulerConfig = field(default_factory=lambda: _default_scheduler())
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -106,6 +109,7 @@ class EngineArgs:
             numerics=args.numerics,
             expert_cache_bytes=_expert_cache_bytes(args),
             cache=_cache_options(args),
+            device=args.device,
             **fields,
         )
 
@@ -166,6 +170,7 @@ class EngineArgs:
             exact=KV_CACHE_DTYPES[self.kv_cache_dtype],
             numerics=self.numerics,
             expert_cache_bytes=self.expert_cache_bytes,
+            device=self.device,
         )
         cache = ModelRunner(
             model, self.cache, tokenizer_id=tokenizer.identity if tokenizer else "none", swa_pool=swa_pool

@@ -146,6 +146,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         weights=engine_args.weights,
         numerics=engine_args.numerics,
         expert_cache_bytes=engine_args.expert_cache_bytes,
+        device=engine_args.device,
     )
     if args.prompt_ids is not None:
         items = args.prompt_ids.split(",")

@@ -32,6 +32,7 @@ from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.plan import Replay, RestoreWindow, WindowSource
 from kvdiet.cache.prefix import ROOT_HASH, chain_hash, model_fingerprint
 from kvdiet.cache.reserve import reserve_blocks
+from kvdiet.device import to_host
 from kvdiet.engine.session import Session
 from kvdiet.engine.tiers import Tiers
 from kvdiet.engine.window_blocks import WindowBlockLog, restore_window_blocks, window_block_bytes
@@ -296,7 +297,7 @@ class ModelRunner:
             self._after_forward(session, start)
             if progress is not None:
                 progress.advance(end - start)
-        return logits
+        return None if logits is None else to_host(logits)  # sampled on the host: logits cross here
 
     def decode(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
         """Feed one sampled token to each session; returns fp32 [B, V].
@@ -316,7 +317,7 @@ class ModelRunner:
         for s, t, start in zip(sessions, tokens, starts, strict=True):
             s.tokens.append(int(t))
             self._after_forward(s, start)
-        return logits
+        return to_host(logits)  # sampled on the host: the batch's logits cross here, once
 
     @staticmethod
     def _start_log(session: Session) -> None:

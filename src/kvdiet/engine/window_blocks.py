@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdiet.device import to_host
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 
@@ -60,7 +61,7 @@ class WindowBlockLog:
         for i in range(max(int(pos[0]) // bs, self.first_block), done):
             sel = (pos >= i * bs) & (pos < (i + 1) * bs)
             if int(sel.sum()) == bs:
-                self.blocks[i] = rows[:, sel].contiguous().view(torch.uint8).numpy().tobytes()
+                self.blocks[i] = to_host(rows[:, sel].contiguous().view(torch.uint8)).numpy().tobytes()
         keep = pos >= done * bs
         self._pending = (rows[:, keep], pos[keep]) if bool(keep.any()) else None
 
@@ -80,7 +81,8 @@ def restore_window_blocks(
     ring = state.windows[0]
     rows = torch.frombuffer(bytearray(data), dtype=ring.rows.dtype).view(-1, layers, bs, ring.rows.shape[1])
     rows = rows.permute(1, 0, 2, 3).reshape(layers, -1, ring.rows.shape[1])  # [L, tokens, width]
-    positions = torch.arange(first, pos)
+    rows = rows.to(ring.rows.device)  # the stored payloads cross to the device here, once
+    positions = torch.arange(first, pos, device=ring.rows.device)
     keep = positions >= pos - w
     model.rewind(state, pos, ids)  # empties rings and tails, history at pos
     for layer, r in enumerate(state.windows):

@@ -18,6 +18,7 @@ scales, block 16) and ``mxfp4`` (UE8M0 scales, block 32) divide by their scale f
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 
@@ -158,11 +159,13 @@ def pack_codes_(codes: torch.Tensor, out: torch.Tensor, work: torch.Tensor) -> N
     out.copy_(packed.bitwise_or_(pairs))  # low byte: even | odd << 4; the copy keeps the low byte
 
 
-def pair_table() -> torch.Tensor:
-    """int32 ``[256]``: each byte's two nibble values as fp16 halves, the low nibble's first in memory."""
+@functools.cache
+def pair_table(device: torch.device | None = None) -> torch.Tensor:
+    """int32 ``[256]`` on ``device`` (None: the CPU): each byte's two nibble values as fp16 halves, the low
+    nibble's first in memory. Built once per device; do not mutate."""
     bits = _FP16_BITS
     pairs = [((bits[b >> 4] << 16 | bits[b & 15]) ^ 2**31) - 2**31 for b in range(256)]  # as signed int32
-    return torch.tensor(pairs, dtype=torch.int32)
+    return torch.tensor(pairs, dtype=torch.int32, device=device)
 
 
 def decode_packed_(packed: torch.Tensor, out: torch.Tensor, table: torch.Tensor) -> None:

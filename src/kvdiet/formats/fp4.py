@@ -147,9 +147,10 @@ def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
 def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
     """Fused ``pack_fp4(*quantize_fp4(x))``: ``x [..., dim]`` → uint8 entries ``[..., bytes_per_entry]``.
 
-    Runs the compiled kernels (``native``) when available, else the pure-torch chunks; the bytes are equal.
+    Runs the compiled kernels (``native``, CPU tensors only) when available, else the pure-torch chunks (on
+    any device); the bytes are equal.
     """
-    kernels = native.fp4_kernels()
+    kernels = native.fp4_kernels() if x.device.type == "cpu" else None
     if kernels is not None:
         rows = as_rows(x, block=recipe.block, name=recipe.name)
         packed = torch.empty(rows.shape[0], recipe.entry(rows.shape[1]).bytes_per_entry, dtype=torch.uint8)
@@ -197,11 +198,12 @@ def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: t
 def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
     """Fused ``dequantize_fp4(*unpack_fp4(packed))``: entries → ``dtype`` ``[..., dim]``.
 
-    Runs the compiled kernels (``native``) when available, else the pure-torch chunks; the values are equal.
+    Runs the compiled kernels (``native``, CPU tensors only) when available, else the pure-torch chunks (on
+    any device); the values are equal.
     """
     fmt = _entry_of(packed, recipe)
     rows = packed.reshape(-1, fmt.bytes_per_entry)
-    kernels = native.fp4_kernels()
+    kernels = native.fp4_kernels() if packed.device.type == "cpu" else None
     if kernels is not None:
         out = torch.empty(rows.shape[0], fmt.dim, dtype=output_dtype(dtype, name=recipe.name))
         if rows.shape[1] > 1 and rows.stride(1) != 1:
@@ -211,7 +213,7 @@ def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tens
             check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)  # raises
         return out.view(*packed.shape[:-1], fmt.dim)
     check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)
-    table = e2m1.pair_table()
+    table = e2m1.pair_table(rows.device)
 
     def fill(sl: slice, out: Tensor) -> None:
         e2m1.decode_packed_(rows[sl, : fmt.value_bytes], out, table)

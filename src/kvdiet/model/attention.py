@@ -25,7 +25,9 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
+from kvdiet.formats.fp4 import decode_main_kv
 from kvdiet.layer_plan import LayerInfo
+from kvdiet.model import triton_decode
 from kvdiet.model.compressor import Compressor
 from kvdiet.model.indexer import Indexer, index_scores
 from kvdiet.model.layers import RMSNorm, Rope
@@ -277,6 +279,14 @@ class Attention(nn.Module):
             comp = comp_mask = None
             if info.compress_ratio:
                 idx, valid = seg.topk[info.idx_src]
+                store = seg.state.main[info.kv_src]
+                if q.is_cuda and store.codec.decode is decode_main_kv and triton_decode.available():
+                    rows = seg.state.table.pool.rows(info.kv_src, "main")  # packed, read in place
+                    slots = store.slots(idx[s:e])
+                    o[s:e] = triton_decode.attend_packed(
+                        q[s:e], win_kv[lo:hi], mask, rows, slots, valid[s:e], self.attn_sink, self.scale
+                    )
+                    continue
                 comp, comp_mask = self._gather_main(seg, idx[s:e]), valid[s:e]
             o[s:e] = attend(q[s:e], win_kv[lo:hi], mask, comp, comp_mask, self.attn_sink, self.scale)
         return self.project_out(o, pos)

@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
+from kvdiet.device import check_device
 from kvdiet.model.engram_hash import compressed_token_map
 from kvdiet.model.loader import load_checkpoint
+from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
 from kvdiet.model.v4 import V4Transformer
 from kvdiet.tokenizer import Tokenizer
@@ -28,6 +30,7 @@ def load_model(
     exact: bool = False,
     numerics: str = "auto",
     expert_cache_bytes: int | None = None,
+    device: str = "cpu",
 ) -> tuple[Transformer | V4Transformer, Tokenizer | None]:
     """A V4.1 model (seeded random weights, or a checkpoint) or a V4-Flash model (seeded random weights) and
     its tokenizer.
@@ -35,16 +38,19 @@ def load_model(
     With ``weights`` the model is built from the checkpoint (`kvdiet.model.loader.load_checkpoint`: routed
     experts read on first use, resident memory far below the checkpoint's size); its config is
     ``name_or_path`` or, when that is None, the ``config.json`` beside the weights. The load report is kept
-    as ``model.load_report``. The tokenizer is the checkpoint's ``tokenizer.json`` when it has one, else the
-    real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test configs get none
-    (prompts are then token ids).
+    as ``model.load_report``. The model is built on the host and placed on ``device`` (``cpu``, ``cuda``,
+    ``cuda:N``; `kvdiet.model.placement.place`). The tokenizer is the checkpoint's ``tokenizer.json`` when it
+    has one, else the real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test
+    configs get none (prompts are then token ids).
 
     Raises:
         ConfigError: not a DeepSeek-V4-family config, no config at all, or V4-Flash with ``weights`` (its
             released checkpoint does not load yet).
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
+        ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`).
     """
+    check_device(device)
     if name_or_path is None:
         found = model_config_path(weights)
         if found is None:
@@ -62,7 +68,7 @@ def load_model(
                 f"{name_or_path!r} is V4-Flash: its checkpoint does not load yet (random weights only)"
             )
         model = V4Transformer.from_config(cfg, seed=seed, exact=exact)
-        return model, tokenizer
+        return place(model, device), tokenizer
     token_map = None
     if tokenizer is not None and cfg.engram_layer_ids:
         token_map, _ = compressed_token_map(tokenizer)
@@ -84,7 +90,7 @@ def load_model(
             expert_cache_bytes=expert_cache_bytes,
         )
         model.load_report = report
-    return model, tokenizer
+    return place(model, device), tokenizer
 
 
 def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | None:

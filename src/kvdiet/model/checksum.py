@@ -7,6 +7,8 @@ import hashlib
 
 import torch
 
+from kvdiet.device import to_host
+
 __all__ = ["weights_checksum"]
 
 
@@ -21,6 +23,6 @@ def weights_checksum(model: torch.nn.Module) -> str:
     for name, p in model.state_dict().items():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         if p.device.type != "meta":
-            h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(to_host(p.reshape(-1).view(torch.uint8)).numpy().tobytes())
     h.update(str(getattr(model, "weights_digest", "")).encode())
     return h.hexdigest()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.device import to_host
 from kvdiet.formats.fp8 import quantize_window
 from kvdiet.model.checkpoint import Checkpoint
 from kvdiet.model.linear import Linear, ue8m0_values
@@ -57,9 +58,11 @@ class Fp8Embedding(nn.Module):
             codes, scales = self.weight[ids], self.scale[ids]
         else:
             checkpoint, weight_name, scale_name = self._source
-            flat = ids.reshape(-1)
-            codes = checkpoint.read_rows(weight_name, flat).view(torch.uint8).view(*ids.shape, self.dim)
-            scales = checkpoint.read_rows(scale_name, flat).view(torch.uint8).view(*ids.shape, -1)
+            with torch.device("cpu"):  # rows read on the host, then one crossing to the ids' device
+                flat = to_host(ids.reshape(-1))
+                codes = checkpoint.read_rows(weight_name, flat).view(torch.uint8).view(*ids.shape, self.dim)
+                scales = checkpoint.read_rows(scale_name, flat).view(torch.uint8).view(*ids.shape, -1)
+            codes, scales = codes.to(ids.device), scales.to(ids.device)
         values = codes.view(torch.float8_e4m3fn).float().unflatten(-1, (-1, _SCALE_BLOCK))
         return (values * ue8m0_values(scales)[..., None]).flatten(-2)
 

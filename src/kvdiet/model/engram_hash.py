@@ -173,6 +173,26 @@ class EngramHasher:
             )
             self._multipliers[layer_id] = torch.from_numpy(draws * 2 + 1)
 
+    def to(self, device: torch.device) -> EngramHasher:
+        """Move the token map and every layer's primes, offsets and multipliers to ``device`` (in place);
+        returns self."""
+        self.token_map = self.token_map.to(device)
+        for table in (self._primes, self._offsets, self._multipliers):
+            for layer_id, t in table.items():
+                table[layer_id] = t.to(device)
+        return self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every table by name (``token_map``, ``primes[l]``, ``offsets[l]``, ``multipliers[l]``), not copied."""
+        named = {"token_map": self.token_map}
+        for kind, table in (
+            ("primes", self._primes),
+            ("offsets", self._offsets),
+            ("multipliers", self._multipliers),
+        ):
+            named |= {f"{kind}[{layer_id}]": t for layer_id, t in table.items()}
+        return named
+
     def primes(self, layer_id: int) -> torch.Tensor:
         """Bucket sizes of a layer, int64 [N−1, n_heads] (row n−2 is the n-gram)."""
         return self._primes[self._check_layer(layer_id)].clone()
@@ -199,7 +219,7 @@ class EngramHasher:
 
     def initial_history(self) -> torch.Tensor:
         """History of a fresh request: N−1 compressed pad ids, int64 [N−1] (positions before 0 are pad)."""
-        return torch.full((self.history_len,), self.pad_id, dtype=torch.int64)
+        return torch.full((self.history_len,), self.pad_id, dtype=torch.int64, device=self.token_map.device)
 
     def with_history(self, compressed_ids: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
         """``cat(history, compressed_ids)`` on the last axis: [..., T] -> [..., N−1+T] (history None = fresh).

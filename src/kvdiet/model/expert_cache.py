@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 __all__ = ["ExpertCache", "ExpertCacheStats", "LayerExperts"]
@@ -53,6 +54,7 @@ class ExpertCache:
         if budget_bytes < 0:
             raise ValueError(f"expert cache budget must be >= 0 bytes, got {budget_bytes}")
         self._build, self.budget_bytes = build, budget_bytes
+        self.device = torch.device("cpu")  # where read experts go (`kvdiet.model.placement.place` sets it)
         self._lru: OrderedDict[tuple[int, int], tuple[nn.Module, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._loads = self._hits = self._evictions = self._bytes_read = 0
@@ -67,7 +69,9 @@ class ExpertCache:
                 self._lru.move_to_end(key)
                 self._hits += 1
                 return hit[0]
-        module, nbytes = self._build(layer, expert)
+        with torch.device("cpu"):  # read on the host (positioned reads), then moved to the model's device
+            module, nbytes = self._build(layer, expert)
+        module = module.to(self.device)
         with self._lock:
             while self._lru and self._resident + nbytes > self.budget_bytes:
                 _, (_, dropped) = self._lru.popitem(last=False)

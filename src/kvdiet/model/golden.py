@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from kvdiet.model.loader import load_checkpoint
+from kvdiet.model.placement import place
 from kvdiet.model.rounding_ties import Tie, find_ties, flip
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
@@ -92,9 +93,10 @@ class GoldenReport:
 
 
 def compare_golden(
-    directory: str | Path, *, numerics: str = "auto", tol: float = DEFAULT_TOL
+    directory: str | Path, *, numerics: str = "auto", tol: float = DEFAULT_TOL, device: str = "cpu"
 ) -> GoldenReport:
-    """Run kvdiet on a golden directory and count agreement (see the module docstring).
+    """Run kvdiet on a golden directory and count agreement (see the module docstring). The model and the
+    reference outputs sit on ``device`` (`kvdiet.device`); only the counts come back to the host.
 
     Raises:
         FileNotFoundError: no ``reference_outputs.safetensors`` or no checkpoint in ``directory``.
@@ -113,6 +115,8 @@ def compare_golden(
         raise FileNotFoundError(f"no checkpoint (safetensors weights besides {OUTPUTS_FILE}) in {directory}")
     ref = _read_outputs(outputs)
     model, report = load_checkpoint(directory, token_map=ref.get("engram.token_map"), numerics=numerics)
+    model = place(model, device)
+    ref = {name: t.to(model.device) for name, t in ref.items()}
     prompt = ref["prompt_tokens"].long()
     selections: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     with model.observe_selection(
@@ -273,7 +277,7 @@ def _compare_caches(
         slots = pos % window
         full = torch.zeros_like(want)
         full[slots] = kv.float()
-        present = torch.zeros(want.shape[0], dtype=torch.bool)
+        present = torch.zeros(want.shape[0], dtype=torch.bool, device=want.device)
         present[slots] = True
         out[f"L{layer}.window_kv"] = (
             float((full - want.float())[present].abs().max()) if present.any() else 0.0
@@ -300,7 +304,7 @@ def run_golden_command(args: argparse.Namespace, console) -> int:
     """Run ``kvdiet golden``; returns the exit code."""
     from rich.table import Table
 
-    report = compare_golden(args.directory, numerics=args.numerics, tol=args.tol)
+    report = compare_golden(args.directory, numerics=args.numerics, tol=args.tol, device=args.device)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

@@ -89,16 +89,19 @@ def dequantize_fp4_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Te
     packed = weight.view(torch.uint8)
     index = packed.reshape(-1).to(torch.int64)
     # one 8-byte gather per byte: both nibbles' fp32 values, the low nibble's first (element order)
-    values = torch.index_select(_byte_pairs(), 0, index).view(torch.float32).view(packed.shape[0], -1)
+    values = (
+        torch.index_select(_byte_pairs(packed.device), 0, index).view(torch.float32).view(packed.shape[0], -1)
+    )
     s = ue8m0_values(scale)
     return values.view(values.shape[0], -1, FP4_BLOCK).mul_(s[..., None]).view(values.shape)
 
 
 @functools.cache
-def _byte_pairs() -> torch.Tensor:
-    """float64-typed [256]: byte b's two E2M1 values as fp32, low nibble first (a gather unit, not a number)."""
-    grid = torch.tensor(DECODE_TABLE, dtype=torch.float32)
-    byte = torch.arange(256)
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """float64-typed [256] on ``device``: byte b's two E2M1 values as fp32, low nibble first (a gather unit,
+    not a number); built once per device."""
+    grid = torch.tensor(DECODE_TABLE, dtype=torch.float32, device=device)
+    byte = torch.arange(256, device=device)
     return torch.stack([grid[byte & 15], grid[byte >> 4]], dim=1).contiguous().view(torch.float64).view(256)
 
 

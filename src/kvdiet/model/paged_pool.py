@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kvdiet.device import to_host
 from kvdiet.formats.codec import CacheCodecs, Codec
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 from kvdiet.model.block_ids import BlockAllocator, PrivateBlocks
@@ -39,6 +40,7 @@ class DevicePool:
             HCA layers have no indexer.
         block_size: tokens per block; a multiple of every ratio.
         num_blocks: blocks to preallocate (≥ 1).
+        device: where the pool's tensors live (the model's device, `kvdiet.device`).
         blocks: the allocator of the block ids, holding ``num_blocks`` blocks (the cache layer's
             `BlockPool`): the pool stays that size and the cache layer reserves blocks before each forward.
             None: a private `PrivateBlocks`, and the pool is ``growable`` (a model used without an engine):
@@ -56,6 +58,7 @@ class DevicePool:
         num_blocks: int,
         blocks: BlockAllocator | None = None,
         indexed: frozenset[int] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if not ratios:
             raise ValueError("a device pool needs at least one KV-source layer")
@@ -69,6 +72,7 @@ class DevicePool:
         if blocks is not None and blocks.num_blocks != num_blocks:
             raise ValueError(f"the allocator holds {blocks.num_blocks} blocks, the pool {num_blocks}")
         self.block_size, self.growable = block_size, blocks is None
+        self.device = torch.device(device)
         self.blocks: BlockAllocator = PrivateBlocks(num_blocks) if blocks is None else blocks
         self._kinds = {
             layer: tuple(k for k in KINDS if k == "main" or indexed is None or layer in indexed)
@@ -76,7 +80,11 @@ class DevicePool:
         }
         self._data = {
             (layer, kind): torch.zeros(
-                num_blocks, block_size // r, self.codecs[kind].width, dtype=self.codecs[kind].dtype
+                num_blocks,
+                block_size // r,
+                self.codecs[kind].width,
+                dtype=self.codecs[kind].dtype,
+                device=self.device,
             )
             for layer, r in self.ratios.items()
             for kind in self._kinds[layer]
@@ -103,6 +111,10 @@ class DevicePool:
         t = self._data[(layer, kind)]
         return t.view(-1, t.shape[-1])
 
+    def pages(self) -> dict[tuple[int, str], torch.Tensor]:
+        """Every ``(layer, kind)`` and its page tensor ``[num_blocks, entries_per_block, width]`` (not copied)."""
+        return dict(self._data)
+
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh block ids (growing first if growable); otherwise the allocator's error when it has
         fewer than ``n`` free (`kvdiet.cache.block_pool.NoFreeBlocksError` from the cache layer's pool)."""
@@ -112,21 +124,25 @@ class DevicePool:
 
     def _grow(self, extra: int) -> None:
         for key, t in self._data.items():
-            self._data[key] = torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype)])
+            self._data[key] = torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype, device=t.device)])
         self.blocks.grow(extra)
 
     # --- one block as bytes (the persistent tier's payload) ---
 
     def read_block(self, block_id: int) -> bytes:
-        """The block's rows as raw bytes: for each layer (ascending), main rows then index-key rows (if any)."""
+        """The block's rows as raw bytes: for each layer (ascending), main rows then index-key rows (if any).
+
+        Gathered on the device, then one crossing to the host (`kvdiet.device.to_host`)."""
         parts = [self._data[(layer, kind)][block_id] for layer in self.ratios for kind in self._kinds[layer]]
-        return b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+        flat = torch.cat([p.contiguous().view(torch.uint8).view(-1) for p in parts])
+        return to_host(flat).numpy().tobytes()
 
     def write_block(self, block_id: int, payload: bytes) -> None:
-        """Inverse of `read_block`. Raises ValueError when ``payload`` is not one block long."""
+        """Inverse of `read_block` (the payload crosses to the device once). Raises ValueError when
+        ``payload`` is not one block long."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block payload is {self.block_bytes} bytes, got {len(payload)}")
-        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         at = 0
         for layer in self.ratios:
             for kind in self._kinds[layer]:

@@ -23,6 +23,7 @@ import zlib
 import numpy as np
 import torch
 
+from kvdiet.device import to_host
 from kvdiet.model.state import RequestState
 
 __all__ = ["MAGIC", "SnapshotError", "restore_snapshot", "snapshot_bytes"]
@@ -35,7 +36,7 @@ class SnapshotError(ValueError):
 
 
 def _np(t: torch.Tensor) -> bytes:
-    return t.contiguous().numpy().tobytes()
+    return to_host(t).numpy().tobytes()  # a snapshot's tensors cross to the host here
 
 
 def _geometry(state: RequestState, fingerprint: bytes) -> dict[str, object]:
@@ -142,6 +143,6 @@ def restore_snapshot(state: RequestState, data: bytes, fingerprint: bytes) -> in
             score,
         )  # V4 CSA: the last window, then open rows
         tail.count = count
-    state.engram_history = history
+    state.engram_history = history.to(state.engram_history.device)
     state.num_tokens = h
     return h

@@ -30,15 +30,15 @@ class BlockTable:
     def __init__(self, pool: DevicePool, ids: list[int] | None = None) -> None:
         self.pool = pool
         self.ids: list[int] = list(ids or [])
-        self._tensor = torch.tensor(self.ids, dtype=torch.int64)
+        self._tensor = torch.tensor(self.ids, dtype=torch.int64, device=pool.device)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def tensor(self) -> torch.Tensor:
-        """int64 [len] (cached until the table grows)."""
+        """int64 [len] on the pool's device (cached until the table grows: the ids cross to the device then)."""
         if self._tensor.numel() != len(self.ids):
-            self._tensor = torch.tensor(self.ids, dtype=torch.int64)
+            self._tensor = torch.tensor(self.ids, dtype=torch.int64, device=self.pool.device)
         return self._tensor
 
     def reserve(self, num_tokens: int) -> None:
@@ -67,7 +67,8 @@ class PagedEntries:
     def __len__(self) -> int:
         return self._len
 
-    def _slots(self, idx: torch.Tensor) -> torch.Tensor:
+    def slots(self, idx: torch.Tensor) -> torch.Tensor:
+        """Pool rows (of ``pool.rows(layer, kind)``) of entry ids ``idx`` (int64, any shape, on the pool's device)."""
         return self.table.tensor()[idx // self.per_block] * self.per_block + idx % self.per_block
 
     def unheld(self, ids: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,8 @@ class PagedEntries:
         self.write_rows(self.codec.encode(values))
 
     def write_rows(self, rows: torch.Tensor) -> None:
-        """Store already-encoded ``rows`` [M, width] as entries ``len .. len+M−1`` (benchmarks fill this way).
+        """Store already-encoded ``rows`` [M, width] as entries ``len .. len+M−1`` (benchmarks fill this way;
+        rows on another device are copied to the pool's).
 
         Raises:
             ValueError: wrong dtype/width, or the block table does not cover the new entries.
@@ -105,16 +107,21 @@ class PagedEntries:
             raise ValueError(
                 f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
             )
-        self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len, end))] = rows
+        dev = self.table.pool.device
+        self.table.pool.rows(self.layer, self.kind)[self.slots(torch.arange(self._len, end, device=dev))] = (
+            rows.to(dev)
+        )
         self._len = end
 
     def raw(self) -> torch.Tensor:
         """The stored rows [len, width] (a gathered copy)."""
-        return self.table.pool.rows(self.layer, self.kind)[self._slots(torch.arange(self._len))]
+        return self.table.pool.rows(self.layer, self.kind)[
+            self.slots(torch.arange(self._len, device=self.table.pool.device))
+        ]
 
     def raw_at(self, idx: torch.Tensor) -> torch.Tensor:
         """The stored rows of entries ``idx`` (int64 [M], each in [0, len)) → [M, width] (a gathered copy)."""
-        return self.table.pool.rows(self.layer, self.kind)[self._slots(idx)]
+        return self.table.pool.rows(self.layer, self.kind)[self.slots(idx)]
 
     def read(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Decoded fp32 entries: all [len, dim], or ``idx`` (int64, any shape, each in [0, len)) → [..., dim]."""
@@ -131,11 +138,11 @@ class PagedEntries:
 class WindowRing:
     """The last ``window`` window entries of one layer, slot ``pos % window``, with their positions."""
 
-    def __init__(self, codec: Codec, window: int) -> None:
+    def __init__(self, codec: Codec, window: int, *, device: torch.device | str = "cpu") -> None:
         self.codec = codec
         self.window = window
-        self.rows = torch.zeros(window, codec.width, dtype=codec.dtype)
-        self.positions = torch.full((window,), -1, dtype=torch.int64)
+        self.rows = torch.zeros(window, codec.width, dtype=codec.dtype, device=device)
+        self.positions = torch.full((window,), -1, dtype=torch.int64, device=device)
         self.log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -181,9 +188,11 @@ class CompressorTail:
     open window's ``count`` rows (`kvdiet.model.v4.compressor`). ``dtype`` is fp64 in a model run in fp64.
     """
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> None:
-        self.kv = torch.zeros(rows, dim, dtype=dtype)
-        self.score = torch.full((rows, dim), float("-inf"), dtype=dtype)
+    def __init__(
+        self, rows: int, dim: int, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu"
+    ) -> None:
+        self.kv = torch.zeros(rows, dim, dtype=dtype, device=device)
+        self.score = torch.full((rows, dim), float("-inf"), dtype=dtype, device=device)
         self.count = 0
 
     def replace(self, kv: torch.Tensor, score: torch.Tensor) -> None:

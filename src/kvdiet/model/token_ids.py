@@ -30,7 +30,7 @@ def check_token_ids(
     """
     v = cfg.vocab_size
     try:
-        ids = torch.as_tensor(tokens, dtype=torch.int64).flatten()
+        ids = torch.as_tensor(tokens, dtype=torch.int64, device="cpu").flatten()  # validated on the host
     except (OverflowError, RuntimeError, TypeError, ValueError):
         bad = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
         raise ValueError(f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {v})") from None

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.device import device_scope
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerPlan
 from kvdiet.model.attention import Segment, Selection
@@ -115,6 +116,11 @@ class Transformer(nn.Module):
             elif p.dim() >= 2 and not name.endswith(("q_weight", "k_weight")):
                 nn.init.normal_(p, std=_INIT_STD)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (`kvdiet.model.placement.place` moves them); pools and states follow."""
+        return self.embed.weight.device
+
     # --- state ---
 
     def new_pool(
@@ -126,7 +132,14 @@ class Transformer(nn.Module):
         for a private growable pool (a model used on its own). Raises ValueError as `DevicePool`.
         """
         ratios = {s: self.plan[s].compress_ratio for s in self.plan.kv_sources}
-        return DevicePool(ratios, self.codecs, block_size=block_size, num_blocks=num_blocks, blocks=blocks)
+        return DevicePool(
+            ratios,
+            self.codecs,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            blocks=blocks,
+            device=self.device,
+        )
 
     def new_state(
         self, pool: DevicePool | None = None, *, blocks: list[int] | None = None, num_tokens: int = 0
@@ -151,11 +164,14 @@ class Transformer(nn.Module):
                 f"{len(blocks)} blocks hold {len(blocks) * pool.block_size} tokens, not {num_tokens}"
             )
         table = BlockTable(pool, blocks)
-        windows = [WindowRing(c.window, cfg.sliding_window) for _ in self.plan.layers]
+        dev = pool.device
+        windows = [WindowRing(c.window, cfg.sliding_window, device=dev) for _ in self.plan.layers]
         sources = self.plan.kv_sources
         ratio = {s: self.plan[s].compress_ratio for s in sources}
-        tails = {s: CompressorTail(ratio[s], cfg.head_dim) for s in sources if ratio[s] > 1}
-        history = self.hasher.initial_history() if self.hasher else torch.empty(0, dtype=torch.int64)
+        tails = {s: CompressorTail(ratio[s], cfg.head_dim, device=dev) for s in sources if ratio[s] > 1}
+        history = (
+            self.hasher.initial_history() if self.hasher else torch.empty(0, dtype=torch.int64, device=dev)
+        )
         return RequestState(
             windows,
             {s: PagedEntries(table, s, "main", num_tokens // ratio[s]) for s in sources},
@@ -193,7 +209,7 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"replay start {start} must be in [0, {state.num_tokens}] and a multiple of {align}"
             )
-        ids = torch.as_tensor(prefix_ids, dtype=torch.int64).flatten()
+        ids = torch.as_tensor(prefix_ids, dtype=torch.int64, device="cpu").flatten()  # host ids
         if ids.numel() < start:
             raise ValueError(f"replay from {start} needs the first {start} token ids, got {ids.numel()}")
         for ring in state.windows:
@@ -201,7 +217,7 @@ class Transformer(nn.Module):
         for tail in state.tails.values():
             tail.clear()
         if self.hasher is not None:
-            state.engram_history = self.hasher.history_after(ids[:start])
+            state.engram_history = self.hasher.history_after(ids[:start].to(self.device))
         state.num_tokens = start
 
     @contextlib.contextmanager
@@ -242,9 +258,10 @@ class Transformer(nn.Module):
             ValueError: see `check_tokens`.
             ValueError: the state's block table on a shared pool does not cover the new tokens.
         """
-        ids = self.check_tokens(tokens, start=state.num_tokens)
+        ids = self.check_tokens(tokens, start=state.num_tokens).to(self.device)  # token ids cross here
         keep = min(ids.numel(), self.cfg.sliding_window) if decoder_replay else ids.numel()
-        logits = self._forward([state], [ids], [keep])
+        with device_scope(self.device):
+            logits = self._forward([state], [ids], [keep])
         return logits if all_logits else logits[-1]
 
     @torch.no_grad()
@@ -255,8 +272,9 @@ class Transformer(nn.Module):
             ValueError: lengths differ, a state appears twice, a token is invalid, or a block table on a
                 shared pool does not cover its new token (nothing changes then).
         """
-        ids = decode_token_ids(self.cfg, states, tokens)
-        return self._forward(list(states), ids, [1] * len(states))
+        ids = torch.cat(decode_token_ids(self.cfg, states, tokens)).to(self.device)  # token ids cross here
+        with device_scope(self.device):
+            return self._forward(list(states), list(ids.split(1)), [1] * len(states))
 
     @staticmethod
     def _check_tables(states: list[RequestState], ids: list[torch.Tensor]) -> None:

@@ -117,6 +117,7 @@ class EngineModeConfig:
         cache: the engine's cache options (block size and, when None, the persistent dir are set here).
         max_num_seqs / max_num_batched_tokens: scheduler limits.
         seed: weights and prompt synthesis seed.
+        device: where the model runs (``cpu``, ``cuda``, ``cuda:N``; `kvdiet.device`).
     """
 
     model: str = "v4.1-mini"
@@ -127,6 +128,7 @@ class EngineModeConfig:
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 512
     seed: int = 0
+    device: str = "cpu"
 
 
 @dataclass
@@ -218,7 +220,7 @@ def run_engine_mode(
             block_size=config.block_size,
             persistent_dir=config.cache.persistent_dir if config.cache.persistent_dir is not None else tmp,
         )
-        model, tokenizer = load_model(config.model, seed=config.seed)
+        model, tokenizer = load_model(config.model, seed=config.seed, device=config.device)
         clock = ManualClock(scaled.requests[0].arrival_s)
         cache = ModelRunner(
             model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock

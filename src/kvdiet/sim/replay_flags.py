@@ -113,6 +113,7 @@ def plan_runs(args: argparse.Namespace):
                     cache=cache,
                     max_num_seqs=args.max_num_seqs,
                     seed=args.seed,
+                    device=args.device,
                 )
             )
         return configs

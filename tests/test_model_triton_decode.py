@@ -1,0 +1,96 @@
+"""The Triton packed-FP4 sparse decode attention against `attend` over decoded entries: in Triton's interpreter
+on the CPU (a subprocess: ``TRITON_INTERPRET=1`` must be set before triton compiles anything), compiled on CUDA
+when a GPU is there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # in the dev extra: missing only on a CPU install without it
+
+_CASES = r"""
+import json, torch
+from kvdiet.formats.fp4 import decode_main_kv, encode_main_kv
+from kvdiet.model.attention import attend
+from kvdiet.model.triton_decode import attend_packed, sparse_partials
+
+
+def case(device, *, b, h, k, splits, seed):
+    g = torch.Generator().manual_seed(seed)
+    d, n, w = 512, 97, 9
+    # entries of every magnitude: normal and subnormal E4M3 scales, zeros, saturated blocks
+    x = torch.randn(n, d, generator=g) * torch.logspace(-4, 3, n)[:, None]
+    x[3] = 0.0
+    rows = encode_main_kv(x)
+    q = torch.randn(b, h, d, generator=g) * 0.05
+    slots = torch.randint(0, n, (b, k), generator=g)
+    valid = torch.rand(b, k, generator=g) < 0.8
+    valid[0] = False  # a query that selects nothing: only the window and the sink
+    win_kv = torch.randn(w, d, generator=g)
+    win_mask = torch.rand(b, w, generator=g) < 0.7
+    sink = torch.randn(h, generator=g)
+    scale = d**-0.5
+    want = attend(q, win_kv, win_mask, decode_main_kv(rows[slots]), valid, sink, scale)
+    dev = [t.to(device) for t in (q, win_kv, win_mask, rows, slots, valid, sink)]
+    got = attend_packed(*dev[:3], *dev[3:6], dev[6], scale, splits=splits).cpu()
+    m, l, acc = (t.cpu() for t in sparse_partials(dev[0], dev[3], dev[4], dev[5], scale, splits=splits))
+    scores = torch.einsum("bhd,bkd->bhk", q, decode_main_kv(rows[slots])) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return {
+        "err": float((got - want).abs().max() / want.abs().max()),
+        "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
+        "m_err": float((m.amax(1)[1:] - scores.amax(-1)[1:]).abs().max()),
+        "empty_m": m[0].isinf().all().item() and bool((l[0] == 0).all()),
+        "splits": m.shape[1],
+    }
+
+
+def run(device):
+    return [
+        case(device, b=3, h=4, k=40, splits=1, seed=0),
+        case(device, b=2, h=5, k=70, splits=3, seed=1),  # heads padded to 16, a partial last block
+        case(device, b=2, h=20, k=16, splits=1, seed=2),  # two blocks of 16 heads
+    ]
+"""
+
+
+def _check(results: list[dict]) -> None:
+    for r in results:
+        assert r["err"] < 1e-5, r  # fp32 summation order only: decoded values are exact
+        assert r["argmax_equal"], r
+        assert r["m_err"] < 1e-4, r
+        assert r["empty_m"], r  # a query with no valid slot: m = −inf, l = 0 in every split
+    assert [r["splits"] for r in results] == [1, 3, 1]
+
+
+def test_the_kernel_matches_attend_in_tritons_interpreter() -> None:
+    code = _CASES + "\nprint(json.dumps(run('cpu')))"
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA case: runs on a GPU machine")
+def test_the_compiled_kernel_matches_attend_on_cuda() -> None:
+    scope: dict = {}
+    exec(compile(_CASES, "triton_cases", "exec"), scope)
+    _check(scope["run"]("cuda"))
+
+
+def test_bad_shapes_are_refused_before_the_kernel() -> None:
+    from kvdiet.model.triton_decode import sparse_partials
+
+    q = torch.zeros(1, 2, 512)
+    with pytest.raises(ValueError, match=r"rows must be \[N, 288\]"):
+        sparse_partials(q, torch.zeros(4, 280, dtype=torch.uint8), torch.zeros(1, 3), torch.ones(1, 3), 1.0)
+    with pytest.raises(ValueError, match="need fp32 q"):
+        sparse_partials(
+            q.double(), torch.zeros(4, 288, dtype=torch.uint8), torch.zeros(1, 3), torch.ones(1, 3), 1.0
+        )
