@@ -73,7 +73,7 @@ def test_candidates_pin_newest_block() -> None:
     scores = (
         torch.arange(n, dtype=torch.float32).flip(0)[None].masked_fill(~visible, NEG)
     )  # oldest score highest
-    blocks, valid = select_candidate_blocks(scores, visible, block_size=bs, topk_blocks=2)
+    blocks, valid = select_candidate_blocks(scores, visible.sum(-1), block_size=bs, topk_blocks=2)
     assert sorted(blocks[valid].tolist()) == [0, 8]  # best block by max score, plus the pinned newest
     pool = candidate_mask(blocks, valid, num_entries=n, block_size=bs) & visible
     assert pool[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 32, 33]
@@ -91,13 +91,13 @@ def test_candidate_pool_bounds(n: int, pos: int, bs: int, kb: int, seed: int) ->
     visible = visibility_mask(torch.tensor([pos]), n, 1)
     scores = torch.randn(1, n, generator=torch.Generator().manual_seed(seed)).round(decimals=1)
     scores = scores.masked_fill(~visible, NEG)
-    blocks, valid = select_candidate_blocks(scores, visible, block_size=bs, topk_blocks=kb)
+    blocks, valid = select_candidate_blocks(scores, visible.sum(-1), block_size=bs, topk_blocks=kb)
     mask = candidate_mask(blocks, valid, num_entries=n, block_size=bs)
     assert int(mask.sum()) <= kb * bs  # never more than the kept blocks hold
     seen = int(visible.sum())
     if seen:
         assert mask[0, seen - 1]  # the newest visible entry is always a candidate
-    again = select_candidate_blocks(scores, visible, block_size=bs, topk_blocks=kb)
+    again = select_candidate_blocks(scores, visible.sum(-1), block_size=bs, topk_blocks=kb)
     assert torch.equal(again[0], blocks) and torch.equal(again[1], valid)
 
 

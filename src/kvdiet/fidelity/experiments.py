@@ -34,8 +34,8 @@ from kvdiet.fidelity.measures import (
 )
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.model.attention import Selection
-from kvdiet.model.indexer import index_scores
-from kvdiet.model.selection import select_topk, visibility_mask
+from kvdiet.model.index_scores import StoredKeys, index_scores
+from kvdiet.model.selection import select_topk, visibility_mask, visible_entries
 from kvdiet.model.transformer import Transformer
 
 __all__ = [
@@ -249,8 +249,8 @@ def _csa2_measures(sel: Selection, rows: torch.Tensor, pos: torch.Tensor) -> dic
         )
     if info.candidate == "consumer":  # the candidate pool's recall of the dense top-k
         q_idx, w = attn.indexer.queries(sel.qr[rows], sel.x[rows], pos, attn.rope, attn.codecs.index_key)
-        keys = state.index_keys[info.kv_src].read()
-        scores = index_scores(q_idx, w, keys, visibility_mask(pos, keys.shape[0], info.compress_ratio))
+        keys = StoredKeys.of(state.index_keys[info.kv_src])
+        scores = index_scores(q_idx, w, keys, visible_entries(pos, keys.num_entries, info.compress_ratio))
         dense_idx, dense_valid = select_topk(scores, k)
         out[f"candidate pool recall L{info.layer_id}"] = set_overlap(idx, valid, dense_idx, dense_valid)
     return out

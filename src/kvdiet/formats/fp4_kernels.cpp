@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -195,6 +196,128 @@ int64_t decode_block(const at::Tensor& p, int64_t dim, int recipe, int lo, int h
   return decode_rows<c10::BFloat16, Block>(pp, n, stride, dim, lo, hi, out.data_ptr<c10::BFloat16>());
 }
 
+
+// ---- indexer scores on stored index keys (v41-spec §4): score(t, j) = sum_h relu(q[t,h] . k_j) * w[t,h] ----
+// Keys are packed MXFP4 entries (uint8 [R, d/2 + d/32], decoded into a small tile on the fly, never written
+// out) or fp32 rows [R, d]; entry j lives in row table[j / per_block] * per_block + j % per_block. The order of
+// every fp32 operation is fixed, so a (query, entry) score never depends on which other entries are scored
+// (index_scores.py holds the same order in torch):
+//   dot: 8 lanes; lane l sums q[i] * k[i] over i = l, l+8, ... in increasing i (each product rounded, then
+//        added: no FMA); lanes folded (l, l+4), then (l, l+2), then (0, 1).
+//   relu(x) = x < 0 ? 0 : x (NaN kept); heads summed in order 0..H-1 from head 0's term relu(dot_0) * w_0.
+
+using v8 = float __attribute__((vector_size(32)));
+using v8i = int32_t __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// the two E2M1 values of each packed byte as fp32 bits, the low nibble's first in memory
+struct PairTable {
+  uint64_t v[256];
+  PairTable() {
+    for (uint32_t b = 0; b < 256; ++b) v[b] = grid_bits(b & 15) | static_cast<uint64_t>(grid_bits(b >> 4)) << 32;
+  }
+};
+const PairTable kPairs;
+
+// lanes (l, l+4) of two accumulators: [a0+a4 .. a3+a7, b0+b4 .. b3+b7]
+inline v8 fold_halves(v8 a, v8 b) {
+  return __builtin_shuffle(a, b, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(a, b, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// The dots of query row a [d] with 8 keys: accumulator p takes key kOrder[p], so that the folds, done across
+// the 8 accumulators at once, leave the dots in key order.
+constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+inline v8 dot8(const float* a, const float* const* k, int64_t d) {
+  v8 c[8];
+  v8 x = load8(a);
+  for (int p = 0; p < 8; ++p) c[p] = x * load8(k[kOrder[p]]);
+  for (int64_t i = 8; i < d; i += 8) {
+    x = load8(a + i);
+    for (int p = 0; p < 8; ++p) c[p] += x * load8(k[kOrder[p]] + i);
+  }
+  v8 h[4];  // h[m]: lanes r0..r3 of accumulators 2m, 2m+1 (r_l = a_l + a_{l+4})
+  for (int m = 0; m < 4; ++m) h[m] = fold_halves(c[2 * m], c[2 * m + 1]);
+  v8 g[2];  // (r0 + r2, r1 + r3) of accumulators 4m .. 4m+3
+  for (int m = 0; m < 2; ++m) {
+    g[m] = __builtin_shuffle(h[2 * m], h[2 * m + 1], v8i{0, 1, 8, 9, 4, 5, 12, 13}) +
+           __builtin_shuffle(h[2 * m], h[2 * m + 1], v8i{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  return __builtin_shuffle(g[0], g[1], v8i{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(g[0], g[1], v8i{1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+constexpr int64_t kTile = 64;  // entries decoded and scored together
+
+struct ScoreArgs {
+  const float* q;        // [Q, H, d]
+  const float* w;        // [Q, H]
+  const uint8_t* keys;   // [R, row_bytes] packed, or fp32 rows when packed == false
+  int64_t row_bytes, heads, dim;
+  bool packed;
+  const int64_t* table;  // block ids
+  int64_t per_block;
+  const int64_t* limit;  // [Q]: entries j < limit[t] are visible to query t
+};
+
+// Score entries ids[0..n) (id < 0: not scored) for queries t0..t1; out[t][e] at out + (t - t0) * out_stride + e.
+// Returns -1 or the first entry with a scale byte outside 1..252.
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, int64_t n, int64_t t0, int64_t t1, float* out,
+                   int64_t out_stride, std::vector<float>& tile) {
+  const int64_t d = a.dim, nb = d / 32, value_bytes = d / 2;
+  const float* rows[kTile + 7];
+  static const float zeros[1024] = {};  // padding keys (d <= 1024)
+  int64_t bad = -1;
+  for (int64_t e = 0; e < n; ++e) {
+    if (ids[e] < 0) {
+      rows[e] = zeros;
+      continue;
+    }
+    const int64_t j = ids[e], row = a.table[j / a.per_block] * a.per_block + j % a.per_block;
+    const uint8_t* p = a.keys + row * a.row_bytes;
+    if (!a.packed) {
+      rows[e] = reinterpret_cast<const float*>(p);
+      continue;
+    }
+    float* v = tile.data() + e * d;
+    for (int64_t i = 0; i < value_bytes; ++i) std::memcpy(v + 2 * i, &kPairs.v[p[i]], 8);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint32_t byte = p[value_bytes + b];
+      if ((byte < 1 || byte > 252) && (bad < 0 || j < bad)) bad = j;
+      const float s = float_of(byte << 23);
+      for (int i = 0; i < 32; ++i) v[b * 32 + i] *= s;
+    }
+    rows[e] = v;
+  }
+  for (int64_t e = n; e < n + 7; ++e) rows[e] = zeros;
+  v8 part[kTile / 8];
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + (t - t0) * out_stride;
+    const int64_t lim = a.limit[t];
+    int64_t m = 0;  // entries past the last visible one are not scored
+    for (int64_t e = 0; e < n; ++e) m = (ids[e] >= 0 && ids[e] < lim) ? e + 1 : m;
+    for (int64_t h = 0; h < a.heads; ++h) {
+      const float* qh = a.q + (t * a.heads + h) * d;
+      const v8 wh = v8{} + a.w[t * a.heads + h];
+      for (int64_t g = 0; g * 8 < m; ++g) {
+        const v8 dots = dot8(qh, rows + g * 8, d);
+        const v8 r = (dots < 0.0f ? v8{} : dots) * wh;
+        part[g] = h == 0 ? r : part[g] + r;
+      }
+    }
+    for (int64_t e = 0; e < n; ++e) {
+      o[e] = (e < m && ids[e] >= 0 && ids[e] < lim) ? part[e / 8][e % 8] : -std::numeric_limits<float>::infinity();
+    }
+  }
+  return bad;
+}
+
 }  // namespace
 
 // x [n, dim] contiguous -> out uint8 [n, dim/2 + dim/block] contiguous; -1 or the first non-finite row
@@ -212,7 +335,55 @@ int64_t decode_fp4(at::Tensor packed, int64_t recipe, int64_t lo, int64_t hi, at
                          : decode_block<32>(packed, dim, kUE8M0, lo, hi, out);
 }
 
+// Index scores of queries q fp32 [Q, H, d] (weights w fp32 [Q, H]) against stored keys (packed uint8 [R, width]
+// or fp32 [R, d], unit element stride), entry j at row table[j / per_block] * per_block + j % per_block.
+// entries int64 [Q, C]: score those entries (< 0: not scored) into out [Q, C]; entries empty ([0, 0]): score
+// entries 0..N-1 into out [Q, N]. Entries at or past limit[t] get -inf. Returns -1 or the first entry id holding
+// a scale byte outside 1..252.
+int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor table, int64_t per_block,
+                     at::Tensor limit, at::Tensor entries, at::Tensor out) {
+  TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && table.is_contiguous() && limit.is_contiguous() &&
+                  entries.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.dim() == 2 &&
+                  keys.dim() == 2 && (keys.size(1) <= 1 || keys.stride(1) == 1),
+              "index scores: layout");
+  const int64_t nq = q.size(0), d = q.size(2);
+  TORCH_CHECK(d % 32 == 0 && d <= 1024, "index scores: head dim must be a multiple of 32, at most 1024");
+  const bool packed = keys.scalar_type() == at::kByte;
+  ScoreArgs a{q.data_ptr<float>(), w.data_ptr<float>(), static_cast<const uint8_t*>(keys.data_ptr()),
+              keys.stride(0) * keys.element_size(), q.size(1), d, packed, table.data_ptr<int64_t>(), per_block,
+              limit.data_ptr<int64_t>()};
+  const bool dense = entries.numel() == 0;
+  const int64_t width = out.size(1), tiles = (width + kTile - 1) / kTile;
+  const int64_t qblock = dense ? 16 : 1, qblocks = (nq + qblock - 1) / qblock;
+  float* o = out.data_ptr<float>();
+  const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
+  std::atomic<int64_t> bad{INT64_MAX};
+  at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
+    std::vector<float> tile(packed ? kTile * d : 0);
+    int64_t ids[kTile];
+    for (int64_t task = b0; task < b1; ++task) {
+      const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
+      const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
+      if (dense) {
+        int64_t reach = 0;
+        for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
+        for (int64_t e = 0; e < n; ++e) ids[e] = c0 + e < reach ? c0 + e : -1;
+      } else {
+        for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
+          const int64_t j = ent[t0 * width + c0 + e];
+          ids[e] = j < a.limit[t0] ? j : -1;
+        }
+      }
+      const int64_t r = score_tile(a, ids, n, t0, t1, o + t0 * width + c0, width, tile);
+      if (r >= 0) note_row(bad, r);
+    }
+  });
+  const int64_t first = bad.load();
+  return first == INT64_MAX ? -1 : first;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_fp4", &encode_fp4, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp4", &decode_fp4, py::call_guard<py::gil_scoped_release>());
+  m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
 }

@@ -11,7 +11,8 @@ load each other's build). The first build takes about a minute; later processes 
 
 ``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
 failed build logs a warning once and uses the pure-torch path too. It knows nothing of entry layouts
-beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``).
+beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``). The same build holds ``index_scores``,
+the indexer's scores on packed MXFP4 (or fp32) keys, called by `kvdiet.model.index_scores`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _log = logging.getLogger(__name__)
 
 
 def fp4_kernels() -> ModuleType | None:
-    """The built kernels (``encode_fp4``, ``decode_fp4``), or None for the pure-torch path.
+    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

@@ -29,10 +29,17 @@ from kvdiet.formats.fp4 import decode_main_kv
 from kvdiet.layer_plan import LayerInfo
 from kvdiet.model import triton_decode
 from kvdiet.model.compressor import Compressor
-from kvdiet.model.indexer import Indexer, index_scores
+from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
+from kvdiet.model.indexer import Indexer
 from kvdiet.model.layers import RMSNorm, Rope
 from kvdiet.model.linear import Linear
-from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
+from kvdiet.model.selection import (
+    candidate_entries,
+    select_candidate_blocks,
+    select_topk,
+    select_topk_at,
+    visible_entries,
+)
 from kvdiet.model.state import RequestState
 
 if TYPE_CHECKING:
@@ -43,6 +50,8 @@ __all__ = ["Attention", "Segment", "Selection", "attend"]
 # Query rows per attention block: 8 queries × top-512 × 512 dims of gathered fp32 entries (8 MiB) stay in
 # the last-level cache between the score and the value products (6× faster than 64 on a 32 MiB L3).
 _QUERY_BLOCK = 8
+# Scores materialised at once by `Attention._select`: query rows × scored entries (64 MiB as fp32).
+_SCORE_BUDGET = 1 << 24
 
 
 def attend(
@@ -95,7 +104,7 @@ class Segment:
         window_floor: window keys at positions below this are never read.
         topk: ``{index-source layer: (idx int64 [T, k], valid bool [T, k])}`` for these rows.
         candidates: the candidate source's kept blocks ``(block ids [T, Kb], valid)`` for these rows.
-        decoded_main / decoded_keys: per-call decoded copies of a KV source's entries (read-only).
+        decoded_main: per-call decoded copies of a KV source's main-KV entries (read-only).
     """
 
     state: RequestState
@@ -104,7 +113,6 @@ class Segment:
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     decoded_main: dict[int, torch.Tensor] = field(default_factory=dict)
-    decoded_keys: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def start_pos(self) -> int:
@@ -122,7 +130,6 @@ class Segment:
             topk,
             cand,
             self.decoded_main,
-            self.decoded_keys,
         )
 
 
@@ -304,40 +311,40 @@ class Attention(nn.Module):
         return full.index_select(0, idx.flatten()).view(*idx.shape, self.head_dim)
 
     def _select(self, qr: torch.Tensor, x: torch.Tensor, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """This index source's top-k for the rows (and, on the candidate source, the published candidate pool).
+
+        Scores are read from the stored keys (`StoredKeys`); a candidate consumer scores only its pool."""
         info, pos = self.info, seg.positions
         q_idx, w = self.indexer.queries(qr, x, pos, self.rope, self.codecs.index_key)
-        keys = seg.decoded_keys.get(info.kv_src)
-        if keys is None:
-            keys = seg.decoded_keys[info.kv_src] = seg.state.index_keys[info.kv_src].read()
-        n, t = keys.shape[0], pos.shape[0]
+        keys = StoredKeys.of(seg.state.index_keys[info.kv_src])
+        n, t = keys.num_entries, pos.shape[0]
+        limit = visible_entries(pos, n, info.compress_ratio)
+        entries = None
+        if info.candidate == "consumer":
+            if seg.candidates is None:
+                raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
+            entries = candidate_entries(*seg.candidates, block_size=self.candidate_block_size)
         k = min(self.index_topk, n)
         idx = torch.zeros(t, k, dtype=torch.int64)
         valid = torch.zeros(t, k, dtype=torch.bool)
         cand_blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
-        step = max(1, (1 << 24) // max(1, n * self.indexer.n_heads))
+        step = max(1, _SCORE_BUDGET // max(1, n if entries is None else entries.shape[1]))
         for s in range(0, t, step):
             e = min(t, s + step)
-            visible = visibility_mask(pos[s:e], n, info.compress_ratio)
-            scores = index_scores(q_idx[s:e], w[s:e], keys, visible)
+            if entries is not None:
+                scores = index_scores_at(q_idx[s:e], w[s:e], keys, entries[s:e], limit[s:e])
+                idx[s:e], valid[s:e] = select_topk_at(scores, entries[s:e], self.index_topk, n)
+                continue
+            scores = index_scores(q_idx[s:e], w[s:e], keys, limit[s:e])
             if info.candidate == "source":
                 cand_blocks.append(
                     select_candidate_blocks(
                         scores,
-                        visible,
+                        limit[s:e],
                         block_size=self.candidate_block_size,
                         topk_blocks=self.candidate_topk_blocks,
                     )
                 )
-            elif info.candidate == "consumer":
-                if seg.candidates is None:
-                    raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-                keep = candidate_mask(
-                    seg.candidates[0][s:e],
-                    seg.candidates[1][s:e],
-                    num_entries=n,
-                    block_size=self.candidate_block_size,
-                )
-                scores = scores.masked_fill(~keep, float("-inf"))
             idx[s:e], valid[s:e] = select_topk(scores, self.index_topk)
         if cand_blocks:
             seg.candidates = (torch.cat([c[0] for c in cand_blocks]), torch.cat([c[1] for c in cand_blocks]))

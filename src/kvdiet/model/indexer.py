@@ -5,7 +5,8 @@
 - Queries (every index source): ``q = wq_b(qr)`` from the main attention's q-LoRA output ``qr``, viewed
   [index_n_heads, index_head_dim], RoPE at the query position, MXFP4 round trip. No Hadamard rotation.
 - Score of entry j for a query: ``Σ_h relu(q_h · k_j) · w_h`` with
-  ``w = weights_proj(x) · index_head_dim^-½ · index_n_heads^-½``; entries the query may not see get −inf.
+  ``w = weights_proj(x) · index_head_dim^-½ · index_n_heads^-½``; entries the query may not see get −inf
+  (computed on the stored keys by `kvdiet.model.index_scores`).
 A layer scores against the keys of its own KV source ``kv_src(l)`` on every call, including decode steps
 that complete no group (v41-spec §4: DeepSeek's reference re-points the key slot only when the owner
 emits, which makes its decode disagree with its prefill; kvdiet does not).
@@ -20,32 +21,7 @@ from kvdiet.formats.codec import Codec
 from kvdiet.model.layers import RMSNorm, Rope
 from kvdiet.model.linear import Linear
 
-__all__ = ["Indexer", "index_scores"]
-
-# Query rows scored at once: bounds the [rows, heads, entries] intermediate to ~16M floats.
-_SCORE_BUDGET = 1 << 24
-
-
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Indexer scores ``Σ_h relu(q_h · k_j) · w_h``, −inf where not ``visible``.
-
-    Args:
-        q: fp32 [Q, H, d] index queries.
-        w: fp32 [Q, H] head weights (already scaled).
-        keys: fp32 [N, d] index keys.
-        visible: bool [Q, N].
-    Returns:
-        fp32 [Q, N].
-    """
-    qn, h, _ = q.shape
-    n = keys.shape[0]
-    out = torch.empty(qn, n)
-    step = max(1, _SCORE_BUDGET // max(1, h * n))
-    for s in range(0, qn, step):
-        e = min(qn, s + step)
-        logits = torch.einsum("qhd,nd->qhn", q[s:e], keys).relu_()
-        out[s:e] = torch.einsum("qhn,qh->qn", logits, w[s:e])
-    return out.masked_fill_(~visible, float("-inf"))
+__all__ = ["Indexer"]
 
 
 class Indexer(nn.Module):

@@ -16,8 +16,8 @@ import torch
 
 from kvdiet.model.attention import Attention, attend
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
-from kvdiet.model.indexer import index_scores
-from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
+from kvdiet.model.index_scores import StoredKeys, index_scores
+from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visible_entries
 from kvdiet.model.transformer import Transformer
 
 __all__ = ["ReferenceTrace", "forward_full"]
@@ -83,8 +83,8 @@ def _attention(
     if attn.indexer is not None:
         keys = trace.keys[info.kv_src]
         q_idx, w = attn.indexer.queries(qr, x, pos, attn.rope, codecs.index_key)
-        visible = visibility_mask(pos, keys.shape[0], r)
-        scores = index_scores(q_idx, w, keys, visible)
+        visible = visible_entries(pos, keys.shape[0], r)
+        scores = index_scores(q_idx, w, StoredKeys.contiguous(keys), visible)
         if info.candidate == "source":
             candidates = select_candidate_blocks(
                 scores, visible, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["candidate_mask", "select_candidate_blocks", "select_topk", "visibility_mask"]
+__all__ = [
+    "candidate_entries",
+    "candidate_mask",
+    "select_candidate_blocks",
+    "select_topk",
+    "select_topk_at",
+    "visibility_mask",
+    "visible_entries",
+]
 
 
 def _nan_to_neginf(scores: torch.Tensor) -> torch.Tensor:
@@ -22,17 +30,23 @@ def _nan_to_neginf(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(scores), float("-inf"), scores)
 
 
-def visibility_mask(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
-    """Entry j is visible to a query at position t iff ``j < (t + 1) // r`` (v41-spec §2; case B05).
+def visible_entries(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
+    """How many entries each query sees: entry j is visible at position t iff ``j < (t + 1) // r`` (v41-spec
+    §2; case B05), so the visible entries are a prefix.
 
     Args:
         positions: int64 [Q] absolute query positions.
         num_entries: N, entries held.
         compress_ratio: r ≥ 1.
     Returns:
-        bool [Q, N].
+        int64 [Q], each in [0, N].
     """
-    limit = torch.div(positions + 1, compress_ratio, rounding_mode="floor")
+    return torch.div(positions + 1, compress_ratio, rounding_mode="floor").clamp_(max=num_entries)
+
+
+def visibility_mask(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
+    """`visible_entries` as a mask: bool [Q, N]."""
+    limit = visible_entries(positions, num_entries, compress_ratio)
     return torch.arange(num_entries, device=positions.device)[None, :] < limit[:, None]
 
 
@@ -68,6 +82,35 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return idx.masked_fill(~valid, 0), valid
 
 
+def select_topk_at(
+    scores: torch.Tensor, entries: torch.Tensor, k: int, num_entries: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_topk` over the scores of named entries only: the same result as `select_topk` of dense ``[Q, N]``
+    scores that are −inf outside ``entries``, provided each row of ``entries`` ascends with no entry twice.
+
+    Args:
+        scores: fp32 [Q, C], the scores of ``entries`` (−inf where an entry must not be chosen).
+        entries: int64 [Q, C] entry ids, ascending along each row (a slot scored −inf may hold any id).
+        k: entries wanted per row (config ``index_topk``); num_entries: N.
+    Returns:
+        ``(idx, valid)``: int64 / bool [Q, min(k, N)], as `select_topk`.
+    Raises:
+        ValueError: ``k < 1``.
+    """
+    if k < 1:
+        raise ValueError(f"select_topk_at needs k >= 1, got {k}")
+    q, c = scores.shape
+    kk = min(k, num_entries)
+    idx = torch.zeros(q, kk, dtype=torch.int64, device=scores.device)
+    valid = torch.zeros(q, kk, dtype=torch.bool, device=scores.device)
+    if c and kk:
+        pos, ok = select_topk(scores, k)
+        m = min(kk, pos.shape[1])  # columns past kk are invalid: valid slots come first
+        idx[:, :m] = entries.gather(1, pos[:, :m]).masked_fill_(~ok[:, :m], 0)
+        valid[:, :m] = ok[:, :m]
+    return idx, valid
+
+
 def select_candidate_blocks(
     scores: torch.Tensor, visible: torch.Tensor, *, block_size: int, topk_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,18 +122,19 @@ def select_candidate_blocks(
 
     Args:
         scores: fp32 [Q, N] scores, ``-inf`` where not visible.
-        visible: bool [Q, N] visibility (a prefix of each row; gives the newest visible entry).
+        visible: int64 [Q] entries visible to each query (`visible_entries`; the newest is ``visible − 1``).
         block_size: positions per block (config ``candidate_block_size``).
         topk_blocks: blocks kept (config ``candidate_topk_blocks``).
     Returns:
-        ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`.
+        ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`
+        or `candidate_entries`.
     """
     q, n = scores.shape
     nb = -(-n // block_size)
     padded = torch.full((q, nb * block_size), float("-inf"), device=scores.device)
     padded[:, :n] = _nan_to_neginf(scores)
     block_scores = padded.view(q, nb, block_size).amax(-1)
-    newest = visible.sum(-1) - 1  # newest visible entry, -1 if none
+    newest = visible - 1  # newest visible entry, -1 if none
     rows = torch.nonzero(newest >= 0).squeeze(-1)
     block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
     return select_topk(block_scores, topk_blocks)
@@ -108,3 +152,11 @@ def candidate_mask(
     rows = torch.arange(q, device=blocks.device)[:, None].expand_as(blocks)
     keep[rows[valid], blocks[valid]] = True
     return keep.repeat_interleave(block_size, dim=1)[:, :num_entries]
+
+
+def candidate_entries(blocks: torch.Tensor, valid: torch.Tensor, *, block_size: int) -> torch.Tensor:
+    """The entries of kept blocks ``[Q, Kb]``: int64 [Q, Kb × block_size], ascending along each row (blocks
+    ascend, as `select_topk` returns them), −1 in the slots of invalid blocks. Ids may reach past the entries
+    held (the newest block may be partly filled): score them with a visibility limit."""
+    ids = blocks[:, :, None] * block_size + torch.arange(block_size, device=blocks.device)
+    return ids.masked_fill_(~valid[:, :, None], -1).flatten(1)

@@ -1,0 +1,180 @@
+"""Indexer scores read straight from the stored index keys: ``Σ_h relu(q_h · k_j) · w_h`` (v41-spec §4).
+
+Keys are scored where the cache holds them (`StoredKeys`: packed MXFP4 entries, or fp32 rows in exact mode,
+in the pages of the device pool), never decoded as a whole: the compiled kernel (``formats/fp4_kernels.cpp``,
+``index_scores``) decodes a tile of 64 entries into its own scratch and scores it against every query.
+`index_scores` scores every visible entry (KV-source and candidate-source layers); `index_scores_at` only
+the entries each query names (a candidate consumer's pool: 2,048 blocks × 8 of 1M entries on V4.1).
+
+Every fp32 step has a fixed order, so a (query, entry) score is the same number whichever other entries
+are scored with it, on either path, from packed or decoded keys (an MXFP4 value decodes exactly):
+
+- ``q_h · k_j`` in 8 lanes: lane l sums ``q[i]·k[i]`` for i = l, l+8, … in increasing i (each product
+  rounded, then added; no fused multiply-add); the lanes fold as (l, l+4), then (l, l+2), then (0, 1).
+- ``relu(x) = 0 if x < 0 else x`` (NaN kept: selection treats it as −inf); heads summed in order from
+  head 0's term.
+
+The pure-torch path (``KVDIET_NATIVE_KERNELS=0``, non-CPU tensors, or a failed build) computes the same
+order with whole-tensor ops and gives the same bits. Entries a query may not see score −inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvdiet.formats import native
+from kvdiet.formats.mxfp4 import decode_index_key
+
+if TYPE_CHECKING:
+    from kvdiet.model.state import PagedEntries
+
+__all__ = ["StoredKeys", "index_scores", "index_scores_at"]
+
+LANES = 8
+"""Partial sums of one dot product (the kernel's vector width)."""
+# Elements of the pure-torch path's [rows, heads, entries, dim] product per step (64 MiB as fp32).
+_TORCH_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class StoredKeys:
+    """Index keys where a cache stores them: entry j is row ``table[j // per_block] · per_block + j % per_block``.
+
+    Attributes:
+        rows: uint8 [R, 17·d/32] packed MXFP4 entries (`kvdiet.formats.mxfp4`) or fp32 [R, d] (exact mode);
+            unit element stride.
+        table: int64 [B] block ids (a request's block table), on the device of ``rows``.
+        per_block: entries per block.
+        num_entries: N, the entries held.
+    """
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    per_block: int
+    num_entries: int
+
+    @classmethod
+    def contiguous(cls, rows: torch.Tensor) -> StoredKeys:
+        """Keys whose entry j is ``rows[j]`` (rows uint8 [N, 17·d/32] or fp32 [N, d])."""
+        table = torch.zeros(1, dtype=torch.int64, device=rows.device)
+        return cls(rows, table, max(1, rows.shape[0]), rows.shape[0])
+
+    @classmethod
+    def of(cls, store: PagedEntries) -> StoredKeys:
+        """The index keys of one request and KV-source layer, in place in the device pool (no copy)."""
+        rows = store.table.pool.rows(store.layer, store.kind)
+        return cls(rows, store.table.tensor().to(rows.device), store.per_block, len(store))
+
+    def decoded(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [M, d] values of entries ``ids`` int64 [M] (each in [0, N)).
+
+        Raises:
+            ValueError: a packed entry holds a scale byte outside 1..252.
+        """
+        rows = self.rows[self.table[ids // self.per_block] * self.per_block + ids % self.per_block]
+        return decode_index_key(rows) if rows.dtype == torch.uint8 else rows.float()
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torch.Tensor) -> torch.Tensor:
+    """Scores of every entry: fp32 [Q, N], −inf at entries ``j ≥ limit[t]``.
+
+    Args:
+        q: fp32 [Q, H, d] index queries (d a multiple of 32, at most 1024).
+        w: fp32 [Q, H] head weights (already scaled).
+        keys: the stored keys (N entries).
+        limit: int64 [Q] entries visible to each query (a prefix; `kvdiet.model.selection.visible_entries`).
+    Raises:
+        ValueError: a visible packed entry holds a scale byte outside 1..252.
+    """
+    n = keys.num_entries
+    limit = limit.clamp(0, n)
+    out = _native(q, w, keys, limit, None, n)
+    if out is not None:
+        return out
+    qn, h, d = q.shape
+    out = torch.full((qn, n), float("-inf"), device=q.device)
+    reach = int(limit.max()) if qn else 0
+    cols = max(1, min(reach, _TORCH_BUDGET // (h * d)))
+    for c0 in range(0, reach, cols):
+        c1 = min(reach, c0 + cols)
+        k = keys.decoded(torch.arange(c0, c1, device=q.device))[None]
+        rows = max(1, _TORCH_BUDGET // (h * d * (c1 - c0)))
+        for s in range(0, qn, rows):
+            out[s : s + rows, c0:c1] = _ordered_scores(q[s : s + rows], w[s : s + rows], k)
+    return out.masked_fill_(torch.arange(n, device=q.device)[None, :] >= limit[:, None], float("-inf"))
+
+
+def index_scores_at(
+    q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, entries: torch.Tensor, limit: torch.Tensor
+) -> torch.Tensor:
+    """Scores of the entries each query names: fp32 [Q, C], −inf where ``entries[t, c]`` is < 0 or ≥ ``limit[t]``.
+
+    Args:
+        q, w, keys, limit: as `index_scores`.
+        entries: int64 [Q, C] entry ids per query (−1 for an empty slot).
+    Raises:
+        ValueError: a visible named packed entry holds a scale byte outside 1..252.
+    """
+    limit = limit.clamp(0, keys.num_entries)
+    out = _native(q, w, keys, limit, entries, entries.shape[1])
+    if out is not None:
+        return out
+    qn, h, d = q.shape
+    ok = (entries >= 0) & (entries < limit[:, None])
+    out = torch.full(entries.shape, float("-inf"), device=q.device)
+    rows = max(1, _TORCH_BUDGET // max(1, h * d * entries.shape[1]))
+    for s in range(0, qn, rows):
+        e, m = entries[s : s + rows], ok[s : s + rows]
+        k = torch.zeros(*e.shape, d, device=q.device)
+        k[m] = keys.decoded(e[m])
+        out[s : s + rows] = _ordered_scores(q[s : s + rows], w[s : s + rows], k).masked_fill_(
+            ~m, float("-inf")
+        )
+    return out
+
+
+def _native(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: StoredKeys,
+    limit: torch.Tensor,
+    entries: torch.Tensor | None,
+    width: int,
+) -> torch.Tensor | None:
+    """The compiled kernel's scores, or None where the pure-torch path runs."""
+    kernels = native.fp4_kernels() if q.device.type == "cpu" and keys.rows.device.type == "cpu" else None
+    if kernels is None:
+        return None
+    out = torch.empty(q.shape[0], width)
+    none = torch.empty(0, 0, dtype=torch.int64)
+    bad = kernels.index_scores(
+        q.float().contiguous(),
+        w.float().contiguous(),
+        keys.rows,
+        keys.table.contiguous(),
+        keys.per_block,
+        limit.contiguous(),
+        none if entries is None else entries.contiguous(),
+        out,
+    )
+    if bad >= 0:
+        raise ValueError(f"index key entry {bad} holds a scale byte outside 1..252")
+    return out
+
+
+def _ordered_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """fp32 [Q, C] in the kernel's order from q [Q, H, d], w [Q, H] and keys [Q or 1, C, d]."""
+    prod = (q[:, :, None, :] * k[:, None, :, :]).unflatten(-1, (-1, LANES))  # [Q, H, C, d/8, 8]
+    acc = prod[..., 0, :]
+    for i in range(1, prod.shape[-2]):
+        acc = acc + prod[..., i, :]
+    half = acc[..., :4] + acc[..., 4:]
+    dots = (half[..., 0] + half[..., 2]) + (half[..., 1] + half[..., 3])  # [Q, H, C]
+    terms = torch.where(dots < 0, 0.0, dots) * w[:, :, None]
+    total = terms[:, 0]
+    for h in range(1, terms.shape[1]):
+        total = total + terms[:, h]
+    return total

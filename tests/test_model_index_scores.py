@@ -1,0 +1,140 @@
+"""Indexer scores on stored keys (`kvdiet.model.index_scores`): compiled kernel and pure-torch path bit for bit,
+packed and decoded keys alike, paged rows, gathered scores equal to dense ones, and the selection over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.formats import mxfp4, native
+from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
+from kvdiet.model.selection import candidate_entries, select_topk, select_topk_at
+
+NEG = float("-inf")
+
+
+@pytest.fixture
+def both(monkeypatch):
+    """``both(fn, *args)``: (compiled result, pure-torch result)."""
+    assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
+
+    def run(fn, *args):
+        monkeypatch.delenv(native.ENV, raising=False)
+        compiled = fn(*args)
+        monkeypatch.setenv(native.ENV, "0")
+        pure = fn(*args)
+        monkeypatch.delenv(native.ENV)
+        return compiled, pure
+
+    return run
+
+
+def _case(seed: int, q: int, h: int, d: int, n: int):
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(q, h, d, generator=gen)
+    w = torch.randn(q, h, generator=gen)
+    packed = mxfp4.encode_index_key(torch.randn(n, d, generator=gen) * 3)
+    limit = torch.randint(0, n + 3, (q,), generator=gen)
+    return queries, w, packed, limit
+
+
+def _paged(packed: torch.Tensor, per_block: int, seed: int) -> StoredKeys:
+    """The same entries scattered over shuffled blocks of a larger pool."""
+    n, width = packed.shape
+    blocks = -(-n // per_block)
+    table = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(seed))[:blocks]
+    pool = torch.full(
+        ((blocks + 3) * per_block, width), 0xFF, dtype=torch.uint8
+    )  # unwritten rows: bad scales
+    ids = torch.arange(n)
+    pool[table[ids // per_block] * per_block + ids % per_block] = packed
+    return StoredKeys(pool, table, per_block, n)
+
+
+def _dense_reference(q, w, keys, limit):
+    """The kernel's order written out with Python floats' fp32 rounding, one score at a time."""
+    f = torch.float32
+    out = torch.full((q.shape[0], keys.shape[0]), NEG)
+    for t in range(q.shape[0]):
+        for j in range(int(min(limit[t], keys.shape[0]))):
+            total = None
+            for h in range(q.shape[1]):
+                prod = (q[t, h] * keys[j]).view(-1, 8)  # rounded products, lane l holds i ≡ l (mod 8)
+                lanes = prod[0].clone()
+                for row in prod[1:]:
+                    lanes = lanes + row
+                r = [lanes[i] + lanes[i + 4] for i in range(4)]
+                dot = (r[0] + r[2]) + (r[1] + r[3])
+                term = torch.where(dot < 0, torch.zeros((), dtype=f), dot) * w[t, h]
+                total = term if total is None else total + term
+            out[t, j] = total
+    return out
+
+
+@pytest.mark.parametrize(("q", "h", "d", "n"), [(5, 3, 32, 70), (2, 4, 128, 200), (19, 16, 64, 9)])
+def test_dense_scores_compiled_equal_pure_torch_and_the_written_out_order(both, q, h, d, n):
+    queries, w, packed, limit = _case(q * n, q, h, d, n)
+    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), limit)
+    assert torch.equal(compiled, pure)
+    decoded = mxfp4.decode_index_key(packed)
+    assert torch.equal(compiled, _dense_reference(queries, w, decoded, limit))
+    # decoded fp32 keys give the same bits as the packed bytes (MXFP4 values decode exactly)
+    for got in both(index_scores, queries, w, StoredKeys.contiguous(decoded), limit):
+        assert torch.equal(got, compiled)
+    visible = torch.arange(n)[None] < limit[:, None]
+    assert bool(torch.isfinite(compiled[visible]).all()) and bool((compiled[~visible] == NEG).all())
+    old = (torch.einsum("qhd,nd->qhn", queries, decoded).relu() * w[:, :, None]).sum(1)
+    assert torch.allclose(compiled[visible], old[visible], rtol=1e-5, atol=1e-4)
+
+
+def test_paged_keys_score_as_contiguous_ones(both):
+    queries, w, packed, limit = _case(7, 33, 4, 128, 150)
+    flat = index_scores(queries, w, StoredKeys.contiguous(packed), limit)
+    for got in both(index_scores, queries, w, _paged(packed, 16, 1), limit):
+        assert torch.equal(got, flat)
+
+
+def test_gathered_scores_equal_the_dense_ones(both):
+    queries, w, packed, limit = _case(3, 40, 4, 64, 120)
+    keys = _paged(packed, 8, 2)
+    dense = index_scores(queries, w, keys, limit)
+    entries = torch.randint(-1, 125, (40, 30), generator=torch.Generator().manual_seed(4))
+    compiled, pure = both(index_scores_at, queries, w, keys, entries, limit)
+    assert torch.equal(compiled, pure)
+    ok = (entries >= 0) & (entries < limit[:, None])
+    assert torch.equal(compiled, torch.where(ok, dense.gather(1, entries.clamp(0, 119)), NEG))
+
+
+def test_selection_over_a_candidate_pool_equals_the_masked_dense_one():
+    queries, w, packed, limit = _case(11, 64, 4, 32, 96)
+    keys = StoredKeys.contiguous(packed)
+    dense = index_scores(queries, w, keys, limit)
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 24, (64, 3), generator=gen).sort(-1).values
+    valid = torch.rand(64, 3, generator=gen) < 0.8
+    valid[:, 1:] &= blocks[:, 1:] != blocks[:, :-1]  # distinct valid blocks
+    order = (
+        (~valid).to(torch.int64).argsort(stable=True, dim=-1)
+    )  # valid blocks first, as select_topk returns
+    blocks, valid = blocks.gather(1, order), valid.gather(1, order)
+    entries = candidate_entries(blocks, valid, block_size=4)
+    gathered = index_scores_at(queries, w, keys, entries, limit)
+    in_pool = torch.zeros(64, 96, dtype=torch.bool)
+    rows = torch.arange(64)[:, None].expand_as(entries)
+    in_pool[rows[entries >= 0], entries[entries >= 0]] = True
+    for k in (1, 5, 40):
+        want = select_topk(dense.masked_fill(~in_pool, NEG), k)
+        got = select_topk_at(gathered, entries, k, 96)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_bad_scale_byte_raises_on_both_paths(both, monkeypatch):
+    queries, w, packed, _ = _case(1, 2, 2, 32, 10)
+    packed[6, 16] = 0  # scale byte of entry 6
+    keys = StoredKeys.contiguous(packed)
+    for env in ("1", "0"):
+        monkeypatch.setenv(native.ENV, env)
+        with pytest.raises(ValueError):
+            index_scores(queries, w, keys, torch.tensor([10, 3]))
+        # an entry no query sees is never read
+        assert torch.isfinite(index_scores(queries, w, keys, torch.tensor([6, 3]))[0, :6]).all()
