@@ -20,8 +20,14 @@ import torch
 
 from kvdiet.model.attention import Attention, Segment, Selection, attend
 from kvdiet.model.compressor import pool_groups
-from kvdiet.model.indexer import index_scores
-from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
+from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
+from kvdiet.model.selection import (
+    candidate_entries,
+    select_candidate_blocks,
+    select_topk,
+    select_topk_at,
+    visible_entries,
+)
 
 __all__ = ["DecodePlan", "decode_attention"]
 
@@ -149,35 +155,32 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
 def _select(
     attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor
 ) -> None:
-    """Index scores per request (each against its own keys), then top-k and candidate blocks for the whole
-    batch over scores padded with −inf to the longest key list; each segment gets its unpadded columns."""
+    """Index scores per request, read from its stored keys (`StoredKeys`; a candidate consumer scores only its
+    pool and selects per request); top-k and candidate blocks otherwise for the whole batch over scores padded
+    with −inf to the longest key list, each segment getting its unpadded columns."""
     info, indexer = attn.info, attn.indexer
     q_idx, w = indexer.queries(qr, x, pos, attn.rope, attn.codecs.index_key)
-    keys = []
-    for seg in segs:
-        if info.kv_src not in seg.decoded_keys:
-            seg.decoded_keys[info.kv_src] = seg.state.index_keys[info.kv_src].read()
-        keys.append(seg.decoded_keys[info.kv_src])
-    lengths = [k.shape[0] for k in keys]
+    keys = [StoredKeys.of(seg.state.index_keys[info.kv_src]) for seg in segs]
+    lengths = [k.num_entries for k in keys]
     n, r = max(lengths), info.compress_ratio
+    limit = torch.cat([visible_entries(pos[b : b + 1], lengths[b], r) for b in range(len(segs))])
+    size, top_blocks = attn.candidate_block_size, attn.candidate_topk_blocks
+    if info.candidate == "consumer":
+        for b, seg in enumerate(segs):
+            if seg.candidates is None:
+                raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
+            entries = candidate_entries(*seg.candidates, block_size=size)
+            scores = index_scores_at(q_idx[b : b + 1], w[b : b + 1], keys[b], entries, limit[b : b + 1])
+            seg.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, lengths[b])
+        return
     scores = torch.full((len(segs), n), float("-inf"), device=x.device)
     for b, k in enumerate(keys):
-        visible = visibility_mask(pos[b : b + 1], lengths[b], r)
-        scores[b, : lengths[b]] = index_scores(q_idx[b : b + 1], w[b : b + 1], k, visible)[0]
-    size, top_blocks = attn.candidate_block_size, attn.candidate_topk_blocks
+        scores[b, : lengths[b]] = index_scores(q_idx[b : b + 1], w[b : b + 1], k, limit[b : b + 1])[0]
     if info.candidate == "source":
-        held = torch.arange(n, device=x.device)[None, :] < torch.tensor(lengths, device=x.device)[:, None]
-        visible = visibility_mask(pos, n, r) & held
-        blocks, ok = select_candidate_blocks(scores, visible, block_size=size, topk_blocks=top_blocks)
+        blocks, ok = select_candidate_blocks(scores, limit, block_size=size, topk_blocks=top_blocks)
         for b, seg in enumerate(segs):
             kb = min(top_blocks, -(-lengths[b] // size))
             seg.candidates = (blocks[b : b + 1, :kb], ok[b : b + 1, :kb])
-    elif info.candidate == "consumer":
-        if any(seg.candidates is None for seg in segs):
-            raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-        blocks, ok = _padded([seg.candidates for seg in segs])
-        keep = candidate_mask(blocks, ok, num_entries=n, block_size=size)
-        scores = scores.masked_fill(~keep, float("-inf"))
     idx, valid = select_topk(scores, attn.index_topk)
     for b, seg in enumerate(segs):
         k = min(attn.index_topk, lengths[b])
