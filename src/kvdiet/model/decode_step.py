@@ -101,9 +101,9 @@ def _window(
     layer, codec = attn.info.layer_id, attn.codecs.window
     rings = [seg.state.windows[layer] for seg in segs]
     slots = plan.ring_slots
-    rows = torch.stack([r.rows for r in rings])
+    rows, positions = _batched([r.rows for r in rings]), _batched([r.positions for r in rings])
     old_rows = rows.gather(1, slots[..., None].expand(-1, -1, rows.shape[-1]))
-    old_pos = torch.stack([r.positions for r in rings]).gather(1, slots)
+    old_pos = positions.gather(1, slots)
     held = (old_pos == plan.ring_positions) & plan.ring_open
     new_rows = codec.encode(kv)
     # a slot not holding its position may never have been written (zero bytes do not decode): read the
@@ -116,6 +116,11 @@ def _window(
         row = new_rows[b : b + 1]
         ring.store(row if ring.log is None else row.clone(), plan.positions[b : b + 1])
     return win_kv, win_mask
+
+
+def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, or a view of the one tensor (no copy of a lone request's ring)."""
+    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:

@@ -70,14 +70,21 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         empty = torch.zeros(q, 0, dtype=torch.int64, device=scores.device)
         return empty, empty.bool()
     scores = _nan_to_neginf(scores)
-    threshold = scores.topk(kk, dim=-1).values[:, -1:]
-    above = scores > threshold
+    top = scores.topk(kk, dim=-1)
+    threshold = top.values[:, -1:]
     tied = scores == threshold
-    room = kk - above.sum(-1, keepdim=True)
-    chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
-    positions = torch.arange(n, device=scores.device).expand(q, n)
-    marked = torch.where(chosen, positions, torch.full_like(positions, n))
-    idx = marked.topk(kk, dim=-1, largest=False).values.sort(dim=-1).values
+    if scores.device.type == "cpu" and bool(((top.values == threshold).sum(-1) == tied.sum(-1)).all()):
+        # no row leaves an entry equal to its threshold out: topk's set is the only one, whatever its order
+        # (checked on the CPU only: on a GPU the check would stop the stream for one bool)
+        marked = top.indices.masked_fill(top.values == float("-inf"), n)
+    else:  # ties at the threshold: the lowest indices among them, as the contract says
+        above = scores > threshold
+        room = kk - above.sum(-1, keepdim=True)
+        chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
+        positions = torch.arange(n, device=scores.device).expand(q, n)
+        marked = torch.where(chosen, positions, torch.full_like(positions, n))
+        marked = marked.topk(kk, dim=-1, largest=False).values
+    idx = marked.sort(dim=-1).values
     valid = idx < n
     return idx.masked_fill(~valid, 0), valid
 
