@@ -190,7 +190,7 @@ def main() -> None:
             top = sorted(r["roles"].items(), key=lambda kv: -kv[1])[:3]
             table.add_row(f"{r['context']:,}", f"{r['global_bytes'] / 1e6:,.1f} MB", f"{r['step_seconds'] * 1e3:,.0f}",
                           f"{r['bytes_read'] / 1e6:,.1f} MB", f"{r['floor_seconds'] * 1e3:,.2f}",
-                          f"{r['step_seconds'] / r['floor_seconds']:,.0f}×",
+                          f"{r['step_seconds'] / r['floor_seconds']:,.1f}×",
                           ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top))  # fmt: skip
         console.print(table)
         pt = Table(title=f"prefill of {prompt.numel():,} tokens (decoder-side replay on)")
