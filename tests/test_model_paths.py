@@ -130,15 +130,15 @@ def test_b04_short_prompts(micro: Transformer, length: int) -> None:
 def test_b06_state_accumulates_across_chunks_and_decode(micro_exact: Transformer) -> None:
     m, toks = micro_exact, _tokens(28, seed=6)
     chosen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    original = Attention._select
+    original = Attention.select
 
-    def spy(self, qr, x, seg):  # record layer 1's selections
-        out = original(self, qr, x, seg)
+    def spy(self, q_idx, w, seg):  # record layer 1's selections
+        out = original(self, q_idx, w, seg)
         if self.info.layer_id == 1:
             chosen.append(out)
         return out
 
-    Attention._select = spy
+    Attention.select = spy
     try:
         one = m.new_state()
         m.prefill(one, toks[:24], decoder_replay=False)
@@ -152,7 +152,7 @@ def test_b06_state_accumulates_across_chunks_and_decode(micro_exact: Transformer
             m.decode([chunked], [int(toks[t])])
             counts.append(len(chunked.main[1]))
     finally:
-        Attention._select = original
+        Attention.select = original
     assert torch.equal(third[0][:, : one_shot[0].shape[1]], one_shot[0][16:])
     assert torch.equal(third[1][:, : one_shot[1].shape[1]], one_shot[1][16:])
     assert (third[0][third[1]] < 8).any()  # chunk 3 selects entries 0–7, written by earlier chunks

@@ -242,11 +242,11 @@ class TtlLru(Generic[V]):
 
     def _add_kinds(self, keys: Sequence[Hashable], sizes: Sequence[int], total: int) -> None:
         """Count ``total`` new bytes (``sizes`` under ``keys``) by kind: held, peak, written."""
-        kinds = dict.fromkeys(map(self.kind, keys))  # in order of first appearance
+        of = list(map(self.kind, keys))
+        kinds = dict.fromkeys(of)  # in order of first appearance
         if len(kinds) == 1:
             added = dict.fromkeys(kinds, total)
         else:  # each kind's bytes (C-level passes, no loop per key)
-            of = list(map(self.kind, keys))
             added = {k: sum(compress(sizes, map(eq, of, repeat(k)))) for k in kinds}
         held, peak, written = self.kind_bytes, self.kind_peak, self.kind_written
         for k, n in added.items():

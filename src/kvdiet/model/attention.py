@@ -50,7 +50,7 @@ __all__ = ["Attention", "Segment", "Selection", "attend"]
 # Query rows per attention block: 8 queries × top-512 × 512 dims of gathered fp32 entries (8 MiB) stay in
 # the last-level cache between the score and the value products (6× faster than 64 on a 32 MiB L3).
 _QUERY_BLOCK = 8
-# Scores materialised at once by `Attention._select`: query rows × scored entries (64 MiB as fp32).
+# Scores materialised at once by `Attention.select`: query rows × scored entries (64 MiB as fp32).
 _SCORE_BUDGET = 1 << 24
 
 
@@ -274,7 +274,8 @@ class Attention(nn.Module):
         win_pos = torch.cat([ring_pos[older][order], pos])
         ring.write(kv, pos)
         if self.indexer is not None:
-            seg.topk[info.layer_id] = self._select(qr, x, seg)
+            q_idx, w = self.indexer.queries(qr, x, seg.positions, self.rope, self.codecs.index_key)
+            seg.topk[info.layer_id] = self.select(q_idx, w, seg)
         if self.selection_observer is not None and info.compress_ratio:
             self.selection_observer(Selection(self, seg, x, qr, q, *seg.topk[info.idx_src]))
         o = torch.empty(pos.shape[0], self.n_heads, self.head_dim)
@@ -310,12 +311,14 @@ class Attention(nn.Module):
             return store.read(idx)
         return full.index_select(0, idx.flatten()).view(*idx.shape, self.head_dim)
 
-    def _select(self, qr: torch.Tensor, x: torch.Tensor, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """This index source's top-k for the rows (and, on the candidate source, the published candidate pool).
+    def select(self, q_idx: torch.Tensor, w: torch.Tensor, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """This index source's top-k for the segment's rows, from their index queries ``q_idx`` fp32 [T, H, d]
+        and head weights ``w`` fp32 [T, H] (`Indexer.queries`); on the candidate source it also publishes
+        the candidate pool. Returns ``(idx int64 [T, k], valid bool [T, k])`` as `select_topk`.
 
-        Scores are read from the stored keys (`StoredKeys`); a candidate consumer scores only its pool."""
+        Scores are read from the stored keys (`StoredKeys`); a candidate consumer scores only its pool.
+        Raises RuntimeError when a consumer finds no published pool."""
         info, pos = self.info, seg.positions
-        q_idx, w = self.indexer.queries(qr, x, pos, self.rope, self.codecs.index_key)
         keys = StoredKeys.of(seg.state.index_keys[info.kv_src])
         n, t = keys.num_entries, pos.shape[0]
         limit = visible_entries(pos, n, info.compress_ratio)

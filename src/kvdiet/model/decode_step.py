@@ -20,14 +20,8 @@ import torch
 
 from kvdiet.model.attention import Attention, Segment, Selection, attend
 from kvdiet.model.compressor import pool_groups
-from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
-from kvdiet.model.selection import (
-    candidate_entries,
-    select_candidate_blocks,
-    select_topk,
-    select_topk_at,
-    visible_entries,
-)
+from kvdiet.model.index_scores import StoredKeys, index_scores
+from kvdiet.model.selection import select_candidate_blocks, select_topk, visible_entries
 
 __all__ = ["DecodePlan", "decode_attention"]
 
@@ -160,24 +154,21 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
 def _select(
     attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor
 ) -> None:
-    """Index scores per request, read from its stored keys (`StoredKeys`; a candidate consumer scores only its
-    pool and selects per request); top-k and candidate blocks otherwise for the whole batch over scores padded
-    with −inf to the longest key list, each segment getting its unpadded columns."""
+    """Index queries for the whole batch; a candidate consumer then selects per request from its own pool
+    (`Attention.select`); other layers score each request's stored keys (`StoredKeys`) and take top-k and
+    candidate blocks for the whole batch over scores padded with −inf to the longest key list, each segment
+    getting its unpadded columns."""
     info, indexer = attn.info, attn.indexer
     q_idx, w = indexer.queries(qr, x, pos, attn.rope, attn.codecs.index_key)
+    if info.candidate == "consumer":
+        for b, seg in enumerate(segs):
+            seg.topk[info.layer_id] = attn.select(q_idx[b : b + 1], w[b : b + 1], seg)
+        return
     keys = [StoredKeys.of(seg.state.index_keys[info.kv_src]) for seg in segs]
     lengths = [k.num_entries for k in keys]
     n, r = max(lengths), info.compress_ratio
     limit = torch.cat([visible_entries(pos[b : b + 1], lengths[b], r) for b in range(len(segs))])
     size, top_blocks = attn.candidate_block_size, attn.candidate_topk_blocks
-    if info.candidate == "consumer":
-        for b, seg in enumerate(segs):
-            if seg.candidates is None:
-                raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-            entries = candidate_entries(*seg.candidates, block_size=size)
-            scores = index_scores_at(q_idx[b : b + 1], w[b : b + 1], keys[b], entries, limit[b : b + 1])
-            seg.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, lengths[b])
-        return
     scores = torch.full((len(segs), n), float("-inf"), device=x.device)
     for b, k in enumerate(keys):
         scores[b, : lengths[b]] = index_scores(q_idx[b : b + 1], w[b : b + 1], k, limit[b : b + 1])[0]
