@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -265,3 +267,17 @@ def test_memory_check_comes_before_any_allocation() -> None:
     with pytest.raises(InsufficientMemoryError, match=r"this machine has 0\.0 GB available"):
         check_fits("x", 10, have=1)
     check_fits("x", 10, have=10)
+
+
+def test_building_on_meta_imports_no_compiler_stack() -> None:
+    # A meta-device build initialises nothing: a meta ``normal_`` goes through torch's refs and imports
+    # torch._dynamo (~100 MB resident), which pushed a budgeted `generate` over its memory budget.
+    code = (
+        "import sys; from kvdiet.config import load_config; from kvdiet.model.transformer import Transformer; "
+        "m = Transformer(load_config('v4.1-micro'), meta=True); "
+        "assert m.embed.weight.is_meta; print('torch._dynamo' in sys.modules)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert run.stdout.strip() == "False"

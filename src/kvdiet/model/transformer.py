@@ -85,7 +85,13 @@ class Transformer(nn.Module):
         if late:
             raise ValueError(f"layers {late} hold Engram or a compressor at/after the decoder start {start}")
         with torch.device("meta") if meta else contextlib.nullcontext():
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            # On meta, no initialisation: a meta normal_ goes through torch's refs and imports torch._dynamo
+            # (~1 s and ~100 MB of resident memory in a process that may have a tight memory budget).
+            self.embed = nn.Embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if meta else None,
+            )
             self.layers = nn.ModuleList(Block(cfg, info, self.codecs) for info in self.plan.layers)
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.head = Linear(cfg.hidden_size, cfg.vocab_size)
