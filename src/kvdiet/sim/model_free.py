@@ -118,6 +118,7 @@ class _Run:
         self.blocks = request_blocks(trace) if blocks is None else blocks
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
         self.snapshot_sizes = CacheSpec.from_config(cfg).snapshot_sizes()
+        self.window_block = lambda i: g.window_block_bytes  # a block's window entries (full-store)
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
         self.clock = TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
@@ -142,7 +143,7 @@ class _Run:
         )
         self.older: set[object] = set()  # pool snapshot keys a newer snapshot of their chain followed
         self.restores_of_older = 0  # pool restores of such a snapshot
-        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self.events: list[tuple[float, int, tuple, bool]] = []  # time, order, `_forward`'s arguments, finish
         self.seq = itertools.count()
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
@@ -214,16 +215,15 @@ class _Run:
             if tier is not None:
                 tier.expire()
 
-    def _at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), fn))
-
     def _advance(self, now: float) -> None:
-        while self.events and self.events[0][0] <= now:
-            t, _, fn = heapq.heappop(self.events)
-            self.clock.t = max(self.clock.t, t)
-            fn()
-        if now != math.inf:
-            self.clock.t = max(self.clock.t, now)
+        events, clock, forward = self.events, self.clock, self._forward
+        while events and events[0][0] <= now:
+            t, _, args, finish = heapq.heappop(events)
+            if t > clock.t:
+                clock.t = t
+            forward(*args, finish=finish)
+        if now != math.inf and now > clock.t:
+            clock.t = now
 
     # --- one request: the control plane's steps, executed with sizes ---
 
@@ -261,8 +261,9 @@ class _Run:
 
         self.device.use(every, adopted // bs, g.payloads, guess=d)
         held = max(d, adopted // bs)  # blocks held now: the likely start of the prompt's blocks to add
-        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, held))
-        self._at(finish, lambda: self._forward(cached, groups, n, last, -(-n // bs), finish=True))
+        events, seq = self.events, self.seq
+        heapq.heappush(events, (prefill_end, next(seq), (cached, groups, plan.replay_start, n, held), False))
+        heapq.heappush(events, (finish, next(seq), (cached, groups, n, last, -(-n // bs)), True))
         return result
 
     def _forward(
@@ -286,7 +287,7 @@ class _Run:
             start,
             end,
             blocks=g.payloads,
-            window_block=lambda i: g.window_block_bytes,
+            window_block=self.window_block,
             snapshot=self.snapshot_sizes,
         )
         self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
