@@ -232,6 +232,9 @@ class TtlLru(Generic[V]):
                 values is sizes or all(map(is_, values, repeat(values[0])))
             ):  # one value for the whole run (the simulator's block sizes): one shared, immutable entry
                 items.update(zip(keys, repeat((values[0], sizes[0], deadline))))
+            elif values is sizes:  # values are the sizes (the simulator's): one shared entry per size
+                shared = {size: (size, size, deadline) for size in set(sizes)}
+                items.update(zip(keys, map(shared.__getitem__, sizes), strict=True))
             else:
                 items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
             if len(items) - before != n:  # a key repeats: undone (none was held before)

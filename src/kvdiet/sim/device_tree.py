@@ -38,6 +38,8 @@ __all__ = ["DeviceTree"]
 Stamp = int
 """When a block was last used: uses are numbered in the order they are made (trace time never goes back)."""
 _NEVER: Stamp = -1  # a block no request ended at (yet)
+_SEQ_BITS = 40  # a leaf-heap entry's number takes the low bits of its key (fewer than 2**40 pushes)
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
 class _Node:
@@ -66,10 +68,14 @@ class DeviceTree:
         self.counters = TierCounters()
         self.nbytes = 0
         self._node: dict[Hashable, _Node] = {}  # block → the node holding it
-        self._leaves: list[tuple[Stamp, int, _Node]] = []  # heap; entries no longer current are skipped
+        # heap of leaf entries ``time << _SEQ_BITS | entry``: plain ints, compared faster than tuples;
+        # entries no longer current are skipped
+        self._leaves: list[int] = []
+        self._queued: dict[int, _Node] = {}  # entry → its node, while the entry is in the heap
         self._order = itertools.count()
         self._seq = itertools.count()
         self._smallest: int | None = None  # the smallest block size added (bounds an eviction's scan)
+        self._largest: int | None = None  # the largest (equal to the smallest: every block is that size)
 
     def __len__(self) -> int:
         return len(self._node)
@@ -84,6 +90,7 @@ class DeviceTree:
             node.parent, node.kids = None, set()
         self._node.clear()
         self._leaves.clear()
+        self._queued.clear()
         self.nbytes = 0
 
     def match(self, ids: Sequence[Hashable], limit: int, *, guess: int | None = None) -> int:
@@ -181,9 +188,11 @@ class DeviceTree:
             if parent is not None:
                 parent.kids.add(node)
         self._node.update(zip(run, itertools.repeat(node)))
-        least = min(sizes)
+        least, most = min(sizes), max(sizes)
         if self._smallest is None or least < self._smallest:
             self._smallest = least
+        if self._largest is None or most > self._largest:
+            self._largest = most
         self.nbytes += total
         self.counters.entries_written += len(run)
         self.counters.bytes_written += total
@@ -236,17 +245,20 @@ class DeviceTree:
         return newer
 
     def _push(self, node: _Node) -> None:
-        node.seq = next(self._seq)
-        heapq.heappush(self._leaves, (node.tail, node.seq, node))
+        seq = node.seq = next(self._seq)
+        self._queued[seq] = node
+        heapq.heappush(self._leaves, (node.tail << _SEQ_BITS) + seq)
 
     # --- eviction ---
 
     def _evict(self, need: int, protect: _Node | None, protect_pos: int) -> None:
         """Evict least recently used leaf blocks until ``need`` bytes are free or no leaf but the protected
         block (chain position ``protect_pos`` of ``protect``) is left."""
-        heap, skipped, pop = self._leaves, [], heapq.heappop
+        heap, queued, skipped, pop = self._leaves, self._queued, [], heapq.heappop
         while need > 0 and heap:
-            tail, seq, node = pop(heap)
+            entry = pop(heap)
+            seq, tail = entry & _SEQ_MASK, entry >> _SEQ_BITS
+            node = queued.pop(seq)
             if node.seq != seq:
                 continue  # not current: extended, split or pushed again since
             node.seq = -1  # its entry is taken
@@ -280,9 +292,13 @@ class DeviceTree:
         most = node.start + len(ids) - stop
         if most <= 0 or need <= 0:
             return 0
-        if sizes[-1] >= need:  # one block is enough (most often)
+        if sizes[-1] >= need:  # one block is enough
             k, freed = 1, sizes[-1]
             del self._node[ids[-1]]
+        elif smallest and smallest == self._largest:  # every block the same size
+            k = min(most, -(-need // smallest))
+            freed = k * smallest
+            deque(map(self._node.__delitem__, ids[-k:]), maxlen=0)
         else:
             if smallest:
                 most = min(most, need // smallest + 1)

@@ -120,6 +120,7 @@ class _Run:
         self.snapshot_sizes = CacheSpec.from_config(cfg).snapshot_sizes()
         self.window_block = lambda i: g.window_block_bytes  # a block's window entries (full-store)
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
+        self.decoder_every_row = not sc.policy.decoder_replay
         self.clock = TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
@@ -236,13 +237,14 @@ class _Run:
         usable = control.usable_blocks(n)
         d = self.device.match(every, usable)
         loaded = control.load(cached, d, usable, _accept)
-        plan, window = control.plan(cached, d + loaded.blocks)
+        found = d + loaded.blocks
+        plan, window = control.plan(cached, found)
         result = control.admit(cached, plan, device_blocks=d, loaded=loaded)
         self.results.append(result)
         groups = self.breakdown.groups(n, req.kind, req.session)
         self.breakdown.add_request(groups, result)
 
-        hit, adopted = (d + loaded.blocks) * bs, plan.hit_tokens
+        hit, adopted = found * bs, plan.hit_tokens
         self.lookup_tokens += usable * bs
         self.hits += hit > 0
         if hit and every[hit // bs - 1] in self.boundaries:
@@ -252,11 +254,12 @@ class _Run:
             self.ages.append(now - self.swa.entries.written_at(window.keys[0]))
             self.restores_of_older += window.keys[0] in self.older
 
-        flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
-            adopted, n, decoder_every_row=not self.sc.policy.decoder_replay
+        cost = self.cost
+        flops = cost.replay_flops(plan.replay_start, adopted) + cost.prefill_flops(
+            adopted, n, decoder_every_row=self.decoder_every_row
         )
         self.flops += flops
-        prefill_end = now + self.cost.seconds(flops)
+        prefill_end = now + cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
         self.device.use(every, adopted // bs, g.payloads, guess=d)
@@ -280,26 +283,20 @@ class _Run:
         payloads); the request's blocks up to the last one it holds become the device pool's most recently
         used (``held``: how many of them the pool likely holds already); the boundary reached is recorded
         (for ``boundary_hits``)."""
-        g = self.geo
-        written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
+        g, bs, persistent, swa = self.geo, self.geo.block_size, self.persistent.counters, self.swa.counters
+        written = (persistent.bytes_written, swa.bytes_written)
+        sizes = self.snapshot_sizes
         self.control.after_forward(
-            cached,
-            start,
-            end,
-            blocks=g.payloads,
-            window_block=self.window_block,
-            snapshot=self.snapshot_sizes,
+            cached, start, end, blocks=g.payloads, window_block=self.window_block, snapshot=sizes
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
-        boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
+        self.device.use(cached.blocks, -(-end // bs), g.payloads, guess=held)
+        boundary = end // bs * bs if finish else prompt_boundary(end, bs)
         if boundary > 0:
-            self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
+            self.boundaries.add(cached.blocks[boundary // bs - 1])
         if finish:
             self.control.finish(cached)
         self.breakdown.add_bytes(
-            groups,
-            self.persistent.counters.bytes_written - written[0],
-            self.swa.counters.bytes_written - written[1],
+            groups, persistent.bytes_written - written[0], swa.bytes_written - written[1]
         )
 
     def _superseded(self, new_key: object, older: list[object]) -> None:
