@@ -172,7 +172,7 @@ class DeviceTree:
         parent: _Node | None,
     ) -> None:
         """Hang ``ids[first:end]`` (none held) after chain position ``first − 1`` in ``parent``."""
-        run = list(ids[first:end])
+        run = ids[first:end]
         if parent is not None and first < parent.start + len(parent.ids):  # a branch inside a run: split
             parent = self._split(parent, first)
         if parent is not None and not parent.kids:  # the run continues a leaf: extend it
@@ -184,7 +184,7 @@ class DeviceTree:
             parent.sizes += sizes
             node = parent
         else:
-            node = _Node(parent, first, run, sizes)
+            node = _Node(parent, first, list(run), sizes)
             if parent is not None:
                 parent.kids.add(node)
         self._node.update(zip(run, itertools.repeat(node)))
