@@ -58,6 +58,9 @@ class Loaded(NamedTuple):
         return self.global_pool + self.persistent
 
 
+_NONE_LOADED = Loaded(0, 0)
+
+
 @dataclass(slots=True)
 class CacheRequest(Generic[V]):
     """One request as the control plane sees it.
@@ -143,6 +146,8 @@ class ControlPlane(Generic[V]):
         full). Stops at the first miss, wrong-sized payload or refusal. Blocks from one tier are copied into
         the other: a global-pool hit into the persistent tier (this machine's durable copy), a persistent
         hit into the global pool (promoted, so other machines find it)."""
+        if first >= end:
+            return _NONE_LOADED  # nothing to look for (a hit from the device pool alone)
         refused = False
 
         def take(i: int, payload: V) -> bool:

@@ -96,7 +96,10 @@ class TtlLru(Generic[V]):
         deadline); returns how many (also counted)."""
         dq, dead, items = self._deadlines, 0, self._items
         if not dq or dq[0][0] > now:  # nothing due (most calls): only the byte-seconds run on
-            if self._since is None or now > self._since:
+            since = self._since
+            if since is None:
+                self._since = now
+            elif now > since:
                 self._accrue(now)
             return 0
         while dq and dq[0][0] <= now:
@@ -198,7 +201,7 @@ class TtlLru(Generic[V]):
         if not keys:
             return 0
         cap, items = self.capacity, self._items
-        if not any(map(items.__contains__, keys)):  # a run of new blocks written through, most often
+        if items.keys().isdisjoint(keys):  # a run of new blocks written through, most often
             batch = (keys, values, sizes)
         elif self.refresh or (cap is not None and max(sizes) > cap):
             batch = None  # each put replaces a live key (or one is refused): one after another
@@ -207,52 +210,70 @@ class TtlLru(Generic[V]):
             batch = tuple(list(compress(seq, keep)) for seq in (keys, values, sizes))
         if batch is not None:
             total = sum(batch[2])
-            if (cap is None or self.nbytes + total <= cap) and len(set(batch[0])) == len(batch[0]):
-                if batch[0]:
-                    self._put_new(*batch, total, now)
+            if (cap is None or self.nbytes + total <= cap) and (
+                not batch[0] or self._put_new(*batch, total, now)
+            ):
                 return len(keys)
         put = self._put
         return sum(put(key, value, size, now) for key, value, size in zip(keys, values, sizes, strict=True))
 
     def _put_new(
         self, keys: Sequence[Hashable], values: Sequence[V], sizes: Sequence[int], total: int, now: float
-    ) -> None:
-        """Store distinct keys none of which is held, known to fit the budget."""
+    ) -> bool:
+        """Store keys none of which is held, known to fit the budget; False, with nothing stored, when a key
+        repeats among them (then each is put one after another)."""
         deadline = math.inf if self.ttl is None else now + self.ttl
-        one = len(keys) == 1  # a snapshot, or a request's one new block
-        if one:
-            self._items[keys[0]] = (values[0], total, deadline)
-        elif sizes.count(sizes[0]) == len(sizes) and all(map(is_, values, repeat(values[0]))):
-            # one value for the whole run (the simulator's block sizes): one shared, immutable entry
-            self._items.update(zip(keys, repeat((values[0], sizes[0], deadline))))
+        items, n = self._items, len(keys)
+        if n == 1:  # a snapshot, or a request's one new block
+            items[keys[0]] = (values[0], total, deadline)
         else:
-            self._items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
+            before = len(items)
+            if sizes.count(sizes[0]) == n and (
+                values is sizes or all(map(is_, values, repeat(values[0])))
+            ):  # one value for the whole run (the simulator's block sizes): one shared, immutable entry
+                items.update(zip(keys, repeat((values[0], sizes[0], deadline))))
+            elif values is sizes:  # values are the sizes (the simulator's): one shared entry per size
+                shared = {size: (size, size, deadline) for size in set(sizes)}
+                items.update(zip(keys, map(shared.__getitem__, sizes), strict=True))
+            else:
+                items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
+            if len(items) - before != n:  # a key repeats: undone (none was held before)
+                for key in keys:
+                    items.pop(key, None)
+                return False
         if self.ttl is not None:
             self._deadlines.append((deadline, keys if type(keys) is tuple else tuple(keys)))
         self.nbytes += total
         if self.kind is not None:
-            self._add_kinds(keys, sizes, total)
+            if n == 1:
+                self._count_kind(self.kind(keys[0]), total)
+            else:
+                self._add_kinds(keys, sizes, total)
         if self.nbytes > self.peak:
             self.peak = self.nbytes
             if self.kind is not None:
                 self.peak_kinds = dict(self.kind_bytes)
         c = self.counters
-        c.entries_written += len(keys)
+        c.entries_written += n
         c.bytes_written += total
+        return True
 
     def _add_kinds(self, keys: Sequence[Hashable], sizes: Sequence[int], total: int) -> None:
         """Count ``total`` new bytes (``sizes`` under ``keys``) by kind: held, peak, written."""
         of = list(map(self.kind, keys))
-        kinds = dict.fromkeys(of)  # in order of first appearance
-        if len(kinds) == 1:
-            added = dict.fromkeys(kinds, total)
-        else:  # each kind's bytes (C-level passes, no loop per key)
-            added = {k: sum(compress(sizes, map(eq, of, repeat(k)))) for k in kinds}
-        held, peak, written = self.kind_bytes, self.kind_peak, self.kind_written
-        for k, n in added.items():
-            after = held[k] = held.get(k, 0) + n
-            peak[k] = max(peak.get(k, 0), after)
-            written[k] = written.get(k, 0) + n
+        if of.count(of[0]) == len(of):  # one kind, most often
+            self._count_kind(of[0], total)
+        else:  # each kind's bytes, kinds in order of first appearance (C-level passes, no loop per key)
+            for k in dict.fromkeys(of):
+                self._count_kind(k, sum(compress(sizes, map(eq, of, repeat(k)))))
+
+    def _count_kind(self, kind: Hashable, n: int) -> None:
+        """Count ``n`` new bytes of ``kind``: held, peak, written."""
+        held = self.kind_bytes
+        after = held[kind] = held.get(kind, 0) + n
+        peak = self.kind_peak
+        peak[kind] = max(peak.get(kind, 0), after)
+        self.kind_written[kind] = self.kind_written.get(kind, 0) + n
 
     def discard(self, key: Hashable, now: float) -> bool:
         """Drop ``key`` if held (not counted as an eviction or expiry); whether it was."""

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from kvdiet.cache.counters import TierCounters
@@ -36,6 +38,8 @@ __all__ = ["DeviceTree"]
 Stamp = int
 """When a block was last used: uses are numbered in the order they are made (trace time never goes back)."""
 _NEVER: Stamp = -1  # a block no request ended at (yet)
+_SEQ_BITS = 40  # a leaf-heap entry's number takes the low bits of its key (fewer than 2**40 pushes)
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 
 class _Node:
@@ -51,11 +55,6 @@ class _Node:
         self.seq = -1  # the heap entry that is current for this node (-1: none)
         self.live = True
 
-    @property
-    def end(self) -> int:
-        """Chain position after the last block."""
-        return self.start + len(self.ids)
-
 
 class DeviceTree:
     """Blocks under a byte budget, evicted least recently used leaf first.
@@ -69,9 +68,14 @@ class DeviceTree:
         self.counters = TierCounters()
         self.nbytes = 0
         self._node: dict[Hashable, _Node] = {}  # block → the node holding it
-        self._leaves: list[tuple[Stamp, int, _Node]] = []  # heap; entries no longer current are skipped
+        # heap of leaf entries ``time << _SEQ_BITS | entry``: plain ints, compared faster than tuples;
+        # entries no longer current are skipped
+        self._leaves: list[int] = []
+        self._queued: dict[int, _Node] = {}  # entry → its node, while the entry is in the heap
         self._order = itertools.count()
         self._seq = itertools.count()
+        self._smallest: int | None = None  # the smallest block size added (bounds an eviction's scan)
+        self._largest: int | None = None  # the largest (equal to the smallest: every block is that size)
 
     def __len__(self) -> int:
         return len(self._node)
@@ -86,6 +90,7 @@ class DeviceTree:
             node.parent, node.kids = None, set()
         self._node.clear()
         self._leaves.clear()
+        self._queued.clear()
         self.nbytes = 0
 
     def match(self, ids: Sequence[Hashable], limit: int, *, guess: int | None = None) -> int:
@@ -126,13 +131,15 @@ class DeviceTree:
         already, see `match`). Cost: a binary search, then the blocks added and evicted."""
         if end <= 0:
             return
-        first = self.match(ids, end, guess=guess)
+        held = self._node
+        first = end if ids[end - 1] in held else self.match(ids, end, guess=guess)
         if first < end:
-            parent = self._node[ids[first - 1]] if first > 0 else None
+            parent = held[ids[first - 1]] if first > 0 else None
             sizes = size_of(first, end)
-            if max(sizes) > self.capacity:  # larger than the whole budget: the chain stops before it
-                sizes = sizes[: next(k for k, n in enumerate(sizes) if n > self.capacity)]
             total = sum(sizes)
+            if total > self.capacity and max(sizes) > self.capacity:  # larger than the whole budget: the
+                sizes = sizes[: next(k for k, n in enumerate(sizes) if n > self.capacity)]  # chain stops
+                total = sum(sizes)
             if self.nbytes + total > self.capacity:
                 self._evict(self.nbytes + total - self.capacity, parent, first - 1)
             room, fit = self.capacity - self.nbytes, len(sizes)
@@ -144,8 +151,14 @@ class DeviceTree:
             end = first + fit
             if fit:
                 self._add(ids, first, end, sizes[:fit], total, parent)
-        if end > 0:
-            self._mark(self._node[ids[end - 1]], end - 1, next(self._order))
+        if end > 0:  # the last block is used now: its node's time, or a mark inside the node
+            node, stamp = held[ids[end - 1]], next(self._order)
+            if end == node.start + len(node.ids):
+                node.tail = stamp  # the newest there is
+                if not node.kids and node.seq < 0:  # a leaf's entry already in the heap stays (`_evict`)
+                    self._push(node)
+            else:
+                heapq.heappush(node.marks, (-(end - 1), stamp))
 
     # --- adding ---
 
@@ -159,8 +172,8 @@ class DeviceTree:
         parent: _Node | None,
     ) -> None:
         """Hang ``ids[first:end]`` (none held) after chain position ``first − 1`` in ``parent``."""
-        run = list(ids[first:end])
-        if parent is not None and first < parent.end:  # a branch inside a run: split it there
+        run = ids[first:end]
+        if parent is not None and first < parent.start + len(parent.ids):  # a branch inside a run: split
             parent = self._split(parent, first)
         if parent is not None and not parent.kids:  # the run continues a leaf: extend it
             if parent.tail != _NEVER:
@@ -171,10 +184,15 @@ class DeviceTree:
             parent.sizes += sizes
             node = parent
         else:
-            node = _Node(parent, first, run, sizes)
+            node = _Node(parent, first, list(run), sizes)
             if parent is not None:
                 parent.kids.add(node)
         self._node.update(zip(run, itertools.repeat(node)))
+        least, most = min(sizes), max(sizes)
+        if self._smallest is None or least < self._smallest:
+            self._smallest = least
+        if self._largest is None or most > self._largest:
+            self._largest = most
         self.nbytes += total
         self.counters.entries_written += len(run)
         self.counters.bytes_written += total
@@ -217,18 +235,9 @@ class DeviceTree:
 
     # --- time ---
 
-    def _mark(self, node: _Node, pos: int, stamp: Stamp) -> None:
-        """Block ``pos`` (chain position, in ``node``) is used at ``stamp``."""
-        if pos == node.end - 1:
-            node.tail = stamp  # the newest there is
-            if not node.kids and node.seq < 0:  # a leaf's entry already in the heap stays (see `_evict`)
-                self._push(node)
-        else:
-            heapq.heappush(node.marks, (-pos, stamp))
-
     def _fold(self, node: _Node) -> bool:
         """Take the marks at ``node``'s last block into its time; whether that made it newer."""
-        last, newer = node.end - 1, False
+        last, newer = node.start + len(node.ids) - 1, False
         while node.marks and -node.marks[0][0] >= last:
             _, stamp = heapq.heappop(node.marks)
             if stamp > node.tail:
@@ -236,17 +245,20 @@ class DeviceTree:
         return newer
 
     def _push(self, node: _Node) -> None:
-        node.seq = next(self._seq)
-        heapq.heappush(self._leaves, (node.tail, node.seq, node))
+        seq = node.seq = next(self._seq)
+        self._queued[seq] = node
+        heapq.heappush(self._leaves, (node.tail << _SEQ_BITS) + seq)
 
     # --- eviction ---
 
     def _evict(self, need: int, protect: _Node | None, protect_pos: int) -> None:
         """Evict least recently used leaf blocks until ``need`` bytes are free or no leaf but the protected
         block (chain position ``protect_pos`` of ``protect``) is left."""
-        heap, skipped = self._leaves, []
+        heap, queued, skipped, pop = self._leaves, self._queued, [], heapq.heappop
         while need > 0 and heap:
-            tail, seq, node = heapq.heappop(heap)
+            entry = pop(heap)
+            seq, tail = entry & _SEQ_MASK, entry >> _SEQ_BITS
+            node = queued.pop(seq)
             if node.seq != seq:
                 continue  # not current: extended, split or pushed again since
             node.seq = -1  # its entry is taken
@@ -256,14 +268,16 @@ class DeviceTree:
                 self._push(node)
                 continue
             stop = protect_pos + 1 if node is protect else node.start  # the first block that may not go
-            if node.marks:
-                stop = max(stop, -node.marks[0][0] + 1)
+            marks = node.marks
+            if marks and -marks[0][0] >= stop:
+                stop = -marks[0][0] + 1
             need -= self._drop_tail(node, stop, need)
             if not node.ids:
                 self._remove(node)
                 continue
-            self._fold(node)  # its new last block may carry a mark: its time then moves on
-            if node is protect and node.end == protect_pos + 1:
+            if marks:
+                self._fold(node)  # its new last block may carry a mark: its time then moves on
+            if node is protect and node.start + len(node.ids) == protect_pos + 1:
                 skipped.append(node)  # only the protected block is left: not this round
             else:
                 self._push(node)
@@ -272,19 +286,29 @@ class DeviceTree:
 
     def _drop_tail(self, node: _Node, stop: int, need: int) -> int:
         """Drop blocks from ``node``'s tail, not below chain position ``stop``, until ``need`` bytes are
-        freed; returns the bytes freed."""
-        sizes, freed, k = node.sizes, 0, 0
-        most = node.end - stop
-        while k < most and freed < need:
-            k += 1
-            freed += sizes[-k]
-        if k:
-            held = self._node
-            for b in node.ids[-k:]:
-                del held[b]
-            del node.ids[-k:], sizes[-k:]
-            self.nbytes -= freed
-            self.counters.evictions += k
+        freed; returns the bytes freed. The blocks looked at are at most those that could be needed (``need``
+        over the smallest block size)."""
+        sizes, ids, smallest = node.sizes, node.ids, self._smallest
+        most = node.start + len(ids) - stop
+        if most <= 0 or need <= 0:
+            return 0
+        if sizes[-1] >= need:  # one block is enough
+            k, freed = 1, sizes[-1]
+            del self._node[ids[-1]]
+        elif smallest and smallest == self._largest:  # every block the same size
+            k = min(most, -(-need // smallest))
+            freed = k * smallest
+            deque(map(self._node.__delitem__, ids[-k:]), maxlen=0)
+        else:
+            if smallest:
+                most = min(most, need // smallest + 1)
+            freed_by = list(itertools.accumulate(sizes[-1 : -most - 1 : -1]))  # freed by dropping k + 1
+            k = min(most, bisect_left(freed_by, need) + 1)
+            freed = freed_by[k - 1]
+            deque(map(self._node.__delitem__, ids[-k:]), maxlen=0)
+        del ids[-k:], sizes[-k:]
+        self.nbytes -= freed
+        self.counters.evictions += k
         return freed
 
     def _remove(self, node: _Node) -> None:

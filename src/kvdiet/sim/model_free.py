@@ -118,7 +118,9 @@ class _Run:
         self.blocks = request_blocks(trace) if blocks is None else blocks
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
         self.snapshot_sizes = CacheSpec.from_config(cfg).snapshot_sizes()
+        self.window_block = lambda i: g.window_block_bytes  # a block's window entries (full-store)
         self.cost = CostModel(cfg, sc.gpu, sc.mfu)
+        self.decoder_every_row = not sc.policy.decoder_replay
         self.clock = TraceClock(trace.requests[0].arrival_s if trace.requests else 0.0)
         self.device = DeviceTree(sc.device_bytes)
         self.persistent = SizeTier(sc.persistent_bytes, sc.persistent_ttl_s, refresh=False, clock=self.clock)
@@ -142,7 +144,7 @@ class _Run:
         )
         self.older: set[object] = set()  # pool snapshot keys a newer snapshot of their chain followed
         self.restores_of_older = 0  # pool restores of such a snapshot
-        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self.events: list[tuple[float, int, tuple, bool]] = []  # time, order, `_forward`'s arguments, finish
         self.seq = itertools.count()
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
@@ -214,16 +216,15 @@ class _Run:
             if tier is not None:
                 tier.expire()
 
-    def _at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), fn))
-
     def _advance(self, now: float) -> None:
-        while self.events and self.events[0][0] <= now:
-            t, _, fn = heapq.heappop(self.events)
-            self.clock.t = max(self.clock.t, t)
-            fn()
-        if now != math.inf:
-            self.clock.t = max(self.clock.t, now)
+        events, clock, forward = self.events, self.clock, self._forward
+        while events and events[0][0] <= now:
+            t, _, args, finish = heapq.heappop(events)
+            if t > clock.t:
+                clock.t = t
+            forward(*args, finish=finish)
+        if now != math.inf and now > clock.t:
+            clock.t = now
 
     # --- one request: the control plane's steps, executed with sizes ---
 
@@ -236,13 +237,14 @@ class _Run:
         usable = control.usable_blocks(n)
         d = self.device.match(every, usable)
         loaded = control.load(cached, d, usable, _accept)
-        plan, window = control.plan(cached, d + loaded.blocks)
+        found = d + loaded.blocks
+        plan, window = control.plan(cached, found)
         result = control.admit(cached, plan, device_blocks=d, loaded=loaded)
         self.results.append(result)
         groups = self.breakdown.groups(n, req.kind, req.session)
         self.breakdown.add_request(groups, result)
 
-        hit, adopted = (d + loaded.blocks) * bs, plan.hit_tokens
+        hit, adopted = found * bs, plan.hit_tokens
         self.lookup_tokens += usable * bs
         self.hits += hit > 0
         if hit and every[hit // bs - 1] in self.boundaries:
@@ -252,17 +254,19 @@ class _Run:
             self.ages.append(now - self.swa.entries.written_at(window.keys[0]))
             self.restores_of_older += window.keys[0] in self.older
 
-        flops = self.cost.replay_flops(plan.replay_start, adopted) + self.cost.prefill_flops(
-            adopted, n, decoder_every_row=not self.sc.policy.decoder_replay
+        cost = self.cost
+        flops = cost.replay_flops(plan.replay_start, adopted) + cost.prefill_flops(
+            adopted, n, decoder_every_row=self.decoder_every_row
         )
         self.flops += flops
-        prefill_end = now + self.cost.seconds(flops)
+        prefill_end = now + cost.seconds(flops)
         finish = prefill_end + req.output_tokens / self.sc.output_tok_s
 
         self.device.use(every, adopted // bs, g.payloads, guess=d)
         held = max(d, adopted // bs)  # blocks held now: the likely start of the prompt's blocks to add
-        self._at(prefill_end, lambda: self._forward(cached, groups, plan.replay_start, n, held))
-        self._at(finish, lambda: self._forward(cached, groups, n, last, -(-n // bs), finish=True))
+        events, seq = self.events, self.seq
+        heapq.heappush(events, (prefill_end, next(seq), (cached, groups, plan.replay_start, n, held), False))
+        heapq.heappush(events, (finish, next(seq), (cached, groups, n, last, -(-n // bs)), True))
         return result
 
     def _forward(
@@ -279,26 +283,20 @@ class _Run:
         payloads); the request's blocks up to the last one it holds become the device pool's most recently
         used (``held``: how many of them the pool likely holds already); the boundary reached is recorded
         (for ``boundary_hits``)."""
-        g = self.geo
-        written = (self.persistent.counters.bytes_written, self.swa.counters.bytes_written)
+        g, bs, persistent, swa = self.geo, self.geo.block_size, self.persistent.counters, self.swa.counters
+        written = (persistent.bytes_written, swa.bytes_written)
+        sizes = self.snapshot_sizes
         self.control.after_forward(
-            cached,
-            start,
-            end,
-            blocks=g.payloads,
-            window_block=lambda i: g.window_block_bytes,
-            snapshot=self.snapshot_sizes,
+            cached, start, end, blocks=g.payloads, window_block=self.window_block, snapshot=sizes
         )
-        self.device.use(cached.blocks, -(-end // g.block_size), g.payloads, guess=held)
-        boundary = end // g.block_size * g.block_size if finish else prompt_boundary(end, g.block_size)
+        self.device.use(cached.blocks, -(-end // bs), g.payloads, guess=held)
+        boundary = end // bs * bs if finish else prompt_boundary(end, bs)
         if boundary > 0:
-            self.boundaries.add(cached.blocks[boundary // g.block_size - 1])
+            self.boundaries.add(cached.blocks[boundary // bs - 1])
         if finish:
             self.control.finish(cached)
         self.breakdown.add_bytes(
-            groups,
-            self.persistent.counters.bytes_written - written[0],
-            self.swa.counters.bytes_written - written[1],
+            groups, persistent.bytes_written - written[0], swa.bytes_written - written[1]
         )
 
     def _superseded(self, new_key: object, older: list[object]) -> None:

@@ -15,6 +15,7 @@ restores at least `CATCH_TARGET` of what an unbounded pool restores.
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import os
@@ -151,9 +152,12 @@ def _run_forked(
     ``finished(config, result)`` as each ends. A forked process inherits the trace and its ``blocks``
     (`request_blocks`; nothing pickled: a large agentic trace takes seconds to unpickle), sends its result
     back and exits without freeing its run (`simulate_then_exit`). The first failure stops the others and is
-    raised here (RuntimeError when a process died without a word)."""
+    raised here (RuntimeError when a process died without a word). Garbage collection is off meanwhile:
+    results arrive as many small acyclic objects, which cycle collection would rescan for nothing."""
     context = multiprocessing.get_context("fork")
     todo, running = list(reversed(configs)), {}
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         while todo or running:
             while todo and len(running) < jobs:
@@ -182,6 +186,8 @@ def _run_forked(
             proc.kill()
             proc.join()
             receive.close()
+        if collecting:
+            gc.enable()
 
 
 def run_study(
