@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.layers import widen
+from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.sinkhorn import sinkhorn_
 
 __all__ = [
@@ -103,13 +103,15 @@ def hc_coefficients(
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     flat = widen(h).flatten(-2)  # [..., T, hc·hidden]
-    fn, scale, base = fn.to(flat.dtype), scale.to(flat.dtype), base.to(flat.dtype)
-    mixes = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [..., T, n_mix]
+    dt = flat.dtype
+    fn, scale, base = as_dtype(fn, dt), as_dtype(scale, dt), as_dtype(base, dt)
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)))
+    mixes = (flat @ fn.T) * rstd  # [..., T, n_mix]
     # every mix times its part's scale, plus its base, in two ops (the same products and sums per element);
     # each part made contiguous as a tensor of its own: sigmoid's and softmax's CPU kernels round an element
     # by where it falls in a contiguous run
     z = mixes * scale[_scale_index(hc, scale.device)] + base
-    pre = torch.sigmoid(z[..., :hc].contiguous()).add_(hc_eps)
+    pre = torch.sigmoid(z[..., :hc].contiguous()).add_(constant(hc_eps, dt))
     post = torch.sigmoid(z[..., hc : 2 * hc].contiguous())
     post = post.add_(post)  # 2·σ, exactly
     comb = torch.softmax(z[..., 2 * hc :].contiguous().unflatten(-1, (hc, hc)), dim=-1)
@@ -129,7 +131,7 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     h: [..., T, hc, hidden], pre: [..., T, hc] -> fp32 [..., T, hidden].
     """
     h = widen(h)
-    return (pre.to(h.dtype)[..., None] * h).sum(-2)
+    return (as_dtype(pre, h.dtype)[..., None] * h).sum(-2)
 
 
 def hc_expand(
@@ -145,8 +147,8 @@ def hc_expand(
     """
     residual = widen(residual)
     dt = residual.dtype
-    mixed = comb.to(dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
-    return post.to(dt)[..., None] * x.to(dt)[..., None, :] + mixed
+    mixed = as_dtype(comb, dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
+    return as_dtype(post, dt)[..., None] * as_dtype(x, dt)[..., None, :] + mixed
 
 
 def hc_init_streams(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

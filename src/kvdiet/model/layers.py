@@ -9,6 +9,7 @@ nothing about which vectors get rotated; attention and the indexer decide that.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "rope_frequencies", "widen"]
+__all__ = ["RMSNorm", "Rope", "as_dtype", "constant", "rope_frequencies", "widen"]
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +28,22 @@ def widen(x: torch.Tensor) -> torch.Tensor:
     as the peer tests against transformers run it) computes in fp64 throughout instead.
     """
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call (about a microsecond) when ``x`` already has that dtype."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+@functools.cache
+def constant(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-dim CPU tensor of ``dtype``, built once (read-only: never modify it).
+
+    ``t + constant(v, t.dtype)`` equals ``t + v`` bit for bit on any device (torch turns the Python float into
+    a 0-dim tensor of ``t``'s dtype first, on every call) at half the cost of a tiny op.
+    """
+    with torch.inference_mode(False):  # an ordinary tensor: usable with and without autograd
+        return torch.tensor(value, dtype=dtype, device="cpu")
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +64,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64)."""
         x = widen(x)
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        return (
+            x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(constant(self.eps, x.dtype))) * self.weight
+        )
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
