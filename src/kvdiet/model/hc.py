@@ -110,11 +110,11 @@ def hc_coefficients(
     # every mix times its part's scale, plus its base, in two ops (the same products and sums per element);
     # each part made contiguous as a tensor of its own: sigmoid's and softmax's CPU kernels round an element
     # by where it falls in a contiguous run
-    z = mixes * scale[_scale_index(hc, scale.device)] + base
+    z = mixes * scale.index_select(0, _scale_index(hc, scale.device)) + base
     pre = torch.sigmoid(z[..., :hc].contiguous()).add_(constant(hc_eps, dt))
     post = torch.sigmoid(z[..., hc : 2 * hc].contiguous())
     post = post.add_(post)  # 2·σ, exactly
-    comb = torch.softmax(z[..., 2 * hc :].contiguous().unflatten(-1, (hc, hc)), dim=-1)
+    comb = torch.softmax(z[..., 2 * hc :].contiguous().view(*z.shape[:-1], hc, hc), dim=-1)
     sinkhorn_(comb, eps=hc_eps, iters=sinkhorn_iters)
     return pre, post, comb
 

@@ -184,18 +184,19 @@ class Rope:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
         d = self.rope_dim
-        if x.shape[-1] < d:
-            raise ValueError(f"last dim {x.shape[-1]} is smaller than rope_dim {d}")
-        angles = positions.to(torch.float32)[..., None] * self.freqs.to(x.device)  # [..., T, d/2]
-        cis = torch.polar(torch.ones_like(angles), angles)
+        width = x.shape[-1]
+        if width < d:
+            raise ValueError(f"last dim {width} is smaller than rope_dim {d}")
+        freqs = self.freqs if self.freqs.device == x.device else self.freqs.to(x.device)
+        angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [..., T, d/2]
+        cis = torch.polar(constant(1.0, torch.float32), angles)
         if inverse:
             cis = cis.conj()
         if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
             cis = cis.to(torch.complex128)
-        pairs = torch.view_as_complex(
-            widen(x[..., x.shape[-1] - d :]).unflatten(-1, (d // 2, 2)).contiguous()
-        )
-        rotated = torch.view_as_real(pairs * cis).flatten(-2)
+        tail = x[..., width - d :]
+        pairs = torch.view_as_complex(widen(tail).view(*tail.shape[:-1], d // 2, 2).contiguous())
+        rotated = torch.view_as_real(pairs * cis).view(tail.shape)
         out = x.clone()
-        out[..., x.shape[-1] - d :] = rotated.to(x.dtype)
+        out[..., width - d :] = as_dtype(rotated, x.dtype)
         return out
