@@ -36,14 +36,15 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.cache
-def constant(value: float, dtype: torch.dtype) -> torch.Tensor:
-    """``value`` as a 0-dim CPU tensor of ``dtype``, built once (read-only: never modify it).
+def constant(value: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``dtype`` on ``device``, built once (read-only: never modify it).
 
     ``t + constant(v, t.dtype)`` equals ``t + v`` bit for bit on any device (torch turns the Python float into
-    a 0-dim tensor of ``t``'s dtype first, on every call) at half the cost of a tiny op.
+    a 0-dim tensor of ``t``'s dtype first, on every call) at half the cost of a tiny op. A CPU constant serves
+    arithmetic on any device; ops that take no CPU scalars (``torch.polar``) need one on their own device.
     """
     with torch.inference_mode(False):  # an ordinary tensor: usable with and without autograd
-        return torch.tensor(value, dtype=dtype, device="cpu")
+        return torch.tensor(value, dtype=dtype, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -189,7 +190,7 @@ class Rope:
             raise ValueError(f"last dim {width} is smaller than rope_dim {d}")
         freqs = self.freqs if self.freqs.device == x.device else self.freqs.to(x.device)
         angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [..., T, d/2]
-        cis = torch.polar(constant(1.0, torch.float32), angles)
+        cis = torch.polar(constant(1.0, torch.float32, angles.device), angles)
         if inverse:
             cis = cis.conj()
         if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
