@@ -6,8 +6,9 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 (the released checkpoint's shared and routed experts) quantises its input to FP8 first
 (`kvdiet.model.linear`). Routed experts come from
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
-Tokens are grouped per expert (one matmul per used expert, no per-token loop). This module has no effect on
-the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
+decode step) skips the sorting into groups, each of its experts being a group of that one row. This module
+has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
 
 V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
 ``tid2eid[v]`` (a checkpoint buffer [vocab, k]) instead of the router's top-k; the router's scores still
