@@ -198,3 +198,12 @@ def test_constant_adds_like_the_python_float(dtype):
         c = constant(value, dtype)
         assert c is constant(value, dtype) and c.dim() == 0 and c.dtype == dtype
         assert torch.equal(x + c, x + value) and torch.equal(x * c, x * value)
+
+
+def test_rmsnorm_equals_the_plain_ops_bit_for_bit():
+    norm = RMSNorm(64, 1e-6)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    for x in (torch.randn(1, 64, generator=g), torch.randn(300, 64, generator=g) * 1e-3):
+        assert torch.equal(norm(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm.weight)
