@@ -78,6 +78,30 @@ def test_coefficients_equal_slow_per_token_reference(inputs):
         torch.testing.assert_close(comb[t], torch.tensor(c), rtol=1e-4, atol=1e-6)
 
 
+def _torch_formula(h, fn, scale, base):
+    """The coefficients as plain torch ops, one per step of the docstring (what the model computed before
+    its ops were fused)."""
+    flat = h.flatten(-2)
+    mixes = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + RMS_EPS)
+    pre = torch.sigmoid(mixes[..., :HC] * scale[0] + base[:HC]) + HC_EPS
+    post = 2 * torch.sigmoid(mixes[..., HC : 2 * HC] * scale[1] + base[HC : 2 * HC])
+    logits = (mixes[..., 2 * HC :] * scale[2] + base[2 * HC :]).unflatten(-1, (HC, HC))
+    comb = torch.softmax(logits, dim=-1) + HC_EPS
+    comb = comb / (comb.sum(-2, keepdim=True) + HC_EPS)
+    for _ in range(ITERS - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + HC_EPS)
+        comb = comb / (comb.sum(-2, keepdim=True) + HC_EPS)
+    return pre, post, comb
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 300])
+def test_coefficients_equal_the_plain_torch_ops_bit_for_bit(inputs, tokens):
+    _, fn, scale, base = inputs
+    h = torch.randn(tokens, HC, HIDDEN, generator=torch.Generator().manual_seed(tokens)) * 3
+    for got, want in zip(_coefficients(h, fn, scale, base), _torch_formula(h, fn, scale, base), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_comb_is_doubly_stochastic_and_ranges(inputs):
     h, fn, _, base = inputs
     pre, post, comb = _coefficients(h, fn, torch.tensor([0.7, 1.3, 0.3]), base)  # moderate comb logits

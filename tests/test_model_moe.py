@@ -152,3 +152,41 @@ def test_thousands_of_tokens_are_fast():
 def test_rejects_other_scoring(micro):
     with pytest.raises(ValueError, match="scoring_func"):
         MoE(micro.replace(scoring_func="softmax"))
+
+
+def test_one_row_path_equals_the_grouped_path_bit_for_bit(micro):
+    """A decode step of one request skips the grouping: every expert's group is that one row, so the sums
+    are the same to the bit."""
+    torch.manual_seed(4)
+    moe = MoE(micro)
+    x = torch.randn(40, micro.hidden_size)
+    for t in range(x.shape[0]):
+        row = x[t : t + 1]
+        weights, ids = moe.gate(row)
+        assert len(set(ids[0].tolist())) == micro.num_experts_per_tok
+        one = moe._routed_one_row(row, weights, ids)
+        assert torch.equal(one, moe._routed_grouped(row, weights, ids))
+        assert torch.equal(moe(row), one + moe.shared_experts(row))
+
+
+def test_a_row_naming_one_expert_twice_is_grouped(micro):
+    """Hash routing may name an expert twice for a token: that expert then runs on a group of two rows."""
+    torch.manual_seed(5)
+    moe = MoE(micro, hash_routed=True)
+    moe.gate.tid2eid[7] = torch.tensor([2, 2])
+    row = torch.randn(1, micro.hidden_size)
+    weights, ids = moe.gate(row, torch.tensor([7]))
+    want = moe._routed_grouped(row, weights, ids) + moe.shared_experts(row)
+    assert torch.equal(moe(row, torch.tensor([7])), want)
+    torch.testing.assert_close(moe(row, torch.tensor([7])), _moe_ref_hash(moe, micro, row[0], [2, 2]))
+
+
+def _moe_ref_hash(moe, cfg, xt, chosen):
+    scores = [math.sqrt(F.softplus(moe.gate.weight[e] @ xt).item()) for e in chosen]
+    total = sum(scores)
+    y = _expert_ref(moe.shared_experts, xt, 1.0, cfg.swiglu_limit)
+    for e, s in zip(chosen, scores, strict=True):
+        y = y + _expert_ref(
+            moe.experts[e], xt, s / (total + 1e-20) * cfg.routed_scaling_factor, cfg.swiglu_limit
+        )
+    return y[None]

@@ -154,3 +154,56 @@ def test_rmsnorm_fp32_formula():
     r = 1 / math.sqrt((1 + 4 + 9 + 16) / 4)
     torch.testing.assert_close(y, torch.tensor([[r, -4 * r, 1.5 * r, 4 * r]]), rtol=1e-6, atol=0)
     assert norm(torch.zeros(1, 4)).equal(torch.zeros(1, 4))  # eps 1e-20 keeps zeros finite
+
+
+def _rotate_plain(rope: Rope, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The rotation as plain torch ops, one per step of the docstring (what the model computed before its
+    dispatches were trimmed)."""
+    d = rope.rope_dim
+    angles = positions.to(torch.float32)[..., None] * rope.freqs
+    cis = torch.polar(torch.ones_like(angles), angles)
+    if inverse:
+        cis = cis.conj()
+    if x.dtype == torch.float64:
+        cis = cis.to(torch.complex128)
+    tail = x[..., x.shape[-1] - d :]
+    tail = tail if tail.dtype == torch.float64 else tail.float()
+    pairs = torch.view_as_complex(tail.unflatten(-1, (d // 2, 2)).contiguous())
+    out = x.clone()
+    out[..., x.shape[-1] - d :] = torch.view_as_real(pairs * cis).flatten(-2).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotate_equals_the_plain_ops_bit_for_bit(v41, dtype, inverse):
+    rope = Rope.for_layer(v41, 4)
+    g = torch.Generator().manual_seed(7)
+    positions = torch.randint(0, 1 << 20, (33,), generator=g)
+    for x in (
+        torch.randn(33, 576, generator=g).to(dtype),  # a window entry [T, D]
+        torch.randn(33, 8, 512, generator=g).to(dtype).transpose(0, 1),  # queries as [H, T, D], strided
+    ):
+        got = rope.rotate(x, positions, inverse=inverse)
+        assert got.dtype == dtype and got.stride() == x.clone().stride()
+        assert torch.equal(got, _rotate_plain(rope, x, positions, inverse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_adds_like_the_python_float(dtype):
+    from kvdiet.model.layers import constant
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(8), dtype=dtype) * 1e-6
+    for value in (1e-20, 1e-6, 1.5, 0.1):
+        c = constant(value, dtype)
+        assert c is constant(value, dtype) and c.dim() == 0 and c.dtype == dtype
+        assert torch.equal(x + c, x + value) and torch.equal(x * c, x * value)
+
+
+def test_rmsnorm_equals_the_plain_ops_bit_for_bit():
+    norm = RMSNorm(64, 1e-6)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    for x in (torch.randn(1, 64, generator=g), torch.randn(300, 64, generator=g) * 1e-3):
+        assert torch.equal(norm(x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * norm.weight)

@@ -3,7 +3,8 @@
 The transformer block owns the parameters (checkpoint names ``hc_attn_fn`` / ``hc_attn_scale`` /
 ``hc_attn_base`` and ``hc_ffn_*``) and decides which pre-mix feeds which sublayer (the V4.1 shift, v41-spec
 §8.1); this module only computes coefficients and mixes streams. All math is fp32 (fp64 when the
-streams are fp64, `kvdiet.model.layers.widen`).
+streams are fp64, `kvdiet.model.layers.widen`); the Sinkhorn loop runs compiled (`kvdiet.model.sinkhorn`,
+bit-identical to torch).
 
 Shapes: streams ``h`` [..., T, hc, hidden]; ``fn`` [(2+hc)·hc, hc·hidden]; ``scale`` [3]; ``base``
 [(2+hc)·hc]; ``pre``/``post`` [..., T, hc]; ``comb`` [..., T, hc, hc]. The model uses no leading dims.
@@ -12,11 +13,14 @@ Source: v41-spec §8.1a (DeepSeek's V4.1 reference ``hc_pre`` / ``hc_post`` and 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.layers import widen
+from kvdiet.model.layers import as_dtype, constant, widen
+from kvdiet.model.sinkhorn import sinkhorn_
 
 __all__ = [
     "add_sublayer_hc",
@@ -99,17 +103,26 @@ def hc_coefficients(
     if sinkhorn_iters < 1:
         raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
     flat = widen(h).flatten(-2)  # [..., T, hc·hidden]
-    fn, scale, base = fn.to(flat.dtype), scale.to(flat.dtype), base.to(flat.dtype)
-    mixes = (flat @ fn.T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + rms_eps)  # [..., T, n_mix]
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(mixes[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    logits = (mixes[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(logits, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    dt = flat.dtype
+    fn, scale, base = as_dtype(fn, dt), as_dtype(scale, dt), as_dtype(base, dt)
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)))
+    mixes = (flat @ fn.T) * rstd  # [..., T, n_mix]
+    # every mix times its part's scale, plus its base, in two ops (the same products and sums per element);
+    # each part made contiguous as a tensor of its own: sigmoid's and softmax's CPU kernels round an element
+    # by where it falls in a contiguous run
+    z = mixes * scale.index_select(0, _scale_index(hc, scale.device)) + base
+    pre = torch.sigmoid(z[..., :hc].contiguous()).add_(constant(hc_eps, dt))
+    post = torch.sigmoid(z[..., hc : 2 * hc].contiguous())
+    post = post.add_(post)  # 2·σ, exactly
+    comb = torch.softmax(z[..., 2 * hc :].contiguous().view(*z.shape[:-1], hc, hc), dim=-1)
+    sinkhorn_(comb, eps=hc_eps, iters=sinkhorn_iters)
     return pre, post, comb
+
+
+@functools.cache
+def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
+    """int64 [(2+hc)·hc]: which of the 3 scales each mix takes (hc × 0, hc × 1, hc² × 2); built once."""
+    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
 
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -118,7 +131,7 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     h: [..., T, hc, hidden], pre: [..., T, hc] -> fp32 [..., T, hidden].
     """
     h = widen(h)
-    return (pre.to(h.dtype)[..., None] * h).sum(-2)
+    return (as_dtype(pre, h.dtype)[..., None] * h).sum(-2)
 
 
 def hc_expand(
@@ -134,8 +147,8 @@ def hc_expand(
     """
     residual = widen(residual)
     dt = residual.dtype
-    mixed = comb.to(dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
-    return post.to(dt)[..., None] * x.to(dt)[..., None, :] + mixed
+    mixed = as_dtype(comb, dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
+    return as_dtype(post, dt)[..., None] * as_dtype(x, dt)[..., None, :] + mixed
 
 
 def hc_init_streams(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ nothing about which vectors get rotated; attention and the indexer decide that.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "rope_frequencies", "widen"]
+__all__ = ["RMSNorm", "Rope", "as_dtype", "constant", "rope_frequencies", "widen"]
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
@@ -27,6 +28,23 @@ def widen(x: torch.Tensor) -> torch.Tensor:
     as the peer tests against transformers run it) computes in fp64 throughout instead.
     """
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipping the call (about a microsecond) when ``x`` already has that dtype."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+@functools.cache
+def constant(value: float, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``dtype`` on ``device``, built once (read-only: never modify it).
+
+    ``t + constant(v, t.dtype)`` equals ``t + v`` bit for bit on any device (torch turns the Python float into
+    a 0-dim tensor of ``t``'s dtype first, on every call) at half the cost of a tiny op. A CPU constant serves
+    arithmetic on any device; ops that take no CPU scalars (``torch.polar``) need one on their own device.
+    """
+    with torch.inference_mode(False):  # an ordinary tensor: usable with and without autograd
+        return torch.tensor(value, dtype=dtype, device=device)
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +65,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64)."""
         x = widen(x)
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        return (
+            x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(constant(self.eps, x.dtype))) * self.weight
+        )
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -165,18 +185,19 @@ class Rope:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
         d = self.rope_dim
-        if x.shape[-1] < d:
-            raise ValueError(f"last dim {x.shape[-1]} is smaller than rope_dim {d}")
-        angles = positions.to(torch.float32)[..., None] * self.freqs.to(x.device)  # [..., T, d/2]
-        cis = torch.polar(torch.ones_like(angles), angles)
+        width = x.shape[-1]
+        if width < d:
+            raise ValueError(f"last dim {width} is smaller than rope_dim {d}")
+        freqs = self.freqs if self.freqs.device == x.device else self.freqs.to(x.device)
+        angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [..., T, d/2]
+        cis = torch.polar(constant(1.0, torch.float32, angles.device), angles)
         if inverse:
             cis = cis.conj()
         if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
             cis = cis.to(torch.complex128)
-        pairs = torch.view_as_complex(
-            widen(x[..., x.shape[-1] - d :]).unflatten(-1, (d // 2, 2)).contiguous()
-        )
-        rotated = torch.view_as_real(pairs * cis).flatten(-2)
+        tail = x[..., width - d :]
+        pairs = torch.view_as_complex(widen(tail).view(*tail.shape[:-1], d // 2, 2).contiguous())
+        rotated = torch.view_as_real(pairs * cis).view(tail.shape)
         out = x.clone()
-        out[..., x.shape[-1] - d :] = rotated.to(x.dtype)
+        out[..., width - d :] = as_dtype(rotated, x.dtype)
         return out

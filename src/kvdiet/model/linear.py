@@ -35,7 +35,7 @@ from torch import nn
 from kvdiet.formats.e2m1 import DECODE_TABLE, pack_nibbles
 from kvdiet.formats.fp8 import fake_quant_window
 from kvdiet.formats.mxfp4 import quantize_index_key
-from kvdiet.model.layers import widen
+from kvdiet.model.layers import as_dtype, widen
 
 __all__ = [
     "FP4_BLOCK",
@@ -239,7 +239,8 @@ class Linear(nn.Module):
         """x: [..., in] any float dtype → fp32 [..., out] (fp64 for a dense fp64 weight: a model run in fp64);
         FP8 activations first when the weight is quantised."""
         if self.storage == "dense":
-            return F.linear(widen(x).to(self.weight.dtype), self.weight)
+            weight = self.weight
+            return F.linear(as_dtype(x, weight.dtype), weight)
         q = fp8_activations(x)
         if Linear.input_hook is not None:
             q = Linear.input_hook(self, x.float(), q)

@@ -6,8 +6,9 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 (the released checkpoint's shared and routed experts) quantises its input to FP8 first
 (`kvdiet.model.linear`). Routed experts come from
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
-Tokens are grouped per expert (one matmul per used expert, no per-token loop). This module has no effect on
-the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
+decode step) skips the sorting into groups, each of its experts being a group of that one row. This module
+has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
 
 V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
 ``tid2eid[v]`` (a checkpoint buffer [vocab, k]) instead of the router's top-k; the router's scores still
@@ -22,7 +23,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.expert_cache import LayerExperts
-from kvdiet.model.layers import widen
+from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
 
 __all__ = ["Expert", "Gate", "MoE"]
@@ -77,7 +78,8 @@ class Gate(nn.Module):
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
-        scores = torch.sqrt(F.softplus(x @ self.weight.to(x.dtype).T))  # [T, E]
+        dt = x.dtype
+        scores = torch.sqrt(F.softplus(x @ as_dtype(self.weight, dt).T))  # [T, E]
         if self.tid2eid is not None:
             if token_ids is None:
                 raise ValueError("a hash-routed MoE layer needs the token ids")
@@ -85,12 +87,12 @@ class Gate(nn.Module):
             if bool(((ids < 0) | (ids >= scores.shape[1])).any()):
                 raise ValueError(f"tid2eid names an expert outside [0, {scores.shape[1]})")
         else:
-            order = torch.sort(scores + self.bias.to(x.dtype), dim=-1, descending=True, stable=True).indices
+            order = torch.sort(scores + as_dtype(self.bias, dt), dim=-1, descending=True, stable=True).indices
             ids = order[:, : self.topk]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob and self.topk > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+            weights = weights / weights.sum(-1, keepdim=True).add_(constant(1e-20, dt))
+        return weights * constant(self.routed_scaling_factor, dt), ids
 
 
 class Expert(nn.Module):
@@ -172,20 +174,42 @@ class MoE(nn.Module):
         """
         x = widen(x)
         weights, ids = self.gate(x, token_ids)  # [T, k] each
+        one_row = ids.shape[0] == 1 and len(set(ids[0].tolist())) == ids.shape[1]
+        routed = (self._routed_one_row if one_row else self._routed_grouped)(x, weights, ids)
+        return routed + self.shared_experts(x)
+
+    def _experts(self) -> nn.ModuleList | LayerExperts:
+        return self.experts if self.routed is None else self.routed
+
+    def _routed_one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`_routed_grouped` of one row whose k experts all differ (a decode step of one request): each expert's
+        group is that row, so the same products and the same k-slot sum, without the sorting into groups.
+
+        x: [1, hidden]; weights [1, k]; ids int64 [1, k] -> [1, hidden] in x's dtype.
+        """
+        experts, k = self._experts(), ids.shape[1]
+        out = [as_dtype(experts[e](x, weights[:, j : j + 1]), x.dtype) for j, e in enumerate(ids[0].tolist())]
+        return torch.cat(out).view(1, k, -1).sum(1)
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ over the k slots of weight · expert(row), rows grouped per expert (one matmul per used expert).
+
+        x: [T, hidden]; weights [T, k]; ids int64 [T, k] -> [T, hidden] in x's dtype.
+        """
         num_tokens, k = ids.shape
+        experts = self._experts()
         flat_ids = ids.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
         tokens = order // k
-        sorted_weights = weights.flatten()[order, None]
+        # gathers as index_select (4x faster than advanced indexing on the CPU; the same copies)
+        sorted_weights = weights.flatten().index_select(0, order)[:, None]
         sorted_out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
-        experts = self.experts if self.routed is None else self.routed
         start = 0
         for e, n in enumerate(counts):
             if n:
                 part = slice(start, start + n)
-                sorted_out[part] = experts[e](x[tokens[part]], sorted_weights[part])
+                sorted_out[part] = experts[e](x.index_select(0, tokens[part]), sorted_weights[part])
                 start += n
         # Back to (token, slot) order with a gather, then sum the k slots in slot order.
-        routed = sorted_out[torch.argsort(order)].view(num_tokens, k, -1).sum(1)
-        return routed + self.shared_experts(x)
+        return sorted_out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1).sum(1)

@@ -1,0 +1,107 @@
+"""The compiled Sinkhorn normalisation (``model.sinkhorn``) against the pure-torch path and the formula, bit
+for bit; and mHC coefficients unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.formats.native import ENV
+from kvdiet.model import sinkhorn
+from kvdiet.model.hc import hc_coefficients
+
+EPS = 1e-6
+
+
+def _formula(comb: torch.Tensor, iters: int, eps: float = EPS) -> torch.Tensor:
+    """v41-spec §8.1a spelled out, out of place."""
+    comb = comb + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def _softmax_rows(n: int, hc: int, dtype: torch.dtype, spread: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(n, hc, hc, generator=g, dtype=dtype) * spread, dim=-1)
+
+
+def _both(comb: torch.Tensor, iters: int, monkeypatch: pytest.MonkeyPatch, eps: float = EPS):
+    monkeypatch.delenv(ENV, raising=False)
+    native = sinkhorn.sinkhorn_(comb.clone(), eps=eps, iters=iters)
+    monkeypatch.setenv(ENV, "0")
+    plain = sinkhorn.sinkhorn_(comb.clone(), eps=eps, iters=iters)
+    monkeypatch.delenv(ENV)
+    return native, plain
+
+
+def test_the_kernel_builds_and_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert sinkhorn.sinkhorn_kernel() is not None, "the Sinkhorn kernel did not build"
+    monkeypatch.setenv(ENV, "0")
+    assert sinkhorn.sinkhorn_kernel() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("hc", [1, 2, 3, 4])
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_kernel_equals_torch_and_the_formula_bit_for_bit(dtype, hc, iters, monkeypatch):
+    # spread 8: near one-hot rows, tiny entries next to large ones (many rounding cases)
+    for n, spread in ((1, 1.0), (3, 8.0), (997, 3.0)):
+        comb = _softmax_rows(n, hc, dtype, spread)
+        native, plain = _both(comb, iters, monkeypatch)
+        want = _formula(comb, iters)
+        assert native.dtype == dtype and native.shape == comb.shape
+        assert torch.equal(native, want) and torch.equal(plain, want)
+
+
+def test_in_place_and_leading_dims(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    comb = _softmax_rows(12, 4, torch.float32, 2.0).view(3, 4, 4, 4)
+    want = _formula(comb, 20)
+    out = sinkhorn.sinkhorn_(comb, eps=EPS, iters=20)
+    assert out is comb and torch.equal(comb, want)
+    empty = torch.empty(0, 4, 4)
+    assert sinkhorn.sinkhorn_(empty, eps=EPS, iters=20).shape == (0, 4, 4)
+
+
+def test_outside_the_kernel_the_torch_path_runs(monkeypatch):
+    """hc > 4 (torch's sums split into partials there), a strided view and autograd take the torch loop."""
+    monkeypatch.delenv(ENV, raising=False)
+    wide = _softmax_rows(50, 6, torch.float32, 3.0)
+    assert torch.equal(sinkhorn.sinkhorn_(wide.clone(), eps=EPS, iters=20), _formula(wide, 20))
+    base = _softmax_rows(20, 4, torch.float32, 3.0, seed=1)
+    strided = base[::2]
+    assert not strided.is_contiguous()
+    want = _formula(strided, 20)
+    assert torch.equal(sinkhorn.sinkhorn_(strided, eps=EPS, iters=20), want)
+    leaf = base.clone().requires_grad_()
+    sinkhorn.sinkhorn_(leaf * 1, eps=EPS, iters=3).sum().backward()
+    assert leaf.grad is not None and bool(torch.isfinite(leaf.grad).all())
+
+
+def test_eps_zero_and_larger_eps(monkeypatch):
+    comb = _softmax_rows(40, 4, torch.float32, 5.0, seed=2)
+    for eps in (0.0, 1e-3):
+        native, plain = _both(comb, 20, monkeypatch, eps=eps)
+        want = _formula(comb, 20, eps)
+        assert torch.equal(native, want) and torch.equal(plain, want)
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_hc_coefficients_do_not_depend_on_the_path(tokens, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    hc, hidden = 4, 64
+    h = torch.randn(tokens, hc, hidden, generator=g)
+    fn = torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.05
+    scale, base = torch.tensor([0.9, 1.1, 2.5]), torch.randn((2 + hc) * hc, generator=g)
+    runs = []
+    for env in ("1", "0"):
+        monkeypatch.setenv(ENV, env)
+        runs.append(
+            hc_coefficients(h, fn, scale, base, hc_mult=hc, rms_eps=1e-20, hc_eps=EPS, sinkhorn_iters=20)
+        )
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
