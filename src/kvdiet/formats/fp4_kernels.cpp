@@ -8,6 +8,7 @@
 // decode: entries [n, width] (any row stride, unit element stride) -> values [n, dim] float32 / bfloat16.
 //   Returns -1, or the first row holding a scale byte outside the recipe's written range.
 // Rounding and comparisons are plain IEEE fp32 (no fast-math), as torch's CPU kernels compute them.
+// fp8_kernels.cpp follows in the same translation unit and holds the module's bindings.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -448,10 +449,4 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   });
   const int64_t first = bad.load();
   return first == INT64_MAX ? -1 : first;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_fp4", &encode_fp4, py::call_guard<py::gil_scoped_release>());
-  m.def("decode_fp4", &decode_fp4, py::call_guard<py::gil_scoped_release>());
-  m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
 }
