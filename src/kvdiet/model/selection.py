@@ -26,8 +26,8 @@ __all__ = [
 
 def _nan_to_neginf(scores: torch.Tensor) -> torch.Tensor:
     """fp32 copy with NaN replaced by −inf (±inf kept; ``torch.nan_to_num`` would make them finite)."""
-    scores = scores.float()
-    return torch.where(torch.isnan(scores), float("-inf"), scores)
+    inf = float("inf")
+    return torch.nan_to_num(scores.float(), nan=-inf, posinf=inf, neginf=-inf)  # one pass
 
 
 def visible_entries(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
@@ -70,14 +70,17 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         empty = torch.zeros(q, 0, dtype=torch.int64, device=scores.device)
         return empty, empty.bool()
     scores = _nan_to_neginf(scores)
-    top = scores.topk(kk, dim=-1)
-    threshold = top.values[:, -1:]
-    tied = scores == threshold
-    if scores.device.type == "cpu" and bool(((top.values == threshold).sum(-1) == tied.sum(-1)).all()):
+    cpu = scores.device.type == "cpu"
+    # on the CPU one more value tells whether an entry equal to the threshold is left out: the (k+1)-th
+    # largest equals the k-th exactly then (checked on the CPU only: on a GPU it would stop the stream)
+    top = scores.topk(kk + 1 if cpu and kk < n else kk, dim=-1)
+    values, indices = top.values[:, :kk], top.indices[:, :kk]
+    threshold = values[:, -1:]
+    if cpu and (kk == n or bool((top.values[:, kk] < threshold[:, 0]).all())):
         # no row leaves an entry equal to its threshold out: topk's set is the only one, whatever its order
-        # (checked on the CPU only: on a GPU the check would stop the stream for one bool)
-        marked = top.indices.masked_fill(top.values == float("-inf"), n)
+        marked = indices.masked_fill(values == float("-inf"), n)
     else:  # ties at the threshold: the lowest indices among them, as the contract says
+        tied = scores == threshold
         above = scores > threshold
         room = kk - above.sum(-1, keepdim=True)
         chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
