@@ -79,7 +79,9 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     if cpu and (kk == n or bool((top.values[:, kk] < threshold[:, 0]).all())):
         # no row leaves an entry equal to its threshold out: topk's set is the only one, whatever its order
         marked = indices.masked_fill(values == float("-inf"), n)
-    else:  # ties at the threshold: the lowest indices among them, as the contract says
+    elif cpu:  # ties at the threshold: the lowest indices among them, as the contract says
+        marked = _lowest_ties(scores, threshold, kk)
+    else:  # the same without nonzero (no stream sync on a GPU)
         tied = scores == threshold
         above = scores > threshold
         room = kk - above.sum(-1, keepdim=True)
@@ -90,6 +92,30 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     idx = marked.sort(dim=-1).values
     valid = idx < n
     return idx.masked_fill(~valid, 0), valid
+
+
+def _lowest_ties(scores: torch.Tensor, threshold: torch.Tensor, kk: int) -> torch.Tensor:
+    """The chosen entries of `select_topk` when ties at the threshold are left out: int64 [Q, kk], each row's
+    entries above ``threshold`` [Q, 1] and then its lowest-index entries equal to it (finite only), ascending,
+    ``N`` in the slots past them. Reads the [Q, N] scores in three passes (no sort or top-k over them)."""
+    q, n = scores.shape
+    above = scores > threshold
+    tied = (scores == threshold) & (threshold > float("-inf"))
+    room = kk - above.sum(-1)  # >= 1: fewer than kk entries lie above the k-th largest
+    tied_rows, tied_cols = tied.nonzero(as_tuple=True)  # row-major: ascending entries within a row
+    per_row = torch.bincount(tied_rows, minlength=q)
+    rank = torch.arange(tied_rows.numel()) - (per_row.cumsum(0) - per_row)[tied_rows]
+    keep = rank < room[tied_rows]
+    above_rows, above_cols = above.nonzero(as_tuple=True)
+    key = (
+        torch.cat([above_rows * (n + 1) + above_cols, (tied_rows * (n + 1) + tied_cols)[keep]]).sort().values
+    )
+    rows, cols = key // (n + 1), key % (n + 1)
+    per_row = torch.bincount(rows, minlength=q)
+    slot = torch.arange(rows.numel()) - (per_row.cumsum(0) - per_row)[rows]
+    marked = torch.full((q, kk), n, dtype=torch.int64)
+    marked[rows, slot] = cols
+    return marked
 
 
 def select_topk_at(
