@@ -167,9 +167,10 @@ def select_candidate_blocks(
     """
     q, n = scores.shape
     nb = -(-n // block_size)
-    padded = torch.full((q, nb * block_size), float("-inf"), device=scores.device)
-    padded[:, :n] = _nan_to_neginf(scores)
-    block_scores = padded.view(q, nb, block_size).amax(-1)
+    clean = _nan_to_neginf(scores)
+    if n % block_size:  # the last block padded with -inf
+        clean = torch.cat([clean, clean.new_full((q, nb * block_size - n), float("-inf"))], dim=1)
+    block_scores = clean.reshape(q, nb, block_size).amax(-1)
     newest = visible - 1  # newest visible entry, -1 if none
     rows = torch.nonzero(newest >= 0).squeeze(-1)
     block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
