@@ -1,4 +1,4 @@
-"""The compiled FP4 kernels (``formats.native``) against the pure-torch path, bit for bit.
+"""The compiled FP4 and FP8 kernels (``formats.native``) against the pure-torch path, bit for bit.
 
 Every (value byte, scale byte) pair through decode, every E2M1 rounding boundary at many scales, subnormal,
 huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdiet.formats import fp4, mxfp4, native
+from kvdiet.formats import fp4, fp8, mxfp4, native
 
 CODECS = [
     pytest.param(fp4.encode_main_kv, fp4.decode_main_kv, fp4.MAIN_KV, 512, id="fp4_e2m1_e4m3x16"),
@@ -119,3 +119,61 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_process() -> None
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "True", done.stderr
     assert "removing the lock a killed build left" in done.stderr and not lock.exists()
+
+
+def _e4m3_boundaries(scale_exponents: range) -> torch.Tensor:
+    """fp32 rows [*, 512]: every E4M3 value's neighbours and midpoints, under many block scales."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    eps = torch.tensor(1.0 + 2.0**-20)
+    base = torch.cat(
+        [grid, mids, mids * eps, mids / eps, grid * eps, grid / eps, torch.tensor([500.0, 1e-6])]
+    )
+    base = torch.cat([base, -base])
+    rows = []
+    for e in scale_exponents:
+        values = base * 2.0**e
+        values = torch.cat([values, values.new_zeros(-len(values) % 512)])
+        rows.append(values.view(-1, 512))
+    out = torch.cat(rows)
+    out[0, :32] = 0.0  # an all-zero block (the 2^-22 sentinel scale)
+    out[1, :32] = -0.0
+    out[2, :32] = 2.0**-140  # subnormal inputs flush
+    out[3, :32] = 3e38  # the capped exponent saturates
+    return out
+
+
+def test_fp8_window_encode_equals_pure_torch_on_every_rounding_boundary(both):
+    x = _e4m3_boundaries(range(-30, 40, 7))
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(5))]
+    compiled, pure = both(fp8.encode_window, x)
+    assert compiled.dtype == torch.uint8 and torch.equal(compiled, pure)
+    assert compiled.shape == (len(x), 528)
+
+
+def test_fp8_window_decode_every_code_under_every_scale_byte(both):
+    lo, hi = fp8.SCALE_BYTES
+    scales = torch.arange(lo, hi + 1, dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)  # 0x7F / 0xFF included (read as ±480)
+    blocks = codes.repeat(len(scales), 1)  # [8·S, 32]: every code under every scale byte
+    nb = 16
+    blocks = blocks[: len(blocks) // nb * nb].view(-1, nb * 32)
+    scale_bytes = scales.repeat_interleave(8)[: blocks.shape[0] * nb].view(-1, nb)
+    packed = torch.cat([blocks, scale_bytes], 1)
+    compiled, pure = both(fp8.decode_window, packed)
+    assert torch.equal(compiled.view(torch.int32), pure.view(torch.int32))
+    assert torch.isfinite(compiled).all()
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+def test_fp8_window_errors_name_the_same_row(monkeypatch, env):
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    x = torch.randn(9, 3, 512, generator=torch.Generator().manual_seed(6))
+    x[4, 2, 100] = float("inf")  # row 14 of the flattened input
+    with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 14$"):
+        fp8.encode_window(x)
+    packed = fp8.encode_window(torch.randn(9, 512))
+    packed[3, -1] = 0
+    with pytest.raises(ValueError, match=r"^mxfp8: stored scale byte 0 is outside"):
+        fp8.decode_window(packed)

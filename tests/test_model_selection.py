@@ -120,3 +120,26 @@ def test_topk_matches_sorted_reference(n: int, k: int, seed: int, ties: bool) ->
         assert sorted(ranked[:k]) == idx[row][valid[row]].tolist()
         m = int(valid[row].sum())
         assert valid[row][:m].all() and not valid[row][m:].any() and not idx[row][m:].any()
+
+
+def test_topk_rows_of_every_kind_in_one_call() -> None:
+    """Rows that take different branches in one call (nothing visible, all tied, distinct, fewer finite
+    entries than k, ties above and at the threshold) each get the sorted reference's set."""
+    n, k = 300, 7
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.stack(
+        [
+            torch.full((n,), NEG),
+            torch.full((n,), 2.0),
+            torch.randperm(n, generator=gen).float(),
+            torch.where(torch.arange(n) % 100 == 0, 1.0, NEG),
+            torch.randint(0, 4, (n,), generator=gen).float(),
+        ]
+    )
+    idx, valid = select_topk(scores, k)
+    for row in range(scores.shape[0]):
+        ranked = sorted(
+            (i for i in range(n) if scores[row, i] > NEG), key=lambda i: (-scores[row, i].item(), i)
+        )
+        assert idx[row][valid[row]].tolist() == sorted(ranked[:k])
+        assert not idx[row][~valid[row]].any()

@@ -8,6 +8,7 @@
 // decode: entries [n, width] (any row stride, unit element stride) -> values [n, dim] float32 / bfloat16.
 //   Returns -1, or the first row holding a scale byte outside the recipe's written range.
 // Rounding and comparisons are plain IEEE fp32 (no fast-math), as torch's CPU kernels compute them.
+// fp8_kernels.cpp follows in the same translation unit and holds the module's bindings.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,6 +21,10 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -205,24 +210,32 @@ int64_t decode_block(const at::Tensor& p, int64_t dim, int recipe, int lo, int h
 //   dot: 8 lanes; lane l sums q[i] * k[i] over i = l, l+8, ... in increasing i (each product rounded, then
 //        added: no FMA); lanes folded (l, l+4), then (l, l+2), then (0, 1).
 //   relu(x) = x < 0 ? 0 : x (NaN kept); heads summed in order 0..H-1 from head 0's term relu(dot_0) * w_0.
+// Wider registers only hold more keys side by side: a 16-float vector holds the same 8 lanes of two keys (the
+// tile stores each pair of entries chunk by chunk: 8 values of the even entry, then the same 8 of the odd one).
 
 using v8 = float __attribute__((vector_size(32)));
 using v8i = int32_t __attribute__((vector_size(32)));
+using v16 = float __attribute__((vector_size(64)));
+using v16i = int32_t __attribute__((vector_size(64)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+// 16 bytes zero-extended to 16 int32 lanes (GCC lowers __builtin_convertvector of bytes lane by lane: one
+// vpmovzxbd where AVX-512 is enabled)
+inline v16i widen(const uint8_t* p) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  u8x16 raw;
+  std::memcpy(&raw, p, 16);
+  return __builtin_convertvector(raw, v16i);
+#endif
+}
 
-inline v8 load8(const float* p) {
-  v8 v;
+template <typename V>
+inline V load_vec(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-
-// the two E2M1 values of each packed byte as fp32 bits, the low nibble's first in memory
-struct PairTable {
-  uint64_t v[256];
-  PairTable() {
-    for (uint32_t b = 0; b < 256; ++b) v[b] = grid_bits(b & 15) | static_cast<uint64_t>(grid_bits(b >> 4)) << 32;
-  }
-};
-const PairTable kPairs;
 
 // lanes (l, l+4) of two accumulators: [a0+a4 .. a3+a7, b0+b4 .. b3+b7]
 inline v8 fold_halves(v8 a, v8 b) {
@@ -230,18 +243,11 @@ inline v8 fold_halves(v8 a, v8 b) {
          __builtin_shuffle(a, b, v8i{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-// The dots of query row a [d] with 8 keys: accumulator p takes key kOrder[p], so that the folds, done across
-// the 8 accumulators at once, leave the dots in key order.
+// The 8-lane accumulators of keys kOrder[0..7] (c[p] belongs to key kOrder[p]) folded into the 8 dots in key
+// order: the folds run across the 8 accumulators at once.
 constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-inline v8 dot8(const float* a, const float* const* k, int64_t d) {
-  v8 c[8];
-  v8 x = load8(a);
-  for (int p = 0; p < 8; ++p) c[p] = x * load8(k[kOrder[p]]);
-  for (int64_t i = 8; i < d; i += 8) {
-    x = load8(a + i);
-    for (int p = 0; p < 8; ++p) c[p] += x * load8(k[kOrder[p]] + i);
-  }
+inline v8 fold8(const v8* c) {
   v8 h[4];  // h[m]: lanes r0..r3 of accumulators 2m, 2m+1 (r_l = a_l + a_{l+4})
   for (int m = 0; m < 4; ++m) h[m] = fold_halves(c[2 * m], c[2 * m + 1]);
   v8 g[2];  // (r0 + r2, r1 + r3) of accumulators 4m .. 4m+3
@@ -253,7 +259,39 @@ inline v8 dot8(const float* a, const float* const* k, int64_t d) {
          __builtin_shuffle(g[0], g[1], v8i{1, 3, 9, 11, 5, 7, 13, 15});
 }
 
-constexpr int64_t kTile = 64;  // entries decoded and scored together
+inline v8 low(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline v8 high(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// The dots of one query head (qq: its d values chunk by chunk, each chunk of 8 twice) with the 16 keys of
+// pairs pairs[0..8) (pair p: chunk c at pairs + (p * chunks + c) * 16); out[0..16) in key order.
+template <int64_t Chunks>
+inline void dot16(const float* qq, const float* pairs, int64_t chunks, v8* out) {
+  if constexpr (Chunks > 0) chunks = Chunks;
+  v16 acc[8];
+  v16 x = load_vec<v16>(qq);
+  for (int p = 0; p < 8; ++p) acc[p] = x * load_vec<v16>(pairs + p * chunks * 16);
+  for (int64_t c = 1; c < chunks; ++c) {
+    x = load_vec<v16>(qq + c * 16);
+    for (int p = 0; p < 8; ++p) acc[p] += x * load_vec<v16>(pairs + (p * chunks + c) * 16);
+  }
+  for (int half = 0; half < 2; ++half) {  // keys 8·half .. 8·half + 7: pairs 4·half .. 4·half + 3
+    v8 c[8];
+    for (int p = 0; p < 8; ++p) {
+      const int key = kOrder[p], pair = 4 * half + key / 2;
+      c[p] = key % 2 ? high(acc[pair]) : low(acc[pair]);
+    }
+    out[half] = fold8(c);
+  }
+}
+
+// fp32 bits of the E2M1 values as one 16-float vector, indexed by code
+inline v16 grid_vector() {
+  v16 g;
+  for (uint32_t c = 0; c < 16; ++c) g[c] = float_of(grid_bits(c));
+  return g;
+}
+
+constexpr int64_t kTile = 64;  // entries decoded and scored together (a multiple of 16)
 
 struct ScoreArgs {
   const float* q;        // [Q, H, d]
@@ -266,49 +304,70 @@ struct ScoreArgs {
   const int64_t* limit;  // [Q]: entries j < limit[t] are visible to query t
 };
 
-// Score entries ids[0..n) (id < 0: not scored) for queries t0..t1; out[t][e] at out + (t - t0) * out_stride + e.
-// Returns -1 or the first entry with a scale byte outside 1..252.
-int64_t score_tile(const ScoreArgs& a, const int64_t* ids, int64_t n, int64_t t0, int64_t t1, float* out,
-                   int64_t out_stride, std::vector<float>& tile) {
-  const int64_t d = a.dim, nb = d / 32, value_bytes = d / 2;
-  const float* rows[kTile + 7];
-  static const float zeros[1024] = {};  // padding keys (d <= 1024)
-  int64_t bad = -1;
-  for (int64_t e = 0; e < n; ++e) {
-    if (ids[e] < 0) {
-      rows[e] = zeros;
-      continue;
+// Entry e's d values into the tile (chunk c of 8 at tile + ((e / 2) * d / 8 + c) * 16 + (e % 2) * 8); zeros
+// when p is null. Returns false when a packed entry holds a scale byte outside 1..252.
+template <int64_t D>
+inline bool put_entry(const ScoreArgs& a, const uint8_t* p, int64_t e, float* tile, const v16& grid) {
+  const int64_t d = D > 0 ? D : a.dim, chunks = d / 8;
+  float* base = tile + (e / 2) * chunks * 16 + (e % 2) * 8;
+  if (p == nullptr || !a.packed) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (p == nullptr) {
+        std::memset(base + c * 16, 0, 8 * sizeof(float));
+      } else {
+        std::memcpy(base + c * 16, reinterpret_cast<const float*>(p) + c * 8, 8 * sizeof(float));
+      }
     }
-    const int64_t j = ids[e], row = a.table[j / a.per_block] * a.per_block + j % a.per_block;
-    const uint8_t* p = a.keys + row * a.row_bytes;
-    if (!a.packed) {
-      rows[e] = reinterpret_cast<const float*>(p);
-      continue;
-    }
-    float* v = tile.data() + e * d;
-    for (int64_t i = 0; i < value_bytes; ++i) std::memcpy(v + 2 * i, &kPairs.v[p[i]], 8);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint32_t byte = p[value_bytes + b];
-      if ((byte < 1 || byte > 252) && (bad < 0 || j < bad)) bad = j;
-      const float s = float_of(byte << 23);
-      for (int i = 0; i < 32; ++i) v[b * 32 + i] *= s;
-    }
-    rows[e] = v;
+    return true;
   }
-  for (int64_t e = n; e < n + 7; ++e) rows[e] = zeros;
-  v8 part[kTile / 8];
+  bool ok = true;
+  for (int64_t b = 0; b < d / 32; ++b) {  // block b: bytes 16b .. 16b+15, values 32b .. 32b+31
+    const uint32_t byte = p[d / 2 + b];
+    ok &= byte >= 1 && byte <= 252;
+    const v16 s = v16{} + float_of(byte << 23);
+    const v16i codes = widen(p + 16 * b);
+    const v16 lo = __builtin_shuffle(grid, codes & 15), hi = __builtin_shuffle(grid, codes >> 4);
+    const v16 first = __builtin_shuffle(lo, hi, v16i{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}) * s;
+    const v16 second =
+        __builtin_shuffle(lo, hi, v16i{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}) * s;
+    float* o = base + 4 * b * 16;
+    const v8 parts[4] = {low(first), high(first), low(second), high(second)};
+    for (int k = 0; k < 4; ++k) std::memcpy(o + 16 * k, &parts[k], sizeof(v8));
+  }
+  return ok;
+}
+
+// Score entries ids[0..n) (id < 0: not scored) for queries t0..t1; out[t][e] at out + (t - t0) * out_stride + e.
+// qq: the queries' heads as dot16 reads them ([t1 - t0, H, 2d]). Returns -1 or the first entry with a scale
+// byte outside 1..252. D: the head dim when known at compile time (0: a.dim).
+template <int64_t D>
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, int64_t n, int64_t t0, int64_t t1, const float* qq,
+                   float* out, int64_t out_stride, float* tile, const v16& grid) {
+  const int64_t d = D > 0 ? D : a.dim, chunks = d / 8, padded = (n + 15) / 16 * 16;
+  int64_t bad = -1;
+  for (int64_t e = 0; e < padded; ++e) {
+    const uint8_t* p = nullptr;
+    if (e < n && ids[e] >= 0) {
+      const int64_t j = ids[e];
+      p = a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
+    }
+    if (!put_entry<D>(a, p, e, tile, grid) && (bad < 0 || ids[e] < bad)) bad = ids[e];
+  }
+  v8 part[kTile / 8], dots[2];
   for (int64_t t = t0; t < t1; ++t) {
     float* o = out + (t - t0) * out_stride;
     const int64_t lim = a.limit[t];
     int64_t m = 0;  // entries past the last visible one are not scored
     for (int64_t e = 0; e < n; ++e) m = (ids[e] >= 0 && ids[e] < lim) ? e + 1 : m;
     for (int64_t h = 0; h < a.heads; ++h) {
-      const float* qh = a.q + (t * a.heads + h) * d;
+      const float* qh = qq + ((t - t0) * a.heads + h) * 2 * d;
       const v8 wh = v8{} + a.w[t * a.heads + h];
-      for (int64_t g = 0; g * 8 < m; ++g) {
-        const v8 dots = dot8(qh, rows + g * 8, d);
-        const v8 r = (dots < 0.0f ? v8{} : dots) * wh;
-        part[g] = h == 0 ? r : part[g] + r;
+      for (int64_t g = 0; g * 16 < m; ++g) {
+        dot16<D / 8>(qh, tile + g * 8 * chunks * 16, chunks, dots);
+        for (int k = 0; k < 2; ++k) {
+          const v8 r = (dots[k] < 0.0f ? v8{} : dots[k]) * wh;
+          part[2 * g + k] = h == 0 ? r : part[2 * g + k] + r;
+        }
       }
     }
     for (int64_t e = 0; e < n; ++e) {
@@ -359,11 +418,19 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
   std::atomic<int64_t> bad{INT64_MAX};
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
-    std::vector<float> tile(packed ? kTile * d : 0);
-    int64_t ids[kTile];
+    std::vector<float> tile(kTile * d), qq(qblock * a.heads * 2 * d);
+    const v16 grid = grid_vector();
+    int64_t ids[kTile], filled = -1;  // qq holds the queries of block `filled`
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
+      if (qb != filled) {  // each query head's chunks of 8, each twice (the lanes of two keys)
+        for (int64_t i = 0; i < (t1 - t0) * a.heads * d; i += 8) {
+          std::memcpy(qq.data() + 2 * i, a.q + t0 * a.heads * d + i, 8 * sizeof(float));
+          std::memcpy(qq.data() + 2 * i + 8, a.q + t0 * a.heads * d + i, 8 * sizeof(float));
+        }
+        filled = qb;
+      }
       if (dense) {
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
@@ -374,16 +441,12 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
           ids[e] = j < a.limit[t0] ? j : -1;
         }
       }
-      const int64_t r = score_tile(a, ids, n, t0, t1, o + t0 * width + c0, width, tile);
+      float* ot = o + t0 * width + c0;
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, n, t0, t1, qq.data(), ot, width, tile.data(), grid)
+                                 : score_tile<0>(a, ids, n, t0, t1, qq.data(), ot, width, tile.data(), grid);
       if (r >= 0) note_row(bad, r);
     }
   });
   const int64_t first = bad.load();
   return first == INT64_MAX ? -1 : first;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_fp4", &encode_fp4, py::call_guard<py::gil_scoped_release>());
-  m.def("decode_fp4", &decode_fp4, py::call_guard<py::gil_scoped_release>());
-  m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
 }

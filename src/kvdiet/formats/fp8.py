@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdiet.formats import native
 from kvdiet.formats.layout import EntryFormat, window_format
 from kvdiet.formats.scales import (
     E4M3_MAX,
@@ -132,11 +133,19 @@ def quantize_window(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def encode_window(x: Tensor) -> Tensor:
-    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 33·dim/32]``."""
+    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 33·dim/32]``.
+
+    float32 CPU input runs the compiled kernel (``native``) when available, else the pure-torch chunks (same
+    bytes, same errors).
+    """
     rows = as_rows(x, block=_BLOCK, name=_NAME)
-    fmt, ybuf, work = _setup(rows)
+    fmt = window_format(rows.shape[1])
     packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
     assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
+    kernels = native.fp4_kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+    if kernels is not None and (not rows.shape[0] or kernels.encode_fp8(rows, packed) < 0):
+        return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
+    _, ybuf, work = _setup(rows)  # the pure-torch path (and the error for a non-finite row)
     for sl in row_chunks(*rows.shape):
         codes, scales = packed[sl, : fmt.dim], packed[sl, fmt.scale_offset :]
         quantize_e4m3_chunk_(rows[sl], codes, scales, ybuf, work, block=_BLOCK, name=_NAME, row=sl.start)
@@ -165,9 +174,17 @@ def dequantize_window(codes: Tensor, scales: Tensor, *, dtype: torch.dtype = tor
 
 
 def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``."""
+    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``.
+
+    float32 output from CPU entries runs the compiled kernel (``native``) when available (same values, same
+    errors)."""
     fmt = _entry_of(packed)
     rows = packed.reshape(-1, fmt.bytes_per_entry)
+    kernels = native.fp4_kernels() if rows.device.type == "cpu" and dtype == torch.float32 else None
+    if kernels is not None and rows.stride(-1) == 1:
+        out = torch.empty(rows.shape[0], fmt.dim)
+        if not rows.shape[0] or kernels.decode_fp8(rows, *SCALE_BYTES, out) < 0:
+            return out.view(*packed.shape[:-1], fmt.dim)
     check_scale_bytes(rows[:, fmt.scale_offset :], SCALE_BYTES, name=_NAME)
     out = _decode(rows[:, : fmt.dim], rows[:, fmt.scale_offset :], dtype)
     return out.view(*packed.shape[:-1], fmt.dim)

@@ -1,8 +1,10 @@
-"""Compiled FP4 block codec: ``fp4_kernels.cpp``, built once per machine at first use.
+"""Compiled block codecs: ``fp4_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at
+first use.
 
-``fp4`` (and through it ``mxfp4``) encodes and decodes packed entries with these kernels when they are
-available: one pass over each row instead of some twenty torch ops, bit-identical to the pure-torch path
-(tests compare the two on every code, scale byte and rounding tie). The kernels are JIT-built by
+``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
+with these kernels when they are available: one pass over each row instead of some twenty torch ops,
+bit-identical to the pure-torch path (tests compare the two on every code, scale byte and rounding tie).
+The kernels are JIT-built by
 ``torch.utils.cpp_extension`` into ``kvdiet/`` under its cache directory (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; one build at a time under an flock, so a killed build never blocks
 the next) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the CPU capability torch
@@ -11,8 +13,9 @@ load each other's build). The first build takes about a minute; later processes 
 
 ``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
 failed build logs a warning once and uses the pure-torch path too. It knows nothing of entry layouts
-beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``). The same build holds ``index_scores``,
-the indexer's scores on packed MXFP4 (or fp32) keys, called by `kvdiet.model.index_scores`.
+beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``) and the mxfp8 window entry. The same
+build holds ``index_scores``, the indexer's scores on packed MXFP4 (or fp32) keys, called by
+`kvdiet.model.index_scores`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ RECIPE_E4M3X16 = 0
 RECIPE_UE8M0X32 = 1
 """Kernel recipe id: blocks of 32, UE8M0 scales (``mxfp4``)."""
 
-_SOURCE = Path(__file__).with_name("fp4_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("fp4_kernels.cpp", "fp8_kernels.cpp")]
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -45,7 +48,8 @@ _log = logging.getLogger(__name__)
 
 
 def fp4_kernels() -> ModuleType | None:
-    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``), or None for the pure-torch path.
+    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``encode_fp8``, ``decode_fp8``), or
+    None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).
@@ -62,7 +66,7 @@ def _build() -> ModuleType | None:
     capability = torch.backends.cpu.get_cpu_capability()
     isa = next((name for name in _ISA_FLAGS if capability.startswith(name)), "base")
     flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]  # no FMA contraction: exact IEEE steps
-    source = _SOURCE.read_text()
+    source = "\n".join(path.read_text() for path in _SOURCES)  # one translation unit
     digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
     name = f"kvdiet_fp4_{isa.lower()}_{digest}"
     _log.info("loading FP4 kernels %s (built at first use: about a minute)", name)

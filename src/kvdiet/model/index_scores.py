@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["StoredKeys", "index_scores", "index_scores_at"]
 
 LANES = 8
-"""Partial sums of one dot product (the kernel's vector width)."""
+"""Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold two keys' lanes)."""
 # Elements of the pure-torch path's [rows, heads, entries, dim] product per step (64 MiB as fp32).
 _TORCH_BUDGET = 1 << 24
 

@@ -26,8 +26,8 @@ __all__ = [
 
 def _nan_to_neginf(scores: torch.Tensor) -> torch.Tensor:
     """fp32 copy with NaN replaced by −inf (±inf kept; ``torch.nan_to_num`` would make them finite)."""
-    scores = scores.float()
-    return torch.where(torch.isnan(scores), float("-inf"), scores)
+    inf = float("inf")
+    return torch.nan_to_num(scores.float(), nan=-inf, posinf=inf, neginf=-inf)  # one pass
 
 
 def visible_entries(positions: torch.Tensor, num_entries: int, compress_ratio: int) -> torch.Tensor:
@@ -70,14 +70,19 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         empty = torch.zeros(q, 0, dtype=torch.int64, device=scores.device)
         return empty, empty.bool()
     scores = _nan_to_neginf(scores)
-    top = scores.topk(kk, dim=-1)
-    threshold = top.values[:, -1:]
-    tied = scores == threshold
-    if scores.device.type == "cpu" and bool(((top.values == threshold).sum(-1) == tied.sum(-1)).all()):
+    cpu = scores.device.type == "cpu"
+    # on the CPU one more value tells whether an entry equal to the threshold is left out: the (k+1)-th
+    # largest equals the k-th exactly then (checked on the CPU only: on a GPU it would stop the stream)
+    top = scores.topk(kk + 1 if cpu and kk < n else kk, dim=-1)
+    values, indices = top.values[:, :kk], top.indices[:, :kk]
+    threshold = values[:, -1:]
+    if cpu and (kk == n or bool((top.values[:, kk] < threshold[:, 0]).all())):
         # no row leaves an entry equal to its threshold out: topk's set is the only one, whatever its order
-        # (checked on the CPU only: on a GPU the check would stop the stream for one bool)
-        marked = top.indices.masked_fill(top.values == float("-inf"), n)
-    else:  # ties at the threshold: the lowest indices among them, as the contract says
+        marked = indices.masked_fill(values == float("-inf"), n)
+    elif cpu:  # ties at the threshold: the lowest indices among them, as the contract says
+        marked = _lowest_ties(scores, threshold, kk)
+    else:  # the same without nonzero (no stream sync on a GPU)
+        tied = scores == threshold
         above = scores > threshold
         room = kk - above.sum(-1, keepdim=True)
         chosen = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
@@ -87,6 +92,30 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     idx = marked.sort(dim=-1).values
     valid = idx < n
     return idx.masked_fill(~valid, 0), valid
+
+
+def _lowest_ties(scores: torch.Tensor, threshold: torch.Tensor, kk: int) -> torch.Tensor:
+    """The chosen entries of `select_topk` when ties at the threshold are left out: int64 [Q, kk], each row's
+    entries above ``threshold`` [Q, 1] and then its lowest-index entries equal to it (finite only), ascending,
+    ``N`` in the slots past them. Reads the [Q, N] scores in three passes (no sort or top-k over them)."""
+    q, n = scores.shape
+    above = scores > threshold
+    tied = (scores == threshold) & (threshold > float("-inf"))
+    room = kk - above.sum(-1)  # >= 1: fewer than kk entries lie above the k-th largest
+    tied_rows, tied_cols = tied.nonzero(as_tuple=True)  # row-major: ascending entries within a row
+    per_row = torch.bincount(tied_rows, minlength=q)
+    rank = torch.arange(tied_rows.numel()) - (per_row.cumsum(0) - per_row)[tied_rows]
+    keep = rank < room[tied_rows]
+    above_rows, above_cols = above.nonzero(as_tuple=True)
+    key = (
+        torch.cat([above_rows * (n + 1) + above_cols, (tied_rows * (n + 1) + tied_cols)[keep]]).sort().values
+    )
+    rows, cols = key // (n + 1), key % (n + 1)
+    per_row = torch.bincount(rows, minlength=q)
+    slot = torch.arange(rows.numel()) - (per_row.cumsum(0) - per_row)[rows]
+    marked = torch.full((q, kk), n, dtype=torch.int64)
+    marked[rows, slot] = cols
+    return marked
 
 
 def select_topk_at(
@@ -138,9 +167,10 @@ def select_candidate_blocks(
     """
     q, n = scores.shape
     nb = -(-n // block_size)
-    padded = torch.full((q, nb * block_size), float("-inf"), device=scores.device)
-    padded[:, :n] = _nan_to_neginf(scores)
-    block_scores = padded.view(q, nb, block_size).amax(-1)
+    clean = _nan_to_neginf(scores)
+    if n % block_size:  # the last block padded with -inf
+        clean = torch.cat([clean, clean.new_full((q, nb * block_size - n), float("-inf"))], dim=1)
+    block_scores = clean.reshape(q, nb, block_size).amax(-1)
     newest = visible - 1  # newest visible entry, -1 if none
     rows = torch.nonzero(newest >= 0).squeeze(-1)
     block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
