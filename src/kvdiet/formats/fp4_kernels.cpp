@@ -86,6 +86,12 @@ inline void note_row(std::atomic<int64_t>& bad, int64_t r) {
   }
 }
 
+// what a kernel returns: -1 when no row was noted (`bad` still INT64_MAX), else the first noted row
+inline int64_t first_noted(const std::atomic<int64_t>& bad) {
+  const int64_t first = bad.load();
+  return first == INT64_MAX ? -1 : first;
+}
+
 template <typename T, int Block>
 int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
   constexpr int recipe = Block == 16 ? kE4M3 : kUE8M0;
@@ -129,8 +135,7 @@ int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
       for (int64_t i = 0; i < value_bytes; ++i) o[i] = static_cast<uint8_t>(c[2 * i] | c[2 * i + 1] << 4);
     }
   });
-  int64_t first = bad.load();
-  return first == INT64_MAX ? -1 : first;
+  return first_noted(bad);
 }
 
 // fp32 bits of the E2M1 value of code c (0..15), by arithmetic so that the loop vectorises
@@ -170,8 +175,7 @@ int64_t decode_rows(const uint8_t* p, int64_t n, int64_t row_stride, int64_t dim
       }
     }
   });
-  int64_t first = bad.load();
-  return first == INT64_MAX ? -1 : first;
+  return first_noted(bad);
 }
 
 template <int Block>
@@ -447,6 +451,5 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       if (r >= 0) note_row(bad, r);
     }
   });
-  const int64_t first = bad.load();
-  return first == INT64_MAX ? -1 : first;
+  return first_noted(bad);
 }

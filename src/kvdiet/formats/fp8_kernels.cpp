@@ -52,8 +52,7 @@ int64_t encode_fp8_rows(const float* x, int64_t n, int64_t dim, uint8_t* out) {
       }
     }
   });
-  const int64_t first = bad.load();
-  return first == INT64_MAX ? -1 : first;
+  return first_noted(bad);
 }
 
 }  // namespace
@@ -88,8 +87,7 @@ int64_t decode_fp8(at::Tensor packed, int64_t lo, int64_t hi, at::Tensor out) {
       }
     }
   });
-  const int64_t first = bad.load();
-  return first == INT64_MAX ? -1 : first;
+  return first_noted(bad);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

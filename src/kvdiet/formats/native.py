@@ -30,7 +30,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["ENV", "RECIPE_E4M3X16", "RECIPE_UE8M0X32", "fp4_kernels"]
+__all__ = ["ENV", "RECIPE_E4M3X16", "RECIPE_UE8M0X32", "build_root", "cpu_isa", "fp4_kernels"]
 
 ENV = "KVDIET_NATIVE_KERNELS"
 """Environment variable: ``0`` selects the pure-torch format kernels."""
@@ -59,12 +59,26 @@ def fp4_kernels() -> ModuleType | None:
     return _build()
 
 
+def cpu_isa() -> str:
+    """The vector extension torch found on this CPU: ``"AVX512"``, ``"AVX2"`` or ``"base"`` (it picks a
+    kernel build's flags and is part of its name, so machines sharing a cache never load each other's)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return next((name for name in ("AVX512", "AVX2") if capability.startswith(name)), "base")
+
+
+def build_root() -> Path:
+    """The folder of kvdiet's compiled kernels: ``kvdiet/`` under ``$TORCH_EXTENSIONS_DIR``, else under torch's
+    default extension root (``~/.cache/torch_extensions/...``)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "kvdiet"
+
+
 @functools.cache
 def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load_inline
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = next((name for name in _ISA_FLAGS if capability.startswith(name)), "base")
+    isa = cpu_isa()
     flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]  # no FMA contraction: exact IEEE steps
     source = "\n".join(path.read_text() for path in _SOURCES)  # one translation unit
     digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
@@ -74,9 +88,7 @@ def _build() -> ModuleType | None:
     try:
         import fcntl
 
-        from torch.utils.cpp_extension import get_default_build_root
-
-        build = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "kvdiet" / name
+        build = build_root() / name
         build.mkdir(parents=True, exist_ok=True)
         # torch's own build lock (a ``lock`` file) outlives a build that was killed, and every later process
         # would wait on it forever; an flock is released with its process: every kvdiet build holds it, so

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvdiet.formats.native import ENV
+from kvdiet.formats.native import ENV, build_root, cpu_isa
 
 __all__ = ["sinkhorn_", "sinkhorn_kernel"]
 
@@ -82,16 +82,13 @@ def sinkhorn_kernel() -> ctypes.CDLL | None:
 
 @functools.cache
 def _load() -> ctypes.CDLL | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = next((name for name in _ISA_FLAGS if capability.startswith(name)), "base")
+    isa = cpu_isa()
     flags = [*_FLAGS, *_ISA_FLAGS.get(isa, [])]
     digest = hashlib.sha256(
         b"\0".join([_SOURCE.read_bytes(), *map(str.encode, [*flags, platform.machine()])])
     )
     try:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / "kvdiet"
+        root = build_root()
         path = root / f"kvdiet_sinkhorn_{isa.lower()}_{digest.hexdigest()[:12]}.so"
         if not path.exists():
             compiler = os.environ.get("CC") or shutil.which("cc") or "gcc"
