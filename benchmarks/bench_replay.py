@@ -13,9 +13,12 @@ For each: the read (or generation), the infinite-cache pass (`infinite_cache_hit
 replay does), each default run of the study alone (`kvdiet.sim.model_free.simulate`, one process) with its
 requests/s and prompt blocks/s, and the default study (the default runs and sweeps, as ``kvdiet replay`` runs
 it) with ``--jobs`` worker processes. Deterministic (fixed seed). Prints a table per trace, then one JSON line.
+Runs on the compiled simulator core as ``kvdiet replay`` does (`kvdiet.sim.simcore`: built first when missing,
+not timed; ``"core": "mypyc"`` in the JSON); ``--simcore off`` measures the Python modules (the baseline).
 
     python benchmarks/bench_replay.py
     python benchmarks/bench_replay.py --jobs 1 --agentic-requests 4000
+    python benchmarks/bench_replay.py --simcore off       # the same on the Python modules
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +37,7 @@ from rich.table import Table
 
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
+from kvdiet.sim.simcore import active, relaunch
 from kvdiet.sim.study import (
     DEFAULT_RUNS,
     DEFAULT_SUPERSEDE_SWEEP,
@@ -162,7 +167,16 @@ def main() -> None:
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count(), help="workers for the study (default: CPUs)"
     )
+    parser.add_argument(
+        "--simcore",
+        choices=("auto", "off"),
+        default="auto",
+        help="run on the compiled simulator core (kvdiet.sim.simcore; auto: built first when missing) or on "
+        "the Python sources (off)",
+    )
     args = parser.parse_args()
+    if args.simcore == "auto":  # re-executes this script with the compiled modules (built first if needed)
+        relaunch(build_first=True, log=lambda line: print(f"bench_replay: {line}", file=sys.stderr))
     results = []
     if Path(args.trace).is_file():
         t0 = time.perf_counter()
@@ -173,7 +187,9 @@ def main() -> None:
     t0 = time.perf_counter()
     trace = agentic_trace(args.agentic_requests)
     results.append(measure("agentic (generated)", trace, time.perf_counter() - t0, args.jobs))
-    print(json.dumps({"bench": "replay", "seed": SEED, "results": results}))
+    core = "mypyc" if active() else "python"
+    Console().print(f"simulator core: {core}")
+    print(json.dumps({"bench": "replay", "seed": SEED, "core": core, "results": results}))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+
+# The tests run on the Python sources of the simulator core unless KVDIET_SIMCORE=1 is set (then on the
+# compiled one: `tests/test_sim_simcore.py` runs the simulator tests so, on a build of its own). Set
+# before kvdiet is imported (``import kvdiet`` reads it).
+os.environ.setdefault("KVDIET_SIMCORE", "0")
+
 from pathlib import Path
 
 import pytest

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from kvdiet.cache.plan import RestorePlan, exact_recompute_start
+from kvdiet.cache.plan import RestorePlan, WindowSource, exact_recompute_start
 from kvdiet.cache.policies import SwaPolicy, parse_policy
 
 COLD = RestorePlan(0, None, None, 0)
@@ -64,8 +64,8 @@ def test_exact_recompute_start(h: int, w: int, layers: int, align: int, start: i
 def test_restore_plan() -> None:
     p = RestorePlan(40, None, None, 28, clipped=True)
     assert p.replay_tokens == 12
-    assert RestorePlan(40, 40, "persistent", 40).replay_tokens == 0
-    assert RestorePlan(40, 40, "persistent", 40).clipped is False
+    assert RestorePlan(40, 40, WindowSource("persistent"), 40).replay_tokens == 0
+    assert RestorePlan(40, 40, WindowSource("persistent"), 40).clipped is False
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.hit_tokens = 0  # type: ignore[misc]
 
@@ -147,7 +147,7 @@ def _expected(policy: SwaPolicy, h: int, w: int, layers: int, align: int, has: C
         return COLD, []
     if policy.name == "bounded-replay":
         if has(h):
-            return RestorePlan(h, h, "swa-pool", h), [h]
+            return RestorePlan(h, h, WindowSource("swa-pool"), h), [h]
         start = _align_down(h - w, align) if h > w else 0
         # "a plan whose recompute would start at 0 adopts nothing"
         return (COLD if start == 0 else RestorePlan(h, None, None, start, clipped=True)), [h]
@@ -156,7 +156,7 @@ def _expected(policy: SwaPolicy, h: int, w: int, layers: int, align: int, has: C
         calls = [h]
         if has(h):
             source = "window-blocks" if policy.name == "full-store" else "persistent"
-            return RestorePlan(h, h, source, h), calls
+            return RestorePlan(h, h, WindowSource(source), h), calls
     start = _align_down(max(0, h - (w + (layers - 1) * (w - 1))), align)
     if policy.name == "checkpoint":
         k = policy.checkpoint_every
@@ -164,7 +164,7 @@ def _expected(policy: SwaPolicy, h: int, w: int, layers: int, align: int, has: C
         if c > start:  # "replay from the later of the two starts"
             calls = [c]
             if has(c):
-                return RestorePlan(h, c, "persistent", c), calls
+                return RestorePlan(h, c, WindowSource("persistent"), c), calls
     return (COLD if start == 0 else RestorePlan(h, None, None, start)), calls
 
 

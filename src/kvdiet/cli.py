@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # the sub-command's own usage, not the top level's
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    args.own_process = argv is None  # this process runs the command line: it may re-execute itself
     console = Console()
     try:
         if hasattr(args, "threads"):

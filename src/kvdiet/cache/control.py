@@ -27,16 +27,15 @@ Plain data: no torch, no clock (the tiers keep time), no I/O of its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from itertools import chain
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar, cast
 
 from kvdiet.cache.counters import CacheStats, TierCounters
 from kvdiet.cache.geometry import Geometry, prompt_boundary
 from kvdiet.cache.keys import KeyKind, KeyScheme
 from kvdiet.cache.plan import COLD, Provenance, Replay, RestorePlan, RestoreWindow, WindowSource
 from kvdiet.cache.policies import Capture, SwaPolicy
-from kvdiet.cache.tier import Tier, value_bytes
+from kvdiet.cache.tier import SwaPoolTier, Tier, value_bytes
 
 __all__ = ["LOAD_BATCH", "CacheRequest", "ControlPlane", "Geometry", "Loaded", "prompt_boundary"]
 
@@ -61,7 +60,6 @@ class Loaded(NamedTuple):
 _NONE_LOADED = Loaded(0, 0)
 
 
-@dataclass(slots=True)
 class CacheRequest(Generic[V]):
     """One request as the control plane sees it.
 
@@ -78,19 +76,20 @@ class CacheRequest(Generic[V]):
             last (what a newer snapshot of the chain supersedes).
     """
 
-    prompt_tokens: int
-    blocks: Sequence[Hashable]
-    block_tokens: list[Sequence[int]] | None = None
-    plan: RestorePlan = COLD
-    persisted: int = 0
-    held: tuple[int, V] | None = None
-    pool_snapshots: list[Hashable] = field(default_factory=list)
+    # Plain generic classes, not dataclasses: mypyc (`kvdiet.sim.simcore`) cannot compile generic dataclasses.
+    def __init__(
+        self, prompt_tokens: int, blocks: Sequence[Hashable], block_tokens: list[Sequence[int]] | None = None
+    ) -> None:
+        self.prompt_tokens, self.blocks, self.block_tokens = prompt_tokens, blocks, block_tokens
+        self.plan: RestorePlan = COLD
+        self.persisted = 0
+        self.held: tuple[int, V] | None = None
+        self.pool_snapshots: list[Hashable] = []
 
     def tokens(self, first: int, end: int) -> list[Sequence[int]] | None:
         return None if self.block_tokens is None else self.block_tokens[first:end]
 
 
-@dataclass
 class ControlPlane(Generic[V]):
     """The rules of one cache system (see the module docstring).
 
@@ -112,25 +111,28 @@ class ControlPlane(Generic[V]):
             snapshot that was no longer its chain's newest.
     """
 
-    policy: SwaPolicy
-    geometry: Geometry
-    keys: KeyScheme
-    persistent: Tier[V] | None = None
-    swa_pool: Tier[V] | None = None
-    global_pool: Tier[V] | None = None
-    device: TierCounters = field(default_factory=TierCounters)
-    prefix_caching: bool = True
-    supersede: bool = False
-    on_supersede: Callable[[Hashable, list[Hashable]], None] | None = None
-    stats: CacheStats = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.stats = CacheStats(
-            self.device,
-            self.persistent.counters if self.persistent is not None else TierCounters(),
-            self.swa_pool.counters if self.swa_pool is not None else TierCounters(),
-            self.global_pool.counters if self.global_pool is not None else TierCounters(),
+    def __init__(
+        self,
+        policy: SwaPolicy,
+        geometry: Geometry,
+        keys: KeyScheme,
+        *,
+        persistent: Tier[V] | None = None,
+        swa_pool: SwaPoolTier[V] | None = None,
+        global_pool: Tier[V] | None = None,
+        device: TierCounters | None = None,
+        prefix_caching: bool = True,
+        supersede: bool = False,
+        on_supersede: Callable[[Hashable, list[Hashable]], None] | None = None,
+    ) -> None:
+        self.policy, self.geometry, self.keys = policy, geometry, keys
+        self.persistent, self.swa_pool, self.global_pool = persistent, swa_pool, global_pool
+        self.device = device if device is not None else TierCounters()
+        self.prefix_caching, self.supersede, self.on_supersede = prefix_caching, supersede, on_supersede
+        p, s, g = (
+            t.counters if t is not None else TierCounters() for t in (persistent, swa_pool, global_pool)
         )
+        self.stats = CacheStats(self.device, p, s, g)
 
     # --- lookup ---
 
@@ -196,7 +198,7 @@ class ControlPlane(Generic[V]):
 
     def plan(
         self, req: CacheRequest[V], hit_blocks: int, *, use_stored: bool = True
-    ) -> tuple[RestorePlan, RestoreWindow[V] | Replay | None]:
+    ) -> tuple[RestorePlan, RestoreWindow | Replay | None]:
         """The policy's plan for a hit of ``hit_blocks`` blocks and its window action: `RestoreWindow` with the
         payloads read while probing, `Replay` of ``[start, H)``, or None (cold). ``use_stored=False`` plans as
         if no window state were stored (after a stored one failed validation)."""
@@ -217,9 +219,10 @@ class ControlPlane(Generic[V]):
             align=g.align,
             has_snapshot=has_snapshot,
         )
-        if plan.snapshot_source is not None:
-            keys, payloads = found[plan.snapshot_at]
-            return plan, RestoreWindow(plan.snapshot_at, plan.snapshot_source, keys, payloads)
+        at = plan.snapshot_at
+        if plan.snapshot_source is not None and at is not None:
+            keys, payloads = found[at]
+            return plan, RestoreWindow(at, plan.snapshot_source, keys, payloads)
         if plan.hit_tokens:
             return plan, Replay(plan.replay_start, plan.hit_tokens, plan.clipped)
         return plan, None
@@ -249,7 +252,7 @@ class ControlPlane(Generic[V]):
         tokens = req.tokens(i, i + 1) if tier is self.persistent else None
         return tier.get_many([self.keys.key(req.blocks[i], kind)], tokens)[0]
 
-    def corrupt(self, window: RestoreWindow[V]) -> None:
+    def corrupt(self, window: RestoreWindow) -> None:
         """Count a restored payload the executor found invalid (it then plans with ``use_stored=False``)."""
         tier = self.stats.swa_pool if window.source is WindowSource.SWA_POOL else self.stats.persistent
         tier.corrupt_dropped += 1
@@ -354,9 +357,11 @@ class ControlPlane(Generic[V]):
             if self.policy.store is WindowSource.WINDOW_BLOCKS:  # each block's window entries after it
                 rows = list(map(window_block, range(first, full)))
                 window = zip(self.keys.keys(ids, KeyKind.WINDOW_BLOCK), tokens, rows, strict=True)
-                items = list(chain.from_iterable(zip(items, window, strict=True)))
+                both: list[tuple[Hashable, Sequence[int] | None, V | None]]
+                both = list(chain.from_iterable(zip(items, window, strict=True)))
                 if None in rows:  # a block without window entries: its global KV only
-                    items = [item for item in items if item[2] is not None]
+                    both = [item for item in both if item[2] is not None]
+                items = cast("list[tuple[Hashable, Sequence[int] | None, V]]", both)
             tier.put_many(items)
         req.persisted = full
 
@@ -385,8 +390,8 @@ class ControlPlane(Generic[V]):
         key = self.keys.key(req.blocks[i], kind)
         pooled = kind is KeyKind.POOL_SNAPSHOT and supersedes
         older = [k for k in req.pool_snapshots if k != key] if pooled else []
-        if older and self.supersede:
-            tier.discard_many(older)  # replaced, never held beside the newer one
+        if older and self.supersede and self.swa_pool is not None:  # pooled: ``tier`` is the SWA pool
+            self.swa_pool.discard_many(older)  # replaced, never held beside the newer one
         stored = tier.put_many([(key, tokens, value)])
         self.stats.snapshots_stored += stored
         if stored and pooled:

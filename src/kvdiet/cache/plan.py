@@ -24,10 +24,7 @@ import enum
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass, fields
 from operator import attrgetter
-from typing import Generic, TypeVar
-
-V = TypeVar("V")
-"""A tier value: the payload bytes (engine) or its size in bytes (simulator)."""
+from typing import Any
 
 __all__ = [
     "COLD",
@@ -91,7 +88,7 @@ def exact_recompute_start(hit_tokens: int, window: int, num_layers: int, align: 
 
 
 @dataclass(frozen=True, slots=True)
-class RestoreWindow(Generic[V]):
+class RestoreWindow:
     """Restore the window state at position ``at`` (tokens) from ``source``.
 
     Attributes:
@@ -105,7 +102,7 @@ class RestoreWindow(Generic[V]):
     at: int
     source: WindowSource
     keys: tuple[Hashable, ...]
-    payloads: tuple[V, ...]
+    payloads: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,12 +13,12 @@ Failures of a backend never raise: a read misses, a write returns fewer stored.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Hashable, Sequence, Sized
+from typing import Protocol, TypeVar, cast
 
 from kvdiet.cache.counters import TierCounters
 
-__all__ = ["Tier", "value_bytes"]
+__all__ = ["SwaPoolTier", "Tier", "value_bytes"]
 
 V = TypeVar("V")
 
@@ -49,6 +49,14 @@ class Tier(Protocol[V]):
     def close(self) -> None: ...
 
 
-def value_bytes(value: bytes | int) -> int:
+class SwaPoolTier(Tier[V], Protocol[V]):
+    """A tier that can also drop entries by key: the SWA pool (a superseded snapshot is dropped)."""
+
+    def discard_many(self, keys: Sequence[Hashable]) -> int:
+        """Drop each key held (not counted as an eviction or expiry); returns how many were held."""
+        ...
+
+
+def value_bytes(value: object) -> int:
     """The size in bytes of a tier value: its length (payload bytes) or the value itself (a size)."""
-    return value if isinstance(value, int) else len(value)
+    return value if isinstance(value, int) else len(cast(Sized, value))

@@ -28,7 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from itertools import compress, repeat, takewhile
 from operator import eq, is_, not_
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from kvdiet.cache.counters import TierCounters
 
@@ -137,7 +137,7 @@ class TtlLru(Generic[V]):
         if item is None:
             return None
         if self.capacity is not None:
-            self._items.move_to_end(key)
+            cast("OrderedDict[Hashable, tuple[V, int, float]]", self._items).move_to_end(key)
         c.hits += 1
         c.bytes_read += item[1]
         return item[0]
@@ -145,7 +145,8 @@ class TtlLru(Generic[V]):
     def get_many(self, keys: Sequence[Hashable], now: float) -> list[V | None]:
         """`get` of each key at ``now`` (one expiry pass)."""
         self.expire(now)
-        c, items, out, lru = self.counters, self._items, [], self.capacity is not None
+        c, items, lru = self.counters, self._items, self.capacity is not None
+        out: list[V | None] = []
         c.lookups += len(keys)
         for key in keys:
             item = items.get(key)
@@ -153,7 +154,7 @@ class TtlLru(Generic[V]):
                 out.append(None)
                 continue
             if lru:
-                items.move_to_end(key)
+                cast("OrderedDict[Hashable, tuple[V, int, float]]", items).move_to_end(key)
             c.hits += 1
             c.bytes_read += item[1]
             out.append(item[0])
@@ -201,17 +202,18 @@ class TtlLru(Generic[V]):
         if not keys:
             return 0
         cap, items = self.capacity, self._items
+        batch: tuple[Sequence[Hashable], Sequence[V], Sequence[int]] | None
         if items.keys().isdisjoint(keys):  # a run of new blocks written through, most often
             batch = (keys, values, sizes)
         elif self.refresh or (cap is not None and max(sizes) > cap):
             batch = None  # each put replaces a live key (or one is refused): one after another
         else:  # live keys are kept as they are: only the others are written
             keep = list(map(not_, map(items.__contains__, keys)))
-            batch = tuple(list(compress(seq, keep)) for seq in (keys, values, sizes))
+            batch = (list(compress(keys, keep)), list(compress(values, keep)), list(compress(sizes, keep)))
         if batch is not None:
             total = sum(batch[2])
             if (cap is None or self.nbytes + total <= cap) and (
-                not batch[0] or self._put_new(*batch, total, now)
+                not batch[0] or self._put_new(batch[0], batch[1], batch[2], total, now)
             ):
                 return len(keys)
         put = self._put
@@ -233,7 +235,7 @@ class TtlLru(Generic[V]):
             ):  # one value for the whole run (the simulator's block sizes): one shared, immutable entry
                 items.update(zip(keys, repeat((values[0], sizes[0], deadline))))
             elif values is sizes:  # values are the sizes (the simulator's): one shared entry per size
-                shared = {size: (size, size, deadline) for size in set(sizes)}
+                shared = {size: (cast(V, size), size, deadline) for size in set(sizes)}
                 items.update(zip(keys, map(shared.__getitem__, sizes), strict=True))
             else:
                 items.update(zip(keys, zip(values, sizes, repeat(deadline)), strict=True))
@@ -244,11 +246,12 @@ class TtlLru(Generic[V]):
         if self.ttl is not None:
             self._deadlines.append((deadline, keys if type(keys) is tuple else tuple(keys)))
         self.nbytes += total
-        if self.kind is not None:
+        kind = self.kind
+        if kind is not None:
             if n == 1:
-                self._count_kind(self.kind(keys[0]), total)
+                self._count_kind(kind(keys[0]), total)
             else:
-                self._add_kinds(keys, sizes, total)
+                self._add_kinds(kind, keys, sizes, total)
         if self.nbytes > self.peak:
             self.peak = self.nbytes
             if self.kind is not None:
@@ -258,9 +261,11 @@ class TtlLru(Generic[V]):
         c.bytes_written += total
         return True
 
-    def _add_kinds(self, keys: Sequence[Hashable], sizes: Sequence[int], total: int) -> None:
-        """Count ``total`` new bytes (``sizes`` under ``keys``) by kind: held, peak, written."""
-        of = list(map(self.kind, keys))
+    def _add_kinds(
+        self, kind: Callable[[Hashable], Hashable], keys: Sequence[Hashable], sizes: Sequence[int], total: int
+    ) -> None:
+        """Count ``total`` new bytes (``sizes`` under ``keys``) by ``kind``: held, peak, written."""
+        of = list(map(kind, keys))
         if of.count(of[0]) == len(of):  # one kind, most often
             self._count_kind(of[0], total)
         else:  # each kind's bytes, kinds in order of first appearance (C-level passes, no loop per key)

@@ -219,7 +219,7 @@ class ModelRunner:
             taken = []
         return self.model.new_state(self.pool, blocks=taken, num_tokens=hit_tokens)
 
-    def _restore(self, state: RequestState, window: RestoreWindow[bytes], ids: list[int]) -> None:
+    def _restore(self, state: RequestState, window: RestoreWindow, ids: list[int]) -> None:
         """Load the window state a plan restores. Raises `SnapshotError` on a payload that fails validation."""
         if window.source is WindowSource.WINDOW_BLOCKS:
             data = b"".join(window.payloads)

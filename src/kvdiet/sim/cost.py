@@ -30,9 +30,6 @@ H100/H200 SXM 1,979 TFLOPS, B200 4,500 TFLOPS. The default MFU of 0.5 is an assu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 from kvdiet.config import ModelConfig
 from kvdiet.layer_plan import LayerPlan, Role
 
@@ -70,7 +67,6 @@ def _window_reads(n: int, w: int) -> int:
 _ALL = 1 << 62  # "no top-k cap": V4 HCA layers and indexers see every visible entry
 
 
-@dataclass(frozen=True)
 class CostModel:
     """FLOPs of prefill and replay for one config, and their GPU-seconds.
 
@@ -82,33 +78,33 @@ class CostModel:
         ValueError: unknown GPU or MFU outside (0, 1].
     """
 
-    cfg: ModelConfig
-    gpu: str = "h200"
-    mfu: float = 0.5
-
-    def __post_init__(self) -> None:
-        check_gpu(self.gpu, self.mfu)
+    # A plain class whose per-config tables are built once in ``__init__`` (the compiled simulator core,
+    # `kvdiet.sim.simcore`, has no cached_property).
+    def __init__(self, cfg: ModelConfig, gpu: str = "h200", mfu: float = 0.5) -> None:
+        check_gpu(gpu, mfu)
+        self.cfg, self.gpu, self.mfu = cfg, gpu, mfu
+        self.flops_per_second: float = GPU_FP8_FLOPS[gpu] * mfu
+        """Effective FLOP/s: peak × MFU."""
+        self._plan = LayerPlan.from_config(cfg)
+        self._layer_linear = self._linear_per_layer()
+        self._classes = self._layer_classes()
+        self._terms = self._cumulative_terms()
+        # `_cumulative` of each layer set, by position: a trace's prompts end at the same positions again
+        self._memo: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+        start = self._plan.decoder_start
+        # FLOPs per token of the decoder's shared KV projection (layer ``decoder_start``; 0 without a decoder)
+        self._shared_kv_flops = 0 if start is None else 2 * self._kv_params(self._plan[start])
 
     @property
     def formula(self) -> str:
         """The time formula with this model's numbers, for reports."""
         return FORMULA.format(gpu=self.gpu.upper(), rate=GPU_FP8_FLOPS[self.gpu] / 1e12, mfu=self.mfu)
 
-    @cached_property
-    def flops_per_second(self) -> float:
-        """Effective FLOP/s: peak × MFU."""
-        return GPU_FP8_FLOPS[self.gpu] * self.mfu
-
     def seconds(self, flops: float) -> float:
         """GPU-seconds for ``flops``."""
         return flops / self.flops_per_second
 
-    @cached_property
-    def _plan(self) -> LayerPlan:
-        return LayerPlan.from_config(self.cfg)
-
-    @cached_property
-    def _layer_linear(self) -> tuple[int, ...]:
+    def _linear_per_layer(self) -> tuple[int, ...]:
         """Linear FLOPs per token of each layer (2 × active parameters)."""
         c, h = self.cfg, self.cfg.hidden_size
         attn = (
@@ -137,8 +133,7 @@ class CostModel:
             n += c.head_dim * c.index_head_dim
         return n
 
-    @cached_property
-    def _classes(self) -> dict[int, tuple[int, tuple[tuple[int, int, int, bool], ...]]]:
+    def _layer_classes(self) -> dict[int, tuple[int, tuple[tuple[int, int, int, bool], ...]]]:
         """Per layer set (0 every layer, 1 encoder, 2 decoder): linear FLOPs per token, and the attention
         classes ``(count, ratio, cap, owns_indexer)`` of its layers (few distinct ones)."""
         plan, cfg = self._plan, self.cfg
@@ -160,7 +155,7 @@ class CostModel:
         """FLOPs of queries at positions ``[a, b)`` through layer set ``which`` (see `_classes`)."""
         if b <= a:
             return 0.0
-        memo = self._memo[which]  # a trace's prompts end at the same positions again and again
+        memo = self._memo[which]
         hi, lo = memo.get(b), memo.get(a)
         if hi is None:
             hi = memo[b] = self._cumulative(which, b)
@@ -168,13 +163,7 @@ class CostModel:
             lo = memo[a] = self._cumulative(which, a)
         return float(hi - lo)
 
-    @cached_property
-    def _memo(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
-        """`_cumulative` of each layer set, by position."""
-        return {}, {}, {}
-
-    @cached_property
-    def _terms(self) -> dict[int, tuple[int, int, tuple[tuple[int, int, int, int, int], ...]]]:
+    def _cumulative_terms(self) -> dict[int, tuple[int, int, tuple[tuple[int, int, int, int, int], ...]]]:
         """`_classes` as the coefficients `_cumulative` multiplies, per layer set: linear FLOPs per token, FLOPs
         per window entry read (every layer of the set reads its window), and per compressed class
         ``(ratio, cap × ratio, cap, FLOPs per selected entry read, FLOPs per indexer score)``."""
@@ -223,12 +212,6 @@ class CostModel:
         tail = max(start, end - c.sliding_window)
         shared_kv = self._shared_kv_flops * (tail - start)
         return self._layers_flops(1, start, end) + shared_kv + self._layers_flops(2, tail, end) + head
-
-    @cached_property
-    def _shared_kv_flops(self) -> int:
-        """FLOPs per token of the decoder's shared KV projection (layer ``decoder_start``)."""
-        plan = self._plan
-        return 2 * self._kv_params(plan[plan.decoder_start])
 
     def replay_flops(self, start: int, end: int) -> float:
         """FLOPs to recompute the window state of positions ``[start, end)``: every layer, no LM head."""

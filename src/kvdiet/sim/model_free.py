@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NoReturn
 
 from kvdiet.cache.control import CacheRequest, ControlPlane, Geometry, prompt_boundary
@@ -149,7 +149,9 @@ class _Run:
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
-        self.boundaries: set[int] = set()  # prefix ids at which an earlier request's prompt or output ended
+        self.boundaries: set[Hashable] = (
+            set()
+        )  # prefix ids at which an earlier request's prompt or output ended
         self.boundary_hits = 0  # requests whose hit H ends at such a boundary (where a snapshot can be)
         self.hits = 0  # requests with any global-KV hit
         self.ages: list[float] = []
@@ -232,7 +234,7 @@ class _Run:
         g, control = self.geo, self.control
         bs, n, now = g.block_size, req.input_tokens, req.arrival_s
         last = n + max(req.output_tokens, 1) - 1  # tokens in the cache at finish (the last is not fed)
-        cached = CacheRequest(n, every)
+        cached: CacheRequest[int] = CacheRequest(n, every)
 
         usable = control.usable_blocks(n)
         d = self.device.match(every, usable)
