@@ -159,3 +159,25 @@ def test_relaunch_does_nothing_when_turned_off_or_not_built(
     monkeypatch.delenv("KVDIET_SIMCORE")
     simcore.relaunch(build_first=False, log=lines.append)  # not built, not asked to build: returns
     assert lines == [] and not any(tmp_path.iterdir())
+
+
+def test_a_failed_build_is_logged_once_and_not_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVDIET_SIMCORE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVDIET_SIMCORE", raising=False)
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("re-executed"))
+    tries: list[int] = []
+
+    def fail(log: object = None) -> Path:
+        tries.append(1)
+        raise simcore.SimcoreError("mypyc build failed (exit 1):\ngcc: not found")
+
+    monkeypatch.setattr(simcore, "build", fail)
+    lines: list[str] = []
+    simcore.relaunch(build_first=True, log=lines.append)
+    assert tries == [1] and "gcc: not found" in lines[0] and os.environ["KVDIET_SIMCORE"] == "0"
+    assert "gcc: not found" in simcore.build_dir().with_suffix(".failed").read_text()
+    monkeypatch.delenv("KVDIET_SIMCORE")
+    simcore.relaunch(build_first=True, log=lines.append)  # the same sources: not tried again
+    assert tries == [1] and "failed to build" in lines[1]

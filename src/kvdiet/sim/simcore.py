@@ -24,6 +24,7 @@ Without mypy or a C compiler, or after a failed build (logged), everything runs 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.abc
@@ -214,18 +215,25 @@ def active() -> bool:
 def relaunch(*, build_first: bool, log: Callable[[str], None]) -> None:
     """Re-execute this process's command line with the compiled core (``KVDIET_SIMCORE=1``); returns only
     when it does not: the core is active or turned off already, it is not built and ``build_first`` is
-    False, or the build failed (logged, with the Python modules used from then on).
+    False, or the build failed (logged; ``<key>.failed`` beside the build keeps the reason, and later runs of
+    the same sources use the Python modules without trying again; delete it to retry).
 
     For a command's own process only: it replaces the running program (``os.execv``)."""
     if os.environ.get(ENV) is not None or active():
         return
     if not built():
-        if not build_first:
+        failed = build_dir().with_suffix(".failed")  # a build of these sources failed before: not again
+        if not build_first or failed.is_file():
+            if failed.is_file():
+                log(f"running the Python modules: the compiled simulator core failed to build ({failed})")
             return
         try:
             build(log)
         except (SimcoreError, OSError) as exc:
             log(f"the compiled simulator core is not available, running the Python modules: {exc}")
+            if isinstance(exc, SimcoreError):
+                with contextlib.suppress(OSError):
+                    failed.write_text(f"{exc}\n")
             os.environ[ENV] = "0"
             return
     os.environ[ENV] = "1"
