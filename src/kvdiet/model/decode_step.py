@@ -20,7 +20,7 @@ import torch
 
 from kvdiet.model.attention import Attention, Segment, Selection, attend
 from kvdiet.model.compressor import pool_groups
-from kvdiet.model.index_scores import StoredKeys, index_scores_at
+from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import RequestState, WindowRings
@@ -47,7 +47,7 @@ class DecodePlan:
         staged: the rings' encoded rows [B·L·W + L·B, width]: every request's rings at the start of the step
             (request-major, then layer, then slot), then each layer's new entries.
         staged_positions: int64 [B·L·W], the positions of those ring rows (−1: empty).
-        tables: the batch's block tables as one (`BatchTables`), None when the requests' pools differ.
+        tables: the batch's block tables (`BatchTables`).
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
@@ -62,7 +62,7 @@ class DecodePlan:
     fresh_open: torch.Tensor
     staged: torch.Tensor
     staged_positions: torch.Tensor
-    tables: BatchTables | None
+    tables: BatchTables
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -106,41 +106,47 @@ class DecodePlan:
 
 @dataclass(frozen=True, slots=True)
 class BatchTables:
-    """The block tables of a batch whose requests share one pool, end to end: request b's block i is
-    ``table[first[b] + i]``, so its entry j of a layer with ``per_block`` entries per block is entry
-    ``first[b]·per_block + j`` of the layer's `StoredKeys` over ``table`` (`keys`).
+    """The batch's block tables, one row per request padded with block 0: request b's entry j of a layer with
+    ``per_block`` entries per block sits in pool row ``table[b, j // per_block]·per_block + j % per_block``.
+
+    When the requests share one pool (an engine's), the rows end to end are one table: request b's entry j is
+    entry ``offsets[b] + j`` of the layer's `StoredKeys` over it (`keys`).
 
     Attributes:
-        pool: the shared pool.
-        table: int64 [Σ blocks] on the pool's device.
-        first: int64 [B], each request's first block in ``table``.
+        pools: each request's pool.
+        table: int64 [B, most blocks] on the pools' device.
+        shared: the pool every request uses, or None when they differ (models used without an engine).
     """
 
-    pool: DevicePool
+    pools: list[DevicePool]
     table: torch.Tensor
-    first: torch.Tensor
+    shared: DevicePool | None
 
     @classmethod
-    def of(cls, segs: list[Segment]) -> BatchTables | None:
-        """The tables of ``segs``' states, or None when their pools differ (models used without an engine)."""
-        pool = segs[0].state.table.pool
-        ids, first = [], []
-        for seg in segs:
-            if seg.state.table.pool is not pool:
-                return None
-            first.append(len(ids))
-            ids.extend(seg.state.table.ids)
-        dev = pool.device
-        return cls(pool, torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(first, device=dev))
+    def of(cls, segs: list[Segment]) -> BatchTables:
+        tables = [seg.state.table for seg in segs]
+        width = max(1, *(len(t) for t in tables))
+        ids = [t.ids + [0] * (width - len(t)) for t in tables]
+        pools = [t.pool for t in tables]
+        shared = pools[0] if all(p is pools[0] for p in pools) else None
+        return cls(pools, torch.tensor(ids, dtype=torch.int64, device=pools[0].device), shared)
+
+    def slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        """Pool rows int64 [B, C] of request b's entries ``idx[b]`` (int64 [B, C], each in [0, held))."""
+        per_block = self.pools[0].entries_per_block(layer)
+        return self.table.gather(1, idx // per_block) * per_block + idx % per_block
 
     def keys(self, layer: int, kind: str) -> StoredKeys:
-        """Every request's entries of ``layer`` and ``kind`` (``"main"`` or ``"index"``) as one `StoredKeys`."""
-        per_block = self.pool.entries_per_block(layer)
-        return StoredKeys(self.pool.rows(layer, kind), self.table, per_block, self.table.numel() * per_block)
+        """Every request's entries of ``layer`` and ``kind`` (``"main"`` or ``"index"``) as one `StoredKeys`
+        over the shared pool (see `offsets`)."""
+        per_block = self.shared.entries_per_block(layer)
+        table = self.table.flatten()
+        return StoredKeys(self.shared.rows(layer, kind), table, per_block, table.numel() * per_block)
 
     def offsets(self, layer: int) -> torch.Tensor:
         """int64 [B]: request b's entry j of ``layer`` is entry ``offsets[b] + j`` of `keys`."""
-        return self.first * self.pool.entries_per_block(layer)
+        b, width = self.table.shape
+        return torch.arange(b, device=self.table.device) * (width * self.pools[0].entries_per_block(layer))
 
 
 def _rings(state: RequestState) -> WindowRings:
@@ -273,19 +279,14 @@ def _select(
     else:
         cols = torch.arange(n, device=dev)[None, :]
         entries = torch.where(cols < limit[:, None], cols, -1)
-    if plan.tables is not None:
-        off = plan.tables.offsets(info.kv_src)
+    tables = plan.tables
+    if tables.shared is not None:
+        off = tables.offsets(info.kv_src)
         shifted = torch.where(entries >= 0, entries + off[:, None], entries)
-        scores = index_scores_at(q_idx, w, plan.tables.keys(info.kv_src, "index"), shifted, limit + off)
+        scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
     else:
-        scores = torch.cat(
-            [
-                index_scores_at(
-                    q_idx[b : b + 1], w[b : b + 1], StoredKeys.of(s), entries[b : b + 1], limit[b : b + 1]
-                )
-                for b, s in enumerate(stores)
-            ]
-        )
+        keys = [StoredKeys.of(s) for s in stores]
+        scores = index_scores_each(q_idx, w, keys, entries, limit)
     if info.candidate == "consumer":
         plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
         return
@@ -312,13 +313,17 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
     out = torch.zeros(b * width, codec.dim, device=dev)
     if not at.numel():
         return out.view(b, width, codec.dim), valid
-    if plan.tables is not None:
-        keys = plan.tables.keys(info.kv_src, "main")
-        ids = (idx + plan.tables.offsets(info.kv_src)[:, None]).flatten().index_select(0, at)
-        raw = keys.rows.index_select(
-            0, keys.table[ids // keys.per_block] * keys.per_block + ids % keys.per_block
+    slots = plan.tables.slots(info.kv_src, idx)
+    if plan.tables.shared is not None:
+        raw = plan.tables.shared.rows(info.kv_src, "main").index_select(
+            0, slots.flatten().index_select(0, at)
         )
     else:
-        raw = torch.cat([s.raw_at(idx[i, : ks[i]]) for i, s in enumerate(stores)])
+        raw = torch.cat(
+            [
+                p.rows(info.kv_src, "main").index_select(0, slots[i, : ks[i]])
+                for i, p in enumerate(plan.tables.pools)
+            ]
+        )
     out[at] = codec.decode(raw)
     return out.view(b, width, codec.dim), valid
