@@ -228,20 +228,23 @@ class MoE(nn.Module):
         # Back to (token, slot) order with a gather, then sum the k slots in slot order.
         return sorted_out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1).sum(1)
 
-    def _stacked_weights(self, dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """``[w1, w3, w2]`` of the routed experts stacked as ``[E, in, out]`` (transposed views of a copy), or
-        None when an expert is read on first use, stored quantised, of another dtype or clamp, or the stack
-        would exceed `_STACK_ELEMENTS`."""
+    def _stacked_weights(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], float] | None:
+        """``([w1, w3, w2], swiglu_limit)``: the routed experts' weights stacked as ``[E, in, out]`` (transposed
+        views of a copy) and their clamp; None when an expert is read on first use, stored quantised, of
+        another dtype or clamp, or the stack would exceed `_STACK_ELEMENTS`."""
         if self.routed is not None:
             return None
-        experts = [(e.swiglu_limit, e.w1, e.w3, e.w2) for e in self.experts]
-        if any(lim != experts[0][0] or any(lin.storage != "dense" for lin in lins) for lim, *lins in experts):
+        experts = list(self.experts)
+        limit, weights = experts[0].swiglu_limit, []  # w1, w3, w2 of expert 0, then of expert 1, ...
+        for e in experts:
+            linears = (e.w1, e.w3, e.w2)
+            if e.swiglu_limit != limit or any(lin.storage != "dense" for lin in linears):
+                return None
+            weights += [lin.weight for lin in linears]
+        too_big = max(w.numel() for w in weights[:3]) * len(experts) > _STACK_ELEMENTS
+        if too_big or any(w.dtype != dtype for w in weights):
             return None
-        weights = [[lin.weight for lin in lins] for _, *lins in experts]
-        too_big = max(w.numel() for w in weights[0]) * len(weights) > _STACK_ELEMENTS
-        if too_big or any(w.dtype != dtype for ws in weights for w in ws):
-            return None
-        return [torch.stack([ws[j] for ws in weights]).transpose(1, 2) for j in range(3)]
+        return [torch.stack(weights[j::3]).transpose(1, 2) for j in range(3)], limit
 
     def _routed_padded(
         self,
@@ -249,7 +252,7 @@ class MoE(nn.Module):
         weights: torch.Tensor,
         order: torch.Tensor,
         counts: list[int],
-        stacked: list[torch.Tensor],
+        stacked: tuple[list[torch.Tensor], float],
     ) -> torch.Tensor:
         """`_routed_grouped` with every group padded to the largest and the experts' weights stacked: one
         batched matmul per weight. ``order`` int64 [T·k]: the (token, slot) pairs (token-major) sorted by
@@ -266,10 +269,9 @@ class MoE(nn.Module):
         rows = torch.zeros(n_exp * width, dtype=torch.int64, device=dev).index_put_((at,), order // k)
         scale = torch.zeros(n_exp * width, dtype=x.dtype, device=dev)
         scale.index_put_((at,), weights.flatten().index_select(0, order))
-        w1, w3, w2 = stacked
+        (w1, w3, w2), limit = stacked
         xp = x.index_select(0, rows).view(n_exp, width, -1)
         gate, up = torch.bmm(xp, w1), torch.bmm(xp, w3)
-        limit = self.experts[0].swiglu_limit  # the same for every expert (`_stacked_weights`)
         if limit > 0:
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)

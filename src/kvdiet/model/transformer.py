@@ -316,7 +316,13 @@ class Transformer(nn.Module):
             rows.append((start, start + chunk.numel()))
             start += chunk.numel()
         with_hist: list[torch.Tensor] = []
-        if self.hasher is not None:
+        if self.hasher is not None and start == len(segs):  # one id each: the batch's [B, N] hashed at once
+            hist = torch.stack([s.engram_history for s in states])
+            batch = self.hasher.with_history(self.hasher.compress(torch.cat(ids))[:, None], hist)
+            with_hist = list(batch)
+            for layer in self.hasher.layer_ids:
+                row_ids[layer] = self.hasher.row_ids(layer, batch).flatten(0, 1)
+        elif self.hasher is not None:
             with_hist = [
                 self.hasher.with_history(self.hasher.compress(c), s.engram_history)
                 for s, c in zip(states, ids, strict=True)
