@@ -2,11 +2,14 @@
 
 `Attention.forward` runs one request's rows at a time; in a decode step every request brings one row, so
 the batch is a loop of B tiny calls per layer. Here the projections, the window-ring read, the index
-queries, top-k, the gather of selected entries and the softmax run once over the batch ([B, …] tensors,
-ragged lengths padded and masked); only what lives in each request's own storage (its ring and compressor
-tail, its cache blocks, its index-key scores) is touched per request. Per step, `DecodePlan` computes the
-positions and ring slots once for every layer and keeps each (KV source, top-k source) pair's gathered
-entries for the Reuse layers that read the same ones.
+queries, scores, top-k, the gather of selected entries and the softmax run once over the batch ([B, …]
+tensors, ragged lengths padded and masked). Per step, `DecodePlan` reads every request's window rings once
+(`WindowRings`), computes the positions and ring slots once for every layer, stages each layer's new window
+entries and stores them once per request at the end, keeps the top-k and candidate blocks batched, and
+keeps each (KV source, top-k source) pair's gathered entries for the Reuse layers that read the same ones.
+Requests sharing a pool (an engine's) are scored and gathered in one call over their block tables end to
+end (`BatchTables`); requests on private pools one call each. Only the compressor tails and the new
+global entries are touched request by request.
 
 Same results as the per-request path up to fp32 reassociation (batched matmuls): the same entries are
 read and written, every selection is the same function of the same scores, padding is masked (−inf).
