@@ -7,8 +7,8 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 (`kvdiet.model.linear`). Routed experts come from
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
 Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
-decode step) skips the sorting into groups, each of its experts being a group of that one row. When the
-groups are small and even (a batched decode step: a few rows per expert) and every routed expert is a dense
+decode step) skips the sorting into groups, each of its experts being a group of that one row. In a batched
+decode step, when the groups are small and even (a few rows per expert) and every routed expert is a dense
 resident `Expert`, all groups run as one batched matmul per weight over the experts' weights stacked, each
 group padded to the largest. This module has no effect on the KV cache and knows
 nothing of image tokens (``bias_vl`` is not modelled).
@@ -174,9 +174,15 @@ class MoE(nn.Module):
         # Set by the loader when routed experts are read on first use (``kvdiet.model.expert_cache``).
         self.routed: LayerExperts | None = None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor | None = None, *, padded: bool = False
+    ) -> torch.Tensor:
         """x: [T, hidden] (any float dtype); token_ids: int64 [T], needed by a hash-routed layer -> [T, hidden],
         fp32 (fp64 in a model run in fp64).
+
+        ``padded``: the rows are a batched decode step's (one per request): small even groups may run as one
+        padded batched matmul (`_routed_padded`), whose rows may round differently from the per-expert loop
+        (fp32 reassociation). Otherwise (a prefill, a lone request) every group runs on its own.
 
         Raises:
             ValueError: see `Gate.forward`.
@@ -184,7 +190,10 @@ class MoE(nn.Module):
         x = widen(x)
         weights, ids = self.gate(x, token_ids)  # [T, k] each
         one_row = ids.shape[0] == 1 and len(set(ids[0].tolist())) == ids.shape[1]
-        routed = (self._routed_one_row if one_row else self._routed_grouped)(x, weights, ids)
+        if one_row:
+            routed = self._routed_one_row(x, weights, ids)
+        else:
+            routed = self._routed_grouped(x, weights, ids, padded=padded)
         return routed + self.shared_experts(x)
 
     def _experts(self) -> nn.ModuleList | LayerExperts:
@@ -200,9 +209,11 @@ class MoE(nn.Module):
         out = [as_dtype(experts[e](x, weights[:, j : j + 1]), x.dtype) for j, e in enumerate(ids[0].tolist())]
         return torch.cat(out).view(1, k, -1).sum(1)
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Σ over the k slots of weight · expert(row), rows grouped per expert (one matmul per used expert, or
-        `_routed_padded` when the groups are small and even and the experts stack).
+    def _routed_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *, padded: bool = False
+    ) -> torch.Tensor:
+        """Σ over the k slots of weight · expert(row), rows grouped per expert (one matmul per used expert; with
+        ``padded``, `_routed_padded` when the groups are small and even and the experts stack).
 
         x: [T, hidden]; weights [T, k]; ids int64 [T, k] -> [T, hidden] in x's dtype.
         """
@@ -211,7 +222,7 @@ class MoE(nn.Module):
         flat_ids = ids.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        if self.n_routed_experts * max(counts) <= _PADDING * order.numel():
+        if padded and self.n_routed_experts * max(counts) <= _PADDING * order.numel():
             stacked = self._stacked_weights(x.dtype)
             if stacked is not None:
                 return self._routed_padded(x, weights, order, counts, stacked)

@@ -355,7 +355,7 @@ class Transformer(nn.Module):
                 attn_pre, post, comb = block.coefficients(h, "attn")
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
             h = hc_expand(out, h, post, comb)
-            h, prev_pre = block.ffn_half(h, attn_pre)
+            h, prev_pre = block.ffn_half(h, attn_pre, decode_step=plan is not None)
         if plan is not None:
             plan.store_windows(segs)
         for i, (state, chunk) in enumerate(zip(states, ids, strict=True)):
