@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdiet.formats import mxfp4, native
-from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
+from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at, index_scores_each
 from kvdiet.model.selection import candidate_entries, select_topk, select_topk_at
 
 NEG = float("-inf")
@@ -103,6 +103,20 @@ def test_gathered_scores_equal_the_dense_ones(both):
     assert torch.equal(compiled, pure)
     ok = (entries >= 0) & (entries < limit[:, None])
     assert torch.equal(compiled, torch.where(ok, dense.gather(1, entries.clamp(0, 119)), NEG))
+
+
+def test_each_query_scored_against_its_own_keys_equals_one_call_per_query(both):
+    """A batch on different pools: query t reads ``keys[t]`` (other entries, other blocks, its own length)."""
+    queries, w, _, _ = _case(5, 6, 4, 64, 1)
+    keys = [_paged(_case(20 + t, 1, 4, 64, 9 + 7 * t)[2], 8, t) for t in range(6)]
+    entries = torch.randint(-1, 50, (6, 20), generator=torch.Generator().manual_seed(6))
+    limit = torch.tensor([0, 5, 16, 30, 60, 40])
+    compiled, pure = both(index_scores_each, queries, w, keys, entries, limit)
+    assert torch.equal(compiled, pure)
+    for t, k in enumerate(keys):
+        one = index_scores_at(queries[t : t + 1], w[t : t + 1], k, entries[t : t + 1], limit[t : t + 1])
+        assert torch.equal(compiled[t : t + 1], one), t
+    assert compiled[3].isfinite().any() and not compiled[0].isfinite().any()
 
 
 def test_selection_over_a_candidate_pool_equals_the_masked_dense_one():

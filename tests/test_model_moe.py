@@ -190,3 +190,25 @@ def _moe_ref_hash(moe, cfg, xt, chosen):
             moe.experts[e], xt, s / (total + 1e-20) * cfg.routed_scaling_factor, cfg.swiglu_limit
         )
     return y[None]
+
+
+def test_a_few_rows_per_expert_run_as_one_padded_batch(micro):
+    """A batched decode step's rows (a few per expert) skip the per-expert loop: no routed `Expert` runs, and the
+    sum is the per-token reference's; without ``padded`` (a prefill), or with FP8-stored experts, every
+    expert's group runs on its own."""
+    torch.manual_seed(6)
+    moe = MoE(micro)
+    calls: list[int] = []
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda *_, e=e: calls.append(e))
+    x = torch.randn(16, micro.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, padded=True), _moe_ref(moe, micro, x), rtol=1e-5, atol=1e-6)
+        assert calls == []
+        moe(x)
+        assert sorted(set(calls)) == [0, 1, 2, 3]
+        calls.clear()
+        w = moe.experts[1].w3.weight
+        moe.experts[1].w3.set_weight(w.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
+        moe(x, padded=True)
+    assert sorted(set(calls)) == [0, 1, 2, 3]

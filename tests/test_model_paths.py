@@ -260,3 +260,25 @@ def test_mini_measures_890_bytes_per_token() -> None:
     assert odd.global_bytes_per_token == (len(ids) * 890 + 356) / (len(ids) + 1) < 890.0
     assert odd.global_bytes_per_covered_token == 890.0
     assert odd.covered_tokens[2] == len(ids) and odd.covered_tokens[20] == len(ids) + 1
+
+
+def test_batched_decode_on_one_pool_equals_private_pools_bit_for_bit(micro: Transformer) -> None:
+    """Requests sharing a pool (an engine) are scored and gathered in one call over their block tables end to
+    end (`BatchTables`); requests on private pools one by one: the same logits and caches to the bit."""
+    pool = micro.new_pool(1)
+    prompts = [_tokens(n, seed=n) for n in (3, 18, 41, 70)]  # ragged: no entries yet, and past one block
+    shared = [micro.new_state(pool) for _ in prompts]
+    private = [micro.new_state() for _ in prompts]
+    for s, p, q in zip(shared, private, prompts, strict=True):
+        micro.prefill(s, q)
+        micro.prefill(p, q)
+    for step in range(5):
+        tokens = [(7 * step + b) % 64 for b in range(len(prompts))]
+        assert torch.equal(micro.decode(shared, tokens), micro.decode(private, tokens)), step
+    for s, p in zip(shared, private, strict=True):
+        assert torch.equal(s.windows.rows, p.windows.rows) and torch.equal(
+            s.windows.positions, p.windows.positions
+        )
+        for layer in s.main:
+            assert torch.equal(s.main[layer].raw(), p.main[layer].raw())
+            assert torch.equal(s.index_keys[layer].raw(), p.index_keys[layer].raw())

@@ -40,8 +40,11 @@ class Block(nn.Module):
         """mHC ``(pre, post, comb)`` of the ``attn`` or ``ffn`` sublayer for streams ``h`` [T, hc, hidden]."""
         return sublayer_coefficients(self, self.cfg, h, part)
 
-    def ffn_half(self, h: torch.Tensor, attn_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FFN sublayer: returns ``(new streams, this FFN's pre)``."""
+    def ffn_half(
+        self, h: torch.Tensor, attn_pre: torch.Tensor, *, decode_step: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FFN sublayer: returns ``(new streams, this FFN's pre)``. ``decode_step``: the rows are a batched
+        decode step's, one per request (the MoE may pad its groups: `MoE.forward`)."""
         pre, post, comb = self.coefficients(h, "ffn")
-        out = self.ffn(self.ffn_norm(hc_collapse(h, attn_pre)))
+        out = self.ffn(self.ffn_norm(hc_collapse(h, attn_pre)), padded=decode_step)
         return hc_expand(out, h, post, comb), pre

@@ -2,11 +2,14 @@
 
 `Attention.forward` runs one request's rows at a time; in a decode step every request brings one row, so
 the batch is a loop of B tiny calls per layer. Here the projections, the window-ring read, the index
-queries, top-k, the gather of selected entries and the softmax run once over the batch ([B, …] tensors,
-ragged lengths padded and masked); only what lives in each request's own storage (its ring and compressor
-tail, its cache blocks, its index-key scores) is touched per request. Per step, `DecodePlan` computes the
-positions and ring slots once for every layer and keeps each (KV source, top-k source) pair's gathered
-entries for the Reuse layers that read the same ones.
+queries, scores, top-k, the gather of selected entries and the softmax run once over the batch ([B, …]
+tensors, ragged lengths padded and masked). Per step, `DecodePlan` reads every request's window rings once
+(`WindowRings`), computes the positions and ring slots once for every layer, stages each layer's new window
+entries and stores them once per request at the end, keeps the top-k and candidate blocks batched, and
+keeps each (KV source, top-k source) pair's gathered entries for the Reuse layers that read the same ones.
+Requests sharing a pool (an engine's) are scored and gathered in one call over their block tables end to
+end (`BatchTables`); requests on private pools one call each. Only the compressor tails and the new
+global entries are touched request by request.
 
 Same results as the per-request path up to fp32 reassociation (batched matmuls): the same entries are
 read and written, every selection is the same function of the same scores, padding is masked (−inf).
@@ -20,57 +23,149 @@ import torch
 
 from kvdiet.model.attention import Attention, Segment, Selection, attend
 from kvdiet.model.compressor import pool_groups
-from kvdiet.model.index_scores import StoredKeys, index_scores
-from kvdiet.model.selection import select_candidate_blocks, select_topk, visible_entries
+from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
+from kvdiet.model.paged_pool import DevicePool
+from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
+from kvdiet.model.state import RequestState, WindowRings
 
-__all__ = ["DecodePlan", "decode_attention"]
+__all__ = ["BatchTables", "DecodePlan", "decode_attention"]
 
 
 @dataclass(slots=True)
 class DecodePlan:
     """What every layer of one decode step shares.
 
+    The step reads every request's window rings (`WindowRings`) once, when the plan is made, into ``staged``;
+    each layer then puts its new entries there too, reads its window from it with one gather, and
+    `store_windows` writes each request's new entries of every layer into its rings at the end.
+
     Attributes:
         positions: int64 [B], the new row's position per request.
-        ring_slots: int64 [B, W−1], ring slot of each older window position ``t−W+1 … t−1``.
-        ring_rows: int64 [B·(W−1)], those slots as rows of the batch's rings stacked ``[B·W, …]``.
-        fresh_rows: int64 [B, 1], row ``B·W + b`` (request b's new entry, stacked after the rings).
-        fresh_open: bool [B, 1], all True (the new entry is always read).
-        ring_positions: int64 [B, W−1], those positions.
+        ring_positions: int64 [B, W−1], the older window positions ``t−W+1 … t−1``.
         ring_open: bool [B, W−1], positions a query may read (≥ 0 and ≥ the request's window floor).
+        ring_rows: int64 [L, B, W−1], the row of ``staged`` holding layer l's ring slot of each of those
+            positions (``(b·L + l)·W + slot``).
+        fresh_rows: int64 [L, B, 1], row ``B·L·W + l·B + b`` of ``staged``: layer l's new entry of request b.
+        fresh_open: bool [B, 1], all True (the new entry is always read).
+        staged: the rings' encoded rows [B·L·W + L·B, width]: every request's rings at the start of the step
+            (request-major, then layer, then slot), then each layer's new entries.
+        staged_positions: int64 [B·L·W], the positions of those ring rows (−1: empty).
+        tables: the batch's block tables (`BatchTables`).
+        topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
+            own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
+        candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
         gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step.
     """
 
     positions: torch.Tensor
-    ring_slots: torch.Tensor
+    ring_positions: torch.Tensor
+    ring_open: torch.Tensor
     ring_rows: torch.Tensor
     fresh_rows: torch.Tensor
     fresh_open: torch.Tensor
-    ring_positions: torch.Tensor
-    ring_open: torch.Tensor
+    staged: torch.Tensor
+    staged_positions: torch.Tensor
+    tables: BatchTables
+    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def for_segments(cls, segs: list[Segment], window: int) -> DecodePlan:
-        """The plan of segments holding one row each, for a sliding window of ``window`` tokens."""
+    def for_segments(cls, segs: list[Segment]) -> DecodePlan:
+        """The plan of segments holding one row each; their states' rings must be `WindowRings`.
+
+        Raises:
+            TypeError: a state's rings are not `WindowRings`.
+        """
+        rings = [_rings(s.state) for s in segs]
+        layers, window, width = rings[0].rows.shape
+        b, ring_count, dev = len(segs), len(segs) * layers * window, rings[0].rows.device
+        staged = torch.empty(ring_count + layers * b, width, dtype=rings[0].rows.dtype, device=dev)
+        torch.cat([r.rows.view(-1, width) for r in rings], out=staged[:ring_count])
+        staged_positions = torch.cat([r.positions.view(-1) for r in rings])
         pos = torch.cat([s.positions for s in segs])
-        older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=pos.device)
-        floors = torch.tensor([s.window_floor for s in segs], device=pos.device)
-        slots, batch = older % window, torch.arange(len(segs), device=pos.device)[:, None]
-        rows = (slots + window * batch).flatten()
-        fresh, fresh_open = len(segs) * window + batch, torch.ones_like(batch, dtype=torch.bool)
-        return cls(pos, slots, rows, fresh, fresh_open, older, (older >= 0) & (older >= floors[:, None]))
+        older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)
+        floors = torch.tensor([s.window_floor for s in segs], device=dev)
+        batch, layer = torch.arange(b, device=dev)[:, None], torch.arange(layers, device=dev)[:, None, None]
+        ring_rows = (batch * layers + layer) * window + older % window
+        fresh_rows = ring_count + layer * b + batch
+        ring_open = (older >= 0) & (older >= floors[:, None])
+        fresh_open = torch.ones_like(batch, dtype=torch.bool)
+        tables = BatchTables.of(segs)
+        return cls(pos, older, ring_open, ring_rows, fresh_rows, fresh_open, staged, staged_positions, tables)
 
     def attend(self, attn: Attention, x: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         """`decode_attention` of this step (what `Attention.forward` calls when given the plan)."""
         return decode_attention(attn, x, segs, self)
 
+    def store_windows(self, segs: list[Segment]) -> None:
+        """Write each request's new window entries of every layer into its rings (after the last layer, before
+        the states' ``num_tokens`` move on)."""
+        b, layers = len(segs), self.ring_rows.shape[0]
+        fresh = self.staged[self.staged_positions.shape[0] :].view(layers, b, -1)
+        for i, seg in enumerate(segs):
+            _rings(seg.state).store_step(fresh[:, i], seg.state.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTables:
+    """The batch's block tables, one row per request padded with block 0: request b's entry j of a layer with
+    ``per_block`` entries per block sits in pool row ``table[b, j // per_block]·per_block + j % per_block``.
+
+    When the requests share one pool (an engine's), the rows end to end are one table: request b's entry j is
+    entry ``offsets[b] + j`` of the layer's `StoredKeys` over it (`keys`).
+
+    Attributes:
+        pools: each request's pool.
+        table: int64 [B, most blocks] on the pools' device.
+        shared: the pool every request uses, or None when they differ (models used without an engine).
+    """
+
+    pools: list[DevicePool]
+    table: torch.Tensor
+    shared: DevicePool | None
+
+    @classmethod
+    def of(cls, segs: list[Segment]) -> BatchTables:
+        tables = [seg.state.table for seg in segs]
+        width = max(1, *(len(t) for t in tables))
+        ids = [t.ids + [0] * (width - len(t)) for t in tables]
+        pools = [t.pool for t in tables]
+        shared = pools[0] if all(p is pools[0] for p in pools) else None
+        return cls(pools, torch.tensor(ids, dtype=torch.int64, device=pools[0].device), shared)
+
+    def slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        """Pool rows int64 [B, C] of request b's entries ``idx[b]`` (int64 [B, C], each in [0, held))."""
+        per_block = self.pools[0].entries_per_block(layer)
+        return self.table.gather(1, idx // per_block) * per_block + idx % per_block
+
+    def keys(self, layer: int, kind: str) -> StoredKeys:
+        """Every request's entries of ``layer`` and ``kind`` (``"main"`` or ``"index"``) as one `StoredKeys`
+        over the shared pool (see `offsets`)."""
+        per_block = self.shared.entries_per_block(layer)
+        table = self.table.flatten()
+        return StoredKeys(self.shared.rows(layer, kind), table, per_block, table.numel() * per_block)
+
+    def offsets(self, layer: int) -> torch.Tensor:
+        """int64 [B]: request b's entry j of ``layer`` is entry ``offsets[b] + j`` of `keys`."""
+        b, width = self.table.shape
+        return torch.arange(b, device=self.table.device) * (width * self.pools[0].entries_per_block(layer))
+
+
+def _rings(state: RequestState) -> WindowRings:
+    if not isinstance(state.windows, WindowRings):
+        raise TypeError(
+            "a batched decode step needs the state's rings as WindowRings (Transformer.new_state)"
+        )
+    return state.windows
+
 
 def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: DecodePlan) -> torch.Tensor:
     """`Attention.forward` of one row per request: ``x`` fp32 [B, hidden] → fp32 [B, hidden].
 
-    Writes each request's global entries and window entry as `Attention.forward` does and publishes the
-    same top-k (and candidate blocks) in each segment.
+    Writes each request's global entries and window entry as `Attention.forward` does and selects the same
+    top-k (and candidate blocks), published in the plan (in each segment too while a selection observer is
+    installed).
     """
     info, pos = attn.info, plan.positions
     if attn.compressor is not None:
@@ -80,9 +175,12 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     kv = codec.roundtrip(attn.project_window_kv(x, pos))
     win_kv, win_mask = _window(attn, segs, plan, kv)
     if attn.indexer is not None:
-        _select(attn, qr, x, segs, pos)
+        _select(attn, qr, x, segs, plan)
     if attn.selection_observer is not None and info.compress_ratio:
+        idx, valid = plan.topk[info.idx_src]
         for b, seg in enumerate(segs):
+            k = min(attn.index_topk, len(seg.state.main[info.kv_src]))
+            seg.topk[info.idx_src] = (idx[b : b + 1, :k], valid[b : b + 1, :k])
             attn.selection_observer(
                 Selection(attn, seg, x[b : b + 1], qr[b : b + 1], q[b : b + 1], *seg.topk[info.idx_src])
             )
@@ -90,7 +188,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     if info.compress_ratio:
         key = (info.kv_src, info.idx_src)
         if key not in plan.gathered:
-            plan.gathered[key] = _gather_main(attn, segs)
+            plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
     o = attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
     return attn.project_out(o, pos)
@@ -100,41 +198,37 @@ def _window(
     attn: Attention, segs: list[Segment], plan: DecodePlan, kv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Window keys fp32 [B, W, D] in position order (the ring's older ones, then ``kv`` [B, D]) and their
-    mask; then each ring stores its request's new entry."""
-    layer, codec = attn.info.layer_id, attn.codecs.window
-    rings = [seg.state.windows[layer] for seg in segs]
-    rows, positions = _batched([r.rows for r in rings]), _batched([r.positions for r in rings])
-    b = rows.shape[0]
-    old_pos = positions.flatten().index_select(0, plan.ring_rows).view(b, -1)
+    mask; the new entries are staged in the plan (`DecodePlan.store_windows` stores them)."""
+    layer, codec, b = attn.info.layer_id, attn.codecs.window, kv.shape[0]
+    ring_rows = plan.ring_rows[layer]
+    old_pos = plan.staged_positions.index_select(0, ring_rows.flatten()).view(b, -1)
     held = (old_pos == plan.ring_positions) & plan.ring_open
-    new_rows = codec.encode(kv)
+    start = plan.staged_positions.shape[0] + layer * b
+    new_rows = plan.staged[start : start + b]
+    new_rows.copy_(codec.encode(kv))
     # a slot not holding its position may never have been written (zero bytes do not decode): read the
     # request's new row there instead, masked out like any slot outside the window. Rows are picked by
-    # index_select from the rings and the new rows stacked (uint8 gather and where are ~15x slower on the CPU).
-    pick = torch.where(held, plan.ring_rows.view(b, -1), plan.fresh_rows).flatten()
-    old_rows = torch.cat([rows.flatten(0, 1), new_rows]).index_select(0, pick).view(b, -1, new_rows.shape[-1])
+    # index_select (uint8 gather and where are ~15x slower on the CPU).
+    pick = torch.where(held, ring_rows, plan.fresh_rows[layer]).flatten()
+    old_rows = plan.staged.index_select(0, pick).view(b, -1, new_rows.shape[-1])
     win_kv = torch.cat([codec.decode(old_rows), kv[:, None]], dim=1)
     win_mask = torch.cat([held, plan.fresh_open], dim=1)
-    for i, ring in enumerate(rings):
-        row = new_rows[i : i + 1]
-        ring.store(row if ring.log is None else row.clone(), plan.positions[i : i + 1])
     return win_kv, win_mask
-
-
-def _batched(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)``, or a view of the one tensor (no copy of a lone request's ring)."""
-    return tensors[0][None] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:
     """The compressor of a KV-source layer over the batch: each request's tail takes its row, and the groups
-    completed in this step become index keys and main-KV entries (computed together, stored per request)."""
+    completed in this step become index keys and main-KV entries (computed together, stored per request).
+
+    Raises:
+        ValueError: a tail does not end at its request's position, or a new entry would leave a gap.
+    """
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = comp.wkv(x).float()
     score = comp.wgate(x).float() if r > 1 else None
     done, group_kv, group_score = [], [], []
     for b, seg in enumerate(segs):
-        t = int(pos[b])
+        t = seg.state.num_tokens  # the new row's position
         if r > 1:
             tail = seg.state.tails[layer]
             if tail.count != t % r:
@@ -155,65 +249,84 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
     main = attn.codecs.main.encode(attn.compressed_entries(latent, gids))
     for m, b in enumerate(done):
         state = segs[b].state
-        if bool(state.main[layer].unheld(gids[m : m + 1])[0]):  # a replay never rewrites held entries
+        gid, held = state.num_tokens // r, len(state.main[layer])
+        if gid > held:
+            raise ValueError(f"layer {layer}: entry {gid} would leave a gap after {held}")
+        if gid == held:  # a replay never rewrites held entries
             state.index_keys[layer].write_rows(keys[m : m + 1])
             state.main[layer].write_rows(main[m : m + 1])
 
 
 def _select(
-    attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor
+    attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan
 ) -> None:
-    """Index queries for the whole batch; a candidate consumer then selects per request from its own pool
-    (`Attention.select`); other layers score each request's stored keys (`StoredKeys`) and take top-k and
-    candidate blocks for the whole batch over scores padded with −inf to the longest key list, each segment
-    getting its unpadded columns."""
-    info, indexer = attn.info, attn.indexer
+    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
+
+    Scores are read from each request's stored keys (`StoredKeys`): in one call when the requests share a
+    pool (`BatchTables`), else one call per request. A candidate consumer scores the entries of the
+    candidate source's kept blocks; other layers every entry, padded with −inf to the longest key list.
+    """
+    info, indexer, pos = attn.info, attn.indexer, plan.positions
     q_idx, w = indexer.queries(qr, x, pos, attn.rope, attn.codecs.index_key)
+    stores = [seg.state.index_keys[info.kv_src] for seg in segs]
+    lengths = [len(s) for s in stores]
+    n, dev = max(lengths), x.device
+    # visible_entries of each request (a prefix of its own entries)
+    limit = torch.minimum(
+        torch.div(pos + 1, info.compress_ratio, rounding_mode="floor"), torch.tensor(lengths, device=dev)
+    )
     if info.candidate == "consumer":
-        for b, seg in enumerate(segs):
-            seg.topk[info.layer_id] = attn.select(q_idx[b : b + 1], w[b : b + 1], seg)
+        if plan.candidates is None:
+            raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
+        entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
+    else:
+        cols = torch.arange(n, device=dev)[None, :]
+        entries = torch.where(cols < limit[:, None], cols, -1)
+    tables = plan.tables
+    if tables.shared is not None:
+        off = tables.offsets(info.kv_src)
+        shifted = torch.where(entries >= 0, entries + off[:, None], entries)
+        scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
+    else:
+        keys = [StoredKeys.of(s) for s in stores]
+        scores = index_scores_each(q_idx, w, keys, entries, limit)
+    if info.candidate == "consumer":
+        plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
         return
-    keys = [StoredKeys.of(seg.state.index_keys[info.kv_src]) for seg in segs]
-    lengths = [k.num_entries for k in keys]
-    n, r = max(lengths), info.compress_ratio
-    limit = torch.cat([visible_entries(pos[b : b + 1], lengths[b], r) for b in range(len(segs))])
-    size, top_blocks = attn.candidate_block_size, attn.candidate_topk_blocks
-    scores = torch.full((len(segs), n), float("-inf"), device=x.device)
-    for b, k in enumerate(keys):
-        scores[b, : lengths[b]] = index_scores(q_idx[b : b + 1], w[b : b + 1], k, limit[b : b + 1])[0]
     if info.candidate == "source":
-        blocks, ok = select_candidate_blocks(scores, limit, block_size=size, topk_blocks=top_blocks)
-        for b, seg in enumerate(segs):
-            kb = min(top_blocks, -(-lengths[b] // size))
-            seg.candidates = (blocks[b : b + 1, :kb], ok[b : b + 1, :kb])
-    idx, valid = select_topk(scores, attn.index_topk)
-    for b, seg in enumerate(segs):
-        k = min(attn.index_topk, lengths[b])
-        seg.topk[info.layer_id] = (idx[b : b + 1, :k], valid[b : b + 1, :k])
+        plan.candidates = select_candidate_blocks(
+            scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
+        )
+    plan.topk[info.layer_id] = select_topk(scores, attn.index_topk)
 
 
-def _padded(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-request ``(idx int64 [1, k_b], valid bool [1, k_b])`` → ``[B, max k_b]``, padding 0 / False."""
-    width = max(i.shape[1] for i, _ in pairs)
-    idx = torch.zeros(len(pairs), width, dtype=torch.int64, device=pairs[0][0].device)
-    valid = torch.zeros(len(pairs), width, dtype=torch.bool, device=pairs[0][0].device)
-    for b, (i, v) in enumerate(pairs):
-        idx[b, : i.shape[1]], valid[b, : v.shape[1]] = i[0], v[0]
-    return idx, valid
-
-
-def _gather_main(attn: Attention, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's selected main-KV entries of ``kv_src``, decoded together: ``(fp32 [B, K, D], valid)``
-    (zeros and invalid past a request's own k)."""
+    (zeros past a request's own k, where the top-k is invalid)."""
     info, codec = attn.info, attn.codecs.main
-    picks = [seg.topk[info.idx_src] for seg in segs]
-    idx, valid = _padded(picks)
-    width = idx.shape[1]
-    out = torch.zeros(len(segs) * width, codec.dim, device=idx.device)
-    raws = [
-        seg.state.main[info.kv_src].raw_at(i[0]) for seg, (i, _) in zip(segs, picks, strict=True) if i.numel()
-    ]
-    if raws:
-        at = torch.cat([b * width + torch.arange(i.shape[1]) for b, (i, _) in enumerate(picks)])
-        out[at.to(idx.device)] = codec.decode(torch.cat(raws))
-    return out.view(len(segs), width, codec.dim), valid
+    idx, valid = plan.topk[info.idx_src]
+    b, width, dev = *idx.shape, idx.device
+    stores = [seg.state.main[info.kv_src] for seg in segs]
+    ks = [min(attn.index_topk, len(s)) for s in stores]  # request b's own top-k: its first ks[b] columns
+    at = (
+        (torch.arange(width, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None])
+        .flatten()
+        .nonzero()[:, 0]
+    )
+    out = torch.zeros(b * width, codec.dim, device=dev)
+    if not at.numel():
+        return out.view(b, width, codec.dim), valid
+    slots = plan.tables.slots(info.kv_src, idx)
+    if plan.tables.shared is not None:
+        raw = plan.tables.shared.rows(info.kv_src, "main").index_select(
+            0, slots.flatten().index_select(0, at)
+        )
+    else:
+        raw = torch.cat(
+            [
+                p.rows(info.kv_src, "main").index_select(0, slots[i, : ks[i]])
+                for i, p in enumerate(plan.tables.pools)
+            ]
+        )
+    out[at] = codec.decode(raw)
+    return out.view(b, width, codec.dim), valid

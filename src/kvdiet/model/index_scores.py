@@ -20,6 +20,7 @@ order with whole-tensor ops and gives the same bits. Entries a query may not see
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from kvdiet.formats.mxfp4 import decode_index_key
 if TYPE_CHECKING:
     from kvdiet.model.state import PagedEntries
 
-__all__ = ["StoredKeys", "index_scores", "index_scores_at"]
+__all__ = ["StoredKeys", "index_scores", "index_scores_at", "index_scores_each"]
 
 LANES = 8
 """Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold two keys' lanes)."""
@@ -136,6 +137,41 @@ def index_scores_at(
     return out
 
 
+def index_scores_each(
+    q: torch.Tensor, w: torch.Tensor, keys: Sequence[StoredKeys], entries: torch.Tensor, limit: torch.Tensor
+) -> torch.Tensor:
+    """`index_scores_at` of each query against its own keys (``keys[t]``: a batch of requests on different
+    pools): fp32 [Q, C], the same numbers as Q calls of one query each, in one kernel call per query.
+
+    Raises:
+        ValueError: as `index_scores_at`.
+    """
+    kernels = native.fp4_kernels() if q.device.type == "cpu" else None
+    if kernels is None or any(k.rows.device.type != "cpu" for k in keys):
+        return torch.cat(
+            [
+                index_scores_at(q[t : t + 1], w[t : t + 1], k, entries[t : t + 1], limit[t : t + 1])
+                for t, k in enumerate(keys)
+            ]
+        )
+    q, w, entries = q.float().contiguous(), w.float().contiguous(), entries.contiguous()
+    out = torch.empty(entries.shape)
+    for t, k in enumerate(keys):
+        lim = limit[t : t + 1].clamp(0, k.num_entries)
+        bad = kernels.index_scores(
+            q[t : t + 1],
+            w[t : t + 1],
+            k.rows,
+            k.table.contiguous(),
+            k.per_block,
+            lim,
+            entries[t : t + 1],
+            out[t : t + 1],
+        )
+        _check_scales(bad)
+    return out
+
+
 def _native(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -160,9 +196,14 @@ def _native(
         none if entries is None else entries.contiguous(),
         out,
     )
+    _check_scales(bad)
+    return out
+
+
+def _check_scales(bad: int) -> None:
+    """Raise ValueError when the kernel reported entry ``bad`` (≥ 0) holding a scale byte outside 1..252."""
     if bad >= 0:
         raise ValueError(f"index key entry {bad} holds a scale byte outside 1..252")
-    return out
 
 
 def _ordered_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,24 @@ This module holds storage only; the model's layers decide what to write. Mutatio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
 from kvdiet.formats.codec import Codec
 from kvdiet.model.paged_pool import DevicePool
 
-__all__ = ["BlockTable", "CacheBytes", "CompressorTail", "PagedEntries", "RequestState", "WindowRing"]
+__all__ = [
+    "BlockTable",
+    "CacheBytes",
+    "CompressorTail",
+    "PagedEntries",
+    "RequestState",
+    "WindowRing",
+    "WindowRings",
+]
 
 
 class BlockTable:
@@ -107,10 +117,14 @@ class PagedEntries:
             raise ValueError(
                 f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
             )
-        dev = self.table.pool.device
-        self.table.pool.rows(self.layer, self.kind)[self.slots(torch.arange(self._len, end, device=dev))] = (
-            rows.to(dev)
-        )
+        pages, rows = self.table.pool.rows(self.layer, self.kind), rows.to(self.table.pool.device)
+        at = self._len
+        while at < end:  # one slice per block the rows reach (one for a decode step's entry)
+            block, first = divmod(at, self.per_block)
+            n = min(self.per_block - first, end - at)
+            slot = self.table.ids[block] * self.per_block + first
+            pages[slot : slot + n] = rows[at - self._len : at - self._len + n]
+            at += n
         self._len = end
 
     def raw(self) -> torch.Tensor:
@@ -137,11 +151,25 @@ class PagedEntries:
 class WindowRing:
     """The last ``window`` window entries of one layer, slot ``pos % window``, with their positions."""
 
-    def __init__(self, codec: Codec, window: int, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        window: int,
+        *,
+        device: torch.device | str = "cpu",
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``storage``: the ``(rows [window, width], positions [window])`` to keep the ring in (a request's
+        `WindowRings` passes views of its tensors; they are reset); new tensors on ``device`` when None."""
         self.codec = codec
         self.window = window
-        self.rows = torch.zeros(window, codec.width, dtype=codec.dtype, device=device)
-        self.positions = torch.full((window,), -1, dtype=torch.int64, device=device)
+        if storage is None:
+            storage = (
+                torch.empty(window, codec.width, dtype=codec.dtype, device=device),
+                torch.empty(window, dtype=torch.int64, device=device),
+            )
+        self.rows, self.positions = storage
+        self.clear()
         self.log: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def write(self, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -179,6 +207,45 @@ class WindowRing:
         return self.window * self.codec.bytes_per_entry
 
 
+class WindowRings(Sequence[WindowRing]):
+    """One request's window rings, one per layer, kept in two tensors: ring l is ``rows[l]`` [window, width]
+    and ``positions[l]`` [window] (its `WindowRing` views them), so a decode step reads every layer's ring
+    with one copy and stores every layer's new entry with one write (`store_step`).
+
+    Args:
+        codec: the window codec; window: entries per ring (config ``sliding_window``); layers: rings.
+    """
+
+    def __init__(self, codec: Codec, window: int, layers: int, *, device: torch.device | str = "cpu") -> None:
+        self.rows = torch.empty(layers, window, codec.width, dtype=codec.dtype, device=device)
+        self.positions = torch.empty(layers, window, dtype=torch.int64, device=device)
+        self._rings = [
+            WindowRing(codec, window, storage=(self.rows[i], self.positions[i])) for i in range(layers)
+        ]
+
+    @overload
+    def __getitem__(self, i: int) -> WindowRing: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WindowRing]: ...
+    def __getitem__(self, i: int | slice) -> WindowRing | list[WindowRing]:
+        return self._rings[i]
+
+    def __len__(self) -> int:
+        return len(self._rings)
+
+    def store_step(self, rows: torch.Tensor, position: int) -> None:
+        """Every ring's `WindowRing.store` of one encoded entry: ``rows`` [layers, width] at ``position`` (a
+        decode step's new entries; logged per ring, in layer order, where a ring logs)."""
+        if any(ring.log is not None for ring in self._rings):
+            at = torch.tensor([position], device=self.positions.device)
+            for i, ring in enumerate(self._rings):
+                ring.store(rows[i : i + 1].clone(), at)
+            return
+        slot = position % self.rows.shape[1]
+        self.rows[:, slot] = rows
+        self.positions[:, slot] = position
+
+
 class CompressorTail:
     """fp32 projections of the open group's tokens (a ratio-r compressor), kept until the group completes.
 
@@ -209,7 +276,9 @@ class CompressorTail:
 
     def clear(self) -> None:
         """No open group."""
-        self.replace(self.kv[:0], self.score[:0])
+        self.kv.zero_()
+        self.score.fill_(float("-inf"))
+        self.count = 0
 
     @property
     def nbytes(self) -> int:
@@ -262,7 +331,7 @@ class RequestState:
 
     Attributes:
         num_tokens: positions processed so far (the next token's position).
-        windows: one ring per layer.
+        windows: one ring per layer (`WindowRings` for V4.1: the batched decode step needs them).
         main: main-KV entries per KV-source layer.
         index_keys: index keys per KV-source layer.
         tails: compressor tails per ratio>1 KV-source layer.
@@ -270,7 +339,7 @@ class RequestState:
         engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first).
     """
 
-    windows: list[WindowRing]
+    windows: Sequence[WindowRing]
     main: dict[int, PagedEntries]
     index_keys: dict[int, PagedEntries]
     tails: dict[int, CompressorTail]

@@ -39,7 +39,7 @@ from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.paged_pool import DevicePool
-from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
+from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRings
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 
 __all__ = ["Transformer"]
@@ -171,7 +171,7 @@ class Transformer(nn.Module):
             )
         table = BlockTable(pool, blocks)
         dev = pool.device
-        windows = [WindowRing(c.window, cfg.sliding_window, device=dev) for _ in self.plan.layers]
+        windows = WindowRings(c.window, cfg.sliding_window, len(self.plan.layers), device=dev)
         sources = self.plan.kv_sources
         ratio = {s: self.plan[s].compress_ratio for s in sources}
         tails = {s: CompressorTail(ratio[s], cfg.head_dim, device=dev) for s in sources if ratio[s] > 1}
@@ -316,7 +316,13 @@ class Transformer(nn.Module):
             rows.append((start, start + chunk.numel()))
             start += chunk.numel()
         with_hist: list[torch.Tensor] = []
-        if self.hasher is not None:
+        if self.hasher is not None and start == len(segs):  # one id each: the batch's [B, N] hashed at once
+            hist = torch.stack([s.engram_history for s in states])
+            batch = self.hasher.with_history(self.hasher.compress(torch.cat(ids))[:, None], hist)
+            with_hist = list(batch)
+            for layer in self.hasher.layer_ids:
+                row_ids[layer] = self.hasher.row_ids(layer, batch).flatten(0, 1)
+        elif self.hasher is not None:
             with_hist = [
                 self.hasher.with_history(self.hasher.compress(c), s.engram_history)
                 for s, c in zip(states, ids, strict=True)
@@ -324,7 +330,7 @@ class Transformer(nn.Module):
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
         # a decode step (one row per request): each layer's attention runs over the whole batch at once
-        plan = DecodePlan.for_segments(segs, cfg.sliding_window) if start == len(segs) else None
+        plan = DecodePlan.for_segments(segs) if start == len(segs) else None
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
         prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
         for block in self.layers:
@@ -349,7 +355,9 @@ class Transformer(nn.Module):
                 attn_pre, post, comb = block.coefficients(h, "attn")
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
             h = hc_expand(out, h, post, comb)
-            h, prev_pre = block.ffn_half(h, attn_pre)
+            h, prev_pre = block.ffn_half(h, attn_pre, decode_step=plan is not None)
+        if plan is not None:
+            plan.store_windows(segs)
         for i, (state, chunk) in enumerate(zip(states, ids, strict=True)):
             state.num_tokens += chunk.numel()
             if self.hasher is not None:
