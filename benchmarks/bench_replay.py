@@ -176,7 +176,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.simcore == "auto":  # re-executes this script with the compiled modules (built first if needed)
-        relaunch(build_first=True, log=lambda line: print(f"bench_replay: {line}", file=sys.stderr))
+        command = [str(Path(__file__).resolve()), *sys.argv[1:]]
+        relaunch(command, build_first=True, log=lambda line: print(f"bench_replay: {line}", file=sys.stderr))
     results = []
     if Path(args.trace).is_file():
         t0 = time.perf_counter()

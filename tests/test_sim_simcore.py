@@ -89,6 +89,13 @@ def test_replay_builds_the_core_on_first_use_and_prints_the_same_figures(
     assert got == want
     off = subprocess.run([*cmd, "--simcore", "off"], env=_env(core_dir, None), capture_output=True, text=True)
     assert off.returncode == 0 and json.loads(off.stdout)["simulator_core"] == "python"
+    # a program calling `main` is not the command's own process: it is never re-executed
+    embed = f"from kvdiet.cli import main; print('once'); main({cmd[3:]!r})"
+    called = subprocess.run(
+        [sys.executable, "-c", embed], env=_env(core_dir, None), capture_output=True, text=True
+    )
+    assert called.returncode == 0 and called.stdout.count("once") == 1
+    assert json.loads(called.stdout.split("\n", 1)[1])["simulator_core"] == "python"
 
 
 @pytest.mark.slow
@@ -155,9 +162,13 @@ def test_relaunch_does_nothing_when_turned_off_or_not_built(
     monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("re-executed"))
     lines: list[str] = []
     monkeypatch.setenv("KVDIET_SIMCORE", "0")
-    simcore.relaunch(build_first=True, log=lines.append)  # turned off: returns, builds nothing
+    simcore.relaunch(
+        ["-c", "pass"], build_first=True, log=lines.append
+    )  # turned off: returns, builds nothing
     monkeypatch.delenv("KVDIET_SIMCORE")
-    simcore.relaunch(build_first=False, log=lines.append)  # not built, not asked to build: returns
+    simcore.relaunch(
+        ["-c", "pass"], build_first=False, log=lines.append
+    )  # not built, not asked to build: returns
     assert lines == [] and not any(tmp_path.iterdir())
 
 
@@ -171,13 +182,27 @@ def test_a_failed_build_is_logged_once_and_not_tried_again(
 
     def fail(log: object = None) -> Path:
         tries.append(1)
-        raise simcore.SimcoreError("mypyc build failed (exit 1):\ngcc: not found")
+        raise simcore.SimcoreError(
+            "mypyc build failed (exit 1): error: command 'cc' failed", "...\ncc: not found"
+        )
 
     monkeypatch.setattr(simcore, "build", fail)
+    monkeypatch.setattr(simcore, "_compiler", lambda: "/usr/bin/cc")
+    failed = simcore.build_dir().with_suffix(".failed")
     lines: list[str] = []
-    simcore.relaunch(build_first=True, log=lines.append)
-    assert tries == [1] and "gcc: not found" in lines[0] and os.environ["KVDIET_SIMCORE"] == "0"
-    assert "gcc: not found" in simcore.build_dir().with_suffix(".failed").read_text()
+    simcore.relaunch(["-c", "pass"], build_first=True, log=lines.append)
+    assert tries == [1] and os.environ["KVDIET_SIMCORE"] == "0"
+    assert lines == [
+        "running the Python modules: the compiled simulator core is not available: mypyc build failed (exit 1): "
+        f"error: command 'cc' failed (details: {failed})"
+    ]
+    assert (
+        failed.read_text().splitlines()[0] == "compiler: /usr/bin/cc"
+        and "cc: not found" in failed.read_text()
+    )
     monkeypatch.delenv("KVDIET_SIMCORE")
-    simcore.relaunch(build_first=True, log=lines.append)  # the same sources: not tried again
-    assert tries == [1] and "failed to build" in lines[1]
+    simcore.relaunch(["-c", "pass"], build_first=True, log=lines.append)  # the same sources: not tried again
+    assert tries == [1] and "failed to build" in lines[1] and "delete it to retry" in lines[1]
+    monkeypatch.setattr(simcore, "_compiler", lambda: "/opt/gcc/bin/cc")  # another compiler: tried again
+    simcore.relaunch(["-c", "pass"], build_first=True, log=lines.append)
+    assert tries == [1, 1]

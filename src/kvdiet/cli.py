@@ -98,15 +98,18 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvdiet`` script; returns the exit status (2 on bad input)."""
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one ``kvdiet`` command (``argv``: its arguments, default ``sys.argv[1:]``); returns the exit status
+    (2 on bad input). ``own_process``: this process exists for the command (`entry`), so it may re-execute
+    itself (`kvdiet replay` on the compiled simulator core); a caller embedding kvdiet keeps False."""
     bound_spinning()  # before anything loads torch (`kvdiet.threads`)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the sub-command's own usage, not the top level's
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    args.own_process = argv is None  # this process runs the command line: it may re-execute itself
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.own_process = own_process
     console = Console()
     try:
         if hasattr(args, "threads"):
@@ -138,5 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def entry() -> int:
+    """The ``kvdiet`` script (and ``python -m kvdiet.cli``): `main` in a process of its own."""
+    return main(own_process=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -16,8 +16,9 @@ CPU per run.
 - `activate` puts an import hook first on ``sys.meta_path`` that serves `MODULES` from that build. It must
   run before any of them is imported: a process cannot mix two copies of one class. ``KVDIET_SIMCORE=1``
   in the environment makes ``import kvdiet`` call it; ``0`` turns the core off everywhere.
-- `relaunch` is how ``kvdiet replay`` gets there: it builds (when asked) and re-executes the same command
-  line with ``KVDIET_SIMCORE=1``; the study's forked workers inherit the compiled modules.
+- `relaunch` is how ``kvdiet replay`` gets there: it builds (when asked) and re-executes the command as
+  ``python -m kvdiet.cli ARGS`` with ``KVDIET_SIMCORE=1``; the study's forked workers inherit the compiled
+  modules. The environment variable, read at import, wins over ``--simcore``.
 
 Without mypy or a C compiler, or after a failed build (logged), everything runs on the Python sources.
 """
@@ -35,6 +36,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +68,12 @@ _MYPY_FLAGS = ("--follow-imports=skip", "--ignore-missing-imports")
 
 
 class SimcoreError(RuntimeError):
-    """The compiled core could not be built (no mypy, no C compiler, a type error); the log says why."""
+    """The compiled core could not be built (no mypy, no C compiler, a type error): the message in one line,
+    ``details`` the build's last lines of output."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 def _sources() -> list[Path]:
@@ -74,7 +81,8 @@ def _sources() -> list[Path]:
 
 
 def _key() -> str:
-    """A hash of everything a build depends on: the modules' sources, mypy's version, the Python build."""
+    """A hash of everything a build depends on: the modules' sources, this file (the build's flags), mypy's
+    version, the Python build."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -82,7 +90,7 @@ def _key() -> str:
     except PackageNotFoundError:
         mypy = "none"
     h = hashlib.sha256(f"{mypy}|{sys.version}|{platform.machine()}|{sys.abiflags}".encode())
-    for path in _sources():
+    for path in [Path(__file__), *_sources()]:  # this file too: the build's flags and steps
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -102,8 +110,17 @@ def build_dir() -> Path:
 
 
 def built() -> bool:
-    """Whether the current sources have a finished build."""
-    return (build_dir() / "ok").is_file()
+    """Whether the current sources have a finished build this process can read."""
+    try:
+        return (build_dir() / "ok").is_file() and os.access(build_dir(), os.R_OK | os.X_OK)
+    except OSError:  # an unreadable cache (another user's): as if there were none
+        return False
+
+
+def _compiler() -> str:
+    """The C compiler a build would use (its resolved path), or ``none``."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) or "none"
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -137,7 +154,9 @@ def build(log: Callable[[str], None] | None = None) -> Path:
             return target
         if log is not None:
             log(f"compiling the simulator core with mypyc into {target} (once per source version, ~15 s)")
-        with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as tmp:
+        for leftover in target.parent.glob(f"{target.name}-*"):  # of a build of this key that was killed
+            shutil.rmtree(leftover, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix=f"{target.name}-build-", dir=target.parent) as tmp:
             work = Path(tmp)
             shutil.copytree(
                 _PACKAGE,
@@ -160,24 +179,43 @@ def build(log: Callable[[str], None] | None = None) -> Path:
                 text=True,
             )
             if run.returncode != 0:
-                tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-15:])
-                raise SimcoreError(f"mypyc build failed (exit {run.returncode}):\n{tail}")
-            stage = Path(tempfile.mkdtemp(prefix="stage-", dir=target.parent))
-            for so in work.glob("**/*.so"):
-                if so.relative_to(work).parts[0] == "build":  # setuptools' copies: the in-place ones are used
-                    continue
-                dest = stage / so.relative_to(work)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(so), dest)
-            names = set(_files(stage))
-            missing = [m for m in MODULES if m not in names]
-            if missing or f"{GROUP}__mypyc" not in names:
-                shutil.rmtree(stage, ignore_errors=True)
-                raise SimcoreError(f"mypyc build made no extension for {', '.join(missing) or GROUP}")
-            (stage / "ok").write_text("\n".join(MODULES) + "\n")
-            shutil.rmtree(target, ignore_errors=True)  # an unfinished earlier attempt
-            os.rename(stage, target)
+                lines = (run.stdout + run.stderr).strip().splitlines() or ["(no output)"]
+                tail = "\n".join(lines[-40:])
+                raise SimcoreError(f"mypyc build failed (exit {run.returncode}): {lines[-1][:200]}", tail)
+            stage = Path(tempfile.mkdtemp(prefix=f"{target.name}-stage-", dir=target.parent))
+            try:
+                _stage(work, stage)
+                (stage / "ok").write_text("\n".join(MODULES) + "\n")
+                os.chmod(stage, 0o777 & ~_umask())  # mkdtemp's 0700 would hide a shared cache from others
+                shutil.rmtree(target, ignore_errors=True)  # an unfinished earlier attempt
+                os.rename(stage, target)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)  # left only when the rename did not happen
     return target
+
+
+def _stage(work: Path, stage: Path) -> None:
+    """Move the in-place extensions of a finished build from ``work`` into ``stage``.
+
+    Raises:
+        SimcoreError: a module or the shared library is missing.
+    """
+    for so in work.glob("**/*.so"):
+        if so.relative_to(work).parts[0] == "build":  # setuptools' copies: the in-place ones are used
+            continue
+        dest = stage / so.relative_to(work)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(so), dest)
+    names = set(_files(stage))
+    missing = [m for m in MODULES if m not in names]
+    if missing or f"{GROUP}__mypyc" not in names:
+        raise SimcoreError(f"mypyc build made no extension for {', '.join(missing) or GROUP}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -200,10 +238,13 @@ def activate() -> bool:
     modules then)."""
     if os.environ.get(ENV) == "0" or active():
         return active()
-    root = build_dir()
-    if not (root / "ok").is_file() or any(m in sys.modules for m in MODULES):
+    if not built() or any(m in sys.modules for m in MODULES):
         return False
-    sys.meta_path.insert(0, _Finder(_files(root)))
+    try:
+        files = _files(build_dir())
+    except OSError:
+        return False
+    sys.meta_path.insert(0, _Finder(files))
     return True
 
 
@@ -212,31 +253,48 @@ def active() -> bool:
     return any(isinstance(f, _Finder) for f in sys.meta_path)
 
 
-def relaunch(*, build_first: bool, log: Callable[[str], None]) -> None:
-    """Re-execute this process's command line with the compiled core (``KVDIET_SIMCORE=1``); returns only
+def relaunch(command: list[str], *, build_first: bool, log: Callable[[str], None]) -> None:
+    """Re-execute ``python *command`` with the compiled core (``KVDIET_SIMCORE=1``); returns only
     when it does not: the core is active or turned off already, it is not built and ``build_first`` is
-    False, or the build failed (logged; ``<key>.failed`` beside the build keeps the reason, and later runs of
-    the same sources use the Python modules without trying again; delete it to retry).
+    False, or the build failed (one line logged; ``<key>.failed`` beside the builds keeps the compiler and the
+    build's output, and later runs of the same sources with the same compiler use the Python modules without
+    trying again: delete it to retry).
 
-    For a command's own process only: it replaces the running program (``os.execv``)."""
+    For a program's own process only (`kvdiet.cli.entry`, a benchmark script): it replaces the running
+    program, so ``command`` must run it again (``["-m", "kvdiet.cli", *args]``, ``[script, *args]``).
+    """
     if os.environ.get(ENV) is not None or active():
         return
     if not built():
-        failed = build_dir().with_suffix(".failed")  # a build of these sources failed before: not again
-        if not build_first or failed.is_file():
-            if failed.is_file():
-                log(f"running the Python modules: the compiled simulator core failed to build ({failed})")
+        failed = build_dir().with_suffix(".failed")
+        compiler = f"compiler: {_compiler()}"
+        if not build_first:
+            return
+        if _first_line(failed) == compiler:  # failed before with this compiler: not again
+            log(
+                f"running the Python modules: the simulator core failed to build ({failed}; delete it to retry)"
+            )
             return
         try:
             build(log)
         except (SimcoreError, OSError) as exc:
-            log(f"the compiled simulator core is not available, running the Python modules: {exc}")
+            where = ""
             if isinstance(exc, SimcoreError):
                 with contextlib.suppress(OSError):
-                    failed.write_text(f"{exc}\n")
+                    failed.write_text(f"{compiler}\n{exc}\n{exc.details}\n")
+                    where = f" (details: {failed})"
+            log(f"running the Python modules: the compiled simulator core is not available: {exc}{where}")
             os.environ[ENV] = "0"
             return
     os.environ[ENV] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    os.execv(sys.executable, [sys.executable, *command])
+
+
+def _first_line(path: Path) -> str | None:
+    try:
+        with open(path) as f:
+            return f.readline().rstrip("\n")
+    except OSError:
+        return None
