@@ -87,6 +87,13 @@ def test_replay_builds_the_core_on_first_use_and_prints_the_same_figures(
     got, want = json.loads(compiled.stdout), json.loads(python.stdout)
     assert (got.pop("simulator_core"), want.pop("simulator_core")) == ("mypyc", "python")
     assert got == want
+    # the `kvdiet` script, run where a file shadows a module the simulator imports: the re-executed process
+    # does not put the working directory on sys.path either (python -P)
+    (tmp_path / "bisect.py").write_text("raise ImportError('the working directory was put on sys.path')\n")
+    script = [str(Path(sys.executable).with_name("kvdiet")), *cmd[3:]]
+    shadowed = subprocess.run(script, cwd=tmp_path, env=_env(core_dir, None), capture_output=True, text=True)
+    assert shadowed.returncode == 0, shadowed.stderr
+    assert json.loads(shadowed.stdout)["simulator_core"] == "mypyc"
     off = subprocess.run([*cmd, "--simcore", "off"], env=_env(core_dir, None), capture_output=True, text=True)
     assert off.returncode == 0 and json.loads(off.stdout)["simulator_core"] == "python"
     # a program calling `main` is not the command's own process: it is never re-executed

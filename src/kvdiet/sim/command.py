@@ -190,7 +190,7 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
     if args.mode == "model-free" and args.simcore == "auto" and getattr(args, "own_process", False):
         from kvdiet.sim.simcore import relaunch
 
-        command = ["-m", "kvdiet.cli", *args.argv]
+        command = ["-P", "-m", "kvdiet.cli", *args.argv]  # -P: the working directory shadows no module
         relaunch(command, build_first=True, log=lambda line: print(f"kvdiet replay: {line}", file=sys.stderr))
     trace = sessions() if sessions else read_trace(args.trace, format=args.format, strict=args.strict)
     for line in trace.errors[:10]:

@@ -17,7 +17,7 @@ CPU per run.
   run before any of them is imported: a process cannot mix two copies of one class. ``KVDIET_SIMCORE=1``
   in the environment makes ``import kvdiet`` call it; ``0`` turns the core off everywhere.
 - `relaunch` is how ``kvdiet replay`` gets there: it builds (when asked) and re-executes the command as
-  ``python -m kvdiet.cli ARGS`` with ``KVDIET_SIMCORE=1``; the study's forked workers inherit the compiled
+  ``python -P -m kvdiet.cli ARGS`` with ``KVDIET_SIMCORE=1``; the study's forked workers inherit the compiled
   modules. The environment variable, read at import, wins over ``--simcore``.
 
 Without mypy or a C compiler, or after a failed build (logged), everything runs on the Python sources.
@@ -261,7 +261,7 @@ def relaunch(command: list[str], *, build_first: bool, log: Callable[[str], None
     trying again: delete it to retry).
 
     For a program's own process only (`kvdiet.cli.entry`, a benchmark script): it replaces the running
-    program, so ``command`` must run it again (``["-m", "kvdiet.cli", *args]``, ``[script, *args]``).
+    program, so ``command`` must run it again (``["-P", "-m", "kvdiet.cli", *args]``, ``[script, *args]``).
     """
     if os.environ.get(ENV) is not None or active():
         return
