@@ -249,10 +249,7 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
     main = attn.codecs.main.encode(attn.compressed_entries(latent, gids))
     for m, b in enumerate(done):
         state = segs[b].state
-        gid, held = state.num_tokens // r, len(state.main[layer])
-        if gid > held:
-            raise ValueError(f"layer {layer}: entry {gid} would leave a gap after {held}")
-        if gid == held:  # a replay never rewrites held entries
+        if state.main[layer].is_next(state.num_tokens // r):  # a replay never rewrites held entries
             state.index_keys[layer].write_rows(keys[m : m + 1])
             state.main[layer].write_rows(main[m : m + 1])
 

@@ -141,34 +141,18 @@ def index_scores_each(
     q: torch.Tensor, w: torch.Tensor, keys: Sequence[StoredKeys], entries: torch.Tensor, limit: torch.Tensor
 ) -> torch.Tensor:
     """`index_scores_at` of each query against its own keys (``keys[t]``: a batch of requests on different
-    pools): fp32 [Q, C], the same numbers as Q calls of one query each, in one kernel call per query.
+    pools): fp32 [Q, C], the same numbers as Q calls of one query each, written in place (one kernel call per
+    query, no copies).
 
     Raises:
         ValueError: as `index_scores_at`.
     """
-    kernels = native.fp4_kernels() if q.device.type == "cpu" else None
-    if kernels is None or any(k.rows.device.type != "cpu" for k in keys):
-        return torch.cat(
-            [
-                index_scores_at(q[t : t + 1], w[t : t + 1], k, entries[t : t + 1], limit[t : t + 1])
-                for t, k in enumerate(keys)
-            ]
-        )
-    q, w, entries = q.float().contiguous(), w.float().contiguous(), entries.contiguous()
-    out = torch.empty(entries.shape)
+    out = torch.empty(entries.shape, device=q.device)
     for t, k in enumerate(keys):
-        lim = limit[t : t + 1].clamp(0, k.num_entries)
-        bad = kernels.index_scores(
-            q[t : t + 1],
-            w[t : t + 1],
-            k.rows,
-            k.table.contiguous(),
-            k.per_block,
-            lim,
-            entries[t : t + 1],
-            out[t : t + 1],
-        )
-        _check_scales(bad)
+        one = slice(t, t + 1)
+        lim = limit[one].clamp(0, k.num_entries)
+        if _native(q[one], w[one], k, lim, entries[one], entries.shape[1], out=out[one]) is None:
+            out[one] = index_scores_at(q[one], w[one], k, entries[one], limit[one])
     return out
 
 
@@ -179,12 +163,15 @@ def _native(
     limit: torch.Tensor,
     entries: torch.Tensor | None,
     width: int,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The compiled kernel's scores, or None where the pure-torch path runs."""
+    """The compiled kernel's scores fp32 [Q, width] (into ``out`` when given: contiguous, on the CPU), or None
+    where the pure-torch path runs."""
     kernels = native.fp4_kernels() if q.device.type == "cpu" and keys.rows.device.type == "cpu" else None
     if kernels is None:
         return None
-    out = torch.empty(q.shape[0], width)
+    out = torch.empty(q.shape[0], width) if out is None else out
     none = torch.empty(0, 0, dtype=torch.int64)
     bad = kernels.index_scores(
         q.float().contiguous(),

@@ -91,11 +91,19 @@ class PagedEntries:
             ValueError: the first unheld id would leave a gap after the held entries.
         """
         new = ids >= self._len
-        if bool(new.any()) and int(ids[new][0]) != self._len:
-            raise ValueError(
-                f"layer {self.layer}: entry {int(ids[new][0])} would leave a gap after {self._len}"
-            )
+        if bool(new.any()):
+            self.is_next(int(ids[new][0]))
         return new
+
+    def is_next(self, entry: int) -> bool:
+        """Whether entry id ``entry`` is the next one to write (False: held already, a replay's).
+
+        Raises:
+            ValueError: ``entry`` would leave a gap after the held entries.
+        """
+        if entry > self._len:
+            raise ValueError(f"layer {self.layer}: entry {entry} would leave a gap after {self._len}")
+        return entry == self._len
 
     def append(self, values: torch.Tensor) -> None:
         """Encode and store fp32 ``values`` [M, dim] as entries ``len .. len+M−1`` (blocks must be reserved)."""

@@ -213,9 +213,8 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
         study, facts = _model_free(trace, jobs, args, err)
         from kvdiet.sim.simcore import active
 
-        core = "mypyc" if active() else "python"  # which modules ran the simulations (the same figures)
         out |= {"runs": [r.as_dict() for r in study.runs], "sweeps": _sweeps_json(study), "findings": facts}
-        out["simulator_core"] = core
+        out["simulator_core"] = "mypyc" if active() else "python"  # which modules ran (the same figures)
     elif args.mode == "engine":
         engine = _engine(trace, jobs, args, err)
         out["engine"] = [e.summary() | {"ttft_s": [round(x, 4) for x in e.ttft_s]} for e in engine]

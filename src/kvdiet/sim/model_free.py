@@ -149,9 +149,8 @@ class _Run:
         self.lookup_tokens = 0
         self.sources = dict.fromkeys(WindowSource, 0)
         self.flops = 0.0
-        self.boundaries: set[Hashable] = (
-            set()
-        )  # prefix ids at which an earlier request's prompt or output ended
+        # prefix ids at which an earlier request's prompt or output ended
+        self.boundaries: set[Hashable] = set()
         self.boundary_hits = 0  # requests whose hit H ends at such a boundary (where a snapshot can be)
         self.hits = 0  # requests with any global-KV hit
         self.ages: list[float] = []
