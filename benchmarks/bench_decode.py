@@ -3,8 +3,10 @@
 Caches are filled directly (random entries encoded in the real packed formats, tiled to the context
 length) rather than by prefill, so a 1M-token context is ready in seconds. For each context the script
 times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
-swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the packed bytes one step must read
-against this machine's measured copy bandwidth (the floor a bandwidth-bound kernel could reach).
+swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the bytes one step must read against
+this machine's measured read bandwidth (the floor a bandwidth-bound step could reach): the packed cache bytes
+(KV floor), and those plus the weights a one-request step reads (step floor: at short contexts the weights
+dominate).
 Then it prefills one prompt at several chunk sizes, and measures how far decoder-side replay moves the last
 position's logits against a full prefill. Prints tables, then one JSON line.
 
@@ -34,12 +36,14 @@ from kvdiet.units import parse_count
 SEED = 0
 
 
-def copy_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
-    """Bytes per second of ``torch.clone`` on ``device`` (read + write counted once, as a copy's throughput)."""
+def read_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
+    """Bytes per second ``device`` reads: a sum over a 1 GiB fp32 tensor written beforehand, best of 3.
+
+    A decode step only reads its caches and weights, so its floor is set by read bandwidth. (A copy into a
+    new tensor is no measure of it: on the CPU its page faults dominate, 5-10x below the read rate.)"""
     x = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    x.clone()
-    best = min(seconds(x.clone, device) for _ in range(3))
-    return num_bytes / best
+    x.sum()
+    return num_bytes / min(seconds(x.sum, device) for _ in range(3))
 
 
 def fill_state(model: Transformer, context: int, gen: torch.Generator) -> RequestState:
@@ -73,18 +77,39 @@ def fill_state(model: Transformer, context: int, gen: torch.Generator) -> Reques
 
 
 def step_bytes(model: Transformer, context: int) -> int:
-    """Packed bytes one decode step reads: every index layer's source keys, each sparse layer's top-k
-    main entries, every window ring."""
-    cfg, plan = model.cfg, model.plan
-    total = 0
+    """Packed cache bytes one decode step reads: each index source's keys (a candidate consumer only its pool of
+    ``candidate_topk_blocks × candidate_block_size`` entries), the top-k main entries once per (KV source,
+    top-k source) pair (the Reuse layers sharing a pair read the same entries), every layer's window ring."""
+    cfg, plan, codecs = model.cfg, model.plan, model.codecs
+    pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    total, pairs = 0, set()
     for info in plan.layers:
         ratio = info.compress_ratio
+        entries = context // ratio if ratio else 0
         if info.owns_indexer:
-            total += (context // ratio) * model.codecs.index_key.bytes_per_entry
-        if ratio:
-            total += min(cfg.index_topk, context // ratio) * model.codecs.main.bytes_per_entry
-        total += min(context, cfg.sliding_window) * model.codecs.window.bytes_per_entry
+            scored = min(entries, pool) if info.candidate == "consumer" else entries
+            total += scored * codecs.index_key.bytes_per_entry
+        if ratio and (info.kv_src, info.idx_src) not in pairs:
+            pairs.add((info.kv_src, info.idx_src))
+            total += min(cfg.index_topk, entries) * codecs.main.bytes_per_entry
+        total += min(context, cfg.sliding_window) * codecs.window.bytes_per_entry
     return total
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Weight bytes one request's decode step reads: every parameter, but one row of the token embedding and
+    ``num_experts_per_tok / n_routed_experts`` of the routed experts (the token's experts; all are one size).
+    Engram tables are buffers of which a step reads a few rows: not counted."""
+    cfg = model.cfg
+    total = 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if name == "embed.weight":
+            nbytes = p.shape[-1] * p.element_size()
+        elif ".ffn.experts." in name:
+            nbytes *= cfg.num_experts_per_tok / cfg.n_routed_experts
+        total += nbytes
+    return int(total)
 
 
 def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[float, dict[str, float]]:
@@ -149,15 +174,18 @@ def main() -> None:
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     model, _ = load_model("v4.1-mini", seed=SEED, device=args.device)
-    bandwidth = copy_bandwidth(device=args.device)
+    bandwidth = read_bandwidth(device=args.device)
+    weights = weight_bytes(model)
     rows = []
     room = model.cfg.max_position_embeddings - (args.steps + 1)  # the timed steps must still fit
     for context in (min(parse_count(c), room) for c in args.contexts.split(",")):
         state = fill_state(model, context, gen)
         step_s, roles = time_decode(model, state, args.steps)
-        read = step_bytes(model, context)
-        rows.append({"context": context, "step_seconds": step_s, "roles": roles, "bytes_read": read,
-                     "floor_seconds": read / bandwidth, "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
+        kv = step_bytes(model, context)
+        rows.append({"context": context, "step_seconds": step_s, "roles": roles, "kv_bytes_read": kv,
+                     "weight_bytes_read": weights, "kv_floor_seconds": kv / bandwidth,
+                     "floor_seconds": (kv + weights) / bandwidth,
+                     "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
         del state
     prompt = torch.randint(0, model.cfg.vocab_size, (parse_count(args.prefill_tokens),), generator=gen)
     prefill = {int(c): time_prefill(model, prompt, int(c)) for c in args.chunks.split(",")}
@@ -166,7 +194,7 @@ def main() -> None:
         "bench": "decode",
         "model": "v4.1-mini",
         "device": args.device,
-        "copy_gb_per_s": bandwidth / 1e9,
+        "read_gb_per_s": bandwidth / 1e9,
         "decode": rows,
         "growth_1m_over_4k": rows[-1]["step_seconds"] / rows[0]["step_seconds"] if len(rows) > 1 else None,
         "prefill_tokens": prompt.numel(),
@@ -174,23 +202,26 @@ def main() -> None:
         "decoder_replay_max_abs_logit_drift": drift,
     }
     if not args.json_only:
-        console = Console(width=150)
-        table = Table(title=f"v4.1-mini decode step (copy bandwidth {bandwidth / 1e9:.1f} GB/s)")
+        console = Console(width=170)
+        table = Table(title=f"v4.1-mini decode step (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
         for col in (
             "context",
             "global KV",
             "step ms",
-            "bytes read",
+            "KV read",
+            "weights read",
             "floor ms",
             "step/floor",
+            "step/KV floor",
             "slowest roles (ms)",
         ):
             table.add_column(col, justify="right")
         for r in rows:
             top = sorted(r["roles"].items(), key=lambda kv: -kv[1])[:3]
             table.add_row(f"{r['context']:,}", f"{r['global_bytes'] / 1e6:,.1f} MB", f"{r['step_seconds'] * 1e3:,.0f}",
-                          f"{r['bytes_read'] / 1e6:,.1f} MB", f"{r['floor_seconds'] * 1e3:,.2f}",
-                          f"{r['step_seconds'] / r['floor_seconds']:,.1f}×",
+                          f"{r['kv_bytes_read'] / 1e6:,.1f} MB", f"{r['weight_bytes_read'] / 1e6:,.1f} MB",
+                          f"{r['floor_seconds'] * 1e3:,.2f}", f"{r['step_seconds'] / r['floor_seconds']:,.1f}×",
+                          f"{r['step_seconds'] / r['kv_floor_seconds']:,.1f}×",
                           ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top))  # fmt: skip
         console.print(table)
         pt = Table(title=f"prefill of {prompt.numel():,} tokens (decoder-side replay on)")
