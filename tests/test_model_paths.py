@@ -282,3 +282,22 @@ def test_batched_decode_on_one_pool_equals_private_pools_bit_for_bit(micro: Tran
         for layer in s.main:
             assert torch.equal(s.main[layer].raw(), p.main[layer].raw())
             assert torch.equal(s.index_keys[layer].raw(), p.index_keys[layer].raw())
+
+
+@pytest.mark.parametrize("floor", [0, 13, 16])
+def test_window_band_reads_what_the_dense_window_mask_reads(micro_exact: Transformer, floor: int) -> None:
+    """Each query's band holds exactly the keys `window_mask` lets it read over the whole window (ring entries
+    with empty slots and a gap, then the new rows), under a bounded-replay floor too."""
+    attn = micro_exact.layers[0].attn
+    w, d = attn.window, 4
+    pos = torch.arange(16, 23)  # the new rows
+    older = torch.tensor([-1, -1, 9, 10, 12, 13, 14, 15])  # two empty slots, position 11 missing
+    win_pos = torch.cat([older, pos])
+    win_kv = torch.arange(win_pos.numel() * d, dtype=torch.float32).view(-1, d)
+    band, mask = attn.window_band(win_kv, win_pos, pos, floor)
+    dense = attn.window_mask(pos, win_pos, floor)
+    assert band.shape == (pos.numel(), w, d) and mask.shape == (pos.numel(), w)
+    for i in range(pos.numel()):
+        want = win_kv[dense[i]]
+        assert torch.equal(band[i][mask[i]], want), i
+    assert int(mask.sum()) == int(dense.sum()) > pos.numel()  # some query reads ring entries too

@@ -21,7 +21,7 @@ from kvdiet.model.attention import attend
 from kvdiet.model.triton_decode import attend_packed, sparse_partials
 
 
-def case(device, *, b, h, k, splits, seed):
+def case(device, *, b, h, k, splits, seed, band=False):
     g = torch.Generator().manual_seed(seed)
     d, n, w = 512, 97, 9
     # entries of every magnitude: normal and subnormal E4M3 scales, zeros, saturated blocks
@@ -32,7 +32,7 @@ def case(device, *, b, h, k, splits, seed):
     slots = torch.randint(0, n, (b, k), generator=g)
     valid = torch.rand(b, k, generator=g) < 0.8
     valid[0] = False  # a query that selects nothing: only the window and the sink
-    win_kv = torch.randn(w, d, generator=g)
+    win_kv = torch.randn(b, w, d, generator=g) if band else torch.randn(w, d, generator=g)  # own or shared
     win_mask = torch.rand(b, w, generator=g) < 0.7
     sink = torch.randn(h, generator=g)
     scale = d**-0.5
@@ -56,6 +56,7 @@ def run(device):
         case(device, b=3, h=4, k=40, splits=1, seed=0),
         case(device, b=2, h=5, k=70, splits=3, seed=1),  # heads padded to 16, a partial last block
         case(device, b=2, h=20, k=16, splits=1, seed=2),  # two blocks of 16 heads
+        case(device, b=3, h=4, k=40, splits=2, seed=3, band=True),  # each query its own window (prefill)
     ]
 """
 
@@ -66,7 +67,7 @@ def _check(results: list[dict]) -> None:
         assert r["argmax_equal"], r
         assert r["m_err"] < 1e-4, r
         assert r["empty_m"], r  # a query with no valid slot: m = −inf, l = 0 in every split
-    assert [r["splits"] for r in results] == [1, 3, 1]
+    assert [r["splits"] for r in results] == [1, 3, 1, 2]
 
 
 def test_the_kernel_matches_attend_in_tritons_interpreter() -> None:

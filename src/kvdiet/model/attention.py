@@ -47,9 +47,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Attention", "Segment", "Selection", "attend"]
 
-# Query rows per attention block: 8 queries × top-512 × 512 dims of gathered fp32 entries (8 MiB) stay in
-# the last-level cache between the score and the value products (6× faster than 64 on a 32 MiB L3).
-_QUERY_BLOCK = 8
+# Bytes of fp32 keys one attention block reads per query block (each query's window band and its gathered
+# top-k entries): they stay in the last-level cache between the score and the value products. At V4.1's widths
+# (window 128, top-512, 512 dims) that is 6 query rows (8 rows were 6× faster than 64 on a 32 MiB L3); at small
+# widths a whole prompt is one block.
+_ATTEND_BUDGET = 8 << 20
 # Scores materialised at once by `Attention.select`: query rows × scored entries (64 MiB as fp32).
 _SCORE_BUDGET = 1 << 24
 
@@ -278,26 +280,54 @@ class Attention(nn.Module):
             seg.topk[info.layer_id] = self.select(q_idx, w, seg)
         if self.selection_observer is not None and info.compress_ratio:
             self.selection_observer(Selection(self, seg, x, qr, q, *seg.topk[info.idx_src]))
-        o = torch.empty(pos.shape[0], self.n_heads, self.head_dim)
-        for s in range(0, pos.shape[0], _QUERY_BLOCK):
-            e = min(pos.shape[0], s + _QUERY_BLOCK)
-            lo = int(torch.searchsorted(win_pos, pos[s] - self.window + 1))
-            hi = int(torch.searchsorted(win_pos, pos[e - 1], right=True))
-            mask = self.window_mask(pos[s:e], win_pos[lo:hi], seg.window_floor)
+        band_kv, band_mask = self.window_band(win_kv, win_pos, pos, seg.window_floor)
+        t = pos.shape[0]
+        o = torch.empty(t, self.n_heads, self.head_dim, device=q.device)
+        k = self.index_topk if info.compress_ratio else 0
+        rows = max(1, _ATTEND_BUDGET // ((self.window + k) * self.head_dim * 4))
+        for s in range(0, t, rows):
+            e = min(t, s + rows)
             comp = comp_mask = None
             if info.compress_ratio:
                 idx, valid = seg.topk[info.idx_src]
                 store = seg.state.main[info.kv_src]
                 if q.is_cuda and store.codec.decode is decode_main_kv and triton_decode.available():
-                    rows = seg.state.table.pool.rows(info.kv_src, "main")  # packed, read in place
+                    packed = seg.state.table.pool.rows(info.kv_src, "main")  # read in place
                     slots = store.slots(idx[s:e])
                     o[s:e] = triton_decode.attend_packed(
-                        q[s:e], win_kv[lo:hi], mask, rows, slots, valid[s:e], self.attn_sink, self.scale
+                        q[s:e],
+                        band_kv[s:e],
+                        band_mask[s:e],
+                        packed,
+                        slots,
+                        valid[s:e],
+                        self.attn_sink,
+                        self.scale,
                     )
                     continue
                 comp, comp_mask = self._gather_main(seg, idx[s:e]), valid[s:e]
-            o[s:e] = attend(q[s:e], win_kv[lo:hi], mask, comp, comp_mask, self.attn_sink, self.scale)
+            o[s:e] = attend(q[s:e], band_kv[s:e], band_mask[s:e], comp, comp_mask, self.attn_sink, self.scale)
         return self.project_out(o, pos)
+
+    def window_band(
+        self, win_kv: torch.Tensor, win_pos: torch.Tensor, pos: torch.Tensor, floor: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's own window: ``(fp32 [T, W, D], bool [T, W])``, a view of ``win_kv`` and its mask.
+
+        ``win_kv`` [L, D] holds entries at ascending distinct positions ``win_pos`` int64 [L] (−1: empty, at
+        the front), ending with the T query rows at ``pos``. The keys query i may read (positions in
+        ``[max(pos[i] − W + 1, floor), pos[i]]``) are then a run of at most W rows ending at its own row: row
+        ``L − T + i``. Query i's band is the W rows ending there (the rows before the first are W − 1 padding
+        rows at position −1); the mask keeps the readable ones (`window_mask` of each query alone).
+        """
+        w, (n, d), t = self.window, win_kv.shape, pos.shape[0]
+        padded = torch.cat([win_kv.new_zeros(w - 1, d), win_kv])
+        padded_pos = torch.cat([win_pos.new_full((w - 1,), -1), win_pos])
+        first = n - t  # padded row of query 0's oldest band slot: (n − t + w − 1) − (w − 1)
+        band = padded.as_strided((t, w, d), (d, d, 1), first * d)
+        band_pos = padded_pos.as_strided((t, w), (1, 1), first)
+        lo = torch.clamp(pos - w + 1, min=floor)[:, None]
+        return band, (band_pos >= lo) & (band_pos <= pos[:, None]) & (band_pos >= 0)
 
     def _gather_main(self, seg: Segment, idx: torch.Tensor) -> torch.Tensor:
         """Decoded main-KV entries of ``kv_src`` at ``idx`` [B, k] → fp32 [B, k, D]; decodes the whole

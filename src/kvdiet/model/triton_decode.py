@@ -195,20 +195,23 @@ def attend_packed(
     """`kvdiet.model.attention.attend` with the selected entries read packed: fp32 [B, H, D].
 
     Args:
-        q: fp32 [B, H, D]; win_kv fp32 [L, D] with win_mask bool [B, L]; sink fp32 [H]; scale as ``attend``.
+        q: fp32 [B, H, D]; win_kv fp32 [L, D] shared by the queries, or [B, L, D] each query's own (its window
+            band), with win_mask bool [B, L]; sink fp32 [H]; scale as ``attend``.
         rows, slots, valid, splits: the packed selection, as `sparse_partials`.
     Raises:
         ValueError: as `sparse_partials`.
     """
     m, l_sum, acc = sparse_partials(q, rows, slots, valid, scale, splits=splits)
     b, h, _ = q.shape
-    win = (q.reshape(b * h, -1) @ win_kv.T).view(b, h, -1).mul_(scale)
+    shared = win_kv.dim() == 2
+    win = (q.reshape(b * h, -1) @ win_kv.T).view(b, h, -1) if shared else torch.bmm(q, win_kv.transpose(1, 2))
+    win = win.mul_(scale)
     win = win.masked_fill_(~win_mask[:, None, :], float("-inf"))
     sink = sink.float()[None, :].expand(b, h)
     top = torch.maximum(torch.maximum(win.amax(-1), m.amax(1)), sink)  # [B, H]; the sink is finite
     p_win = torch.exp(win - top[..., None])
     weight = torch.exp(m - top[:, None, :])  # [B, S, H]; 0 for a split with no valid slot
     total = p_win.sum(-1) + (weight * l_sum).sum(1) + torch.exp(sink - top)
-    out = (p_win.reshape(b * h, 1, -1) @ win_kv).view(b, h, -1)
+    out = (p_win.reshape(b * h, 1, -1) @ win_kv).view(b, h, -1) if shared else torch.bmm(p_win, win_kv)
     out += (weight[..., None] * acc).sum(1)
     return out / total[..., None]
