@@ -177,3 +177,17 @@ def test_fp8_window_errors_name_the_same_row(monkeypatch, env):
     packed[3, -1] = 0
     with pytest.raises(ValueError, match=r"^mxfp8: stored scale byte 0 is outside"):
         fp8.decode_window(packed)
+
+
+def test_kernels_run_on_torchs_intra_op_threads() -> None:
+    """Built with OpenMP, the kernels' at::parallel_for uses torch's threads (without it: one thread, silently)."""
+    kernels = native.fp4_kernels()
+    assert kernels is not None
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernels.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert kernels.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -90,10 +90,21 @@ int64_t decode_fp8(at::Tensor packed, int64_t lo, int64_t hi, at::Tensor out) {
   return first_noted(bad);
 }
 
+// The threads at::parallel_for spreads n one-item tasks over: torch's intra-op threads (torch.set_num_threads).
+// The kernels are built with OpenMP (-fopenmp); without it at::parallel_for runs every kernel on one thread.
+int64_t parallel_threads(int64_t n) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    seen |= uint64_t{1} << std::min<int64_t>(at::get_thread_num(), 63);
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_fp4", &encode_fp4, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp4", &decode_fp4, py::call_guard<py::gil_scoped_release>());
   m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
+  m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -9,7 +9,9 @@ The kernels are JIT-built by
 default ``~/.cache/torch_extensions``; one build at a time under an flock, so a killed build never blocks
 the next) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the CPU capability torch
 detects (AVX512, AVX2 or baseline; part of the build's name, so machines sharing a cache directory never
-load each other's build). The first build takes about a minute; later processes load it in milliseconds.
+load each other's build), and with OpenMP: the kernels split their rows over torch's intra-op threads
+(``torch.set_num_threads``, kvdiet's ``--threads``; OpenMP resolves to the runtime torch loaded). The first
+build takes about a minute; later processes load it in milliseconds.
 
 ``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
 failed build logs a warning once and uses the pure-torch path too. It knows nothing of entry layouts
@@ -48,8 +50,8 @@ _log = logging.getLogger(__name__)
 
 
 def fp4_kernels() -> ModuleType | None:
-    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``encode_fp8``, ``decode_fp8``), or
-    None for the pure-torch path.
+    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``encode_fp8``, ``decode_fp8``, and
+    ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).
@@ -79,7 +81,8 @@ def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load_inline
 
     isa = cpu_isa()
-    flags = ["-O3", "-ffp-contract=off", *_ISA_FLAGS.get(isa, [])]  # no FMA contraction: exact IEEE steps
+    # no FMA contraction: exact IEEE steps; OpenMP: at::parallel_for is serial without it
+    flags = ["-O3", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
     source = "\n".join(path.read_text() for path in _SOURCES)  # one translation unit
     digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
     name = f"kvdiet_fp4_{isa.lower()}_{digest}"
