@@ -69,8 +69,9 @@ def attend(
 
     Args:
         q: fp32 [B, H, D] queries.
-        win_kv: fp32 [L, D] window entries shared by the block, or [B, L, D] each query's own (a batched
-            decode step: one query per request); ``win_mask`` bool [B, L].
+        win_kv: fp32 [L, D] window entries shared by the queries (the no-cache reference), or [B, L, D] each
+            query's own (its window band in a prefill, its request's window in a batched decode step); may
+            be a strided view; ``win_mask`` bool [B, L].
         comp_kv: fp32 [B, K, D] per-query selected entries (or None); ``comp_mask`` bool [B, K].
         sink: fp32 [H] per-head sink logits.
         scale: softmax scale (head_dim^-½).
