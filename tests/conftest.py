@@ -1,4 +1,4 @@
-"""Shared fixtures: paths of the shipped configs."""
+"""Shared fixtures: paths of the shipped configs, the two kernel paths (compiled and pure torch)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def format_backend(request):
             mp.delenv(native.ENV, raising=False)
             assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
         yield request.param
+
+
+@pytest.fixture(scope="session")
+def both():
+    """``both(fn, *args, **kwargs)``: (result with the compiled kernels, which must build here; result on the
+    pure-torch path, ``KVDIET_NATIVE_KERNELS=0``). Session-scoped (it restores the variable itself), so
+    hypothesis tests may use it."""
+    from kvdiet.formats import native
+
+    assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
+
+    def run(fn, *args, **kwargs):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(native.ENV, raising=False)
+            compiled = fn(*args, **kwargs)
+            mp.setenv(native.ENV, "0")
+            pure = fn(*args, **kwargs)
+        return compiled, pure
+
+    return run
 
 
 @pytest.fixture(

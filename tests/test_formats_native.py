@@ -17,22 +17,6 @@ CODECS = [
 ]
 
 
-@pytest.fixture
-def both(monkeypatch):
-    """``both(fn, *args, **kw)``: (compiled result, pure-torch result)."""
-    assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
-
-    def run(fn, *args, **kwargs):
-        monkeypatch.delenv(native.ENV, raising=False)
-        compiled = fn(*args, **kwargs)
-        monkeypatch.setenv(native.ENV, "0")
-        pure = fn(*args, **kwargs)
-        monkeypatch.delenv(native.ENV)
-        return compiled, pure
-
-    return run
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 

@@ -13,22 +13,6 @@ from kvdiet.model.selection import candidate_entries, select_topk, select_topk_a
 NEG = float("-inf")
 
 
-@pytest.fixture
-def both(monkeypatch):
-    """``both(fn, *args)``: (compiled result, pure-torch result)."""
-    assert native.fp4_kernels() is not None, "the FP4 kernels did not build"
-
-    def run(fn, *args):
-        monkeypatch.delenv(native.ENV, raising=False)
-        compiled = fn(*args)
-        monkeypatch.setenv(native.ENV, "0")
-        pure = fn(*args)
-        monkeypatch.delenv(native.ENV)
-        return compiled, pure
-
-    return run
-
-
 def _case(seed: int, q: int, h: int, d: int, n: int):
     gen = torch.Generator().manual_seed(seed)
     queries = torch.randn(q, h, d, generator=gen)

@@ -1,15 +1,28 @@
-"""Top-k, candidate blocks and the masked softmax (cases B05, B11; v41-spec §4)."""
+"""Top-k, candidate blocks and the masked softmax (cases B05, B11; v41-spec §4), on the compiled selection
+kernels and on the pure-torch path, and the two against each other exactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiet.model.attention import attend
-from kvdiet.model.selection import candidate_mask, select_candidate_blocks, select_topk, visibility_mask
+from kvdiet.model.selection import (
+    candidate_entries,
+    candidate_mask,
+    select_candidate_blocks,
+    select_topk,
+    select_topk_at,
+    visibility_mask,
+)
+
+pytestmark = pytest.mark.usefixtures("format_backend")  # compiled kernels and pure torch
 
 NEG = float("-inf")
+NAN = float("nan")
+INF = float("inf")
 
 
 def test_b11a_all_equal_scores_pick_lowest_indices() -> None:
@@ -143,3 +156,87 @@ def test_topk_rows_of_every_kind_in_one_call() -> None:
         )
         assert idx[row][valid[row]].tolist() == sorted(ranked[:k])
         assert not idx[row][~valid[row]].any()
+
+
+def _ranked(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """An independent oracle: each row's ``k`` best entries by a stable descending sort (NaN as −inf, −0 as
+    +0), −inf ones dropped; [Q, k] ascending, ``N`` in the slots past them."""
+    clean = torch.nan_to_num(scores, nan=NEG, posinf=INF, neginf=NEG) + 0.0  # -0.0 + 0.0 = +0.0
+    order = clean.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    order = order.masked_fill(clean.gather(1, order) == NEG, scores.shape[1])
+    return order.sort(dim=-1).values
+
+
+# scores drawn from a few values: ties everywhere, with both zeros, both infinities and NaN among them
+_POOL = [NEG, NAN, INF, -0.0, 0.0, -1.5, 1.5, 2.0, 3.25, 1e-40, -1e-40]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    q=st.integers(1, 5),
+    n=st.integers(1, 300),
+    k=st.one_of(st.just(1), st.integers(1, 40), st.integers(300, 400)),
+    seed=st.integers(0, 10_000),
+)
+def test_compiled_topk_equals_pure_torch(both, q: int, n: int, k: int, seed: int) -> None:
+    """Native and pure-torch top-k give the same tensors on ties, ±inf, NaN, ±0, subnormals, k = 1 and k ≥ N,
+    rows of different visible lengths and rows with a stride wider than N; both equal the stable-sort oracle."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(_POOL)
+    wide = pool[torch.randint(len(_POOL), (q, n + 3), generator=gen)]
+    wide[:, : n // 2] += torch.randint(0, 3, (q, n // 2), generator=gen).float()  # some distinct values too
+    limit = torch.randint(0, n + 1, (q, 1), generator=gen)
+    scores = wide[:, :n].masked_fill(torch.arange(n) >= limit, NEG)  # a prefix visible, as on the real path
+    strided = wide[:, :n]  # row stride n + 3
+    for rows in (scores, strided):
+        (idx, valid), (want_idx, want_valid) = both(select_topk, rows, k)
+        assert torch.equal(idx, want_idx) and torch.equal(valid, want_valid)
+        assert torch.equal(torch.where(valid, idx, n), _ranked(rows, min(k, n)))
+
+
+def test_compiled_topk_equals_pure_torch_on_long_rows(both) -> None:
+    """Rows long enough for the compiled kernel's sampled threshold and every radix level: keys equal in all but
+    their low bits (the threshold bin refined twice), values tiled every 4,096 entries as `bench_decode`'s caches
+    are (ties at the threshold), distinct values, mostly invisible rows, all equal, and a row whose evenly spaced
+    scores (every 16th: the kernel's sample) are its best, too few to be the top k (the guess fails)."""
+    n, k = 65_536, 513
+    gen = torch.Generator().manual_seed(7)
+    near = (torch.randint(0, 1 << 12, (n,), generator=gen, dtype=torch.int32) + 0x3F800000).view(
+        torch.float32
+    )
+    misleading = torch.rand(n, generator=gen)
+    misleading[: 16 * 100 : 16] = 5.0
+    scores = torch.stack(
+        [
+            near,
+            -near,
+            torch.randn(4096, generator=gen).repeat(n // 4096 + 1)[:n],
+            torch.randn(n, generator=gen),
+            torch.randn(n, generator=gen).masked_fill(torch.arange(n) >= 700, NEG),
+            torch.full((n,), 0.5),
+            misleading,
+        ]
+    )
+    (idx, valid), (want_idx, want_valid) = both(select_topk, scores, k)
+    assert torch.equal(idx, want_idx) and torch.equal(valid, want_valid)
+    assert torch.equal(torch.where(valid, idx, n), _ranked(scores, k))
+    assert int(valid[4].sum()) == 513 and idx[5].tolist() == list(range(k))
+    assert set(range(0, 1600, 16)) <= set(idx[6].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200), bs=st.integers(1, 9), kb=st.integers(1, 12), seed=st.integers(0, 10_000))
+def test_compiled_candidates_and_topk_at_equal_pure_torch(both, n: int, bs: int, kb: int, seed: int) -> None:
+    """Candidate blocks (block max with NaN as −inf, the last block partly filled, the newest pinned) and the
+    top-k over a candidate pool: the same tensors on both paths."""
+    gen = torch.Generator().manual_seed(seed)
+    q = 3
+    scores = torch.tensor(_POOL)[torch.randint(len(_POOL), (q, n), generator=gen)]
+    visible = torch.randint(0, n + 1, (q,), generator=gen)
+    scores = scores.masked_fill(torch.arange(n) >= visible[:, None], NEG)
+    got, want = both(select_candidate_blocks, scores, visible, block_size=bs, topk_blocks=kb)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    entries = candidate_entries(*want, block_size=bs)
+    pooled = torch.where((entries >= 0) & (entries < n), scores.gather(1, entries.clamp(0, n - 1)), NEG)
+    got, want = both(select_topk_at, pooled, entries, 5, n)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

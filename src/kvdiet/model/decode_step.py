@@ -276,13 +276,14 @@ def _select(
         if plan.candidates is None:
             raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
         entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
-    else:
-        cols = torch.arange(n, device=dev)[None, :]
-        entries = torch.where(cols < limit[:, None], cols, -1)
+    else:  # every entry: those at or past a request's limit score -inf (no mask needed)
+        entries = torch.arange(n, device=dev).expand(len(segs), n)
     tables = plan.tables
     if tables.shared is not None:
         off = tables.offsets(info.kv_src)
-        shifted = torch.where(entries >= 0, entries + off[:, None], entries)
+        shifted = entries + off[:, None]
+        if info.candidate == "consumer":  # an empty slot (-1) stays empty
+            shifted = torch.where(entries >= 0, shifted, -1)
         scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
     else:
         keys = [StoredKeys.of(s) for s in stores]

@@ -7,11 +7,18 @@ Ties are broken by the lowest entry index (case B11a): the result never depends 
 stability or on the thread count. A query that sees fewer than ``k`` entries gets ``valid = False`` in the
 remaining slots, and the index there is 0, not −1: in PyTorch a −1 silently gathers the last row, so no
 −1 is ever produced (case B11b). Callers mask invalid slots out of the softmax.
+
+On the CPU the compiled kernels (``formats/topk_kernels.cpp``: on a long row one vectorised pass keeps the
+entries reaching a threshold guessed from a sample, then a radix select on the scores' bits picks among them)
+choose the same sets as the pure-torch path below, which runs with ``KVDIET_NATIVE_KERNELS=0``, on other
+devices, or where the build failed; tests hold the two equal with `torch.equal`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvdiet.formats import native
 
 __all__ = [
     "candidate_entries",
@@ -69,6 +76,12 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     if kk == 0:
         empty = torch.zeros(q, 0, dtype=torch.int64, device=scores.device)
         return empty, empty.bool()
+    kernels = native.fp4_kernels() if scores.device.type == "cpu" else None
+    if kernels is not None:
+        idx = torch.empty(q, kk, dtype=torch.int64)
+        valid = torch.empty(q, kk, dtype=torch.bool)
+        kernels.select_topk(_unit_stride(scores), idx, valid)
+        return idx, valid
     scores = _nan_to_neginf(scores)
     cpu = scores.device.type == "cpu"
     # on the CPU one more value tells whether an entry equal to the threshold is left out: the (k+1)-th
@@ -92,6 +105,12 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     idx = marked.sort(dim=-1).values
     valid = idx < n
     return idx.masked_fill(~valid, 0), valid
+
+
+def _unit_stride(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 [Q, N] with unit element stride (no copy when ``scores`` already is)."""
+    scores = scores.float()
+    return scores if scores.shape[1] <= 1 or scores.stride(1) == 1 else scores.contiguous()
 
 
 def _lowest_ties(scores: torch.Tensor, threshold: torch.Tensor, kk: int) -> torch.Tensor:
@@ -165,16 +184,26 @@ def select_candidate_blocks(
         ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`
         or `candidate_entries`.
     """
-    q, n = scores.shape
-    nb = -(-n // block_size)
-    clean = _nan_to_neginf(scores)
-    if n % block_size:  # the last block padded with -inf
-        clean = torch.cat([clean, clean.new_full((q, nb * block_size - n), float("-inf"))], dim=1)
-    block_scores = clean.reshape(q, nb, block_size).amax(-1)
+    block_scores = _block_max(scores, block_size)
     newest = visible - 1  # newest visible entry, -1 if none
     rows = torch.nonzero(newest >= 0).squeeze(-1)
     block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
     return select_topk(block_scores, topk_blocks)
+
+
+def _block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """fp32 [Q, ceil(N / block_size)]: each block's max score, NaN read as −inf, the last block padded with −inf."""
+    q, n = scores.shape
+    nb = -(-n // block_size)
+    kernels = native.fp4_kernels() if scores.device.type == "cpu" else None
+    if kernels is not None:
+        out = torch.empty(q, nb)
+        kernels.block_max(_unit_stride(scores), block_size, out)
+        return out
+    clean = _nan_to_neginf(scores)
+    if n % block_size:  # the last block padded with -inf
+        clean = torch.cat([clean, clean.new_full((q, nb * block_size - n), float("-inf"))], dim=1)
+    return clean.reshape(q, nb, block_size).amax(-1)
 
 
 def candidate_mask(
