@@ -3,7 +3,8 @@
 The selections one decode step of V4.1 makes at long context (`kvdiet.model.selection`): the top 512 of a
 1M-entry row (the candidate source, layer 20) and of 16 rows of 500K (a batch of 16 on an encoder Full layer,
 compress ratio 2), and the 2,048 candidate blocks of 8 of a 1M-entry row. Each on distinct scores (``randn``)
-and on tied ones (4,096 values tiled, as `bench_decode`'s caches are: ties at the threshold are common there).
+and on tied ones (4,096 values tiled, as `bench_decode`'s caches are: ties at the threshold are common there);
+the batch also with 15 short requests padded to the longest (``padded``).
 Each figure is the median of ``--repeats`` calls after a warm-up, in process CPU ms (all threads; steady on
 shared cores) and wall ms, for the compiled kernels and for the pure-torch path (``KVDIET_NATIVE_KERNELS=0``) in
 the same run; the two results are compared (``same``: ``torch.equal`` of indices and valid flags). Fixed seed;
@@ -40,11 +41,19 @@ TOPK = 512  # config index_topk
 BLOCK, BLOCKS = 8, 2048  # config candidate_block_size, candidate_topk_blocks
 
 
-def scores(rows: int, n: int, *, tied: bool, gen: torch.Generator) -> torch.Tensor:
-    """fp32 [rows, n]: ``randn``, or 4,096 ``randn`` values tiled along each row."""
-    if not tied:
-        return torch.randn(rows, n, generator=gen)
-    return torch.randn(4096, generator=gen).repeat(-(-n // 4096))[:n].expand(rows, n).contiguous()
+KINDS = ("distinct", "tied", "padded")
+
+
+def scores(rows: int, n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """fp32 [rows, n]: ``randn`` (distinct); 4,096 ``randn`` values tiled along each row (tied); or ``randn`` where
+    every row but the first sees only its first n/64 entries, −inf past them (padded: a batch's short requests
+    padded to its longest)."""
+    if kind == "tied":
+        return torch.randn(4096, generator=gen).repeat(-(-n // 4096))[:n].expand(rows, n).contiguous()
+    out = torch.randn(rows, n, generator=gen)
+    if kind == "padded":
+        out[1:, n // 64 :] = float("-inf")
+    return out
 
 
 def timed(fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], repeats: int) -> tuple[float, float, tuple]:
@@ -79,9 +88,11 @@ def measure(repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(SEED)
     rows = []
     for name, shape in CASES:
-        for tied in (False, True):
-            s = scores(*shape, tied=tied, gen=gen)
-            row: dict = {"selection": name, "shape": list(shape), "tied": tied}
+        for kind in KINDS:
+            if kind == "padded" and shape[0] == 1:
+                continue
+            s = scores(*shape, kind, gen)
+            row: dict = {"selection": name, "shape": list(shape), "scores": kind}
             results = []
             for path, env in (("native", "1"), ("torch", "0")):
                 os.environ[native.ENV] = env
@@ -112,7 +123,7 @@ def main() -> None:
                     "torch wall ms", "×", "same"):  # fmt: skip
             table.add_column(col, justify="right")
         for r in rows:
-            table.add_row(r["selection"], "×".join(map(str, r["shape"])), "tied" if r["tied"] else "distinct",
+            table.add_row(r["selection"], "×".join(map(str, r["shape"])), r["scores"],
                           f"{r['native_cpu_ms']:.2f}", f"{r['torch_cpu_ms']:.2f}",
                           f"{r['torch_cpu_ms'] / r['native_cpu_ms']:.1f}", f"{r['native_wall_ms']:.2f}",
                           f"{r['torch_wall_ms']:.2f}", f"{r['torch_wall_ms'] / r['native_wall_ms']:.1f}",

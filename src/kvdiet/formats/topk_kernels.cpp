@@ -12,7 +12,8 @@
 //   entries equal to it; the chosen indices are sorted at the end (k of them). A long row (N >= 16K and >= 16 k)
 //   first keeps only the entries that reach a threshold guessed from 4,096 evenly spaced scores (aimed at a few
 //   times k entries; one vectorised compare per score) and runs the radix select on those: when at least k reach
-//   it the k best are among them, the same set; else (a rare unlucky guess) it runs on the whole row.
+//   it the k best are among them, the same set; else (a rare unlucky guess) it runs on the whole row. Where the
+//   sample holds too few valid scores to guess, the pass keeps every valid entry.
 // block_max: scores float32 [Q, N] -> out float32 [Q, ceil(N / B)], each block's max with NaN read as -inf
 //   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf).
 
@@ -157,14 +158,20 @@ void entries_reaching(const float* row, int64_t n, float t, std::vector<uint32_t
 
 // Row `scores[0..n)` (element stride 1): its chosen entries into idx/valid [kk]. A long row first keeps the
 // entries reaching a sampled threshold (one vectorised pass); when at least kk do, the kk best are among them.
+// When the sample holds too few valid scores (a row mostly past its visible entries) the pass keeps every valid
+// entry instead (threshold -FLT_MAX: -inf and NaN fail it), and the kk best are among them whatever their count.
 void select_row(const float* scores, int64_t n, int64_t kk, int64_t* idx, bool* valid, Scratch& s) {
-  float t;
-  if (n >= 4 * kSample && n >= 16 * kk && sampled_threshold(scores, n, kk, s.sample, &t) &&
-      (entries_reaching(scores, n, t, s.pool), static_cast<int64_t>(s.pool.size()) >= kk)) {
-    radix_pick(scores, [&](const auto& f) { for (const uint32_t j : s.pool) f(j); }, kk, s);
-  } else {
-    radix_pick(scores, [&](const auto& f) { for (int64_t j = 0; j < n; ++j) f(j); }, kk, s);
+  bool picked = false;
+  if (n >= 4 * kSample && n >= 16 * kk) {
+    float t;
+    const bool guessed = sampled_threshold(scores, n, kk, s.sample, &t);
+    entries_reaching(scores, n, guessed ? t : std::numeric_limits<float>::lowest(), s.pool);
+    if (!guessed || static_cast<int64_t>(s.pool.size()) >= kk) {
+      radix_pick(scores, [&](const auto& f) { for (const uint32_t j : s.pool) f(j); }, kk, s);
+      picked = true;
+    }
   }
+  if (!picked) radix_pick(scores, [&](const auto& f) { for (int64_t j = 0; j < n; ++j) f(j); }, kk, s);
   const int64_t m = static_cast<int64_t>(s.chosen.size());
   for (int64_t i = 0; i < kk; ++i) {
     idx[i] = i < m ? s.chosen[i] : 0;
