@@ -7,7 +7,7 @@ import torch
 
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
-from kvdiet.model.attention import Attention
+from kvdiet.model.attention import Attention, grouped_product
 from kvdiet.model.reference import ReferenceTrace, forward_full
 from kvdiet.model.transformer import Transformer
 
@@ -301,3 +301,16 @@ def test_window_band_reads_what_the_dense_window_mask_reads(micro_exact: Transfo
         want = win_kv[dense[i]]
         assert torch.equal(band[i][mask[i]], want), i
     assert int(mask.sum()) == int(dense.sum()) > pos.numel()  # some query reads ring entries too
+
+
+@pytest.mark.parametrize("t", [1, 2, 7])
+@pytest.mark.parametrize("g", [1, 2, 8])
+def test_grouped_product_equals_einsum_bit_for_bit(t: int, g: int) -> None:
+    """`project_out`'s grouped ``wo_a`` product skips einsum's parsing but must run einsum's very product."""
+    gen = torch.Generator().manual_seed(t * 10 + g)
+    o = torch.randn(t, g, 1024, generator=gen)
+    w = torch.randn(g, 64, 1024, generator=gen)
+    got = grouped_product(o, w)
+    want = torch.einsum("tgd,grd->tgr", o, w)
+    assert got.shape == (t, g, 64) and torch.equal(got.reshape(t, -1), want.reshape(t, -1))
+    assert not torch.equal(got, grouped_product(o, w.flip(1)))
