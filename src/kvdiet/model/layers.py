@@ -3,7 +3,8 @@
 `RMSNorm` is the model's only norm (eps = config ``rms_norm_eps``, 1e-20 for V4.1, v41-spec §10). `Rope` is a
 small frozen per-layer object: ratio > 0 layers use base ``compress_rope_theta`` with YaRN, ratio 0 layers use
 base ``rope_theta`` without it (v41-spec §2). Angles are computed on the fly from absolute positions, so no
-table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra. This module knows
+table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra; `Rope.at` computes them
+once for every tensor rotated at the same positions (`Rotation`). This module knows
 nothing about which vectors get rotated; attention and the indexer decide that.
 """
 
@@ -184,8 +185,13 @@ class Rope:
         return Rotation(self.rope_dim, cis, cis.conj().resolve_conj())
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-        """Rotate the last ``rope_dim`` dims of ``x`` by ``positions · freqs`` (by −angle when ``inverse``):
-        ``self.at(positions).apply(x, inverse=inverse)`` (see `at` and `Rotation.apply`)."""
+        """Rotate the last ``rope_dim`` dims of ``x`` [..., T, D] by ``positions · freqs`` (by −angle when
+        ``inverse``): ``self.at(positions).apply(x, inverse=inverse)``, a new tensor of ``x``'s shape, strides and
+        dtype (see `at` and `Rotation.apply`).
+
+        Raises:
+            ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
+        """
         _check_width(x, self.rope_dim)
         return self.at(positions).apply(x, inverse=inverse)
 
