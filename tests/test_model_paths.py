@@ -7,7 +7,7 @@ import torch
 
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
-from kvdiet.model.attention import Attention
+from kvdiet.model.attention import Attention, grouped_product
 from kvdiet.model.reference import ReferenceTrace, forward_full
 from kvdiet.model.transformer import Transformer
 
@@ -301,3 +301,45 @@ def test_window_band_reads_what_the_dense_window_mask_reads(micro_exact: Transfo
         want = win_kv[dense[i]]
         assert torch.equal(band[i][mask[i]], want), i
     assert int(mask.sum()) == int(dense.sum()) > pos.numel()  # some query reads ring entries too
+
+
+@pytest.mark.parametrize("t", [1, 2, 7])
+@pytest.mark.parametrize("g", [1, 2, 8])
+def test_grouped_product_equals_einsum_bit_for_bit(t: int, g: int) -> None:
+    """`project_out`'s grouped ``wo_a`` product skips einsum's parsing but must run einsum's very product."""
+    gen = torch.Generator().manual_seed(t * 10 + g)
+    o = torch.randn(t, g, 1024, generator=gen)
+    w = torch.randn(g, 64, 1024, generator=gen)
+    got = grouped_product(o, w)
+    want = torch.einsum("tgd,grd->tgr", o, w)
+    assert got.shape == (t, g, 64) and torch.equal(got.reshape(t, -1), want.reshape(t, -1))
+    assert not torch.equal(got, grouped_product(o, w.flip(1)))
+
+
+def test_decode_plan_shares_one_rotation_per_table_and_reads_each_ring_slot(micro_exact: Transformer) -> None:
+    """A decode step computes the RoPE rotation of its positions once per table (ratio-0 and compressed layers
+    differ) and every layer's window rows and mask once: a ring slot is read where it holds its position (≥ the
+    window floor), else the layer's new row, masked out."""
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan
+
+    m, w = micro_exact, micro_exact.cfg.sliding_window
+    states = [m.new_state() for _ in range(2)]
+    m.prefill(states[0], _tokens(3))
+    m.prefill(states[1], _tokens(20))
+    segs = [Segment(s, torch.tensor([s.num_tokens])) for s in states]
+    segs[1].window_floor = 15  # its older positions 13 … 19 are held; 13 and 14 are below the floor
+    plan = DecodePlan.for_segments(segs)
+    ropes = {info.compress_ratio > 0: m.layers[info.layer_id].attn.rope for info in m.plan.layers}
+    first, again = plan.rotation(ropes[True]), plan.rotation(ropes[True])
+    assert first is again and plan.rotation(ropes[False]) is not first and len(plan.rotations) == 2
+    assert torch.equal(first.cis, ropes[True].at(torch.tensor([3, 20])).cis)
+    layers = len(m.plan.layers)
+    for layer in (0, layers - 1):
+        mask = plan.window_mask[layer]
+        assert mask[0].tolist() == [False] * (w - 4) + [True] * 4  # positions −4 … −1, 0 … 2, the new one
+        assert mask[1].tolist() == [False] * 2 + [True] * (w - 2)  # 13, 14, then 15 … 19, the new one
+        rows = plan.window_rows[layer].view(2, w - 1)
+        fresh = [plan.fresh_start + layer * 2 + b for b in range(2)]
+        assert rows[0].tolist() == [fresh[0]] * (w - 4) + [layer * w + p % w for p in range(3)]
+        assert rows[1].tolist() == [fresh[1]] * 2 + [(layers + layer) * w + p % w for p in range(15, 20)]

@@ -189,6 +189,25 @@ def test_rotate_equals_the_plain_ops_bit_for_bit(v41, dtype, inverse):
         assert torch.equal(got, _rotate_plain(rope, x, positions, inverse))
 
 
+def test_one_rotation_serves_every_tensor_at_its_positions(v41):
+    """A decode step rotates q, window kv, index q and (inverse) the output of every layer sharing a table by one
+    `Rotation`: each equals its own plain rotation, forward and inverse, and the rotation is not consumed."""
+    rope = Rope.for_layer(v41, 4)
+    g = torch.Generator().manual_seed(9)
+    positions = torch.randint(0, 1 << 20, (5,), generator=g)
+    rot = rope.at(positions)
+    assert rot.cis.shape == (5, rope.rope_dim // 2) and not rot.cis_inverse.is_conj()
+    for x in (
+        torch.randn(5, 576, generator=g),
+        torch.randn(5, 8, 512, generator=g).transpose(0, 1),
+        torch.randn(5, 4, 128, generator=g, dtype=torch.float64).transpose(0, 1),
+    ):
+        for inverse in (False, True, False):
+            assert torch.equal(rot.apply(x, inverse=inverse), _rotate_plain(rope, x, positions, inverse))
+    with pytest.raises(ValueError, match="rope_dim"):
+        rot.apply(torch.ones(5, 32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_constant_adds_like_the_python_float(dtype):
     from kvdiet.model.layers import constant

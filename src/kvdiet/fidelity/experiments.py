@@ -248,7 +248,7 @@ def _csa2_measures(sel: Selection, rows: torch.Tensor, pos: torch.Tensor) -> dic
             idx, valid, src_idx[rows], src_valid[rows]
         )
     if info.candidate == "consumer":  # the candidate pool's recall of the dense top-k
-        q_idx, w = attn.indexer.queries(sel.qr[rows], sel.x[rows], pos, attn.rope, attn.codecs.index_key)
+        q_idx, w = attn.indexer.queries(sel.qr[rows], sel.x[rows], attn.rope.at(pos), attn.codecs.index_key)
         keys = StoredKeys.of(state.index_keys[info.kv_src])
         scores = index_scores(q_idx, w, keys, visible_entries(pos, keys.num_entries, info.compress_ratio))
         dense_idx, dense_valid = select_topk(scores, k)

@@ -31,7 +31,7 @@ from kvdiet.model import triton_decode
 from kvdiet.model.compressor import Compressor
 from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
 from kvdiet.model.indexer import Indexer
-from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.model.layers import RMSNorm, Rope, Rotation, as_dtype
 from kvdiet.model.linear import Linear
 from kvdiet.model.selection import (
     candidate_entries,
@@ -45,7 +45,7 @@ from kvdiet.model.state import RequestState
 if TYPE_CHECKING:
     from kvdiet.model.decode_step import DecodePlan
 
-__all__ = ["Attention", "Segment", "Selection", "attend"]
+__all__ = ["Attention", "Segment", "Selection", "attend", "grouped_product"]
 
 # Bytes of fp32 keys one attention block reads per query block (each query's window band and its gathered
 # top-k entries): they stay in the last-level cache between the score and the value products. At V4.1's widths
@@ -85,7 +85,7 @@ def attend(
     if comp_kv is not None:
         lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
         parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
-    parts.append(sink.float()[None, :, None].expand(b, h, 1))
+    parts.append(as_dtype(sink, torch.float32)[None, :, None].expand(b, h, 1))
     probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
     n_win = win_kv.shape[-2]
     if shared:
@@ -95,6 +95,16 @@ def attend(
     if comp_kv is not None:
         out += torch.bmm(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
     return out
+
+
+def grouped_product(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``einsum("tgd,grd->tgr", o, w)`` → [T, G, R] for a contiguous ``o`` [T, G, D] and ``w`` [G, R, D]: the one
+    ``bmm`` einsum runs, over the same operand views (so the same values bit for bit), without einsum's
+    equation parsing (~20 µs a call, once per layer in a decode step). Other layouts of ``o`` are not einsum's
+    operands."""
+    t, g, d = o.shape
+    left = o.view(g, 1, d) if t == 1 else o.transpose(0, 1)  # einsum's [G, T, D] operand
+    return torch.bmm(left, w.transpose(1, 2)).transpose(0, 1)
 
 
 @dataclass(slots=True)
@@ -205,27 +215,28 @@ class Attention(nn.Module):
 
     # --- pure projections (shared with the no-cache reference) ---
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qr fp32 [T, q_lora_rank], q fp32 [T, H, D] after RoPE)``."""
+    def project_q(self, x: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qr fp32 [T, q_lora_rank], q fp32 [T, H, D] after RoPE)``; ``rot``: ``self.rope.at(positions [T])``."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).float().view(-1, self.n_heads, self.head_dim)
-        return qr, self.rope.rotate(q.transpose(0, 1), positions).transpose(0, 1)
+        q = as_dtype(self.wq_b(qr), torch.float32).view(-1, self.n_heads, self.head_dim)
+        return qr, rot.apply(q.transpose(0, 1)).transpose(0, 1)
 
-    def project_window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Window entries fp32 [T, D] after RoPE, before storage."""
-        return self.rope.rotate(self.kv_norm(self.wkv(x)), positions)
+    def project_window_kv(self, x: torch.Tensor, rot: Rotation) -> torch.Tensor:
+        """Window entries fp32 [T, D] after RoPE (``rot``: ``self.rope.at(positions [T])``), before storage."""
+        return rot.apply(self.kv_norm(self.wkv(x)))
 
-    def compressed_entries(self, latent: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-        """Main-KV entries fp32 [M, D] (RoPE at each group's first position ``j·r``), before storage."""
-        return self.rope.rotate(latent, group_ids * self.info.compress_ratio)
+    def compressed_entries(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:
+        """Main-KV entries fp32 [M, D] before storage; ``rot``: ``self.rope.at(group_ids [M] · r)``, each
+        group's first position."""
+        return rot.apply(latent)
 
-    def project_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Undo the query rotation on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden]."""
-        o = self.rope.rotate(o.transpose(0, 1), positions, inverse=True).transpose(0, 1)
+    def project_out(self, o: torch.Tensor, rot: Rotation) -> torch.Tensor:
+        """Undo the query rotation ``rot`` on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden]."""
+        o = rot.apply(o.transpose(0, 1), inverse=True).transpose(0, 1)
         t, g = o.shape[0], self.n_groups
         o = o.reshape(t, g, -1)
         wo_a = self.wo_a.dense_weight().view(g, -1, o.shape[-1])
-        return self.wo_b(torch.einsum("tgd,grd->tgr", o, wo_a).reshape(t, -1))
+        return self.wo_b(grouped_product(o, wo_a).reshape(t, -1))
 
     def window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, floor: int) -> torch.Tensor:
         """bool [Q, L]: key position in ``[max(t − W + 1, floor), t]`` for query position t."""
@@ -260,15 +271,16 @@ class Attention(nn.Module):
         new = state.main[layer].unheld(gids)  # a replay: never rewrite entries the request holds (B03)
         latent, gids = latent[new], gids[new]
         if gids.numel():
-            first = gids * self.info.compress_ratio
-            state.index_keys[layer].append(self.indexer.keys(latent, first, self.rope))
-            state.main[layer].append(self.compressed_entries(latent, gids))
+            rot = self.rope.at(gids * self.info.compress_ratio)  # each group's first position
+            state.index_keys[layer].append(self.indexer.keys(latent, rot))
+            state.main[layer].append(self.compressed_entries(latent, rot))
 
     def attend_rows(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
         """Attention for rows ``x`` [T, hidden] at ``seg.positions`` (global caches already up to date)."""
         pos, info, state = seg.positions, self.info, seg.state
-        qr, q = self.project_q(x, pos)
-        kv = self.codecs.window.roundtrip(self.project_window_kv(x, pos))
+        rot = self.rope.at(pos)
+        qr, q = self.project_q(x, rot)
+        kv = self.codecs.window.roundtrip(self.project_window_kv(x, rot))
         ring = state.windows[info.layer_id]
         ring_kv, ring_pos = ring.read()
         older = ring_pos < seg.start_pos
@@ -277,7 +289,7 @@ class Attention(nn.Module):
         win_pos = torch.cat([ring_pos[older][order], pos])
         ring.write(kv, pos)
         if self.indexer is not None:
-            q_idx, w = self.indexer.queries(qr, x, seg.positions, self.rope, self.codecs.index_key)
+            q_idx, w = self.indexer.queries(qr, x, rot, self.codecs.index_key)
             seg.topk[info.layer_id] = self.select(q_idx, w, seg)
         if self.selection_observer is not None and info.compress_ratio:
             self.selection_observer(Selection(self, seg, x, qr, q, *seg.topk[info.idx_src]))
@@ -308,7 +320,7 @@ class Attention(nn.Module):
                     continue
                 comp, comp_mask = self._gather_main(seg, idx[s:e]), valid[s:e]
             o[s:e] = attend(q[s:e], band_kv[s:e], band_mask[s:e], comp, comp_mask, self.attn_sink, self.scale)
-        return self.project_out(o, pos)
+        return self.project_out(o, rot)
 
     def window_band(
         self, win_kv: torch.Tensor, win_pos: torch.Tensor, pos: torch.Tensor, floor: int

@@ -4,7 +4,8 @@
 the batch is a loop of B tiny calls per layer. Here the projections, the window-ring read, the index
 queries, scores, top-k, the gather of selected entries and the softmax run once over the batch ([B, …]
 tensors, ragged lengths padded and masked). Per step, `DecodePlan` reads every request's window rings once
-(`WindowRings`), computes the positions and ring slots once for every layer, stages each layer's new window
+(`WindowRings`), computes the positions, every layer's window rows and mask, and the RoPE rotations at the
+step's positions (one per table, `Rotation`) once for every layer, stages each layer's new window
 entries and stores them once per request at the end, keeps the top-k and candidate blocks batched, and
 keeps each (KV source, top-k source) pair's gathered entries for the Reuse layers that read the same ones.
 Requests sharing a pool (an engine's) are scored and gathered in one call over their block tables end to
@@ -24,6 +25,7 @@ import torch
 from kvdiet.model.attention import Attention, Segment, Selection, attend
 from kvdiet.model.compressor import pool_groups
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
+from kvdiet.model.layers import Rope, Rotation
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import RequestState, WindowRings
@@ -41,16 +43,18 @@ class DecodePlan:
 
     Attributes:
         positions: int64 [B], the new row's position per request.
-        ring_positions: int64 [B, W−1], the older window positions ``t−W+1 … t−1``.
-        ring_open: bool [B, W−1], positions a query may read (≥ 0 and ≥ the request's window floor).
-        ring_rows: int64 [L, B, W−1], the row of ``staged`` holding layer l's ring slot of each of those
-            positions (``(b·L + l)·W + slot``).
-        fresh_rows: int64 [L, B, 1], row ``B·L·W + l·B + b`` of ``staged``: layer l's new entry of request b.
-        fresh_open: bool [B, 1], all True (the new entry is always read).
         staged: the rings' encoded rows [B·L·W + L·B, width]: every request's rings at the start of the step
-            (request-major, then layer, then slot), then each layer's new entries.
-        staged_positions: int64 [B·L·W], the positions of those ring rows (−1: empty).
+            (request-major, then layer, then slot), then from row ``fresh_start = B·L·W`` each layer's new
+            entries (row ``fresh_start + l·B + b``: layer l's of request b).
+        fresh_start: B·L·W, the first row of the new entries in ``staged``.
+        window_rows: int64 [L, B·(W−1)], the rows of ``staged`` that layer l reads as request b's older window
+            positions ``t−W+1 … t−1`` (b-major): the ring slot (``(b·L + l)·W + position % W``) where it holds
+            that position, else the request's new row of layer l (masked out: a slot never written may hold
+            bytes that do not decode).
+        window_mask: bool [L, B, W], which of layer l's window keys request b reads (its older positions held by
+            the ring, ≥ 0 and ≥ the request's window floor; then its new entry, always).
         tables: the batch's block tables (`BatchTables`).
+        rotations: ``{(RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each table.
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
@@ -58,14 +62,12 @@ class DecodePlan:
     """
 
     positions: torch.Tensor
-    ring_positions: torch.Tensor
-    ring_open: torch.Tensor
-    ring_rows: torch.Tensor
-    fresh_rows: torch.Tensor
-    fresh_open: torch.Tensor
     staged: torch.Tensor
-    staged_positions: torch.Tensor
+    fresh_start: int
+    window_rows: torch.Tensor
+    window_mask: torch.Tensor
     tables: BatchTables
+    rotations: dict[tuple[float, bool], Rotation] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -84,15 +86,26 @@ class DecodePlan:
         torch.cat([r.rows.view(-1, width) for r in rings], out=staged[:ring_count])
         staged_positions = torch.cat([r.positions.view(-1) for r in rings])
         pos = torch.cat([s.positions for s in segs])
-        older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)
+        older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)  # [B, W−1]
         floors = torch.tensor([s.window_floor for s in segs], device=dev)
         batch, layer = torch.arange(b, device=dev)[:, None], torch.arange(layers, device=dev)[:, None, None]
-        ring_rows = (batch * layers + layer) * window + older % window
-        fresh_rows = ring_count + layer * b + batch
+        ring_rows = (batch * layers + layer) * window + older % window  # [L, B, W−1]
+        fresh_rows = ring_count + layer * b + batch  # [L, B, 1]
         ring_open = (older >= 0) & (older >= floors[:, None])
-        fresh_open = torch.ones_like(batch, dtype=torch.bool)
-        tables = BatchTables.of(segs)
-        return cls(pos, older, ring_open, ring_rows, fresh_rows, fresh_open, staged, staged_positions, tables)
+        held = (staged_positions.index_select(0, ring_rows.flatten()).view_as(ring_rows) == older) & ring_open
+        window_rows = torch.where(held, ring_rows, fresh_rows).view(layers, -1)
+        fresh_open = torch.ones(layers, b, 1, dtype=torch.bool, device=dev)
+        window_mask = torch.cat([held, fresh_open], dim=2)
+        return cls(pos, staged, ring_count, window_rows, window_mask, BatchTables.of(segs))
+
+    def rotation(self, rope: Rope) -> Rotation:
+        """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (one model's
+        tables are told apart by base and YaRN: `Rope.for_layer`)."""
+        key = (rope.base, rope.yarn)
+        rot = self.rotations.get(key)
+        if rot is None:
+            rot = self.rotations[key] = rope.at(self.positions)
+        return rot
 
     def attend(self, attn: Attention, x: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         """`decode_attention` of this step (what `Attention.forward` calls when given the plan)."""
@@ -101,8 +114,8 @@ class DecodePlan:
     def store_windows(self, segs: list[Segment]) -> None:
         """Write each request's new window entries of every layer into its rings (after the last layer, before
         the states' ``num_tokens`` move on)."""
-        b, layers = len(segs), self.ring_rows.shape[0]
-        fresh = self.staged[self.staged_positions.shape[0] :].view(layers, b, -1)
+        b, layers = len(segs), self.window_rows.shape[0]
+        fresh = self.staged[self.fresh_start :].view(layers, b, -1)
         for i, seg in enumerate(segs):
             _rings(seg.state).store_step(fresh[:, i], seg.state.num_tokens)
 
@@ -167,15 +180,14 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     top-k (and candidate blocks), published in the plan (in each segment too while a selection observer is
     installed).
     """
-    info, pos = attn.info, plan.positions
+    info, rot = attn.info, plan.rotation(attn.rope)
     if attn.compressor is not None:
-        _update_global(attn, x, segs, pos)
-    qr, q = attn.project_q(x, pos)
-    codec = attn.codecs.window
-    kv = codec.roundtrip(attn.project_window_kv(x, pos))
-    win_kv, win_mask = _window(attn, segs, plan, kv)
+        _update_global(attn, x, segs, plan.positions)
+    qr, q = attn.project_q(x, rot)
+    kv = attn.codecs.window.roundtrip(attn.project_window_kv(x, rot))
+    win_kv, win_mask = _window(attn, plan, kv)
     if attn.indexer is not None:
-        _select(attn, qr, x, segs, plan)
+        _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
         idx, valid = plan.topk[info.idx_src]
         for b, seg in enumerate(segs):
@@ -191,29 +203,20 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
             plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
     o = attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
-    return attn.project_out(o, pos)
+    return attn.project_out(o, rot)
 
 
-def _window(
-    attn: Attention, segs: list[Segment], plan: DecodePlan, kv: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Window keys fp32 [B, W, D] in position order (the ring's older ones, then ``kv`` [B, D]) and their
     mask; the new entries are staged in the plan (`DecodePlan.store_windows` stores them)."""
     layer, codec, b = attn.info.layer_id, attn.codecs.window, kv.shape[0]
-    ring_rows = plan.ring_rows[layer]
-    old_pos = plan.staged_positions.index_select(0, ring_rows.flatten()).view(b, -1)
-    held = (old_pos == plan.ring_positions) & plan.ring_open
-    start = plan.staged_positions.shape[0] + layer * b
+    start = plan.fresh_start + layer * b
     new_rows = plan.staged[start : start + b]
     new_rows.copy_(codec.encode(kv))
-    # a slot not holding its position may never have been written (zero bytes do not decode): read the
-    # request's new row there instead, masked out like any slot outside the window. Rows are picked by
-    # index_select (uint8 gather and where are ~15x slower on the CPU).
-    pick = torch.where(held, ring_rows, plan.fresh_rows[layer]).flatten()
-    old_rows = plan.staged.index_select(0, pick).view(b, -1, new_rows.shape[-1])
+    # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
+    old_rows = plan.staged.index_select(0, plan.window_rows[layer]).view(b, -1, new_rows.shape[-1])
     win_kv = torch.cat([codec.decode(old_rows), kv[:, None]], dim=1)
-    win_mask = torch.cat([held, plan.fresh_open], dim=1)
-    return win_kv, win_mask
+    return win_kv, plan.window_mask[layer]
 
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:
@@ -244,9 +247,9 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
         return
     latent = comp.norm(pool_groups(torch.cat(group_kv), torch.cat(group_score), r) if r > 1 else kv)
     gids = torch.div(pos[done], r, rounding_mode="floor")
-    first = gids * r
-    keys = attn.codecs.index_key.encode(attn.indexer.keys(latent, first, attn.rope))
-    main = attn.codecs.main.encode(attn.compressed_entries(latent, gids))
+    rot = attn.rope.at(gids * r)  # each group's first position
+    keys = attn.codecs.index_key.encode(attn.indexer.keys(latent, rot))
+    main = attn.codecs.main.encode(attn.compressed_entries(latent, rot))
     for m, b in enumerate(done):
         state = segs[b].state
         if state.main[layer].is_next(state.num_tokens // r):  # a replay never rewrites held entries
@@ -255,7 +258,7 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
 
 
 def _select(
-    attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan
+    attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan, rot: Rotation
 ) -> None:
     """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
 
@@ -264,7 +267,7 @@ def _select(
     candidate source's kept blocks; other layers every entry, padded with −inf to the longest key list.
     """
     info, indexer, pos = attn.info, attn.indexer, plan.positions
-    q_idx, w = indexer.queries(qr, x, pos, attn.rope, attn.codecs.index_key)
+    q_idx, w = indexer.queries(qr, x, rot, attn.codecs.index_key)
     stores = [seg.state.index_keys[info.kv_src] for seg in segs]
     lengths = [len(s) for s in stores]
     n, dev = max(lengths), x.device
@@ -300,24 +303,29 @@ def _select(
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's selected main-KV entries of ``kv_src``, decoded together: ``(fp32 [B, K, D], valid)``
-    (zeros past a request's own k, where the top-k is invalid)."""
+    (zeros past a request's own k, where the top-k is invalid). When every request's k is K (one request, or
+    all past ``index_topk`` entries) the decoded rows are the result, with no zero-fill and scatter."""
     info, codec = attn.info, attn.codecs.main
     idx, valid = plan.topk[info.idx_src]
     b, width, dev = *idx.shape, idx.device
     stores = [seg.state.main[info.kv_src] for seg in segs]
     ks = [min(attn.index_topk, len(s)) for s in stores]  # request b's own top-k: its first ks[b] columns
-    at = (
-        (torch.arange(width, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None])
-        .flatten()
-        .nonzero()[:, 0]
-    )
-    out = torch.zeros(b * width, codec.dim, device=dev)
-    if not at.numel():
-        return out.view(b, width, codec.dim), valid
+    full = all(k == width for k in ks)
+    if full:
+        at = None
+    else:
+        at = (
+            (torch.arange(width, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None])
+            .flatten()
+            .nonzero()[:, 0]
+        )
+        if not at.numel():
+            return torch.zeros(b, width, codec.dim, device=dev), valid
     slots = plan.tables.slots(info.kv_src, idx)
     if plan.tables.shared is not None:
+        flat = slots.flatten()
         raw = plan.tables.shared.rows(info.kv_src, "main").index_select(
-            0, slots.flatten().index_select(0, at)
+            0, flat if at is None else flat.index_select(0, at)
         )
     else:
         raw = torch.cat(
@@ -326,5 +334,8 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
                 for i, p in enumerate(plan.tables.pools)
             ]
         )
+    if at is None:
+        return codec.decode(raw).view(b, width, codec.dim), valid
+    out = torch.zeros(b * width, codec.dim, device=dev)
     out[at] = codec.decode(raw)
     return out.view(b, width, codec.dim), valid

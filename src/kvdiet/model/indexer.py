@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvdiet.formats.codec import Codec
-from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
 
 __all__ = ["Indexer"]
@@ -47,19 +47,20 @@ class Indexer(nn.Module):
         self.k_norm = RMSNorm(index_head_dim, eps) if owns_keys else None
         self.softmax_scale = (index_head_dim**-0.5) * (n_heads**-0.5)
 
-    def keys(self, latent: torch.Tensor, group_pos: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim] whose groups
-        start at positions ``group_pos`` [M]."""
+    def keys(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:
+        """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim]; ``rot``: the
+        layer's ``rope.at(group_pos [M])``, each group's first position."""
         k = self.k_norm(self.wk(latent))
-        return rope.rotate(k, group_pos)
+        return rot.apply(k)
 
     def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, rope: Rope, codec: Codec
+        self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q fp32 [T, H, d] after RoPE and the MXFP4 round trip, w fp32 [T, H])`` for rows at ``positions``."""
+        """``(q fp32 [T, H, d] after RoPE and the MXFP4 round trip, w fp32 [T, H])`` for rows at the positions
+        of ``rot`` (the layer's ``rope.at(positions [T])``)."""
         t = qr.shape[0]
-        q = self.wq_b(qr).float().view(t, self.n_heads, self.index_head_dim)
-        q = rope.rotate(q.transpose(0, 1), positions).transpose(0, 1)
+        q = as_dtype(self.wq_b(qr), torch.float32).view(t, self.n_heads, self.index_head_dim)
+        q = rot.apply(q.transpose(0, 1)).transpose(0, 1)
         q = codec.roundtrip(q)
-        w = self.weights_proj(x).float() * self.softmax_scale
+        w = as_dtype(self.weights_proj(x), torch.float32) * self.softmax_scale
         return q, w

@@ -3,7 +3,8 @@
 `RMSNorm` is the model's only norm (eps = config ``rms_norm_eps``, 1e-20 for V4.1, v41-spec §10). `Rope` is a
 small frozen per-layer object: ratio > 0 layers use base ``compress_rope_theta`` with YaRN, ratio 0 layers use
 base ``rope_theta`` without it (v41-spec §2). Angles are computed on the fly from absolute positions, so no
-table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra. This module knows
+table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra; `Rope.at` computes them
+once for every tensor rotated at the same positions (`Rotation`). This module knows
 nothing about which vectors get rotated; attention and the indexer decide that.
 """
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["RMSNorm", "Rope", "as_dtype", "constant", "rope_frequencies", "widen"]
+__all__ = ["RMSNorm", "Rope", "Rotation", "as_dtype", "constant", "rope_frequencies", "widen"]
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
@@ -169,30 +170,62 @@ class Rope:
             freqs = rope_frequencies(cfg.qk_rope_head_dim, base)
         return cls(rope_dim=cfg.qk_rope_head_dim, base=base, yarn=yarn, freqs=freqs)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-        """Rotate the last ``rope_dim`` dims of ``x`` by ``positions · freqs`` (by −angle when ``inverse``).
+    def at(self, positions: torch.Tensor) -> Rotation:
+        """The rotations by ``positions · freqs``, computed once for any number of tensors (`Rotation.apply`).
 
         Args:
-            x: [..., T, D] with D ≥ rope_dim, any float dtype; dims ``[0, D − rope_dim)`` pass through.
-            positions: int64 absolute positions, broadcastable to ``x.shape[:-1]`` (e.g. [T] for x
-                [..., T, D], or [T, 1] for x [T, H, D]). Angles are ``positions·freqs`` in fp32, as
-                DeepSeek's reference table (``torch.outer`` of fp32 positions and freqs) computes them.
-            inverse: rotate by −angle; undoes the query-position rotation of the attention output (§2).
-        Returns:
-            A new tensor, same shape and dtype as ``x`` (the rotation itself runs in fp32 complex arithmetic,
-            like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``).
+            positions: int64 absolute positions, broadcastable to the rotated tensors' ``shape[:-1]`` (e.g.
+                [T] for x [..., T, D], or [T, 1] for x [T, H, D]). Angles are ``positions·freqs`` in fp32, as
+                DeepSeek's reference table (``torch.outer`` of fp32 positions and freqs) computes them, on
+                ``positions``' device.
+        """
+        freqs = self.freqs if self.freqs.device == positions.device else self.freqs.to(positions.device)
+        angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [..., T, d/2]
+        cis = torch.polar(constant(1.0, torch.float32, angles.device), angles)
+        return Rotation(self.rope_dim, cis, cis.conj().resolve_conj())
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` dims of ``x`` [..., T, D] by ``positions · freqs`` (by −angle when
+        ``inverse``): ``self.at(positions).apply(x, inverse=inverse)``, a new tensor of ``x``'s shape, strides and
+        dtype (see `at` and `Rotation.apply`).
+
         Raises:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
-        d = self.rope_dim
-        width = x.shape[-1]
-        if width < d:
-            raise ValueError(f"last dim {width} is smaller than rope_dim {d}")
-        freqs = self.freqs if self.freqs.device == x.device else self.freqs.to(x.device)
-        angles = positions.to(torch.float32).unsqueeze(-1) * freqs  # [..., T, d/2]
-        cis = torch.polar(constant(1.0, torch.float32, angles.device), angles)
-        if inverse:
-            cis = cis.conj()
+        _check_width(x, self.rope_dim)
+        return self.at(positions).apply(x, inverse=inverse)
+
+
+@dataclass(frozen=True, slots=True)
+class Rotation:
+    """A `Rope`'s rotations at fixed positions (`Rope.at`): the layers of one step that share a RoPE table and
+    the step's positions rotate by one `Rotation` instead of recomputing its angles on every call.
+
+    Attributes:
+        rope_dim: d, the rotated trailing dims.
+        cis: complex64 [..., T, d/2], ``polar(1, positions·freqs)``; ``cis_inverse`` its conjugate (stored
+            resolved: the product reads it as is). Do not mutate.
+    """
+
+    rope_dim: int
+    cis: torch.Tensor
+    cis_inverse: torch.Tensor
+
+    def apply(self, x: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last ``rope_dim`` dims of ``x`` (by −angle when ``inverse``).
+
+        Args:
+            x: [..., T, D] with D ≥ rope_dim, any float dtype, ``shape[:-1]`` broadcastable with the positions;
+                dims ``[0, D − rope_dim)`` pass through.
+            inverse: rotate by −angle; undoes the query-position rotation of the attention output (§2).
+        Returns:
+            A new tensor, same shape, strides and dtype as ``x`` (the rotation itself runs in fp32 complex
+            arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``).
+        Raises:
+            ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
+        """
+        d, width = self.rope_dim, _check_width(x, self.rope_dim)
+        cis = self.cis_inverse if inverse else self.cis
         if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
             cis = cis.to(torch.complex128)
         tail = x[..., width - d :]
@@ -201,3 +234,11 @@ class Rope:
         out = x.clone()
         out[..., width - d :] = as_dtype(rotated, x.dtype)
         return out
+
+
+def _check_width(x: torch.Tensor, rope_dim: int) -> int:
+    """``x``'s last dim; raises ValueError when it is smaller than ``rope_dim``."""
+    width = x.shape[-1]
+    if width < rope_dim:
+        raise ValueError(f"last dim {width} is smaller than rope_dim {rope_dim}")
+    return width

@@ -3,7 +3,7 @@
 ``Module.to`` moves parameters and buffers (here every one not on the meta device: routed experts and
 Engram tables a checkpoint serves on first use stay there). A `Transformer` also holds tensors outside them, each moved
 here: every layer's RoPE frequencies (`kvdiet.model.layers.Rope`, a frozen value: replaced by a copy on the
-device, so ``Rope.rotate``'s ``freqs.to(x.device)`` is a no-op in the forward), the Engram hasher's token map,
+device, so ``Rope.at``'s ``freqs.to(positions.device)`` is a no-op in the forward), the Engram hasher's token map,
 bucket primes, offsets and multipliers, and the routed-expert cache's target device (experts read on first
 use are built on the host and moved, `kvdiet.model.expert_cache`). Pools and request states made afterwards
 by ``new_pool``/``new_state`` follow ``model.device``. `tensors_off_device` lists whatever is left behind;

@@ -74,15 +74,17 @@ def _attention(
 ):
     info, codecs = attn.info, attn.codecs
     layer, r = info.layer_id, info.compress_ratio
-    qr, q = attn.project_q(x, pos)
-    kv = codecs.window.roundtrip(attn.project_window_kv(x, pos))
+    rot = attn.rope.at(pos)
+    qr, q = attn.project_q(x, rot)
+    kv = codecs.window.roundtrip(attn.project_window_kv(x, rot))
     if attn.compressor is not None:
         latent, gids = attn.compressor(x, 0, None)
-        trace.keys[layer] = codecs.index_key.roundtrip(attn.indexer.keys(latent, gids * r, attn.rope))
-        trace.entries[layer] = codecs.main.roundtrip(attn.compressed_entries(latent, gids))
+        group_rot = attn.rope.at(gids * r)
+        trace.keys[layer] = codecs.index_key.roundtrip(attn.indexer.keys(latent, group_rot))
+        trace.entries[layer] = codecs.main.roundtrip(attn.compressed_entries(latent, group_rot))
     if attn.indexer is not None:
         keys = trace.keys[info.kv_src]
-        q_idx, w = attn.indexer.queries(qr, x, pos, attn.rope, codecs.index_key)
+        q_idx, w = attn.indexer.queries(qr, x, rot, codecs.index_key)
         visible = visible_entries(pos, keys.shape[0], r)
         scores = index_scores(q_idx, w, StoredKeys.contiguous(keys), visible)
         if info.candidate == "source":
@@ -101,4 +103,4 @@ def _attention(
         comp = trace.entries[info.kv_src][idx]
     mask = attn.window_mask(pos, pos, 0)
     o = attend(q, kv, mask, comp, comp_mask, attn.attn_sink, attn.scale)
-    return attn.project_out(o, pos), candidates
+    return attn.project_out(o, rot), candidates
