@@ -40,6 +40,15 @@ def test_b11b_fewer_visible_than_k() -> None:
     assert (idx >= 0).all()  # no −1 ever: invalid slots hold 0 and valid=False
 
 
+def test_integer_scores_are_refused() -> None:
+    """Integers past 2**24 would compare wrongly as fp32 (2**24 + 1 ties 2**24): a clear error instead."""
+    scores = torch.tensor([[2**24, 2**24 + 1]])
+    with pytest.raises(TypeError, match="float tensor"):
+        select_topk(scores, 1)
+    with pytest.raises(TypeError, match="float tensor"):
+        select_candidate_blocks(scores, torch.tensor([2]), block_size=1, topk_blocks=1)
+
+
 def test_b11c_nan_and_inf_scores() -> None:
     scores = torch.tensor([[NEG, float("nan"), 1.0, NEG, float("nan"), 0.5]])
     idx, valid = select_topk(scores, 4)

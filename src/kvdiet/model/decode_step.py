@@ -54,7 +54,8 @@ class DecodePlan:
         window_mask: bool [L, B, W], which of layer l's window keys request b reads (its older positions held by
             the ring, ≥ 0 and ≥ the request's window floor; then its new entry, always).
         tables: the batch's block tables (`BatchTables`).
-        rotations: ``{(RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each table.
+        rotations: ``{(rope_dim, RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each
+            table.
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
@@ -67,7 +68,7 @@ class DecodePlan:
     window_rows: torch.Tensor
     window_mask: torch.Tensor
     tables: BatchTables
-    rotations: dict[tuple[float, bool], Rotation] = field(default_factory=dict)
+    rotations: dict[tuple[int, float, bool], Rotation] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -100,8 +101,8 @@ class DecodePlan:
 
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (one model's
-        tables are told apart by base and YaRN: `Rope.for_layer`)."""
-        key = (rope.base, rope.yarn)
+        tables are told apart by width, base and YaRN: `Rope.for_layer`)."""
+        key = (rope.rope_dim, rope.base, rope.yarn)
         rot = self.rotations.get(key)
         if rot is None:
             rot = self.rotations[key] = rope.at(self.positions)

@@ -61,16 +61,19 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """The ``min(k, N)`` highest finite scores of each row, ties to the lowest index, sorted by index.
 
     Args:
-        scores: fp32 [Q, N]; ``-inf`` (or NaN) marks entries that must not be chosen.
+        scores: fp32 [Q, N] (another float dtype is compared as fp32: the indexer's scores are fp32); ``-inf``
+            (or NaN) marks entries that must not be chosen.
         k: entries wanted per row (config ``index_topk``).
     Returns:
         ``(idx, valid)``: int64 [Q, min(k, N)] entry indices in ascending order, and bool of the same
         shape; ``idx`` is 0 wherever ``valid`` is False.
     Raises:
         ValueError: ``k < 1`` or ``scores`` is not 2-D.
+        TypeError: ``scores`` is not a float tensor (integers past 2²⁴ would not compare exactly as fp32).
     """
     if k < 1 or scores.dim() != 2:
         raise ValueError(f"select_topk needs k >= 1 and 2-D scores, got k={k}, shape {tuple(scores.shape)}")
+    _check_float(scores)
     q, n = scores.shape
     kk = min(k, n)
     if kk == 0:
@@ -105,6 +108,11 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     idx = marked.sort(dim=-1).values
     valid = idx < n
     return idx.masked_fill(~valid, 0), valid
+
+
+def _check_float(scores: torch.Tensor) -> None:
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a float tensor (fp32), got {scores.dtype}")
 
 
 def _unit_stride(scores: torch.Tensor) -> torch.Tensor:
@@ -183,7 +191,10 @@ def select_candidate_blocks(
     Returns:
         ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`
         or `candidate_entries`.
+    Raises:
+        TypeError: ``scores`` is not a float tensor.
     """
+    _check_float(scores)
     block_scores = _block_max(scores, block_size)
     newest = visible - 1  # newest visible entry, -1 if none
     rows = torch.nonzero(newest >= 0).squeeze(-1)
