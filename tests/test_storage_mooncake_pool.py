@@ -349,7 +349,9 @@ def test_over_capacity_writes_are_refused_and_the_master_evicts_the_oldest(tmp_p
         try:
             values = {b"k%d" % i: random.Random(i).randbytes(1 << 20) for i in range(24)}  # 24 MiB into 16
             stored = [pool.put(k, v) for k, v in values.items()]
-            assert stored[0] and not stored[-1]  # refused (-200), not an exception
+            # some refused (-200), not an exception; not necessarily the last ones: the master's background
+            # eviction may free room while the later puts run
+            assert stored[0] and not all(stored)
             assert pool.counters.write_errors == stored.count(False) > 0
             deadline = time.monotonic() + 15  # the master evicts in the background from 90% full
             while not pool.put(b"later", b"x" * (1 << 20)):
