@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvdiet.model.gemv import ROWS_MAX, row_products
 from kvdiet.model.linear import (
     Linear,
     dequantize_fp4_weight,
@@ -71,23 +72,26 @@ def test_fp8_activations_follow_the_reference_recipe() -> None:
 
 
 def test_linear_storages_compute_as_documented() -> None:
+    """Each storage's product: a few rows (a decode step's) in `kvdiet.model.gemv`'s order, more in the BLAS's."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 64, generator=gen) * 0.1
-    x = torch.randn(5, 64, generator=gen)
-    lin = Linear(64, 48)
-    lin.set_weight(w.to(torch.bfloat16))
-    assert lin.storage == "dense" and lin.scale is None
-    assert torch.equal(lin(x), F.linear(x, w.to(torch.bfloat16).float()))
-    q, s = quantize_fp8_weight(w, block=32)
-    lin.set_weight(q, s, block=32)
-    assert lin.storage == "fp8" and set(lin.state_dict()) == {"weight", "scale"}
-    want = F.linear(fp8_activations(x), dequantize_fp8_weight(q, s, block=32))
-    assert torch.equal(lin(x), want)
-    q4, s4 = quantize_fp4_weight(w)
-    for stored in (q4, q4.view(torch.uint8), q4.view(torch.int8)):  # F4, or nibbles in U8/I8
-        lin.set_weight(stored, s4)
-        assert lin.storage == "fp4"
-        assert torch.equal(lin(x), F.linear(fp8_activations(x), dequantize_fp4_weight(q4, s4)))
+    cases = ((5, row_products), (ROWS_MAX + 1, F.linear))
+    for rows, product in cases:
+        x = torch.randn(rows, 64, generator=gen)
+        lin = Linear(64, 48)
+        lin.set_weight(w.to(torch.bfloat16))
+        assert lin.storage == "dense" and lin.scale is None
+        assert torch.equal(lin(x), product(x, w.to(torch.bfloat16).float()))
+        q, s = quantize_fp8_weight(w, block=32)
+        lin.set_weight(q, s, block=32)
+        assert lin.storage == "fp8" and set(lin.state_dict()) == {"weight", "scale"}
+        want = product(fp8_activations(x), dequantize_fp8_weight(q, s, block=32))
+        assert torch.equal(lin(x), want)
+        q4, s4 = quantize_fp4_weight(w)
+        for stored in (q4, q4.view(torch.uint8), q4.view(torch.int8)):  # F4, or nibbles in U8/I8
+            lin.set_weight(stored, s4)
+            assert lin.storage == "fp4"
+            assert torch.equal(lin(x), product(fp8_activations(x), dequantize_fp4_weight(q4, s4)))
 
 
 def test_set_weight_refuses_shapes_that_do_not_fit() -> None:

@@ -36,8 +36,28 @@ def test_decode_equals_reference_at_every_position(micro: Transformer) -> None:
     ref = forward_full(micro, toks)
     state = micro.new_state()
     dec = torch.stack([micro.decode([state], [t])[0] for t in toks.tolist()])
-    assert (dec - ref).abs().max().item() <= TOL
+    worst = (dec - ref).abs().amax(-1)  # [48]
+    # A decode row's products run in another fp32 order than the reference's many-row ones
+    # (kvdiet.model.gemv): with quantised caches a value within an ulp of a rounding boundary may then round to
+    # the other code, moving that one position's logits by up to a code step (~1e-3 here). A wrong cache path
+    # moves most positions by ~1e-2; exact caches have no boundary to cross.
+    assert int((worst > TOL).sum()) <= (0 if micro.exact else 1)
+    assert worst.max().item() <= (TOL if micro.exact else 2e-3)
     assert state.num_tokens == 48
+
+
+def test_prefill_runs_the_head_on_its_last_row_only(micro_exact: Transformer) -> None:
+    toks = _tokens(20, seed=4)
+    every = micro_exact.prefill(micro_exact.new_state(), toks, decoder_replay=False, all_logits=True)
+    rows: list[int] = []
+    hook = micro_exact.head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        last = micro_exact.prefill(micro_exact.new_state(), toks, decoder_replay=False)
+    finally:
+        hook.remove()
+    assert rows == [1] and last.shape == every[-1].shape
+    assert (last - every[-1]).abs().max().item() <= 1e-6  # the same row, its products in the decode order
+    assert (last - every[-2]).abs().max().item() > 1e-3
 
 
 def test_chunked_prefill_at_every_split_equals_one_shot(micro: Transformer) -> None:

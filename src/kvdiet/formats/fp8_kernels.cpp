@@ -1,6 +1,6 @@
 // Fused FP8 window codec (mxfp8: E4M3 values + one UE8M0 scale per 32), bit-identical to the pure-torch path in
-// fp8.py. Compiled after fp4_kernels.cpp and topk_kernels.cpp into the same module (their helpers are in scope),
-// and holds the module's bindings. Built at first use by kvdiet.formats.native.
+// fp8.py. Compiled after fp4_kernels.cpp, topk_kernels.cpp and gemv_kernels.cpp into the same module (their
+// helpers are in scope), and holds the module's bindings. Built at first use by kvdiet.formats.native.
 //
 // encode: rows x float32 [n, dim] (contiguous) -> entries uint8 [n, dim + dim/32]: per block,
 //   amax = max(max|x| (on the bits), 1e-4), s = 2^min(ceil(log2(amax / 448)), 119) (ceil on the fp32 bits),
@@ -106,6 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
   m.def("select_topk", &select_topk, py::call_guard<py::gil_scoped_release>());
   m.def("block_max", &block_max, py::call_guard<py::gil_scoped_release>());
+  m.def("row_products", &row_products, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());

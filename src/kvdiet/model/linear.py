@@ -14,7 +14,8 @@
 recipe as the window cache, ``kvdiet.formats.fp8``). The weight is dequantised exactly (every E4M3 and E2M1
 value times a power of two is an fp32 value) and the product runs in fp32 (DeepSeek's ``fp8_gemm`` /
 ``fp4_gemm`` scale per-block partial sums instead: the same values, summed in another order, so the two agree
-to fp32 rounding). Only the stored bytes stay resident: 1 B (FP8) or ½ B (FP4) per weight; the fp32 weight
+to fp32 rounding). A few rows (a decode step's) run in `kvdiet.model.gemv`'s fixed order at the read bandwidth,
+more rows in the BLAS's. Only the stored bytes stay resident: 1 B (FP8) or ½ B (FP4) per weight; the fp32 weight
 is rebuilt on every call (memory over speed).
 
 This module knows nothing about checkpoints (``kvdiet.model.loader`` sets the storage) or about which layers
@@ -29,12 +30,12 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvdiet.formats.e2m1 import DECODE_TABLE, pack_nibbles
 from kvdiet.formats.fp8 import fake_quant_window
 from kvdiet.formats.mxfp4 import quantize_index_key
+from kvdiet.model.gemv import linear
 from kvdiet.model.layers import as_dtype, widen
 
 __all__ = [
@@ -240,11 +241,11 @@ class Linear(nn.Module):
         FP8 activations first when the weight is quantised."""
         if self.storage == "dense":
             weight = self.weight
-            return F.linear(as_dtype(x, weight.dtype), weight)
+            return linear(as_dtype(x, weight.dtype), weight)
         q = fp8_activations(x)
         if Linear.input_hook is not None:
             q = Linear.input_hook(self, x.float(), q)
-        return F.linear(q, self.dense_weight())
+        return linear(q, self.dense_weight())
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, storage={self.storage}"

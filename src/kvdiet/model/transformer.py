@@ -267,7 +267,7 @@ class Transformer(nn.Module):
         ids = self.check_tokens(tokens, start=state.num_tokens).to(self.device)  # token ids cross here
         keep = min(ids.numel(), self.cfg.sliding_window) if decoder_replay else ids.numel()
         with device_scope(self.device):
-            logits = self._forward([state], [ids], [keep])
+            logits = self._forward([state], [ids], [keep], last_row=not all_logits)
         return logits if all_logits else logits[-1]
 
     @torch.no_grad()
@@ -305,7 +305,11 @@ class Transformer(nn.Module):
             if state.table.pool.growable:
                 state.table.reserve(state.num_tokens + chunk.numel())
 
-    def _forward(self, states: list[RequestState], ids: list[torch.Tensor], keeps: list[int]) -> torch.Tensor:
+    def _forward(
+        self, states: list[RequestState], ids: list[torch.Tensor], keeps: list[int], *, last_row: bool = False
+    ) -> torch.Tensor:
+        """Logits fp32 [R, V] of the rows that reach the head; with ``last_row`` only the last one's [1, V] (a
+        prefill's caller needs no other: the head reads its V × hidden weights once instead of R times)."""
         cfg = self.cfg
         self._check_tables(states, ids)
         segs, row_ids, rows = [], {}, []
@@ -362,6 +366,8 @@ class Transformer(nn.Module):
             state.num_tokens += chunk.numel()
             if self.hasher is not None:
                 state.engram_history = self.hasher.next_history(with_hist[i])
+        if last_row:
+            h, prev_pre = h[-1:], prev_pre[-1:]
         return self.head(self.norm(hc_collapse(h, prev_pre))).float()
 
     def _narrow(

@@ -249,7 +249,7 @@ class V4Transformer(nn.Module):
         """
         ids = check_token_ids(self.cfg, tokens, start=state.num_tokens)
         self._check_tables([state], [ids])
-        logits = self._forward([state], [ids])
+        logits = self._forward([state], [ids], last_row=not all_logits)
         return logits if all_logits else logits[-1]
 
     @torch.no_grad()
@@ -265,7 +265,11 @@ class V4Transformer(nn.Module):
 
     _check_tables = staticmethod(Transformer._check_tables)
 
-    def _forward(self, states: list[RequestState], ids: list[torch.Tensor]) -> torch.Tensor:
+    def _forward(
+        self, states: list[RequestState], ids: list[torch.Tensor], *, last_row: bool = False
+    ) -> torch.Tensor:
+        """Logits [R, V] of every row; with ``last_row`` only the last one's [1, V] (all a prefill's caller
+        needs: the head reads its weights once)."""
         cfg = self.cfg
         flat = torch.cat(ids)
         h = hc_init_streams(self.embed(flat), cfg.hc_mult)
@@ -277,6 +281,8 @@ class V4Transformer(nn.Module):
             h = block(h, flat, rows)
         for state, chunk in zip(states, ids, strict=True):
             state.num_tokens += chunk.numel()
+        if last_row:
+            h = h[-1:]
         return self.head(self.norm(self._collapse_head(h)))
 
     def _collapse_head(self, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""Decode rows' products (`kvdiet.model.gemv`): compiled kernel and pure-torch path bit for bit, both equal to
+the order written out one dot product at a time, and routed by `Linear` for a few CPU rows only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdiet.model import gemv
+from kvdiet.model.gemv import ROWS_MAX, linear, row_products
+from kvdiet.model.linear import Linear
+
+
+def _written_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The documented order with Python-level fp32 steps, one output at a time."""
+    out = torch.empty(x.shape[0], w.shape[0])
+    k = x.shape[1]
+    for m in range(x.shape[0]):
+        for n in range(w.shape[0]):
+            lanes = torch.zeros(16)
+            for start in range(0, k, 16):
+                prod = torch.zeros(16)
+                stop = min(k, start + 16)
+                prod[: stop - start] = x[m, start:stop] * w[n, start:stop]  # each product rounded
+                lanes = lanes + prod
+            s8 = lanes[:8] + lanes[8:]
+            s4 = s8[:4] + s8[4:]
+            s2 = s4[:2] + s4[2:]
+            out[m, n] = s2[0] + s2[1]
+    return out
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 9, 37), (3, 13, 64), (5, 6, 15), (16, 7, 100), (4, 1, 16)])
+def test_compiled_equals_pure_torch_and_the_written_out_order(both, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    # magnitudes over many octaves, so a different summation order would round differently
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-12, 12, (m, k), generator=gen).float())
+    w = torch.randn(n, k, generator=gen)
+    compiled, pure = both(row_products, x, w)
+    assert torch.equal(compiled, pure)
+    assert torch.equal(compiled, _written_out(x, w))
+    assert torch.allclose(compiled, x @ w.T, rtol=1e-4, atol=1e-3 * float(x.abs().max()))
+
+
+def test_the_order_is_not_the_blas_sum():
+    """The check above can fail: a plain sequential sum rounds differently on these inputs."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 256, generator=gen) * torch.exp2(
+        torch.randint(-20, 20, (1, 256), generator=gen).float()
+    )
+    w = torch.randn(64, 256, generator=gen)
+    sequential = torch.zeros(1, 64)
+    for i in range(256):
+        sequential = sequential + x[:, i : i + 1] * w[:, i][None]
+    assert not torch.equal(row_products(x, w), sequential)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 131])  # row blocks of 4 and a remainder
+def test_every_output_row_is_its_own_dot_product(n):
+    gen = torch.Generator().manual_seed(n)
+    x, w = torch.randn(2, 48, generator=gen), torch.randn(n, 48, generator=gen)
+    full = row_products(x, w)
+    for j in range(n):
+        assert torch.equal(full[:, j], row_products(x, w[j : j + 1])[:, 0])
+    for m in range(2):  # and each input row the same alone as with others
+        assert torch.equal(full[m], row_products(x[m : m + 1], w)[0])
+
+
+def test_linear_routes_a_few_cpu_fp32_rows_and_leaves_the_rest_to_the_blas():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=gen)
+    few = torch.randn(2, 3, 64, generator=gen)  # 6 rows in a batch shape
+    assert torch.equal(linear(few, w), row_products(few.reshape(6, 64), w).view(2, 3, 40))
+    many = torch.randn(ROWS_MAX + 1, 64, generator=gen)
+    assert torch.equal(linear(many, w), F.linear(many, w))
+    wide = w.double()
+    assert linear(few.double(), wide).dtype == torch.float64  # an fp64 model keeps its products
+    layer = Linear(64, 40)
+    layer.set_weight(w)
+    assert torch.equal(layer(few[0]), row_products(few[0], w))
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "match"),
+    [
+        (torch.zeros(0, 8), torch.zeros(3, 8), "rows"),
+        (torch.zeros(ROWS_MAX + 1, 8), torch.zeros(3, 8), "rows"),
+        (torch.zeros(1, 8), torch.zeros(3, 9), r"x \[M, K\]"),
+        (torch.zeros(1, 8, dtype=torch.float64), torch.zeros(3, 8), "fp32"),
+    ],
+)
+def test_bad_input_is_refused(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        row_products(x, w)
+
+
+def test_the_pure_torch_path_bounds_its_temporaries(monkeypatch):
+    """Passes over the weight's rows give the bits of one pass."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 40, generator=gen), torch.randn(50, 40, generator=gen)
+    whole = gemv._torch_row_products(x, w)
+    monkeypatch.setattr(gemv, "_TORCH_BUDGET", 3 * 16 * 7)  # 7 weight rows per pass
+    assert torch.equal(gemv._torch_row_products(x, w), whole)
