@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvdiet.model import gemv
-from kvdiet.model.gemv import ROWS_MAX, linear, row_products
+from kvdiet.model.gemv import ROWS_MAX, linear, row_products, row_products_each
 from kvdiet.model.linear import Linear
 
 
@@ -67,11 +67,14 @@ def test_every_output_row_is_its_own_dot_product(n):
         assert torch.equal(full[m], row_products(x[m : m + 1], w)[0])
 
 
-def test_linear_routes_a_few_cpu_fp32_rows_and_leaves_the_rest_to_the_blas():
+def test_linear_routes_a_few_cpu_fp32_rows_and_leaves_the_rest_to_the_blas(both):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=gen)
     few = torch.randn(2, 3, 64, generator=gen)  # 6 rows in a batch shape
-    assert torch.equal(linear(few, w), row_products(few.reshape(6, 64), w).view(2, 3, 40))
+    compiled, pure = both(linear, few, w)
+    assert torch.equal(compiled, pure)
+    assert torch.equal(compiled, row_products(few.reshape(6, 64), w).view(2, 3, 40))
+    assert torch.equal(linear(few.transpose(0, 1), w), compiled.transpose(0, 1))  # any layout of the rows
     many = torch.randn(ROWS_MAX + 1, 64, generator=gen)
     assert torch.equal(linear(many, w), F.linear(many, w))
     wide = w.double()
@@ -102,3 +105,23 @@ def test_the_pure_torch_path_bounds_its_temporaries(monkeypatch):
     whole = gemv._torch_row_products(x, w)
     monkeypatch.setattr(gemv, "_TORCH_BUDGET", 3 * 16 * 7)  # 7 weight rows per pass
     assert torch.equal(gemv._torch_row_products(x, w), whole)
+
+
+def test_row_products_each_gives_each_pairs_bits(both):
+    """One call over pairs of different shapes (an MoE layer's experts) = one call per pair, on both paths."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(1, 7, 64), (3, 0, 16), (16, 33, 100), (2, 1, 5)]  # an empty weight and a lone row among them
+    xs = [torch.randn(m, k, generator=gen) for m, _, k in shapes]
+    ws = [torch.randn(n, k, generator=gen) for _, n, k in shapes]
+    compiled, pure = both(row_products_each, xs, ws)
+    for got, want, x, w in zip(compiled, pure, xs, ws, strict=True):
+        assert torch.equal(got, want) and torch.equal(got, row_products(x, w))
+        assert got.shape == (x.shape[0], w.shape[0])
+
+
+def test_row_products_each_names_the_bad_pair():
+    good = torch.zeros(1, 8), torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"pair 1"):
+        row_products_each([good[0], torch.zeros(1, 9)], [good[1], torch.zeros(2, 8)])
+    with pytest.raises(ValueError, match="as many inputs as weights"):
+        row_products_each([good[0]], [])

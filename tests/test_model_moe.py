@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kvdiet.config import load_config
-from kvdiet.model.moe import MoE
+from kvdiet.model import gemv
+from kvdiet.model.moe import MoE, run_experts
 
 
 @pytest.fixture(scope="module")
@@ -154,19 +155,68 @@ def test_rejects_other_scoring(micro):
         MoE(micro.replace(scoring_func="softmax"))
 
 
+def _per_expert(moe, x, weights, ids):
+    """The FFN with one `Expert` call per (row, slot) and the shared expert on its own: every product a
+    `Linear`'s (a decode row's products are each row's own, so this is `MoE`'s sum to the bit)."""
+    out = []
+    for t in range(x.shape[0]):
+        row = x[t : t + 1]
+        slots = [moe.experts[e](row, weights[t : t + 1, j : j + 1]) for j, e in enumerate(ids[t].tolist())]
+        out.append(torch.cat(slots).view(1, len(slots), -1).sum(1) + moe.shared_experts(row))
+    return torch.cat(out)
+
+
 def test_one_row_path_equals_the_grouped_path_bit_for_bit(micro):
     """A decode step of one request skips the grouping: every expert's group is that one row, so the sums
-    are the same to the bit."""
+    are the same to the bit, and the same as one `Expert` call per slot."""
     torch.manual_seed(4)
     moe = MoE(micro)
     x = torch.randn(40, micro.hidden_size)
-    for t in range(x.shape[0]):
-        row = x[t : t + 1]
-        weights, ids = moe.gate(row)
-        assert len(set(ids[0].tolist())) == micro.num_experts_per_tok
-        one = moe._routed_one_row(row, weights, ids)
-        assert torch.equal(one, moe._routed_grouped(row, weights, ids))
-        assert torch.equal(moe(row), one + moe.shared_experts(row))
+    with torch.no_grad():
+        for t in range(x.shape[0]):
+            row = x[t : t + 1]
+            weights, ids = moe.gate(row)
+            assert len(set(ids[0].tolist())) == micro.num_experts_per_tok
+            one = moe._one_row(row, weights, ids)
+            assert torch.equal(one, moe._routed_grouped(row, weights, ids))
+            assert torch.equal(moe(row), one)
+            assert torch.equal(one, _per_expert(moe, row, weights, ids))
+
+
+def test_run_experts_gives_each_experts_bits_in_two_product_calls(micro, monkeypatch):
+    """Dense experts on a few rows: two `row_products_each` calls for all of them, each output the expert's own
+    forward to the bit; an FP8-stored expert (or too many rows) sends every expert through its own forward."""
+    torch.manual_seed(8)
+    layer = MoE(micro)
+    experts = [layer.experts[2], layer.experts[0], layer.shared_experts]
+    xs = [torch.randn(n, micro.hidden_size) for n in (3, 1, 16)]
+    weights = [torch.rand(3, 1), torch.rand(1, 1), None]
+    calls: list[int] = []  # row_products_each calls: pairs in each
+    linears: list[int] = []  # Linear calls (an expert's own forward)
+    each = gemv.row_products_each
+    monkeypatch.setattr(
+        gemv, "row_products_each", lambda a, b, **kw: calls.append(len(a)) or each(a, b, **kw)
+    )
+    for e in experts:
+        for lin in (e.w1, e.w2, e.w3):
+            lin.register_forward_hook(lambda *_: linears.append(1))
+    with torch.no_grad():
+        got = run_experts(experts, xs, weights)
+        assert calls == [6, 3] and linears == []
+        for e, x, w, out in zip(experts, xs, weights, got, strict=True):
+            assert torch.equal(out, e(x, w))
+        big = [xs[0], xs[1], torch.randn(gemv.ROWS_MAX + 1, micro.hidden_size)]
+        w3 = layer.experts[0].w3.weight
+        fp8 = MoE(micro).experts[0]
+        fp8.load_state_dict(layer.experts[0].state_dict())
+        fp8.w3.set_weight(w3.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
+        for case_experts, case_xs in ((experts, big), ([experts[0], fp8, experts[2]], xs)):
+            calls.clear()
+            linears.clear()
+            got = run_experts(case_experts, case_xs, weights)
+            assert calls == [] and len(linears) >= 6  # every expert through its own Linears
+            for o, e, x, w in zip(got, case_experts, case_xs, weights, strict=True):
+                assert torch.equal(o, e(x, w))
 
 
 def test_a_row_naming_one_expert_twice_is_grouped(micro):
@@ -175,10 +225,11 @@ def test_a_row_naming_one_expert_twice_is_grouped(micro):
     moe = MoE(micro, hash_routed=True)
     moe.gate.tid2eid[7] = torch.tensor([2, 2])
     row = torch.randn(1, micro.hidden_size)
-    weights, ids = moe.gate(row, torch.tensor([7]))
-    want = moe._routed_grouped(row, weights, ids) + moe.shared_experts(row)
-    assert torch.equal(moe(row, torch.tensor([7])), want)
-    torch.testing.assert_close(moe(row, torch.tensor([7])), _moe_ref_hash(moe, micro, row[0], [2, 2]))
+    with torch.no_grad():
+        weights, ids = moe.gate(row, torch.tensor([7]))
+        want = moe._routed_grouped(row, weights, ids)
+        assert torch.equal(moe(row, torch.tensor([7])), want)
+        torch.testing.assert_close(moe(row, torch.tensor([7])), _moe_ref_hash(moe, micro, row[0], [2, 2]))
 
 
 def _moe_ref_hash(moe, cfg, xt, chosen):
@@ -192,16 +243,29 @@ def _moe_ref_hash(moe, cfg, xt, chosen):
     return y[None]
 
 
+def test_a_batched_decode_step_gives_each_rows_bits_on_the_cpu(micro):
+    """A batched decode step's rows (a few per expert) on the CPU: the experts' products are decode rows
+    (`run_experts`), so each row's FFN is the per-slot `Expert` calls' to the bit, with or without ``padded``."""
+    torch.manual_seed(6)
+    moe = MoE(micro)
+    x = torch.randn(16, micro.hidden_size)
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        want = _per_expert(moe, x, weights, ids)
+        assert torch.equal(moe(x, padded=True), want)
+        assert torch.equal(moe(x), want)
+
+
 def test_a_few_rows_per_expert_run_as_one_padded_batch(micro):
-    """A batched decode step's rows (a few per expert) skip the per-expert loop: no routed `Expert` runs, and the
-    sum is the per-token reference's; without ``padded`` (a prefill), or with FP8-stored experts, every
-    expert's group runs on its own."""
+    """More rows than a decode step's products take (here 24) with ``padded``: no routed `Expert` runs, one
+    padded batched matmul per weight, and the sum is the per-token reference's; without ``padded`` (a
+    prefill), or with FP8-stored experts, every expert's group runs on its own."""
     torch.manual_seed(6)
     moe = MoE(micro)
     calls: list[int] = []
     for e, expert in enumerate(moe.experts):
         expert.register_forward_hook(lambda *_, e=e: calls.append(e))
-    x = torch.randn(16, micro.hidden_size)
+    x = torch.randn(24, micro.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(moe(x, padded=True), _moe_ref(moe, micro, x), rtol=1e-5, atol=1e-6)
         assert calls == []

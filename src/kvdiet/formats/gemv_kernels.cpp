@@ -2,8 +2,9 @@
 // the pure-torch path with the same order and bits). Compiled after fp4_kernels.cpp and topk_kernels.cpp into the
 // same module (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
-// row_products: x float32 [M, K] (contiguous, 1 <= M <= 16), w float32 [N, K] (contiguous) -> out float32
-//   [M, N] (contiguous). Each y[m, n] is one dot product in 16 lanes: lane l sums x[i]·w[i] for i = l, l+16, …
+// row_products_each: pairs of x float32 [M, K] (contiguous, 1 <= M <= 16) and w float32 [N, K] (contiguous)
+//   -> out float32 [M, N] (contiguous), in one parallel region (an MoE layer's experts: one call for every w1
+//   and w3, one for every w2). row_products: one pair, x [..., K] of 1..16 rows in any layout -> [..., N]. Each y[m, n] is one dot product in 16 lanes: lane l sums x[i]·w[i] for i = l, l+16, …
 //   in increasing i, from +0 (each product rounded, then added; no fused multiply-add: the module is built
 //   with -ffp-contract=off); a last partial chunk reads zeros past K. The lanes fold as (l, l+8), (l, l+4),
 //   (l, l+2), then (0, 1).
@@ -76,23 +77,64 @@ void dot_rows(const float* xs, int64_t m, int64_t kp, const float* w, int64_t k,
 
 }  // namespace
 
-void row_products(at::Tensor x, at::Tensor w, at::Tensor out) {
-  TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat && out.dtype() == at::kFloat,
-              "row_products takes float32 tensors");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "row_products: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "row_products takes 1..16 rows, got ", x.size(0));
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.size(0), "row_products: out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "row_products needs contiguous tensors");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const int64_t kp = (k + 15) / 16 * 16;
-  std::vector<float> xs(m * kp, 0.0f);  // x with its rows zero-padded to whole chunks
-  for (int64_t i = 0; i < m; ++i) std::memcpy(xs.data() + i * kp, x.data_ptr<float>() + i * k, k * 4);
-  const float* wp = w.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
-  // tasks of whole 4-row blocks, about 64 KB of w each
-  const int64_t blocks = n / 4, grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(k, 1));
+// One product of row_products_each: x padded to whole chunks, w, out.
+struct RowProduct {
+  std::vector<float> xs;  // the rows of x zero-padded to kp
+  int64_t m, k, kp, n;
+  const float* w;
+  float* y;
+};
+
+// Every (x, w) pair's products in one parallel region: the tasks are the pairs' blocks of 4 rows of w.
+void row_products_each(std::vector<at::Tensor> xs, std::vector<at::Tensor> ws, std::vector<at::Tensor> outs) {
+  TORCH_CHECK(xs.size() == ws.size() && ws.size() == outs.size(), "row_products_each: as many x, w and out");
+  std::vector<RowProduct> ps(xs.size());
+  std::vector<int64_t> first(xs.size() + 1, 0);  // the pairs' first block among all blocks
+  int64_t elements = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor &x = xs[i], &w = ws[i], &out = outs[i];
+    TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat && out.dtype() == at::kFloat,
+                "row_products takes float32 tensors");
+    TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "row_products runs on the CPU");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "row_products: x [M, K] and w [N, K]");
+    TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 16, "row_products takes 1..16 rows, got ", x.size(0));
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.size(0), "row_products: out [M, N]");
+    TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "row_products needs contiguous tensors");
+    RowProduct& p = ps[i];
+    p.m = x.size(0), p.k = x.size(1), p.kp = (p.k + 15) / 16 * 16, p.n = w.size(0);
+    p.xs.assign(p.m * p.kp, 0.0f);
+    for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.xs.data() + r * p.kp, x.data_ptr<float>() + r * p.k, p.k * 4);
+    p.w = w.data_ptr<float>(), p.y = out.data_ptr<float>();
+    first[i + 1] = first[i] + (p.n + 3) / 4;
+    elements += p.n * p.k;
+  }
+  const int64_t blocks = first.back();
+  if (blocks == 0) return;
+  // tasks of about 64 KB of w each
+  const int64_t grain = std::max<int64_t>(1, 4096 * blocks / std::max<int64_t>(elements, 1));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) dot_rows<4>(xs.data(), m, kp, wp, k, b * 4, yp, n);
+    size_t i = std::upper_bound(first.begin(), first.end(), b0) - first.begin() - 1;
+    for (int64_t b = b0; b < b1; ++b) {
+      while (b >= first[i + 1]) ++i;
+      const RowProduct& p = ps[i];
+      const int64_t j0 = (b - first[i]) * 4;
+      if (j0 + 4 <= p.n) {
+        dot_rows<4>(p.xs.data(), p.m, p.kp, p.w, p.k, j0, p.y, p.n);
+      } else {
+        for (int64_t j = j0; j < p.n; ++j) dot_rows<1>(p.xs.data(), p.m, p.kp, p.w, p.k, j, p.y, p.n);
+      }
+    }
   });
-  for (int64_t j = blocks * 4; j < n; ++j) dot_rows<1>(xs.data(), m, kp, wp, k, j, yp, n);
+}
+
+// x float32 [..., K] (any layout) -> float32 [..., N]
+at::Tensor row_products(at::Tensor x, at::Tensor w) {
+  TORCH_CHECK(x.dim() >= 1, "row_products takes x [..., K]");
+  const int64_t k = x.size(-1);
+  at::Tensor rows = x.reshape({-1, k}).contiguous();
+  at::Tensor out = at::empty({rows.size(0), w.size(0)}, rows.options());
+  row_products_each({rows}, {w}, {out});
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.size(0);
+  return out.view(shape);
 }

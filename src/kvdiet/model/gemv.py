@@ -21,24 +21,36 @@ bit-equal), within fp32 rounding of the same sum. Off the CPU (cuBLAS), for fp64
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from kvdiet.formats import native
 
-__all__ = ["LANES", "ROWS_MAX", "linear", "row_products"]
+__all__ = ["LANES", "ROWS_MAX", "applies", "linear", "row_products", "row_products_each"]
 
 LANES = 16
 """Partial sums of one dot product (one 16-float vector on AVX-512)."""
 ROWS_MAX = 16
 """The most input rows `linear` sends to `row_products` (a batched decode step of up to 16 requests; beyond,
 the BLAS's many-row kernel is the faster one)."""
+_F32 = torch.float32
 # Elements of the pure-torch path's [M, N, LANES] partial sums per pass (64 MiB as fp32).
 _TORCH_BUDGET = 1 << 24
 
 
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs ``x`` [..., K] · ``weight`` [N, K] in `row_products`: 1..`ROWS_MAX` rows, fp32,
+    on the CPU, a contiguous weight."""
+    if not (x.is_cpu and weight.is_cpu and x.dtype == _F32 and weight.dtype == _F32 and x.dim()):
+        return False
+    k = x.shape[-1]
+    return 0 < (x.numel() // k if k else 0) <= ROWS_MAX and weight.is_contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x · weightᵀ``: `row_products` for a few fp32 rows on the CPU, else ``F.linear``.
+    """``x · weightᵀ``: `row_products` where it `applies`, else ``F.linear``.
 
     Args:
         x: [..., K], weight's dtype.
@@ -46,17 +58,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Returns:
         [..., N] in weight's dtype.
     """
-    rows = x.reshape(-1, x.shape[-1])
-    if (
-        0 < rows.shape[0] <= ROWS_MAX
-        and weight.dtype == torch.float32
-        and x.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and x.device.type == "cpu"
-        and weight.is_contiguous()
-    ):
-        return row_products(rows, weight).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+    if not applies(x, weight):
+        return F.linear(x, weight)
+    kernels = native.fp4_kernels()
+    if kernels is not None:
+        return kernels.row_products(x, weight)
+    return _torch_row_products(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
 def row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -64,36 +71,62 @@ def row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: fp32 [M, K], on the CPU.
-        weight: fp32 [N, K], contiguous, on the CPU.
+        weight: fp32 [N, K], on the CPU.
     Returns:
         fp32 [M, N].
     Raises:
         ValueError: not 1..ROWS_MAX rows, mismatched K, a dtype other than fp32, a non-CPU tensor.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"row_products takes x [M, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}"
-        )
-    if not 1 <= x.shape[0] <= ROWS_MAX:
-        raise ValueError(f"row_products takes 1..{ROWS_MAX} rows, got {x.shape[0]}")
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        raise ValueError(f"row_products takes fp32 tensors, got {x.dtype} and {weight.dtype}")
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError("row_products runs on the CPU")
+    return row_products_each([x], [weight])[0]
+
+
+def row_products_each(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], *, checked: bool = True
+) -> list[torch.Tensor]:
+    """`row_products` of every pair ``(xs[i], weights[i])`` in one call (one parallel region: an MoE layer's
+    experts, each pair a few rows and a small weight); the same bits as one call per pair.
+
+    ``checked=False`` skips the checks below (some 1.5 µs a pair, as much as a small product) for a caller
+    that established `applies` for every pair and matching K (a decode step's hot path).
+
+    Raises:
+        ValueError: as `row_products`, naming the pair; lengths differ.
+    """
+    if checked:
+        _check_pairs(xs, weights)
     kernels = native.fp4_kernels()
     if kernels is None:
-        return _torch_row_products(x, weight)
-    out = torch.empty(x.shape[0], weight.shape[0])
-    kernels.row_products(x.contiguous(), weight.contiguous(), out)
-    return out
+        return [_torch_row_products(x, weight) for x, weight in zip(xs, weights, strict=True)]
+    outs = [torch.empty(x.shape[0], weight.shape[0]) for x, weight in zip(xs, weights, strict=True)]
+    kernels.row_products_each([x.contiguous() for x in xs], [w.contiguous() for w in weights], outs)
+    return outs
+
+
+def _check_pairs(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
+    if len(xs) != len(weights):
+        raise ValueError(
+            f"row_products_each takes as many inputs as weights, got {len(xs)} and {len(weights)}"
+        )
+    for i, (x, weight) in enumerate(zip(xs, weights, strict=True)):
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"row_products takes x [M, K] and weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}"
+                f" (pair {i})"
+            )
+        if not 1 <= x.shape[0] <= ROWS_MAX:
+            raise ValueError(f"row_products takes 1..{ROWS_MAX} rows, got {x.shape[0]} (pair {i})")
+        if x.dtype != _F32 or weight.dtype != _F32:
+            raise ValueError(f"row_products takes fp32 tensors, got {x.dtype} and {weight.dtype} (pair {i})")
+        if not (x.is_cpu and weight.is_cpu):
+            raise ValueError(f"row_products runs on the CPU (pair {i})")
 
 
 def _torch_row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`row_products` with whole-tensor ops, in the same order: the lanes' sums chunk by chunk, then the fold."""
     m, k = x.shape
-    pad = -k % LANES
-    xs = F.pad(x, (0, pad)).view(m, 1, -1, LANES)
-    ws = F.pad(weight, (0, pad)).view(1, weight.shape[0], -1, LANES)
+    pad, chunks = -k % LANES, -(-k // LANES)
+    xs = F.pad(x, (0, pad)).view(m, 1, chunks, LANES)
+    ws = F.pad(weight, (0, pad)).view(1, weight.shape[0], chunks, LANES)
     out = torch.empty(m, weight.shape[0])
     step = max(1, _TORCH_BUDGET // (m * LANES))
     for start in range(0, weight.shape[0], step):

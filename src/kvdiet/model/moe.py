@@ -7,10 +7,12 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 (`kvdiet.model.linear`). Routed experts come from
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
 Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
-decode step) skips the sorting into groups, each of its experts being a group of that one row. In a batched
-decode step, when the groups are small and even (a few rows per expert) and every routed expert is a dense
-resident `Expert`, all groups run as one batched matmul per weight over the experts' weights stacked, each
-group padded to the largest. This module has no effect on the KV cache and knows
+decode step) skips the sorting into groups, each of its experts being a group of that one row. On the CPU a
+decode step's groups (at most 16 rows each) and the shared expert run as two calls of
+`kvdiet.model.gemv.row_products_each` (`run_experts`: every w1 and w3, then every w2), the products each
+`Linear` would give. Off the CPU, in a batched decode step, when the groups are small and even (a few rows per
+expert) and every routed expert is a dense resident `Expert`, all groups run as one batched matmul per weight
+over the experts' weights stacked, each group padded to the largest. This module has no effect on the KV cache and knows
 nothing of image tokens (``bias_vl`` is not modelled).
 
 V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
@@ -20,22 +22,25 @@ weigh them (transformers ``DeepseekV4HashRouter``; V4 reference ``Gate`` with ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.model import gemv
 from kvdiet.model.expert_cache import LayerExperts
 from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
 
-__all__ = ["Expert", "Gate", "MoE"]
+__all__ = ["Expert", "Gate", "MoE", "run_experts"]
 
 _INIT_STD = 0.02  # config ``initializer_range``
-# The padded path runs when its padded rows (experts × largest group) are at most this many times the
-# (token, slot) pairs — at most 4x the grouped path's multiply-adds, in 3 matmuls instead of 3 per expert (a
-# decode step of 16 requests at hidden 64: 0.1 ms instead of 0.3 ms per layer) — and when one weight of all
-# the experts stacked has at most `_STACK_ELEMENTS` elements (stacked on each call: 4 µs at 8 × 64 × 64).
+# The padded path (off the CPU) runs when its padded rows (experts × largest group) are at most this many times
+# the (token, slot) pairs — at most 4x the grouped path's multiply-adds, in 3 matmuls instead of 3 per expert
+# (fewer kernel launches) — and when one weight of all the experts stacked has at most `_STACK_ELEMENTS`
+# elements (stacked on each call). On the CPU a decode step's groups run in `run_experts`' two calls instead.
 _PADDING = 4
 _STACK_ELEMENTS = 1 << 22
 
@@ -126,15 +131,46 @@ class Expert(nn.Module):
         """x: [N, hidden]; weight: [N, 1] routing weights or None (shared expert) -> [N, hidden], fp32 (fp64
         in a model run in fp64)."""
         x = widen(x)
-        gate = self.w1(x)
-        up = self.w3(x)
+        return self.w2(self.activation(self.w1(x), self.w3(x), weight))
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """``weight · silu(gate) · up`` after the swiglu clamp: the input of ``w2``. gate, up: [N, inter];
+        weight: [N, 1] or None -> [N, inter]."""
         if self.swiglu_limit > 0:
             up = up.clamp(-self.swiglu_limit, self.swiglu_limit)
             gate = gate.clamp(max=self.swiglu_limit)
         act = F.silu(gate) * up
-        if weight is not None:
-            act = weight * act
-        return self.w2(act)
+        return act if weight is None else weight * act
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(w1, w3, w2)`` weights when all three are stored dense, else None."""
+        linears = (self.w1, self.w3, self.w2)
+        return (
+            None if any(lin.storage != "dense" for lin in linears) else tuple(lin.weight for lin in linears)
+        )
+
+
+def run_experts(
+    experts: Sequence[Expert], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """``experts[i](xs[i], weights[i])`` for every i, bit for bit; a decode step's few rows per expert in two
+    calls of `kvdiet.model.gemv.row_products_each` (every w1 and w3, then every w2) instead of three products
+    per expert, when every expert is dense and the rows fit (`gemv.applies`).
+
+    xs[i]: [N_i, hidden]; weights[i]: [N_i, 1] or None -> [N_i, hidden] each.
+    """
+    xs = [widen(x) for x in xs]
+    dense = [e.dense_weights() for e in experts]
+    if not all(d is not None and all(gemv.applies(x, w) for w in d) for d, x in zip(dense, xs, strict=True)):
+        return [e(x, w) for e, x, w in zip(experts, xs, weights, strict=True)]
+    gate_up = gemv.row_products_each(
+        [x for x in xs for _ in range(2)], [w for d in dense for w in d[:2]], checked=False
+    )
+    acts = [
+        e.activation(gate_up[2 * i], gate_up[2 * i + 1], w)
+        for i, (e, w) in enumerate(zip(experts, weights, strict=True))
+    ]
+    return gemv.row_products_each(acts, [d[2] for d in dense], checked=False)
 
 
 class MoE(nn.Module):
@@ -180,9 +216,10 @@ class MoE(nn.Module):
         """x: [T, hidden] (any float dtype); token_ids: int64 [T], needed by a hash-routed layer -> [T, hidden],
         fp32 (fp64 in a model run in fp64).
 
-        ``padded``: the rows are a batched decode step's (one per request): small even groups may run as one
-        padded batched matmul (`_routed_padded`), whose rows may round differently from the per-expert loop
-        (fp32 reassociation). Otherwise (a prefill, a lone request) every group runs on its own.
+        ``padded``: the rows are a batched decode step's (one per request): off the CPU, small even groups may
+        run as one padded batched matmul (`_routed_padded`), whose rows may round differently from the
+        per-expert loop (fp32 reassociation). Otherwise (a prefill, a lone request, the CPU) every group runs
+        on its own.
 
         Raises:
             ValueError: see `Gate.forward`.
@@ -191,29 +228,32 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, token_ids)  # [T, k] each
         one_row = ids.shape[0] == 1 and len(set(ids[0].tolist())) == ids.shape[1]
         if one_row:
-            routed = self._routed_one_row(x, weights, ids)
-        else:
-            routed = self._routed_grouped(x, weights, ids, padded=padded)
-        return routed + self.shared_experts(x)
+            return self._one_row(x, weights, ids)
+        return self._routed_grouped(x, weights, ids, padded=padded)
 
     def _experts(self) -> nn.ModuleList | LayerExperts:
         return self.experts if self.routed is None else self.routed
 
-    def _routed_one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`_routed_grouped` of one row whose k experts all differ (a decode step of one request): each expert's
-        group is that row, so the same products and the same k-slot sum, without the sorting into groups.
+    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The FFN of one row whose k experts all differ (a decode step of one request): each expert's group is
+        that row, so `_routed_grouped`'s products and k-slot sum without the sorting into groups; the shared
+        expert runs with the routed ones (`run_experts`).
 
         x: [1, hidden]; weights [1, k]; ids int64 [1, k] -> [1, hidden] in x's dtype.
         """
         experts, k = self._experts(), ids.shape[1]
-        out = [as_dtype(experts[e](x, weights[:, j : j + 1]), x.dtype) for j, e in enumerate(ids[0].tolist())]
-        return torch.cat(out).view(1, k, -1).sum(1)
+        chosen = [experts[e] for e in ids[0].tolist()]
+        slots = [weights[:, j : j + 1] for j in range(k)]
+        *routed, shared = run_experts([*chosen, self.shared_experts], [x] * (k + 1), [*slots, None])
+        routed = torch.cat([as_dtype(out, x.dtype) for out in routed]).view(1, k, -1).sum(1)
+        return routed + shared
 
     def _routed_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *, padded: bool = False
     ) -> torch.Tensor:
-        """Σ over the k slots of weight · expert(row), rows grouped per expert (one matmul per used expert; with
-        ``padded``, `_routed_padded` when the groups are small and even and the experts stack).
+        """Σ over the k slots of weight · expert(row) + the shared expert, rows grouped per expert (`run_experts`
+        over the used experts' groups; with ``padded``, `_routed_padded` when its products are not run as decode
+        rows, the groups are small and even and the experts stack).
 
         x: [T, hidden]; weights [T, k]; ids int64 [T, k] -> [T, hidden] in x's dtype.
         """
@@ -222,22 +262,27 @@ class MoE(nn.Module):
         flat_ids = ids.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        if padded and self.n_routed_experts * max(counts) <= _PADDING * order.numel():
+        decode_rows = max(counts) <= gemv.ROWS_MAX and num_tokens <= gemv.ROWS_MAX and x.device.type == "cpu"
+        if padded and not decode_rows and self.n_routed_experts * max(counts) <= _PADDING * order.numel():
             stacked = self._stacked_weights(x.dtype)
             if stacked is not None:
-                return self._routed_padded(x, weights, order, counts, stacked)
+                return self._routed_padded(x, weights, order, counts, stacked) + self.shared_experts(x)
         tokens = order // k
         # gathers as index_select (4x faster than advanced indexing on the CPU; the same copies)
         sorted_weights = weights.flatten().index_select(0, order)[:, None]
-        sorted_out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype)
-        start = 0
+        used, rows, slots, start = [], [], [], 0
         for e, n in enumerate(counts):
             if n:
                 part = slice(start, start + n)
-                sorted_out[part] = experts[e](x.index_select(0, tokens[part]), sorted_weights[part])
+                used.append(experts[e])
+                rows.append(x.index_select(0, tokens[part]))
+                slots.append(sorted_weights[part])
                 start += n
+        *outs, shared = run_experts([*used, self.shared_experts], [*rows, x], [*slots, None])
+        sorted_out = torch.cat([as_dtype(out, x.dtype) for out in outs])
         # Back to (token, slot) order with a gather, then sum the k slots in slot order.
-        return sorted_out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1).sum(1)
+        routed = sorted_out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1).sum(1)
+        return routed + shared
 
     def _stacked_weights(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], float] | None:
         """``([w1, w3, w2], swiglu_limit)``: the routed experts' weights stacked as ``[E, in, out]`` (transposed
