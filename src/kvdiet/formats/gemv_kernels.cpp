@@ -33,6 +33,25 @@ inline float fold_lanes(Lanes16 a) {
   return s2[0] + s2[1];
 }
 
+// fold_lanes of 16 vectors at once, the same adds in the same order, lane-parallel: level 1 puts a[l] + a[l+8]
+// of two vectors side by side, level 2 s8[l] + s8[l+4] of four, level 3 s4[l] + s4[l+2] of eight, level 4
+// s2[0] + s2[1] of all sixteen: out[i] = fold_lanes(v[i]).
+inline void fold_lanes16(const Lanes16* v, float* out) {
+  Lanes16 c[8], e[4], g[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    g[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(e[2 * i], e[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const Lanes16 r = __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                    __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  std::memcpy(out, &r, sizeof r);
+}
+
 // Rows j0 .. j0+R of w against G rows of x (xs: G rows of padded length kp, zeros past K), into y[g, j0 + r].
 // wt: the R rows' last partial chunk, zero-padded (unused when K % 16 == 0).
 template <int R, int G>
@@ -54,8 +73,18 @@ inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, in
       for (int g = 0; g < G; ++g) acc[r][g] = acc[r][g] + load_lanes(xs + g * kp + full * 16) * wv;
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) y[g * n + j0 + r] = fold_lanes(acc[r][g]);
+  if constexpr (R * G >= 8) {  // many outputs: fold them side by side
+    Lanes16 v[16] = {};
+    float folded[16];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) v[g * R + r] = acc[r][g];
+    fold_lanes16(v, folded);
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) y[g * n + j0 + r] = folded[g * R + r];
+  } else {
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) y[g * n + j0 + r] = fold_lanes(acc[r][g]);
+  }
 }
 
 template <int R>
