@@ -103,6 +103,23 @@ def test_each_query_scored_against_its_own_keys_equals_one_call_per_query(both):
     assert compiled[3].isfinite().any() and not compiled[0].isfinite().any()
 
 
+def test_each_query_scoring_every_entry_equals_named_entries_0_to_c(both):
+    """``entries`` None (a decode step's dense layers): row t is `index_scores_at` of ``arange(C)`` against
+    ``keys[t]``, C the longest key list; −inf past a query's limit and past its own keys."""
+    queries, w, _, _ = _case(8, 5, 4, 64, 1)
+    keys = [_paged(_case(40 + t, 1, 4, 64, 3 + 11 * t)[2], 8, t) for t in range(5)]
+    limit = torch.tensor([0, 14, 9, 99, 30])
+    compiled, pure = both(index_scores_each, queries, w, keys, None, limit)
+    c = max(k.num_entries for k in keys)
+    assert compiled.shape == (5, c) and torch.equal(compiled, pure)
+    named = index_scores_each(queries, w, keys, torch.arange(c).expand(5, c), limit)
+    assert torch.equal(compiled, named)
+    for t, k in enumerate(keys):
+        seen = min(int(limit[t]), k.num_entries)
+        assert torch.isfinite(compiled[t, :seen]).all() and (compiled[t, seen:] == NEG).all(), t
+    assert compiled[3, :25].isfinite().all() and compiled[2, :9].isfinite().all()
+
+
 def test_selection_over_a_candidate_pool_equals_the_masked_dense_one():
     queries, w, packed, limit = _case(11, 64, 4, 32, 96)
     keys = StoredKeys.contiguous(packed)

@@ -359,7 +359,40 @@ def test_decode_plan_shares_one_rotation_per_table_and_reads_each_ring_slot(micr
         mask = plan.window_mask[layer]
         assert mask[0].tolist() == [False] * (w - 4) + [True] * 4  # positions −4 … −1, 0 … 2, the new one
         assert mask[1].tolist() == [False] * 2 + [True] * (w - 2)  # 13, 14, then 15 … 19, the new one
-        rows = plan.window_rows[layer].view(2, w - 1)
-        fresh = [plan.fresh_start + layer * 2 + b for b in range(2)]
-        assert rows[0].tolist() == [fresh[0]] * (w - 4) + [layer * w + p % w for p in range(3)]
-        assert rows[1].tolist() == [fresh[1]] * 2 + [(layers + layer) * w + p % w for p in range(15, 20)]
+        assert plan.window_held[layer].tolist() == [m[:-1] for m in mask.tolist()]
+    assert plan.window_slots.tolist() == [[p % w for p in range(4 - w, 3)], [p % w for p in range(13, 20)]]
+
+
+@pytest.mark.parametrize("floor", [0, 15])
+def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
+    micro: Transformer, floor: int
+) -> None:
+    """`_window` gathers each request's ring straight from its `WindowRings`: held older positions in position
+    order (their stored values), a slot not held (never written, below the floor) as the new entry, masked out,
+    and the new entry last, bit for bit the stored value it was given (FP8: its bytes decode to it exactly)."""
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan, _window
+
+    m, w = micro, micro.cfg.sliding_window
+    states = [m.new_state() for _ in range(3)]
+    for s, n in zip(states, (3, 20, 45), strict=True):
+        m.prefill(s, _tokens(n, seed=n))
+    gen = torch.Generator().manual_seed(floor)
+    for batch in (states, states[2:]):  # request 0 holds 3 of its w − 1 older slots; request 2 all
+        segs = [Segment(s, torch.tensor([s.num_tokens]), window_floor=floor) for s in batch]
+        plan = DecodePlan.for_segments(segs)
+        assert (plan.window_held is None) == (len(batch) == 1)
+        for layer in (0, len(m.plan.layers) - 1):
+            attn = m.layers[layer].attn
+            kv = attn.codecs.window.roundtrip(torch.randn(len(batch), attn.head_dim, generator=gen))
+            keys, mask = _window(attn, plan, kv)
+            assert keys.shape == (len(batch), w, attn.head_dim) and torch.equal(mask, plan.window_mask[layer])
+            assert torch.equal(plan.fresh[layer], attn.codecs.window.encode(kv))
+            for b, state in enumerate(batch):
+                ring_kv, ring_pos = state.windows[layer].read()
+                t = state.num_tokens
+                for j, p in enumerate(range(t - w + 1, t)):
+                    held = p >= floor and bool((ring_pos == p).any())
+                    want = ring_kv[ring_pos == p][0] if held else kv[b]
+                    assert bool(mask[b, j]) == held and torch.equal(keys[b, j], want), (layer, b, p)
+                assert bool(mask[b, -1]) and torch.equal(keys[b, -1], kv[b])

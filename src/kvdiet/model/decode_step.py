@@ -1,16 +1,17 @@
 """One V4.1 decode step for a batch of requests: each layer's attention in one set of tensor ops.
 
 `Attention.forward` runs one request's rows at a time; in a decode step every request brings one row, so
-the batch is a loop of B tiny calls per layer. Here the projections, the window-ring read, the index
-queries, scores, top-k, the gather of selected entries and the softmax run once over the batch ([B, …]
-tensors, ragged lengths padded and masked). Per step, `DecodePlan` reads every request's window rings once
-(`WindowRings`), computes the positions, every layer's window rows and mask, and the RoPE rotations at the
-step's positions (one per table, `Rotation`) once for every layer, stages each layer's new window
-entries and stores them once per request at the end, keeps the top-k and candidate blocks batched, and
-keeps each (KV source, top-k source) pair's gathered entries for the Reuse layers that read the same ones.
-Requests sharing a pool (an engine's) are scored and gathered in one call over their block tables end to
-end (`BatchTables`); requests on private pools one call each. Only the compressor tails and the new
-global entries are touched request by request.
+the batch is a loop of B tiny calls per layer. Here the projections, the window read, the index queries,
+scores, top-k, the gather of selected entries and the softmax run once over the batch ([B, …] tensors, ragged
+lengths padded and masked). Per step, `DecodePlan` computes the positions, every layer's window slots and mask,
+and the RoPE rotations at the step's positions (one per table, `Rotation`) once for every layer; each layer
+gathers its window straight from the requests' rings (`WindowRings`, no copy of the rings), stages its new
+window entries, and the plan stores them once per request at the end; the top-k and candidate blocks stay
+batched, and each (KV source, top-k source) pair's gathered entries are kept for the Reuse layers that read the
+same ones. Layers that score every index key score each request's keys in place with no per-entry ids;
+requests sharing a pool (an engine's) score a candidate pool and gather their selected entries in one call over
+their block tables end to end (`BatchTables`), requests on private pools one call each. Only the compressor
+tails and the new global entries are touched request by request.
 
 Same results as the per-request path up to fp32 reassociation (batched matmuls): the same entries are
 read and written, every selection is the same function of the same scores, padding is masked (−inf).
@@ -37,22 +38,22 @@ __all__ = ["BatchTables", "DecodePlan", "decode_attention"]
 class DecodePlan:
     """What every layer of one decode step shares.
 
-    The step reads every request's window rings (`WindowRings`) once, when the plan is made, into ``staged``;
-    each layer then puts its new entries there too, reads its window from it with one gather, and
-    `store_windows` writes each request's new entries of every layer into its rings at the end.
+    Each layer reads its window straight from every request's rings (`WindowRings`, one gather per request),
+    with its new entries, staged in ``fresh``, as the last key; `store_windows` writes each request's new entries
+    of every layer into its rings at the end.
 
     Attributes:
         positions: int64 [B], the new row's position per request.
-        staged: the rings' encoded rows [B·L·W + L·B, width]: every request's rings at the start of the step
-            (request-major, then layer, then slot), then from row ``fresh_start = B·L·W`` each layer's new
-            entries (row ``fresh_start + l·B + b``: layer l's of request b).
-        fresh_start: B·L·W, the first row of the new entries in ``staged``.
-        window_rows: int64 [L, B·(W−1)], the rows of ``staged`` that layer l reads as request b's older window
-            positions ``t−W+1 … t−1`` (b-major): the ring slot (``(b·L + l)·W + position % W``) where it holds
-            that position, else the request's new row of layer l (masked out: a slot never written may hold
-            bytes that do not decode).
-        window_mask: bool [L, B, W], which of layer l's window keys request b reads (its older positions held by
-            the ring, ≥ 0 and ≥ the request's window floor; then its new entry, always).
+        rings: each request's window rings, read in place (not copied).
+        fresh: uint8 [L, B, width] (the window codec's dtype and width), each layer's new entries, written by
+            the layer.
+        window_slots: int64 [B, W−1], the ring slots of request b's older window positions ``t−W+1 … t−1``
+            (``position % W``; the same in every layer).
+        window_held: bool [L, B, W−1], whether layer l's ring slot holds that position and it is readable (≥ 0
+            and ≥ the request's window floor); None when every slot is (a slot not held is read as the
+            layer's new entry instead, masked out: a slot never written may hold bytes that do not decode).
+        window_mask: bool [L, B, W], which of layer l's window keys request b reads (``window_held``, then its new
+            entry, always).
         tables: the batch's block tables (`BatchTables`).
         rotations: ``{(rope_dim, RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each
             table.
@@ -63,9 +64,10 @@ class DecodePlan:
     """
 
     positions: torch.Tensor
-    staged: torch.Tensor
-    fresh_start: int
-    window_rows: torch.Tensor
+    rings: list[WindowRings]
+    fresh: torch.Tensor
+    window_slots: torch.Tensor
+    window_held: torch.Tensor | None
     window_mask: torch.Tensor
     tables: BatchTables
     rotations: dict[tuple[int, float, bool], Rotation] = field(default_factory=dict)
@@ -82,22 +84,17 @@ class DecodePlan:
         """
         rings = [_rings(s.state) for s in segs]
         layers, window, width = rings[0].rows.shape
-        b, ring_count, dev = len(segs), len(segs) * layers * window, rings[0].rows.device
-        staged = torch.empty(ring_count + layers * b, width, dtype=rings[0].rows.dtype, device=dev)
-        torch.cat([r.rows.view(-1, width) for r in rings], out=staged[:ring_count])
-        staged_positions = torch.cat([r.positions.view(-1) for r in rings])
+        b, dev = len(segs), rings[0].rows.device
+        fresh = torch.empty(layers, b, width, dtype=rings[0].rows.dtype, device=dev)
         pos = torch.cat([s.positions for s in segs])
         older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)  # [B, W−1]
         floors = torch.tensor([s.window_floor for s in segs], device=dev)
-        batch, layer = torch.arange(b, device=dev)[:, None], torch.arange(layers, device=dev)[:, None, None]
-        ring_rows = (batch * layers + layer) * window + older % window  # [L, B, W−1]
-        fresh_rows = ring_count + layer * b + batch  # [L, B, 1]
-        ring_open = (older >= 0) & (older >= floors[:, None])
-        held = (staged_positions.index_select(0, ring_rows.flatten()).view_as(ring_rows) == older) & ring_open
-        window_rows = torch.where(held, ring_rows, fresh_rows).view(layers, -1)
-        fresh_open = torch.ones(layers, b, 1, dtype=torch.bool, device=dev)
-        window_mask = torch.cat([held, fresh_open], dim=2)
-        return cls(pos, staged, ring_count, window_rows, window_mask, BatchTables.of(segs))
+        slots = older % window
+        ring_positions = torch.stack([r.positions for r in rings], dim=1)  # [L, B, W]
+        held = ring_positions.gather(2, slots.expand(layers, b, -1)) == older
+        held &= (older >= 0) & (older >= floors[:, None])
+        window_mask = torch.cat([held, torch.ones(layers, b, 1, dtype=torch.bool, device=dev)], dim=2)
+        return cls(pos, rings, fresh, slots, None if held.all() else held, window_mask, BatchTables.of(segs))
 
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (one model's
@@ -115,10 +112,8 @@ class DecodePlan:
     def store_windows(self, segs: list[Segment]) -> None:
         """Write each request's new window entries of every layer into its rings (after the last layer, before
         the states' ``num_tokens`` move on)."""
-        b, layers = len(segs), self.window_rows.shape[0]
-        fresh = self.staged[self.fresh_start :].view(layers, b, -1)
         for i, seg in enumerate(segs):
-            _rings(seg.state).store_step(fresh[:, i], seg.state.num_tokens)
+            self.rings[i].store_step(self.fresh[:, i], seg.state.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,11 +137,14 @@ class BatchTables:
     @classmethod
     def of(cls, segs: list[Segment]) -> BatchTables:
         tables = [seg.state.table for seg in segs]
-        width = max(1, *(len(t) for t in tables))
-        ids = [t.ids + [0] * (width - len(t)) for t in tables]
         pools = [t.pool for t in tables]
         shared = pools[0] if all(p is pools[0] for p in pools) else None
-        return cls(pools, torch.tensor(ids, dtype=torch.int64, device=pools[0].device), shared)
+        rows = [t.tensor().to(pools[0].device) for t in tables]  # each table's cached ids (no list → tensor)
+        width = max(1, *(r.numel() for r in rows))
+        table = torch.zeros(len(rows), width, dtype=torch.int64, device=pools[0].device)
+        for b, r in enumerate(rows):
+            table[b, : r.numel()] = r
+        return cls(pools, table, shared)
 
     def slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         """Pool rows int64 [B, C] of request b's entries ``idx[b]`` (int64 [B, C], each in [0, held))."""
@@ -208,16 +206,27 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
 
 
 def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window keys fp32 [B, W, D] in position order (the ring's older ones, then ``kv`` [B, D]) and their
-    mask; the new entries are staged in the plan (`DecodePlan.store_windows` stores them)."""
+    """Window keys fp32 [B, W, D] in position order (the ring's older ones, then ``kv`` [B, D]) and their mask
+    bool [B, W]; the new entries are staged in the plan (`DecodePlan.store_windows` stores them).
+
+    The encoded window (older rows gathered from each request's ring, then the new entry) is decoded in one
+    call: ``kv`` is already a stored value (``codec.roundtrip``), which its stored bytes decode to bit for bit
+    (`kvdiet.formats.fp8`, idempotence), so the last key is ``kv`` itself.
+    """
     layer, codec, b = attn.info.layer_id, attn.codecs.window, kv.shape[0]
-    start = plan.fresh_start + layer * b
-    new_rows = plan.staged[start : start + b]
-    new_rows.copy_(codec.encode(kv))
+    fresh = plan.fresh[layer]
+    fresh.copy_(codec.encode(kv))
+    rows = torch.empty(
+        b, plan.window_slots.shape[1] + 1, fresh.shape[-1], dtype=fresh.dtype, device=fresh.device
+    )
     # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
-    old_rows = plan.staged.index_select(0, plan.window_rows[layer]).view(b, -1, new_rows.shape[-1])
-    win_kv = torch.cat([codec.decode(old_rows), kv[:, None]], dim=1)
-    return win_kv, plan.window_mask[layer]
+    for i, rings in enumerate(plan.rings):
+        torch.index_select(rings.rows[layer], 0, plan.window_slots[i], out=rows[i, :-1])
+    rows[:, -1] = fresh
+    if plan.window_held is not None:  # a slot not held reads the new entry (masked out)
+        older = rows[:, :-1]
+        older.copy_(torch.where(plan.window_held[layer][..., None], older, fresh[:, None]))
+    return codec.decode(rows), plan.window_mask[layer]
 
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:
@@ -263,9 +272,10 @@ def _select(
 ) -> None:
     """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
 
-    Scores are read from each request's stored keys (`StoredKeys`): in one call when the requests share a
-    pool (`BatchTables`), else one call per request. A candidate consumer scores the entries of the
-    candidate source's kept blocks; other layers every entry, padded with −inf to the longest key list.
+    Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
+    the candidate source's kept blocks: in one call when the requests share a pool (`BatchTables`), else one
+    call per request. Other layers score every entry, one call per request with no per-entry ids (no [B, N]
+    temporaries: N is 1M at 1M tokens and ratio 1), padded with −inf to the longest key list.
     """
     info, indexer, pos = attn.info, attn.indexer, plan.positions
     q_idx, w = indexer.queries(qr, x, rot, attn.codecs.index_key)
@@ -276,30 +286,25 @@ def _select(
     limit = torch.minimum(
         torch.div(pos + 1, info.compress_ratio, rounding_mode="floor"), torch.tensor(lengths, device=dev)
     )
-    if info.candidate == "consumer":
-        if plan.candidates is None:
-            raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-        entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
-    else:  # every entry: those at or past a request's limit score -inf (no mask needed)
-        entries = torch.arange(n, device=dev).expand(len(segs), n)
+    if info.candidate != "consumer":
+        scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], None, limit)
+        if info.candidate == "source":
+            plan.candidates = select_candidate_blocks(
+                scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
+            )
+        plan.topk[info.layer_id] = select_topk(scores, attn.index_topk)
+        return
+    if plan.candidates is None:
+        raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
+    entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
     tables = plan.tables
     if tables.shared is not None:
         off = tables.offsets(info.kv_src)
-        shifted = entries + off[:, None]
-        if info.candidate == "consumer":  # an empty slot (-1) stays empty
-            shifted = torch.where(entries >= 0, shifted, -1)
+        shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty
         scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
     else:
-        keys = [StoredKeys.of(s) for s in stores]
-        scores = index_scores_each(q_idx, w, keys, entries, limit)
-    if info.candidate == "consumer":
-        plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
-        return
-    if info.candidate == "source":
-        plan.candidates = select_candidate_blocks(
-            scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
-        )
-    plan.topk[info.layer_id] = select_topk(scores, attn.index_topk)
+        scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], entries, limit)
+    plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
 
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:

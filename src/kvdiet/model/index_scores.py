@@ -138,21 +138,37 @@ def index_scores_at(
 
 
 def index_scores_each(
-    q: torch.Tensor, w: torch.Tensor, keys: Sequence[StoredKeys], entries: torch.Tensor, limit: torch.Tensor
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: Sequence[StoredKeys],
+    entries: torch.Tensor | None,
+    limit: torch.Tensor,
 ) -> torch.Tensor:
-    """`index_scores_at` of each query against its own keys (``keys[t]``: a batch of requests on different
-    pools): fp32 [Q, C], the same numbers as Q calls of one query each, written in place (one kernel call per
-    query, no copies).
+    """`index_scores_at` of each query against its own keys (``keys[t]``: one request's stored keys in a batch):
+    fp32 [Q, C], the same numbers as Q calls of one query each, written in place (one kernel call per query, no
+    copies).
+
+    ``entries`` None scores every entry as `index_scores` does, with no per-entry ids: row t holds entries
+    0 … C − 1 of ``keys[t]`` with C the most entries any of them holds, −inf at or past ``limit[t]`` (and past
+    its own N). That is `index_scores_at` of ``arange(C)`` per query, bit for bit, without that [Q, C] int64
+    tensor (8 MB per request at 1M tokens and ratio 1).
 
     Raises:
         ValueError: as `index_scores_at`.
     """
-    out = torch.empty(entries.shape, device=q.device)
+    width = max((k.num_entries for k in keys), default=0) if entries is None else entries.shape[1]
+    out = torch.empty(q.shape[0], width, device=q.device)
     for t, k in enumerate(keys):
         one = slice(t, t + 1)
         lim = limit[one].clamp(0, k.num_entries)
-        if _native(q[one], w[one], k, lim, entries[one], entries.shape[1], out=out[one]) is None:
-            out[one] = index_scores_at(q[one], w[one], k, entries[one], limit[one])
+        ids = None if entries is None else entries[one]
+        if _native(q[one], w[one], k, lim, ids, width, out=out[one]) is not None:
+            continue
+        if ids is not None:
+            out[one] = index_scores_at(q[one], w[one], k, ids, limit[one])
+        else:
+            out[one, k.num_entries :] = float("-inf")
+            out[one, : k.num_entries] = index_scores(q[one], w[one], k, limit[one])
     return out
 
 

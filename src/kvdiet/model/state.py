@@ -60,6 +60,7 @@ class BlockTable:
     def release(self) -> None:
         """Return every block to the pool (tail first) and forget them; a second call does nothing."""
         ids, self.ids = self.ids, []
+        self._tensor = self._tensor[:0]  # a table reserved again to the same length must not read the old ids
         if ids:
             self.pool.blocks.release(ids)
 
