@@ -369,7 +369,7 @@ def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
 ) -> None:
     """`_window` gathers each request's ring straight from its `WindowRings`: held older positions in position
     order (their stored values), a slot not held (never written, below the floor) as the new entry, masked out,
-    and the new entry last, bit for bit the stored value it was given (FP8: its bytes decode to it exactly)."""
+    and the new entry last as its stored value (``roundtrip``), staged as ``encode(roundtrip(kv))``."""
     from kvdiet.model.attention import Segment
     from kvdiet.model.decode_step import DecodePlan, _window
 
@@ -384,10 +384,17 @@ def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
         assert (plan.window_held is None) == (len(batch) == 1)
         for layer in (0, len(m.plan.layers) - 1):
             attn = m.layers[layer].attn
-            kv = attn.codecs.window.roundtrip(torch.randn(len(batch), attn.head_dim, generator=gen))
-            keys, mask = _window(attn, plan, kv)
+            codec, raw = (
+                attn.codecs.window,
+                torch.randn(len(batch), attn.head_dim, generator=gen).clamp(-3.5, 3.5),
+            )
+            raw[:, 0] = 3.6  # block 0: amax/s = 3.6·2^6 = 230.4 rounds to the E4M3 code 224
+            keys, mask = _window(attn, plan, raw)
+            kv = codec.roundtrip(raw)  # the stored value: the new key, stored as encode(kv)
             assert keys.shape == (len(batch), w, attn.head_dim) and torch.equal(mask, plan.window_mask[layer])
-            assert torch.equal(plan.fresh[layer], attn.codecs.window.encode(kv))
+            assert torch.equal(plan.fresh[layer], codec.encode(kv))
+            # FP8 re-encodes a block whose top code is 224 at half the scale: encode(raw) is not what is stored
+            assert m.exact or not torch.equal(plan.fresh[layer], codec.encode(raw))
             for b, state in enumerate(batch):
                 ring_kv, ring_pos = state.windows[layer].read()
                 t = state.num_tokens

@@ -37,6 +37,8 @@ non-finite input, codes/scales/packed of the wrong dtype or width, or a scale by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvdiet.formats import native
@@ -139,17 +141,16 @@ def encode_window(x: Tensor) -> Tensor:
     bytes, same errors).
     """
     rows = as_rows(x, block=_BLOCK, name=_NAME)
-    fmt = window_format(rows.shape[1])
-    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
-    assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
+    fmt, width = _format(rows.shape[1])
+    packed = torch.empty(rows.shape[0], width, dtype=torch.uint8)
     kernels = native.fp4_kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
     if kernels is not None and (not rows.shape[0] or kernels.encode_fp8(rows, packed) < 0):
-        return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
+        return packed.view(*x.shape[:-1], width)
     _, ybuf, work = _setup(rows)  # the pure-torch path (and the error for a non-finite row)
     for sl in row_chunks(*rows.shape):
-        codes, scales = packed[sl, : fmt.dim], packed[sl, fmt.scale_offset :]
+        codes, scales = packed[sl, : fmt.dim], packed[sl, fmt.dim :]
         quantize_e4m3_chunk_(rows[sl], codes, scales, ybuf, work, block=_BLOCK, name=_NAME, row=sl.start)
-    return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
+    return packed.view(*x.shape[:-1], width)
 
 
 def pack_window(codes: Tensor, scales: Tensor) -> Tensor:
@@ -179,14 +180,14 @@ def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tens
     float32 output from CPU entries runs the compiled kernel (``native``) when available (same values, same
     errors)."""
     fmt = _entry_of(packed)
-    rows = packed.reshape(-1, fmt.bytes_per_entry)
+    rows = packed.reshape(-1, packed.shape[-1])
     kernels = native.fp4_kernels() if rows.device.type == "cpu" and dtype == torch.float32 else None
     if kernels is not None and rows.stride(-1) == 1:
         out = torch.empty(rows.shape[0], fmt.dim)
         if not rows.shape[0] or kernels.decode_fp8(rows, *SCALE_BYTES, out) < 0:
             return out.view(*packed.shape[:-1], fmt.dim)
-    check_scale_bytes(rows[:, fmt.scale_offset :], SCALE_BYTES, name=_NAME)
-    out = _decode(rows[:, : fmt.dim], rows[:, fmt.scale_offset :], dtype)
+    check_scale_bytes(rows[:, fmt.dim :], SCALE_BYTES, name=_NAME)
+    out = _decode(rows[:, : fmt.dim], rows[:, fmt.dim :], dtype)
     return out.view(*packed.shape[:-1], fmt.dim)
 
 
@@ -210,5 +211,21 @@ def _check_pair(codes: Tensor, scales: Tensor) -> EntryFormat:
     )
 
 
+@functools.cache
+def _format(dim: int) -> tuple[EntryFormat, int]:
+    """``(window_format(dim), its bytes per entry)``, built once per width: the format's sizes are properties, and
+    a decode step encodes and decodes window entries four times per layer. An entry is the ``dim`` E4M3 bytes,
+    then the ``dim/32`` scale bytes (no tail, no pad: the scales start at byte ``dim``).
+
+    Raises:
+        ValueError: ``dim`` is no window width (as `window_format`).
+    """
+    fmt = window_format(dim)
+    assert fmt.scale_offset == fmt.dim and fmt.bytes_per_entry == fmt.dim + fmt.num_scales  # no tail, no pad
+    return fmt, fmt.bytes_per_entry
+
+
 def _entry_of(packed: Tensor) -> EntryFormat:
-    return entry_of_packed(packed, lambda width: width * _BLOCK // (_BLOCK + 1), window_format, name=_NAME)
+    return entry_of_packed(
+        packed, lambda width: width * _BLOCK // (_BLOCK + 1), lambda dim: _format(dim)[0], name=_NAME
+    )

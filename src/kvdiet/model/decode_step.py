@@ -39,8 +39,8 @@ class DecodePlan:
     """What every layer of one decode step shares.
 
     Each layer reads its window straight from every request's rings (`WindowRings`, one gather per request),
-    with its new entries, staged in ``fresh``, as the last key; `store_windows` writes each request's new entries
-    of every layer into its rings at the end.
+    with its new entries as the last key, and stages their bytes in ``fresh``; `store_windows` writes each
+    request's new entries of every layer into its rings at the end.
 
     Attributes:
         positions: int64 [B], the new row's position per request.
@@ -183,8 +183,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     if attn.compressor is not None:
         _update_global(attn, x, segs, plan.positions)
     qr, q = attn.project_q(x, rot)
-    kv = attn.codecs.window.roundtrip(attn.project_window_kv(x, rot))
-    win_kv, win_mask = _window(attn, plan, kv)
+    win_kv, win_mask = _window(attn, plan, attn.project_window_kv(x, rot))
     if attn.indexer is not None:
         _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
@@ -206,27 +205,28 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
 
 
 def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window keys fp32 [B, W, D] in position order (the ring's older ones, then ``kv`` [B, D]) and their mask
-    bool [B, W]; the new entries are staged in the plan (`DecodePlan.store_windows` stores them).
+    """Window keys fp32 [B, W, D] in position order and their mask bool [B, W]: the ring's older ones, then the
+    new entries ``kv`` fp32 [B, D] (`Attention.project_window_kv`) as stored values, ``codec.roundtrip(kv)``.
 
-    The encoded window (older rows gathered from each request's ring, then the new entry) is decoded in one
-    call: ``kv`` is already a stored value (``codec.roundtrip``), which its stored bytes decode to bit for bit
-    (`kvdiet.formats.fp8`, idempotence), so the last key is ``kv`` itself.
+    The older rows gathered from each request's ring and ``encode(kv)`` are decoded in one call; the new keys
+    are the last decoded row, so ``roundtrip`` needs no decode of its own. The entries staged for the rings
+    (`DecodePlan.store_windows`) are ``encode(roundtrip(kv))``, as `Attention.forward` stores them.
     """
     layer, codec, b = attn.info.layer_id, attn.codecs.window, kv.shape[0]
-    fresh = plan.fresh[layer]
-    fresh.copy_(codec.encode(kv))
+    encoded = codec.encode(kv)  # [B, width]
     rows = torch.empty(
-        b, plan.window_slots.shape[1] + 1, fresh.shape[-1], dtype=fresh.dtype, device=fresh.device
+        b, plan.window_slots.shape[1] + 1, encoded.shape[-1], dtype=encoded.dtype, device=kv.device
     )
     # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
     for i, rings in enumerate(plan.rings):
         torch.index_select(rings.rows[layer], 0, plan.window_slots[i], out=rows[i, :-1])
-    rows[:, -1] = fresh
+    rows[:, -1] = encoded
     if plan.window_held is not None:  # a slot not held reads the new entry (masked out)
         older = rows[:, :-1]
-        older.copy_(torch.where(plan.window_held[layer][..., None], older, fresh[:, None]))
-    return codec.decode(rows), plan.window_mask[layer]
+        older.copy_(torch.where(plan.window_held[layer][..., None], older, encoded[:, None]))
+    win_kv = codec.decode(rows)
+    plan.fresh[layer] = codec.encode(win_kv[:, -1])
+    return win_kv, plan.window_mask[layer]
 
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:
@@ -273,8 +273,8 @@ def _select(
     """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
 
     Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
-    the candidate source's kept blocks: in one call when the requests share a pool (`BatchTables`), else one
-    call per request. Other layers score every entry, one call per request with no per-entry ids (no [B, N]
+    the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
+    one call per request. Other layers score every entry, one call per request with no per-entry ids (no [B, N]
     temporaries: N is 1M at 1M tokens and ratio 1), padded with −inf to the longest key list.
     """
     info, indexer, pos = attn.info, attn.indexer, plan.positions
@@ -298,7 +298,7 @@ def _select(
         raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
     entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
     tables = plan.tables
-    if tables.shared is not None:
+    if tables.shared is not None and len(segs) > 1:
         off = tables.offsets(info.kv_src)
         shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty
         scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
