@@ -66,6 +66,19 @@ def test_a_pool_on_the_cache_layers_block_pool_is_fixed(micro: Transformer) -> N
         micro.new_pool(3, block_size=4, blocks=blocks)
 
 
+def test_a_released_table_reserved_again_reads_its_new_ids(micro: Transformer) -> None:
+    """`BlockTable.tensor` is cached until the table changes length: a release empties it, so a table reserved
+    again to the same length reads its new blocks (the decode step's block tables are built from it)."""
+    pool = micro.new_pool(4, block_size=4)
+    other, state = micro.new_state(pool), micro.new_state(pool)
+    state.table.reserve(8)
+    assert state.table.tensor().tolist() == [0, 1]
+    other.table.reserve(4)  # takes the next free block
+    state.table.release()
+    state.table.reserve(8)
+    assert state.table.ids != [0, 1] and state.table.tensor().tolist() == state.table.ids
+
+
 def test_a_block_round_trips_as_bytes(micro: Transformer) -> None:
     pool = micro.new_pool(2, block_size=4)
     state = micro.new_state(pool)

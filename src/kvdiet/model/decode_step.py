@@ -139,7 +139,7 @@ class BatchTables:
         tables = [seg.state.table for seg in segs]
         pools = [t.pool for t in tables]
         shared = pools[0] if all(p is pools[0] for p in pools) else None
-        rows = [t.tensor().to(pools[0].device) for t in tables]  # each table's cached ids (no list → tensor)
+        rows = [t.tensor() for t in tables]  # each table's cached ids on its pool's device (no list → tensor)
         width = max(1, *(r.numel() for r in rows))
         table = torch.zeros(len(rows), width, dtype=torch.int64, device=pools[0].device)
         for b, r in enumerate(rows):
