@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
-from kvdiet.model.hc import hc_coefficients, hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
+from kvdiet.model.hc import (
+    add_sublayer_hc,
+    hc_coefficients,
+    hc_collapse,
+    hc_expand,
+    hc_init_streams,
+    hc_initial_pre,
+    sublayer_coefficients,
+)
 
 HC, HIDDEN, T = 4, 16, 5
 RMS_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
@@ -94,12 +104,88 @@ def _torch_formula(h, fn, scale, base):
     return pre, post, comb
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5, 300])
+# 1..9 and 33: every split of the pre/post/comb runs between the vector and the scalar tails of the CPU kernels
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 7, 8, 9, 33, 300])
 def test_coefficients_equal_the_plain_torch_ops_bit_for_bit(inputs, tokens):
     _, fn, scale, base = inputs
     h = torch.randn(tokens, HC, HIDDEN, generator=torch.Generator().manual_seed(tokens)) * 3
-    for got, want in zip(_coefficients(h, fn, scale, base), _torch_formula(h, fn, scale, base), strict=True):
-        assert torch.equal(got, want)
+    want = _torch_formula(h, fn, scale, base)
+    for got, expected in zip(_coefficients(h, fn, scale, base), want, strict=True):
+        assert torch.equal(got, expected)
+    block = _block(fn, scale, base)
+    with torch.no_grad():  # the cached layout, twice (built, then reused)
+        for _ in range(2):
+            for got, expected in zip(_sublayer(block, h), want, strict=True):
+                assert torch.equal(got, expected)
+    assert block.hc_weights["attn"].source[0] is block.hc_attn_fn
+
+
+def test_coefficients_of_fp64_streams_equal_the_plain_torch_ops(inputs):
+    h, fn, scale, base = (t.double() for t in inputs)
+    block = _block(*inputs[1:]).double()
+    want = _torch_formula(h, fn, scale, base)
+    with torch.no_grad():
+        for got, expected in zip(_sublayer(block, h), want, strict=True):
+            assert got.dtype == torch.float64 and torch.equal(got, expected)
+
+
+def _block(fn, scale, base) -> nn.Module:
+    """A module holding one sublayer's mHC parameters (``attn``) as the model's blocks do."""
+    block = nn.Module()
+    add_sublayer_hc(block, _CFG)
+    with torch.no_grad():
+        block.hc_attn_fn.copy_(fn)
+        block.hc_attn_scale.copy_(scale)
+        block.hc_attn_base.copy_(base)
+    return block
+
+
+def _sublayer(block, h):
+    return sublayer_coefficients(block, _CFG, h, "attn")
+
+
+_CFG = SimpleNamespace(
+    hc_mult=HC, hidden_size=HIDDEN, rms_norm_eps=RMS_EPS, hc_eps=HC_EPS, hc_sinkhorn_iters=ITERS
+)
+
+
+def test_cached_layout_follows_every_way_the_parameters_change(inputs):
+    """In place under no_grad, load_state_dict, a replaced parameter object (the checkpoint loader), new
+    ``.data`` (what ``Module.to`` does) and ``.double()``: each is seen on the next call."""
+    h, fn, scale, base = inputs
+    block = _block(fn, scale, base)
+    g = torch.Generator().manual_seed(7)
+
+    def check(fn, scale, base, h=h):
+        with torch.no_grad():
+            got = _sublayer(block, h)
+        for a, b in zip(got, _torch_formula(h, fn, scale, base), strict=True):
+            assert torch.equal(a, b)
+
+    check(fn, scale, base)
+    fn2 = torch.randn(fn.shape, generator=g) * 0.3
+    with torch.no_grad():
+        block.hc_attn_fn.copy_(fn2)  # in place: the version counter
+    check(fn2, scale, base)
+    scale2 = torch.tensor([1.1, 0.4, 1.7])
+    block.load_state_dict({**block.state_dict(), "hc_attn_scale": scale2})
+    check(fn2, scale2, base)
+    base2 = torch.randn(base.shape, generator=g)
+    block._parameters["hc_attn_base"] = nn.Parameter(base2.clone(), requires_grad=False)  # a new object
+    check(fn2, scale2, base2)
+    fn3 = torch.randn(fn.shape, generator=g) * 0.3
+    block.hc_attn_fn.data = fn3.clone()  # new storage, same object and version
+    check(fn3, scale2, base2)
+    block.double()
+    check(fn3.double(), scale2.double(), base2.double(), h.double())
+
+
+def test_with_autograd_the_parameters_are_read_directly(inputs):
+    h, fn, scale, base = inputs
+    block = _block(fn, scale, base)
+    pre, _, _ = _sublayer(block, h)
+    assert pre.requires_grad and "attn" not in block.hc_weights
+    assert torch.equal(pre.detach(), _torch_formula(h, fn, scale, base)[0])
 
 
 def test_comb_is_doubly_stochastic_and_ranges(inputs):
@@ -132,6 +218,18 @@ def test_leading_batch_dim(inputs):
     single = _coefficients(h, fn, scale, base)
     for x, y in zip(batched, single, strict=True):
         torch.testing.assert_close(x[0], y, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("lead", [(1,), (2,), (5,), (300,), (2, 3)])
+def test_collapse_and_expand_equal_the_plain_torch_ops_bit_for_bit(lead):
+    g = torch.Generator().manual_seed(len(lead) * 1000 + lead[-1])
+    h = torch.randn(*lead, HC, HIDDEN, generator=g) * 3
+    x = torch.randn(*lead, HIDDEN, generator=g)
+    pre, post = torch.rand(*lead, HC, generator=g), torch.rand(*lead, HC, generator=g) * 2
+    comb = torch.softmax(torch.randn(*lead, HC, HC, generator=g), -1)
+    assert torch.equal(hc_collapse(h, pre), (pre[..., None] * h).sum(-2))
+    want = post[..., None] * x[..., None, :] + comb.transpose(-1, -2) @ h
+    assert torch.equal(hc_expand(x, h, post, comb), want)
 
 
 def test_collapse_and_expand_match_loops(inputs):

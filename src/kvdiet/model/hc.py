@@ -4,7 +4,8 @@ The transformer block owns the parameters (checkpoint names ``hc_attn_fn`` / ``h
 ``hc_attn_base`` and ``hc_ffn_*``) and decides which pre-mix feeds which sublayer (the V4.1 shift, v41-spec
 §8.1); this module only computes coefficients and mixes streams. All math is fp32 (fp64 when the
 streams are fp64, `kvdiet.model.layers.widen`); the Sinkhorn loop runs compiled (`kvdiet.model.sinkhorn`,
-bit-identical to torch).
+bit-identical to torch). A block's parameters are laid out for the computation once (`HcWeights`, kept
+until a parameter changes), so a decode step's per-call work is the formula's own ops and nothing else.
 
 Shapes: streams ``h`` [..., T, hc, hidden]; ``fn`` [(2+hc)·hc, hc·hidden]; ``scale`` [3]; ``base``
 [(2+hc)·hc]; ``pre``/``post`` [..., T, hc]; ``comb`` [..., T, hc, hc]. The model uses no leading dims.
@@ -13,7 +14,7 @@ Source: v41-spec §8.1a (DeepSeek's V4.1 reference ``hc_pre`` / ``hc_post`` and 
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.sinkhorn import sinkhorn_
 
 __all__ = [
+    "HcWeights",
     "add_sublayer_hc",
     "hc_coefficients",
     "hc_collapse",
@@ -35,28 +37,43 @@ __all__ = [
 
 def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
     """Register a block's mHC parameters under DeepSeek's names: ``hc_{attn,ffn}_fn`` [(2+hc)·hc, hc·hidden]
-    (zeros), ``hc_{attn,ffn}_base`` [(2+hc)·hc] (zeros), ``hc_{attn,ffn}_scale`` [3] (ones)."""
+    (zeros), ``hc_{attn,ffn}_base`` [(2+hc)·hc] (zeros), ``hc_{attn,ffn}_scale`` [3] (ones); and
+    ``block.hc_weights``, an empty dict where `sublayer_coefficients` keeps each sublayer's `HcWeights`."""
     hc, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
     for part in ("attn", "ffn"):
         block.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size)))
         block.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix)))
         block.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+    block.hc_weights = {}
+
+
+_NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
 
 
 def sublayer_coefficients(
     block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_coefficients` of the ``attn`` or ``ffn`` sublayer of ``block`` (see `add_sublayer_hc`) for streams
-    ``h`` [T, hc, hidden]."""
-    return hc_coefficients(
-        h,
-        getattr(block, f"hc_{part}_fn"),
-        getattr(block, f"hc_{part}_scale"),
-        getattr(block, f"hc_{part}_base"),
-        hc_mult=cfg.hc_mult,
-        rms_eps=cfg.rms_norm_eps,
-        hc_eps=cfg.hc_eps,
-        sinkhorn_iters=cfg.hc_sinkhorn_iters,
+    ``h`` [T, hc, hidden]; the same values, bit for bit.
+
+    Without autograd the sublayer's `HcWeights` are kept in ``block.hc_weights[part]`` and rebuilt when a
+    parameter is replaced (a new object, as the checkpoint loader does), moved or converted (``.to``,
+    ``.double()``: new storage), or written in place through autograd's view of it (``copy_`` under
+    ``no_grad``, ``load_state_dict``: its version counter); writes that skip the version counter (through
+    ``.data``, or into inference tensors) are not seen.
+    """
+    fn_name, scale_name, base_name = _NAMES[part]
+    params = block._parameters
+    fn, scale, base = params[fn_name], params[scale_name], params[base_name]
+    if torch.is_grad_enabled():  # the cached tensors are detached: gradients need the parameters themselves
+        weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
+    else:
+        weights = block.hc_weights.get(part)
+        if weights is None or not weights.current(fn, scale, base, _compute_dtype(h)):
+            weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
+            block.hc_weights[part] = weights
+    return weights.coefficients(
+        h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
     )
 
 
@@ -91,38 +108,118 @@ def hc_coefficients(
     Raises:
         ValueError: shapes inconsistent with ``hc_mult``, or ``sinkhorn_iters < 1``.
     """
-    hc = hc_mult
-    if h.shape[-2] != hc:
-        raise ValueError(f"h has {h.shape[-2]} streams, expected hc_mult={hc}")
-    n_mix = (2 + hc) * hc
-    if fn.shape != (n_mix, hc * h.shape[-1]) or scale.shape != (3,) or base.shape != (n_mix,):
-        raise ValueError(
-            f"fn {tuple(fn.shape)}, scale {tuple(scale.shape)}, base {tuple(base.shape)} do not match "
-            f"hc_mult={hc}, hidden={h.shape[-1]} (expected ({n_mix}, {hc * h.shape[-1]}), (3,), ({n_mix},))"
+    weights = HcWeights.build(fn, scale, base, hc_mult=hc_mult, dtype=_compute_dtype(h))
+    return weights.coefficients(h, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
+
+
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 streams, else fp32 (`kvdiet.model.layers.widen`)."""
+    return torch.float64 if h.dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True, slots=True)
+class HcWeights:
+    """One sublayer's mHC parameters laid out for `hc_coefficients` in one compute dtype, built once:
+    ``fn_t`` = fnᵀ [hc·hidden, (2+hc)·hc] (a view of fn when it has that dtype), ``scale`` [(2+hc)·hc] (each
+    mix's scale: hc × scale[0], hc × scale[1], hc² × scale[2]), ``base`` [(2+hc)·hc].
+
+    ``source`` holds the parameters it was built from and ``stamp`` their (version, data pointer) pairs, for
+    `current`; ``pinned`` holds detached views of their storage, so no later storage can take a pinned
+    address while this object lives.
+    """
+
+    hc: int
+    dtype: torch.dtype
+    fn_t: torch.Tensor
+    scale: torch.Tensor
+    base: torch.Tensor
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    stamp: tuple[int, int, int, int, int, int]
+    pinned: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def build(
+        cls, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, hc_mult: int, dtype: torch.dtype
+    ) -> HcWeights:
+        """Lay out ``fn`` [(2+hc)·hc, hc·hidden], ``scale`` [3], ``base`` [(2+hc)·hc] in ``dtype``.
+
+        Raises:
+            ValueError: shapes inconsistent with ``hc_mult``.
+        """
+        hc, n_mix = hc_mult, (2 + hc_mult) * hc_mult
+        if (
+            fn.dim() != 2
+            or fn.shape[0] != n_mix
+            or fn.shape[1] % hc
+            or scale.shape != (3,)
+            or base.shape != (n_mix,)
+        ):
+            raise ValueError(
+                f"fn {tuple(fn.shape)}, scale {tuple(scale.shape)}, base {tuple(base.shape)} do not match "
+                f"hc_mult={hc} (expected ({n_mix}, hc·hidden), (3,), ({n_mix},))"
+            )
+        index = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=scale.device)
+        return cls(
+            hc=hc,
+            dtype=dtype,
+            fn_t=as_dtype(fn, dtype).T,
+            scale=as_dtype(scale, dtype).index_select(0, index),
+            base=as_dtype(base, dtype),
+            source=(fn, scale, base),
+            stamp=_stamp(fn, scale, base),
+            pinned=(fn.detach(), scale.detach(), base.detach()),
         )
-    if sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
-    flat = widen(h).flatten(-2)  # [..., T, hc·hidden]
-    dt = flat.dtype
-    fn, scale, base = as_dtype(fn, dt), as_dtype(scale, dt), as_dtype(base, dt)
-    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)))
-    mixes = (flat @ fn.T) * rstd  # [..., T, n_mix]
-    # every mix times its part's scale, plus its base, in two ops (the same products and sums per element);
-    # each part made contiguous as a tensor of its own: sigmoid's and softmax's CPU kernels round an element
-    # by where it falls in a contiguous run
-    z = mixes * scale.index_select(0, _scale_index(hc, scale.device)) + base
-    pre = torch.sigmoid(z[..., :hc].contiguous()).add_(constant(hc_eps, dt))
-    post = torch.sigmoid(z[..., hc : 2 * hc].contiguous())
-    post = post.add_(post)  # 2·σ, exactly
-    comb = torch.softmax(z[..., 2 * hc :].contiguous().view(*z.shape[:-1], hc, hc), dim=-1)
-    sinkhorn_(comb, eps=hc_eps, iters=sinkhorn_iters)
-    return pre, post, comb
+
+    def current(self, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether these are still the layout of ``fn``, ``scale``, ``base`` in ``dtype``: the same objects,
+        storage and version counters (see `sublayer_coefficients` for what that covers)."""
+        src = self.source
+        return (
+            src[0] is fn
+            and src[1] is scale
+            and src[2] is base
+            and self.dtype == dtype
+            and self.stamp == _stamp(fn, scale, base)
+        )
+
+    def coefficients(
+        self, h: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hc_coefficients` of streams ``h`` [..., T, hc, hidden] (v41-spec §8.1a): (pre [..., T, hc], post
+        [..., T, hc], comb [..., T, hc, hc]) in ``dtype``.
+
+        Every step is the op of the straightforward formula on the same operands (in place where a
+        temporary allows: the same kernel, the same roundings), so the values are those of the formula bit
+        for bit; the pre, post and comb logits are each made contiguous as a tensor of their own, as
+        sigmoid's and softmax's CPU kernels round an element by where it falls in a contiguous run.
+
+        Raises:
+            ValueError: ``h`` has not hc streams or not the hidden size of fn, or ``sinkhorn_iters < 1``.
+        """
+        hc = self.hc
+        if h.dim() < 2 or h.shape[-2] != hc or hc * h.shape[-1] != self.fn_t.shape[0]:
+            raise ValueError(
+                f"h {tuple(h.shape)} does not match hc_mult={hc} and fn's hc·hidden={self.fn_t.shape[0]}"
+            )
+        if sinkhorn_iters < 1:
+            raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+        dt = self.dtype
+        flat = as_dtype(h, dt).flatten(-2)  # [..., T, hc·hidden]
+        rstd = flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)).rsqrt_()
+        z = torch.matmul(flat, self.fn_t).mul_(rstd).mul_(self.scale).add_(self.base)  # [..., T, (2+hc)·hc]
+        pre, post, comb = z.split_with_sizes((hc, hc, hc * hc), -1)
+        pre = torch.sigmoid(pre.contiguous()).add_(constant(hc_eps, dt))
+        post = torch.sigmoid(post.contiguous())
+        post = post.add_(post)  # 2·σ, exactly
+        comb = torch.softmax(comb.contiguous().view(*z.shape[:-1], hc, hc), dim=-1)
+        sinkhorn_(comb, eps=hc_eps, iters=sinkhorn_iters)
+        return pre, post, comb
 
 
-@functools.cache
-def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
-    """int64 [(2+hc)·hc]: which of the 3 scales each mix takes (hc × 0, hc × 1, hc² × 2); built once."""
-    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+def _stamp(fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """(version, data pointer) of each parameter: an in-place write through autograd bumps the first, a
+    replaced storage changes the second."""
+    return (fn._version, fn.data_ptr(), scale._version, scale.data_ptr(), base._version, base.data_ptr())
 
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -131,7 +228,7 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     h: [..., T, hc, hidden], pre: [..., T, hc] -> fp32 [..., T, hidden].
     """
     h = widen(h)
-    return (as_dtype(pre, h.dtype)[..., None] * h).sum(-2)
+    return (as_dtype(pre, h.dtype).unsqueeze(-1) * h).sum(-2)
 
 
 def hc_expand(
@@ -147,8 +244,14 @@ def hc_expand(
     """
     residual = widen(residual)
     dt = residual.dtype
-    mixed = as_dtype(comb, dt).transpose(-1, -2) @ residual  # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j
-    return as_dtype(post, dt)[..., None] * as_dtype(x, dt)[..., None, :] + mixed
+    comb_t = as_dtype(comb, dt).transpose(-1, -2)
+    # [..., T, hc, hidden]; row i = Σ_j comb[j,i]·r_j. torch.matmul passes two 3-d operands with one batch size
+    # to bmm unchanged, so bmm itself gives the same bits without matmul's expand and reshape calls
+    if comb_t.dim() == 3 and residual.dim() == 3 and comb_t.shape[0] == residual.shape[0]:
+        mixed = torch.bmm(comb_t, residual)
+    else:
+        mixed = comb_t @ residual
+    return (as_dtype(post, dt).unsqueeze(-1) * as_dtype(x, dt).unsqueeze(-2)).add_(mixed)
 
 
 def hc_init_streams(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
