@@ -3,6 +3,8 @@ for bit; and mHC coefficients unchanged by it."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -105,3 +107,48 @@ def test_hc_coefficients_do_not_depend_on_the_path(tokens, monkeypatch):
         )
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def _softmax_then_sinkhorn(logits: torch.Tensor, iters: int, eps: float = EPS) -> torch.Tensor:
+    return _formula(torch.softmax(logits.contiguous(), dim=-1), iters, eps)
+
+
+def test_softmax_sinkhorn_uses_torchs_vector_exp_where_torch_has_one(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    known = platform.machine() == "x86_64" and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if not known:
+        pytest.skip("torch runs no AVX2/AVX512 kernels here: softmax_sinkhorn takes torch's softmax")
+    # found, and it passed its own check against torch.softmax
+    assert sinkhorn._torch_vector_exp() is not None
+
+
+@pytest.mark.parametrize("hc", [1, 2, 3, 4])
+@pytest.mark.parametrize("iters", [1, 20])
+def test_softmax_sinkhorn_equals_softmax_then_sinkhorn_bit_for_bit(hc, iters, monkeypatch):
+    g = torch.Generator().manual_seed(10 * hc + iters)
+    for n, spread in ((1, 1.0), (5, 8.0), (997, 3.0), (64, 40.0)):
+        # the logits as the model holds them: a column slice of a wider row (rows apart, entries contiguous)
+        wide = torch.randn(n, 3 * hc + hc * hc, generator=g) * spread
+        logits = wide[:, 3 * hc :].view(n, hc, hc)
+        want = _softmax_then_sinkhorn(logits, iters)
+        for env in ("1", "0"):
+            monkeypatch.setenv(ENV, env)
+            got = sinkhorn.softmax_sinkhorn(logits, eps=EPS, iters=iters)
+            assert got.is_contiguous() and got.shape == (n, hc, hc) and torch.equal(got, want), (n, env)
+    monkeypatch.delenv(ENV)
+
+
+def test_softmax_sinkhorn_elsewhere_takes_torchs_softmax(monkeypatch):
+    """fp64, leading dims and tensors that need grad go through torch.softmax and `sinkhorn_`."""
+    monkeypatch.delenv(ENV, raising=False)
+    g = torch.Generator().manual_seed(4)
+    for logits in (
+        torch.randn(30, 4, 4, generator=g, dtype=torch.float64) * 3,
+        torch.randn(2, 15, 4, 4, generator=g) * 3,
+        torch.randn(0, 4, 4),
+    ):
+        got = sinkhorn.softmax_sinkhorn(logits, eps=EPS, iters=20)
+        assert got.dtype == logits.dtype and torch.equal(got, _softmax_then_sinkhorn(logits, 20))
+    leaf = torch.randn(6, 4, 4, generator=g).requires_grad_()
+    got = sinkhorn.softmax_sinkhorn(leaf * 1, eps=EPS, iters=3)
+    assert got.requires_grad and torch.equal(got.detach(), _softmax_then_sinkhorn(leaf.detach(), 3))

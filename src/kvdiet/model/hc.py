@@ -21,7 +21,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.layers import as_dtype, constant, widen
-from kvdiet.model.sinkhorn import sinkhorn_
+from kvdiet.model.sinkhorn import softmax_sinkhorn
 
 __all__ = [
     "HcWeights",
@@ -211,8 +211,7 @@ class HcWeights:
         pre = torch.sigmoid(pre.contiguous()).add_(constant(hc_eps, dt))
         post = torch.sigmoid(post.contiguous())
         post = post.add_(post)  # 2·σ, exactly
-        comb = torch.softmax(comb.contiguous().view(*z.shape[:-1], hc, hc), dim=-1)
-        sinkhorn_(comb, eps=hc_eps, iters=sinkhorn_iters)
+        comb = softmax_sinkhorn(comb.view(*z.shape[:-1], hc, hc), eps=hc_eps, iters=sinkhorn_iters)
         return pre, post, comb
 
 

@@ -16,6 +16,9 @@
 
 #include <float.h>
 #include <stdint.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
 #error "sinkhorn.c needs float arithmetic evaluated in its own precision (FLT_EVAL_METHOD 0)"
@@ -58,3 +61,61 @@
 
 SINKHORN(kvdiet_sinkhorn_f32, line_f32, float)
 SINKHORN(kvdiet_sinkhorn_f64, line_f64, double)
+
+/* The comb matrices from their logits: softmax over each row, then the normalisation above, in one call. The
+ * softmax repeats torch's CPU kernel for rows shorter than a vector (2.x SoftMaxKernel, _vec_softmax_lastdim):
+ * m = the row's maximum (left to right; NaN if any is NaN); e = exp(x - m) by the vector exp torch calls
+ * (`vexp`: Sleef_expf16_u10 with AVX512 kernels, `lanes` 16; Sleef_expf8_u10 with AVX2, `lanes` 8; its
+ * address handed in from torch's own library), a lane per entry, so neighbours never change a result;
+ * s = ((e0 + e1) + e2) + ...; r = 1 / s; out = e * r.
+ * logits: n matrices, hc x hc row-major each, matrix m at logits + m * stride; comb: n x hc x hc, contiguous.
+ * Returns -1 (nothing written) off x86-64 or for hc or lanes it does not take. */
+#if defined(__x86_64__)
+typedef __m512 (*vexp16_t)(__m512);
+typedef __m256 (*vexp8_t)(__m256);
+__attribute__((target("avx512f"))) static void vexp16(void *f, float *buf) {
+  _mm512_storeu_ps(buf, ((vexp16_t)f)(_mm512_loadu_ps(buf)));
+}
+__attribute__((target("avx2"))) static void vexp8(void *f, float *buf) {
+  _mm256_storeu_ps(buf, ((vexp8_t)f)(_mm256_loadu_ps(buf)));
+}
+#endif
+
+/* torch's vec::maximum(a, b) in one lane: _mm_max_ps(a, b) (a > b ? a : b), NaN when either is NaN */
+static inline float max_or_nan(float a, float b) {
+  if (a != a || b != b) return a != a ? a : b;
+  return a > b ? a : b;
+}
+
+int kvdiet_softmax_sinkhorn_f32(const float *logits, int64_t stride, float *comb, int64_t n, int64_t hc,
+                                int64_t iters, float eps, void *vexp, int64_t lanes) {
+#if defined(__x86_64__)
+  if (hc < 1 || hc > MAX_HC || vexp == 0 || (lanes != 8 && lanes != 16)) return -1;
+  const int64_t rows = n * hc, per_call = lanes / hc;
+  float buf[16];
+  for (int64_t r0 = 0; r0 < rows; r0 += per_call) {
+    const int64_t nr = rows - r0 < per_call ? rows - r0 : per_call;
+    for (int64_t q = 0; q < 16; ++q) buf[q] = 0;
+    for (int64_t k = 0; k < nr; ++k) {
+      const int64_t r = r0 + k;
+      const float *row = logits + (r / hc) * stride + (r % hc) * hc;
+      float m = row[0];
+      for (int64_t j = 1; j < hc; ++j) m = max_or_nan(m, row[j]);
+      for (int64_t j = 0; j < hc; ++j) buf[k * hc + j] = row[j] - m;
+    }
+    if (lanes == 16) vexp16(vexp, buf); else vexp8(vexp, buf);
+    for (int64_t k = 0; k < nr; ++k) {
+      const float *e = buf + k * hc;
+      float s = e[0];
+      for (int64_t j = 1; j < hc; ++j) s = s + e[j];
+      s = 1 / s;
+      float *out = comb + (r0 + k) * hc;
+      for (int64_t j = 0; j < hc; ++j) out[j] = e[j] * s;
+    }
+  }
+  return kvdiet_sinkhorn_f32(comb, n, hc, iters, eps);
+#else
+  (void)logits; (void)stride; (void)comb; (void)n; (void)hc; (void)iters; (void)eps; (void)vexp; (void)lanes;
+  return -1;
+#endif
+}

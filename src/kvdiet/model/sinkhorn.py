@@ -10,6 +10,9 @@ renamed into place so concurrent builds never see each other's half-written libr
 ``KVDIET_NATIVE_KERNELS=0`` selects the pure-torch path (read on every call, so tests can run both); a
 failed build logs a warning once and uses it too. Why hc ≤ 4: torch's CPU sum over a dim of at most 4 values
 adds them one at a time from 0, the order the C loops repeat; wider sums split into partial sums.
+`softmax_sinkhorn` adds the softmax before it (comb from its logits) to the same call, where torch runs
+AVX2/AVX512 kernels on x86-64: it repeats torch's softmax for short rows with the vector exp torch itself
+calls (found in torch's library and checked against ``torch.softmax`` once per process).
 This module knows nothing of where the matrices come from (`kvdiet.model.hc`).
 """
 
@@ -29,7 +32,7 @@ import torch
 
 from kvdiet.formats.native import ENV, build_root, cpu_isa
 
-__all__ = ["sinkhorn_", "sinkhorn_kernel"]
+__all__ = ["sinkhorn_", "sinkhorn_kernel", "softmax_sinkhorn"]
 
 _SOURCE = Path(__file__).with_name("sinkhorn.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
@@ -70,6 +73,48 @@ def sinkhorn_(comb: torch.Tensor, *, eps: float, iters: int) -> torch.Tensor:
     return comb
 
 
+def softmax_sinkhorn(logits: torch.Tensor, *, eps: float, iters: int) -> torch.Tensor:
+    """The comb matrices from their logits (v41-spec §8.1a): ``sinkhorn_(torch.softmax(logits, dim=-1))`` as
+    a new contiguous tensor, the same values bit for bit on both paths.
+
+    The compiled path (``kvdiet_softmax_sinkhorn_f32``) takes fp32 CPU logits [n, hc, hc], hc ≤ 4, with
+    contiguous matrices evenly spaced (a column slice of the mixes), when torch runs its AVX512 or AVX2
+    kernels: it calls the vector exp torch's softmax calls (`_torch_vector_exp`), so it needs no softmax op
+    and no thread-pool start (torch's softmax starts one per call when it has 2+ threads, even for 4 rows).
+
+    Args:
+        logits: [..., hc, hc], any float dtype and strides (not modified).
+        eps: config ``hc_eps``; iters: config ``hc_sinkhorn_iters`` (≥ 1).
+    Returns:
+        comb [..., hc, hc] in the logits' dtype, contiguous.
+    Raises:
+        RuntimeError: the kernel refused arguments it was promised to take.
+    """
+    hc = logits.shape[-1]
+    lib = sinkhorn_kernel()
+    if (
+        lib is not None
+        and logits.dim() == 3
+        and logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+        and hc <= _MAX_HC
+        and logits.shape[-2] == hc
+        and logits.stride(-1) == 1
+        and logits.stride(-2) == hc
+        and not logits.requires_grad
+    ):
+        vexp = _torch_vector_exp()
+        if vexp is not None:
+            comb = torch.empty(logits.shape, dtype=torch.float32)
+            n = logits.shape[0]
+            if n and lib.kvdiet_softmax_sinkhorn_f32(
+                logits.data_ptr(), logits.stride(0), comb.data_ptr(), n, hc, iters, eps, *vexp
+            ):
+                raise RuntimeError(f"the softmax-Sinkhorn kernel refused hc={hc}")
+            return comb
+    return sinkhorn_(torch.softmax(logits.contiguous(), dim=-1), eps=eps, iters=iters)
+
+
 def sinkhorn_kernel() -> ctypes.CDLL | None:
     """The compiled library (``kvdiet_sinkhorn_f32`` / ``_f64``), or None for the pure-torch path.
 
@@ -107,4 +152,43 @@ def _load() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, real]
         fn.restype = ctypes.c_int
+    fn = lib.kvdiet_softmax_sinkhorn_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_float]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = ctypes.c_int
     return lib
+
+
+_TORCH_VECTOR_EXP = {"AVX512": ("Sleef_expf16_u10", 16), "AVX2": ("Sleef_expf8_u10", 8)}
+"""torch's CPU capability -> the fp32 vector exp its kernels call (``Vectorized<float>::exp``) and its lanes."""
+
+
+@functools.cache
+def _torch_vector_exp() -> tuple[int, int] | None:
+    """(address, lanes) of the vector exp torch's softmax calls, taken from torch's own ``libtorch_cpu``; None
+    (the torch path then) for other capabilities or platforms, a library or symbol not found, or when the
+    compiled softmax disagrees with ``torch.softmax`` by one bit on a fixed battery (logged once)."""
+    name, lanes = _TORCH_VECTOR_EXP.get(torch.backends.cpu.get_cpu_capability(), ("", 0))
+    lib = _load()
+    if not name or lib is None or platform.machine() != "x86_64":
+        return None
+    try:
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        address = ctypes.cast(getattr(torch_cpu, name), ctypes.c_void_p).value
+    except (OSError, AttributeError) as error:
+        _log.warning("torch's vector exp not found (%s); the comb softmax stays torch's", error)
+        return None
+    g = torch.Generator().manual_seed(0)
+    for hc in range(1, _MAX_HC + 1):
+        logits = torch.cat([torch.randn(128, hc, hc, generator=g) * s for s in (0.1, 1.0, 4.0, 30.0)])
+        got = torch.empty_like(logits)
+        # iters 0 and eps 0: the softmax alone (the normalisation only adds 0 to positive entries)
+        status = lib.kvdiet_softmax_sinkhorn_f32(
+            logits.data_ptr(), hc * hc, got.data_ptr(), logits.shape[0], hc, 0, 0.0, address, lanes
+        )
+        if status or not torch.equal(got, torch.softmax(logits, dim=-1)):
+            _log.warning(
+                "the compiled softmax differs from torch %s's (%s); torch's is used", torch.__version__, name
+            )
+            return None
+    return address, lanes
