@@ -112,6 +112,9 @@ def test_coefficients_equal_the_plain_torch_ops_bit_for_bit(inputs, tokens):
     want = _torch_formula(h, fn, scale, base)
     for got, expected in zip(_coefficients(h, fn, scale, base), want, strict=True):
         assert torch.equal(got, expected)
+    with torch.no_grad():  # up to MAX_MIX_ROWS tokens: the compiled call
+        for got, expected in zip(_coefficients(h, fn, scale, base), want, strict=True):
+            assert torch.equal(got, expected)
     block = _block(fn, scale, base)
     with torch.no_grad():  # the cached layout, twice (built, then reused)
         for _ in range(2):

@@ -152,3 +152,50 @@ def test_softmax_sinkhorn_elsewhere_takes_torchs_softmax(monkeypatch):
     leaf = torch.randn(6, 4, 4, generator=g).requires_grad_()
     got = sinkhorn.softmax_sinkhorn(leaf * 1, eps=EPS, iters=3)
     assert got.requires_grad and torch.equal(got.detach(), _softmax_then_sinkhorn(leaf.detach(), 3))
+
+
+def _plain_mix(mixes, mean_sq, scale, base, hc, iters):
+    """`hc_mix`'s steps as the torch ops of v41-spec §8.1a, one op each."""
+    z = mixes * (mean_sq[:, None] + 1e-6).rsqrt() * scale + base
+    pre = torch.sigmoid(z[:, :hc].contiguous()) + EPS
+    post = torch.sigmoid(z[:, hc : 2 * hc].contiguous())
+    comb = torch.softmax(z[:, 2 * hc :].reshape(-1, hc, hc), dim=-1)
+    return pre, post + post, _formula(comb, iters)
+
+
+@pytest.mark.parametrize("hc", [2, 4])
+@pytest.mark.parametrize(
+    "rows", [1, 3, 4, 8, 9, 33, 256]
+)  # sigmoid runs of hc·rows: every vector/scalar split
+def test_hc_mix_equals_the_plain_torch_ops_bit_for_bit(hc, rows, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    g = torch.Generator().manual_seed(rows * 10 + hc)
+    n_mix = (2 + hc) * hc
+    mixes = torch.randn(rows, n_mix, generator=g) * 20
+    mean_sq = torch.rand(rows, generator=g) * 4 + 0.01
+    scale = torch.tensor([0.7] * hc + [1.3] * hc + [2.0] * hc * hc)
+    base = torch.randn(n_mix, generator=g)
+    want = _plain_mix(mixes, mean_sq, scale, base, hc, 20)
+    got = sinkhorn.hc_mix(mixes.clone(), mean_sq, scale, base, rms_eps=1e-6, hc_eps=EPS, iters=20)
+    if sinkhorn._torch_vector_exp() is None:
+        assert got is None
+        return
+    assert got is not None
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_hc_mix_declines_what_it_does_not_take(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    mixes, mean_sq = torch.randn(2, 24), torch.rand(2) + 0.1
+    scale, base = torch.ones(24), torch.zeros(24)
+
+    def mix(m, q=mean_sq):
+        return sinkhorn.hc_mix(m, q, scale, base, rms_eps=1e-6, hc_eps=EPS, iters=20)
+
+    assert mix(torch.randn(sinkhorn.MAX_MIX_ROWS + 1, 24), torch.rand(sinkhorn.MAX_MIX_ROWS + 1)) is None
+    assert mix(mixes.double(), mean_sq.double()) is None
+    assert mix(torch.randn(24, 2).T) is None  # not contiguous
+    assert mix(torch.randn(2, 48)) is None  # hc 6
+    monkeypatch.setenv(ENV, "0")
+    assert mix(mixes.clone()) is None

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.layers import as_dtype, constant, widen
-from kvdiet.model.sinkhorn import softmax_sinkhorn
+from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, softmax_sinkhorn
 
 __all__ = [
     "HcWeights",
@@ -205,6 +205,18 @@ class HcWeights:
             raise ValueError(f"sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
         dt = self.dtype
         flat = as_dtype(h, dt).flatten(-2)  # [..., T, hc·hidden]
+        if flat.dim() == 2 and flat.shape[0] <= MAX_MIX_ROWS and not torch.is_grad_enabled():
+            mixed = hc_mix(
+                torch.matmul(flat, self.fn_t),
+                flat.square().mean(-1),
+                self.scale,
+                self.base,
+                rms_eps=rms_eps,
+                hc_eps=hc_eps,
+                iters=sinkhorn_iters,
+            )
+            if mixed is not None:  # the steps below in one compiled call, bit for bit
+                return mixed
         rstd = flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)).rsqrt_()
         z = torch.matmul(flat, self.fn_t).mul_(rstd).mul_(self.scale).add_(self.base)  # [..., T, (2+hc)·hc]
         pre, post, comb = z.split_with_sizes((hc, hc, hc * hc), -1)

@@ -15,6 +15,7 @@
  * The lanes past n in the last block hold 1 and are never written back. */
 
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -118,4 +119,63 @@ int kvdiet_softmax_sinkhorn_f32(const float *logits, int64_t stride, float *comb
   (void)logits; (void)stride; (void)comb; (void)n; (void)hc; (void)iters; (void)eps; (void)vexp; (void)lanes;
   return -1;
 #endif
+}
+
+/* torch's sigmoid of n contiguous fp32 values in place (UnaryOpsKernel's sigmoid through cpu_kernel_vec, one
+ * thread): the first n - n % (2 lanes) by the vector path 1 / (vexp(0 - a) + 1), the rest by the scalar one
+ * 1 / (1 + expf(-a)) (libm's expf, which torch's scalar loop calls). */
+static void sigmoid_like_torch(float *a, int64_t n, void *vexp, int64_t lanes) {
+#if defined(__x86_64__)
+  const int64_t end = n - n % (2 * lanes);
+  int64_t i = 0;
+  float buf[16];
+  for (; i < end; i += lanes) {
+    for (int64_t q = 0; q < lanes; ++q) buf[q] = 0.f - a[i + q];
+    if (lanes == 16) vexp16(vexp, buf); else vexp8(vexp, buf);
+    for (int64_t q = 0; q < lanes; ++q) a[i + q] = 1.f / (buf[q] + 1.f);
+  }
+  for (; i < n; ++i) a[i] = 1.f / (1.f + expf(-a[i]));
+#else
+  (void)a; (void)n; (void)vexp; (void)lanes;
+#endif
+}
+
+int kvdiet_sigmoid_f32(float *a, int64_t n, void *vexp, int64_t lanes) {
+#if defined(__x86_64__)
+  if (vexp == 0 || (lanes != 8 && lanes != 16)) return -1;
+  sigmoid_like_torch(a, n, vexp, lanes);
+  return 0;
+#else
+  (void)a; (void)n; (void)vexp; (void)lanes;
+  return -1;
+#endif
+}
+
+/* All mHC coefficients of t rows from the torch-computed parts (v41-spec 8.1a), in the formula's op order:
+ *   r = 1 / sqrtf(mean_sq + rms_eps);  z = ((mixes * r) * scale) + base   (mixes [t, (2+hc)hc], overwritten)
+ *   pre = sigmoid(z[:, :hc]) + hc_eps;  post = s + s with s = sigmoid(z[:, hc:2hc]);  each as one contiguous
+ *   [t, hc] run, as torch's sigmoid sees it;  comb = kvdiet_softmax_sinkhorn_f32(z[:, 2hc:]).
+ * torch's rsqrt is 1 / sqrt on both of its paths, so a scalar one repeats it. */
+int kvdiet_hc_mix_f32(float *mixes, const float *mean_sq, const float *scale, const float *base, int64_t t,
+                      int64_t hc, float rms_eps, float hc_eps, int64_t iters, float *pre, float *post,
+                      float *comb, void *vexp, int64_t lanes) {
+  if (hc < 1 || hc > MAX_HC || vexp == 0 || (lanes != 8 && lanes != 16)) return -1;
+  const int64_t n_mix = (2 + hc) * hc;
+  for (int64_t row = 0; row < t; ++row) {
+    float r = mean_sq[row] + rms_eps;
+    r = 1.f / sqrtf(r);
+    float *z = mixes + row * n_mix;
+    for (int64_t k = 0; k < n_mix; ++k) z[k] = z[k] * r;
+    for (int64_t k = 0; k < n_mix; ++k) z[k] = z[k] * scale[k];
+    for (int64_t k = 0; k < n_mix; ++k) z[k] = z[k] + base[k];
+    for (int64_t j = 0; j < hc; ++j) {
+      pre[row * hc + j] = z[j];
+      post[row * hc + j] = z[hc + j];
+    }
+  }
+  sigmoid_like_torch(pre, t * hc, vexp, lanes);
+  for (int64_t k = 0; k < t * hc; ++k) pre[k] = pre[k] + hc_eps;
+  sigmoid_like_torch(post, t * hc, vexp, lanes);
+  for (int64_t k = 0; k < t * hc; ++k) post[k] = post[k] + post[k];
+  return kvdiet_softmax_sinkhorn_f32(mixes + 2 * hc, n_mix, comb, t, hc, iters, hc_eps, vexp, lanes);
 }

@@ -32,7 +32,7 @@ import torch
 
 from kvdiet.formats.native import ENV, build_root, cpu_isa
 
-__all__ = ["sinkhorn_", "sinkhorn_kernel", "softmax_sinkhorn"]
+__all__ = ["MAX_MIX_ROWS", "hc_mix", "sinkhorn_", "sinkhorn_kernel", "softmax_sinkhorn"]
 
 _SOURCE = Path(__file__).with_name("sinkhorn.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
@@ -140,7 +140,7 @@ def _load() -> ctypes.CDLL | None:
             root.mkdir(parents=True, exist_ok=True)
             private = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             subprocess.run(
-                [compiler, *flags, str(_SOURCE), "-o", str(private)], check=True, capture_output=True
+                [compiler, *flags, str(_SOURCE), "-o", str(private), "-lm"], check=True, capture_output=True
             )
             os.replace(private, path)
         lib = ctypes.CDLL(str(path))
@@ -155,6 +155,12 @@ def _load() -> ctypes.CDLL | None:
     fn = lib.kvdiet_softmax_sinkhorn_f32
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_float]
     fn.argtypes += [ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    fn = lib.kvdiet_sigmoid_f32
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64], ctypes.c_int
+    fn = lib.kvdiet_hc_mix_f32
+    fn.argtypes = [*[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_float]
+    fn.argtypes += [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int64]
     fn.restype = ctypes.c_int
     return lib
 
@@ -191,4 +197,71 @@ def _torch_vector_exp() -> tuple[int, int] | None:
                 "the compiled softmax differs from torch %s's (%s); torch's is used", torch.__version__, name
             )
             return None
+    for n in (*range(1, 4 * lanes + 1), 1000):  # every split between the vector and the scalar loop
+        values = torch.randn(n, generator=g) * 6
+        got = values.clone()
+        if lib.kvdiet_sigmoid_f32(got.data_ptr(), n, address, lanes) or not torch.equal(
+            got, torch.sigmoid(values)
+        ):
+            _log.warning(
+                "the compiled sigmoid differs from torch %s's (%s); torch's is used", torch.__version__, name
+            )
+            return None
     return address, lanes
+
+
+MAX_MIX_ROWS = 256
+"""Most rows `hc_mix` takes: decode steps and small batches (torch's sigmoid stays on one thread far beyond)."""
+
+
+def hc_mix(
+    mixes: torch.Tensor,
+    mean_sq: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    *,
+    rms_eps: float,
+    hc_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """mHC (pre, post, comb) from the mixes before their norm (v41-spec §8.1a) in one compiled call, the values
+    of the formula's torch ops bit for bit (``kvdiet_hc_mix_f32``: the rsqrt, scale and base, both sigmoids
+    as torch runs them, then `softmax_sinkhorn`); None where it does not apply: the kernel or torch's vector
+    exp unavailable, ``KVDIET_NATIVE_KERNELS=0``, not fp32 CPU tensors, more than `MAX_MIX_ROWS` rows,
+    hc > 4, or a tensor that needs grad.
+
+    Args:
+        mixes: ``flatten(h) · fnᵀ`` fp32 [T, (2+hc)·hc], contiguous; overwritten (with the scaled logits).
+        mean_sq: ``mean(flatten(h)²)`` fp32 [T]; scale: each mix's scale fp32 [(2+hc)·hc]; base: fp32
+            [(2+hc)·hc] (contiguous).
+        rms_eps: config ``rms_norm_eps``; hc_eps: config ``hc_eps``; iters: config ``hc_sinkhorn_iters``.
+    Returns:
+        (pre [T, hc], post [T, hc], comb [T, hc, hc]) fp32, or None.
+    """
+    lib = sinkhorn_kernel()
+    t, n_mix = mixes.shape
+    hc = round((n_mix + 1) ** 0.5) - 1  # n_mix = (2 + hc)·hc = (hc + 1)² − 1
+    if (
+        lib is None
+        or t > MAX_MIX_ROWS
+        or hc > _MAX_HC
+        or mixes.dtype != torch.float32
+        or mixes.device.type != "cpu"
+        or mixes.requires_grad
+        or not (
+            mixes.is_contiguous()
+            and mean_sq.is_contiguous()
+            and scale.is_contiguous()
+            and base.is_contiguous()
+        )
+    ):
+        return None
+    vexp = _torch_vector_exp()
+    if vexp is None:
+        return None
+    pre, post, comb = torch.empty(t, hc), torch.empty(t, hc), torch.empty(t, hc, hc)
+    ptrs = (mixes.data_ptr(), mean_sq.data_ptr(), scale.data_ptr(), base.data_ptr())
+    out = (pre.data_ptr(), post.data_ptr(), comb.data_ptr())
+    if t and lib.kvdiet_hc_mix_f32(*ptrs, t, hc, rms_eps, hc_eps, iters, *out, *vexp):
+        raise RuntimeError(f"the mHC kernel refused hc={hc}")
+    return pre, post, comb
