@@ -195,7 +195,29 @@ def test_hc_mix_declines_what_it_does_not_take(monkeypatch):
 
     assert mix(torch.randn(sinkhorn.MAX_MIX_ROWS + 1, 24), torch.rand(sinkhorn.MAX_MIX_ROWS + 1)) is None
     assert mix(mixes.double(), mean_sq.double()) is None
+    assert mix(mixes.clone(), mean_sq.double()) is None
     assert mix(torch.randn(24, 2).T) is None  # not contiguous
     assert mix(torch.randn(2, 48)) is None  # hc 6
     monkeypatch.setenv(ENV, "0")
     assert mix(mixes.clone()) is None
+
+
+def test_compiled_paths_hold_under_a_float64_default_dtype(monkeypatch):
+    """The self-check and the outputs are fp32 whatever torch's default dtype (a model run in fp64 elsewhere)."""
+    monkeypatch.delenv(ENV, raising=False)
+    g = torch.Generator().manual_seed(5)
+    mixes, mean_sq = torch.randn(3, 24, generator=g) * 5, torch.rand(3, generator=g) + 0.1
+    scale, base = torch.ones(24) * 1.5, torch.randn(24, generator=g)
+    want = _plain_mix(mixes, mean_sq, scale, base, 4, 20)
+    found = sinkhorn._torch_vector_exp() is not None
+    previous = torch.get_default_dtype()
+    sinkhorn._torch_vector_exp.cache_clear()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert (sinkhorn._torch_vector_exp() is not None) == found
+        got = sinkhorn.hc_mix(mixes.clone(), mean_sq, scale, base, rms_eps=1e-6, hc_eps=EPS, iters=20)
+    finally:
+        torch.set_default_dtype(previous)
+        sinkhorn._torch_vector_exp.cache_clear()
+    if found:
+        assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -186,7 +186,10 @@ def _torch_vector_exp() -> tuple[int, int] | None:
         return None
     g = torch.Generator().manual_seed(0)
     for hc in range(1, _MAX_HC + 1):
-        logits = torch.cat([torch.randn(128, hc, hc, generator=g) * s for s in (0.1, 1.0, 4.0, 30.0)])
+        draws = [
+            torch.randn(128, hc, hc, generator=g, dtype=torch.float32) * s for s in (0.1, 1.0, 4.0, 30.0)
+        ]
+        logits = torch.cat(draws)
         got = torch.empty_like(logits)
         # iters 0 and eps 0: the softmax alone (the normalisation only adds 0 to positive entries)
         status = lib.kvdiet_softmax_sinkhorn_f32(
@@ -198,7 +201,7 @@ def _torch_vector_exp() -> tuple[int, int] | None:
             )
             return None
     for n in (*range(1, 4 * lanes + 1), 1000):  # every split between the vector and the scalar loop
-        values = torch.randn(n, generator=g) * 6
+        values = torch.randn(n, generator=g, dtype=torch.float32) * 6
         got = values.clone()
         if lib.kvdiet_sigmoid_f32(got.data_ptr(), n, address, lanes) or not torch.equal(
             got, torch.sigmoid(values)
@@ -245,7 +248,7 @@ def hc_mix(
         lib is None
         or t > MAX_MIX_ROWS
         or hc > _MAX_HC
-        or mixes.dtype != torch.float32
+        or not mixes.dtype == mean_sq.dtype == scale.dtype == base.dtype == torch.float32
         or mixes.device.type != "cpu"
         or mixes.requires_grad
         or not (
@@ -259,7 +262,12 @@ def hc_mix(
     vexp = _torch_vector_exp()
     if vexp is None:
         return None
-    pre, post, comb = torch.empty(t, hc), torch.empty(t, hc), torch.empty(t, hc, hc)
+    f32 = torch.float32
+    pre, post, comb = (
+        torch.empty(t, hc, dtype=f32),
+        torch.empty(t, hc, dtype=f32),
+        torch.empty(t, hc, hc, dtype=f32),
+    )
     ptrs = (mixes.data_ptr(), mean_sq.data_ptr(), scale.data_ptr(), base.data_ptr())
     out = (pre.data_ptr(), post.data_ptr(), comb.data_ptr())
     if t and lib.kvdiet_hc_mix_f32(*ptrs, t, hc, rms_eps, hc_eps, iters, *out, *vexp):
