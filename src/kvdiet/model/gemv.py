@@ -33,8 +33,8 @@ __all__ = ["LANES", "ROWS_MAX", "applies", "linear", "row_products", "row_produc
 LANES = 16
 """Partial sums of one dot product (one 16-float vector on AVX-512)."""
 ROWS_MAX = 16
-"""The most input rows `linear` sends to `row_products` (a batched decode step of up to 16 requests; beyond,
-the BLAS's many-row kernel is the faster one)."""
+"""The most input rows `linear` sends to `row_products` (a batched decode step of up to 16 requests; more rows
+are a prefill's, left to the BLAS's many-row kernel; the compiled kernel takes no more)."""
 _F32 = torch.float32
 # Elements of the pure-torch path's [M, N, LANES] partial sums per pass (64 MiB as fp32).
 _TORCH_BUDGET = 1 << 24
