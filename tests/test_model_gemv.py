@@ -125,3 +125,22 @@ def test_row_products_each_names_the_bad_pair():
         row_products_each([good[0], torch.zeros(1, 9)], [good[1], torch.zeros(2, 8)])
     with pytest.raises(ValueError, match="as many inputs as weights"):
         row_products_each([good[0]], [])
+
+
+def test_gradients_and_default_dtype_do_not_change_the_path():
+    """A row that needs grad keeps its graph (the BLAS); a float64 default dtype changes no output dtype."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(6, 32, generator=gen)
+    x = torch.randn(2, 32, generator=gen, requires_grad=True)
+    out = linear(x, w)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert torch.equal(x.grad, w.sum(0).expand(2, -1))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = row_products_each([x.detach()], [w])[0]
+        pure = gemv._torch_row_products(x.detach(), w)
+    finally:
+        torch.set_default_dtype(previous)
+    assert got.dtype == pure.dtype == torch.float32 and torch.equal(got, pure)

@@ -275,3 +275,30 @@ def test_shape_errors(inputs):
         hc_coefficients(h, fn, scale, base, hc_mult=2, rms_eps=RMS_EPS, hc_eps=HC_EPS, sinkhorn_iters=ITERS)
     with pytest.raises(ValueError, match="fn"):
         _coefficients(h, fn[:-1], scale, base)
+
+
+def test_inference_mode_parameters_are_laid_out_on_every_call():
+    """Parameters made under inference mode keep no version counter: the coefficients still come out, equal to
+    those of ordinary parameters, and nothing is cached for them."""
+    from torch import nn
+
+    from kvdiet.config import load_config
+    from kvdiet.model.hc import add_sublayer_hc, sublayer_coefficients
+
+    cfg = load_config("v4.1-micro")
+    gen = torch.Generator().manual_seed(2)
+    plain = nn.Module()
+    add_sublayer_hc(plain, cfg)
+    with torch.no_grad():
+        plain.hc_attn_fn.normal_(generator=gen)
+    h = torch.randn(3, cfg.hc_mult, cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        want = sublayer_coefficients(plain, cfg, h, "attn")
+    with torch.inference_mode():
+        block = nn.Module()
+        add_sublayer_hc(block, cfg)
+        block.hc_attn_fn.copy_(plain.hc_attn_fn)
+        got = sublayer_coefficients(block, cfg, h, "attn")
+    assert block.hc_weights == {}
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -221,3 +221,17 @@ def test_compiled_paths_hold_under_a_float64_default_dtype(monkeypatch):
         sinkhorn._torch_vector_exp.cache_clear()
     if found:
         assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_hc_mix_declines_arguments_that_do_not_fit():
+    """Wrong lengths, a mix count that is no (2+hc)·hc, or a tensor off the CPU: None, nothing written."""
+    from kvdiet.model.sinkhorn import hc_mix
+
+    kw = {"rms_eps": 1e-6, "hc_eps": 1e-6, "iters": 3}
+    buf = torch.full((15,), 5.0)
+    assert hc_mix(buf[:14].view(2, 7), torch.ones(2), torch.full((8,), 3.0), torch.zeros(8), **kw) is None
+    mixes = torch.randn(2, 24)
+    assert hc_mix(mixes, torch.ones(3), torch.ones(24), torch.zeros(24), **kw) is None
+    assert hc_mix(mixes, torch.ones(2), torch.ones(23), torch.zeros(24), **kw) is None
+    assert hc_mix(mixes, torch.ones(2), torch.ones(24, device="meta"), torch.zeros(24), **kw) is None
+    assert float(buf[-1]) == 5.0

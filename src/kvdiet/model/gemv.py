@@ -42,9 +42,11 @@ _TORCH_BUDGET = 1 << 24
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs ``x`` [..., K] · ``weight`` [N, K] in `row_products`: 1..`ROWS_MAX` rows, fp32,
-    on the CPU, a contiguous weight."""
+    on the CPU, a contiguous weight, no gradient to track."""
     if not (x.is_cpu and weight.is_cpu and x.dtype == _F32 and weight.dtype == _F32 and x.dim()):
         return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the kernel keeps no autograd graph
     k = x.shape[-1]
     return 0 < (x.numel() // k if k else 0) <= ROWS_MAX and weight.is_contiguous()
 
@@ -97,7 +99,10 @@ def row_products_each(
     kernels = native.fp4_kernels()
     if kernels is None:
         return [_torch_row_products(x, weight) for x, weight in zip(xs, weights, strict=True)]
-    outs = [torch.empty(x.shape[0], weight.shape[0]) for x, weight in zip(xs, weights, strict=True)]
+    outs = [
+        torch.empty(x.shape[0], weight.shape[0], dtype=_F32, device="cpu")
+        for x, weight in zip(xs, weights, strict=True)
+    ]
     kernels.row_products_each([x.contiguous() for x in xs], [w.contiguous() for w in weights], outs)
     return outs
 
@@ -127,11 +132,11 @@ def _torch_row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     pad, chunks = -k % LANES, -(-k // LANES)
     xs = F.pad(x, (0, pad)).view(m, 1, chunks, LANES)
     ws = F.pad(weight, (0, pad)).view(1, weight.shape[0], chunks, LANES)
-    out = torch.empty(m, weight.shape[0])
+    out = torch.empty(m, weight.shape[0], dtype=_F32, device="cpu")
     step = max(1, _TORCH_BUDGET // (m * LANES))
     for start in range(0, weight.shape[0], step):
         w = ws[:, start : start + step]
-        acc = torch.zeros(m, w.shape[1], LANES)
+        acc = torch.zeros(m, w.shape[1], LANES, dtype=_F32, device="cpu")
         for c in range(xs.shape[2]):
             acc = acc + xs[:, :, c] * w[:, :, c]
         half = acc[..., :8] + acc[..., 8:]

@@ -60,12 +60,15 @@ def sublayer_coefficients(
     parameter is replaced (a new object, as the checkpoint loader does), moved or converted (``.to``,
     ``.double()``: new storage), or written in place through autograd's view of it (``copy_`` under
     ``no_grad``, ``load_state_dict``: its version counter); writes that skip the version counter (through
-    ``.data``, or into inference tensors) are not seen.
+    ``.data``) are not seen. Parameters that are inference tensors (made under ``torch.inference_mode``) are
+    laid out on every call, not cached.
     """
     fn_name, scale_name, base_name = _NAMES[part]
     params = block._parameters
     fn, scale, base = params[fn_name], params[scale_name], params[base_name]
-    if torch.is_grad_enabled():  # the cached tensors are detached: gradients need the parameters themselves
+    # the cached tensors are detached: gradients need the parameters themselves; inference tensors keep no
+    # version counter, so an in-place write could not be seen
+    if torch.is_grad_enabled() or fn.is_inference() or scale.is_inference() or base.is_inference():
         weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
     else:
         weights = block.hc_weights.get(part)
@@ -230,7 +233,12 @@ class HcWeights:
 def _stamp(fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """(version, data pointer) of each parameter: an in-place write through autograd bumps the first, a
     replaced storage changes the second."""
-    return (fn._version, fn.data_ptr(), scale._version, scale.data_ptr(), base._version, base.data_ptr())
+    return (*_version_ptr(fn), *_version_ptr(scale), *_version_ptr(base))
+
+
+def _version_ptr(t: torch.Tensor) -> tuple[int, int]:
+    """An inference tensor keeps no version counter: −1 (`sublayer_coefficients` does not cache those)."""
+    return (-1 if t.is_inference() else t._version, t.data_ptr())
 
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

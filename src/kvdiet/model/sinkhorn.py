@@ -105,7 +105,7 @@ def softmax_sinkhorn(logits: torch.Tensor, *, eps: float, iters: int) -> torch.T
     ):
         vexp = _torch_vector_exp()
         if vexp is not None:
-            comb = torch.empty(logits.shape, dtype=torch.float32)
+            comb = torch.empty(logits.shape, dtype=torch.float32, device="cpu")
             n = logits.shape[0]
             if n and lib.kvdiet_softmax_sinkhorn_f32(
                 logits.data_ptr(), logits.stride(0), comb.data_ptr(), n, hc, iters, eps, *vexp
@@ -230,8 +230,8 @@ def hc_mix(
     """mHC (pre, post, comb) from the mixes before their norm (v41-spec §8.1a) in one compiled call, the values
     of the formula's torch ops bit for bit (``kvdiet_hc_mix_f32``: the rsqrt, scale and base, both sigmoids
     as torch runs them, then `softmax_sinkhorn`); None where it does not apply: the kernel or torch's vector
-    exp unavailable, ``KVDIET_NATIVE_KERNELS=0``, not fp32 CPU tensors, more than `MAX_MIX_ROWS` rows,
-    hc > 4, or a tensor that needs grad.
+    exp unavailable, ``KVDIET_NATIVE_KERNELS=0``, not fp32 CPU tensors, shapes that do not fit (below), more
+    than `MAX_MIX_ROWS` rows, hc > 4, or a tensor that needs grad.
 
     Args:
         mixes: ``flatten(h) · fnᵀ`` fp32 [T, (2+hc)·hc], contiguous; overwritten (with the scaled logits).
@@ -248,8 +248,12 @@ def hc_mix(
         lib is None
         or t > MAX_MIX_ROWS
         or hc > _MAX_HC
+        or n_mix != (2 + hc) * hc
+        or tuple(mean_sq.shape) != (t,)
+        or tuple(scale.shape) != (n_mix,)
+        or tuple(base.shape) != (n_mix,)
         or not mixes.dtype == mean_sq.dtype == scale.dtype == base.dtype == torch.float32
-        or mixes.device.type != "cpu"
+        or not (mixes.is_cpu and mean_sq.is_cpu and scale.is_cpu and base.is_cpu)
         or mixes.requires_grad
         or not (
             mixes.is_contiguous()
@@ -264,9 +268,9 @@ def hc_mix(
         return None
     f32 = torch.float32
     pre, post, comb = (
-        torch.empty(t, hc, dtype=f32),
-        torch.empty(t, hc, dtype=f32),
-        torch.empty(t, hc, hc, dtype=f32),
+        torch.empty(t, hc, dtype=f32, device="cpu"),
+        torch.empty(t, hc, dtype=f32, device="cpu"),
+        torch.empty(t, hc, hc, dtype=f32, device="cpu"),
     )
     ptrs = (mixes.data_ptr(), mean_sq.data_ptr(), scale.data_ptr(), base.data_ptr())
     out = (pre.data_ptr(), post.data_ptr(), comb.data_ptr())
