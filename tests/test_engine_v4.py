@@ -141,3 +141,18 @@ def test_v4_snapshot_holds_only_the_tail_rows_in_use_and_restores_exactly() -> N
     b.num_tokens = 290
     assert restore_snapshot(b, at_290, b"f") == 290
     assert torch.equal(model.prefill(a, ids[290:]), model.prefill(b, ids[290:]))
+
+
+def test_v4_prefill_runs_the_head_on_its_last_row_only() -> None:
+    m = V4Transformer.from_config(tiny_v4_config(), seed=0, exact=True)
+    toks = torch.arange(3, 15)
+    every = m.prefill(m.new_state(), toks, all_logits=True)
+    rows: list[int] = []
+    hook = m.head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        last = m.prefill(m.new_state(), toks)
+    finally:
+        hook.remove()
+    assert rows == [1] and last.shape == every[-1].shape
+    assert (last - every[-1]).abs().max().item() <= 1e-5  # the same row, its products in the decode order
+    assert (last - every[-2]).abs().max().item() > 1e-3

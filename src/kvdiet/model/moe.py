@@ -10,10 +10,10 @@ Tokens are grouped per expert (one matmul per used expert, no per-token loop); a
 decode step) skips the sorting into groups, each of its experts being a group of that one row. On the CPU a
 decode step's groups (at most 16 rows each) and the shared expert run as two calls of
 `kvdiet.model.gemv.row_products_each` (`run_experts`: every w1 and w3, then every w2), the products each
-`Linear` would give. Off the CPU, in a batched decode step, when the groups are small and even (a few rows per
-expert) and every routed expert is a dense resident `Expert`, all groups run as one batched matmul per weight
-over the experts' weights stacked, each group padded to the largest. This module has no effect on the KV cache and knows
-nothing of image tokens (``bias_vl`` is not modelled).
+`Linear` would give. Otherwise (off the CPU, or more rows than that) in a batched decode step, when the groups
+are small and even (a few rows per expert) and every routed expert is a dense resident `Expert`, all groups run
+as one batched matmul per weight over the experts' weights stacked, each group padded to the largest. This
+module has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
 
 V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
 ``tid2eid[v]`` (a checkpoint buffer [vocab, k]) instead of the router's top-k; the router's scores still
@@ -37,10 +37,10 @@ from kvdiet.model.linear import Linear
 __all__ = ["Expert", "Gate", "MoE", "run_experts"]
 
 _INIT_STD = 0.02  # config ``initializer_range``
-# The padded path (off the CPU) runs when its padded rows (experts × largest group) are at most this many times
-# the (token, slot) pairs — at most 4x the grouped path's multiply-adds, in 3 matmuls instead of 3 per expert
-# (fewer kernel launches) — and when one weight of all the experts stacked has at most `_STACK_ELEMENTS`
-# elements (stacked on each call). On the CPU a decode step's groups run in `run_experts`' two calls instead.
+# The padded path (where decode rows cannot go to `run_experts`) runs when its padded rows (experts × largest
+# group) are at most this many times the (token, slot) pairs — at most 4x the grouped path's multiply-adds, in
+# 3 matmuls instead of 3 per expert (fewer kernel launches) — and when one weight of all the experts stacked
+# has at most `_STACK_ELEMENTS` elements (stacked on each call).
 _PADDING = 4
 _STACK_ELEMENTS = 1 << 22
 
@@ -216,10 +216,10 @@ class MoE(nn.Module):
         """x: [T, hidden] (any float dtype); token_ids: int64 [T], needed by a hash-routed layer -> [T, hidden],
         fp32 (fp64 in a model run in fp64).
 
-        ``padded``: the rows are a batched decode step's (one per request): off the CPU, small even groups may
-        run as one padded batched matmul (`_routed_padded`), whose rows may round differently from the
-        per-expert loop (fp32 reassociation). Otherwise (a prefill, a lone request, the CPU) every group runs
-        on its own.
+        ``padded``: the rows are a batched decode step's (one per request): where `run_experts` cannot take
+        them as decode rows (off the CPU, more than 16 rows), small even groups may run as one padded batched
+        matmul (`_routed_padded`), whose rows may round differently from the per-expert loop (fp32
+        reassociation). Otherwise (a prefill, a lone request) every group runs on its own.
 
         Raises:
             ValueError: see `Gate.forward`.
