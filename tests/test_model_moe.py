@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvdiet.config import load_config
+from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.moe import MoE, run_experts
 
@@ -183,40 +184,66 @@ def test_one_row_path_equals_the_grouped_path_bit_for_bit(micro):
             assert torch.equal(one, _per_expert(moe, row, weights, ids))
 
 
-def test_run_experts_gives_each_experts_bits_in_two_product_calls(micro, monkeypatch):
-    """Dense experts on a few rows: two `row_products_each` calls for all of them, each output the expert's own
-    forward to the bit; an FP8-stored expert (or too many rows) sends every expert through its own forward."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["expert_rows", "torch"])
+def test_run_experts_gives_each_experts_bits_in_one_or_two_calls(micro, monkeypatch, compiled):
+    """Dense experts on a few rows: one compiled `expert_rows` call for all of them (or, on the pure-torch path,
+    two `row_products_each` calls), each output the expert's own forward to the bit, clamp and NaN included;
+    an FP8-stored expert (or too many rows) sends every expert through its own forward."""
+    if not compiled:
+        monkeypatch.setenv(native.ENV, "0")
+    elif native.fp4_kernels() is None:
+        pytest.fail("the compiled kernels did not build")
     torch.manual_seed(8)
     layer = MoE(micro)
-    experts = [layer.experts[2], layer.experts[0], layer.shared_experts]
-    xs = [torch.randn(n, micro.hidden_size) for n in (3, 1, 16)]
-    weights = [torch.rand(3, 1), torch.rand(1, 1), None]
-    calls: list[int] = []  # row_products_each calls: pairs in each
+    experts = [layer.experts[2], layer.experts[0], layer.experts[3], layer.shared_experts]
+    experts[2].swiglu_limit = 0.0  # no clamp for this one
+    xs = [torch.randn(n, micro.hidden_size) * 40 for n in (3, 1, 5, 16)]  # past the clamp of 10
+    xs[0][1, 3] = float("nan")
+    xs[2][0, :] = 0.0
+    weights = [torch.rand(3, 1), torch.rand(1, 1), torch.rand(10, 1)[::2, :], None]  # a strided weight too
+    calls: list[tuple[str, int]] = []
     linears: list[int] = []  # Linear calls (an expert's own forward)
     each = gemv.row_products_each
     monkeypatch.setattr(
-        gemv, "row_products_each", lambda a, b, **kw: calls.append(len(a)) or each(a, b, **kw)
+        gemv, "row_products_each", lambda a, b, **kw: calls.append(("each", len(a))) or each(a, b, **kw)
     )
+    kernels = native.fp4_kernels()
+    if kernels is not None:
+
+        class Counted:
+            def __getattr__(self, name):
+                return getattr(kernels, name)
+
+            def expert_rows(self, xs, *args):
+                calls.append(("expert_rows", len(xs)))
+                return kernels.expert_rows(xs, *args)
+
+        monkeypatch.setattr(native, "fp4_kernels", lambda: Counted())
     for e in experts:
         for lin in (e.w1, e.w2, e.w3):
             lin.register_forward_hook(lambda *_: linears.append(1))
     with torch.no_grad():
         got = run_experts(experts, xs, weights)
-        assert calls == [6, 3] and linears == []
+        assert calls == ([("expert_rows", 4)] if compiled else [("each", 8), ("each", 4)]) and linears == []
         for e, x, w, out in zip(experts, xs, weights, got, strict=True):
-            assert torch.equal(out, e(x, w))
-        big = [xs[0], xs[1], torch.randn(gemv.ROWS_MAX + 1, micro.hidden_size)]
+            want = e(x, w)
+            assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0))
+            assert torch.equal(out.isnan(), want.isnan())
+        assert got[0][1].isnan().all() and not got[0][0].isnan().any()  # the NaN row stays NaN, alone
+        big = [xs[0], xs[1], torch.randn(gemv.ROWS_MAX + 1, micro.hidden_size), xs[3]]
         w3 = layer.experts[0].w3.weight
         fp8 = MoE(micro).experts[0]
         fp8.load_state_dict(layer.experts[0].state_dict())
         fp8.w3.set_weight(w3.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
-        for case_experts, case_xs in ((experts, big), ([experts[0], fp8, experts[2]], xs)):
+        weights[2] = torch.rand(gemv.ROWS_MAX + 1, 1)
+        for case_experts, case_xs in ((experts, big), ([experts[0], fp8, *experts[2:]], xs)):
             calls.clear()
             linears.clear()
-            got = run_experts(case_experts, case_xs, weights)
+            case_weights = weights if case_xs is big else [*weights[:2], torch.rand(5, 1), None]
+            got = run_experts(case_experts, case_xs, case_weights)
             assert calls == [] and len(linears) >= 6  # every expert through its own Linears
-            for o, e, x, w in zip(got, case_experts, case_xs, weights, strict=True):
-                assert torch.equal(o, e(x, w))
+            for o, e, x, w in zip(got, case_experts, case_xs, case_weights, strict=True):
+                assert torch.equal(o.nan_to_num(7.0), e(x, w).nan_to_num(7.0))
 
 
 def test_a_row_naming_one_expert_twice_is_grouped(micro):

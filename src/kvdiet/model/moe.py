@@ -8,12 +8,13 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
 Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
 decode step) skips the sorting into groups, each of its experts being a group of that one row. On the CPU a
-decode step's groups (at most 16 rows each) and the shared expert run as two calls of
-`kvdiet.model.gemv.row_products_each` (`run_experts`: every w1 and w3, then every w2), the products each
-`Linear` would give. Otherwise (off the CPU, or more rows than that) in a batched decode step, when the groups
-are small and even (a few rows per expert) and every routed expert is a dense resident `Expert`, all groups run
-as one batched matmul per weight over the experts' weights stacked, each group padded to the largest. This
-module has no effect on the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
+decode step's groups (at most 16 rows each) and the shared expert run in one compiled call (`run_experts`:
+``expert_rows`` of ``formats/expert_kernels.cpp``, every w1 and w3, the activation, then every w2; without the
+compiled kernels two calls of `kvdiet.model.gemv.row_products_each`), the values each `Expert` would give.
+Otherwise (off the CPU, or more rows than that) in a batched decode step, when the groups are small and even (a
+few rows per expert) and every routed expert is a dense resident `Expert`, all groups run as one batched matmul
+per weight over the experts' weights stacked, each group padded to the largest. This module has no effect on
+the KV cache and knows nothing of image tokens (``bias_vl`` is not modelled).
 
 V4-Flash's first ``num_hash_layers`` MoE layers are hash-routed: the experts of token id v are the fixed row
 ``tid2eid[v]`` (a checkpoint buffer [vocab, k]) instead of the router's top-k; the router's scores still
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.expert_cache import LayerExperts
 from kvdiet.model.layers import as_dtype, constant, widen
@@ -150,12 +152,21 @@ class Expert(nn.Module):
         )
 
 
+def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``expert_rows`` takes routing weights ``weight`` for rows ``x`` as they are: fp32 [M, 1] on the CPU
+    (other dtypes or shapes would promote or broadcast differently in torch's ``weight * act``)."""
+    return weight.dtype == torch.float32 and weight.is_cpu and tuple(weight.shape) == (x.shape[0], 1)
+
+
 def run_experts(
     experts: Sequence[Expert], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor]:
-    """``experts[i](xs[i], weights[i])`` for every i, bit for bit; a decode step's few rows per expert in two
-    calls of `kvdiet.model.gemv.row_products_each` (every w1 and w3, then every w2) instead of three products
-    per expert, when every expert is dense and the rows fit (`gemv.applies`).
+    """``experts[i](xs[i], weights[i])`` for every i, bit for bit, when every expert is dense and the rows fit
+    (`gemv.applies`): a decode step's few rows per expert in one compiled call (``expert_rows``: the
+    products of `kvdiet.model.gemv.row_products_each`, the activation as torch's own ops called from C++), or,
+    without the compiled kernels or for routing weights of another dtype or shape, two calls of
+    `gemv.row_products_each` (every w1 and w3, then every w2) around `Expert.activation`. Otherwise each
+    expert's own forward.
 
     xs[i]: [N_i, hidden]; weights[i]: [N_i, 1] or None -> [N_i, hidden] each.
     """
@@ -163,6 +174,11 @@ def run_experts(
     dense = [e.dense_weights() for e in experts]
     if not all(d is not None and all(gemv.applies(x, w) for w in d) for d, x in zip(dense, xs, strict=True)):
         return [e(x, w) for e, x, w in zip(experts, xs, weights, strict=True)]
+    kernels = native.fp4_kernels()
+    if kernels is not None and all(w is None or _fits(w, x) for w, x in zip(weights, xs, strict=True)):
+        return kernels.expert_rows(
+            xs, *([d[j] for d in dense] for j in range(3)), list(weights), [e.swiglu_limit for e in experts]
+        )
     gate_up = gemv.row_products_each(
         [x for x in xs for _ in range(2)], [w for d in dense for w in d[:2]], checked=False
     )
