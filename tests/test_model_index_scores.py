@@ -153,3 +153,102 @@ def test_a_bad_scale_byte_raises_on_both_paths(both, monkeypatch):
             index_scores(queries, w, keys, torch.tensor([10, 3]))
         # an entry no query sees is never read
         assert torch.isfinite(index_scores(queries, w, keys, torch.tensor([6, 3]))[0, :6]).all()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal fp32 bits (±0 told apart) wherever either is a number, and NaN at the same places (a NaN's payload
+    depends on operand order, which the contract leaves open: selection reads any NaN as −inf)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def _adversarial(seed: int, q: int, h: int, d: int, n: int):
+    """Queries with ±0, NaN, ±inf, huge and tiny values; packed keys with every code and the extreme scale bytes
+    1 and 252 (subnormal and near-overflow values); weights with zeros; limits 0, partial, all and past the end."""
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(q, h, d, generator=gen)
+    pick = torch.rand(q, h, d, generator=gen)
+    queries[pick < 0.02] = 0.0
+    queries[(pick >= 0.02) & (pick < 0.03)] = -0.0
+    queries[(pick >= 0.03) & (pick < 0.04)] *= 1e30
+    queries[(pick >= 0.04) & (pick < 0.05)] *= 1e-30
+    if q > 1:
+        queries[1, 0, d // 2] = float("nan")
+        queries[-1, h - 1, 3] = float("inf")
+        queries[-1, 0, 5] = float("-inf")
+    w = torch.randn(q, h, generator=gen)
+    w[torch.rand(q, h, generator=gen) < 0.25] = 0.0
+    packed = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=gen)
+    scales = packed[:, d // 2 :]
+    scales.copy_(torch.randint(100, 154, scales.shape, dtype=torch.uint8, generator=gen))
+    extreme = torch.rand(scales.shape, generator=gen)
+    scales[extreme < 0.1] = 1
+    scales[extreme > 0.9] = 252
+    limit = torch.tensor([0, n, n // 2, n + 5, 1, max(0, n - 1)] * q)[:q]
+    return queries, w, packed, limit
+
+
+@pytest.mark.parametrize(
+    ("h", "d", "n"),
+    [
+        (4, 128, 1),
+        (4, 128, 15),
+        (4, 128, 16),
+        (4, 128, 17),
+        (4, 128, 63),
+        (4, 128, 64),
+        (4, 128, 65),
+        (4, 128, 1031),
+        (1, 32, 17),
+        (2, 64, 65),
+        (3, 96, 33),
+        (5, 160, 40),
+        (7, 256, 129),
+        (8, 32, 70),
+        (6, 1024, 18),
+    ],
+)
+def test_compiled_scores_have_the_pure_torch_bits_on_adversarial_inputs(both, h, d, n):
+    """Every vector/tail split of the 16-entry groups and the 64-entry tasks, 1..8 heads (the kernel's groups of 4
+    heads and their remainders), head dims 32..1024, NaN/inf/huge/tiny queries, extreme scale bytes, zero
+    weights, per-query limits: dense, named (with −1 holes, repeats and entries past the limit), per-query
+    keys, paged keys (power-of-two and other block sizes) and fp32 keys, all bit for bit."""
+    q = 6
+    queries, w, packed, limit = _adversarial(n * 31 + h * 7 + d, q, h, d, n)
+    contiguous = StoredKeys.contiguous(packed)
+    compiled, pure = both(index_scores, queries, w, contiguous, limit)
+    assert _same_bits(compiled, pure)
+    assert torch.isnan(compiled[1]).all()  # a NaN query element reaches every score (limit n)
+    assert (compiled[0] == NEG).all()  # limit 0
+    decoded = mxfp4.decode_index_key(packed)
+    for keys in (StoredKeys.contiguous(decoded), _paged(packed, 8, n), _paged(packed, 6, n + 1)):
+        for got in both(index_scores, queries, w, keys, limit):
+            assert _same_bits(got, compiled)
+    gen = torch.Generator().manual_seed(n + d)
+    entries = torch.randint(-1, n + 3, (q, 77), generator=gen)
+    entries[:, ::5] = -1
+    entries[:, 1] = entries[:, 2]  # a repeated entry
+    for keys in (contiguous, _paged(packed, 8, n), _paged(packed, 6, n + 1), StoredKeys.contiguous(decoded)):
+        compiled_at, pure_at = both(index_scores_at, queries, w, keys, entries, limit)
+        assert _same_bits(compiled_at, pure_at)
+        ok = (entries >= 0) & (entries < limit.clamp(max=n)[:, None])
+        assert _same_bits(compiled_at, torch.where(ok, compiled.gather(1, entries.clamp(0, n - 1)), NEG))
+    each, each_pure = both(index_scores_each, queries, w, [contiguous] * q, None, limit)
+    assert _same_bits(each, each_pure) and _same_bits(each, compiled)
+
+
+def test_fp32_keys_with_non_finite_values_score_as_on_the_pure_torch_path(both):
+    """Exact mode reads fp32 rows as they are: ±inf, NaN, ±0 and subnormal key values, 3 heads (a partial head
+    group), 45 entries (a partial group of 16), named entries with holes."""
+    gen = torch.Generator().manual_seed(9)
+    queries, w = torch.randn(4, 3, 64, generator=gen), torch.randn(4, 3, generator=gen)
+    keys = torch.randn(45, 64, generator=gen)
+    keys[3, 7], keys[10, 0], keys[20, 63], keys[30, 5] = float("inf"), float("-inf"), float("nan"), -0.0
+    keys[40] = 1e-40
+    limit = torch.tensor([45, 21, 0, 40])
+    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(keys), limit)
+    assert _same_bits(compiled, pure)
+    assert compiled[0, 20].isnan() and torch.isfinite(compiled[0, :3]).all() and (compiled[2] == NEG).all()
+    entries = torch.tensor([[3, -1, 44, 10, 10], [0, 21, 20, -1, 5], [1, 2, 3, 4, 5], [39, 40, 41, -1, 0]])
+    for got in both(index_scores_at, queries, w, StoredKeys.contiguous(keys), entries, limit):
+        assert _same_bits(got, torch.where(entries >= 0, compiled.gather(1, entries.clamp(0)), NEG))

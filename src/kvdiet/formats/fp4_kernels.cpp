@@ -214,78 +214,25 @@ int64_t decode_block(const at::Tensor& p, int64_t dim, int recipe, int lo, int h
 //   dot: 8 lanes; lane l sums q[i] * k[i] over i = l, l+8, ... in increasing i (each product rounded, then
 //        added: no FMA); lanes folded (l, l+4), then (l, l+2), then (0, 1).
 //   relu(x) = x < 0 ? 0 : x (NaN kept); heads summed in order 0..H-1 from head 0's term relu(dot_0) * w_0.
-// Wider registers only hold more keys side by side: a 16-float vector holds the same 8 lanes of two keys (the
-// tile stores each pair of entries chunk by chunk: 8 values of the even entry, then the same 8 of the odd one).
+// Vectors only hold more keys side by side: 16 entries are decoded together into a tile transposed to value-major
+// order (tile[i * 16 + k]: value i of entry k), so one 16-float vector holds value i of 16 keys and every step
+// above (the lane sums, the folds, relu, the head sum) is one vector operation for 16 keys, with no shuffles.
+// Each tile vector, once loaded, serves 4 heads (16 accumulators: 4 heads x lanes 0..3, then lanes 4..7).
 
-using v8 = float __attribute__((vector_size(32)));
-using v8i = int32_t __attribute__((vector_size(32)));
 using v16 = float __attribute__((vector_size(64)));
 using v16i = int32_t __attribute__((vector_size(64)));
-using u8x16 = uint8_t __attribute__((vector_size(16)));
-// 16 bytes zero-extended to 16 int32 lanes (GCC lowers __builtin_convertvector of bytes lane by lane: one
-// vpmovzxbd where AVX-512 is enabled)
-inline v16i widen(const uint8_t* p) {
-#ifdef __AVX512F__
-  return reinterpret_cast<v16i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  u8x16 raw;
-  std::memcpy(&raw, p, 16);
-  return __builtin_convertvector(raw, v16i);
-#endif
-}
+using u32x16 = uint32_t __attribute__((vector_size(64)));
 
 template <typename V>
-inline V load_vec(const float* p) {
+inline V load_vec(const void* p) {
   V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-// lanes (l, l+4) of two accumulators: [a0+a4 .. a3+a7, b0+b4 .. b3+b7]
-inline v8 fold_halves(v8 a, v8 b) {
-  return __builtin_shuffle(a, b, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
-         __builtin_shuffle(a, b, v8i{4, 5, 6, 7, 12, 13, 14, 15});
-}
-
-// The 8-lane accumulators of keys kOrder[0..7] (c[p] belongs to key kOrder[p]) folded into the 8 dots in key
-// order: the folds run across the 8 accumulators at once.
-constexpr int kOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
-inline v8 fold8(const v8* c) {
-  v8 h[4];  // h[m]: lanes r0..r3 of accumulators 2m, 2m+1 (r_l = a_l + a_{l+4})
-  for (int m = 0; m < 4; ++m) h[m] = fold_halves(c[2 * m], c[2 * m + 1]);
-  v8 g[2];  // (r0 + r2, r1 + r3) of accumulators 4m .. 4m+3
-  for (int m = 0; m < 2; ++m) {
-    g[m] = __builtin_shuffle(h[2 * m], h[2 * m + 1], v8i{0, 1, 8, 9, 4, 5, 12, 13}) +
-           __builtin_shuffle(h[2 * m], h[2 * m + 1], v8i{2, 3, 10, 11, 6, 7, 14, 15});
-  }
-  return __builtin_shuffle(g[0], g[1], v8i{0, 2, 8, 10, 4, 6, 12, 14}) +
-         __builtin_shuffle(g[0], g[1], v8i{1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-inline v8 low(v16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline v8 high(v16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-// The dots of one query head (qq: its d values chunk by chunk, each chunk of 8 twice) with the 16 keys of
-// pairs pairs[0..8) (pair p: chunk c at pairs + (p * chunks + c) * 16); out[0..16) in key order.
-template <int64_t Chunks>
-inline void dot16(const float* qq, const float* pairs, int64_t chunks, v8* out) {
-  if constexpr (Chunks > 0) chunks = Chunks;
-  v16 acc[8];
-  v16 x = load_vec<v16>(qq);
-  for (int p = 0; p < 8; ++p) acc[p] = x * load_vec<v16>(pairs + p * chunks * 16);
-  for (int64_t c = 1; c < chunks; ++c) {
-    x = load_vec<v16>(qq + c * 16);
-    for (int p = 0; p < 8; ++p) acc[p] += x * load_vec<v16>(pairs + (p * chunks + c) * 16);
-  }
-  for (int half = 0; half < 2; ++half) {  // keys 8·half .. 8·half + 7: pairs 4·half .. 4·half + 3
-    v8 c[8];
-    for (int p = 0; p < 8; ++p) {
-      const int key = kOrder[p], pair = 4 * half + key / 2;
-      c[p] = key % 2 ? high(acc[pair]) : low(acc[pair]);
-    }
-    out[half] = fold8(c);
-  }
+template <typename V>
+inline void store_vec(void* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
 }
 
 // fp32 bits of the E2M1 values as one 16-float vector, indexed by code
@@ -295,7 +242,10 @@ inline v16 grid_vector() {
   return g;
 }
 
-constexpr int64_t kTile = 64;  // entries decoded and scored together (a multiple of 16)
+constexpr int64_t kGroup = 16;  // entries decoded and scored together: a vector holds one value of each
+constexpr int64_t kTile = 64;   // entries per task (a multiple of kGroup)
+constexpr int kHeadsAtOnce = 4;  // heads whose accumulators stay in registers together
+alignas(64) const uint8_t kZeroRow[4096] = {};  // stands in for absent entries (at least d fp32 values)
 
 struct ScoreArgs {
   const float* q;        // [Q, H, d]
@@ -308,74 +258,190 @@ struct ScoreArgs {
   const int64_t* limit;  // [Q]: entries j < limit[t] are visible to query t
 };
 
-// Entry e's d values into the tile (chunk c of 8 at tile + ((e / 2) * d / 8 + c) * 16 + (e % 2) * 8); zeros
-// when p is null. Returns false when a packed entry holds a scale byte outside 1..252.
-template <int64_t D>
-inline bool put_entry(const ScoreArgs& a, const uint8_t* p, int64_t e, float* tile, const v16& grid) {
-  const int64_t d = D > 0 ? D : a.dim, chunks = d / 8;
-  float* base = tile + (e / 2) * chunks * 16 + (e % 2) * 8;
-  if (p == nullptr || !a.packed) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      if (p == nullptr) {
-        std::memset(base + c * 16, 0, 8 * sizeof(float));
-      } else {
-        std::memcpy(base + c * 16, reinterpret_cast<const float*>(p) + c * 8, 8 * sizeof(float));
-      }
-    }
-    return true;
-  }
-  bool ok = true;
-  for (int64_t b = 0; b < d / 32; ++b) {  // block b: bytes 16b .. 16b+15, values 32b .. 32b+31
-    const uint32_t byte = p[d / 2 + b];
-    ok &= byte >= 1 && byte <= 252;
-    const v16 s = v16{} + float_of(byte << 23);
-    const v16i codes = widen(p + 16 * b);
-    const v16 lo = __builtin_shuffle(grid, codes & 15), hi = __builtin_shuffle(grid, codes >> 4);
-    const v16 first = __builtin_shuffle(lo, hi, v16i{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23}) * s;
-    const v16 second =
-        __builtin_shuffle(lo, hi, v16i{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31}) * s;
-    float* o = base + 4 * b * 16;
-    const v8 parts[4] = {low(first), high(first), low(second), high(second)};
-    for (int k = 0; k < 4; ++k) std::memcpy(o + 16 * k, &parts[k], sizeof(v8));
-  }
-  return ok;
+// Bit k set where lane k of v is nonzero
+inline uint32_t mask_of(const v16i& v) {
+#ifdef __AVX512F__
+  const __m512i x = reinterpret_cast<__m512i>(v);
+  return _mm512_test_epi32_mask(x, x);
+#else
+  uint32_t m = 0;
+  for (int k = 0; k < 16; ++k) m |= static_cast<uint32_t>(v[k] != 0) << k;
+  return m;
+#endif
 }
 
-// Score entries ids[0..n) (id < 0: not scored) for queries t0..t1; out[t][e] at out + (t - t0) * out_stride + e.
-// qq: the queries' heads as dot16 reads them ([t1 - t0, H, 2d]). Returns -1 or the first entry with a scale
-// byte outside 1..252. D: the head dim when known at compile time (0: a.dim).
-template <int64_t D>
-int64_t score_tile(const ScoreArgs& a, const int64_t* ids, int64_t n, int64_t t0, int64_t t1, const float* qq,
-                   float* out, int64_t out_stride, float* tile, const v16& grid) {
-  const int64_t d = D > 0 ? D : a.dim, chunks = d / 8, padded = (n + 15) / 16 * 16;
-  int64_t bad = -1;
-  for (int64_t e = 0; e < padded; ++e) {
-    const uint8_t* p = nullptr;
-    if (e < n && ids[e] >= 0) {
-      const int64_t j = ids[e];
-      p = a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
-    }
-    if (!put_entry<D>(a, p, e, tile, grid) && (bad < 0 || ids[e] < bad)) bad = ids[e];
+// Rows r[0..16) of 16 dwords transposed in place: r[c][k] becomes the old r[k][c].
+inline void transpose16(u32x16* r) {
+#ifdef __AVX512F__
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = reinterpret_cast<__m512i>(r[i]);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: (row i, row i+1) at columns 4L, 4L+1 / 4L+2, 4L+3
+    b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
   }
-  v8 part[kTile / 8], dots[2];
-  for (int64_t t = t0; t < t1; ++t) {
-    float* o = out + (t - t0) * out_stride;
-    const int64_t lim = a.limit[t];
-    int64_t m = 0;  // entries past the last visible one are not scored
-    for (int64_t e = 0; e < n; ++e) m = (ids[e] >= 0 && ids[e] < lim) ? e + 1 : m;
-    for (int64_t h = 0; h < a.heads; ++h) {
-      const float* qh = qq + ((t - t0) * a.heads + h) * 2 * d;
-      const v8 wh = v8{} + a.w[t * a.heads + h];
-      for (int64_t g = 0; g * 16 < m; ++g) {
-        dot16<D / 8>(qh, tile + g * 8 * chunks * 16, chunks, dots);
-        for (int k = 0; k < 2; ++k) {
-          const v8 r = (dots[k] < 0.0f ? v8{} : dots[k]) * wh;
-          part[2 * g + k] = h == 0 ? r : part[2 * g + k] + r;
-        }
+  for (int i = 0; i < 16; i += 4) {  // a[4g + m] lane L: column 4L + m of rows 4g .. 4g+3
+    a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+    a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+    a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+    a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // the four lanes of columns m, 4+m, 8+m, 12+m gathered
+    const __m512i t = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88), tp = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xdd);
+    const __m512i s = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
+    const __m512i sp = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xdd);
+    r[m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(t, s, 0x88));
+    r[8 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(t, s, 0xdd));
+    r[4 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(tp, sp, 0x88));
+    r[12 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(tp, sp, 0xdd));
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    for (int k = i + 1; k < 16; ++k) std::swap(r[i][k], r[k][i]);
+  }
+#endif
+}
+
+// The entries of rows[0..16) (kZeroRow for an absent one) decoded into tile[i * 16 + k] = value i of entry k.
+// Returns the mask of entries holding a scale byte outside 1..252 (packed keys).
+template <int64_t D>
+inline uint32_t decode_group(const ScoreArgs& a, const uint8_t* const* rows, float* tile, const v16& grid) {
+  const int64_t d = D > 0 ? D : a.dim, words = a.packed ? d / 8 : d;  // dwords per row: codes, or fp32 values
+  uint32_t bad = 0;
+  v16 scale[32];  // packed: scale[b][k] = the scale of values 32b .. 32b+31 of entry k
+  if (a.packed) {
+    const int64_t nb = d / 32;
+    for (int64_t b4 = 0; b4 < nb; b4 += 4) {  // scale bytes b4 .. b4+3 of each entry in one dword
+      u32x16 bytes4{};
+      for (int k = 0; k < 16; ++k) {
+        uint32_t v = 0;
+        std::memcpy(&v, rows[k] + d / 2 + b4, std::min<int64_t>(4, nb - b4));
+        bytes4[k] = v;
+      }
+      for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
+        const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
+        bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
+        scale[b] = reinterpret_cast<v16>(s << 23);
       }
     }
-    for (int64_t e = 0; e < n; ++e) {
-      o[e] = (e < m && ids[e] >= 0 && ids[e] < lim) ? part[e / 8][e % 8] : -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, words - w0);
+    u32x16 r[16];
+    for (int k = 0; k < 16; ++k) {
+      if (cnt == 16) {
+        r[k] = load_vec<u32x16>(rows[k] + 4 * w0);
+      } else {
+        r[k] = u32x16{};
+        std::memcpy(&r[k], rows[k] + 4 * w0, 4 * cnt);
+      }
+    }
+    transpose16(r);  // r[c][k]: dword w0 + c of entry k
+    for (int64_t c = 0; c < cnt; ++c) {
+      if (!a.packed) {
+        store_vec(tile + (w0 + c) * 16, r[c]);
+        continue;
+      }
+      // dword w0 + c holds codes of values 8(w0 + c) + j, j = 0..7, at bits 4j .. 4j+3 (low nibble first);
+      // __builtin_shuffle reads each index modulo 16, so the bits above a code select nothing
+      const v16 s = scale[(w0 + c) / 4];
+      float* o = tile + (w0 + c) * 8 * 16;
+      for (int j = 0; j < 8; ++j) {
+        store_vec(o + j * 16, __builtin_shuffle(grid, reinterpret_cast<v16i>(r[c] >> (4 * j))) * s);
+      }
+    }
+  }
+  return bad;
+}
+
+// The dots of heads h0 .. h0 + HG - 1 of one query (qh: head h0's d values, the next heads d apart) with the 16
+// entries of the tile, each in 8 lanes folded as the comment above says.
+template <int HG, int64_t D>
+inline void dots16(const float* tile, const float* qh, int64_t d, v16* dots) {
+  if constexpr (D > 0) d = D;
+  v16 acc[HG][4];
+  alignas(64) float low[HG][4][16];  // lanes 0..3, kept while lanes 4..7 are summed
+  for (int half = 0; half < 2; ++half) {
+    for (int l = 0; l < 4; ++l) {
+      const v16 k = load_vec<v16>(tile + (4 * half + l) * 16);
+      for (int h = 0; h < HG; ++h) acc[h][l] = qh[h * d + 4 * half + l] * k;
+    }
+    for (int64_t c = 1; c < d / 8; ++c) {
+      for (int l = 0; l < 4; ++l) {
+        const int64_t i = 8 * c + 4 * half + l;
+        const v16 k = load_vec<v16>(tile + i * 16);
+        for (int h = 0; h < HG; ++h) acc[h][l] += qh[h * d + i] * k;
+      }
+    }
+    if (half == 0) {
+      for (int h = 0; h < HG; ++h) {
+        for (int l = 0; l < 4; ++l) store_vec(low[h][l], acc[h][l]);
+      }
+    }
+  }
+  for (int h = 0; h < HG; ++h) {
+    v16 r[4];
+    for (int l = 0; l < 4; ++l) r[l] = load_vec<v16>(low[h][l]) + acc[h][l];
+    dots[h] = (r[0] + r[2]) + (r[1] + r[3]);
+  }
+}
+
+// Scores of query t (its heads at qt, weights at wt) against the tile's 16 entries.
+template <int64_t D>
+inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, const float* wt) {
+  const int64_t d = D > 0 ? D : a.dim;
+  v16 total{}, dots[kHeadsAtOnce];
+  for (int64_t h0 = 0; h0 < a.heads; h0 += kHeadsAtOnce) {
+    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, a.heads - h0);
+    const float* qh = qt + h0 * d;
+    switch (hg) {
+      case 4: dots16<4, D>(tile, qh, d, dots); break;
+      case 3: dots16<3, D>(tile, qh, d, dots); break;
+      case 2: dots16<2, D>(tile, qh, d, dots); break;
+      default: dots16<1, D>(tile, qh, d, dots); break;
+    }
+    for (int64_t h = 0; h < hg; ++h) {
+      const v16 r = (dots[h] < 0.0f ? v16{} : dots[h]) * wt[h0 + h];
+      total = h0 + h == 0 ? r : total + r;
+    }
+  }
+  return total;
+}
+
+// The row of entry j
+inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
+  return a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
+}
+
+// Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
+// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
+// entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim).
+template <int64_t D>
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t n, int64_t t0,
+                   int64_t t1, float* out, int64_t out_stride, float* tile, const v16& grid) {
+  const int64_t d = D > 0 ? D : a.dim;
+  constexpr float kNeg = -std::numeric_limits<float>::infinity();
+  int64_t bad = -1;
+  for (int64_t g = 0; g * kGroup < n; ++g) {
+    const int64_t* gid = ids + g * kGroup;
+    const int64_t cnt = std::min(kGroup, n - g * kGroup);
+    uint32_t present = 0;
+    for (int k = 0; k < kGroup; ++k) present |= static_cast<uint32_t>(gid[k] >= 0) << k;
+    if (present != 0) {
+      uint32_t flagged = decode_group<D>(a, rows + g * kGroup, tile, grid) & present;
+      for (int k = 0; flagged != 0; ++k, flagged >>= 1) {
+        if ((flagged & 1) && (bad < 0 || gid[k] < bad)) bad = gid[k];
+      }
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = out + (t - t0) * out_stride + g * kGroup;
+      const int64_t lim = a.limit[t];
+      v16i visible;
+      for (int k = 0; k < kGroup; ++k) visible[k] = gid[k] >= 0 && gid[k] < lim ? -1 : 0;
+      v16 s = v16{} + kNeg;
+      if (mask_of(visible) != 0) {
+        s = visible != 0 ? score_group<D>(a, tile, a.q + t * a.heads * d, a.w + t * a.heads) : s;
+      }
+      std::memcpy(o, &s, cnt * sizeof(float));
     }
   }
   return bad;
@@ -411,6 +477,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
               "index scores: layout");
   const int64_t nq = q.size(0), d = q.size(2);
   TORCH_CHECK(d % 32 == 0 && d <= 1024, "index scores: head dim must be a multiple of 32, at most 1024");
+  TORCH_CHECK(per_block >= 1, "index scores: per_block must be at least 1");
   const bool packed = keys.scalar_type() == at::kByte;
   ScoreArgs a{q.data_ptr<float>(), w.data_ptr<float>(), static_cast<const uint8_t*>(keys.data_ptr()),
               keys.stride(0) * keys.element_size(), q.size(1), d, packed, table.data_ptr<int64_t>(), per_block,
@@ -422,32 +489,45 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
   std::atomic<int64_t> bad{INT64_MAX};
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
-    std::vector<float> tile(kTile * d), qq(qblock * a.heads * 2 * d);
+    std::vector<v16> tile(d);  // 16 entries x d values
     const v16 grid = grid_vector();
-    int64_t ids[kTile], filled = -1;  // qq holds the queries of block `filled`
+    int64_t ids[kTile];
+    const uint8_t* rows[kTile];
+    const bool pow2 = (per_block & (per_block - 1)) == 0;
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(per_block));
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
-      if (qb != filled) {  // each query head's chunks of 8, each twice (the lanes of two keys)
-        for (int64_t i = 0; i < (t1 - t0) * a.heads * d; i += 8) {
-          std::memcpy(qq.data() + 2 * i, a.q + t0 * a.heads * d + i, 8 * sizeof(float));
-          std::memcpy(qq.data() + 2 * i + 8, a.q + t0 * a.heads * d + i, 8 * sizeof(float));
-        }
-        filled = qb;
-      }
-      if (dense) {
+      if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
-        for (int64_t e = 0; e < n; ++e) ids[e] = c0 + e < reach ? c0 + e : -1;
+        const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
+        int64_t block = c0 / per_block, offset = c0 % per_block;
+        for (int64_t e = 0; e < seen; ++e) {
+          ids[e] = c0 + e;
+          rows[e] = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+          if (++offset == per_block) offset = 0, ++block;
+        }
+        for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
       } else {
         for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
           const int64_t j = ent[t0 * width + c0 + e];
           ids[e] = j < a.limit[t0] ? j : -1;
+          if (ids[e] < 0) {
+            rows[e] = kZeroRow;
+            continue;
+          }
+          rows[e] = pow2 ? a.keys + ((a.table[j >> shift] << shift) + (j & (per_block - 1))) * a.row_bytes
+                         : row_of(a, j);
+          __builtin_prefetch(rows[e]);  // named entries lie anywhere in the pool: start every read now
+          __builtin_prefetch(rows[e] + a.row_bytes - 1);
         }
       }
+      for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
       float* ot = o + t0 * width + c0;
-      const int64_t r = d == 128 ? score_tile<128>(a, ids, n, t0, t1, qq.data(), ot, width, tile.data(), grid)
-                                 : score_tile<0>(a, ids, n, t0, t1, qq.data(), ot, width, tile.data(), grid);
+      float* tp = reinterpret_cast<float*>(tile.data());
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, n, t0, t1, ot, width, tp, grid)
+                                 : score_tile<0>(a, ids, rows, n, t0, t1, ot, width, tp, grid);
       if (r >= 0) note_row(bad, r);
     }
   });

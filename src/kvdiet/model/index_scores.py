@@ -2,7 +2,8 @@
 
 Keys are scored where the cache holds them (`StoredKeys`: packed MXFP4 entries, or fp32 rows in exact mode,
 in the pages of the device pool), never decoded as a whole: the compiled kernel (``formats/fp4_kernels.cpp``,
-``index_scores``) decodes a tile of 64 entries into its own scratch and scores it against every query.
+``index_scores``) decodes 16 entries at a time into its own scratch, value-major (one 16-float vector holds a
+value of each of the 16 keys), and scores them against every query.
 `index_scores` scores every visible entry (KV-source and candidate-source layers); `index_scores_at` only
 the entries each query names (a candidate consumer's pool: 2,048 blocks × 8 of 1M entries on V4.1).
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["StoredKeys", "index_scores", "index_scores_at", "index_scores_each"]
 
 LANES = 8
-"""Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold two keys' lanes)."""
+"""Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold one lane of 16 keys)."""
 # Elements of the pure-torch path's [rows, heads, entries, dim] product per step (64 MiB as fp32).
 _TORCH_BUDGET = 1 << 24
 
