@@ -246,6 +246,29 @@ def test_run_experts_gives_each_experts_bits_in_one_or_two_calls(micro, monkeypa
                 assert torch.equal(o.nan_to_num(7.0), e(x, w).nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["expert_rows", "torch"])
+def test_run_experts_keeps_the_gradient_of_routing_weights(micro, monkeypatch, compiled):
+    """Routing weights that require grad (a MoE run outside ``no_grad``: the gate's weight is a parameter) get the
+    gradient each expert's own forward gives them; the decode-row products keep no autograd graph."""
+    if not compiled:
+        monkeypatch.setenv(native.ENV, "0")
+    torch.manual_seed(3)
+    layer = MoE(micro)
+    experts = [layer.experts[1], layer.experts[3], layer.shared_experts]
+    xs = [torch.randn(n, micro.hidden_size) for n in (2, 1, 3)]
+    weights = [torch.rand(2, 1, requires_grad=True), torch.rand(1, 1, requires_grad=True), None]
+    got = run_experts(experts, xs, weights)
+    assert all(out.requires_grad for out in got[:2])
+    torch.stack([out.sum() for out in got[:2]]).sum().backward()
+    grads = [w.grad.clone() for w in weights[:2]]
+    for w in weights[:2]:
+        w.grad = None
+    want = [e(x, w) for e, x, w in zip(experts, xs, weights, strict=True)]
+    torch.stack([out.sum() for out in want[:2]]).sum().backward()
+    for g, w, out, ref in zip(grads, weights, got, want, strict=False):
+        assert torch.equal(g, w.grad) and torch.equal(out.detach(), ref.detach())
+
+
 def test_a_row_naming_one_expert_twice_is_grouped(micro):
     """Hash routing may name an expert twice for a token: that expert then runs on a group of two rows."""
     torch.manual_seed(5)

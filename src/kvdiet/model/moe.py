@@ -165,14 +165,17 @@ def run_experts(
     (`gemv.applies`): a decode step's few rows per expert in one compiled call (``expert_rows``: the
     products of `kvdiet.model.gemv.row_products_each`, the activation as torch's own ops called from C++), or,
     without the compiled kernels or for routing weights of another dtype or shape, two calls of
-    `gemv.row_products_each` (every w1 and w3, then every w2) around `Expert.activation`. Otherwise each
-    expert's own forward.
+    `gemv.row_products_each` (every w1 and w3, then every w2) around `Expert.activation`. Otherwise (or when a
+    routing weight requires grad under grad mode: the products keep no autograd graph) each expert's own
+    forward.
 
     xs[i]: [N_i, hidden]; weights[i]: [N_i, 1] or None -> [N_i, hidden] each.
     """
     xs = [widen(x) for x in xs]
     dense = [e.dense_weights() for e in experts]
-    if not all(d is not None and all(gemv.applies(x, w) for w in d) for d, x in zip(dense, xs, strict=True)):
+    fit = all(d is not None and all(gemv.applies(x, w) for w in d) for d, x in zip(dense, xs, strict=True))
+    tracked = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights)
+    if not fit or tracked:  # the products keep no autograd graph: a routing weight's gradient needs F.linear
         return [e(x, w) for e, x, w in zip(experts, xs, weights, strict=True)]
     kernels = native.fp4_kernels()
     if kernels is not None and all(w is None or _fits(w, x) for w, x in zip(weights, xs, strict=True)):
