@@ -155,6 +155,28 @@ def test_a_bad_scale_byte_raises_on_both_paths(both, monkeypatch):
         assert torch.isfinite(index_scores(queries, w, keys, torch.tensor([6, 3]))[0, :6]).all()
 
 
+def test_keys_of_another_head_dim_raise_and_fp64_keys_score_as_on_the_pure_torch_path(both, monkeypatch):
+    """Rows narrower or wider than q's head dim (the kernel read past each row and reported a false bad scale)
+    raise ValueError on both paths; fp64 exact-mode keys (a model run in fp64) are read as values, not as fp32
+    bits."""
+    queries, w, packed, limit = _case(4, 2, 3, 128, 20)
+    narrow = StoredKeys.contiguous(mxfp4.encode_index_key(torch.randn(20, 64)))
+    for keys in (narrow, StoredKeys.contiguous(torch.randn(20, 160)), StoredKeys.contiguous(packed[:, :-1])):
+        for env in ("1", "0"):
+            monkeypatch.setenv(native.ENV, env)
+            with pytest.raises(ValueError, match="head dim 128"):
+                index_scores(queries, w, keys, limit)
+            with pytest.raises(ValueError, match="head dim 128"):
+                index_scores_at(queries, w, keys, torch.zeros(4, 3, dtype=torch.int64), limit)
+            with pytest.raises(ValueError, match="head dim 128"):
+                index_scores_each(queries, w, [keys] * 4, None, limit)
+    monkeypatch.delenv(native.ENV)
+    decoded = mxfp4.decode_index_key(packed)
+    want = index_scores(queries, w, StoredKeys.contiguous(decoded), limit)
+    for got in both(index_scores, queries, w, StoredKeys.contiguous(decoded.double()), limit):
+        assert _same_bits(got, want)
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal fp32 bits (±0 told apart) wherever either is a number, and NaN at the same places (a NaN's payload
     depends on operand order, which the contract leaves open: selection reads any NaN as −inf)."""

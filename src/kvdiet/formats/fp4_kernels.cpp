@@ -464,8 +464,9 @@ int64_t decode_fp4(at::Tensor packed, int64_t recipe, int64_t lo, int64_t hi, at
                          : decode_block<32>(packed, dim, kUE8M0, lo, hi, out);
 }
 
-// Index scores of queries q fp32 [Q, H, d] (weights w fp32 [Q, H]) against stored keys (packed uint8 [R, width]
-// or fp32 [R, d], unit element stride), entry j at row table[j / per_block] * per_block + j % per_block.
+// Index scores of queries q fp32 [Q, H, d] (weights w fp32 [Q, H]) against stored keys (packed uint8
+// [R, d/2 + d/32] or fp32 [R, d], unit element stride), entry j at row table[j / per_block] * per_block + j %
+// per_block.
 // entries int64 [Q, C]: score those entries (< 0: not scored) into out [Q, C]; entries empty ([0, 0]): score
 // entries 0..N-1 into out [Q, N]. Entries at or past limit[t] get -inf. Returns -1 or the first entry id holding
 // a scale byte outside 1..252.
@@ -479,6 +480,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   TORCH_CHECK(d % 32 == 0 && d <= 1024, "index scores: head dim must be a multiple of 32, at most 1024");
   TORCH_CHECK(per_block >= 1, "index scores: per_block must be at least 1");
   const bool packed = keys.scalar_type() == at::kByte;
+  TORCH_CHECK(packed || keys.scalar_type() == at::kFloat, "index scores: keys are uint8 (MXFP4) or float32");
+  TORCH_CHECK(keys.size(1) == (packed ? d / 2 + d / 32 : d), "index scores: key rows of ", keys.size(1),
+              packed ? " bytes for head dim " : " values for head dim ", d);
   ScoreArgs a{q.data_ptr<float>(), w.data_ptr<float>(), static_cast<const uint8_t*>(keys.data_ptr()),
               keys.stride(0) * keys.element_size(), q.size(1), d, packed, table.data_ptr<int64_t>(), per_block,
               limit.data_ptr<int64_t>()};

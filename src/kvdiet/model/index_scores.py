@@ -89,8 +89,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torc
         keys: the stored keys (N entries).
         limit: int64 [Q] entries visible to each query (a prefix; `kvdiet.model.selection.visible_entries`).
     Raises:
-        ValueError: a visible packed entry holds a scale byte outside 1..252.
+        ValueError: a visible packed entry holds a scale byte outside 1..252; keys of another head dim than q
+            (`StoredKeys` rows neither uint8 [R, 17·d/32] nor floating-point [R, d]).
     """
+    _check_keys(q, keys)
     n = keys.num_entries
     limit = limit.clamp(0, n)
     out = _native(q, w, keys, limit, None, n)
@@ -118,8 +120,9 @@ def index_scores_at(
         q, w, keys, limit: as `index_scores`.
         entries: int64 [Q, C] entry ids per query (−1 for an empty slot).
     Raises:
-        ValueError: a visible named packed entry holds a scale byte outside 1..252.
+        ValueError: a visible named packed entry holds a scale byte outside 1..252; keys as `index_scores`.
     """
+    _check_keys(q, keys)
     limit = limit.clamp(0, keys.num_entries)
     out = _native(q, w, keys, limit, entries, entries.shape[1])
     if out is not None:
@@ -160,6 +163,7 @@ def index_scores_each(
     width = max((k.num_entries for k in keys), default=0) if entries is None else entries.shape[1]
     out = torch.empty(q.shape[0], width, device=q.device)
     for t, k in enumerate(keys):
+        _check_keys(q, k)
         one = slice(t, t + 1)
         lim = limit[one].clamp(0, k.num_entries)
         ids = None if entries is None else entries[one]
@@ -184,8 +188,9 @@ def _native(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The compiled kernel's scores fp32 [Q, width] (into ``out`` when given: contiguous, on the CPU), or None
-    where the pure-torch path runs."""
-    kernels = native.fp4_kernels() if q.device.type == "cpu" and keys.rows.device.type == "cpu" else None
+    where the pure-torch path runs (off the CPU; exact-mode keys of a float dtype other than fp32)."""
+    on_cpu = q.device.type == "cpu" and keys.rows.device.type == "cpu"
+    kernels = native.fp4_kernels() if on_cpu and keys.rows.dtype in (torch.uint8, torch.float32) else None
     if kernels is None:
         return None
     out = torch.empty(q.shape[0], width) if out is None else out
@@ -202,6 +207,22 @@ def _native(
     )
     _check_scales(bad)
     return out
+
+
+def _check_keys(q: torch.Tensor, keys: StoredKeys) -> None:
+    """Raise ValueError unless ``keys.rows`` hold entries of q's head dim d: uint8 [R, 17·d/32] (MXFP4) or a
+    floating-point [R, d] (exact mode); the kernel would read past a narrower row."""
+    d, rows = q.shape[-1], keys.rows
+    packed = rows.dtype == torch.uint8
+    if (
+        rows.dim() != 2
+        or rows.shape[1] != (17 * d // 32 if packed else d)
+        or not (packed or rows.is_floating_point())
+    ):
+        raise ValueError(
+            f"index keys of head dim {d} are uint8 [R, {17 * d // 32}] or floating-point [R, {d}], got"
+            f" {rows.dtype} {tuple(rows.shape)}"
+        )
 
 
 def _check_scales(bad: int) -> None:
