@@ -167,14 +167,34 @@ def test_keys_of_another_head_dim_raise_and_fp64_keys_score_as_on_the_pure_torch
             with pytest.raises(ValueError, match="head dim 128"):
                 index_scores(queries, w, keys, limit)
             with pytest.raises(ValueError, match="head dim 128"):
-                index_scores_at(queries, w, keys, torch.zeros(4, 3, dtype=torch.int64), limit)
+                index_scores_at(queries, w, keys, torch.zeros(2, 3, dtype=torch.int64), limit)
             with pytest.raises(ValueError, match="head dim 128"):
-                index_scores_each(queries, w, [keys] * 4, None, limit)
+                index_scores_each(queries, w, [keys] * 2, None, limit)
     monkeypatch.delenv(native.ENV)
     decoded = mxfp4.decode_index_key(packed)
     want = index_scores(queries, w, StoredKeys.contiguous(decoded), limit)
     for got in both(index_scores, queries, w, StoredKeys.contiguous(decoded.double()), limit):
         assert _same_bits(got, want)
+
+
+def test_weights_limits_entries_and_keys_of_other_shapes_raise_on_both_paths(monkeypatch):
+    """w, limit or entries not matching q's queries and heads, or fewer keys than queries: the kernel read past w
+    and limit (garbage scores), the pure-torch path broadcast a one-element limit, and `index_scores_each` left
+    the rows of keyless queries uninitialised."""
+    queries, w, packed, limit = _case(6, 3, 2, 64, 10)
+    keys = StoredKeys.contiguous(packed)
+    entries = torch.zeros(3, 4, dtype=torch.int64)
+    for env in ("1", "0"):
+        monkeypatch.setenv(native.ENV, env)
+        for bad_w, bad_limit in ((w, limit[:1]), (w, torch.cat([limit, limit])), (w[:, :1], limit)):
+            with pytest.raises(ValueError, match="take w"):
+                index_scores(queries, bad_w, keys, bad_limit)
+            with pytest.raises(ValueError, match="take w"):
+                index_scores_at(queries, bad_w, keys, entries, bad_limit)
+        with pytest.raises(ValueError, match="entries"):
+            index_scores_at(queries, w, keys, entries[:1], limit)
+        with pytest.raises(ValueError, match="one StoredKeys per query"):
+            index_scores_each(queries, w, [keys] * 2, None, limit)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

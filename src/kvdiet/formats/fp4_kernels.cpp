@@ -478,6 +478,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
               "index scores: layout");
   const int64_t nq = q.size(0), d = q.size(2);
   TORCH_CHECK(d % 32 == 0 && d <= 1024, "index scores: head dim must be a multiple of 32, at most 1024");
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == nq && w.size(1) == q.size(1) && limit.numel() == nq &&
+                  out.size(0) == nq && (entries.numel() == 0 || (entries.dim() == 2 && entries.sizes() == out.sizes())),
+              "index scores: w [Q, H], limit [Q], out [Q, C] and entries [Q, C] or empty");
   TORCH_CHECK(per_block >= 1, "index scores: per_block must be at least 1");
   const bool packed = keys.scalar_type() == at::kByte;
   TORCH_CHECK(packed || keys.scalar_type() == at::kFloat, "index scores: keys are uint8 (MXFP4) or float32");

@@ -90,9 +90,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torc
         limit: int64 [Q] entries visible to each query (a prefix; `kvdiet.model.selection.visible_entries`).
     Raises:
         ValueError: a visible packed entry holds a scale byte outside 1..252; keys of another head dim than q
-            (`StoredKeys` rows neither uint8 [R, 17·d/32] nor floating-point [R, d]).
+            (`StoredKeys` rows neither uint8 [R, 17·d/32] nor floating-point [R, d]); w not [Q, H] or limit not
+            [Q].
     """
-    _check_keys(q, keys)
+    _check_inputs(q, w, limit, [keys])
     n = keys.num_entries
     limit = limit.clamp(0, n)
     out = _native(q, w, keys, limit, None, n)
@@ -120,9 +121,10 @@ def index_scores_at(
         q, w, keys, limit: as `index_scores`.
         entries: int64 [Q, C] entry ids per query (−1 for an empty slot).
     Raises:
-        ValueError: a visible named packed entry holds a scale byte outside 1..252; keys as `index_scores`.
+        ValueError: a visible named packed entry holds a scale byte outside 1..252; keys, w and limit as
+            `index_scores`; entries not [Q, C].
     """
-    _check_keys(q, keys)
+    _check_inputs(q, w, limit, [keys], entries)
     limit = limit.clamp(0, keys.num_entries)
     out = _native(q, w, keys, limit, entries, entries.shape[1])
     if out is not None:
@@ -158,12 +160,14 @@ def index_scores_each(
     tensor (8 MB per request at 1M tokens and ratio 1).
 
     Raises:
-        ValueError: as `index_scores_at`.
+        ValueError: as `index_scores_at`; not one `StoredKeys` per query.
     """
+    _check_inputs(q, w, limit, keys, entries)
+    if len(keys) != q.shape[0]:
+        raise ValueError(f"index_scores_each takes one StoredKeys per query: {q.shape[0]}, got {len(keys)}")
     width = max((k.num_entries for k in keys), default=0) if entries is None else entries.shape[1]
     out = torch.empty(q.shape[0], width, device=q.device)
     for t, k in enumerate(keys):
-        _check_keys(q, k)
         one = slice(t, t + 1)
         lim = limit[one].clamp(0, k.num_entries)
         ids = None if entries is None else entries[one]
@@ -209,20 +213,38 @@ def _native(
     return out
 
 
-def _check_keys(q: torch.Tensor, keys: StoredKeys) -> None:
-    """Raise ValueError unless ``keys.rows`` hold entries of q's head dim d: uint8 [R, 17·d/32] (MXFP4) or a
-    floating-point [R, d] (exact mode); the kernel would read past a narrower row."""
-    d, rows = q.shape[-1], keys.rows
-    packed = rows.dtype == torch.uint8
-    if (
-        rows.dim() != 2
-        or rows.shape[1] != (17 * d // 32 if packed else d)
-        or not (packed or rows.is_floating_point())
-    ):
+def _check_inputs(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    limit: torch.Tensor,
+    keys: Sequence[StoredKeys],
+    entries: torch.Tensor | None = None,
+) -> None:
+    """Raise ValueError unless q is [Q, H, d], w [Q, H], limit [Q], entries (when given) [Q, C], and every
+    ``keys[i].rows`` hold entries of head dim d: uint8 [R, 17·d/32] (MXFP4) or floating-point [R, d] (exact mode).
+    The kernel reads w, limit and entries by q's shape and d values of each row: past them otherwise."""
+    if q.dim() != 3:
+        raise ValueError(f"index scores take q [Q, H, d], got {tuple(q.shape)}")
+    qn, h, d = q.shape
+    if tuple(w.shape) != (qn, h) or tuple(limit.shape) != (qn,):
         raise ValueError(
-            f"index keys of head dim {d} are uint8 [R, {17 * d // 32}] or floating-point [R, {d}], got"
-            f" {rows.dtype} {tuple(rows.shape)}"
+            f"index scores of q {tuple(q.shape)} take w [{qn}, {h}] and limit [{qn}], got {tuple(w.shape)} and"
+            f" {tuple(limit.shape)}"
         )
+    if entries is not None and (entries.dim() != 2 or entries.shape[0] != qn):
+        raise ValueError(f"index scores of {qn} queries take entries [{qn}, C], got {tuple(entries.shape)}")
+    for k in keys:
+        rows = k.rows
+        packed = rows.dtype == torch.uint8
+        if (
+            rows.dim() != 2
+            or rows.shape[1] != (17 * d // 32 if packed else d)
+            or not (packed or rows.is_floating_point())
+        ):
+            raise ValueError(
+                f"index keys of head dim {d} are uint8 [R, {17 * d // 32}] or floating-point [R, {d}], got"
+                f" {rows.dtype} {tuple(rows.shape)}"
+            )
 
 
 def _check_scales(bad: int) -> None:
