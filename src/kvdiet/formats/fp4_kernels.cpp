@@ -245,7 +245,8 @@ inline v16 grid_vector() {
 constexpr int64_t kGroup = 16;  // entries decoded and scored together: a vector holds one value of each
 constexpr int64_t kTile = 64;   // entries per task (a multiple of kGroup)
 constexpr int kHeadsAtOnce = 4;  // heads whose accumulators stay in registers together
-alignas(64) const uint8_t kZeroRow[4096] = {};  // stands in for absent entries (at least d fp32 values)
+constexpr int64_t kMaxDim = 1024;  // the largest head dim index_scores takes (sizes kZeroRow and the scales)
+alignas(64) const uint8_t kZeroRow[kMaxDim * sizeof(float)] = {};  // stands in for absent entries (d fp32 values)
 
 struct ScoreArgs {
   const float* q;        // [Q, H, d]
@@ -307,7 +308,7 @@ template <int64_t D>
 inline uint32_t decode_group(const ScoreArgs& a, const uint8_t* const* rows, float* tile, const v16& grid) {
   const int64_t d = D > 0 ? D : a.dim, words = a.packed ? d / 8 : d;  // dwords per row: codes, or fp32 values
   uint32_t bad = 0;
-  v16 scale[32];  // packed: scale[b][k] = the scale of values 32b .. 32b+31 of entry k
+  v16 scale[kMaxDim / 32];  // packed: scale[b][k] = the scale of values 32b .. 32b+31 of entry k
   if (a.packed) {
     const int64_t nb = d / 32;
     for (int64_t b4 = 0; b4 < nb; b4 += 4) {  // scale bytes b4 .. b4+3 of each entry in one dword
@@ -477,7 +478,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
                   keys.dim() == 2 && (keys.size(1) <= 1 || keys.stride(1) == 1),
               "index scores: layout");
   const int64_t nq = q.size(0), d = q.size(2);
-  TORCH_CHECK(d % 32 == 0 && d <= 1024, "index scores: head dim must be a multiple of 32, at most 1024");
+  TORCH_CHECK(d % 32 == 0 && d <= kMaxDim, "index scores: head dim must be a multiple of 32, at most ", kMaxDim);
   TORCH_CHECK(w.dim() == 2 && w.size(0) == nq && w.size(1) == q.size(1) && limit.numel() == nq &&
                   out.size(0) == nq && (entries.numel() == 0 || (entries.dim() == 2 && entries.sizes() == out.sizes())),
               "index scores: w [Q, H], limit [Q], out [Q, C] and entries [Q, C] or empty");
