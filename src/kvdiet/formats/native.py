@@ -45,7 +45,14 @@ RECIPE_UE8M0X32 = 1
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("fp4_kernels.cpp", "topk_kernels.cpp", "gemv_kernels.cpp", "fp8_kernels.cpp")
+    for name in (
+        "fp4_kernels.cpp",
+        "topk_kernels.cpp",
+        "gemv_kernels.cpp",
+        "rmsnorm_kernels.cpp",
+        "rope_kernels.cpp",
+        "fp8_kernels.cpp",
+    )
 ]
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
