@@ -5,12 +5,13 @@
 // rms_norm: x float32 [..., dim] (contiguous, 1..kNormRowsMax rows, 1 <= dim <= kNormDimMax), weight float32
 //   [dim] (contiguous), eps -> float32 [..., dim] (contiguous); any other input, and any output with a NaN, gets
 //   std::nullopt (the caller runs the torch formula: where two NaNs meet in a product, the one torch keeps
-//   depends on the element's place in its loop, vector body or scalar tail). The squares x·x are this loop's (one rounding each, as torch's square); their sum
-//   over the last dim is torch's own at::sum over a contiguous [rows, dim] tensor, the tensor torch's mean sums
-//   (mean is that sum, then div_ by dim); the rest are single IEEE steps per element, in torch's order: the sum
-//   divided by float(dim), plus float(eps), 1 / sqrt (torch's CPU rsqrt, vector and scalar), x times that,
-//   times weight[j]. No FMA contraction (the module is built with -ffp-contract=off). kvdiet.model.layers
-//   checks these bits against the torch formula once per process before it uses the kernel.
+//   depends on the element's place in its loop, vector body or scalar tail). The squares x·x are this file's
+//   (one rounding each, as torch's square); their sum over the last dim is torch's own at::sum over a contiguous
+//   [rows, dim] tensor, the tensor torch's mean sums (mean is that sum, then div_ by dim), so its order is
+//   torch's by construction; the rest are single IEEE steps per element, in the formula's order: the sum divided
+//   by float(dim), plus float(eps), 1 / sqrt (torch's CPU rsqrt, vector and scalar), x times that, times
+//   weight[j]. No FMA contraction (the module is built with -ffp-contract=off). kvdiet.model.layers checks these
+//   bits against the torch formula once per process before it uses the kernel.
 //   Why: the torch formula is six ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
 
 #include <cmath>

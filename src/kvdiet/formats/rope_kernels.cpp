@@ -7,13 +7,13 @@
 //   kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading dims, right-aligned to x's,
 //   each 1 or x's size), rope_dim (a multiple of 32, <= D) -> float32 of x's shape, strides as x.clone() gives
 //   them; any other input, and any output with a NaN in its rotated part, gets std::nullopt (the caller runs the
-//   torch formula). Each pair (a, b) times (c, d) is torch's complex64
-//   product as its CPU mul kernel computes it: with AVX-512 or AVX2, Vectorized<c10::complex<float>>::operator*
-//   (ATen/cpu/vec/vec512/vec512_complex_float.h, vec256/vec256_complex_float.h): re = a·c − b·d,
-//   im = a·d − b·(−c), each product rounded, the same intrinsics in the same order; without them c10::complex's operator*= (re = a·c − b·d, im = a·d + b·c). rope_dim/2 a multiple of
-//   16 keeps torch's loop (16 complex per AVX-512 step, 8 per AVX2 step) free of its scalar tail. No FMA
-//   contraction (-ffp-contract=off). kvdiet.model.layers checks these bits against the torch formula once per
-//   process before it uses the kernel.
+//   torch formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul kernel computes
+//   it: with AVX-512 or AVX2, Vectorized<c10::complex<float>>::operator* (ATen/cpu/vec/vec512/
+//   vec512_complex_float.h, vec256/vec256_complex_float.h), re = a·c − b·d, im = a·d − b·(−c), each product
+//   rounded, with the same intrinsics in the same order; without them c10::complex's operator*= (re = a·c − b·d,
+//   im = a·d + b·c: the same values). rope_dim/2 a multiple of 16 keeps torch's loop (16 complex per AVX-512
+//   step, 8 per AVX2 step) free of its scalar tail. No FMA contraction (-ffp-contract=off). kvdiet.model.layers
+//   checks these bits against the torch formula once per process before it uses the kernel.
 //   Why: the torch formula is some ten ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
 
 #include <cstring>
@@ -116,6 +116,6 @@ std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis
       index[i] = 0;
     }
   }
-  if (nans) return {};  // which NaN a product of two NaN operands keeps is the compiler's choice: torch decides
+  if (nans) return {};  // which NaN a product of two NaNs keeps is torch's compiler's choice: its formula decides
   return out;
 }

@@ -11,8 +11,8 @@ A decode step's few rows (fp32, on the CPU, no gradient to track) run in compile
 (``formats/rmsnorm_kernels.cpp``) and ``rope_rotate`` (``formats/rope_kernels.cpp``): one call instead of six to ten
 torch ops of 5-15 µs dispatch each, with the torch formula's bits (`RMSNorm.forward` and `Rotation.apply` say
 which inputs; the kernels decline any other, and any output with a NaN: which NaN torch's product of two NaNs
-keeps depends on its loop and its compiler). Each kernel is checked
-against the torch formula once per process on adversarial inputs (`kernels_agree`); a mismatch logs one warning
+keeps depends on the element's place in its loop and on its compiler). Each kernel is checked against the torch
+formula once per process on adversarial inputs (`kernels_agree`); a mismatch logs one warning
 and keeps the torch formula. ``KVDIET_NATIVE_KERNELS=0`` (read on every call) or a failed build selects the
 torch formulas too.
 """
@@ -48,12 +48,12 @@ __all__ = [
 
 NORM_ROWS_MAX = 16
 """The most rows `RMSNorm` sends to the compiled ``rms_norm`` (a batched decode step of up to 16 requests; a
-prefill's rows stay with torch), each of at most `WIDTH_MAX` floats."""
+prefill's rows stay with torch), each of at most `WIDTH_MAX` floats (the kernel's ``kNormRowsMax``)."""
 ROPE_ROWS_MAX = 256
 """The most rows `Rotation.apply` sends to the compiled ``rope_rotate`` (a decode step of 16 requests' queries of
-up to 16 heads), each of at most `WIDTH_MAX` floats."""
+up to 16 heads), each of at most `WIDTH_MAX` floats (the kernel's ``kRopeRowsMax``)."""
 WIDTH_MAX = 8192
-"""The widest last dim either compiled kernel takes."""
+"""The widest last dim either compiled kernel takes (``kNormDimMax``, ``kRopeWidthMax``)."""
 _log = logging.getLogger(__name__)
 
 
@@ -105,7 +105,7 @@ class RMSNorm(nn.Module):
         the CPU, 1..`NORM_ROWS_MAX` rows, 1 ≤ dim ≤ `WIDTH_MAX`, and no output is NaN; it returns a new
         contiguous tensor with the torch formula's bits.
         """
-        if x.dtype == torch.float32 and _untracked(x, self.weight):
+        if x.dtype == torch.float32 and x.is_cpu and _untracked(x, self.weight):
             kernels = _checked_kernels("rms_norm")
             out = None if kernels is None else kernels.rms_norm(x, self.weight, self.eps)
             if out is not None:  # else it does not fit, or an output is NaN
@@ -272,7 +272,7 @@ class Rotation:
         """
         _check_width(x, self.rope_dim)
         cis = self.cis_inverse if inverse else self.cis
-        if x.dtype == torch.float32 and _untracked(x, cis):
+        if x.dtype == torch.float32 and x.is_cpu and _untracked(x, cis):
             kernels = _checked_kernels("rope_rotate")
             out = None if kernels is None else kernels.rope_rotate(x, cis, self.rope_dim)
             if out is not None:  # else it does not fit, or an output is NaN
