@@ -17,11 +17,16 @@ from kvdiet.model.layers import NORM_ROWS_MAX, ROPE_ROWS_MAX, RMSNorm, Rotation
 _SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)
 
 
-def _values(n: int, gen: torch.Generator, *, specials: bool, nan: bool = True) -> torch.Tensor:
-    """fp32 [n] at scales 1e-20..1e19; with ``specials`` every fifth (on average) one of `_SPECIALS`."""
+def _values(
+    n: int, gen: torch.Generator, *, specials: bool, nan: bool = True, inf: bool = True
+) -> torch.Tensor:
+    """fp32 [n] at scales 1e-20..1e19; with ``specials`` every fifth (on average) one of `_SPECIALS` (less NaN
+    unless ``nan``, less ±inf unless ``inf``)."""
     x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-20, 20, (n,), generator=gen).float()
     if specials:
-        pool = torch.tensor([v for v in _SPECIALS if nan or not math.isnan(v)])
+        pool = torch.tensor(
+            [v for v in _SPECIALS if (nan or not math.isnan(v)) and (inf or not math.isinf(v))]
+        )
         chosen = torch.rand(n, generator=gen) < 0.2
         x[chosen] = pool[torch.randint(len(pool), (int(chosen.sum()),), generator=gen)]
     return x
@@ -54,17 +59,21 @@ def _rotation(d: int, t: int, gen: torch.Generator, *, specials: bool = False) -
 @pytest.mark.parametrize("eps", [1e-20, 1e-6])
 def test_rms_norm_kernel_equals_torch_formula_at_every_width(rows, eps):
     # every width 1..1024: every split of a vector loop and its tail, in the squares, torch's sum and the products
+    # x: ±0, subnormals, 3.4e38 (its square overflows: the scale is 0); weight: ±inf too (inf · 0 is NaN)
     gen = torch.Generator().manual_seed(rows)
     kernels = _kernels()
+    compared = 0
     for width in range(1, 1025):
-        x = _values(rows * width, gen, specials=width % 2 == 0, nan=False).view(rows, width)
+        x = _values(rows * width, gen, specials=width % 2 == 0, nan=False, inf=False).view(rows, width)
         weight = _values(width, gen, specials=width % 3 == 0, nan=False)
         want = layers._torch_rms_norm(x, weight, eps)
         got = kernels.rms_norm(x, weight, eps)
-        if want.isnan().any():  # inf·0: the kernel declines, the torch formula decides
+        if want.isnan().any():  # the kernel declines NaN outputs: the torch formula decides
             assert got is None
         else:
             _assert_same(got, want)
+            compared += 1
+    assert compared > 500  # most widths ran in the kernel
 
 
 @pytest.mark.parametrize("width", [1, 7, 16, 17, 128, 255, 256, 512, 1000])
@@ -96,12 +105,13 @@ def test_rms_norm_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch)
     weight = norm.weight.detach()
     x = torch.randn(NORM_ROWS_MAX + 1, 64)
     assert kernels.rms_norm(x, weight, 1e-6) is None  # too many rows: a prefill's
-    assert kernels.rms_norm(x[:4, ::2].repeat(1, 2)[:, :64], weight, 1e-6) is not None
+    assert kernels.rms_norm(x[:NORM_ROWS_MAX], weight, 1e-6) is not None
     assert kernels.rms_norm(torch.randn(64, 4).t(), weight, 1e-6) is None  # not contiguous
     assert (
         kernels.rms_norm(torch.randn(2, layers.WIDTH_MAX + 1), torch.ones(layers.WIDTH_MAX + 1), 1e-6) is None
     )
     assert kernels.rms_norm(torch.tensor([[math.nan] + [1.0] * 63]), weight, 1e-6) is None  # a NaN output
+    assert layers.kernels_agree("rms_norm")  # checked (with the torch formula) before the spy goes in
     calls = []
     torch_formula = layers._torch_rms_norm
     monkeypatch.setattr(layers, "_torch_rms_norm", lambda *a: calls.append(a[0].dtype) or torch_formula(*a))
@@ -176,6 +186,7 @@ def test_rotation_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch)
     assert kernels.rope_rotate(torch.randn(ROPE_ROWS_MAX + 1, 64), rot.cis[:1], 64) is None
     assert kernels.rope_rotate(torch.randn(3, 64), rot.cis, 64) is None  # cis would broadcast x (4 vs 3)
     assert kernels.rope_rotate(torch.randn(4, 64), rot.cis.to(torch.complex128), 64) is None
+    assert layers.kernels_agree("rope_rotate")  # checked (with the torch formula) before the spy goes in
     calls = []
     torch_formula = layers._torch_rotate
     monkeypatch.setattr(layers, "_torch_rotate", lambda *a: calls.append(a[0].dtype) or torch_formula(*a))
