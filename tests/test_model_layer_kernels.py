@@ -224,3 +224,15 @@ def test_a_mismatch_keeps_the_torch_formula(monkeypatch, caplog):
         layers.kernels_agree.cache_clear()
     with pytest.raises(ValueError, match="unknown kernel"):
         layers.kernels_agree("softmax")
+
+
+def test_the_check_builds_fp32_cpu_inputs_whatever_torchs_default_dtype():
+    # with float64 as the default dtype the check's inputs would all be declined and the kernels never used
+    previous = torch.get_default_dtype()
+    layers.kernels_agree.cache_clear()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert layers.kernels_agree("rms_norm") and layers.kernels_agree("rope_rotate")
+    finally:
+        torch.set_default_dtype(previous)
+        layers.kernels_agree.cache_clear()

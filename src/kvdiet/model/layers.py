@@ -54,6 +54,7 @@ ROPE_ROWS_MAX = 256
 up to 16 heads), each of at most `WIDTH_MAX` floats (the kernel's ``kRopeRowsMax``)."""
 WIDTH_MAX = 8192
 """The widest last dim either compiled kernel takes (``kNormDimMax``, ``kRopeWidthMax``)."""
+_F32 = torch.float32
 _log = logging.getLogger(__name__)
 
 
@@ -336,7 +337,7 @@ def kernels_agree(op: str) -> bool:
     kernels = native.fp4_kernels()
     if kernels is None:
         raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     ran = 0
     with torch.inference_mode():
         for case, (got, want) in enumerate(_cases(op, kernels, gen)):
@@ -366,7 +367,8 @@ def _cases(
     for d in (32, 64, 128):
         for rows, heads, width in ((1, 1, d), (3, 4, d + 64), (16, 4, 512)):
             x = _adversarial(rows * heads * width, gen, nan=False).view(rows, heads, width)
-            cis = torch.polar(torch.ones(rows, d // 2), torch.rand(rows, d // 2, generator=gen) * 1e4)
+            angles = torch.rand(rows, d // 2, generator=gen, dtype=_F32, device="cpu") * 1e4
+            cis = torch.polar(torch.ones_like(angles), angles)
             cis[0] = torch.view_as_complex(_adversarial(d, gen, nan=False).view(d // 2, 2))
             for c in (cis, cis.conj().resolve_conj()):
                 for v in (x.transpose(0, 1), x[:, 0]):
@@ -377,11 +379,13 @@ _SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4
 
 
 def _adversarial(n: int, gen: torch.Generator, *, nan: bool = True) -> torch.Tensor:
-    """fp32 [n]: normal values at scales 1e-20..1e19, every tenth (on average) one of `_SPECIALS`."""
-    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-20, 20, (n,), generator=gen).float()
-    specials = torch.tensor([v for v in _SPECIALS if nan or not math.isnan(v)])
-    chosen = torch.rand(n, generator=gen) < 0.1
-    x[chosen] = specials[torch.randint(len(specials), (int(chosen.sum()),), generator=gen)]
+    """fp32 [n] on the CPU (whatever torch's defaults): normal values at scales 1e-20..1e19, every tenth (on
+    average) one of `_SPECIALS`."""
+    scales = 10.0 ** torch.randint(-20, 20, (n,), generator=gen, device="cpu").to(_F32)
+    x = torch.randn(n, generator=gen, dtype=_F32, device="cpu") * scales
+    specials = torch.tensor([v for v in _SPECIALS if nan or not math.isnan(v)], dtype=_F32, device="cpu")
+    chosen = torch.rand(n, generator=gen, dtype=_F32, device="cpu") < 0.1
+    x[chosen] = specials[torch.randint(len(specials), (int(chosen.sum()),), generator=gen, device="cpu")]
     return x
 
 
