@@ -111,5 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,5 +1,6 @@
-"""Compiled block codecs: ``fp4_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``, ``expert_kernels.cpp``
-then ``fp8_kernels.cpp`` (one module), built once per machine at first use.
+"""Compiled block codecs: ``fp4_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``, ``expert_kernels.cpp``,
+``rmsnorm_kernels.cpp``, ``rope_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at
+first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -19,8 +20,9 @@ beyond the two FP4 recipes (``RECIPE_E4M3X16``, ``RECIPE_UE8M0X32``) and the mxf
 build holds ``index_scores``, the indexer's scores on packed MXFP4 (or fp32) keys, called by
 `kvdiet.model.index_scores`, ``select_topk`` / ``block_max``, the exact top-k and block maxima over those
 scores, called by `kvdiet.model.selection`, and ``row_products``, the decode rows' ``x · Wᵀ`` in a fixed order,
-called by `kvdiet.model.gemv`, and ``expert_rows``, a decode step's SwiGLU experts in one call, called by
-`kvdiet.model.moe`.
+called by `kvdiet.model.gemv`, ``expert_rows``, a decode step's SwiGLU experts in one call, called by
+`kvdiet.model.moe`, and ``rms_norm`` / ``rope_rotate``, RMSNorm and RoPE of decode rows with the torch formulas'
+bits, called by `kvdiet.model.layers`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ _SOURCES = [
         "topk_kernels.cpp",
         "gemv_kernels.cpp",
         "expert_kernels.cpp",
+        "rmsnorm_kernels.cpp",
+        "rope_kernels.cpp",
         "fp8_kernels.cpp",
     )
 ]
@@ -63,8 +67,8 @@ _log = logging.getLogger(__name__)
 
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``select_topk``, ``block_max``,
-    ``row_products``, ``row_products_each``, ``expert_rows``, ``encode_fp8``, ``decode_fp8``, and
-    ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
+    ``row_products``, ``row_products_each``, ``expert_rows``, ``rms_norm``, ``rope_rotate``, ``encode_fp8``,
+    ``decode_fp8``, and ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

@@ -6,20 +6,56 @@ base ``rope_theta`` without it (v41-spec §2). Angles are computed on the fly fr
 table sized by ``max_position_embeddings`` exists and 1M positions cost nothing extra; `Rope.at` computes them
 once for every tensor rotated at the same positions (`Rotation`). This module knows
 nothing about which vectors get rotated; attention and the indexer decide that.
+
+A decode step's few rows (fp32, on the CPU, no gradient to track) run in compiled kernels, ``rms_norm``
+(``formats/rmsnorm_kernels.cpp``) and ``rope_rotate`` (``formats/rope_kernels.cpp``): one call instead of six to ten
+torch ops of 5-15 µs dispatch each, with the torch formula's bits (`RMSNorm.forward` and `Rotation.apply` say
+which inputs; the kernels decline any other, and any output with a NaN: which NaN torch's product of two NaNs
+keeps depends on the element's place in its loop and on its compiler). Each kernel is checked against the torch
+formula once per process on adversarial inputs (`kernels_agree`); a mismatch logs one warning
+and keeps the torch formula. ``KVDIET_NATIVE_KERNELS=0`` (read on every call) or a failed build selects the
+torch formulas too.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
+from kvdiet.formats import native
 
-__all__ = ["RMSNorm", "Rope", "Rotation", "as_dtype", "constant", "rope_frequencies", "widen"]
+__all__ = [
+    "NORM_ROWS_MAX",
+    "ROPE_ROWS_MAX",
+    "WIDTH_MAX",
+    "RMSNorm",
+    "Rope",
+    "Rotation",
+    "as_dtype",
+    "constant",
+    "kernels_agree",
+    "rope_frequencies",
+    "widen",
+]
+
+NORM_ROWS_MAX = 16
+"""The most rows `RMSNorm` sends to the compiled ``rms_norm`` (a batched decode step of up to 16 requests; a
+prefill's rows stay with torch), each of at most `WIDTH_MAX` floats (the kernel's ``kNormRowsMax``)."""
+ROPE_ROWS_MAX = 256
+"""The most rows `Rotation.apply` sends to the compiled ``rope_rotate`` (a decode step of 16 requests' queries of
+up to 16 heads), each of at most `WIDTH_MAX` floats (the kernel's ``kRopeRowsMax``)."""
+WIDTH_MAX = 8192
+"""The widest last dim either compiled kernel takes (``kNormDimMax``, ``kRopeWidthMax``)."""
+_F32 = torch.float32
+_log = logging.getLogger(__name__)
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
@@ -64,11 +100,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64)."""
-        x = widen(x)
-        return (
-            x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(constant(self.eps, x.dtype))) * self.weight
-        )
+        """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64).
+
+        The compiled ``rms_norm`` runs an fp32 ``x`` with no gradient to track when it fits: ``x`` contiguous on
+        the CPU, 1..`NORM_ROWS_MAX` rows, 1 ≤ dim ≤ `WIDTH_MAX`, and no output is NaN; it returns a new
+        contiguous tensor with the torch formula's bits.
+        """
+        if x.dtype == torch.float32 and x.is_cpu and _untracked(x, self.weight):
+            kernels = _checked_kernels("rms_norm")
+            out = None if kernels is None else kernels.rms_norm(x, self.weight, self.eps)
+            if out is not None:  # else it does not fit, or an output is NaN
+                return out
+        return _torch_rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -220,20 +263,22 @@ class Rotation:
             inverse: rotate by −angle; undoes the query-position rotation of the attention output (§2).
         Returns:
             A new tensor, same shape, strides and dtype as ``x`` (the rotation itself runs in fp32 complex
-            arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``).
+            arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``). The compiled
+            ``rope_rotate`` computes it, with the torch formula's bits, for an fp32 ``x`` with no gradient to
+            track that fits: on the CPU, last stride 1, at most 6 dims, 1..`ROPE_ROWS_MAX` rows of at most
+            `WIDTH_MAX`; ``rope_dim`` a multiple of 32 (torch's complex product then runs no scalar tail);
+            ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; no output NaN.
         Raises:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
-        d, width = self.rope_dim, _check_width(x, self.rope_dim)
+        _check_width(x, self.rope_dim)
         cis = self.cis_inverse if inverse else self.cis
-        if x.dtype == torch.float64:  # a model run in fp64: angles as above, the rotation in fp64
-            cis = cis.to(torch.complex128)
-        tail = x[..., width - d :]
-        pairs = torch.view_as_complex(widen(tail).view(*tail.shape[:-1], d // 2, 2).contiguous())
-        rotated = torch.view_as_real(pairs * cis).view(tail.shape)
-        out = x.clone()
-        out[..., width - d :] = as_dtype(rotated, x.dtype)
-        return out
+        if x.dtype == torch.float32 and x.is_cpu and _untracked(x, cis):
+            kernels = _checked_kernels("rope_rotate")
+            out = None if kernels is None else kernels.rope_rotate(x, cis, self.rope_dim)
+            if out is not None:  # else it does not fit, or an output is NaN
+                return out
+        return _torch_rotate(x, cis, self.rope_dim)
 
 
 def _check_width(x: torch.Tensor, rope_dim: int) -> int:
@@ -242,3 +287,113 @@ def _check_width(x: torch.Tensor, rope_dim: int) -> int:
     if width < rope_dim:
         raise ValueError(f"last dim {width} is smaller than rope_dim {rope_dim}")
     return width
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm.forward`'s formula in torch ops."""
+    x = widen(x)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(constant(eps, x.dtype))) * weight
+
+
+def _torch_rotate(x: torch.Tensor, cis: torch.Tensor, d: int) -> torch.Tensor:
+    """`Rotation.apply`'s formula in torch ops: the last ``d`` dims of ``x`` times ``cis`` (complex64)."""
+    width = x.shape[-1]
+    if x.dtype == torch.float64:  # a model run in fp64: the angles in fp32 (`Rope.at`), the rotation in fp64
+        cis = cis.to(torch.complex128)
+    tail = x[..., width - d :]
+    pairs = torch.view_as_complex(widen(tail).view(*tail.shape[:-1], d // 2, 2).contiguous())
+    rotated = torch.view_as_real(pairs * cis).view(tail.shape)
+    out = x.clone()
+    out[..., width - d :] = as_dtype(rotated, x.dtype)
+    return out
+
+
+def _untracked(x: torch.Tensor, other: torch.Tensor) -> bool:
+    """No gradient to track through ``x`` and ``other`` (the kernels keep no autograd graph)."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or other.requires_grad))
+
+
+def _checked_kernels(op: str) -> ModuleType | None:
+    """The compiled kernels when ``op`` may run in them: built, not switched off, and `kernels_agree` for it."""
+    kernels = native.fp4_kernels()
+    return kernels if kernels is not None and kernels_agree(op) else None
+
+
+@functools.cache
+def kernels_agree(op: str) -> bool:
+    """Whether the compiled ``op`` (``"rms_norm"`` or ``"rope_rotate"``) gives the torch formula's bits on
+    adversarial inputs on this machine, checked once per process (some 20 ms); a mismatch logs a warning.
+
+    The inputs: rows 1, 3 and 16; every width 1..80 and either side of 128, 256, 512, 1024 for the norm (every
+    split of a vector loop and its tail), eps 1e-20 and 1e-6; rope_dim 32, 64 and 128 for the rotation, inverse
+    too, on ``[H, T, D]`` transposed views as attention passes them and on ``[T, D]``; values normal, ±0, ±inf,
+    subnormal, near the fp32 limits (no NaN inputs: the kernels decline NaN outputs, which inf · 0 still makes).
+
+    Raises:
+        ValueError: an unknown ``op``; RuntimeError: the kernels did not build.
+    """
+    if op not in ("rms_norm", "rope_rotate"):
+        raise ValueError(f"unknown kernel {op!r}")
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ran = 0
+    with torch.inference_mode():
+        for case, (got, want) in enumerate(_cases(op, kernels, gen)):
+            if got is None:  # declined (a NaN output): the torch formula runs such inputs
+                continue
+            ran += 1
+            if not _same_bits(got, want):
+                _log.warning("compiled %s differs from torch's formula (case %d); using torch's", op, case)
+                return False
+    if ran == 0:
+        _log.warning("compiled %s declined every check; using torch's", op)
+    return ran > 0
+
+
+def _cases(
+    op: str, kernels: ModuleType, gen: torch.Generator
+) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
+    """(compiled result or None, torch formula's result) pairs of `kernels_agree`'s inputs."""
+    if op == "rms_norm":
+        for width in [*range(1, 81), 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025]:
+            for rows in (1, 3, 16):
+                x = _adversarial(rows * width, gen, nan=False).view(rows, width)
+                weight = _adversarial(width, gen, nan=False)
+                for eps in (1e-20, 1e-6):
+                    yield kernels.rms_norm(x, weight, eps), _torch_rms_norm(x, weight, eps)
+        return
+    for d in (32, 64, 128):
+        for rows, heads, width in ((1, 1, d), (3, 4, d + 64), (16, 4, 512)):
+            x = _adversarial(rows * heads * width, gen, nan=False).view(rows, heads, width)
+            angles = torch.rand(rows, d // 2, generator=gen, dtype=_F32, device="cpu") * 1e4
+            cis = torch.polar(torch.ones_like(angles), angles)
+            cis[0] = torch.view_as_complex(_adversarial(d, gen, nan=False).view(d // 2, 2))
+            for c in (cis, cis.conj().resolve_conj()):
+                for v in (x.transpose(0, 1), x[:, 0]):
+                    yield kernels.rope_rotate(v, c, d), _torch_rotate(v, c, d)
+
+
+_SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)
+
+
+def _adversarial(n: int, gen: torch.Generator, *, nan: bool = True) -> torch.Tensor:
+    """fp32 [n] on the CPU (whatever torch's defaults): normal values at scales 1e-20..1e19, every tenth (on
+    average) one of `_SPECIALS`."""
+    scales = 10.0 ** torch.randint(-20, 20, (n,), generator=gen, device="cpu").to(_F32)
+    x = torch.randn(n, generator=gen, dtype=_F32, device="cpu") * scales
+    specials = torch.tensor([v for v in _SPECIALS if nan or not math.isnan(v)], dtype=_F32, device="cpu")
+    chosen = torch.rand(n, generator=gen, dtype=_F32, device="cpu") < 0.1
+    x[chosen] = specials[torch.randint(len(specials), (int(chosen.sum()),), generator=gen, device="cpu")]
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, strides, dtype and bits (NaN payloads included)."""
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    )

@@ -1,0 +1,88 @@
+"""Per-call time of `RMSNorm.forward` and `Rotation.apply` at a decode step's shapes: the compiled kernels
+(``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``), in one process.
+
+Shapes are v4.1-mini's (hidden 256, q_lora 128 and 512-wide heads for the norms; q [4, B, 512] as attention
+passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64), for B = 1 and 16 requests. The two
+paths alternate ``--rounds`` times (A, B, A, B, …) and each keeps its best round of ``--calls`` calls: on cores
+shared with other jobs single timings swing several-fold. Prints a table, then one JSON line. No gradient (as in
+a decode step); one intra-op thread unless ``--threads``.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_layers.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvdiet.formats import native
+from kvdiet.model.layers import RMSNorm, Rope
+
+
+def cases(batch: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Name -> one call, at ``batch`` decode rows (fixed seed)."""
+    gen = torch.Generator().manual_seed(batch)
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for dim in (128, 256, 512):
+        norm, x = RMSNorm(dim, 1e-20), torch.randn(batch, dim, generator=gen)
+        out[f"RMSNorm [{batch}, {dim}]"] = lambda norm=norm, x=x: norm(x)
+    rope = Rope(64, 10000.0, False, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
+    rot = rope.at(torch.arange(4000, 4000 + batch))
+    q = torch.randn(batch, 4, 512, generator=gen).transpose(0, 1)
+    kv = torch.randn(batch, 512, generator=gen)
+    out[f"RoPE q [4, {batch}, 512]"] = lambda: rot.apply(q)
+    out[f"RoPE q [4, {batch}, 512] inverse"] = lambda: rot.apply(q, inverse=True)
+    out[f"RoPE kv [{batch}, 512]"] = lambda: rot.apply(kv)
+    return out
+
+
+def round_us(call: Callable[[], torch.Tensor], calls: int) -> float:
+    """Mean µs per call of ``calls`` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if native.fp4_kernels() is None:
+        raise SystemExit("the compiled kernels did not build (or KVDIET_NATIVE_KERNELS=0)")
+    results: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        for batch in (1, 16):
+            for name, call in cases(batch).items():
+                best = {"compiled": float("inf"), "torch": float("inf")}
+                for _ in range(args.rounds):
+                    for path in best:
+                        os.environ[native.ENV] = "1" if path == "compiled" else "0"
+                        call()  # warm-up (and the once-per-process check)
+                        best[path] = min(best[path], round_us(call, args.calls))
+                os.environ.pop(native.ENV)
+                results[name] = best
+    table = Table(title="per call, best round (µs)")
+    for column in ("shape", "torch", "compiled", "speed-up"):
+        table.add_column(column, justify="left" if column == "shape" else "right")
+    for name, best in results.items():
+        ratio = best["torch"] / best["compiled"]
+        table.add_row(name, f"{best['torch']:.1f}", f"{best['compiled']:.1f}", f"{ratio:.1f}x")
+    Console().print(table)
+    print(json.dumps({"threads": args.threads, "us_per_call": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The compiled RMSNorm and RoPE of decode rows (``formats/rmsnorm_kernels.cpp``, ``formats/rope_kernels.cpp``)
+against the torch formulas of `kvdiet.model.layers`: same bits, shapes, strides and dtypes over adversarial
+inputs, and the torch formula wherever the kernels do not fit."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from kvdiet.formats import native
+from kvdiet.model import layers
+from kvdiet.model.layers import NORM_ROWS_MAX, ROPE_ROWS_MAX, RMSNorm, Rotation
+
+_SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)
+
+
+def _values(
+    n: int, gen: torch.Generator, *, specials: bool, nan: bool = True, inf: bool = True
+) -> torch.Tensor:
+    """fp32 [n] at scales 1e-20..1e19; with ``specials`` every fifth (on average) one of `_SPECIALS` (less NaN
+    unless ``nan``, less ±inf unless ``inf``)."""
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-20, 20, (n,), generator=gen).float()
+    if specials:
+        pool = torch.tensor(
+            [v for v in _SPECIALS if (nan or not math.isnan(v)) and (inf or not math.isinf(v))]
+        )
+        chosen = torch.rand(n, generator=gen) < 0.2
+        x[chosen] = pool[torch.randint(len(pool), (int(chosen.sum()),), generator=gen)]
+    return x
+
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Same shape, strides, dtype and bits (NaN payloads included)."""
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(got.view(_BITS[got.dtype]), want.view(_BITS[want.dtype]))
+
+
+def _kernels():
+    kernels = native.fp4_kernels()
+    assert kernels is not None, "the compiled kernels did not build"
+    return kernels
+
+
+def _rotation(d: int, t: int, gen: torch.Generator, *, specials: bool = False) -> Rotation:
+    angles = torch.rand(t, d // 2, generator=gen) * 1e4
+    cis = torch.polar(torch.ones(t, d // 2), angles)
+    if specials:  # ±0, inf, NaN in the factors too
+        cis = torch.view_as_complex(_values(t * d, gen, specials=True).view(t, d // 2, 2))
+    return Rotation(d, cis, cis.conj().resolve_conj())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("eps", [1e-20, 1e-6])
+def test_rms_norm_kernel_equals_torch_formula_at_every_width(rows, eps):
+    # every width 1..1024: every split of a vector loop and its tail, in the squares, torch's sum and the products
+    # x: ±0, subnormals, 3.4e38 (its square overflows: the scale is 0); weight: ±inf too (inf · 0 is NaN)
+    gen = torch.Generator().manual_seed(rows)
+    kernels = _kernels()
+    compared = 0
+    for width in range(1, 1025):
+        x = _values(rows * width, gen, specials=width % 2 == 0, nan=False, inf=False).view(rows, width)
+        weight = _values(width, gen, specials=width % 3 == 0, nan=False)
+        want = layers._torch_rms_norm(x, weight, eps)
+        got = kernels.rms_norm(x, weight, eps)
+        if want.isnan().any():  # the kernel declines NaN outputs: the torch formula decides
+            assert got is None
+        else:
+            _assert_same(got, want)
+            compared += 1
+    assert compared > 500  # most widths ran in the kernel
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 128, 255, 256, 512, 1000])
+def test_rms_norm_forward_equals_torch_path_for_1_to_16_rows(both, width):
+    gen = torch.Generator().manual_seed(width)
+    norm = RMSNorm(width, 1e-20)
+    with torch.no_grad():
+        norm.weight.copy_(_values(width, gen, specials=False))
+        for rows in range(1, NORM_ROWS_MAX + 1):
+            x = _values(rows * width, gen, specials=True).view(1, rows, width)  # NaN rows too
+            compiled, pure = both(norm, x)
+            _assert_same(compiled, pure)
+            _assert_same(compiled, layers._torch_rms_norm(x, norm.weight, norm.eps))
+
+
+def test_rms_norm_zero_row_and_tiny_rows_with_eps_1e_20():
+    # all-zero rows give zeros only because 0 · rsqrt(1e-20) = 0; subnormal rows sum to 0 or to subnormals
+    kernels = _kernels()
+    weight = torch.tensor([1.0, -2.0, 0.5, -3.0])
+    x = torch.tensor([[0.0, -0.0, 0.0, 0.0], [1e-45, -1e-45, 0.0, 1e-40], [1e-20, 1e-21, -1e-19, 0.0]])
+    got = kernels.rms_norm(x, weight, 1e-20)
+    _assert_same(got, layers._torch_rms_norm(x, weight, 1e-20))
+    assert torch.equal(got[0].view(torch.int32), torch.tensor([0.0, 0.0, 0.0, -0.0]).view(torch.int32))
+
+
+def test_rms_norm_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch):
+    kernels = _kernels()
+    norm = RMSNorm(64, 1e-6)
+    weight = norm.weight.detach()
+    x = torch.randn(NORM_ROWS_MAX + 1, 64)
+    assert kernels.rms_norm(x, weight, 1e-6) is None  # too many rows: a prefill's
+    assert kernels.rms_norm(x[:NORM_ROWS_MAX], weight, 1e-6) is not None
+    assert kernels.rms_norm(torch.randn(64, 4).t(), weight, 1e-6) is None  # not contiguous
+    assert (
+        kernels.rms_norm(torch.randn(2, layers.WIDTH_MAX + 1), torch.ones(layers.WIDTH_MAX + 1), 1e-6) is None
+    )
+    assert kernels.rms_norm(torch.tensor([[math.nan] + [1.0] * 63]), weight, 1e-6) is None  # a NaN output
+    assert layers.kernels_agree("rms_norm")  # checked (with the torch formula) before the spy goes in
+    calls = []
+    torch_formula = layers._torch_rms_norm
+    monkeypatch.setattr(layers, "_torch_rms_norm", lambda *a: calls.append(a[0].dtype) or torch_formula(*a))
+    with torch.no_grad():
+        norm(torch.randn(3, 64))
+        assert calls == []  # the kernel ran
+        for x in (torch.randn(3, 64, dtype=torch.float64), torch.randn(3, 64, dtype=torch.bfloat16)):
+            out = norm(x)
+            assert out.dtype == layers.widen(x).dtype
+            _assert_same(out, torch_formula(x, weight, 1e-6))
+        norm(torch.randn(64, 3).t())  # not contiguous
+        assert RMSNorm(64, 1e-6).to("meta")(torch.randn(3, 64, device="meta")).is_meta  # not on the CPU
+    assert calls == [torch.float64, torch.bfloat16, torch.float32, torch.float32]
+    out = norm(torch.randn(3, 64))  # grad enabled, weight requires grad: autograd needs the torch ops
+    assert out.grad_fn is not None and len(calls) == 5
+    monkeypatch.setenv(native.ENV, "0")
+    with torch.no_grad():
+        norm(torch.randn(3, 64))
+    assert len(calls) == 6
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotation_kernel_equals_torch_formula(d, inverse):
+    gen = torch.Generator().manual_seed(d)
+    kernels = _kernels()
+    compared = []
+    for t in range(1, 17):
+        for heads, width in ((1, d), (4, d + 2), (4, 512), (3, d + 64)):
+            rot = _rotation(d, t, gen, specials=t % 2 == 0)
+            cis = rot.cis_inverse if inverse else rot.cis
+            x = _values(t * heads * width, gen, specials=t % 3 == 0).view(t, heads, width)
+            views = (
+                x.transpose(0, 1),  # q [H, T, D] as attention rotates it: strided rows
+                x.transpose(0, 1).contiguous(),
+                x[:, 0],  # [T, D] rows with gaps: the clone's strides are dense
+                x[:, :1].expand(t, 5, width).transpose(0, 1),  # rows repeated (stride 0)
+            )
+            for v in views:
+                got = kernels.rope_rotate(v, cis, d)
+                want = layers._torch_rotate(v, cis, d)
+                _assert_same(rot.apply(v, inverse=inverse), want)
+                if want.isnan().any():  # a NaN output: the kernel declines, the torch formula decides
+                    assert got is None
+                else:
+                    _assert_same(got, want)
+                    compared.append(v.shape)
+    assert len(compared) > 16  # most inputs ran in the kernel
+
+
+def test_rotation_broadcasts_cis_over_heads(both):
+    gen = torch.Generator().manual_seed(1)
+    rot = _rotation(64, 5, gen)
+    x = _values(5 * 4 * 512, gen, specials=True).view(5, 4, 512)
+    cis = rot.cis.unsqueeze(1)  # [T, 1, d/2] against x [T, H, D]
+    wide = Rotation(64, cis, cis.conj().resolve_conj())
+    for inverse in (False, True):
+        compiled, pure = both(wide.apply, x, inverse=inverse)
+        _assert_same(compiled, pure)
+        _assert_same(compiled, rot.apply(x.transpose(0, 1), inverse=inverse).transpose(0, 1))
+
+
+def test_rotation_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch):
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(2)
+    rot = _rotation(64, 4, gen)
+    assert kernels.rope_rotate(torch.randn(4, 64), rot.cis, 64) is not None
+    assert (
+        kernels.rope_rotate(torch.randn(4, 48)[:, :32], _rotation(16, 4, gen).cis, 16) is None
+    )  # rope_dim 16
+    assert kernels.rope_rotate(torch.randn(128, 4).t(), rot.cis, 64) is None  # last stride 2
+    assert kernels.rope_rotate(torch.randn(ROPE_ROWS_MAX + 1, 64), rot.cis[:1], 64) is None
+    assert kernels.rope_rotate(torch.randn(3, 64), rot.cis, 64) is None  # cis would broadcast x (4 vs 3)
+    assert kernels.rope_rotate(torch.randn(4, 64), rot.cis.to(torch.complex128), 64) is None
+    assert layers.kernels_agree("rope_rotate")  # checked (with the torch formula) before the spy goes in
+    calls = []
+    torch_formula = layers._torch_rotate
+    monkeypatch.setattr(layers, "_torch_rotate", lambda *a: calls.append(a[0].dtype) or torch_formula(*a))
+    rot.apply(torch.randn(4, 64))
+    assert calls == []  # the kernel ran
+    for x in (torch.randn(4, 64, dtype=torch.float64), torch.randn(4, 64, dtype=torch.bfloat16)):
+        out = rot.apply(x)
+        assert out.dtype == x.dtype
+        _assert_same(out, torch_formula(x, rot.cis, 64))
+
+    x = torch.randn(4, 64, requires_grad=True)
+    assert rot.apply(x).grad_fn is not None  # autograd needs the torch ops
+    assert calls == [torch.float64, torch.bfloat16, torch.float32]
+    monkeypatch.setenv(native.ENV, "0")
+    rot.apply(torch.randn(4, 64))
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="smaller than rope_dim"):
+        rot.apply(torch.randn(4, 32))
+
+
+def test_a_mismatch_keeps_the_torch_formula(monkeypatch, caplog):
+    assert layers.kernels_agree("rms_norm") and layers.kernels_agree("rope_rotate")
+    torch_formula = layers._torch_rotate
+    monkeypatch.setattr(
+        layers, "_torch_rotate", lambda *a: torch_formula(*a).add_(0.0).nextafter_(torch.tensor(1e30))
+    )
+    layers.kernels_agree.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvdiet.model.layers"):
+            assert not layers.kernels_agree("rope_rotate")
+            assert layers._checked_kernels("rope_rotate") is None
+        assert "compiled rope_rotate differs" in caplog.text
+        assert layers.kernels_agree("rms_norm")
+    finally:
+        layers.kernels_agree.cache_clear()
+    with pytest.raises(ValueError, match="unknown kernel"):
+        layers.kernels_agree("softmax")
+
+
+def test_the_check_builds_fp32_cpu_inputs_whatever_torchs_default_dtype():
+    # with float64 as the default dtype the check's inputs would all be declined and the kernels never used
+    previous = torch.get_default_dtype()
+    layers.kernels_agree.cache_clear()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert layers.kernels_agree("rms_norm") and layers.kernels_agree("rope_rotate")
+    finally:
+        torch.set_default_dtype(previous)
+        layers.kernels_agree.cache_clear()
