@@ -236,3 +236,23 @@ def test_the_check_builds_fp32_cpu_inputs_whatever_torchs_default_dtype():
     finally:
         torch.set_default_dtype(previous)
         layers.kernels_agree.cache_clear()
+
+
+def test_lazy_conjugate_and_negative_views_get_their_values_not_their_data():
+    """A ``cis.conj()`` (or a negative view) shares the data of ``cis`` and flips it only when read through
+    torch: the kernels must decline it, not read the unflipped data."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(3)
+    rot = _rotation(64, 4, gen)
+    x = _values(4 * 64, gen, specials=False).view(4, 64)
+    lazy = rot.cis.conj()
+    assert lazy.is_conj()
+    assert kernels.rope_rotate(x, lazy, 64) is None
+    assert kernels.rope_rotate(x, torch._neg_view(rot.cis), 64) is None
+    assert kernels.rope_rotate(torch._neg_view(x), rot.cis, 64) is None
+    assert kernels.rms_norm(torch._neg_view(x), torch.ones(64), 1e-6) is None
+    assert kernels.rms_norm(x, torch._neg_view(torch.ones(64)), 1e-6) is None
+    with torch.no_grad():
+        _assert_same(Rotation(64, lazy, rot.cis).apply(x), rot.apply(x, inverse=True))
+        norm = RMSNorm(64, 1e-6)
+        _assert_same(norm(torch._neg_view(x)), norm(-x))

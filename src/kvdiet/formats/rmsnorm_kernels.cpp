@@ -68,6 +68,7 @@ bool any_nan(const float* x, int64_t n) {
 
 std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || x.dim() < 1 || !x.is_contiguous()) return {};
+  if (x.is_neg() || weight.is_neg()) return {};  // lazy neg views: the data is not the value
   if (!weight.device().is_cpu() || weight.scalar_type() != at::kFloat || weight.dim() != 1 ||
       !weight.is_contiguous())
     return {};

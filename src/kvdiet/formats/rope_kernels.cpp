@@ -71,6 +71,7 @@ std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || !cis.device().is_cpu() ||
       cis.scalar_type() != at::kComplexFloat)
     return {};
+  if (x.is_neg() || cis.is_conj() || cis.is_neg()) return {};  // lazy conj/neg views: the data is not the value
   const int64_t nd = x.dim();
   if (nd < 1 || nd > kRopeDimsMax || cis.dim() < 1 || cis.dim() > nd) return {};
   const int64_t width = x.size(-1), half = rope_dim / 2;

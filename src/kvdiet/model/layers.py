@@ -103,8 +103,8 @@ class RMSNorm(nn.Module):
         """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64).
 
         The compiled ``rms_norm`` runs an fp32 ``x`` with no gradient to track when it fits: ``x`` contiguous on
-        the CPU, 1..`NORM_ROWS_MAX` rows, 1 ≤ dim ≤ `WIDTH_MAX`, and no output is NaN; it returns a new
-        contiguous tensor with the torch formula's bits.
+        the CPU, 1..`NORM_ROWS_MAX` rows, 1 ≤ dim ≤ `WIDTH_MAX`, neither ``x`` nor ``weight`` a lazy negative view,
+        and no output is NaN; it returns a new contiguous tensor with the torch formula's bits.
         """
         if x.dtype == torch.float32 and x.is_cpu and _untracked(x, self.weight):
             kernels = _checked_kernels("rms_norm")
@@ -267,7 +267,8 @@ class Rotation:
             ``rope_rotate`` computes it, with the torch formula's bits, for an fp32 ``x`` with no gradient to
             track that fits: on the CPU, last stride 1, at most 6 dims, 1..`ROPE_ROWS_MAX` rows of at most
             `WIDTH_MAX`; ``rope_dim`` a multiple of 32 (torch's complex product then runs no scalar tail);
-            ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; no output NaN.
+            ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; neither a lazy conjugate or
+            negative view (``cis.conj()``); no output NaN.
         Raises:
             ValueError: ``x`` has fewer than ``rope_dim`` dims in its last axis.
         """
