@@ -144,3 +144,30 @@ def test_gradients_and_default_dtype_do_not_change_the_path():
     finally:
         torch.set_default_dtype(previous)
     assert got.dtype == pure.dtype == torch.float32 and torch.equal(got, pure)
+
+
+def test_applies_all_checks_the_rows_once_and_every_weight():
+    """`applies_all(x, ws)` is `applies(x, w)` for every w: rows 1..ROWS_MAX of fp32 on the CPU, every weight a
+    contiguous fp32 CPU tensor, nothing to track under grad mode."""
+    w = torch.randn(8, 32)
+    bad_weights = {
+        "fp64": w.double(),
+        "bf16": w.bfloat16(),
+        "strided": torch.randn(32, 8).T,
+        "meta": torch.empty(8, 32, device="meta"),
+        "tracked": w.clone().requires_grad_(True),
+    }
+    rows = {m: torch.randn(m, 32) for m in (1, ROWS_MAX, ROWS_MAX + 1)}
+    rows["fp64"] = torch.randn(2, 32, dtype=torch.float64)
+    rows["tracked"] = torch.randn(2, 32, requires_grad=True)
+    rows["empty"] = torch.randn(0, 32)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for name, x in rows.items():
+                fits_x = name in (1, ROWS_MAX) or (name == "tracked" and not grad)
+                assert gemv.applies_all(x, [w, w, w]) is fits_x, (name, grad)
+                for bad_name, bad in bad_weights.items():
+                    want = fits_x and bad_name == "tracked" and not grad
+                    assert gemv.applies(x, bad) is want, (name, bad_name, grad)
+                    assert gemv.applies_all(x, [w, bad, w]) is want, (name, bad_name, grad)
+                assert gemv.applies_all(x, []) is fits_x

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from kvdiet.formats import native
 
-__all__ = ["LANES", "ROWS_MAX", "applies", "linear", "row_products", "row_products_each"]
+__all__ = ["LANES", "ROWS_MAX", "applies", "applies_all", "linear", "row_products", "row_products_each"]
 
 LANES = 16
 """Partial sums of one dot product (one 16-float vector on AVX-512)."""
@@ -43,12 +43,35 @@ _TORCH_BUDGET = 1 << 24
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs ``x`` [..., K] · ``weight`` [N, K] in `row_products`: 1..`ROWS_MAX` rows, fp32,
     on the CPU, a contiguous weight, no gradient to track."""
-    if not (x.is_cpu and weight.is_cpu and x.dtype == _F32 and weight.dtype == _F32 and x.dim()):
+    grad = torch.is_grad_enabled()
+    return _rows_fit(x, grad) and _weight_fits(weight, grad)
+
+
+def applies_all(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """`applies` of ``x`` with every one of ``weights`` (``x`` checked once: an MoE layer's w1, w3 and w2 of
+    one group of rows)."""
+    grad = torch.is_grad_enabled()
+    if not _rows_fit(x, grad):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False  # the kernel keeps no autograd graph
+    return all(_weight_fits(weight, grad) for weight in weights)
+
+
+def _rows_fit(x: torch.Tensor, grad: bool) -> bool:
+    """1..`ROWS_MAX` fp32 CPU rows, no gradient to track (the kernel keeps no autograd graph)."""
+    if not (x.is_cpu and x.dtype == _F32 and x.dim()) or (grad and x.requires_grad):
+        return False
     k = x.shape[-1]
-    return 0 < (x.numel() // k if k else 0) <= ROWS_MAX and weight.is_contiguous()
+    return 0 < (x.numel() // k if k else 0) <= ROWS_MAX
+
+
+def _weight_fits(weight: torch.Tensor, grad: bool) -> bool:
+    """A contiguous fp32 CPU weight, no gradient to track."""
+    return (
+        weight.is_cpu
+        and weight.dtype == _F32
+        and weight.is_contiguous()
+        and not (grad and weight.requires_grad)
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
