@@ -60,7 +60,7 @@ _SOURCES = [
 ]
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],  # F16C (vcvtph2ps): on every AVX2 CPU (Intel since Ivy Bridge)
 }
 _log = logging.getLogger(__name__)
 
