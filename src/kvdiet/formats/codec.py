@@ -84,10 +84,10 @@ class Codec:
         """
         if self.fused_read is not None and (fused := self.fused_read(kv, rings, slots, held)) is not None:
             return fused
-        if slots.numel() and (
-            int(slots.min()) < 0 or int(slots.max()) >= min(ring.shape[0] for ring in rings)
-        ):
-            raise ValueError(f"{self.name}: window slots must lie in [0, ring rows), got {slots.tolist()}")
+        if slots.numel():
+            lo, hi, rows = int(slots.min()), int(slots.max()), min(ring.shape[0] for ring in rings)
+            if lo < 0 or hi >= rows:
+                raise ValueError(f"{self.name}: window slots must lie in [0, {rows}), got {lo}..{hi}")
         encoded = self.encode(kv)  # [B, width]
         b, n = slots.shape
         rows = torch.empty(b, n + 1, self.width, dtype=encoded.dtype, device=kv.device)
