@@ -1,7 +1,9 @@
 """The compiled FP4 and FP8 kernels (``formats.native``) against the pure-torch path, bit for bit.
 
 Every (value byte, scale byte) pair through decode, every E2M1 rounding boundary at many scales, subnormal,
-huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row.
+huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row. The
+FP8 decode against its formula under every scale byte, and the decode step's fused window read (`fp8.read_window`)
+against `Codec.read_window`'s torch path; the AVX2 and scalar builds too (slow).
 """
 
 from __future__ import annotations

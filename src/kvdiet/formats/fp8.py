@@ -13,7 +13,8 @@ Entry (v41-spec §5.2, vLLM "V4.1 MXFP8 record"): 512 values → 512 E4M3 bytes 
 (``layout.window_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple of 32, any
 leading dims); codes uint8 ``[..., dim]`` (E4M3 bit patterns); scales uint8 ``[..., dim/32]`` (byte =
 exponent + 127, written range 105..246); packed uint8 ``[..., 33·dim/32]``; values float32 ``[..., dim]``,
-or bfloat16 with ``dtype=`` (exact either way).
+or bfloat16 with ``dtype=`` (exact either way). ``read_window``: a decode step's window read (ring rows picked
+by slot, the new entry encoded, decoded and re-encoded) in one compiled call, for `Codec.read_window`.
 
 Edge cases:
 - all-zero block: sentinel scale ``2^ceil(log2(1e-4/448)) = 2^-22``, dequantises to exactly 0.
