@@ -354,6 +354,8 @@ def test_fp8_window_read_declines_what_the_kernel_does_not_take() -> None:
     assert fp8.read_window(kv, rings[:2], slots, held) is None
     assert fp8.read_window(kv, rings, slots.int(), held) is None
     assert fp8.read_window(kv, rings, slots[:, ::2], held[:, ::2]) is None
+    assert fp8.read_window(kv, rings, slots, held[:, :-1].contiguous()) is None
+    assert fp8.read_window(kv[:, :500].contiguous(), rings, slots, held) is None
     assert fp8.read_window(kv, [r[:, :-1] for r in rings], slots, held) is None
 
 
