@@ -1,10 +1,17 @@
 """The compiled FP4 and FP8 kernels (``formats.native``) against the pure-torch path, bit for bit.
 
 Every (value byte, scale byte) pair through decode, every E2M1 rounding boundary at many scales, subnormal,
-huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row.
+huge and signed-zero inputs in each input dtype through encode, and the same errors naming the same row. The
+FP8 decode against its formula under every scale byte, and the decode step's fused window read (`fp8.read_window`)
+against `Codec.read_window`'s torch path; the AVX2 and scalar builds too (slow).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,10 +98,6 @@ def test_environment_selects_the_pure_torch_path(monkeypatch):
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_process() -> None:
     """torch's build lock (a ``lock`` file in the build folder) outlives a build killed mid-way, and torch
     waits on it forever: a later kvdiet process must still load the kernels, saying what it removed."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     kernels = native.fp4_kernels()
     assert kernels is not None
     lock = Path(kernels.__file__).parent / "lock"
@@ -175,3 +178,200 @@ def test_kernels_run_on_torchs_intra_op_threads() -> None:
         assert kernels.parallel_threads(64) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _every_code_under(scale_bytes: torch.Tensor, dim: int) -> torch.Tensor:
+    """Entries uint8 [odd rows, 33·dim/32]: every E4M3 code under every byte of ``scale_bytes`` (8 blocks of 32
+    codes per byte), padded with repeats to an odd row count."""
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(len(scale_bytes), 1)
+    scales = scale_bytes.repeat_interleave(8)
+    nb = dim // 32
+    rows = -(-len(scales) // nb)
+    rows += 1 - rows % 2
+    pad = rows * nb - len(scales)
+    codes, scales = torch.cat([codes, codes[:pad]]), torch.cat([scales, scales[:pad]])
+    return torch.cat([codes.view(rows, dim), scales.view(rows, nb)], 1)
+
+
+def _dequantize_reference(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """The kernel's formula in torch: ``(half(code) · 256) · 2^(byte − 127)``, half(code) the fp16 whose bits
+    are the code sign-extended, shifted left 7, bit 14 cleared (fp8.py); the scale made from its bits."""
+    half = ((packed[:, :dim].view(torch.int8).to(torch.int16) << 7) & -0x4001).view(torch.float16).float()
+    s = (packed[:, dim:].to(torch.int32) << 23).view(torch.float32)
+    return ((half * 256.0).view(len(packed), -1, 32) * s[..., None]).view(len(packed), dim)
+
+
+def check_decode_kernel() -> None:
+    """`decode_fp8` against its formula on every code under scale bytes 0..254 (subnormal, zero and huge results
+    where the bytes are outside the written range), at odd row counts, row strides and widths."""
+    kernels = native.fp4_kernels()
+    assert kernels is not None
+    for dim in (32, 96, 512):
+        packed = _every_code_under(torch.arange(255, dtype=torch.uint8), dim)
+        width = packed.shape[1]
+        strided = torch.full((len(packed), width + 13), 0x55, dtype=torch.uint8)
+        strided[:, :width] = packed
+        for rows in (packed, strided[:, :width]):
+            out = torch.full((len(rows), dim), float("nan"))
+            assert kernels.decode_fp8(rows, 0, 255, out) == -1
+            want = _dequantize_reference(packed, dim)
+            assert torch.equal(out.view(torch.int32), want.view(torch.int32)), dim
+        assert ((want != 0) & (want.abs() < torch.finfo(torch.float32).tiny)).any()  # subnormal results
+        assert (want == 0).any() and torch.isinf(want).any()  # and overflows (bytes past 246)
+    # what the window recipe writes reads the same through decode_window's torch path
+    lo, hi = fp8.SCALE_BYTES
+    packed = _every_code_under(torch.arange(lo, hi + 1, dtype=torch.uint8), 512)
+    out = torch.empty(len(packed), 512)
+    assert kernels.decode_fp8(packed, lo, hi, out) == -1
+    assert torch.equal(out.view(torch.int32), _dequantize_reference(packed, 512).view(torch.int32))
+
+
+def test_fp8_decode_kernel_equals_its_formula_on_every_code_and_scale_byte() -> None:
+    check_decode_kernel()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp8_decode_kernel_reports_the_first_bad_row(threads: int) -> None:
+    kernels = native.fp4_kernels()
+    assert kernels is not None
+    packed = fp8.encode_window(torch.randn(1001, 512, generator=torch.Generator().manual_seed(8)))
+    lo, hi = fp8.SCALE_BYTES
+    packed[900, 512 + 3] = hi + 1
+    packed[777, 512 + 15] = lo - 1
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = torch.empty(1001, 512)
+        assert kernels.decode_fp8(packed, lo, hi, out) == 777
+        assert kernels.decode_fp8(packed[778:], lo, hi, out[778:]) == 900 - 778
+    finally:
+        torch.set_num_threads(before)
+
+
+def _window_inputs(
+    batch: int, *, strided: bool
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(kv fp32 [B, 512] of adversarial values, B rings uint8 [16, 528] (rows not held hold scale byte 0),
+    slots int64 [B, 11] in any order with repeats, held bool [B, 11] partly False)."""
+    gen = torch.Generator().manual_seed(batch)
+    window, n = 16, 11
+    x = _e4m3_boundaries(range(-30, 40, 13))
+    kv = x[torch.randint(len(x), (batch,), generator=gen)].clone()
+    kv[0, :32] = -0.0
+    kv[0, 32:64] = 2.0**-140
+    kv[-1, 64:96] = 3e38
+    kv[-1, 96] = 224 * 2.0**-3  # a block whose top code is 224: encode(decode(e)) rescales it
+    rings = []
+    for b in range(batch):
+        ring = fp8.encode_window(x[torch.randint(len(x), (window,), generator=gen)])
+        ring[b % window, 512:] = 0  # never written: does not decode
+        if strided:
+            buffer = torch.zeros(window, 600, dtype=torch.uint8)
+            buffer[:, :528] = ring
+            ring = buffer[:, :528]
+        rings.append(ring)
+    slots = torch.randint(window, (batch, n), generator=gen)
+    slots[:, 0] = (torch.arange(batch) + 1) % window
+    slots[:, 1] = slots[:, 0]  # a repeat
+    slots[:, 2] = torch.arange(batch) % window  # the row that does not decode ...
+    held = torch.rand(batch, n, generator=gen) < 0.7
+    held[:, 2] = False  # ... is not held
+    held[(slots == (torch.arange(batch) % window)[:, None])] = False
+    held[:, 0] = True
+    return kv, rings, slots, held
+
+
+def _pure(fn, *args):
+    """``fn(*args)`` on the pure-torch path (``KVDIET_NATIVE_KERNELS=0``), the variable restored after."""
+    before = os.environ.get(native.ENV)
+    os.environ[native.ENV] = "0"
+    try:
+        return fn(*args)
+    finally:
+        if before is None:
+            del os.environ[native.ENV]
+        else:
+            os.environ[native.ENV] = before
+
+
+def check_window_read() -> None:
+    """`fp8.read_window` (the compiled window read) against `Codec.read_window`'s torch path (what `_window`
+    ran before it) and against its definition, bit for bit, at B = 1 and 3, contiguous and strided rings, held
+    partly or fully."""
+    from kvdiet.formats.codec import CacheCodecs
+
+    codec = CacheCodecs.for_dims(512, 128).window
+    for batch, strided in ((1, False), (3, False), (1, True), (3, True)):
+        kv, rings, slots, held = _window_inputs(batch, strided=strided)
+        for h in (held, None):
+            if h is None:
+                for ring in rings:
+                    ring[:, 512:] = ring[:, 512:].clamp(*fp8.SCALE_BYTES)  # every row decodes
+            fused = fp8.read_window(kv, rings, slots, h)
+            assert fused is not None  # the kernel takes it
+            keys, entries = fused
+            want_keys, want_entries = _pure(codec.read_window, kv, rings, slots, h)
+            assert torch.equal(keys.view(torch.int32), want_keys.view(torch.int32))
+            assert torch.equal(entries, want_entries)
+            new = fp8.decode_window(fp8.encode_window(kv))
+            assert torch.equal(keys[:, -1].view(torch.int32), new.view(torch.int32))
+            assert torch.equal(entries, fp8.encode_window(new))
+            for b in range(batch):
+                for j, slot in enumerate(slots[b].tolist()):
+                    want = fp8.decode_window(rings[b][slot]) if h is None or h[b, j] else new[b]
+                    assert torch.equal(keys[b, j].view(torch.int32), want.view(torch.int32)), (b, j)
+        assert not torch.equal(entries, fp8.encode_window(kv))  # the 224 block: stored at half the scale
+
+
+def test_fp8_window_read_equals_the_torch_path() -> None:
+    check_window_read()
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+def test_fp8_window_read_errors(monkeypatch, env) -> None:
+    from kvdiet.formats.codec import CacheCodecs
+
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    codec = CacheCodecs.for_dims(512, 128).window
+    kv, rings, slots, held = _window_inputs(3, strided=False)
+    for bad in (-1, 16):
+        wrong = slots.clone()
+        wrong[1, 4] = bad
+        with pytest.raises(ValueError, match=r"^mxfp8: window slots must lie in \[0, 16\), got "):
+            codec.read_window(kv, rings, wrong, held)
+    with pytest.raises(ValueError, match=r"^mxfp8: stored scale byte 0 is outside"):
+        codec.read_window(kv, rings, slots, None)  # the held rows include one that does not decode
+    kv[2, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 2$"):
+        codec.read_window(kv, rings, slots, held)
+
+
+def test_fp8_window_read_declines_what_the_kernel_does_not_take() -> None:
+    kv, rings, slots, held = _window_inputs(3, strided=False)
+    assert fp8.read_window(kv, rings, slots, held) is not None
+    assert fp8.read_window(kv.double(), rings, slots, held) is None
+    assert fp8.read_window(kv, rings[:2], slots, held) is None
+    assert fp8.read_window(kv, rings, slots.int(), held) is None
+    assert fp8.read_window(kv, rings, slots[:, ::2], held[:, ::2]) is None
+    assert fp8.read_window(kv, rings, slots, held[:, :-1].contiguous()) is None
+    assert fp8.read_window(kv[:, :500].contiguous(), rings, slots, held) is None
+    assert fp8.read_window(kv, [r[:, :-1] for r in rings], slots, held) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_fp8_decode_and_window_read_of_other_isa_builds(isa: str) -> None:
+    """The AVX2 + F16C and the scalar builds (``ATEN_CPU_CAPABILITY`` picks the build; each about a minute
+    to compile once) give the same bits."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import test_formats_native as t; from kvdiet.formats import native\n"
+        f"assert native.cpu_isa() == {'AVX2' if isa == 'avx2' else 'base'!r}, native.cpu_isa()\n"
+        "t.check_decode_kernel(); t.check_window_read(); print('ok')"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa}
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=root
+    )
+    assert done.stdout.strip() == "ok", done.stderr

@@ -403,3 +403,43 @@ def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
                     want = ring_kv[ring_pos == p][0] if held else kv[b]
                     assert bool(mask[b, j]) == held and torch.equal(keys[b, j], want), (layer, b, p)
                 assert bool(mask[b, -1]) and torch.equal(keys[b, -1], kv[b])
+
+
+def _window_and_staged(attn: Attention, plan, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_window`'s keys and mask, and the entries it staged (a copy)."""
+    from kvdiet.model.decode_step import _window
+
+    keys, mask = _window(attn, plan, raw)
+    return keys, mask, plan.fresh[attn.info.layer_id].clone()
+
+
+@pytest.mark.parametrize("floor", [0, 15])
+def test_decode_window_compiled_equals_the_torch_path(both, micro: Transformer, floor: int) -> None:
+    """`_window` through the compiled window read (`fp8.read_window`, quantised) gives the keys, mask and staged
+    entries of the torch path (`Codec.read_window` without it: the code `_window` ran before) bit for bit, at B =
+    3 (request 0 holds 3 of its w − 1 older slots) and B = 1."""
+    from kvdiet.formats import fp8
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan
+
+    m = micro
+    states = [m.new_state() for _ in range(3)]
+    for s, n in zip(states, (3, 20, 45), strict=True):
+        m.prefill(s, _tokens(n, seed=n))
+    gen = torch.Generator().manual_seed(floor)
+    for batch in (states, states[2:]):
+        segs = [Segment(s, torch.tensor([s.num_tokens]), window_floor=floor) for s in batch]
+        plan = DecodePlan.for_segments(segs)
+        for layer in range(len(m.plan.layers)):
+            attn = m.layers[layer].attn
+            raw = torch.randn(len(batch), attn.head_dim, generator=gen)
+            raw[:, 0] = 3.6  # a block whose top code is 224 (re-encoded at half the scale)
+            (keys, mask, fresh), (want_keys, want_mask, want_fresh) = both(
+                _window_and_staged, attn, plan, raw
+            )
+            assert torch.equal(keys.view(torch.int32), want_keys.view(torch.int32))
+            assert torch.equal(mask, want_mask) and torch.equal(fresh, want_fresh)
+            rings = [r.rows[layer] for r in plan.rings]
+            held = None if plan.window_held is None else plan.window_held[layer]
+            fused = fp8.read_window(raw, rings, plan.window_slots, held)
+            assert (attn.codecs.window.fused_read is None) == m.exact and (fused is not None) != m.exact

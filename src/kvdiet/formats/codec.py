@@ -9,7 +9,7 @@ the no-cache reference applies it at the same points where the cached path store
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -24,7 +24,13 @@ from kvdiet.formats.layout import (
     window_format,
 )
 
-__all__ = ["CacheCodecs", "Codec", "exact_codec", "packed_codec"]
+__all__ = ["CacheCodecs", "Codec", "WindowRead", "exact_codec", "packed_codec"]
+
+WindowRead = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
+"""A fused `Codec.read_window`: ``(kv, rings, slots, held)`` → its result, or None to run the torch path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,8 @@ class Codec:
         dtype: element type of stored rows (uint8 for packed formats).
         encode: fp32 ``[..., dim]`` → rows ``[..., width]``.
         decode: rows ``[..., width]`` → fp32 ``[..., dim]``.
+        fused_read: `read_window` in one call (``fp8.read_window``), or None where it returns None (then, and
+            for codecs without one, `read_window` runs ``encode`` / ``decode`` and torch ops).
     """
 
     name: str
@@ -46,10 +54,52 @@ class Codec:
     dtype: torch.dtype
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
+    fused_read: WindowRead | None = None
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` in fp32: what a stored value reads back as."""
         return self.decode(self.encode(x))
+
+    def read_window(
+        self, kv: torch.Tensor, rings: Sequence[torch.Tensor], slots: torch.Tensor, held: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's window read: each request's stored rows picked by slot, then its new key as stored.
+
+        Args:
+            kv: fp32 [B, dim], each request's new key (`Attention.project_window_kv`).
+            rings: B stored rows [W_b, width] of this codec's dtype, one ring per request.
+            slots: int64 [B, n], the rows of ``rings[b]`` to read, in order.
+            held: bool [B, n], or None for all held: a row not held is read as the new key instead (a slot never
+                written may hold bytes that do not decode).
+
+        Returns:
+            ``(keys fp32 [B, n+1, dim], entries [B, width])``: ``keys[b, j] = decode(rings[b][slots[b, j]])``
+            where held, else ``keys[b, n]``; ``keys[b, n] = roundtrip(kv[b])``; ``entries = encode(keys[:, n])``,
+            what the ring stores (`Attention.forward` stores ``encode(roundtrip(kv))``). The decodes of the rows
+            and of ``encode(kv)`` are one ``decode`` call; ``fused_read`` gives the same bits in one call.
+
+        Raises:
+            ValueError: a slot outside its ring (before anything is read), or as ``encode`` / ``decode`` (a
+                non-finite ``kv``, a held row that does not decode).
+        """
+        if self.fused_read is not None and (fused := self.fused_read(kv, rings, slots, held)) is not None:
+            return fused
+        if slots.numel():
+            lo, hi, rows = int(slots.min()), int(slots.max()), min(ring.shape[0] for ring in rings)
+            if lo < 0 or hi >= rows:
+                raise ValueError(f"{self.name}: window slots must lie in [0, {rows}), got {lo}..{hi}")
+        encoded = self.encode(kv)  # [B, width]
+        b, n = slots.shape
+        rows = torch.empty(b, n + 1, self.width, dtype=encoded.dtype, device=kv.device)
+        # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
+        for i, ring in enumerate(rings):
+            torch.index_select(ring, 0, slots[i], out=rows[i, :-1])
+        rows[:, -1] = encoded
+        if held is not None:  # a slot not held reads the new entry
+            older = rows[:, :-1]
+            older.copy_(torch.where(held[..., None], older, encoded[:, None]))
+        keys = self.decode(rows)
+        return keys, self.encode(keys[:, -1])
 
     @property
     def bytes_per_entry(self) -> int:
@@ -64,8 +114,11 @@ def exact_codec(dim: int, dtype: torch.dtype = torch.float32) -> Codec:
     return Codec(name, dim, dim, dtype, lambda x: x.to(dtype).clone(), lambda r: r.to(dtype).clone())
 
 
-def packed_codec(fmt: EntryFormat, module: ModuleType, suffix: str) -> Codec:
-    """The packed codec of ``fmt``, from ``module``'s fused ``encode_{suffix}`` / ``decode_{suffix}``."""
+def packed_codec(
+    fmt: EntryFormat, module: ModuleType, suffix: str, *, fused_read: WindowRead | None = None
+) -> Codec:
+    """The packed codec of ``fmt``, from ``module``'s fused ``encode_{suffix}`` / ``decode_{suffix}`` (and
+    ``fused_read``, `Codec.read_window` in one call)."""
     return Codec(
         fmt.name,
         fmt.dim,
@@ -73,6 +126,7 @@ def packed_codec(fmt: EntryFormat, module: ModuleType, suffix: str) -> Codec:
         torch.uint8,
         getattr(module, f"encode_{suffix}"),
         getattr(module, f"decode_{suffix}"),
+        fused_read,
     )
 
 
@@ -93,7 +147,7 @@ class CacheCodecs:
         return cls(
             packed_codec(main_kv_format(head_dim), fp4, "main_kv"),
             packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"),
-            packed_codec(window_format(head_dim), fp8, "window"),
+            packed_codec(window_format(head_dim), fp8, "window", fused_read=fp8.read_window),
         )
 
     @classmethod

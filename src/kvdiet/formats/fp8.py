@@ -13,7 +13,8 @@ Entry (v41-spec §5.2, vLLM "V4.1 MXFP8 record"): 512 values → 512 E4M3 bytes 
 (``layout.window_format``). Shapes: ``x`` float32/bfloat16/float16 ``[..., dim]`` (dim a multiple of 32, any
 leading dims); codes uint8 ``[..., dim]`` (E4M3 bit patterns); scales uint8 ``[..., dim/32]`` (byte =
 exponent + 127, written range 105..246); packed uint8 ``[..., 33·dim/32]``; values float32 ``[..., dim]``,
-or bfloat16 with ``dtype=`` (exact either way).
+or bfloat16 with ``dtype=`` (exact either way). ``read_window``: a decode step's window read (ring rows picked
+by slot, the new entry encoded, decoded and re-encoded) in one compiled call, for `Codec.read_window`.
 
 Edge cases:
 - all-zero block: sentinel scale ``2^ceil(log2(1e-4/448)) = 2^-22``, dequantises to exactly 0.
@@ -38,6 +39,7 @@ non-finite input, codes/scales/packed of the wrong dtype or width, or a scale by
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -67,6 +69,7 @@ __all__ = [
     "pack_window",
     "quantize_e4m3_chunk_",
     "quantize_window",
+    "read_window",
     "unpack_window",
 ]
 
@@ -189,6 +192,37 @@ def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tens
     check_scale_bytes(rows[:, fmt.dim :], SCALE_BYTES, name=_NAME)
     out = _decode(rows[:, : fmt.dim], rows[:, fmt.dim :], dtype)
     return out.view(*packed.shape[:-1], fmt.dim)
+
+
+def read_window(
+    kv: Tensor, rings: Sequence[Tensor], slots: Tensor, held: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """A decode step's window read in one compiled call, or None where `Codec.read_window`'s torch path runs.
+
+    With ``e = encode_window(kv)``: keys fp32 ``[B, n+1, dim]``, ``keys[b, j] = decode_window(rings[b][slots[b,
+    j]])`` where ``held[b, j]`` (every slot when ``held`` is None), else ``decode_window(e[b])``, and ``keys[b,
+    n] = decode_window(e[b])``; and the entries to store, uint8 ``[B, 33·dim/32]``, ``encode_window(keys[:,
+    n])``: the bits of that torch path (``fp8_kernels.cpp``, ``read_fp8_window``).
+
+    Args:
+        kv: float32 [B, dim] (dim a multiple of 32), the new window keys.
+        rings: B rings, uint8 [W_b, 33·dim/32] each (row stride free, unit element stride).
+        slots: int64 [B, n] contiguous, the ring rows to read, each in [0, W_b).
+        held: bool [B, n] contiguous, or None.
+
+    None (nothing raised) when the kernels are not built (``native``) or the input is not what the kernel takes:
+    another dtype, device or layout, a slot outside its ring, a non-finite ``kv`` row, a read entry with a scale
+    byte outside `SCALE_BYTES`; the torch path then gives the same result or raises the error.
+    """
+    kernels = native.fp4_kernels()
+    if kernels is None or kv.dim() != 2 or slots.dim() != 2:
+        return None
+    b, dim = kv.shape
+    keys = torch.empty(b, slots.shape[-1] + 1, dim)
+    entries = torch.empty(b, dim + dim // _BLOCK, dtype=torch.uint8)
+    if kernels.read_fp8_window(rings, slots, held, kv, *SCALE_BYTES, keys, entries):
+        return keys, entries
+    return None
 
 
 def fake_quant_window(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:

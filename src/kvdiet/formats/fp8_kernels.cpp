@@ -7,25 +7,70 @@
 //   code = e4m3_rne(clamp(x / s, +-448)) as torch's float8_e4m3fn cast; then the scale bytes.
 //   Returns -1, or the first row holding a non-finite value (nothing is promised about `out` then).
 // decode: entries uint8 [n, width] (any row stride, unit element stride) -> float32 [n, dim]: value =
-//   e4m3(code) * s, where code 0x7F / 0xFF reads +-480 as fp8.py's fp16 bit trick does.
-//   Returns -1, or the first row holding a scale byte outside lo..hi.
+//   (half(code) * 256) * s, half(code) being fp8.py's fp16 bit trick (the byte sign-extended to int16, shifted
+//   left 7, bit 14 cleared: the E4M3 value * 2^-8 exactly, subnormals included; 0x7F / 0xFF read +-480), each
+//   product rounded once (both exact but the last). Vectorised with AVX-512 (vcvtph2ps zmm) or AVX2 + F16C,
+//   a table lookup otherwise: the same bits. Returns -1, or the first row holding a scale byte outside lo..hi.
+// read_fp8_window: the decode step's window read (fp8.read_window): per request b, e = encode(kv[b]);
+//   out[b, n] = decode(e); out[b, j] = decode(rings[b][slots[b, j]]) where held[b, j] (every j when held is
+//   None), else out[b, n]; fresh[b] = encode(out[b, n]). Returns false (nothing promised about out / fresh)
+//   for input it does not take (a layout, dtype or width other than below, a slot outside its ring, a
+//   non-finite kv row, a read entry with a scale byte outside lo..hi): the caller then runs the torch path,
+//   which raises the error. Why: the torch path is two encodes, B index_selects, a where and a decode, some
+//   ten calls of 5-25 us each around a few us of work per layer and step.
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr uint32_t kFp8MaxBiased = 119 + 127;  // the largest scale exponent the recipe writes, biased
 
-// E4M3 byte -> float32 by fp8.py's bits: the byte sign-extended to int16, shifted left 7, bit 14 cleared, is an
-// fp16 equal to the E4M3 value * 2^-8 (0x7F: 1.875 * 2^-8, so 480 and not NaN)
-struct Fp8Table {
-  float v[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const uint16_t half = static_cast<uint16_t>((static_cast<int16_t>(static_cast<int8_t>(b)) << 7) & 0xBFFF);
-      v[b] = static_cast<float>(c10::Half(half, c10::Half::from_bits())) * 256.0f;
-    }
+// E4M3 byte -> fp16 bits by fp8.py's bit trick: the byte sign-extended to int16, shifted left 7, bit 14
+// cleared, is an fp16 equal to the E4M3 value * 2^-8 (0x7F: 1.875 * 2^-8, so 480 and not NaN)
+inline float fp8_half(uint8_t code) {
+  const uint16_t half = static_cast<uint16_t>((static_cast<int16_t>(static_cast<int8_t>(code)) << 7) & 0xBFFF);
+  return static_cast<float>(c10::Half(half, c10::Half::from_bits()));
+}
+
+// Rows of values per task of the decode kernels' at::parallel_for: a 128-row window (dim 512) stays on the
+// calling thread (waking the pool costs more than its few us of work)
+constexpr int64_t kFp8DecodeGrainValues = 65536;
+
+// 32 E4M3 bytes -> 32 floats, (fp8_half(code) * 256) * s; vcvtph2ps converts fp16 exactly, as c10::Half does
+inline void decode_fp8_block(const uint8_t* codes, float s, float* out) {
+#if defined(__AVX512F__)
+  const __m512 k256 = _mm512_set1_ps(256.0f), scale = _mm512_set1_ps(s);
+  const __m256i clear14 = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+  for (int h = 0; h < 32; h += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + h));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), clear14);
+    _mm512_storeu_ps(out + h, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(half), k256), scale));
   }
-};
-const Fp8Table kFp8;
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 k256 = _mm256_set1_ps(256.0f), scale = _mm256_set1_ps(s);
+  const __m128i clear14 = _mm_set1_epi16(static_cast<int16_t>(0xBFFF));
+  for (int h = 0; h < 32; h += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + h));
+    const __m128i half = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7), clear14);
+    _mm256_storeu_ps(out + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(half), k256), scale));
+  }
+#else
+  for (int i = 0; i < 32; ++i) out[i] = fp8_half(codes[i]) * 256.0f * s;
+#endif
+}
+
+// one entry (dim E4M3 bytes, then dim/32 scale bytes) -> dim floats; false when a scale byte is outside lo..hi
+inline bool decode_fp8_entry(const uint8_t* entry, int64_t dim, int64_t lo, int64_t hi, float* out) {
+  bool ok = true;
+  for (int64_t b = 0; b < dim / 32; ++b) {
+    const uint32_t byte = entry[dim + b];
+    ok &= byte >= lo && byte <= hi;
+    decode_fp8_block(entry + b * 32, float_of((byte & 0xFF) << 23), out + b * 32);
+  }
+  return ok;
+}
 
 int64_t encode_fp8_rows(const float* x, int64_t n, int64_t dim, uint8_t* out) {
   const int64_t nb = dim / 32, width = dim + nb;
@@ -72,22 +117,73 @@ int64_t decode_fp8(at::Tensor packed, int64_t lo, int64_t hi, at::Tensor out) {
                   out.scalar_type() == at::kFloat,
               "fp8 decode: layout");
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  const int64_t n = packed.size(0), stride = packed.stride(0), dim = out.size(1), nb = dim / 32;
+  const int64_t n = packed.size(0), stride = packed.stride(0), dim = out.size(1);
   float* o = out.data_ptr<float>();
   std::atomic<int64_t> bad{INT64_MAX};
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, std::max<int64_t>(1, kFp8DecodeGrainValues / dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* pr = p + r * stride;
-      float* orow = o + r * dim;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint32_t byte = pr[dim + b];
-        if (byte < lo || byte > hi) note_row(bad, r);
-        const float s = float_of((byte & 0xFF) << 23);
-        for (int i = 0; i < 32; ++i) orow[b * 32 + i] = kFp8.v[pr[b * 32 + i]] * s;
-      }
+      if (!decode_fp8_entry(p + r * stride, dim, lo, hi, o + r * dim)) note_row(bad, r);
     }
   });
   return first_noted(bad);
+}
+
+// rings: B uint8 [W_b, dim + dim/32] (unit element stride); slots int64 [B, n] and held bool [B, n] (or None),
+// contiguous; kv float32 [B, dim] contiguous; out float32 [B, n + 1, dim] and fresh uint8 [B, dim + dim/32],
+// contiguous. False: input it does not take, see the top of this file.
+bool read_fp8_window(const std::vector<at::Tensor>& rings, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& held, const at::Tensor& kv, int64_t lo, int64_t hi,
+                     at::Tensor out, at::Tensor fresh) {
+  const int64_t b = kv.dim() == 2 ? kv.size(0) : -1, dim = kv.dim() == 2 ? kv.size(1) : 0;
+  const int64_t n = slots.dim() == 2 ? slots.size(1) : -1, width = dim + dim / 32;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == b &&
+                  out.size(1) == n + 1 && out.size(2) == dim && fresh.is_contiguous() &&
+                  fresh.scalar_type() == at::kByte && fresh.dim() == 2 && fresh.size(0) == b &&
+                  fresh.size(1) == width,
+              "fp8 window read: out / fresh layout");
+  if (b < 0 || dim <= 0 || dim % 32 || !kv.device().is_cpu() || !kv.is_contiguous() || kv.scalar_type() != at::kFloat ||
+      static_cast<int64_t>(rings.size()) != b || slots.scalar_type() != at::kLong || !slots.is_contiguous() ||
+      slots.size(0) != b)
+    return false;
+  if (held && (held->scalar_type() != at::kBool || !held->is_contiguous() || held->sizes() != slots.sizes()))
+    return false;
+  std::vector<const uint8_t*> ring_rows(b);
+  std::vector<int64_t> ring_stride(b);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    const at::Tensor& ring = rings[i];
+    if (ring.device() != kv.device() || ring.scalar_type() != at::kByte || ring.dim() != 2 ||
+        ring.size(1) != width || ring.stride(1) != 1)
+      return false;
+    for (int64_t j = 0; j < n; ++j) {
+      if (slot[i * n + j] < 0 || slot[i * n + j] >= ring.size(0)) return false;
+    }
+    ring_rows[i] = ring.data_ptr<uint8_t>();
+    ring_stride[i] = ring.stride(0);
+  }
+  const bool* keep = held ? held->data_ptr<bool>() : nullptr;
+  float* o = out.data_ptr<float>();
+  uint8_t* f = fresh.data_ptr<uint8_t>();
+  // the new entries: encode, decode into the last key, encode that (what the torch path stores)
+  if (encode_fp8_rows(kv.data_ptr<float>(), b, dim, f) >= 0) return false;
+  for (int64_t i = 0; i < b; ++i) {
+    float* last = o + (i * (n + 1) + n) * dim;
+    if (!decode_fp8_entry(f + i * width, dim, lo, hi, last) || encode_fp8_rows(last, 1, dim, f + i * width) >= 0)
+      return false;
+  }
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, b * n, std::max<int64_t>(1, kFp8DecodeGrainValues / dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r / n, j = r % n;
+      float* key = o + (i * (n + 1) + j) * dim;
+      if (keep && !keep[r]) {
+        std::memcpy(key, o + (i * (n + 1) + n) * dim, dim * sizeof(float));
+      } else if (!decode_fp8_entry(ring_rows[i] + slot[r] * ring_stride[i], dim, lo, hi, key)) {
+        ok = false;
+      }
+    }
+  });
+  return ok;
 }
 
 // The threads at::parallel_for spreads n one-item tasks over: torch's intra-op threads (torch.set_num_threads).
@@ -111,6 +207,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
+  m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());

@@ -21,8 +21,9 @@ build holds ``index_scores``, the indexer's scores on packed MXFP4 (or fp32) key
 `kvdiet.model.index_scores`, ``select_topk`` / ``block_max``, the exact top-k and block maxima over those
 scores, called by `kvdiet.model.selection`, and ``row_products``, the decode rows' ``x · Wᵀ`` in a fixed order,
 called by `kvdiet.model.gemv`, ``expert_rows``, a decode step's SwiGLU experts in one call, called by
-`kvdiet.model.moe`, and ``rms_norm`` / ``rope_rotate``, RMSNorm and RoPE of decode rows with the torch formulas'
-bits, called by `kvdiet.model.layers`.
+`kvdiet.model.moe`, ``rms_norm`` / ``rope_rotate``, RMSNorm and RoPE of decode rows with the torch formulas'
+bits, called by `kvdiet.model.layers`, and ``read_fp8_window``, a decode step's window read, called by
+`kvdiet.formats.fp8.read_window`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ _SOURCES = [
 ]
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],  # F16C (vcvtph2ps): on every AVX2 CPU (Intel since Ivy Bridge)
 }
 _log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ _log = logging.getLogger(__name__)
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``select_topk``, ``block_max``,
     ``row_products``, ``row_products_each``, ``expert_rows``, ``rms_norm``, ``rope_rotate``, ``encode_fp8``,
-    ``decode_fp8``, and ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
+    ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads they run on), or None for the
+    pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

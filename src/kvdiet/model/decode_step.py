@@ -208,24 +208,14 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
     """Window keys fp32 [B, W, D] in position order and their mask bool [B, W]: the ring's older ones, then the
     new entries ``kv`` fp32 [B, D] (`Attention.project_window_kv`) as stored values, ``codec.roundtrip(kv)``.
 
-    The older rows gathered from each request's ring and ``encode(kv)`` are decoded in one call; the new keys
-    are the last decoded row, so ``roundtrip`` needs no decode of its own. The entries staged for the rings
-    (`DecodePlan.store_windows`) are ``encode(roundtrip(kv))``, as `Attention.forward` stores them.
+    `Codec.read_window` reads each request's ring straight from its `WindowRings` (a slot not held reads the new
+    entry, masked out) and gives the entries staged for the rings (`DecodePlan.store_windows`),
+    ``encode(roundtrip(kv))``, as `Attention.forward` stores them.
     """
-    layer, codec, b = attn.info.layer_id, attn.codecs.window, kv.shape[0]
-    encoded = codec.encode(kv)  # [B, width]
-    rows = torch.empty(
-        b, plan.window_slots.shape[1] + 1, encoded.shape[-1], dtype=encoded.dtype, device=kv.device
-    )
-    # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
-    for i, rings in enumerate(plan.rings):
-        torch.index_select(rings.rows[layer], 0, plan.window_slots[i], out=rows[i, :-1])
-    rows[:, -1] = encoded
-    if plan.window_held is not None:  # a slot not held reads the new entry (masked out)
-        older = rows[:, :-1]
-        older.copy_(torch.where(plan.window_held[layer][..., None], older, encoded[:, None]))
-    win_kv = codec.decode(rows)
-    plan.fresh[layer] = codec.encode(win_kv[:, -1])
+    layer = attn.info.layer_id
+    rings = [r.rows[layer] for r in plan.rings]
+    held = None if plan.window_held is None else plan.window_held[layer]
+    win_kv, plan.fresh[layer] = attn.codecs.window.read_window(kv, rings, plan.window_slots, held)
     return win_kv, plan.window_mask[layer]
 
 
