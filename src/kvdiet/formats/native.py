@@ -55,6 +55,7 @@ _SOURCES = [
         "expert_kernels.cpp",
         "rmsnorm_kernels.cpp",
         "rope_kernels.cpp",
+        "attend_kernels.cpp",
         "fp8_kernels.cpp",
     )
 ]
