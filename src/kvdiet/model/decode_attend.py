@@ -99,6 +99,10 @@ def _check(
     b, h, d = q.shape
     if win_kv.dim() != 3 or win_kv.shape[0] != b or win_kv.shape[2] != d:
         raise ValueError(f"decode_attend takes win_kv [{b}, W, {d}], got {tuple(win_kv.shape)}")
+    if not q.is_floating_point() or win_kv.dtype != q.dtype or not sink.is_floating_point():
+        raise ValueError(
+            f"decode_attend takes floating q and sink and win_kv of q's dtype, got {q.dtype}, {win_kv.dtype}, {sink.dtype}"
+        )
     masks = [(win_mask, "win_mask", win_kv.shape[1])]
     if (comp_kv is None) != (comp_mask is None):
         raise ValueError("decode_attend takes comp_kv and comp_mask together (or neither)")
@@ -115,10 +119,6 @@ def _check(
             )
     if tuple(sink.shape) != (h,):
         raise ValueError(f"decode_attend takes sink [{h}], got {tuple(sink.shape)}")
-    if not q.is_floating_point() or win_kv.dtype != q.dtype or not sink.is_floating_point():
-        raise ValueError(
-            f"decode_attend takes floating q, win_kv and sink of q's dtype, got {q.dtype}, {win_kv.dtype}, {sink.dtype}"
-        )
     tensors = [q, win_kv, win_mask, sink] + ([] if comp_kv is None else [comp_kv, comp_mask])
     if any(t.device != q.device for t in tensors):
         raise ValueError("decode_attend takes its tensors on one device")
