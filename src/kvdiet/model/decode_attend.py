@@ -101,7 +101,8 @@ def _check(
         raise ValueError(f"decode_attend takes win_kv [{b}, W, {d}], got {tuple(win_kv.shape)}")
     if not q.is_floating_point() or win_kv.dtype != q.dtype or not sink.is_floating_point():
         raise ValueError(
-            f"decode_attend takes floating q and sink and win_kv of q's dtype, got {q.dtype}, {win_kv.dtype}, {sink.dtype}"
+            f"decode_attend takes floating q and sink, win_kv in q's dtype, got {q.dtype}, {win_kv.dtype},"
+            f" {sink.dtype}"
         )
     masks = [(win_mask, "win_mask", win_kv.shape[1])]
     if (comp_kv is None) != (comp_mask is None):
