@@ -200,7 +200,7 @@ def test_the_order_is_the_documented_one(both):
 
 def test_threads_and_layouts_give_the_same_bits():
     """One thread or two, a strided window (a prefill's band view) or a contiguous copy, a lazy negated key
-    (read through the pure-torch path): the same bits; the shared entries are only read."""
+    (resolved by the kernel): the same bits; the shared entries are only read."""
     q, win, win_mask, comp, comp_mask, sink, scale = _inputs(
         3, 4, 64, 20, 40, seed=3, octaves=6, specials=True
     )

@@ -3,8 +3,8 @@
 // scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // attend_rows(q, win, win_mask, comp, comp_mask, sink, scale): q float32 [B, H, D], win float32 [B, W, D], win_mask
-//   bool [B, W], comp float32 [B, K, D] and comp_mask bool [B, K] (or both None: K = 0), sink float32 [H], all
-//   contiguous on the CPU -> float32 [B, H, D]. With keys k_j = win[b, j] (j < W), then comp[b, j − W]:
+//   bool [B, W], comp float32 [B, K, D] and comp_mask bool [B, K] (or both None: K = 0), sink float32 [H], on the
+//   CPU in any layout -> float32 [B, H, D]. With keys k_j = win[b, j] (j < W), then comp[b, j − W]:
 //   - logit[b, h, j] = dot(q[b, h], k_j) · float(scale), the dot in row_products's order (16 lanes over D, the
 //     fold (l, l+8), (l, l+4), (l, l+2), (0, 1): gemv_kernels.cpp's dot_rows), then one fp32 multiply; a masked
 //     key's logit is −inf; logit[b, h, W + K] = sink[h].
@@ -15,8 +15,10 @@
 //     +0 (each product rounded, then added; no FMA: the module is built with -ffp-contract=off), then the fold
 //     (l, l+8), (l, l+4), (l, l+2), (0, 1) — row_products(p[b, h, :W+K], keysᵀ)'s order.
 //   Why: `attend` runs four bmm and seven other torch ops per layer (some 330 µs at v4.1-mini's 4 heads × 512
-//   dims over 128 + 512 keys); this is one call on torch's intra-op threads (scores: blocks of 4 keys; values:
-//   blocks of 4 heads × 64 dims, so a one-request step splits over both threads).
+//   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run as many at a time as
+//   there are threads (scores, softmax, values), so a request's keys (1.3 MB at v4.1-mini) stay in one core's
+//   cache between the two passes; within them the tasks are blocks of 4 keys (scores) and of 4 heads × 64 dims
+//   (values), so a one-request step splits over both threads.
 
 #include <limits>
 #include <vector>
@@ -109,29 +111,28 @@ void score_block(const float* qpad, int64_t heads, int64_t kp, const float* rows
 
 }  // namespace
 
-at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,
-                       const c10::optional<at::Tensor>& comp, const c10::optional<at::Tensor>& comp_mask,
-                       const at::Tensor& sink, double scale) {
+at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::optional<at::Tensor> comp,
+                       c10::optional<at::Tensor> comp_mask, at::Tensor sink, double scale) {
   TORCH_CHECK(q.dim() == 3 && win.dim() == 3 && win.size(0) == q.size(0) && win.size(2) == q.size(2),
               "attend_rows: q [B, H, D] and win [B, W, D]");
   TORCH_CHECK(comp.has_value() == comp_mask.has_value(), "attend_rows: comp and comp_mask together");
   const int64_t b = q.size(0), heads = q.size(1), dim = q.size(2), w = win.size(1);
   const int64_t k = comp.has_value() ? comp->size(1) : 0, n = w + k, n1 = n + 1;
-  std::vector<at::Tensor> all = {q, win, win_mask, sink};
+  std::vector<at::Tensor*> all = {&q, &win, &win_mask, &sink};
   if (comp.has_value()) {
     TORCH_CHECK(comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim, "attend_rows: comp [B, K, D]");
     TORCH_CHECK(comp_mask->dim() == 2 && comp_mask->size(0) == b && comp_mask->size(1) == k,
                 "attend_rows: comp_mask [B, K]");
-    all.push_back(*comp);
-    all.push_back(*comp_mask);
+    all.push_back(&*comp);
+    all.push_back(&*comp_mask);
   }
   TORCH_CHECK(win_mask.dim() == 2 && win_mask.size(0) == b && win_mask.size(1) == w, "attend_rows: win_mask [B, W]");
   TORCH_CHECK(sink.dim() == 1 && sink.size(0) == heads, "attend_rows: sink [H]");
-  for (const at::Tensor& t : all) {
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && !t.is_neg() && !t.is_conj(),
-                "attend_rows takes contiguous CPU tensors");
-    TORCH_CHECK(t.scalar_type() == (t.dim() == 2 ? at::kBool : at::kFloat),
+  for (at::Tensor* t : all) {
+    TORCH_CHECK(t->device().is_cpu(), "attend_rows runs on the CPU");
+    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat),
                 "attend_rows takes float32 tensors and bool masks");
+    *t = t->resolve_neg().contiguous();  // lazy neg views read as their values; any layout
   }
   const float* qp = q.const_data_ptr<float>();
   const float* wp = win.const_data_ptr<float>();
@@ -148,46 +149,49 @@ at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& win, const at::Ten
 
   at::Tensor logits = at::empty({b, heads, n1}, q.options());
   float* lp = logits.mutable_data_ptr<float>();
-  const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
-  at::parallel_for(0, b * per, std::max<int64_t>(1, 4096 / std::max<int64_t>(heads * dim, 1)),
-                   [&](int64_t t0, int64_t t1) {
-                     for (int64_t t = t0; t < t1; ++t) {
-                       const int64_t r = t / per, blk = t % per;
-                       const float* qr = qpad.data() + r * heads * kp;
-                       float* y = lp + r * heads * n1;
-                       if (blk < wb) {
-                         const int64_t j0 = blk * 4;
-                         score_block(qr, heads, kp, wp + r * w * dim, dim, j0, std::min<int64_t>(4, w - j0),
-                                     wm + r * w, sc, y, n1);
-                       } else {
-                         const int64_t j0 = (blk - wb) * 4;
-                         score_block(qr, heads, kp, cp + r * k * dim, dim, j0, std::min<int64_t>(4, k - j0),
-                                     cm + r * k, sc, y + w, n1);
-                       }
-                     }
-                   });
-  for (int64_t r = 0; r < b; ++r)
-    for (int64_t h = 0; h < heads; ++h) lp[(r * heads + h) * n1 + n] = sp[h];
-  const at::Tensor probs = at::softmax(logits, -1);
-
-  const float* pp = probs.const_data_ptr<float>();
   at::Tensor out = at::empty({b, heads, dim}, q.options());
   float* op = out.mutable_data_ptr<float>();
+  const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
   const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
-  at::parallel_for(0, b * hg * db, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
-      const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
-      const float* p = pp + (r * heads + g0) * n1;
-      float* o = op + (r * heads + g0) * dim;
-      const int64_t d1 = std::min(dim, d0 + kAttendDims);
-      switch (std::min(kAttendHeads, heads - g0)) {
-        case 1: value_dims<1>(p, n1, keys, d0, d1, o, dim); break;
-        case 2: value_dims<2>(p, n1, keys, d0, d1, o, dim); break;
-        case 3: value_dims<3>(p, n1, keys, d0, d1, o, dim); break;
-        default: value_dims<4>(p, n1, keys, d0, d1, o, dim); break;
+  // one request per thread at a time: its keys stay in that core's cache from the scores to the values
+  const int64_t chunk = std::max<int64_t>(1, at::get_num_threads());
+  for (int64_t r0 = 0; r0 < b; r0 += chunk) {
+    const int64_t rn = std::min(chunk, b - r0);
+    at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = r0 + t / per, blk = t % per;
+        const float* qr = qpad.data() + r * heads * kp;
+        float* y = lp + r * heads * n1;
+        if (blk < wb) {
+          const int64_t j0 = blk * 4;
+          score_block(qr, heads, kp, wp + r * w * dim, dim, j0, std::min<int64_t>(4, w - j0), wm + r * w, sc, y, n1);
+        } else {
+          const int64_t j0 = (blk - wb) * 4;
+          score_block(qr, heads, kp, cp + r * k * dim, dim, j0, std::min<int64_t>(4, k - j0), cm + r * k, sc, y + w,
+                      n1);
+        }
       }
-    }
-  });
+    });
+    for (int64_t r = r0; r < r0 + rn; ++r)
+      for (int64_t h = 0; h < heads; ++h) lp[(r * heads + h) * n1 + n] = sp[h];
+    // torch's softmax of each row (a row's bits do not depend on the rows beside it)
+    const at::Tensor probs = at::softmax(logits.narrow(0, r0, rn), -1);
+    const float* pp = probs.const_data_ptr<float>();
+    at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = r0 + t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
+        const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
+        const float* p = pp + ((r - r0) * heads + g0) * n1;
+        float* o = op + (r * heads + g0) * dim;
+        const int64_t d1 = std::min(dim, d0 + kAttendDims);
+        switch (std::min(kAttendHeads, heads - g0)) {
+          case 1: value_dims<1>(p, n1, keys, d0, d1, o, dim); break;
+          case 2: value_dims<2>(p, n1, keys, d0, d1, o, dim); break;
+          case 3: value_dims<3>(p, n1, keys, d0, d1, o, dim); break;
+          default: value_dims<4>(p, n1, keys, d0, d1, o, dim); break;
+        }
+      }
+    });
+  }
   return out;
 }

@@ -72,17 +72,9 @@ def decode_attend(
         return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
     sink = as_dtype(sink, _F32)
     kernels = native.fp4_kernels()
-    if kernels is None or any(t.is_neg() for t in (*keys, sink)):  # lazy neg views: the data is not the value
+    if kernels is None:
         return _torch_attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
-    return kernels.attend_rows(
-        q.contiguous(),
-        win_kv.contiguous(),
-        win_mask.contiguous(),
-        None if comp_kv is None else comp_kv.contiguous(),
-        None if comp_mask is None else comp_mask.contiguous(),
-        sink.contiguous(),
-        scale,
-    )
+    return kernels.attend_rows(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
 
 
 def _check(
@@ -97,32 +89,36 @@ def _check(
     if q.dim() != 3:
         raise ValueError(f"decode_attend takes q [B, H, D], got {tuple(q.shape)}")
     b, h, d = q.shape
-    if win_kv.dim() != 3 or win_kv.shape[0] != b or win_kv.shape[2] != d:
-        raise ValueError(f"decode_attend takes win_kv [{b}, W, {d}], got {tuple(win_kv.shape)}")
-    if not q.is_floating_point() or win_kv.dtype != q.dtype or not sink.is_floating_point():
+    shape = win_kv.shape
+    if len(shape) != 3 or shape[0] != b or shape[2] != d:
+        raise ValueError(f"decode_attend takes win_kv [{b}, W, {d}], got {tuple(shape)}")
+    dtype, device = q.dtype, q.device
+    if not dtype.is_floating_point or win_kv.dtype != dtype or not sink.dtype.is_floating_point:
         raise ValueError(
-            f"decode_attend takes floating q and sink, win_kv in q's dtype, got {q.dtype}, {win_kv.dtype},"
+            f"decode_attend takes floating q and sink, win_kv in q's dtype, got {dtype}, {win_kv.dtype},"
             f" {sink.dtype}"
         )
-    masks = [(win_mask, "win_mask", win_kv.shape[1])]
+    _check_mask(win_mask, "win_mask", b, shape[1])
     if (comp_kv is None) != (comp_mask is None):
         raise ValueError("decode_attend takes comp_kv and comp_mask together (or neither)")
     if comp_kv is not None:
-        if comp_kv.dim() != 3 or comp_kv.shape[0] != b or comp_kv.shape[2] != d:
-            raise ValueError(f"decode_attend takes comp_kv [{b}, K, {d}], got {tuple(comp_kv.shape)}")
-        if comp_kv.dtype != q.dtype:
-            raise ValueError(f"decode_attend takes comp_kv in q's dtype {q.dtype}, got {comp_kv.dtype}")
-        masks.append((comp_mask, "comp_mask", comp_kv.shape[1]))
-    for mask, name, n in masks:
-        if mask.dtype != torch.bool or tuple(mask.shape) != (b, n):
-            raise ValueError(
-                f"decode_attend takes {name} bool [{b}, {n}], got {mask.dtype} {tuple(mask.shape)}"
-            )
-    if tuple(sink.shape) != (h,):
+        shape = comp_kv.shape
+        if len(shape) != 3 or shape[0] != b or shape[2] != d:
+            raise ValueError(f"decode_attend takes comp_kv [{b}, K, {d}], got {tuple(shape)}")
+        if comp_kv.dtype != dtype:
+            raise ValueError(f"decode_attend takes comp_kv in q's dtype {dtype}, got {comp_kv.dtype}")
+        _check_mask(comp_mask, "comp_mask", b, shape[1])
+        if comp_kv.device != device or comp_mask.device != device:
+            raise ValueError("decode_attend takes its tensors on one device")
+    if sink.shape != (h,):
         raise ValueError(f"decode_attend takes sink [{h}], got {tuple(sink.shape)}")
-    tensors = [q, win_kv, win_mask, sink] + ([] if comp_kv is None else [comp_kv, comp_mask])
-    if any(t.device != q.device for t in tensors):
+    if win_kv.device != device or win_mask.device != device or sink.device != device:
         raise ValueError("decode_attend takes its tensors on one device")
+
+
+def _check_mask(mask: torch.Tensor, name: str, b: int, n: int) -> None:
+    if mask.dtype != torch.bool or mask.shape != (b, n):
+        raise ValueError(f"decode_attend takes {name} bool [{b}, {n}], got {mask.dtype} {tuple(mask.shape)}")
 
 
 def _torch_attend(
