@@ -65,9 +65,9 @@ def decode_attend(
             different devices; raised before any work.
     """
     _check(q, win_kv, win_mask, comp_kv, comp_mask, sink)
-    keys = (q, win_kv) if comp_kv is None else (q, win_kv, comp_kv)
+    inputs = (q, win_kv, sink) if comp_kv is None else (q, win_kv, sink, comp_kv)
     if not (q.is_cpu and q.dtype == _F32) or (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (*keys, sink))
+        torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     ):
         return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
     sink = as_dtype(sink, _F32)
