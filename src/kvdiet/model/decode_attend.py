@@ -1,10 +1,10 @@
 """A decode step's attention of one layer in one fixed fp32 order: one compiled call on the CPU.
 
 `kvdiet.model.attention.attend` runs a decode step's softmax over each request's window keys, its selected
-compressed entries and the sink as four ``bmm`` and seven other torch ops (some 330 µs per layer at v4.1-mini's 4
-heads × 512 dims over 128 + 512 keys, 14% of a 4K-context step). `decode_attend` computes the same quantity
-(v41-spec §2: ``o = softmax(q·[window ∪ selected]ᵀ · scale, sink) · [window ∪ selected]``) in the compiled
-kernel ``attend_rows`` (``formats/attend_kernels.cpp``), in this order:
+compressed entries and the sink as four ``bmm`` and seven other torch ops (140–330 µs per layer at v4.1-mini's
+4 heads × 512 dims over 128 + 512 keys, on one or two threads: 10–14% of a 4K-context step). `decode_attend`
+computes the same quantity (v41-spec §2: ``o = softmax(q·[window ∪ selected]ᵀ · scale, sink) · [window ∪
+selected]``) in the compiled kernel ``attend_rows`` (``formats/attend_kernels.cpp``), in this order:
 
 - logits: each key's score is ``dot(q[b, h], key)`` in `kvdiet.model.gemv`'s order (16 lanes over the head dim,
   then the fold (l, l+8), (l, l+4), (l, l+2), (0, 1); no FMA) — ``row_products(q[b], keys[b])`` — times
