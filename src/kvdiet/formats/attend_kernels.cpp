@@ -8,8 +8,9 @@
 //   - logit[b, h, j] = dot(q[b, h], k_j) · float(scale), the dot in row_products's order (16 lanes over D, the
 //     fold (l, l+8), (l, l+4), (l, l+2), (0, 1): gemv_kernels.cpp's dot_rows), then one fp32 multiply; a masked
 //     key's logit is −inf; logit[b, h, W + K] = sink[h].
-//   - p = at::softmax(logits, −1) on the contiguous [B, H, W + K + 1] logits, outside any parallel region: torch's
-//     own softmax, so its bits are torch.softmax's by construction.
+//   - p = at::softmax(logits, −1) on the contiguous [B, H, W + K + 1] logits (on each group of requests below, a
+//     contiguous [b, H, W + K + 1] slice: a row's softmax does not depend on the rows beside it), outside any
+//     parallel region: torch's own softmax, so its bits are torch.softmax's by construction.
 //   - o[b, h, d] = Σ_j p[b, h, j] · k_j[d] over the W + K keys (the sink's value is 0) as ONE sum in the same
 //     order with j as the summed index: 16 lanes, lane l summing the keys j = l, l + 16, … in increasing j from
 //     +0 (each product rounded, then added; no FMA: the module is built with -ffp-contract=off), then the fold

@@ -10,7 +10,8 @@ selected]``) in the compiled kernel ``attend_rows`` (``formats/attend_kernels.cp
   then the fold (l, l+8), (l, l+4), (l, l+2), (0, 1); no FMA) — ``row_products(q[b], keys[b])`` — times
   ``scale`` as one fp32 multiply (``attend``'s ``mul_(scale)``); a masked key's logit is −inf; the sink's logit
   is ``sink[h]``, last.
-- probabilities: ``torch.softmax`` of the [B, H, W + K + 1] logits (the kernel calls torch's own softmax).
+- probabilities: ``torch.softmax`` of the [B, H, W + K + 1] logits (the kernel calls torch's own softmax, on as
+  many requests' rows at a time as it has threads: a row's softmax does not depend on the rows beside it).
 - output: ``o[b, h, d] = Σ_j p[b, h, j] · key_j[d]`` over the W window keys then the K selected entries as one
   sum in the same order with the keys as the summed index (16 lanes, lane l summing keys l, l + 16, … from +0,
   then the fold) — ``row_products(p[b, :, :W+K], keys[b]ᵀ)``; the sink's value is 0.
