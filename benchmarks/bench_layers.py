@@ -1,11 +1,13 @@
-"""Per-call time of `RMSNorm.forward` and `Rotation.apply` at a decode step's shapes: the compiled kernels
-(``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``), in one process.
+"""Per-call time of `RMSNorm.forward`, `Rotation.apply` and a decode step's attention at a decode step's shapes:
+the compiled kernels (``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``),
+and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), in one process.
 
 Shapes are v4.1-mini's (hidden 256, q_lora 128 and 512-wide heads for the norms; q [4, B, 512] as attention
-passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64), for B = 1 and 16 requests. The two
-paths alternate ``--rounds`` times (A, B, A, B, …) and each keeps its best round of ``--calls`` calls: on cores
-shared with other jobs single timings swing several-fold. Prints a table, then one JSON line. No gradient (as in
-a decode step); one intra-op thread unless ``--threads``.
+passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64; 4 heads × 512 dims over a window of
+128 keys and 512 selected entries, or the window alone, for attention), for B = 1 and 16 requests. The two
+paths alternate ``--rounds`` times (A, B, A, B, …) and each keeps its best round of ``--calls`` calls (attention:
+``--calls`` / (20 B), at least 5): on cores shared with other jobs single timings swing several-fold. Prints a
+table, then one JSON line. No gradient (as in a decode step); one intra-op thread unless ``--threads``.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_layers.py
 """
@@ -23,23 +25,38 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.formats import native
+from kvdiet.model.attention import attend
+from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.layers import RMSNorm, Rope
 
+Call = Callable[[], torch.Tensor]
 
-def cases(batch: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """Name -> one call, at ``batch`` decode rows (fixed seed)."""
+
+def cases(batch: int) -> dict[str, tuple[Call, Call]]:
+    """Name -> (the torch call, the compiled call), at ``batch`` decode rows (fixed seed); the norms and RoPE
+    are one call on either path (``KVDIET_NATIVE_KERNELS`` picks)."""
     gen = torch.Generator().manual_seed(batch)
-    out: dict[str, Callable[[], torch.Tensor]] = {}
+    out: dict[str, tuple[Call, Call]] = {}
     for dim in (128, 256, 512):
         norm, x = RMSNorm(dim, 1e-20), torch.randn(batch, dim, generator=gen)
-        out[f"RMSNorm [{batch}, {dim}]"] = lambda norm=norm, x=x: norm(x)
+        out[f"RMSNorm [{batch}, {dim}]"] = (lambda norm=norm, x=x: norm(x),) * 2
     rope = Rope(64, 10000.0, False, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)))
     rot = rope.at(torch.arange(4000, 4000 + batch))
     q = torch.randn(batch, 4, 512, generator=gen).transpose(0, 1)
     kv = torch.randn(batch, 512, generator=gen)
-    out[f"RoPE q [4, {batch}, 512]"] = lambda: rot.apply(q)
-    out[f"RoPE q [4, {batch}, 512] inverse"] = lambda: rot.apply(q, inverse=True)
-    out[f"RoPE kv [{batch}, 512]"] = lambda: rot.apply(kv)
+    out[f"RoPE q [4, {batch}, 512]"] = (lambda: rot.apply(q),) * 2
+    out[f"RoPE q [4, {batch}, 512] inverse"] = (lambda: rot.apply(q, inverse=True),) * 2
+    out[f"RoPE kv [{batch}, 512]"] = (lambda: rot.apply(kv),) * 2
+    rows = torch.randn(batch, 4, 512, generator=gen)
+    win, comp = torch.randn(batch, 128, 512, generator=gen), torch.randn(batch, 512, 512, generator=gen)
+    win_mask, comp_mask = torch.ones(batch, 128, dtype=torch.bool), torch.ones(batch, 512, dtype=torch.bool)
+    sink = torch.randn(4, generator=gen)
+    for name, entries, mask in (("128+512 keys", comp, comp_mask), ("128 keys", None, None)):
+        args = (rows, win, win_mask, entries, mask, sink, 512**-0.5)
+        out[f"attention [{batch}, 4, 512] {name}"] = (
+            lambda a=args: attend(*a),
+            lambda a=args: decode_attend(*a),
+        )
     return out
 
 
@@ -65,13 +82,14 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         for batch in (1, 16):
-            for name, call in cases(batch).items():
+            for name, (torch_call, compiled_call) in cases(batch).items():
                 best = {"compiled": float("inf"), "torch": float("inf")}
+                calls = max(5, args.calls // (20 * batch)) if name.startswith("attention") else args.calls
                 for _ in range(args.rounds):
-                    for path in best:
+                    for path, call in (("compiled", compiled_call), ("torch", torch_call)):
                         os.environ[native.ENV] = "1" if path == "compiled" else "0"
                         call()  # warm-up (and the once-per-process check)
-                        best[path] = min(best[path], round_us(call, args.calls))
+                        best[path] = min(best[path], round_us(call, calls))
                 os.environ.pop(native.ENV)
                 results[name] = best
     table = Table(title="per call, best round (µs)")

@@ -171,3 +171,17 @@ def test_applies_all_checks_the_rows_once_and_every_weight():
                     assert gemv.applies(x, bad) is want, (name, bad_name, grad)
                     assert gemv.applies_all(x, [w, bad, w]) is want, (name, bad_name, grad)
                 assert gemv.applies_all(x, []) is fits_x
+
+
+def test_lane_dots_is_row_products_per_batch_entry():
+    """The batched pure-torch order (`gemv.lane_dots`, decode attention's path) on any layout: each entry's bits
+    are `row_products`'s."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 5, 37, generator=gen) * torch.exp2(
+        torch.randint(-12, 12, (3, 5, 37), generator=gen).float()
+    )
+    w = torch.randn(3, 37, 22, generator=gen).transpose(1, 2)  # [3, 22, 37], strided
+    got = gemv.lane_dots(x, w)
+    assert got.shape == (3, 5, 22)
+    for b in range(3):
+        assert torch.equal(got[b], row_products(x[b], w[b].contiguous()))

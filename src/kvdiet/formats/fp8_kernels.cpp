@@ -210,5 +210,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
+  m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,6 +1,6 @@
 """Compiled block codecs: ``fp4_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``, ``expert_kernels.cpp``,
-``rmsnorm_kernels.cpp``, ``rope_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at
-first use.
+``rmsnorm_kernels.cpp``, ``rope_kernels.cpp``, ``attend_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built
+once per machine at first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -22,8 +22,9 @@ build holds ``index_scores``, the indexer's scores on packed MXFP4 (or fp32) key
 scores, called by `kvdiet.model.selection`, and ``row_products``, the decode rows' ``x · Wᵀ`` in a fixed order,
 called by `kvdiet.model.gemv`, ``expert_rows``, a decode step's SwiGLU experts in one call, called by
 `kvdiet.model.moe`, ``rms_norm`` / ``rope_rotate``, RMSNorm and RoPE of decode rows with the torch formulas'
-bits, called by `kvdiet.model.layers`, and ``read_fp8_window``, a decode step's window read, called by
-`kvdiet.formats.fp8.read_window`.
+bits, called by `kvdiet.model.layers`, ``attend_rows``, a decode step's attention of one layer in one call in a
+fixed order, called by `kvdiet.model.decode_attend`, and ``read_fp8_window``, a decode step's window read,
+called by `kvdiet.formats.fp8.read_window`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ _SOURCES = [
         "expert_kernels.cpp",
         "rmsnorm_kernels.cpp",
         "rope_kernels.cpp",
+        "attend_kernels.cpp",
         "fp8_kernels.cpp",
     )
 ]
@@ -68,9 +70,9 @@ _log = logging.getLogger(__name__)
 
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``select_topk``, ``block_max``,
-    ``row_products``, ``row_products_each``, ``expert_rows``, ``rms_norm``, ``rope_rotate``, ``encode_fp8``,
-    ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads they run on), or None for the
-    pure-torch path.
+    ``row_products``, ``row_products_each``, ``expert_rows``, ``rms_norm``, ``rope_rotate``, ``attend_rows``,
+    ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads they run on),
+    or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdiet.model.attention import Attention, Segment, Selection, attend
+from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.compressor import pool_groups
+from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
 from kvdiet.model.layers import Rope, Rotation
 from kvdiet.model.paged_pool import DevicePool
@@ -200,7 +201,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
         if key not in plan.gathered:
             plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
-    o = attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
+    o = decode_attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
     return attn.project_out(o, rot)
 
 

@@ -28,7 +28,16 @@ import torch.nn.functional as F
 
 from kvdiet.formats import native
 
-__all__ = ["LANES", "ROWS_MAX", "applies", "applies_all", "linear", "row_products", "row_products_each"]
+__all__ = [
+    "LANES",
+    "ROWS_MAX",
+    "applies",
+    "applies_all",
+    "lane_dots",
+    "linear",
+    "row_products",
+    "row_products_each",
+]
 
 LANES = 16
 """Partial sums of one dot product (one 16-float vector on AVX-512)."""
@@ -150,20 +159,34 @@ def _check_pairs(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) ->
 
 
 def _torch_row_products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`row_products` with whole-tensor ops, in the same order: the lanes' sums chunk by chunk, then the fold."""
-    m, k = x.shape
+    """`row_products` with whole-tensor ops (`lane_dots` of one batch entry)."""
+    return lane_dots(x[None], weight[None])[0]
+
+
+def lane_dots(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x[b] · weight[b]ᵀ`` for each b in the order of the module docstring, with whole-tensor ops: the lanes'
+    sums chunk by chunk, then the fold (`row_products`'s bits for each b).
+
+    Args:
+        x: fp32 [B, M, K] on the CPU, any layout.
+        weight: fp32 [B, N, K] on the CPU, any layout.
+    Returns:
+        fp32 [B, M, N].
+    """
+    b, m, k = x.shape
+    n = weight.shape[1]
     pad, chunks = -k % LANES, -(-k // LANES)
-    xs = F.pad(x, (0, pad)).view(m, 1, chunks, LANES)
-    ws = F.pad(weight, (0, pad)).view(1, weight.shape[0], chunks, LANES)
-    out = torch.empty(m, weight.shape[0], dtype=_F32, device="cpu")
-    step = max(1, _TORCH_BUDGET // (m * LANES))
-    for start in range(0, weight.shape[0], step):
-        w = ws[:, start : start + step]
-        acc = torch.zeros(m, w.shape[1], LANES, dtype=_F32, device="cpu")
-        for c in range(xs.shape[2]):
-            acc = acc + xs[:, :, c] * w[:, :, c]
+    xs = F.pad(x, (0, pad)).reshape(b, m, 1, chunks, LANES)
+    ws = F.pad(weight, (0, pad)).reshape(b, 1, n, chunks, LANES)
+    out = torch.empty(b, m, n, dtype=_F32, device="cpu")
+    step = max(1, _TORCH_BUDGET // (b * m * LANES))
+    for start in range(0, n, step):
+        w = ws[:, :, start : start + step]
+        acc = torch.zeros(b, m, w.shape[2], LANES, dtype=_F32, device="cpu")
+        for c in range(chunks):
+            acc = acc + xs[..., c, :] * w[..., c, :]
         half = acc[..., :8] + acc[..., 8:]
         half = half[..., :4] + half[..., 4:]
         half = half[..., :2] + half[..., 2:]
-        out[:, start : start + step] = half[..., 0] + half[..., 1]
+        out[:, :, start : start + step] = half[..., 0] + half[..., 1]
     return out

@@ -1,0 +1,198 @@
+// A decode step's attention of one layer in one call (kvdiet/model/decode_attend.py holds the pure-torch path
+// with the same order and bits). Compiled after gemv_kernels.cpp into the same module (its lane helpers are in
+// scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
+//
+// attend_rows(q, win, win_mask, comp, comp_mask, sink, scale): q float32 [B, H, D], win float32 [B, W, D], win_mask
+//   bool [B, W], comp float32 [B, K, D] and comp_mask bool [B, K] (or both None: K = 0), sink float32 [H], on the
+//   CPU in any layout -> float32 [B, H, D]. With keys k_j = win[b, j] (j < W), then comp[b, j − W]:
+//   - logit[b, h, j] = dot(q[b, h], k_j) · float(scale), the dot in row_products's order (16 lanes over D, the
+//     fold (l, l+8), (l, l+4), (l, l+2), (0, 1): gemv_kernels.cpp's dot_rows), then one fp32 multiply; a masked
+//     key's logit is −inf; logit[b, h, W + K] = sink[h].
+//   - p = at::softmax(logits, −1) on the contiguous [B, H, W + K + 1] logits (on each group of requests below, a
+//     contiguous [b, H, W + K + 1] slice: a row's softmax does not depend on the rows beside it), outside any
+//     parallel region: torch's own softmax, so its bits are torch.softmax's by construction.
+//   - o[b, h, d] = Σ_j p[b, h, j] · k_j[d] over the W + K keys (the sink's value is 0) as ONE sum in the same
+//     order with j as the summed index: 16 lanes, lane l summing the keys j = l, l + 16, … in increasing j from
+//     +0 (each product rounded, then added; no FMA: the module is built with -ffp-contract=off), then the fold
+//     (l, l+8), (l, l+4), (l, l+2), (0, 1) — row_products(p[b, h, :W+K], keysᵀ)'s order.
+//   Why: `attend` runs four bmm and seven other torch ops per layer (some 330 µs at v4.1-mini's 4 heads × 512
+//   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run as many at a time as
+//   there are threads (scores, softmax, values), so a request's keys (1.3 MB at v4.1-mini) stay in one core's
+//   cache between the two passes; within them the tasks are blocks of 4 keys (scores) and of 4 heads × 64 dims
+//   (values), so a one-request step splits over both threads.
+
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kAttendHeads = 4;  // heads of one value block (their accumulators stay in registers)
+constexpr int64_t kAttendDims = 64;  // dims of one value block: four 16-float vectors
+
+// The W + K keys of one request, window first.
+struct AttendKeys {
+  const float* win;
+  const float* comp;
+  int64_t w, n, dim;
+  const float* row(int64_t j) const { return j < w ? win + j * dim : comp + (j - w) * dim; }
+};
+
+// o[g, d0 .. d0 + 16V) for G heads of probabilities p (row stride ps) against the keys: the 16 lanes' sums, then
+// the fold, each element on its own (vector lanes are output dims; the summed lanes are the 16 partials).
+template <int G, int V>
+void value_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, float* o, int64_t os) {
+  Lanes16 part[16][G][V];
+  for (int l = 0; l < 16; ++l) {
+    Lanes16 acc[G][V] = {};
+    for (int64_t j = l; j < keys.n; j += 16) {
+      const float* row = keys.row(j) + d0;
+      Lanes16 v[V];
+      for (int c = 0; c < V; ++c) v[c] = load_lanes(row + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const float pj = p[g * ps + j];
+        for (int c = 0; c < V; ++c) acc[g][c] = acc[g][c] + pj * v[c];
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < V; ++c) part[l][g][c] = acc[g][c];
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < V; ++c) {
+      Lanes16 s8[8], s4[4], s2[2];
+      for (int l = 0; l < 8; ++l) s8[l] = part[l][g][c] + part[l + 8][g][c];
+      for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+      for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+      const Lanes16 r = s2[0] + s2[1];
+      std::memcpy(o + g * os + d0 + 16 * c, &r, sizeof r);
+    }
+  }
+}
+
+// value_block's order for one dim d of G heads, in scalars (dims past the last whole 16).
+template <int G>
+void value_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t d, float* o, int64_t os) {
+  for (int g = 0; g < G; ++g) {
+    float part[16];
+    for (int l = 0; l < 16; ++l) {
+      float acc = 0.0f;
+      for (int64_t j = l; j < keys.n; j += 16) acc = acc + p[g * ps + j] * keys.row(j)[d];
+      part[l] = acc;
+    }
+    float s8[8], s4[4], s2[2];
+    for (int l = 0; l < 8; ++l) s8[l] = part[l] + part[l + 8];
+    for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+    for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+    o[g * os + d] = s2[0] + s2[1];
+  }
+}
+
+// Dims d0 .. d1 of G heads: whole blocks of 64, 32 and 16, then single dims.
+template <int G>
+void value_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, int64_t d1, float* o, int64_t os) {
+  int64_t d = d0;
+  for (; d + 64 <= d1; d += 64) value_block<G, 4>(p, ps, keys, d, o, os);
+  for (; d + 32 <= d1; d += 32) value_block<G, 2>(p, ps, keys, d, o, os);
+  for (; d + 16 <= d1; d += 16) value_block<G, 1>(p, ps, keys, d, o, os);
+  for (; d < d1; ++d) value_dim<G>(p, ps, keys, d, o, os);
+}
+
+// Logits of keys j0 .. j0 + r of one request (r <= 4) for all its heads: row_products's dots of the keys at
+// rows of `rows` (row stride dim) against the padded queries, then · scale, −inf where masked.
+void score_block(const float* qpad, int64_t heads, int64_t kp, const float* rows, int64_t dim, int64_t j0, int64_t r,
+                 const bool* mask, float scale, float* y, int64_t n1) {
+  if (r == 4) {
+    dot_rows<4>(qpad, heads, kp, rows, dim, j0, y, n1);
+  } else {
+    for (int64_t j = j0; j < j0 + r; ++j) dot_rows<1>(qpad, heads, kp, rows, dim, j, y, n1);
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t j = j0; j < j0 + r; ++j) y[h * n1 + j] = mask[j] ? y[h * n1 + j] * scale : neg_inf;
+}
+
+}  // namespace
+
+at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::optional<at::Tensor> comp,
+                       c10::optional<at::Tensor> comp_mask, at::Tensor sink, double scale) {
+  TORCH_CHECK(q.dim() == 3 && win.dim() == 3 && win.size(0) == q.size(0) && win.size(2) == q.size(2),
+              "attend_rows: q [B, H, D] and win [B, W, D]");
+  TORCH_CHECK(comp.has_value() == comp_mask.has_value(), "attend_rows: comp and comp_mask together");
+  const int64_t b = q.size(0), heads = q.size(1), dim = q.size(2), w = win.size(1);
+  const int64_t k = comp.has_value() ? comp->size(1) : 0, n = w + k, n1 = n + 1;
+  std::vector<at::Tensor*> all = {&q, &win, &win_mask, &sink};
+  if (comp.has_value()) {
+    TORCH_CHECK(comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim, "attend_rows: comp [B, K, D]");
+    TORCH_CHECK(comp_mask->dim() == 2 && comp_mask->size(0) == b && comp_mask->size(1) == k,
+                "attend_rows: comp_mask [B, K]");
+    all.push_back(&*comp);
+    all.push_back(&*comp_mask);
+  }
+  TORCH_CHECK(win_mask.dim() == 2 && win_mask.size(0) == b && win_mask.size(1) == w, "attend_rows: win_mask [B, W]");
+  TORCH_CHECK(sink.dim() == 1 && sink.size(0) == heads, "attend_rows: sink [H]");
+  for (at::Tensor* t : all) {
+    TORCH_CHECK(t->device().is_cpu(), "attend_rows runs on the CPU");
+    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat),
+                "attend_rows takes float32 tensors and bool masks");
+    *t = t->resolve_neg().contiguous();  // lazy neg views read as their values; any layout
+  }
+  const float* qp = q.const_data_ptr<float>();
+  const float* wp = win.const_data_ptr<float>();
+  const float* cp = comp.has_value() ? comp->const_data_ptr<float>() : nullptr;
+  const bool* wm = win_mask.const_data_ptr<bool>();
+  const bool* cm = comp.has_value() ? comp_mask->const_data_ptr<bool>() : nullptr;
+  const float* sp = sink.const_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  // the queries zero-padded to whole 16-float chunks, as row_products pads its rows
+  const int64_t kp = (dim + 15) / 16 * 16;
+  std::vector<float> qpad(b * heads * kp, 0.0f);
+  for (int64_t r = 0; r < b * heads; ++r) std::memcpy(qpad.data() + r * kp, qp + r * dim, dim * 4);
+
+  at::Tensor logits = at::empty({b, heads, n1}, q.options());
+  float* lp = logits.mutable_data_ptr<float>();
+  at::Tensor out = at::empty({b, heads, dim}, q.options());
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
+  const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
+  // one request per thread at a time: its keys stay in that core's cache from the scores to the values
+  const int64_t chunk = std::max<int64_t>(1, at::get_num_threads());
+  for (int64_t r0 = 0; r0 < b; r0 += chunk) {
+    const int64_t rn = std::min(chunk, b - r0);
+    at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = r0 + t / per, blk = t % per;
+        const float* qr = qpad.data() + r * heads * kp;
+        float* y = lp + r * heads * n1;
+        if (blk < wb) {
+          const int64_t j0 = blk * 4;
+          score_block(qr, heads, kp, wp + r * w * dim, dim, j0, std::min<int64_t>(4, w - j0), wm + r * w, sc, y, n1);
+        } else {
+          const int64_t j0 = (blk - wb) * 4;
+          score_block(qr, heads, kp, cp + r * k * dim, dim, j0, std::min<int64_t>(4, k - j0), cm + r * k, sc, y + w,
+                      n1);
+        }
+      }
+    });
+    for (int64_t r = r0; r < r0 + rn; ++r)
+      for (int64_t h = 0; h < heads; ++h) lp[(r * heads + h) * n1 + n] = sp[h];
+    // torch's softmax of each row (a row's bits do not depend on the rows beside it)
+    const at::Tensor probs = at::softmax(logits.narrow(0, r0, rn), -1);
+    const float* pp = probs.const_data_ptr<float>();
+    at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = r0 + t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
+        const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
+        const float* p = pp + ((r - r0) * heads + g0) * n1;
+        float* o = op + (r * heads + g0) * dim;
+        const int64_t d1 = std::min(dim, d0 + kAttendDims);
+        switch (std::min(kAttendHeads, heads - g0)) {
+          case 1: value_dims<1>(p, n1, keys, d0, d1, o, dim); break;
+          case 2: value_dims<2>(p, n1, keys, d0, d1, o, dim); break;
+          case 3: value_dims<3>(p, n1, keys, d0, d1, o, dim); break;
+          default: value_dims<4>(p, n1, keys, d0, d1, o, dim); break;
+        }
+      }
+    });
+  }
+  return out;
+}
