@@ -375,3 +375,43 @@ def test_fp8_decode_and_window_read_of_other_isa_builds(isa: str) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=root
     )
     assert done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+def test_fp8_window_read_checks_each_ring_and_the_ring_count(monkeypatch, env) -> None:
+    """A slot is checked against its own request's ring (rings of different lengths), and the rings must be one
+    per request: both raise before anything is read, on both paths."""
+    from kvdiet.formats.codec import CacheCodecs
+
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    codec = CacheCodecs.for_dims(512, 128).window
+    kv, rings, slots, held = _window_inputs(3, strided=False)
+    short = [rings[0], rings[1][:12], rings[2]]  # request 1's ring holds 12 rows
+    wrong = slots.clone()
+    wrong[1, 4], wrong[0, 4] = 13, 15  # 15 fits request 0's ring, 13 does not fit request 1's
+    with pytest.raises(ValueError, match=r"^mxfp8: window slots must lie in \[0, 12\), got .* \(request 1\)"):
+        codec.read_window(kv, short, wrong, held)
+    with pytest.raises(ValueError, match=r"^mxfp8: one ring per row of slots"):
+        codec.read_window(kv, rings[:2], slots, held)
+
+
+def test_fp8_window_read_of_a_negative_view_and_under_another_default_dtype() -> None:
+    """A lazily negated key is read as its value, and a float64 default dtype changes nothing: the same result as
+    the pure-torch path on a plain key."""
+    from kvdiet.formats.codec import CacheCodecs
+
+    codec = CacheCodecs.for_dims(512, 128).window
+    kv, rings, slots, held = _window_inputs(3, strided=False)
+    held = torch.ones_like(held)
+    held[:, 2] = False  # the row that does not decode is not read
+    want = codec.read_window(kv, rings, slots, held)
+    got = codec.read_window(torch._neg_view(-kv), rings, slots, held)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = codec.read_window(kv, rings, slots, held)
+    finally:
+        torch.set_default_dtype(default)
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

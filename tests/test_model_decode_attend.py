@@ -288,3 +288,14 @@ def test_the_decode_step_attends_through_decode_attend(monkeypatch):
     monkeypatch.setattr(decode_step, "decode_attend", spy)
     model.decode([state], [5])
     assert len(calls) == len(model.layers) and all(shape[0] == 1 for shape in calls)
+
+
+@pytest.mark.parametrize(("b", "h"), [(0, 4), (2, 0)])
+def test_no_requests_or_no_heads_give_an_empty_result_on_both_paths(monkeypatch, b, h):
+    """B = 0 or H = 0: an empty fp32 [B, H, D] from the kernel and from the pure-torch path alike."""
+    q, win = torch.randn(b, h, 32), torch.randn(b, 5, 32)
+    args = (q, win, torch.ones(b, 5, dtype=torch.bool), None, None, torch.zeros(h), 0.25)
+    compiled = decode_attend(*args)
+    monkeypatch.setenv("KVDIET_NATIVE_KERNELS", "0")
+    pure = decode_attend(*args)
+    assert compiled.shape == pure.shape == (b, h, 32) and compiled.dtype == pure.dtype == torch.float32

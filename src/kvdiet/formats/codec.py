@@ -82,12 +82,22 @@ class Codec:
             ValueError: a slot outside its ring (before anything is read), or as ``encode`` / ``decode`` (a
                 non-finite ``kv``, a held row that does not decode).
         """
+        kv = kv.resolve_neg()  # a lazily negated key is read as its value on both paths
         if self.fused_read is not None and (fused := self.fused_read(kv, rings, slots, held)) is not None:
             return fused
+        if slots.dim() != 2 or len(rings) != slots.shape[0]:
+            raise ValueError(
+                f"{self.name}: one ring per row of slots [B, n], got {len(rings)} and {tuple(slots.shape)}"
+            )
         if slots.numel():
-            lo, hi, rows = int(slots.min()), int(slots.max()), min(ring.shape[0] for ring in rings)
-            if lo < 0 or hi >= rows:
-                raise ValueError(f"{self.name}: window slots must lie in [0, {rows}), got {lo}..{hi}")
+            sizes = torch.tensor([ring.shape[0] for ring in rings], device=slots.device)
+            bad = ((slots < 0) | (slots >= sizes[:, None])).any(1)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                lo, hi = int(slots[i].min()), int(slots[i].max())
+                raise ValueError(
+                    f"{self.name}: window slots must lie in [0, {int(sizes[i])}), got {lo}..{hi} (request {i})"
+                )
         encoded = self.encode(kv)  # [B, width]
         b, n = slots.shape
         rows = torch.empty(b, n + 1, self.width, dtype=encoded.dtype, device=kv.device)

@@ -215,11 +215,15 @@ def read_window(
     byte outside `SCALE_BYTES`; the torch path then gives the same result or raises the error.
     """
     kernels = native.fp4_kernels()
-    if kernels is None or kv.dim() != 2 or slots.dim() != 2:
+    if (
+        kernels is None or kv.dim() != 2 or slots.dim() != 2 or kv.is_neg()
+    ):  # the kernel reads kv's raw storage
+        return None
+    if not (kv.is_cpu and slots.is_cpu and (held is None or held.is_cpu)):
         return None
     b, dim = kv.shape
-    keys = torch.empty(b, slots.shape[-1] + 1, dim)
-    entries = torch.empty(b, dim + dim // _BLOCK, dtype=torch.uint8)
+    keys = torch.empty(b, slots.shape[-1] + 1, dim, dtype=torch.float32, device="cpu")
+    entries = torch.empty(b, dim + dim // _BLOCK, dtype=torch.uint8, device="cpu")
     if kernels.read_fp8_window(rings, slots, held, kv, *SCALE_BYTES, keys, entries):
         return keys, entries
     return None

@@ -179,7 +179,7 @@ def lane_dots(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xs = F.pad(x, (0, pad)).reshape(b, m, 1, chunks, LANES)
     ws = F.pad(weight, (0, pad)).reshape(b, 1, n, chunks, LANES)
     out = torch.empty(b, m, n, dtype=_F32, device="cpu")
-    step = max(1, _TORCH_BUDGET // (b * m * LANES))
+    step = max(1, _TORCH_BUDGET // max(1, b * m * LANES))  # no rows: one empty pass
     for start in range(0, n, step):
         w = ws[:, :, start : start + step]
         acc = torch.zeros(b, m, w.shape[2], LANES, dtype=_F32, device="cpu")
