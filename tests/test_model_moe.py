@@ -326,3 +326,62 @@ def test_a_few_rows_per_expert_run_as_one_padded_batch(micro):
         moe.experts[1].w3.set_weight(w.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
         moe(x, padded=True)
     assert sorted(set(calls)) == [0, 1, 2, 3]
+
+
+def _router_inputs(rows: int, experts: int, seed: int):
+    """Router inputs with every hard case: equal scores (identical weight rows), a bias that ties them again, NaN
+    rows and columns, ±inf, −0.0, subnormal and huge values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 64, generator=g) * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=g).float()
+    weight = torch.randn(experts, 64, generator=g)
+    weight[1] = weight[0]  # experts 0 and 1 always score the same
+    weight[experts - 1] = 0.0  # softplus(0) for every row: ties with the bias below
+    bias = torch.zeros(experts)
+    bias[2] = math.log(2.0) ** 0.5 - 0.5  # nudges expert 2 near expert E−1's sqrt(log 2)
+    specials = [math.nan, math.inf, -math.inf, -0.0, 1e-40, 3e38]
+    for i in range(min(rows, len(specials))):
+        x[i, i] = specials[i]  # a NaN row, ±inf rows (inf · 0 = NaN for expert E−1), ...
+    if rows > 1:
+        weight[3, 5] = math.nan  # a NaN expert for every row
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("topk", [1, 2, 3, 8])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_kernel_gives_the_torch_ops_bits(rows, topk, normalize, monkeypatch):
+    from kvdiet.model.moe import Gate
+
+    kernels = native.fp4_kernels()
+    assert kernels is not None, "the compiled kernels did not build"
+    gate = Gate(64, 8, topk, norm_topk_prob=normalize, routed_scaling_factor=1.5)
+    x, weight, bias = _router_inputs(rows, 8, 100 * rows + topk)
+    with torch.no_grad():
+        gate.weight.copy_(weight)
+        gate.bias.copy_(bias)
+        direct = kernels.route_rows(x, gate.weight, gate.bias, topk, normalize, 1.5)
+        got = gate(x)
+        monkeypatch.setenv(native.ENV, "0")  # the torch ops
+        want = gate(x)
+    assert direct is not None
+    for g in (got, direct):
+        assert torch.equal(g[1], want[1]) and g[1].dtype == torch.int64
+        assert g[0].dtype == torch.float32 and torch.equal(g[0].view(torch.int32), want[0].view(torch.int32))
+    assert want[0].isnan().any()  # the NaN cases are reached
+
+
+def test_router_kernel_declines_what_it_does_not_fit(micro):
+    from kvdiet.model.moe import Gate
+
+    kernels = native.fp4_kernels()
+    x, w, b = torch.randn(3, 64), torch.randn(8, 64), torch.randn(8)
+    assert kernels.route_rows(x, w, b, 2, True, 1.5) is not None
+    assert kernels.route_rows(torch.randn(17, 64), w, b, 2, True, 1.5) is None
+    assert kernels.route_rows(x.double(), w.double(), b.double(), 2, True, 1.5) is None
+    assert kernels.route_rows(x, w, b, 0, True, 1.5) is None
+    assert kernels.route_rows(x, w, b, 9, True, 1.5) is None
+    assert kernels.route_rows(x, w, b[:7], 2, True, 1.5) is None
+    assert kernels.route_rows(torch._neg_view(x), w, b, 2, True, 1.5) is None
+    gate = Gate(64, 8, 2, norm_topk_prob=True, routed_scaling_factor=1.5)
+    weights, _ = gate(x)  # autograd on: the torch ops, which keep the graph
+    assert weights.grad_fn is not None

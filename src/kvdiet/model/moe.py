@@ -88,12 +88,21 @@ class Gate(nn.Module):
         expert ids int64 [T, k]).
 
         Ties in ``scores + bias`` go to the lowest expert index (a stable descending sort), so the choice
-        never depends on ``torch.topk``'s unspecified tie order or on the thread count.
+        never depends on ``torch.topk``'s unspecified tie order or on the thread count. A decode step's rows
+        (`kvdiet.model.gemv.applies`: 1..16 fp32 rows on the CPU, no autograd) of a top-k router run in one
+        compiled call (``route_rows``, ``formats/router_kernels.cpp``), with the same bits (ids contiguous).
 
         Raises:
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
+        if self.tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, self.weight):
+            kernels = native.fp4_kernels()
+            routed = None if kernels is None else kernels.route_rows(
+                x, self.weight, self.bias, self.topk, self.norm_topk_prob, self.routed_scaling_factor
+            )  # fmt: skip
+            if routed is not None:
+                return routed
         dt = x.dtype
         scores = torch.sqrt(F.softplus(x @ as_dtype(self.weight, dt).T))  # [T, E]
         if self.tid2eid is not None:
