@@ -213,6 +213,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_enter", &hc_enter, py::call_guard<py::gil_scoped_release>());
   m.def("hc_expand_rows", &hc_expand_rows, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
+  m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,77 @@
+"""An attention layer's input projections of decode rows in one compiled call (``formats/projection_kernels.cpp``,
+``project_rows``) against the module path (Linear, RMSNorm, Rotation.apply one by one): same bits, and the module
+path wherever the call does not fit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvdiet.formats import native
+from kvdiet.model.attention import Attention
+from kvdiet.model.build import load_model
+
+_SPECIALS = (0.0, -0.0, math.inf, -math.inf, 1e-45, -3e-39, 1e-38, 1e19, 1e-19)
+
+
+@pytest.fixture(scope="module")
+def attn():
+    model, _ = load_model("v4.1-mini", seed=0)  # the real widths: 4 heads × 512, rope 64, q rank 128
+    return model.layers[5].attn
+
+
+def _rows(n: int, width: int, gen: torch.Generator, *, specials: bool) -> torch.Tensor:
+    x = torch.randn(n, width, generator=gen) * 10.0 ** torch.randint(-8, 8, (n, 1), generator=gen).float()
+    if specials:
+        chosen = torch.rand(n, width, generator=gen) < 0.05
+        pool = torch.tensor(_SPECIALS)
+        x[chosen] = pool[torch.randint(len(pool), (int(chosen.sum()),), generator=gen)]
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _module_path(attn, monkeypatch, x, rot):
+    with monkeypatch.context() as m:
+        m.setattr(Attention, "_project_rows", lambda *a: None)
+        return (*attn.project_q(x, rot), attn.project_window_kv(x, rot))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("specials", [False, True])
+def test_projections_equal_the_module_path_bit_for_bit(attn, monkeypatch, rows, specials):
+    assert native.fp4_kernels() is not None, "the compiled kernels did not build"
+    gen = torch.Generator().manual_seed(rows + 100 * specials)
+    x = _rows(rows, attn.wq_a.in_features, gen, specials=specials)
+    rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    with torch.no_grad():
+        want = _module_path(attn, monkeypatch, x, rot)
+        fused_q = attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot)
+        fused_kv = attn._project_rows(x, attn.wkv, attn.kv_norm, None, rot)
+        got = (*attn.project_q(x, rot), attn.project_window_kv(x, rot))
+        got_t = (*attn.project_q(x.T.contiguous().T, rot), attn.project_window_kv(x.T.contiguous().T, rot))
+    if not specials:
+        assert fused_q is not None and fused_kv is not None  # the compiled call ran
+    for g, w in zip((*got, *got_t), (*want, *want), strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+        assert torch.equal(_bits(g), _bits(w))
+    assert got[1].shape == (rows, attn.n_heads, attn.head_dim)
+
+
+def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    rot17 = attn.rope.at(torch.arange(17))
+    x = _rows(17, attn.wq_a.in_features, gen, specials=False)
+    with torch.no_grad():
+        assert attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot17) is None  # a prefill's rows
+        nan = x[:2].clone()
+        nan[0, 0] = math.nan
+        assert attn._project_rows(nan, attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+        monkeypatch.setenv(native.ENV, "0")
+        assert attn._project_rows(x[:2], attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+    _, q = attn.project_q(x[:2], attn.rope.at(torch.arange(2)))  # autograd on: the modules keep the graph
+    assert q.grad_fn is not None
