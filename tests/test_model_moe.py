@@ -385,3 +385,39 @@ def test_router_kernel_declines_what_it_does_not_fit(micro):
     gate = Gate(64, 8, 2, norm_topk_prob=True, routed_scaling_factor=1.5)
     weights, _ = gate(x)  # autograd on: the torch ops, which keep the graph
     assert weights.grad_fn is not None
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, 6, 8])
+def test_one_row_kernel_gives_the_torch_ops_bits(micro, topk, monkeypatch):
+    import kvdiet.model.moe as moe_module
+
+    cfg = micro.replace(n_routed_experts=8, num_experts_per_tok=topk)
+    torch.manual_seed(10 + topk)
+    moe = MoE(cfg)
+    calls = []
+    kernel = moe_module._expert_row
+    monkeypatch.setattr(moe_module, "_expert_row", lambda *a: calls.append(1) or kernel(*a))
+    with torch.no_grad():
+        for e, expert in enumerate(moe.experts):  # outputs of very different sizes: the slot order shows
+            expert.w2.weight.mul_(10.0 ** (3 * (e % 4) - 4))
+        for seed in range(4):
+            x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)) * 3
+            got = moe(x)
+            with monkeypatch.context() as m:
+                m.setattr(moe_module, "_expert_row", lambda *a: None)  # run_experts and torch's sum
+                want = moe(x)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert len(calls) == 4  # every row went to the kernel
+    assert kernel(torch.randn(2, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(2, topk)) is None
+    assert (
+        kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk).double())
+        is None
+    )
+    with torch.no_grad():
+        assert (
+            kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk))
+            is not None
+        )
+    assert (
+        kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk)) is None
+    )  # grad

@@ -1,6 +1,6 @@
-"""An attention layer's input projections of decode rows in one compiled call (``formats/projection_kernels.cpp``,
-``project_rows``) against the module path (Linear, RMSNorm, Rotation.apply one by one): same bits, and the module
-path wherever the call does not fit."""
+"""An attention layer's projections of decode rows in one compiled call each (``formats/projection_kernels.cpp``:
+``project_rows`` in, ``project_out_rows`` out) against the module path (Linear, RMSNorm, Rotation.apply,
+grouped_product one by one): same bits, and the module path wherever the call does not fit."""
 
 from __future__ import annotations
 
@@ -35,10 +35,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def _module_path(attn, monkeypatch, x, rot):
+def _projections(attn, x, o, rot):
+    return (*attn.project_q(x, rot), attn.project_window_kv(x, rot), attn.project_out(o, rot))
+
+
+def _module_path(attn, monkeypatch, x, o, rot):
     with monkeypatch.context() as m:
-        m.setattr(Attention, "_project_rows", lambda *a: None)
-        return (*attn.project_q(x, rot), attn.project_window_kv(x, rot))
+        m.setattr(Attention, "_fused_kernels", lambda *a: None)
+        return _projections(attn, x, o, rot)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16])
@@ -47,15 +51,20 @@ def test_projections_equal_the_module_path_bit_for_bit(attn, monkeypatch, rows, 
     assert native.fp4_kernels() is not None, "the compiled kernels did not build"
     gen = torch.Generator().manual_seed(rows + 100 * specials)
     x = _rows(rows, attn.wq_a.in_features, gen, specials=specials)
+    o = _rows(rows * attn.n_heads, attn.head_dim, gen, specials=specials).view(rows, attn.n_heads, -1)
     rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    kernels = native.fp4_kernels()
     with torch.no_grad():
-        want = _module_path(attn, monkeypatch, x, rot)
+        want = _module_path(attn, monkeypatch, x, o, rot)
         fused_q = attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot)
         fused_kv = attn._project_rows(x, attn.wkv, attn.kv_norm, None, rot)
-        got = (*attn.project_q(x, rot), attn.project_window_kv(x, rot))
-        got_t = (*attn.project_q(x.T.contiguous().T, rot), attn.project_window_kv(x.T.contiguous().T, rot))
-    if not specials:
-        assert fused_q is not None and fused_kv is not None  # the compiled call ran
+        fused_out = kernels.project_out_rows(
+            o, rot.cis_inverse, rot.rope_dim, attn.wo_a.weight, attn.n_groups, attn.wo_b.weight
+        )
+        got = _projections(attn, x, o, rot)
+        got_t = _projections(attn, x.T.contiguous().T, o.transpose(0, 2).contiguous().transpose(0, 2), rot)
+    if not specials:  # the compiled calls ran
+        assert fused_q is not None and fused_kv is not None and fused_out is not None
     for g, w in zip((*got, *got_t), (*want, *want), strict=True):
         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
         assert torch.equal(_bits(g), _bits(w))
@@ -71,6 +80,20 @@ def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monk
         nan = x[:2].clone()
         nan[0, 0] = math.nan
         assert attn._project_rows(nan, attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+        o = torch.randn(2, attn.n_heads, attn.head_dim)
+        args = (
+            attn.rope.at(torch.arange(2)).cis_inverse,
+            64,
+            attn.wo_a.weight,
+            attn.n_groups,
+            attn.wo_b.weight,
+        )
+        kernels = native.fp4_kernels()
+        assert kernels.project_out_rows(o, *args) is not None
+        assert kernels.project_out_rows(o.transpose(0, 2).contiguous().transpose(0, 2), *args) is None
+        assert kernels.project_out_rows(torch.randn(17, attn.n_heads, attn.head_dim), *args) is None
+        assert kernels.project_out_rows(o, *args[:3], 3, args[4]) is None  # groups that do not divide
+        assert kernels.project_out_rows(o, *args[:4], attn.wo_a.weight) is None  # wo_b of the wrong width
         monkeypatch.setenv(native.ENV, "0")
         assert attn._project_rows(x[:2], attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
     _, q = attn.project_q(x[:2], attn.rope.at(torch.arange(2)))  # autograd on: the modules keep the graph

@@ -12,6 +12,12 @@
 //   Why: a one-request decode step of v4.1-mini runs 3 experts in each of 40 layers, and the Python around
 //   the two product calls (the outputs' allocation, five activation ops per expert) cost as much as the
 //   products themselves.
+// expert_row(x, w1s, w3s, w2s, weights, limits): one row x float32 [1, hidden] through k routed experts and the
+//   shared one (the last of each list), routing weights float32 [1, k] -> float32 [1, hidden]: MoE._one_row's
+//   Σ_j routed_j + shared, where routed_j = expert_rows' output of expert j with routing weight weights[:, j]
+//   (a [1, 1] view, as Python's split gives) and the sum over the k slots runs as torch sums a strided dim of
+//   fewer than 16 values: one at a time from +0, ((0 + r₀) + r₁) + …, then one add of the shared output.
+//   k >= 16 throws (torch's sum then splits into partial sums; MoE checks k first).
 
 std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::Tensor> w1s,
                                     std::vector<at::Tensor> w3s, std::vector<at::Tensor> w2s,
@@ -47,4 +53,29 @@ std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::
   }
   row_products_each(acts, w2s, outs);
   return outs;
+}
+
+at::Tensor expert_row(const at::Tensor& x, std::vector<at::Tensor> w1s, std::vector<at::Tensor> w3s,
+                      std::vector<at::Tensor> w2s, const at::Tensor& weights, std::vector<double> limits) {
+  const int64_t k = static_cast<int64_t>(w1s.size()) - 1;
+  TORCH_CHECK(k >= 1 && k < 16, "expert_row: 1..15 routed experts and the shared one");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "expert_row: x [1, hidden]");
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == 1 && weights.size(1) == k, "expert_row: weights [1, k]");
+  std::vector<c10::optional<at::Tensor>> slots;
+  for (int64_t j = 0; j < k; ++j) slots.push_back(weights.narrow(1, j, 1));
+  slots.push_back(c10::nullopt);
+  const std::vector<at::Tensor> outs =
+      expert_rows(std::vector<at::Tensor>(k + 1, x), std::move(w1s), std::move(w3s), std::move(w2s), slots, limits);
+  const int64_t hidden = outs[k].size(1);
+  at::Tensor out = at::empty({1, hidden}, outs[k].options());
+  float* op = out.mutable_data_ptr<float>();
+  const float* shared = outs[k].const_data_ptr<float>();
+  std::vector<const float*> routed;
+  for (int64_t j = 0; j < k; ++j) routed.push_back(outs[j].const_data_ptr<float>());
+  for (int64_t d = 0; d < hidden; ++d) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; ++j) acc = acc + routed[j][d];
+    op[d] = acc + shared[d];
+  }
+  return out;
 }

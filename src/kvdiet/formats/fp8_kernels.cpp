@@ -205,6 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_products", &row_products, py::call_guard<py::gil_scoped_release>());
   m.def("row_products_each", &row_products_each, py::call_guard<py::gil_scoped_release>());
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("expert_row", &expert_row, py::call_guard<py::gil_scoped_release>());
   m.def("route_rows", &route_rows, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
@@ -214,6 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_expand_rows", &hc_expand_rows, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
   m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -10,8 +10,14 @@
 //   construction: n = rms_norm(row_products(x, w_a)); with w_b, y = rope_rotate(row_products(n, w_b) viewed
 //   [B, heads, D] and transposed to [heads, B, D], cis) transposed back (project_q: qr = n, q = y [B, heads, D]);
 //   without, y = rope_rotate(n, cis) [B, R] (project_window_kv).
+// project_out_rows(o, cis_inverse, rope_dim, wo_a, groups, wo_b): o float32 [B, H, D] (1..16 rows, contiguous),
+//   cis_inverse complex64 [B, rope_dim/2], wo_a float32 [G·R, H·D/G] and wo_b float32 [hidden, G·R] (contiguous)
+//   -> float32 [B, hidden], or std::nullopt for any other input and wherever rope_rotate declines. The calls of
+//   Attention.project_out in its order: the inverse rotation rope_rotate(o transposed to [H, B, D]) transposed
+//   back, viewed [B, G, H·D/G]; grouped_product's one bmm of the same operand views (einsum's); reshaped
+//   [B, G·R]; row_products with wo_b.
 //   Why: in Python each step is a module call (Linear, RMSNorm, Rotation.apply: some 15 µs of dispatch each here)
-//   around a kernel call; this is one call for the three or five.
+//   around a kernel call; these are one call for the three to five.
 
 std::optional<std::tuple<at::Tensor, at::Tensor>> project_rows(const at::Tensor& x, const at::Tensor& w_a,
                                                                const at::Tensor& norm_weight, double norm_eps,
@@ -38,4 +44,21 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> project_rows(const at::Tensor&
   const std::optional<at::Tensor> y = rope_rotate(q.transpose(0, 1), cis, rope_dim);
   if (!y.has_value()) return {};
   return std::make_tuple(*n, y->transpose(0, 1));
+}
+
+std::optional<at::Tensor> project_out_rows(const at::Tensor& o, const at::Tensor& cis_inverse, int64_t rope_dim,
+                                           const at::Tensor& wo_a, int64_t groups, const at::Tensor& wo_b) {
+  for (const at::Tensor* t : {&o, &wo_a, &wo_b})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous() || t->is_neg()) return {};
+  if (o.dim() != 3 || wo_a.dim() != 2 || wo_b.dim() != 2 || groups < 1) return {};
+  const int64_t rows = o.size(0), width = o.size(1) * o.size(2);
+  if (rows < 1 || rows > 16 || width % groups || wo_a.size(1) != width / groups || wo_a.size(0) % groups ||
+      wo_b.size(1) != wo_a.size(0))
+    return {};
+  const std::optional<at::Tensor> rotated = rope_rotate(o.transpose(0, 1), cis_inverse, rope_dim);
+  if (!rotated.has_value()) return {};
+  const at::Tensor grouped = rotated->transpose(0, 1).reshape({rows, groups, -1});
+  const at::Tensor w = wo_a.view({groups, -1, width / groups});
+  const at::Tensor left = rows == 1 ? grouped.view({groups, 1, width / groups}) : grouped.transpose(0, 1);
+  return row_products(at::bmm(left, w.transpose(1, 2)).transpose(0, 1).reshape({rows, -1}), wo_b);
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -234,6 +235,16 @@ class Attention(nn.Module):
             return fused[1]
         return rot.apply(self.kv_norm(self.wkv(x)))
 
+    def _fused_kernels(self, x: torch.Tensor, w_a: Linear, w_b: Linear | None) -> ModuleType | None:
+        """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) may run in them: 1..16
+        fp32 CPU rows, no autograd, dense weights, the kernels built and the rotation kernel checked; else None."""
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu or not 1 <= x.shape[0] <= 16:
+            return None
+        if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
+            return None
+        kernels = native.fp4_kernels()
+        return kernels if kernels is not None and kernels_agree("rope_rotate") else None
+
     def _project_rows(
         self, x: torch.Tensor, w_a: Linear, norm: RMSNorm, w_b: Linear | None, rot: Rotation
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -242,12 +253,8 @@ class Attention(nn.Module):
         same bits): for 1..16 fp32 CPU rows ``x`` [T, hidden] with no autograd, dense fp32 weights, and the norm
         and rotation kernels checked (`kvdiet.model.layers.kernels_agree`); else None (also where a kernel
         declines: a NaN)."""
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu or not 1 <= x.shape[0] <= 16:
-            return None
-        if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
-            return None
-        kernels = native.fp4_kernels()
-        if kernels is None or not (kernels_agree("rms_norm") and kernels_agree("rope_rotate")):
+        kernels = self._fused_kernels(x, w_a, w_b)
+        if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
             return None
         b_weight = None if w_b is None else w_b.weight
         return kernels.project_rows(
@@ -260,7 +267,18 @@ class Attention(nn.Module):
         return rot.apply(latent)
 
     def project_out(self, o: torch.Tensor, rot: Rotation) -> torch.Tensor:
-        """Undo the query rotation ``rot`` on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden]."""
+        """Undo the query rotation ``rot`` on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden].
+
+        A decode step's rows (1..16 contiguous fp32 CPU rows, dense fp32 weights, no autograd, the rotation
+        kernel checked) run in one compiled call (``project_out_rows``, ``formats/projection_kernels.cpp``: the
+        same calls in the same order, so the same bits)."""
+        kernels = self._fused_kernels(o, self.wo_a, self.wo_b)
+        if kernels is not None and o.is_contiguous():
+            out = kernels.project_out_rows(
+                o, rot.cis_inverse, rot.rope_dim, self.wo_a.weight, self.n_groups, self.wo_b.weight
+            )
+            if out is not None:  # else it does not fit, or a NaN
+                return out
         o = rot.apply(o.transpose(0, 1), inverse=True).transpose(0, 1)
         t, g = o.shape[0], self.n_groups
         o = o.reshape(t, g, -1)

@@ -170,6 +170,26 @@ def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.is_cpu and tuple(weight.shape) == (x.shape[0], 1)
 
 
+def _expert_row(x: torch.Tensor, experts: Sequence[Expert], weights: torch.Tensor) -> torch.Tensor | None:
+    """`MoE._one_row`'s output in one compiled call (``expert_row``, ``formats/expert_kernels.cpp``: `run_experts`'s
+    kernel, then the k slots summed as torch sums them and the shared expert added, so the same bits) for a row
+    ``x`` fp32 [1, hidden], ``experts`` (the k routed, then the shared) dense and fitting `gemv.applies_all`, routing
+    ``weights`` fp32 [1, k] on the CPU, k < 16, no autograd; else None."""
+    k = len(experts) - 1
+    if torch.is_grad_enabled() or not 1 <= k < 16 or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    if weights.dtype != torch.float32 or not weights.is_cpu or weights.shape != (1, k):
+        return None
+    dense = [e.dense_weights() for e in experts]
+    if not all(d is not None and gemv.applies_all(x, d) for d in dense):
+        return None
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        return None
+    w1s, w3s, w2s = ([d[j] for d in dense] for j in range(3))
+    return kernels.expert_row(x, w1s, w3s, w2s, weights, [e.swiglu_limit for e in experts])
+
+
 def run_experts(
     experts: Sequence[Expert], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor]:
@@ -274,6 +294,9 @@ class MoE(nn.Module):
         """
         experts, k = self._experts(), ids.shape[1]
         chosen = [experts[e] for e in ids[0].tolist()]
+        row = _expert_row(x, [*chosen, self.shared_experts], weights)
+        if row is not None:
+            return row
         slots = weights.split(1, dim=1)  # k views [1, 1], as weights[:, j : j + 1], in one call
         *routed, shared = run_experts([*chosen, self.shared_experts], [x] * (k + 1), [*slots, None])
         routed = torch.cat([as_dtype(out, x.dtype) for out in routed]).view(1, k, -1).sum(1)
