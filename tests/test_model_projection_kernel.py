@@ -98,3 +98,44 @@ def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monk
         assert attn._project_rows(x[:2], attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
     _, q = attn.project_q(x[:2], attn.rope.at(torch.arange(2)))  # autograd on: the modules keep the graph
     assert q.grad_fn is not None
+
+
+@pytest.fixture(scope="module")
+def indexed():
+    model, _ = load_model("v4.1-mini", seed=0)
+    attn = model.layers[2].attn  # a KV source: it owns an indexer
+    return attn, model.codecs.index_key
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("specials", [False, True])
+def test_index_queries_equal_the_module_path_bit_for_bit(indexed, monkeypatch, rows, specials):
+    from kvdiet.model.indexer import Indexer
+
+    attn, codec = indexed
+    gen = torch.Generator().manual_seed(50 + rows + 100 * specials)
+    qr = _rows(rows, attn.indexer.wq_b.in_features, gen, specials=False)
+    x = _rows(rows, attn.indexer.weights_proj.in_features, gen, specials=specials)
+    rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    with torch.no_grad():
+        fused = attn.indexer._fused_queries(qr, x, rot, codec)
+        got = attn.indexer.queries(qr, x, rot, codec)
+        with monkeypatch.context() as m:
+            m.setattr(Indexer, "_fused_queries", lambda *a: None)
+            want = attn.indexer.queries(qr, x, rot, codec)
+    assert fused is not None  # the compiled call ran
+    for g, w in zip((*got, *fused), (*want, *want), strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+        assert torch.equal(_bits(g), _bits(w))
+
+
+def test_index_queries_report_a_non_finite_query_as_before(indexed):
+    attn, codec = indexed
+    qr = torch.randn(2, attn.indexer.wq_b.in_features)
+    qr[1, 0] = math.inf
+    with torch.no_grad():
+        assert (
+            attn.indexer._fused_queries(qr, torch.randn(2, 256), attn.rope.at(torch.arange(2)), codec) is None
+        )
+        with pytest.raises(ValueError, match="mxfp4"):
+            attn.indexer.queries(qr, torch.randn(2, 256), attn.rope.at(torch.arange(2)), codec)

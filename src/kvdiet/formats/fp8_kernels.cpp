@@ -216,6 +216,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
   m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
   m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("index_query_rows", &index_query_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -74,8 +74,9 @@ _log = logging.getLogger(__name__)
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores``, ``select_topk``, ``block_max``,
     ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``, ``rms_norm``, ``hc_enter``,
-    ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``attend_rows``, ``encode_fp8``, ``decode_fp8``,
-    ``read_fp8_window``, and ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
+    ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
+    ``attend_rows``, ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads
+    they run on), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

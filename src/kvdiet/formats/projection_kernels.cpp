@@ -1,7 +1,8 @@
-// An attention layer's low-rank input projections of a few rows (a decode step's, one per request) in one call,
-// with the bits of Attention.project_q and Attention.project_window_kv (kvdiet/model/attention.py). Compiled after
-// gemv_kernels.cpp, rmsnorm_kernels.cpp and rope_kernels.cpp into the same module (their row_products, rms_norm
-// and rope_rotate are in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
+// An attention layer's projections of a few rows (a decode step's, one per request), each in one call, with the
+// bits of Attention.project_q, project_window_kv, project_out (kvdiet/model/attention.py) and Indexer.queries
+// (kvdiet/model/indexer.py). Compiled after fp4_kernels.cpp, gemv_kernels.cpp, rmsnorm_kernels.cpp and
+// rope_kernels.cpp into the same module (their encode_fp4, decode_fp4, row_products, rms_norm and rope_rotate are
+// in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // project_rows(x, w_a, norm_weight, norm_eps, w_b, heads, cis, rope_dim): x float32 [B, hidden] (1..16 rows, any
 //   layout), w_a float32 [R, hidden] and w_b float32 [heads·D, R] or None (contiguous), norm_weight float32 [R],
@@ -16,6 +17,14 @@
 //   Attention.project_out in its order: the inverse rotation rope_rotate(o transposed to [H, B, D]) transposed
 //   back, viewed [B, G, H·D/G]; grouped_product's one bmm of the same operand views (einsum's); reshaped
 //   [B, G·R]; row_products with wo_b.
+// index_query_rows(qr, wq_b, heads, cis, rope_dim, x, w_proj, scale, recipe, lo, hi, entry_bytes): the indexer's
+//   queries of Indexer.queries: qr float32 [B, R] (1..16 rows), wq_b float32 [heads·d, R], cis complex64
+//   [B, rope_dim/2], x float32 [B, hidden], w_proj float32 [heads, hidden] (contiguous), the index-key codec's
+//   recipe, scale-byte range and entry bytes -> (q float32 [B, heads, d], w float32 [B, heads]), or std::nullopt
+//   for any other input and wherever a step declines (rope_rotate: a NaN; encode_fp4: a non-finite value, which
+//   the Python path then reports): q = rope_rotate(row_products(qr, wq_b) viewed [B, heads, d], transposed as
+//   project_rows does) and its round trip through the codec (encode_fp4 then decode_fp4 of the rows, as
+//   Codec.roundtrip runs them); w = row_products(x, w_proj) · float(scale), one IEEE multiply each.
 //   Why: in Python each step is a module call (Linear, RMSNorm, Rotation.apply: some 15 µs of dispatch each here)
 //   around a kernel call; these are one call for the three to five.
 
@@ -61,4 +70,34 @@ std::optional<at::Tensor> project_out_rows(const at::Tensor& o, const at::Tensor
   const at::Tensor w = wo_a.view({groups, -1, width / groups});
   const at::Tensor left = rows == 1 ? grouped.view({groups, 1, width / groups}) : grouped.transpose(0, 1);
   return row_products(at::bmm(left, w.transpose(1, 2)).transpose(0, 1).reshape({rows, -1}), wo_b);
+}
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> index_query_rows(
+    const at::Tensor& qr, const at::Tensor& wq_b, int64_t heads, const at::Tensor& cis, int64_t rope_dim,
+    const at::Tensor& x, const at::Tensor& w_proj, double scale, int64_t recipe, int64_t lo, int64_t hi,
+    int64_t entry_bytes) {
+  for (const at::Tensor* w : {&wq_b, &w_proj})
+    if (!w->device().is_cpu() || w->scalar_type() != at::kFloat || w->dim() != 2 || !w->is_contiguous() ||
+        w->is_neg())
+      return {};
+  for (const at::Tensor* t : {&qr, &x})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->dim() != 2 || t->is_neg()) return {};
+  const int64_t rows = qr.size(0);
+  if (rows < 1 || rows > 16 || x.size(0) != rows || qr.size(1) != wq_b.size(1) || x.size(1) != w_proj.size(1) ||
+      heads < 1 || wq_b.size(0) % heads || w_proj.size(0) != heads || entry_bytes < 1)
+    return {};
+  const at::Tensor q = row_products(qr, wq_b).view({rows, heads, -1});
+  const std::optional<at::Tensor> rotated = rope_rotate(q.transpose(0, 1), cis, rope_dim);
+  if (!rotated.has_value()) return {};
+  const int64_t dim = q.size(2);
+  const at::Tensor values = rotated->transpose(0, 1).reshape({-1, dim}).contiguous();
+  at::Tensor packed = at::empty({values.size(0), entry_bytes}, values.options().dtype(at::kByte));
+  if (encode_fp4(values, recipe, packed) >= 0) return {};
+  at::Tensor out = at::empty({values.size(0), dim}, values.options());
+  if (decode_fp4(packed, recipe, lo, hi, out) >= 0) return {};
+  at::Tensor w = row_products(x, w_proj);
+  float* wp = w.mutable_data_ptr<float>();
+  const float factor = static_cast<float>(scale);
+  for (int64_t i = 0; i < w.numel(); ++i) wp[i] = wp[i] * factor;
+  return std::make_tuple(out.view({rows, heads, dim}), w);
 }
