@@ -388,36 +388,48 @@ def test_router_kernel_declines_what_it_does_not_fit(micro):
 
 
 @pytest.mark.parametrize("topk", [1, 2, 3, 6, 8])
-def test_one_row_kernel_gives_the_torch_ops_bits(micro, topk, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("hidden", [64, 80])
+def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monkeypatch):
+    """Decode rows of one or many requests through ``expert_groups`` = `run_experts` on the Python groups and
+    torch's slot sum, bit for bit; expert outputs of very different sizes make the slot order show. Hidden 80:
+    torch sums the last 16 columns of more than 4 slots in interleaved partial sums, not one at a time."""
     import kvdiet.model.moe as moe_module
 
-    cfg = micro.replace(n_routed_experts=8, num_experts_per_tok=topk)
-    torch.manual_seed(10 + topk)
+    cfg = micro.replace(n_routed_experts=8, num_experts_per_tok=topk, hidden_size=hidden)
+    torch.manual_seed(10 + topk + rows)
     moe = MoE(cfg)
     calls = []
-    kernel = moe_module._expert_row
-    monkeypatch.setattr(moe_module, "_expert_row", lambda *a: calls.append(1) or kernel(*a))
+    kernel = moe_module._expert_groups
+    monkeypatch.setattr(moe_module, "_expert_groups", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
-        for e, expert in enumerate(moe.experts):  # outputs of very different sizes: the slot order shows
+        for e, expert in enumerate(moe.experts):
             expert.w2.weight.mul_(10.0 ** (3 * (e % 4) - 4))
-        for seed in range(4):
-            x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed)) * 3
-            got = moe(x)
+        for seed in range(3):
+            x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)) * 3
+            got = moe(x, padded=True)
             with monkeypatch.context() as m:
-                m.setattr(moe_module, "_expert_row", lambda *a: None)  # run_experts and torch's sum
-                want = moe(x)
+                m.setattr(moe_module, "_expert_groups", lambda *a: None)  # run_experts and torch's sum
+                want = moe(x, padded=True)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert len(calls) == 4  # every row went to the kernel
-    assert kernel(torch.randn(2, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(2, topk)) is None
-    assert (
-        kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk).double())
-        is None
-    )
+        # a row naming one expert twice, and an expert taking every row
+        ids = torch.zeros(rows, topk, dtype=torch.int64)
+        ids[:, 1:] = torch.arange(1, topk) if topk > 1 else ids[:, 1:]
+        ids[0, -1] = 0
+        weights = torch.rand(rows, topk, generator=torch.Generator().manual_seed(9))
+        got = moe._routed_grouped(x, weights, ids)
+        with monkeypatch.context() as m:
+            m.setattr(moe_module, "_expert_groups", lambda *a: None)
+            want = moe._routed_grouped(x, weights, ids)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # every call went to the kernel, but a group of more than 16 pairs (expert 0 of 16 rows naming it twice)
+    assert len(calls) == 3 + int(torch.bincount(ids.flatten()).max() <= 16)
+    ids, weights = ids[:8], weights[:8]  # at most 16 pairs per expert
+    used = sorted(set(ids.flatten().tolist()))
+    args = (used, [moe.experts[e] for e in used], moe.shared_experts)
+    x = x[: len(ids)]
+    assert kernel(x, weights, ids, *args) is None  # autograd on
     with torch.no_grad():
-        assert (
-            kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk))
-            is not None
-        )
-    assert (
-        kernel(torch.randn(1, 64), [*moe.experts[:topk], moe.shared_experts], torch.rand(1, topk)) is None
-    )  # grad
+        assert kernel(x, weights.double(), ids, *args) is None
+        assert kernel(x.double(), weights, ids, *args) is None
+        assert kernel(x, weights, ids, *args) is not None

@@ -205,7 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_products", &row_products, py::call_guard<py::gil_scoped_release>());
   m.def("row_products_each", &row_products_each, py::call_guard<py::gil_scoped_release>());
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
-  m.def("expert_row", &expert_row, py::call_guard<py::gil_scoped_release>());
+  m.def("expert_groups", &expert_groups, py::call_guard<py::gil_scoped_release>());
   m.def("route_rows", &route_rows, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());

@@ -258,7 +258,7 @@ class Attention(nn.Module):
             return None
         b_weight = None if w_b is None else w_b.weight
         return kernels.project_rows(
-            x, w_a.weight, norm.weight, norm.eps, b_weight, self.n_heads, rot.cis, rot.rope_dim
+            x, w_a.weight, norm.weight, norm.eps, b_weight, self.n_heads, self.head_dim, rot.cis, rot.rope_dim
         )
 
     def compressed_entries(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:

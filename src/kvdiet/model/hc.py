@@ -26,6 +26,7 @@ from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, wide
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
 
 __all__ = [
+    "KERNEL_ROWS",
     "HcWeights",
     "add_sublayer_hc",
     "hc_coefficients",
@@ -49,6 +50,9 @@ def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
         block.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
     block.hc_weights = {}
 
+
+KERNEL_ROWS = 16
+"""The most rows ``hc_enter`` and ``hc_expand_rows`` take (``kHcRowsMax``: a batched decode step's)."""
 
 _NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
 
@@ -78,7 +82,7 @@ def sublayer_entry(
     ``x = norm(hc_collapse(h, collapse_pre))`` (``collapse_pre`` [T, hc]: the pre-mix that feeds this sublayer,
     v41-spec §8.1) and its own `sublayer_coefficients` ``(pre, post, comb)``, the same values bit for bit.
 
-    Where it applies (fp32 streams of at most `MAX_MIX_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
+    Where it applies (fp32 streams of at most `KERNEL_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
     step's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``, which runs `hc_mix`'s
     kernel itself; its bits are checked against these functions once per process,
     `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
@@ -91,7 +95,7 @@ def sublayer_entry(
         not torch.is_grad_enabled()
         and h.dtype == torch.float32
         and h.dim() == 3
-        and h.shape[0] <= MAX_MIX_ROWS
+        and h.shape[0] <= KERNEL_ROWS
     ):
         kernels, mix = _entry_kernels()
         entered = None
@@ -313,10 +317,10 @@ def hc_expand(
     Returns:
         fp32 [..., T, hc, hidden].
 
-    fp32 CPU rows (at most 16, no autograd: a decode step's) run in one compiled call (``hc_expand_rows``,
+    fp32 CPU rows (at most `KERNEL_ROWS`, no autograd: a decode step's) run in one compiled call (``hc_expand_rows``,
     ``formats/hc_kernels.cpp``: the same ``bmm``, then each element's multiply and add), with the same bits.
     """
-    if not torch.is_grad_enabled() and residual.dim() == 3 and residual.shape[0] <= MAX_MIX_ROWS:
+    if not torch.is_grad_enabled() and residual.dim() == 3 and residual.shape[0] <= KERNEL_ROWS:
         kernels = native.fp4_kernels()
         out = None if kernels is None else kernels.hc_expand_rows(x, residual, post, comb)
         if out is not None:

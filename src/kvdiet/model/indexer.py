@@ -19,7 +19,7 @@ from torch import nn
 
 from kvdiet.formats import native
 from kvdiet.formats.codec import Codec
-from kvdiet.formats.mxfp4 import INDEX_KEY, encode_index_key
+from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype, kernels_agree
 from kvdiet.model.linear import Linear
 
@@ -82,8 +82,10 @@ class Indexer(nn.Module):
         self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`queries` in one ``index_query_rows`` call where it applies (see `queries`), else None."""
-        if torch.is_grad_enabled() or codec.encode is not encode_index_key or not 1 <= qr.shape[0] <= 16:
+        if torch.is_grad_enabled() or not 1 <= qr.shape[0] <= 16:
             return None
+        if codec.encode is not encode_index_key or codec.decode is not decode_index_key:
+            return None  # another codec (exact mode) rounds otherwise
         if qr.dtype != torch.float32 or x.dtype != torch.float32 or not (qr.is_cpu and x.is_cpu):
             return None
         if self.wq_b.storage != "dense" or self.weights_proj.storage != "dense":
@@ -93,6 +95,6 @@ class Indexer(nn.Module):
             return None
         lo, hi = INDEX_KEY.scale_bytes
         return kernels.index_query_rows(
-            qr, self.wq_b.weight, self.n_heads, rot.cis, rot.rope_dim, x, self.weights_proj.weight,
+            qr, self.wq_b.weight, self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x, self.weights_proj.weight,
             self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
         )  # fmt: skip
