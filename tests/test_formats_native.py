@@ -415,3 +415,29 @@ def test_fp8_window_read_of_a_negative_view_and_under_another_default_dtype() ->
     finally:
         torch.set_default_dtype(default)
     assert got[0].dtype == torch.float32 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fp8_decode_keeps_e4m3_subnormal_codes_under_flush_denormal() -> None:
+    """The vector decode widens E4M3 codes through fp16, where the E4M3 subnormals are fp16 subnormals:
+    ``torch.set_flush_denormal(True)`` (FTZ/DAZ on the calling thread; one thread so the kernel runs there) must
+    not zero them. Every code under every scale byte the window recipe writes decodes as without it, on both
+    paths, and the subnormal codes stay nonzero."""
+    lo, hi = fp8.SCALE_BYTES
+    packed = _every_code_under(torch.arange(lo, hi + 1, dtype=torch.uint8), 512)
+    want = _dequantize_reference(packed, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.set_flush_denormal(True), "this CPU cannot flush denormals"
+        compiled = fp8.decode_window(packed)
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv(native.ENV, "0")
+            pure = fp8.decode_window(packed)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    for got in (compiled, pure):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    codes = packed[:, :512].reshape(-1)
+    subnormal = ((codes & 0x78) == 0) & ((codes & 0x07) != 0)  # exponent 0, mantissa not 0
+    assert subnormal.any() and (compiled.reshape(-1)[subnormal] != 0).all()

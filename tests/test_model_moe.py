@@ -326,3 +326,110 @@ def test_a_few_rows_per_expert_run_as_one_padded_batch(micro):
         moe.experts[1].w3.set_weight(w.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
         moe(x, padded=True)
     assert sorted(set(calls)) == [0, 1, 2, 3]
+
+
+def _router_inputs(rows: int, experts: int, seed: int):
+    """Router inputs with every hard case: equal scores (identical weight rows), a bias that ties them again, NaN
+    rows and columns, ±inf, −0.0, subnormal and huge values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 64, generator=g) * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=g).float()
+    weight = torch.randn(experts, 64, generator=g)
+    weight[1] = weight[0]  # experts 0 and 1 always score the same
+    weight[experts - 1] = 0.0  # softplus(0) for every row: ties with the bias below
+    bias = torch.zeros(experts)
+    bias[2] = math.log(2.0) ** 0.5 - 0.5  # nudges expert 2 near expert E−1's sqrt(log 2)
+    specials = [math.nan, math.inf, -math.inf, -0.0, 1e-40, 3e38]
+    for i in range(min(rows, len(specials))):
+        x[i, i] = specials[i]  # a NaN row, ±inf rows (inf · 0 = NaN for expert E−1), ...
+    if rows > 1:
+        weight[3, 5] = math.nan  # a NaN expert for every row
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("topk", [1, 2, 3, 8])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_kernel_gives_the_torch_ops_bits(rows, topk, normalize, monkeypatch):
+    from kvdiet.model.moe import Gate
+
+    kernels = native.fp4_kernels()
+    assert kernels is not None, "the compiled kernels did not build"
+    gate = Gate(64, 8, topk, norm_topk_prob=normalize, routed_scaling_factor=1.5)
+    x, weight, bias = _router_inputs(rows, 8, 100 * rows + topk)
+    with torch.no_grad():
+        gate.weight.copy_(weight)
+        gate.bias.copy_(bias)
+        direct = kernels.route_rows(x, gate.weight, gate.bias, topk, normalize, 1.5)
+        got = gate(x)
+        monkeypatch.setenv(native.ENV, "0")  # the torch ops
+        want = gate(x)
+    assert direct is not None
+    for g in (got, direct):
+        assert torch.equal(g[1], want[1]) and g[1].dtype == torch.int64
+        assert g[0].dtype == torch.float32 and torch.equal(g[0].view(torch.int32), want[0].view(torch.int32))
+    assert want[0].isnan().any()  # the NaN cases are reached
+
+
+def test_router_kernel_declines_what_it_does_not_fit(micro):
+    from kvdiet.model.moe import Gate
+
+    kernels = native.fp4_kernels()
+    x, w, b = torch.randn(3, 64), torch.randn(8, 64), torch.randn(8)
+    assert kernels.route_rows(x, w, b, 2, True, 1.5) is not None
+    assert kernels.route_rows(torch.randn(17, 64), w, b, 2, True, 1.5) is None
+    assert kernels.route_rows(x.double(), w.double(), b.double(), 2, True, 1.5) is None
+    assert kernels.route_rows(x, w, b, 0, True, 1.5) is None
+    assert kernels.route_rows(x, w, b, 9, True, 1.5) is None
+    assert kernels.route_rows(x, w, b[:7], 2, True, 1.5) is None
+    assert kernels.route_rows(torch._neg_view(x), w, b, 2, True, 1.5) is None
+    gate = Gate(64, 8, 2, norm_topk_prob=True, routed_scaling_factor=1.5)
+    weights, _ = gate(x)  # autograd on: the torch ops, which keep the graph
+    assert weights.grad_fn is not None
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, 6, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("hidden", [64, 80])
+def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monkeypatch):
+    """Decode rows of one or many requests through ``expert_groups`` = `run_experts` on the Python groups and
+    torch's slot sum, bit for bit; expert outputs of very different sizes make the slot order show. Hidden 80:
+    torch sums the last 16 columns of more than 4 slots in interleaved partial sums, not one at a time."""
+    import kvdiet.model.moe as moe_module
+
+    cfg = micro.replace(n_routed_experts=8, num_experts_per_tok=topk, hidden_size=hidden)
+    torch.manual_seed(10 + topk + rows)
+    moe = MoE(cfg)
+    calls = []
+    kernel = moe_module._expert_groups
+    monkeypatch.setattr(moe_module, "_expert_groups", lambda *a: calls.append(1) or kernel(*a))
+    with torch.no_grad():
+        for e, expert in enumerate(moe.experts):
+            expert.w2.weight.mul_(10.0 ** (3 * (e % 4) - 4))
+        for seed in range(3):
+            x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)) * 3
+            got = moe(x, padded=True)
+            with monkeypatch.context() as m:
+                m.setattr(moe_module, "_expert_groups", lambda *a: None)  # run_experts and torch's sum
+                want = moe(x, padded=True)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        # a row naming one expert twice, and an expert taking every row
+        ids = torch.zeros(rows, topk, dtype=torch.int64)
+        ids[:, 1:] = torch.arange(1, topk) if topk > 1 else ids[:, 1:]
+        ids[0, -1] = 0
+        weights = torch.rand(rows, topk, generator=torch.Generator().manual_seed(9))
+        got = moe._routed_grouped(x, weights, ids)
+        with monkeypatch.context() as m:
+            m.setattr(moe_module, "_expert_groups", lambda *a: None)
+            want = moe._routed_grouped(x, weights, ids)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # every call went to the kernel, but a group of more than 16 pairs (expert 0 of 16 rows naming it twice)
+    assert len(calls) == 3 + int(torch.bincount(ids.flatten()).max() <= 16)
+    ids, weights = ids[:8], weights[:8]  # at most 16 pairs per expert
+    used = sorted(set(ids.flatten().tolist()))
+    args = (used, [moe.experts[e] for e in used], moe.shared_experts)
+    x = x[: len(ids)]
+    assert kernel(x, weights, ids, *args) is None  # autograd on
+    with torch.no_grad():
+        assert kernel(x, weights.double(), ids, *args) is None
+        assert kernel(x.double(), weights, ids, *args) is None
+        assert kernel(x, weights, ids, *args) is not None

@@ -12,6 +12,17 @@
 //   Why: a one-request decode step of v4.1-mini runs 3 experts in each of 40 layers, and the Python around
 //   the two product calls (the outputs' allocation, five activation ops per expert) cost as much as the
 //   products themselves.
+// expert_groups(x, ids, weights, experts, w1s, w3s, w2s, limits): rows x float32 [T, hidden] (1..16), each naming k
+//   experts ids int64 [T, k] with routing weights float32 [T, k]; experts: the used expert ids in increasing order,
+//   w1s/w3s/w2s/limits theirs, then the shared expert's -> float32 [T, hidden]: MoE._routed_grouped's decode rows.
+//   The (row, slot) pairs grouped by expert, in increasing expert id, each group's pairs in increasing (row, slot)
+//   order (torch.argsort(stable=True) of the flattened ids); each group's rows gathered and its weights [n, 1],
+//   every group and the shared expert (all T rows) through expert_rows; the outputs put back in (row, slot) order
+//   as one contiguous [T, k, hidden] tensor and summed over k by torch's own at::sum (its order depends on k and
+//   on the column's place in its vector loop, so it is called, not repeated), plus the shared output (one IEEE
+//   add). MoE._one_row's row is the case T = 1. The same tensors reach expert_rows and at::sum as in Python, so
+//   the same bits; std::nullopt where an output is NaN (where two NaNs meet in the add, which one torch keeps is
+//   its loop's). Throws on an id not in experts, a group of more than 16 rows, or k >= 16 (MoE checks first).
 
 std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::Tensor> w1s,
                                     std::vector<at::Tensor> w3s, std::vector<at::Tensor> w2s,
@@ -47,4 +58,50 @@ std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::
   }
   row_products_each(acts, w2s, outs);
   return outs;
+}
+
+std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                         std::vector<int64_t> experts, std::vector<at::Tensor> w1s, std::vector<at::Tensor> w3s,
+                         std::vector<at::Tensor> w2s, std::vector<double> limits) {
+  const int64_t used = static_cast<int64_t>(experts.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 16, "expert_groups: x [T, hidden], 1..16 rows");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
+              "expert_groups: ids int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat, "expert_groups: weights [T, k]");
+  TORCH_CHECK(static_cast<int64_t>(w1s.size()) == used + 1, "expert_groups: the used experts' weights, then the shared");
+  const int64_t rows = x.size(0), k = ids.size(1);
+  TORCH_CHECK(k >= 1 && k < 16, "expert_groups: 1..15 slots");
+  const at::Tensor id = ids.contiguous(), w = weights.contiguous().view({-1, 1}), xs = x.contiguous();
+  const int64_t* ip = id.const_data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(used);  // each used expert's (row, slot) pairs, in order
+  for (int64_t p = 0; p < rows * k; ++p) {
+    const auto it = std::lower_bound(experts.begin(), experts.end(), ip[p]);
+    TORCH_CHECK(it != experts.end() && *it == ip[p], "expert_groups: expert ", ip[p], " is not among the used");
+    pairs[it - experts.begin()].push_back(p);
+  }
+  std::vector<at::Tensor> inputs;
+  std::vector<c10::optional<at::Tensor>> slots;
+  for (int64_t g = 0; g < used; ++g) {
+    TORCH_CHECK(!pairs[g].empty() && pairs[g].size() <= 16, "expert_groups: a used expert takes 1..16 pairs");
+    const at::Tensor p = at::tensor(pairs[g], id.options());
+    inputs.push_back(xs.index_select(0, at::floor_divide(p, k)));
+    slots.push_back(w.index_select(0, p));
+  }
+  inputs.push_back(xs);
+  slots.push_back(c10::nullopt);
+  const std::vector<at::Tensor> outs =
+      expert_rows(inputs, std::move(w1s), std::move(w3s), std::move(w2s), slots, limits);
+  const int64_t hidden = outs[used].size(1);
+  at::Tensor slot_outs = at::empty({rows, k, hidden}, outs[used].options());  // (row, slot) order
+  float* sp = slot_outs.mutable_data_ptr<float>();
+  for (int64_t g = 0; g < used; ++g)
+    for (size_t i = 0; i < pairs[g].size(); ++i)
+      std::memcpy(sp + pairs[g][i] * hidden, outs[g].const_data_ptr<float>() + i * hidden, hidden * sizeof(float));
+  at::Tensor out = at::sum(slot_outs, {1});
+  float* op = out.mutable_data_ptr<float>();
+  const float* shared = outs[used].const_data_ptr<float>();
+  for (int64_t i = 0; i < rows * hidden; ++i) op[i] = op[i] + shared[i];
+  for (int64_t i = 0; i < rows * hidden; ++i)
+    if (op[i] != op[i]) return {};
+  return out;
 }

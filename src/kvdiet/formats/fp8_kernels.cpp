@@ -205,11 +205,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_products", &row_products, py::call_guard<py::gil_scoped_release>());
   m.def("row_products_each", &row_products_each, py::call_guard<py::gil_scoped_release>());
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("expert_groups", &expert_groups, py::call_guard<py::gil_scoped_release>());
+  m.def("route_rows", &route_rows, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("hc_enter", &hc_enter, py::call_guard<py::gil_scoped_release>());
+  m.def("hc_expand_rows", &hc_expand_rows, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
+  m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("index_query_rows", &index_query_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -16,7 +16,7 @@ from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo
 from kvdiet.model.attention import Attention
 from kvdiet.model.engram import Engram
-from kvdiet.model.hc import add_sublayer_hc, hc_collapse, hc_expand, sublayer_coefficients
+from kvdiet.model.hc import add_sublayer_hc, hc_expand, sublayer_coefficients, sublayer_entry
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.moe import MoE
 
@@ -40,11 +40,18 @@ class Block(nn.Module):
         """mHC ``(pre, post, comb)`` of the ``attn`` or ``ffn`` sublayer for streams ``h`` [T, hc, hidden]."""
         return sublayer_coefficients(self, self.cfg, h, part)
 
+    def entry(
+        self, h: torch.Tensor, part: str, collapse_pre: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ``attn`` or ``ffn`` sublayer's normed input from streams ``h`` [T, hc, hidden] collapsed by
+        ``collapse_pre`` [T, hc], and its mHC ``(pre, post, comb)`` (`kvdiet.model.hc.sublayer_entry`)."""
+        norm = self.attn_norm if part == "attn" else self.ffn_norm
+        return sublayer_entry(self, self.cfg, h, part, collapse_pre, norm)
+
     def ffn_half(
         self, h: torch.Tensor, attn_pre: torch.Tensor, *, decode_step: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FFN sublayer: returns ``(new streams, this FFN's pre)``. ``decode_step``: the rows are a batched
         decode step's, one per request (the MoE may pad its groups: `MoE.forward`)."""
-        pre, post, comb = self.coefficients(h, "ffn")
-        out = self.ffn(self.ffn_norm(hc_collapse(h, attn_pre)), padded=decode_step)
-        return hc_expand(out, h, post, comb), pre
+        x, pre, post, comb = self.entry(h, "ffn", attn_pre)
+        return hc_expand(self.ffn(x, padded=decode_step), h, post, comb), pre

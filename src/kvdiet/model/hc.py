@@ -15,15 +15,18 @@ Source: v41-spec §8.1a (DeepSeek's V4.1 reference ``hc_pre`` / ``hc_post`` and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.layers import as_dtype, constant, widen
-from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, softmax_sinkhorn
+from kvdiet.formats import native
+from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
+from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
 
 __all__ = [
+    "KERNEL_ROWS",
     "HcWeights",
     "add_sublayer_hc",
     "hc_coefficients",
@@ -32,6 +35,7 @@ __all__ = [
     "hc_init_streams",
     "hc_initial_pre",
     "sublayer_coefficients",
+    "sublayer_entry",
 ]
 
 
@@ -46,6 +50,9 @@ def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
         block.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
     block.hc_weights = {}
 
+
+KERNEL_ROWS = 16
+"""The most rows ``hc_enter`` and ``hc_expand_rows`` take (``kHcRowsMax``: a batched decode step's)."""
 
 _NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
 
@@ -63,21 +70,70 @@ def sublayer_coefficients(
     ``.data``) are not seen. Parameters that are inference tensors (made under ``torch.inference_mode``) are
     laid out on every call, not cached.
     """
+    return _sublayer_weights(block, cfg, h, part).coefficients(
+        h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
+    )
+
+
+def sublayer_entry(
+    block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str, collapse_pre: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the ``attn`` or ``ffn`` sublayer of ``block`` takes from streams ``h`` [T, hc, hidden]: its input
+    ``x = norm(hc_collapse(h, collapse_pre))`` (``collapse_pre`` [T, hc]: the pre-mix that feeds this sublayer,
+    v41-spec §8.1) and its own `sublayer_coefficients` ``(pre, post, comb)``, the same values bit for bit.
+
+    Where it applies (fp32 streams of at most `KERNEL_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
+    step's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``, which runs `hc_mix`'s
+    kernel itself; its bits are checked against these functions once per process,
+    `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
+
+    Returns:
+        (x fp32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]).
+    """
+    weights = _sublayer_weights(block, cfg, h, part)
+    if (
+        not torch.is_grad_enabled()
+        and h.dtype == torch.float32
+        and h.dim() == 3
+        and h.shape[0] <= KERNEL_ROWS
+    ):
+        kernels, mix = _entry_kernels()
+        entered = None
+        if kernels is not None and mix is not None and weights.dtype == torch.float32:
+            entered = kernels.hc_enter(
+                h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm.weight, norm.eps,
+                cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix,
+            )  # fmt: skip
+        if entered is not None:
+            return entered
+    return norm(hc_collapse(h, collapse_pre)), *weights.coefficients(
+        h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
+    )
+
+
+def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
+    """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, its bits
+    and rms_norm's checked), else (None, None)."""
+    kernels = native.fp4_kernels()
+    if kernels is None or not (kernels_agree("rms_norm") and kernels_agree("hc_enter")):
+        return None, None
+    return kernels, hc_mix_address()
+
+
+def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
+    """The `HcWeights` of ``block``'s ``part`` sublayer for streams ``h``, kept as `sublayer_coefficients` says."""
     fn_name, scale_name, base_name = _NAMES[part]
     params = block._parameters
     fn, scale, base = params[fn_name], params[scale_name], params[base_name]
     # the cached tensors are detached: gradients need the parameters themselves; inference tensors keep no
     # version counter, so an in-place write could not be seen
     if torch.is_grad_enabled() or fn.is_inference() or scale.is_inference() or base.is_inference():
+        return HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
+    weights = block.hc_weights.get(part)
+    if weights is None or not weights.current(fn, scale, base, _compute_dtype(h)):
         weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
-    else:
-        weights = block.hc_weights.get(part)
-        if weights is None or not weights.current(fn, scale, base, _compute_dtype(h)):
-            weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
-            block.hc_weights[part] = weights
-    return weights.coefficients(
-        h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
-    )
+        block.hc_weights[part] = weights
+    return weights
 
 
 def hc_coefficients(
@@ -260,7 +316,15 @@ def hc_expand(
         post: [..., T, hc]; comb: [..., T, hc, hc].
     Returns:
         fp32 [..., T, hc, hidden].
+
+    fp32 CPU rows (at most `KERNEL_ROWS`, no autograd: a decode step's) run in one compiled call (``hc_expand_rows``,
+    ``formats/hc_kernels.cpp``: the same ``bmm``, then each element's multiply and add), with the same bits.
     """
+    if not torch.is_grad_enabled() and residual.dim() == 3 and residual.shape[0] <= KERNEL_ROWS:
+        kernels = native.fp4_kernels()
+        out = None if kernels is None else kernels.hc_expand_rows(x, residual, post, comb)
+        if out is not None:
+            return out
     residual = widen(residual)
     dt = residual.dtype
     comb_t = as_dtype(comb, dt).transpose(-1, -2)

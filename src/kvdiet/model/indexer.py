@@ -17,8 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvdiet.formats import native
 from kvdiet.formats.codec import Codec
-from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
+from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
+from kvdiet.model.layers import RMSNorm, Rotation, as_dtype, kernels_agree
 from kvdiet.model.linear import Linear
 
 __all__ = ["Indexer"]
@@ -57,10 +59,42 @@ class Indexer(nn.Module):
         self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q fp32 [T, H, d] after RoPE and the MXFP4 round trip, w fp32 [T, H])`` for rows at the positions
-        of ``rot`` (the layer's ``rope.at(positions [T])``)."""
+        of ``rot`` (the layer's ``rope.at(positions [T])``).
+
+        A decode step's rows (1..16 fp32 CPU rows, no autograd, dense weights, the packed MXFP4 codec, the
+        rotation kernel checked) run in one compiled call (``index_query_rows``, ``formats/projection_kernels.cpp``:
+        the same kernel calls in the same order, so the same bits).
+
+        Raises:
+            ValueError: a non-finite query (the codec's encode).
+        """
+        fused = self._fused_queries(qr, x, rot, codec)
+        if fused is not None:
+            return fused
         t = qr.shape[0]
         q = as_dtype(self.wq_b(qr), torch.float32).view(t, self.n_heads, self.index_head_dim)
         q = rot.apply(q.transpose(0, 1)).transpose(0, 1)
         q = codec.roundtrip(q)
         w = as_dtype(self.weights_proj(x), torch.float32) * self.softmax_scale
         return q, w
+
+    def _fused_queries(
+        self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`queries` in one ``index_query_rows`` call where it applies (see `queries`), else None."""
+        if torch.is_grad_enabled() or not 1 <= qr.shape[0] <= 16:
+            return None
+        if codec.encode is not encode_index_key or codec.decode is not decode_index_key:
+            return None  # another codec (exact mode) rounds otherwise
+        if qr.dtype != torch.float32 or x.dtype != torch.float32 or not (qr.is_cpu and x.is_cpu):
+            return None
+        if self.wq_b.storage != "dense" or self.weights_proj.storage != "dense":
+            return None
+        kernels = native.fp4_kernels()
+        if kernels is None or not kernels_agree("rope_rotate"):
+            return None
+        lo, hi = INDEX_KEY.scale_bytes
+        return kernels.index_query_rows(
+            qr, self.wq_b.weight, self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x, self.weights_proj.weight,
+            self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
+        )  # fmt: skip

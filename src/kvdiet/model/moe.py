@@ -88,12 +88,21 @@ class Gate(nn.Module):
         expert ids int64 [T, k]).
 
         Ties in ``scores + bias`` go to the lowest expert index (a stable descending sort), so the choice
-        never depends on ``torch.topk``'s unspecified tie order or on the thread count.
+        never depends on ``torch.topk``'s unspecified tie order or on the thread count. A decode step's rows
+        (`kvdiet.model.gemv.applies`: 1..16 fp32 rows on the CPU, no autograd) of a top-k router run in one
+        compiled call (``route_rows``, ``formats/router_kernels.cpp``), with the same bits (ids contiguous).
 
         Raises:
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
+        if self.tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, self.weight):
+            kernels = native.fp4_kernels()
+            routed = None if kernels is None else kernels.route_rows(
+                x, self.weight, self.bias, self.topk, self.norm_topk_prob, self.routed_scaling_factor
+            )  # fmt: skip
+            if routed is not None:
+                return routed
         dt = x.dtype
         scores = torch.sqrt(F.softplus(x @ as_dtype(self.weight, dt).T))  # [T, E]
         if self.tid2eid is not None:
@@ -159,6 +168,37 @@ def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether ``expert_rows`` takes routing weights ``weight`` for rows ``x`` as they are: fp32 [M, 1] on the CPU
     (other dtypes or shapes would promote or broadcast differently in torch's ``weight * act``)."""
     return weight.dtype == torch.float32 and weight.is_cpu and tuple(weight.shape) == (x.shape[0], 1)
+
+
+def _expert_groups(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    used: list[int],
+    modules: Sequence[Expert],
+    shared: Expert,
+) -> torch.Tensor | None:
+    """`MoE._routed_grouped`'s (and `MoE._one_row`'s) decode rows in one compiled call (``expert_groups``,
+    ``formats/expert_kernels.cpp``: the same groups through `run_experts`'s kernel, the k slots summed by torch's
+    own sum of the same [T, k, hidden] tensor, the shared expert added, so the same bits), for rows ``x`` fp32
+    [T, hidden] naming
+    experts ``ids`` int64 [T, k] (``used``: the ids named, increasing, at most 16 pairs each; ``modules``: those
+    experts, already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16, every used expert and
+    ``shared`` dense and fitting `gemv.applies_all`, no autograd; else None (also where an output is NaN)."""
+    k = ids.shape[1]
+    if torch.is_grad_enabled() or not 1 <= k < 16 or x.dim() != 2:
+        return None
+    if weights.dtype != torch.float32 or not weights.is_cpu or weights.shape != ids.shape:
+        return None
+    group = [*modules, shared]
+    dense = [e.dense_weights() for e in group]
+    if not all(d is not None and gemv.applies_all(x, d) for d in dense):
+        return None
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        return None
+    w1s, w3s, w2s = ([d[j] for d in dense] for j in range(3))
+    return kernels.expert_groups(x, ids, weights, used, w1s, w3s, w2s, [e.swiglu_limit for e in group])
 
 
 def run_experts(
@@ -264,7 +304,13 @@ class MoE(nn.Module):
         x: [1, hidden]; weights [1, k]; ids int64 [1, k] -> [1, hidden] in x's dtype.
         """
         experts, k = self._experts(), ids.shape[1]
-        chosen = [experts[e] for e in ids[0].tolist()]
+        id_list = ids[0].tolist()
+        chosen = [experts[e] for e in id_list]  # each expert fetched once (a lazily read one is loaded here)
+        by_id = dict(zip(id_list, chosen, strict=True))
+        used = sorted(by_id)
+        row = _expert_groups(x, weights, ids, used, [by_id[e] for e in used], self.shared_experts)
+        if row is not None:
+            return row
         slots = weights.split(1, dim=1)  # k views [1, 1], as weights[:, j : j + 1], in one call
         *routed, shared = run_experts([*chosen, self.shared_experts], [x] * (k + 1), [*slots, None])
         routed = torch.cat([as_dtype(out, x.dtype) for out in routed]).view(1, k, -1).sum(1)
@@ -282,24 +328,29 @@ class MoE(nn.Module):
         num_tokens, k = ids.shape
         experts = self._experts()
         flat_ids = ids.flatten()  # (token, slot) pairs, token-major
-        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
         decode_rows = max(counts) <= gemv.ROWS_MAX and num_tokens <= gemv.ROWS_MAX and x.device.type == "cpu"
-        if padded and not decode_rows and self.n_routed_experts * max(counts) <= _PADDING * order.numel():
+        if padded and not decode_rows and self.n_routed_experts * max(counts) <= _PADDING * flat_ids.numel():
             stacked = self._stacked_weights(x.dtype)
             if stacked is not None:
+                order = torch.argsort(flat_ids, stable=True)
                 return self._routed_padded(x, weights, order, counts, stacked) + self.shared_experts(x)
+        used_ids = [e for e, n in enumerate(counts) if n]
+        used = [experts[e] for e in used_ids]  # each expert fetched once (a lazily read one is loaded here)
+        if decode_rows:
+            grouped = _expert_groups(x, weights, ids, used_ids, used, self.shared_experts)
+            if grouped is not None:
+                return grouped
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
         tokens = order // k
         # gathers as index_select (4x faster than advanced indexing on the CPU; the same copies)
         sorted_weights = weights.flatten().index_select(0, order)[:, None]
-        used, rows, slots, start = [], [], [], 0
-        for e, n in enumerate(counts):
-            if n:
-                part = slice(start, start + n)
-                used.append(experts[e])
-                rows.append(x.index_select(0, tokens[part]))
-                slots.append(sorted_weights[part])
-                start += n
+        rows, slots, start = [], [], 0
+        for e in used_ids:
+            part = slice(start, start + counts[e])
+            rows.append(x.index_select(0, tokens[part]))
+            slots.append(sorted_weights[part])
+            start += counts[e]
         *outs, shared = run_experts([*used, self.shared_experts], [*rows, x], [*slots, None])
         sorted_out = torch.cat([as_dtype(out, x.dtype) for out in outs])
         # Back to (token, slot) order with a gather, then sum the k slots in slot order.

@@ -32,7 +32,7 @@ import torch
 
 from kvdiet.formats.native import ENV, build_root, cpu_isa
 
-__all__ = ["MAX_MIX_ROWS", "hc_mix", "sinkhorn_", "sinkhorn_kernel", "softmax_sinkhorn"]
+__all__ = ["MAX_MIX_ROWS", "hc_mix", "hc_mix_address", "sinkhorn_", "sinkhorn_kernel", "softmax_sinkhorn"]
 
 _SOURCE = Path(__file__).with_name("sinkhorn.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
@@ -215,6 +215,19 @@ def _torch_vector_exp() -> tuple[int, int] | None:
 
 MAX_MIX_ROWS = 256
 """Most rows `hc_mix` takes: decode steps and small batches (torch's sigmoid stays on one thread far beyond)."""
+
+
+@functools.cache
+def hc_mix_address() -> tuple[int, int, int] | None:
+    """``(address of kvdiet_hc_mix_f32, address of torch's vector exp, its lanes)``: what a compiled caller
+    (``formats/hc_kernels.cpp``) needs to run `hc_mix`'s kernel itself, with the same bits; None where the
+    kernel did not build or the vector exp was not found. Found once per process; it does not read
+    ``KVDIET_NATIVE_KERNELS``: its caller does (`kvdiet.model.hc`, through `kvdiet.formats.native.fp4_kernels`)."""
+    lib = _load()
+    vexp = None if lib is None else _torch_vector_exp()
+    if vexp is None:
+        return None
+    return ctypes.cast(lib.kvdiet_hc_mix_f32, ctypes.c_void_p).value, *vexp
 
 
 def hc_mix(

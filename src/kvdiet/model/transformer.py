@@ -341,10 +341,10 @@ class Transformer(nn.Module):
             layer = block.info.layer_id
             if block.engram is not None:
                 h = block.engram(h, row_ids[layer])
-            x = block.attn_norm(hc_collapse(h, prev_pre))
             if layer == self.plan.decoder_start and any(
                 k < (e - s) for k, (s, e) in zip(keeps, rows, strict=True)
             ):
+                x = block.attn_norm(hc_collapse(h, prev_pre))
                 for seg, (s, e) in zip(segs, rows, strict=True):
                     block.attn.update_global(x[s:e], seg)
                 h, x, segs, rows = self._narrow(h, x, segs, rows, keeps)
@@ -353,10 +353,10 @@ class Transformer(nn.Module):
                     [block.attn.attend_rows(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
                 )
             elif plan is not None:
-                attn_pre, post, comb = block.coefficients(h, "attn")
+                x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
                 out = block.attn(x, segs, plan)
             else:
-                attn_pre, post, comb = block.coefficients(h, "attn")
+                x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
             h = hc_expand(out, h, post, comb)
             h, prev_pre = block.ffn_half(h, attn_pre, decode_step=plan is not None)

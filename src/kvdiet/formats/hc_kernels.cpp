@@ -1,0 +1,120 @@
+// mHC around a sublayer for a few rows (a decode step's, one per request), with the bits of the torch formulas in
+// kvdiet/model/hc.py. Compiled after rmsnorm_kernels.cpp into the same module (its square, any_nan and rms_norm are
+// in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
+//
+// hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix): h float32
+//   [T, hc, hidden] (contiguous, 1..16 rows, 1 <= hc <= 4), fn_t float32 [hc·hidden, (2+hc)·hc] (any layout),
+//   scale and base float32 [(2+hc)·hc] (contiguous), collapse_pre float32 [T, hc], norm_weight float32 [hidden];
+//   mix: (address of sinkhorn.c's kvdiet_hc_mix_f32, address of torch's vector exp, its lanes), from
+//   kvdiet.model.sinkhorn.hc_mix_address -> (x float32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]),
+//   or std::nullopt for any other input, where rms_norm declines (a NaN in x) or the mix kernel refuses. What a
+//   sublayer takes from its input streams before its own work (v41-spec §8.1a), each step as hc.py computes it:
+//   - the coefficients' product at::matmul(flatten(h), fn_t): torch's own product of the same operands;
+//   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
+//     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
+//   - pre, post, comb from those two: kvdiet_hc_mix_f32, the very call kvdiet.model.sinkhorn.hc_mix makes;
+//   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): each product one IEEE multiply, summed as torch sums a dim
+//     of at most 4 values, one at a time from +0 (((0 + p₀h₀) + p₁h₁) + …), then rmsnorm_kernels.cpp's rms_norm.
+//   kvdiet.model.layers checks these bits against the torch formulas once per process before it uses the kernel.
+// hc_expand_rows(x, residual, post, comb): x float32 [T, hidden], residual float32 [T, hc, hidden], post float32
+//   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows) -> float32 [T, hc, hidden], or std::nullopt for any
+//   other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual),
+//   torch's own product (then one IEEE multiply and one add per element: hc_expand's formula).
+//   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
+//   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
+
+namespace {
+
+constexpr int64_t kHcRowsMax = 16;
+constexpr int64_t kHcStreamsMax = 4;  // widest dim torch sums one value at a time from 0 (see hc_enter)
+
+// kvdiet_hc_mix_f32 (kvdiet/model/sinkhorn.c)
+typedef int (*HcMixFn)(float*, const float*, const float*, const float*, int64_t, int64_t, float, float, int64_t,
+                       float*, float*, float*, void*, int64_t);
+
+// The caller runs these without autograd (they keep no graph): a parameter's requires_grad does not matter here.
+bool hc_float_cpu(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && !t.is_neg();
+}
+
+// Σ_i pre[i] · h[i] over hc streams of width n, in torch's order for a dim of at most 4 values.
+void collapse_row(const float* pre, const float* h, int64_t hc, int64_t n, float* out) {
+  for (int64_t d = 0; d < n; ++d) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < hc; ++i) acc = acc + pre[i] * h[i * n + d];
+    out[d] = acc;
+  }
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_enter(
+    const at::Tensor& h, const at::Tensor& fn_t, const at::Tensor& scale, const at::Tensor& base,
+    const at::Tensor& collapse_pre, const at::Tensor& norm_weight, double norm_eps, double rms_eps, double hc_eps,
+    int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix) {
+  for (const at::Tensor* t : {&h, &fn_t, &scale, &base, &collapse_pre, &norm_weight})
+    if (!hc_float_cpu(*t)) return {};
+  if (h.dim() != 3 || !h.is_contiguous()) return {};
+  const int64_t rows = h.size(0), hc = h.size(1), hidden = h.size(2), n_mix = (2 + hc) * hc;
+  if (rows < 1 || rows > kHcRowsMax || hc < 1 || hc > kHcStreamsMax || hidden < 1 || iters < 1) return {};
+  if (fn_t.dim() != 2 || fn_t.size(0) != hc * hidden || fn_t.size(1) != n_mix) return {};
+  for (const at::Tensor* t : {&scale, &base})
+    if (t->dim() != 1 || t->size(0) != n_mix || !t->is_contiguous()) return {};
+  if (collapse_pre.dim() != 2 || collapse_pre.size(0) != rows || collapse_pre.size(1) != hc) return {};
+  if (norm_weight.dim() != 1 || norm_weight.size(0) != hidden) return {};
+  const auto [mix_fn, vexp, lanes] = mix;
+  if (mix_fn == 0 || vexp == 0) return {};
+  const int64_t width = hc * hidden;
+  const float* hp = h.const_data_ptr<float>();
+
+  const at::Tensor pre_in = collapse_pre.contiguous();
+  const float* cp = pre_in.const_data_ptr<float>();
+  at::Tensor collapsed = at::empty({rows, hidden}, h.options());
+  float* op = collapsed.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) collapse_row(cp + r * hc, hp + r * width, hc, hidden, op + r * hidden);
+  std::optional<at::Tensor> x = rms_norm(collapsed, norm_weight, norm_eps);
+  if (!x.has_value()) return {};
+
+  at::Tensor squares = at::empty({rows, width}, h.options());
+  square(hp, squares.mutable_data_ptr<float>(), rows * width);
+  at::Tensor mean_sq = at::sum(squares, {1});
+  float* mp = mean_sq.mutable_data_ptr<float>();
+  const float n = static_cast<float>(width);
+  for (int64_t r = 0; r < rows; ++r) mp[r] = mp[r] / n;
+  at::Tensor mixes = at::matmul(h.view({rows, width}), fn_t).contiguous();  // overwritten by the mix kernel
+  at::Tensor pre = at::empty({rows, hc}, h.options()), post = at::empty({rows, hc}, h.options());
+  at::Tensor comb = at::empty({rows, hc, hc}, h.options());
+  const int status = reinterpret_cast<HcMixFn>(mix_fn)(
+      mixes.mutable_data_ptr<float>(), mp, scale.const_data_ptr<float>(), base.const_data_ptr<float>(), rows, hc,
+      static_cast<float>(rms_eps), static_cast<float>(hc_eps), iters, pre.mutable_data_ptr<float>(),
+      post.mutable_data_ptr<float>(), comb.mutable_data_ptr<float>(), reinterpret_cast<void*>(vexp), lanes);
+  if (status != 0) return {};
+  return std::make_tuple(*x, pre, post, comb);
+}
+
+std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& post,
+                                         const at::Tensor& comb) {
+  for (const at::Tensor* t : {&x, &residual, &post, &comb})
+    if (!hc_float_cpu(*t)) return {};
+  if (residual.dim() != 3) return {};
+  const int64_t rows = residual.size(0), hc = residual.size(1), hidden = residual.size(2);
+  if (rows < 1 || rows > kHcRowsMax) return {};
+  if (x.dim() != 2 || x.size(0) != rows || x.size(1) != hidden) return {};
+  if (post.dim() != 2 || post.size(0) != rows || post.size(1) != hc) return {};
+  if (comb.dim() != 3 || comb.size(0) != rows || comb.size(1) != hc || comb.size(2) != hc) return {};
+  at::Tensor out = at::bmm(comb.transpose(1, 2), residual).contiguous();  // mixed, then overwritten with the sum
+  const at::Tensor xs = x.contiguous(), ps = post.contiguous();
+  const float* xp = xs.const_data_ptr<float>();
+  const float* pp = ps.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < hc; ++i) {
+      const float p = pp[r * hc + i];
+      float* o = op + (r * hc + i) * hidden;
+      const float* xr = xp + r * hidden;
+      for (int64_t d = 0; d < hidden; ++d) o[d] = p * xr[d] + o[d];
+    }
+  // where two NaNs meet, which one torch's vector loop keeps is not this loop's to repeat
+  if (any_nan(op, out.numel())) return {};
+  return out;
+}

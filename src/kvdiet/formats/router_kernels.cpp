@@ -1,0 +1,72 @@
+// The MoE router of a few rows (a decode step's, one per request) in one call, with the bits of Gate.forward's torch
+// ops (kvdiet/model/moe.py). Compiled into the same module as the other kernels (fp8_kernels.cpp holds the
+// bindings). Built at first use by kvdiet.formats.native.
+//
+// route_rows(x, weight, bias, topk, normalize, scale): x float32 [T, hidden] (1..16 rows, any layout), weight
+//   float32 [E, hidden], bias float32 [E] -> (weights float32 [T, topk], ids int64 [T, topk]), or std::nullopt for
+//   any other input. The steps of Gate.forward's top-k routing (v41-spec §8.2a), each as torch runs it:
+//   - scores = sqrt(softplus(at::matmul(x, weightᵀ))): torch's own product and softplus, then the IEEE square root
+//     (torch's CPU sqrt, vector and scalar, is the correctly rounded one);
+//   - ids: the first topk of a stable descending sort of scores + bias (one IEEE add each), as torch.sort orders
+//     them: NaN first, then by value, equal values (−0 = +0) and NaNs in index order;
+//   - weights = the chosen scores; with normalize and topk > 1 each divided by (at::sum of the row's chosen
+//     scores, torch's own sum of the same [T, topk] tensor, + float(1e-20)); then times float(scale).
+//   Why: Gate.forward is some twelve torch ops of 5-15 µs dispatch each on a few dozen floats per row.
+
+#include <numeric>
+
+namespace {
+
+constexpr int64_t kRouteRowsMax = 16;
+
+// torch.sort(descending=True, stable=True)'s order: whether entry a goes before entry b (a < b by index).
+inline bool routed_before(float va, int64_t a, float vb, int64_t b) {
+  const bool na = va != va, nb = vb != vb;
+  if (na || nb) return na && (!nb || a < b);
+  return va > vb || (va == vb && a < b);
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor>> route_rows(const at::Tensor& x, const at::Tensor& weight,
+                                                             const at::Tensor& bias, int64_t topk, bool normalize,
+                                                             double scale) {
+  for (const at::Tensor* t : {&x, &weight, &bias})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->is_neg()) return {};
+  if (x.dim() != 2 || weight.dim() != 2 || bias.dim() != 1 || x.size(1) != weight.size(1)) return {};
+  const int64_t rows = x.size(0), experts = weight.size(0);
+  if (rows < 1 || rows > kRouteRowsMax || bias.size(0) != experts || topk < 1 || topk > experts) return {};
+  at::Tensor scores = at::softplus(at::matmul(x, weight.t())).contiguous();
+  float* sp = scores.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < rows * experts; ++i) sp[i] = std::sqrt(sp[i]);
+  const at::Tensor b = bias.contiguous();
+  const float* bp = b.const_data_ptr<float>();
+  at::Tensor ids = at::empty({rows, topk}, x.options().dtype(at::kLong));
+  at::Tensor chosen = at::empty({rows, topk}, x.options());
+  int64_t* ip = ids.mutable_data_ptr<int64_t>();
+  float* cp = chosen.mutable_data_ptr<float>();
+  std::vector<float> biased(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = sp + r * experts;
+    for (int64_t e = 0; e < experts; ++e) biased[e] = s[e] + bp[e];
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::partial_sort(order.begin(), order.begin() + topk, order.end(),
+                      [&](int64_t a, int64_t c) { return routed_before(biased[a], a, biased[c], c); });
+    for (int64_t j = 0; j < topk; ++j) {
+      ip[r * topk + j] = order[j];
+      cp[r * topk + j] = s[order[j]];
+    }
+  }
+  const float factor = static_cast<float>(scale);
+  if (normalize && topk > 1) {
+    const at::Tensor sums = at::sum(chosen, {1});
+    const float* sum = sums.const_data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float denominator = sum[r] + 1e-20f;
+      for (int64_t j = 0; j < topk; ++j) cp[r * topk + j] = cp[r * topk + j] / denominator;
+    }
+  }
+  for (int64_t i = 0; i < rows * topk; ++i) cp[i] = cp[i] * factor;
+  return std::make_tuple(chosen, ids);
+}

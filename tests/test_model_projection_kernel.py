@@ -1,0 +1,177 @@
+"""An attention layer's projections of decode rows in one compiled call each (``formats/projection_kernels.cpp``:
+``project_rows`` in, ``project_out_rows`` out) against the module path (Linear, RMSNorm, Rotation.apply,
+grouped_product one by one): same bits, and the module path wherever the call does not fit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvdiet.formats import native
+from kvdiet.formats.mxfp4 import INDEX_KEY
+from kvdiet.model.attention import Attention
+from kvdiet.model.build import load_model
+
+_SPECIALS = (0.0, -0.0, math.inf, -math.inf, 1e-45, -3e-39, 1e-38, 1e19, 1e-19)
+
+
+@pytest.fixture(scope="module")
+def attn():
+    model, _ = load_model("v4.1-mini", seed=0)  # the real widths: 4 heads × 512, rope 64, q rank 128
+    return model.layers[5].attn
+
+
+def _rows(n: int, width: int, gen: torch.Generator, *, specials: bool) -> torch.Tensor:
+    x = torch.randn(n, width, generator=gen) * 10.0 ** torch.randint(-8, 8, (n, 1), generator=gen).float()
+    if specials:
+        chosen = torch.rand(n, width, generator=gen) < 0.05
+        pool = torch.tensor(_SPECIALS)
+        x[chosen] = pool[torch.randint(len(pool), (int(chosen.sum()),), generator=gen)]
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _projections(attn, x, o, rot):
+    return (*attn.project_q(x, rot), attn.project_window_kv(x, rot), attn.project_out(o, rot))
+
+
+def _module_path(attn, monkeypatch, x, o, rot):
+    with monkeypatch.context() as m:
+        m.setattr(Attention, "_fused_kernels", lambda *a: None)
+        return _projections(attn, x, o, rot)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+@pytest.mark.parametrize("specials", [False, True])
+def test_projections_equal_the_module_path_bit_for_bit(attn, monkeypatch, rows, specials):
+    assert native.fp4_kernels() is not None, "the compiled kernels did not build"
+    gen = torch.Generator().manual_seed(rows + 100 * specials)
+    x = _rows(rows, attn.wq_a.in_features, gen, specials=specials)
+    o = _rows(rows * attn.n_heads, attn.head_dim, gen, specials=specials).view(rows, attn.n_heads, -1)
+    rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    kernels = native.fp4_kernels()
+    with torch.no_grad():
+        want = _module_path(attn, monkeypatch, x, o, rot)
+        fused_q = attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot)
+        fused_kv = attn._project_rows(x, attn.wkv, attn.kv_norm, None, rot)
+        fused_out = kernels.project_out_rows(
+            o, rot.cis_inverse, rot.rope_dim, attn.wo_a.weight, attn.n_groups, attn.wo_b.weight
+        )
+        got = _projections(attn, x, o, rot)
+        got_t = _projections(attn, x.T.contiguous().T, o.transpose(0, 2).contiguous().transpose(0, 2), rot)
+    # the compiled calls ran wherever the result holds no NaN (a NaN is where a kernel may decline)
+    assert fused_q is not None or want[0].isnan().any() or want[1].isnan().any()
+    assert fused_kv is not None or want[2].isnan().any()
+    assert fused_out is not None or want[3].isnan().any()
+    if not specials:
+        assert fused_q is not None and fused_kv is not None and fused_out is not None
+    for g, w in zip((*got, *got_t), (*want, *want), strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+        assert torch.equal(_bits(g), _bits(w))
+    assert got[1].shape == (rows, attn.n_heads, attn.head_dim)
+
+
+def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    rot17 = attn.rope.at(torch.arange(17))
+    x = _rows(17, attn.wq_a.in_features, gen, specials=False)
+    with torch.no_grad():
+        assert attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot17) is None  # a prefill's rows
+        nan = x[:2].clone()
+        nan[0, 0] = math.nan
+        assert attn._project_rows(nan, attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+        o = torch.randn(2, attn.n_heads, attn.head_dim)
+        args = (
+            attn.rope.at(torch.arange(2)).cis_inverse,
+            64,
+            attn.wo_a.weight,
+            attn.n_groups,
+            attn.wo_b.weight,
+        )
+        kernels = native.fp4_kernels()
+        assert kernels.project_out_rows(o, *args) is not None
+        assert kernels.project_out_rows(o.transpose(0, 2).contiguous().transpose(0, 2), *args) is None
+        assert kernels.project_out_rows(torch.randn(17, attn.n_heads, attn.head_dim), *args) is None
+        assert kernels.project_out_rows(o, *args[:3], 3, args[4]) is None  # groups that do not divide
+        assert kernels.project_out_rows(o, *args[:4], attn.wo_a.weight) is None  # wo_b of the wrong width
+        x2, rot2 = x[:2], attn.rope.at(torch.arange(2))
+        proj = (attn.wq_a.weight, attn.q_norm.weight, attn.q_norm.eps, attn.wq_b.weight, attn.n_heads)
+        assert kernels.project_rows(x2, *proj, attn.head_dim, rot2.cis, 64) is not None
+        assert kernels.project_rows(x2, *proj, attn.head_dim // 2, rot2.cis, 64) is None  # wq_b is not H × D
+        monkeypatch.setenv(native.ENV, "0")
+        assert attn._project_rows(x[:2], attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+    _, q = attn.project_q(x[:2], attn.rope.at(torch.arange(2)))  # autograd on: the modules keep the graph
+    assert q.grad_fn is not None
+
+
+@pytest.fixture(scope="module")
+def indexed():
+    model, _ = load_model("v4.1-mini", seed=0)
+    attn = model.layers[2].attn  # a KV source: it owns an indexer
+    return attn, model.codecs.index_key
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("specials", [False, True])
+def test_index_queries_equal_the_module_path_bit_for_bit(indexed, monkeypatch, rows, specials):
+    from kvdiet.model.indexer import Indexer
+
+    attn, codec = indexed
+    gen = torch.Generator().manual_seed(50 + rows + 100 * specials)
+    qr = _rows(rows, attn.indexer.wq_b.in_features, gen, specials=False)
+    x = _rows(rows, attn.indexer.weights_proj.in_features, gen, specials=specials)
+    rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    with torch.no_grad():
+        fused = attn.indexer._fused_queries(qr, x, rot, codec)
+        got = attn.indexer.queries(qr, x, rot, codec)
+        with monkeypatch.context() as m:
+            m.setattr(Indexer, "_fused_queries", lambda *a: None)
+            want = attn.indexer.queries(qr, x, rot, codec)
+    assert fused is not None  # the compiled call ran
+    for g, w in zip((*got, *fused), (*want, *want), strict=True):
+        assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
+        assert torch.equal(_bits(g), _bits(w))
+
+
+def test_index_queries_report_a_non_finite_query_as_before(indexed):
+    attn, codec = indexed
+    qr = torch.randn(2, attn.indexer.wq_b.in_features)
+    qr[1, 0] = math.inf
+    with torch.no_grad():
+        assert (
+            attn.indexer._fused_queries(qr, torch.randn(2, 256), attn.rope.at(torch.arange(2)), codec) is None
+        )
+        with pytest.raises(ValueError, match="mxfp4"):
+            attn.indexer.queries(qr, torch.randn(2, 256), attn.rope.at(torch.arange(2)), codec)
+
+
+def test_index_queries_decline_a_codec_of_another_width(indexed):
+    attn, codec = indexed
+    idx, rot = attn.indexer, attn.rope.at(torch.arange(2))
+    qr, x = torch.randn(2, idx.wq_b.in_features), torch.randn(2, idx.weights_proj.in_features)
+    kernels = native.fp4_kernels()
+    args = (
+        qr,
+        idx.wq_b.weight,
+        idx.n_heads,
+        idx.index_head_dim,
+        rot.cis,
+        rot.rope_dim,
+        x,
+        idx.weights_proj.weight,
+    )
+    with torch.no_grad():
+        lo, hi = INDEX_KEY.scale_bytes
+        tail = (idx.softmax_scale, INDEX_KEY.kernel, lo, hi)
+        assert kernels.index_query_rows(*args, *tail, codec.width) is not None
+        assert kernels.index_query_rows(*args, *tail, codec.width + 34) is None  # entries of 192 dims
+        assert (
+            kernels.index_query_rows(*args, *tail, codec.width - 34) is None
+        )  # of 64: would write past them
+        half = (qr, idx.wq_b.weight, idx.n_heads, idx.index_head_dim // 2, *args[4:])
+        assert kernels.index_query_rows(*half, *tail, codec.width // 2) is None  # wq_b is not H × d
