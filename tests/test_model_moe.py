@@ -400,8 +400,8 @@ def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monk
     torch.manual_seed(10 + topk + rows)
     moe = MoE(cfg)
     calls = []
-    kernel = moe_module._expert_groups
-    monkeypatch.setattr(moe_module, "_expert_groups", lambda *a: calls.append(1) or kernel(*a))
+    kernel = moe_module.expert_groups
+    monkeypatch.setattr(moe_module, "expert_groups", lambda *a: calls.append(1) or kernel(*a))
     with torch.no_grad():
         for e, expert in enumerate(moe.experts):
             expert.w2.weight.mul_(10.0 ** (3 * (e % 4) - 4))
@@ -409,7 +409,7 @@ def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monk
             x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(seed)) * 3
             got = moe(x, padded=True)
             with monkeypatch.context() as m:
-                m.setattr(moe_module, "_expert_groups", lambda *a: None)  # run_experts and torch's sum
+                m.setattr(moe_module, "expert_groups", lambda *a: None)  # run_experts and torch's sum
                 want = moe(x, padded=True)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         # a row naming one expert twice, and an expert taking every row
@@ -419,7 +419,7 @@ def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monk
         weights = torch.rand(rows, topk, generator=torch.Generator().manual_seed(9))
         got = moe._routed_grouped(x, weights, ids)
         with monkeypatch.context() as m:
-            m.setattr(moe_module, "_expert_groups", lambda *a: None)
+            m.setattr(moe_module, "expert_groups", lambda *a: None)
             want = moe._routed_grouped(x, weights, ids)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     # every call went to the kernel, but a group of more than 16 pairs (expert 0 of 16 rows naming it twice)

@@ -1,6 +1,6 @@
-"""An attention layer's projections of decode rows in one compiled call each (``formats/projection_kernels.cpp``:
-``project_rows`` in, ``project_out_rows`` out) against the module path (Linear, RMSNorm, Rotation.apply,
-grouped_product one by one): same bits, and the module path wherever the call does not fit."""
+"""An attention layer's projections of decode rows in one compiled call each (`kvdiet.model.fused_rows`,
+``formats/projection_kernels.cpp``) against the module path (Linear, RMSNorm, Rotation.apply, grouped_product
+one by one): same bits, and the module path wherever the call does not fit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.formats.mxfp4 import INDEX_KEY
-from kvdiet.model.attention import Attention
+from kvdiet.model import fused_rows
 from kvdiet.model.build import load_model
 
 _SPECIALS = (0.0, -0.0, math.inf, -math.inf, 1e-45, -3e-39, 1e-38, 1e19, 1e-19)
@@ -36,44 +36,43 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def _projections(attn, x, o, rot):
+def _module_path(attn, x, o, rot):
     return (*attn.project_q(x, rot), attn.project_window_kv(x, rot), attn.project_out(o, rot))
 
 
-def _module_path(attn, monkeypatch, x, o, rot):
-    with monkeypatch.context() as m:
-        m.setattr(Attention, "_fused_kernels", lambda *a: None)
-        return _projections(attn, x, o, rot)
+def _fused(attn, x, o, rot):
+    q = fused_rows.project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, attn.n_heads, attn.head_dim, rot)
+    kv = fused_rows.project_rows(x, attn.wkv, attn.kv_norm, None, 1, attn.head_dim, rot)
+    out = fused_rows.project_out_rows(o, rot, attn.wo_a, attn.wo_b, attn.n_groups)
+    return q, kv, out
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16])
 @pytest.mark.parametrize("specials", [False, True])
-def test_projections_equal_the_module_path_bit_for_bit(attn, monkeypatch, rows, specials):
+def test_projections_equal_the_module_path_bit_for_bit(attn, rows, specials):
     assert native.fp4_kernels() is not None, "the compiled kernels did not build"
     gen = torch.Generator().manual_seed(rows + 100 * specials)
     x = _rows(rows, attn.wq_a.in_features, gen, specials=specials)
     o = _rows(rows * attn.n_heads, attn.head_dim, gen, specials=specials).view(rows, attn.n_heads, -1)
     rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
-    kernels = native.fp4_kernels()
     with torch.no_grad():
-        want = _module_path(attn, monkeypatch, x, o, rot)
-        fused_q = attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot)
-        fused_kv = attn._project_rows(x, attn.wkv, attn.kv_norm, None, rot)
-        fused_out = kernels.project_out_rows(
-            o, rot.cis_inverse, rot.rope_dim, attn.wo_a.weight, attn.n_groups, attn.wo_b.weight
-        )
-        got = _projections(attn, x, o, rot)
-        got_t = _projections(attn, x.T.contiguous().T, o.transpose(0, 2).contiguous().transpose(0, 2), rot)
+        want = _module_path(attn, x, o, rot)
+        q, kv, out = _fused(attn, x, o, rot)
+        q_t, kv_t, out_t = _fused(attn, x.T.contiguous().T, o, rot)
     # the compiled calls ran wherever the result holds no NaN (a NaN is where a kernel may decline)
-    assert fused_q is not None or want[0].isnan().any() or want[1].isnan().any()
-    assert fused_kv is not None or want[2].isnan().any()
-    assert fused_out is not None or want[3].isnan().any()
+    assert q is not None or want[0].isnan().any() or want[1].isnan().any()
+    assert kv is not None or want[2].isnan().any()
+    assert out is not None or want[3].isnan().any()
     if not specials:
-        assert fused_q is not None and fused_kv is not None and fused_out is not None
-    for g, w in zip((*got, *got_t), (*want, *want), strict=True):
+        assert q is not None and kv is not None and out is not None
+    got = [*(q or (None, None)), None if kv is None else kv[1], out]
+    got += [*(q_t or (None, None)), None if kv_t is None else kv_t[1], out_t]
+    for g, w in zip(got, (*want, *want), strict=True):
+        if g is None:
+            continue
         assert (g.shape, g.stride(), g.dtype) == (w.shape, w.stride(), w.dtype)
         assert torch.equal(_bits(g), _bits(w))
-    assert got[1].shape == (rows, attn.n_heads, attn.head_dim)
+    assert q is None or q[1].shape == (rows, attn.n_heads, attn.head_dim)
 
 
 def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monkeypatch):
@@ -81,10 +80,12 @@ def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monk
     rot17 = attn.rope.at(torch.arange(17))
     x = _rows(17, attn.wq_a.in_features, gen, specials=False)
     with torch.no_grad():
-        assert attn._project_rows(x, attn.wq_a, attn.q_norm, attn.wq_b, rot17) is None  # a prefill's rows
+        proj_q = (attn.wq_a, attn.q_norm, attn.wq_b, attn.n_heads, attn.head_dim)
+        assert fused_rows.project_rows(x, *proj_q, rot17) is None  # a prefill's rows
         nan = x[:2].clone()
         nan[0, 0] = math.nan
-        assert attn._project_rows(nan, attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+        proj_kv = (attn.wkv, attn.kv_norm, None, 1, attn.head_dim)
+        assert fused_rows.project_rows(nan, *proj_kv, attn.rope.at(torch.arange(2))) is None
         o = torch.randn(2, attn.n_heads, attn.head_dim)
         args = (
             attn.rope.at(torch.arange(2)).cis_inverse,
@@ -104,7 +105,7 @@ def test_projections_keep_the_module_path_where_the_call_does_not_fit(attn, monk
         assert kernels.project_rows(x2, *proj, attn.head_dim, rot2.cis, 64) is not None
         assert kernels.project_rows(x2, *proj, attn.head_dim // 2, rot2.cis, 64) is None  # wq_b is not H × D
         monkeypatch.setenv(native.ENV, "0")
-        assert attn._project_rows(x[:2], attn.wkv, attn.kv_norm, None, attn.rope.at(torch.arange(2))) is None
+        assert fused_rows.project_rows(x[:2], *proj_kv, attn.rope.at(torch.arange(2))) is None
     _, q = attn.project_q(x[:2], attn.rope.at(torch.arange(2)))  # autograd on: the modules keep the graph
     assert q.grad_fn is not None
 

@@ -13,9 +13,8 @@
 //   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
 //     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
 //   - pre, post, comb from those two: kvdiet_hc_mix_f32, the very call kvdiet.model.sinkhorn.hc_mix makes;
-//   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): each product one IEEE multiply, summed as torch sums a dim
-//     of at most 4 values, one at a time from +0 (((0 + p₀h₀) + p₁h₁) + …), then rmsnorm_kernels.cpp's rms_norm.
-//   kvdiet.model.layers checks these bits against the torch formulas once per process before it uses the kernel.
+//   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): the products one IEEE multiply each into a [T, hc, hidden]
+//     tensor, summed over hc by torch's own at::sum (as hc_collapse sums them), then rmsnorm_kernels.cpp's rms_norm.
 // hc_expand_rows(x, residual, post, comb): x float32 [T, hidden], residual float32 [T, hc, hidden], post float32
 //   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows) -> float32 [T, hc, hidden], or std::nullopt for any
 //   other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual),
@@ -26,7 +25,7 @@
 namespace {
 
 constexpr int64_t kHcRowsMax = 16;
-constexpr int64_t kHcStreamsMax = 4;  // widest dim torch sums one value at a time from 0 (see hc_enter)
+constexpr int64_t kHcStreamsMax = 4;  // hc_mix's widest comb (sinkhorn.c)
 
 // kvdiet_hc_mix_f32 (kvdiet/model/sinkhorn.c)
 typedef int (*HcMixFn)(float*, const float*, const float*, const float*, int64_t, int64_t, float, float, int64_t,
@@ -35,15 +34,6 @@ typedef int (*HcMixFn)(float*, const float*, const float*, const float*, int64_t
 // The caller runs these without autograd (they keep no graph): a parameter's requires_grad does not matter here.
 bool hc_float_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && !t.is_neg();
-}
-
-// Σ_i pre[i] · h[i] over hc streams of width n, in torch's order for a dim of at most 4 values.
-void collapse_row(const float* pre, const float* h, int64_t hc, int64_t n, float* out) {
-  for (int64_t d = 0; d < n; ++d) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < hc; ++i) acc = acc + pre[i] * h[i * n + d];
-    out[d] = acc;
-  }
 }
 
 }  // namespace
@@ -69,10 +59,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
 
   const at::Tensor pre_in = collapse_pre.contiguous();
   const float* cp = pre_in.const_data_ptr<float>();
-  at::Tensor collapsed = at::empty({rows, hidden}, h.options());
-  float* op = collapsed.mutable_data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) collapse_row(cp + r * hc, hp + r * width, hc, hidden, op + r * hidden);
-  std::optional<at::Tensor> x = rms_norm(collapsed, norm_weight, norm_eps);
+  at::Tensor products = at::empty({rows, hc, hidden}, h.options());
+  float* pp = products.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < hc; ++i)
+      for (int64_t d = 0; d < hidden; ++d)
+        pp[(r * hc + i) * hidden + d] = cp[r * hc + i] * hp[(r * hc + i) * hidden + d];
+  std::optional<at::Tensor> x = rms_norm(at::sum(products, {1}), norm_weight, norm_eps);
   if (!x.has_value()) return {};
 
   at::Tensor squares = at::empty({rows, width}, h.options());

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.formats import native
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.formats.fp4 import decode_main_kv
 from kvdiet.layer_plan import LayerInfo
@@ -33,7 +31,7 @@ from kvdiet.model import triton_decode
 from kvdiet.model.compressor import Compressor
 from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
 from kvdiet.model.indexer import Indexer
-from kvdiet.model.layers import RMSNorm, Rope, Rotation, as_dtype, kernels_agree
+from kvdiet.model.layers import RMSNorm, Rope, Rotation, as_dtype
 from kvdiet.model.linear import Linear
 from kvdiet.model.selection import (
     candidate_entries,
@@ -218,48 +216,14 @@ class Attention(nn.Module):
     # --- pure projections (shared with the no-cache reference) ---
 
     def project_q(self, x: torch.Tensor, rot: Rotation) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qr fp32 [T, q_lora_rank], q fp32 [T, H, D] after RoPE)``; ``rot``: ``self.rope.at(positions [T])``.
-        A decode step's rows run in one compiled call where they fit (`_project_rows`)."""
-        fused = self._project_rows(x, self.wq_a, self.q_norm, self.wq_b, rot)
-        if fused is not None:
-            return fused
+        """``(qr fp32 [T, q_lora_rank], q fp32 [T, H, D] after RoPE)``; ``rot``: ``self.rope.at(positions [T])``."""
         qr = self.q_norm(self.wq_a(x))
         q = as_dtype(self.wq_b(qr), torch.float32).view(-1, self.n_heads, self.head_dim)
         return qr, rot.apply(q.transpose(0, 1)).transpose(0, 1)
 
     def project_window_kv(self, x: torch.Tensor, rot: Rotation) -> torch.Tensor:
-        """Window entries fp32 [T, D] after RoPE (``rot``: ``self.rope.at(positions [T])``), before storage. A
-        decode step's rows run in one compiled call where they fit (`_project_rows`)."""
-        fused = self._project_rows(x, self.wkv, self.kv_norm, None, rot)
-        if fused is not None:
-            return fused[1]
+        """Window entries fp32 [T, D] after RoPE (``rot``: ``self.rope.at(positions [T])``), before storage."""
         return rot.apply(self.kv_norm(self.wkv(x)))
-
-    def _fused_kernels(self, x: torch.Tensor, w_a: Linear, w_b: Linear | None) -> ModuleType | None:
-        """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) may run in them: 1..16
-        fp32 CPU rows, no autograd, dense weights, the kernels built and the rotation kernel checked; else None."""
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu or not 1 <= x.shape[0] <= 16:
-            return None
-        if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
-            return None
-        kernels = native.fp4_kernels()
-        return kernels if kernels is not None and kernels_agree("rope_rotate") else None
-
-    def _project_rows(
-        self, x: torch.Tensor, w_a: Linear, norm: RMSNorm, w_b: Linear | None, rot: Rotation
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`project_q` (with ``w_b``) or `project_window_kv`'s ``(normed, rotated)`` in one compiled call
-        (``project_rows``, ``formats/projection_kernels.cpp``: the same kernel calls in the same order, so the
-        same bits): for 1..16 fp32 CPU rows ``x`` [T, hidden] with no autograd, dense fp32 weights, and the norm
-        and rotation kernels checked (`kvdiet.model.layers.kernels_agree`); else None (also where a kernel
-        declines: a NaN)."""
-        kernels = self._fused_kernels(x, w_a, w_b)
-        if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
-            return None
-        b_weight = None if w_b is None else w_b.weight
-        return kernels.project_rows(
-            x, w_a.weight, norm.weight, norm.eps, b_weight, self.n_heads, self.head_dim, rot.cis, rot.rope_dim
-        )
 
     def compressed_entries(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:
         """Main-KV entries fp32 [M, D] before storage; ``rot``: ``self.rope.at(group_ids [M] · r)``, each
@@ -267,18 +231,7 @@ class Attention(nn.Module):
         return rot.apply(latent)
 
     def project_out(self, o: torch.Tensor, rot: Rotation) -> torch.Tensor:
-        """Undo the query rotation ``rot`` on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden].
-
-        A decode step's rows (1..16 contiguous fp32 CPU rows, dense fp32 weights, no autograd, the rotation
-        kernel checked) run in one compiled call (``project_out_rows``, ``formats/projection_kernels.cpp``: the
-        same calls in the same order, so the same bits)."""
-        kernels = self._fused_kernels(o, self.wo_a, self.wo_b)
-        if kernels is not None and o.is_contiguous():
-            out = kernels.project_out_rows(
-                o, rot.cis_inverse, rot.rope_dim, self.wo_a.weight, self.n_groups, self.wo_b.weight
-            )
-            if out is not None:  # else it does not fit, or a NaN
-                return out
+        """Undo the query rotation ``rot`` on ``o`` [T, H, D], grouped ``wo_a``, then ``wo_b`` → fp32 [T, hidden]."""
         o = rot.apply(o.transpose(0, 1), inverse=True).transpose(0, 1)
         t, g = o.shape[0], self.n_groups
         o = o.reshape(t, g, -1)

@@ -26,6 +26,7 @@ import torch
 from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.compressor import pool_groups
 from kvdiet.model.decode_attend import decode_attend
+from kvdiet.model.fused_rows import project_out_rows, project_rows
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
 from kvdiet.model.layers import Rope, Rotation
 from kvdiet.model.paged_pool import DevicePool
@@ -183,8 +184,12 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     info, rot = attn.info, plan.rotation(attn.rope)
     if attn.compressor is not None:
         _update_global(attn, x, segs, plan.positions)
-    qr, q = attn.project_q(x, rot)
-    win_kv, win_mask = _window(attn, plan, attn.project_window_kv(x, rot))
+    # the projections in one compiled call each where they fit (the same bits), else the modules
+    qr, q = project_rows(
+        x, attn.wq_a, attn.q_norm, attn.wq_b, attn.n_heads, attn.head_dim, rot
+    ) or attn.project_q(x, rot)
+    kv = project_rows(x, attn.wkv, attn.kv_norm, None, 1, attn.head_dim, rot)
+    win_kv, win_mask = _window(attn, plan, attn.project_window_kv(x, rot) if kv is None else kv[1])
     if attn.indexer is not None:
         _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
@@ -202,7 +207,8 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
             plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
     o = decode_attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
-    return attn.project_out(o, rot)
+    out = project_out_rows(o, rot, attn.wo_a, attn.wo_b, attn.n_groups)
+    return attn.project_out(o, rot) if out is None else out
 
 
 def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

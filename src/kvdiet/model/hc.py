@@ -83,8 +83,8 @@ def sublayer_entry(
     v41-spec §8.1) and its own `sublayer_coefficients` ``(pre, post, comb)``, the same values bit for bit.
 
     Where it applies (fp32 streams of at most `KERNEL_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
-    step's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``, which runs `hc_mix`'s
-    kernel itself; its bits are checked against these functions once per process,
+    step's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``: the same torch ops and
+    kernels in the same order, `hc_mix`'s kernel included; it needs the norm kernel checked,
     `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
 
     Returns:
@@ -115,7 +115,7 @@ def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
     """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, its bits
     and rms_norm's checked), else (None, None)."""
     kernels = native.fp4_kernels()
-    if kernels is None or not (kernels_agree("rms_norm") and kernels_agree("hc_enter")):
+    if kernels is None or not kernels_agree("rms_norm"):
         return None, None
     return kernels, hc_mix_address()
 

@@ -20,7 +20,6 @@ torch formulas too.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -323,20 +322,18 @@ def _checked_kernels(op: str) -> ModuleType | None:
 
 @functools.cache
 def kernels_agree(op: str) -> bool:
-    """Whether the compiled ``op`` (``"rms_norm"``, ``"rope_rotate"`` or ``"hc_enter"``) gives the torch formulas'
-    bits on adversarial inputs on this machine, checked once per process (some 20 ms each); a mismatch logs a
-    warning.
+    """Whether the compiled ``op`` (``"rms_norm"`` or ``"rope_rotate"``) gives the torch formula's bits on
+    adversarial inputs on this machine, checked once per process (some 20 ms); a mismatch logs a warning.
 
     The inputs: rows 1, 3 and 16; every width 1..80 and either side of 128, 256, 512, 1024 for the norm (every
     split of a vector loop and its tail), eps 1e-20 and 1e-6; rope_dim 32, 64 and 128 for the rotation, inverse
-    too, on ``[H, T, D]`` transposed views as attention passes them and on ``[T, D]``; for the mHC entry hc 1..4,
-    hidden 1 to 513, rows 1 to 16, a transposed ``fn``; values normal, ±0, ±inf, subnormal, near the fp32 limits
-    (no NaN inputs: the kernels decline NaN outputs, which inf · 0 still makes), and plain normal draws.
+    too, on ``[H, T, D]`` transposed views as attention passes them and on ``[T, D]``; values normal, ±0, ±inf,
+    subnormal, near the fp32 limits (no NaN inputs: the kernels decline NaN outputs, which inf · 0 still makes).
 
     Raises:
         ValueError: an unknown ``op``; RuntimeError: the kernels did not build.
     """
-    if op not in ("rms_norm", "rope_rotate", "hc_enter"):
+    if op not in ("rms_norm", "rope_rotate"):
         raise ValueError(f"unknown kernel {op!r}")
     kernels = native.fp4_kernels()
     if kernels is None:
@@ -368,9 +365,6 @@ def _cases(
                 for eps in (1e-20, 1e-6):
                     yield kernels.rms_norm(x, weight, eps), _torch_rms_norm(x, weight, eps)
         return
-    if op == "hc_enter":
-        yield from _hc_enter_cases(kernels, gen)
-        return
     for d in (32, 64, 128):
         for rows, heads, width in ((1, 1, d), (3, 4, d + 64), (16, 4, 512)):
             x = _adversarial(rows * heads * width, gen, nan=False).view(rows, heads, width)
@@ -380,48 +374,6 @@ def _cases(
             for c in (cis, cis.conj().resolve_conj()):
                 for v in (x.transpose(0, 1), x[:, 0]):
                     yield kernels.rope_rotate(v, c, d), _torch_rotate(v, c, d)
-
-
-def _hc_enter_cases(
-    kernels: ModuleType, gen: torch.Generator
-) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
-    """`kernels_agree`'s ``hc_enter`` pairs: its (x, pre, post, comb) against ``RMSNorm(hc_collapse(h, p))``'s
-    torch formula and `hc_coefficients` (`kvdiet.model.hc`), flattened and joined."""
-    from kvdiet.model.hc import hc_coefficients, hc_collapse  # kvdiet.model.hc builds on this module
-    from kvdiet.model.sinkhorn import hc_mix_address
-
-    mix = hc_mix_address()
-    if mix is None:
-        return
-
-    def draw(n: int, tame: bool) -> torch.Tensor:
-        if tame:  # no overflow: most cases run (adversarial ones often end in a declined NaN)
-            return torch.randn(n, generator=gen, dtype=_F32, device="cpu")
-        return _adversarial(n, gen, nan=False)
-
-    for hc in (1, 2, 3, 4):
-        n_mix = (2 + hc) * hc
-        for (rows, hidden), tame in itertools.product(
-            ((1, 1), (1, 17), (3, 16), (3, 80), (16, 256), (2, 513)), (True, False)
-        ):
-            h = draw(rows * hc * hidden, tame).view(rows, hc, hidden)
-            fn = draw(n_mix * hc * hidden, tame).view(n_mix, hc * hidden)
-            scale, base = draw(3, True), draw(n_mix, tame)
-            pre = draw(rows * hc, tame).view(rows, hc)
-            weight = draw(hidden, tame)
-            scales = scale[torch.tensor([0] * hc + [1] * hc + [2] * hc * hc)]
-            for eps in (1e-20, 1e-6):
-                got = kernels.hc_enter(h, fn.T, scales, base, pre, weight, eps, eps, 1e-6, 20, mix)
-                want = (
-                    _torch_rms_norm(hc_collapse(h, pre), weight, eps),
-                    *hc_coefficients(
-                        h, fn, scale, base, hc_mult=hc, rms_eps=eps, hc_eps=1e-6, sinkhorn_iters=20
-                    ),
-                )
-                yield (
-                    (None if got is None else torch.cat([t.flatten() for t in got])),
-                    torch.cat([t.flatten() for t in want]),
-                )
 
 
 _SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)

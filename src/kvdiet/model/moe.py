@@ -33,6 +33,7 @@ from kvdiet.config import ModelConfig
 from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.expert_cache import LayerExperts
+from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
 
@@ -170,37 +171,6 @@ def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.is_cpu and tuple(weight.shape) == (x.shape[0], 1)
 
 
-def _expert_groups(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    used: list[int],
-    modules: Sequence[Expert],
-    shared: Expert,
-) -> torch.Tensor | None:
-    """`MoE._routed_grouped`'s (and `MoE._one_row`'s) decode rows in one compiled call (``expert_groups``,
-    ``formats/expert_kernels.cpp``: the same groups through `run_experts`'s kernel, the k slots summed by torch's
-    own sum of the same [T, k, hidden] tensor, the shared expert added, so the same bits), for rows ``x`` fp32
-    [T, hidden] naming
-    experts ``ids`` int64 [T, k] (``used``: the ids named, increasing, at most 16 pairs each; ``modules``: those
-    experts, already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16, every used expert and
-    ``shared`` dense and fitting `gemv.applies_all`, no autograd; else None (also where an output is NaN)."""
-    k = ids.shape[1]
-    if torch.is_grad_enabled() or not 1 <= k < 16 or x.dim() != 2:
-        return None
-    if weights.dtype != torch.float32 or not weights.is_cpu or weights.shape != ids.shape:
-        return None
-    group = [*modules, shared]
-    dense = [e.dense_weights() for e in group]
-    if not all(d is not None and gemv.applies_all(x, d) for d in dense):
-        return None
-    kernels = native.fp4_kernels()
-    if kernels is None:
-        return None
-    w1s, w3s, w2s = ([d[j] for d in dense] for j in range(3))
-    return kernels.expert_groups(x, ids, weights, used, w1s, w3s, w2s, [e.swiglu_limit for e in group])
-
-
 def run_experts(
     experts: Sequence[Expert], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]
 ) -> list[torch.Tensor]:
@@ -308,7 +278,7 @@ class MoE(nn.Module):
         chosen = [experts[e] for e in id_list]  # each expert fetched once (a lazily read one is loaded here)
         by_id = dict(zip(id_list, chosen, strict=True))
         used = sorted(by_id)
-        row = _expert_groups(x, weights, ids, used, [by_id[e] for e in used], self.shared_experts)
+        row = expert_groups(x, weights, ids, used, [by_id[e] for e in used], self.shared_experts)
         if row is not None:
             return row
         slots = weights.split(1, dim=1)  # k views [1, 1], as weights[:, j : j + 1], in one call
@@ -338,7 +308,7 @@ class MoE(nn.Module):
         used_ids = [e for e, n in enumerate(counts) if n]
         used = [experts[e] for e in used_ids]  # each expert fetched once (a lazily read one is loaded here)
         if decode_rows:
-            grouped = _expert_groups(x, weights, ids, used_ids, used, self.shared_experts)
+            grouped = expert_groups(x, weights, ids, used_ids, used, self.shared_experts)
             if grouped is not None:
                 return grouped
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
