@@ -112,8 +112,8 @@ def sublayer_entry(
 
 
 def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
-    """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, its bits
-    and rms_norm's checked), else (None, None)."""
+    """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, the norm
+    kernel's bits checked), else (None, None)."""
     kernels = native.fp4_kernels()
     if kernels is None or not kernels_agree("rms_norm"):
         return None, None
