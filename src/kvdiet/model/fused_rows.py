@@ -27,14 +27,16 @@ if TYPE_CHECKING:
 
 __all__ = ["expert_groups", "fused_kernels", "project_out_rows", "project_rows"]
 
-ROWS_MAX = 16
-"""The most rows the compiled calls take (a batched decode step's)."""
-
 
 def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None) -> ModuleType | None:
     """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) may run in them: 1..16 fp32
     CPU rows, no autograd, dense weights, the kernels built and the rotation kernel checked; else None."""
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu or not 1 <= x.shape[0] <= ROWS_MAX:
+    if (
+        torch.is_grad_enabled()
+        or x.dtype != torch.float32
+        or not x.is_cpu
+        or not 1 <= x.shape[0] <= gemv.ROWS_MAX
+    ):
         return None
     if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
         return None

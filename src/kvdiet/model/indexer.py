@@ -20,6 +20,7 @@ from torch import nn
 from kvdiet.formats import native
 from kvdiet.formats.codec import Codec
 from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
+from kvdiet.model import gemv
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype, kernels_agree
 from kvdiet.model.linear import Linear
 
@@ -82,7 +83,7 @@ class Indexer(nn.Module):
         self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`queries` in one ``index_query_rows`` call where it applies (see `queries`), else None."""
-        if torch.is_grad_enabled() or not 1 <= qr.shape[0] <= 16:
+        if torch.is_grad_enabled() or not 1 <= qr.shape[0] <= gemv.ROWS_MAX:
             return None
         if codec.encode is not encode_index_key or codec.decode is not decode_index_key:
             return None  # another codec (exact mode) rounds otherwise
