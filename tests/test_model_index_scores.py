@@ -262,11 +262,19 @@ def test_compiled_scores_have_the_pure_torch_bits_on_adversarial_inputs(both, h,
     assert _same_bits(compiled, pure)
     assert torch.isnan(compiled[1]).all()  # a NaN query element reaches every score (limit n)
     assert (compiled[0] == NEG).all()  # limit 0
-    decoded = mxfp4.decode_index_key(packed)
+    _every_layout_agrees(both, queries, w, packed, limit, compiled)
+
+
+def _every_layout_agrees(both, queries, w, packed, limit, compiled) -> None:
+    """Decoded fp32 keys and paged keys (power-of-two and other block sizes) score ``compiled`` (the dense scores of
+    the contiguous packed keys) bit for bit; so do named entries (−1 holes, a repeat, entries past the limit) and
+    per-query keys, on both paths."""
+    q, n = queries.shape[0], packed.shape[0]
+    contiguous, decoded = StoredKeys.contiguous(packed), mxfp4.decode_index_key(packed)
     for keys in (StoredKeys.contiguous(decoded), _paged(packed, 8, n), _paged(packed, 6, n + 1)):
         for got in both(index_scores, queries, w, keys, limit):
             assert _same_bits(got, compiled)
-    gen = torch.Generator().manual_seed(n + d)
+    gen = torch.Generator().manual_seed(n + queries.shape[2])
     entries = torch.randint(-1, n + 3, (q, 77), generator=gen)
     entries[:, ::5] = -1
     entries[:, 1] = entries[:, 2]  # a repeated entry
@@ -294,3 +302,143 @@ def test_fp32_keys_with_non_finite_values_score_as_on_the_pure_torch_path(both):
     entries = torch.tensor([[3, -1, 44, 10, 10], [0, 21, 20, -1, 5], [1, 2, 3, 4, 5], [39, 40, 41, -1, 0]])
     for got in both(index_scores_at, queries, w, StoredKeys.contiguous(keys), entries, limit):
         assert _same_bits(got, torch.where(entries >= 0, compiled.gather(1, entries.clamp(0)), NEG))
+
+
+# ---- the kernel's integer path (AVX-512 VNNI): MXFP4 queries scored from int8 products where the fp32 order is
+# provably exact, bit for bit the pure-torch path's scores wherever it runs or declines: wide block-scale spreads,
+# values near the fp32 limits, exact zero dots and their signs, zero blocks, every head-group, vector and tile split
+
+
+def _mxfp4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] after the MXFP4 round trip, as `Indexer.queries` leaves a query."""
+    d = x.shape[-1]
+    return mxfp4.decode_index_key(mxfp4.encode_index_key(x.reshape(-1, d))).reshape(x.shape)
+
+
+def _spread(x: torch.Tensor, spread: int, gen: torch.Generator) -> torch.Tensor:
+    """x [..., d] with each 32-value block scaled by 2^k, k uniform in −spread..spread."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    k = torch.randint(-spread, spread + 1, (*blocks.shape[:-1], 1), generator=gen)
+    return (blocks * torch.pow(2.0, k.float())).reshape(x.shape)
+
+
+def _integer_groups() -> int:
+    kernels = native.fp4_kernels()
+    assert kernels is not None
+    return kernels.index_integer_groups()
+
+
+def _mxfp4_case(seed: int, q: int, h: int, d: int, n: int):
+    """MXFP4 queries and keys: most block scales within a few powers of two (the integer path), some spread by up
+    to 2^±40 (past its bound), one query at 2^-118 (units below the normal range) and one at 2^88 (sums near
+    the fp32 limit), zero blocks and −0 values; keys with all-zero and all-(−0) entries and ones whose dot with
+    query 0's head 0 cancels exactly, entries scaled by 2^30 and 2^-10; weights with zeros, ±inf and NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = _spread(torch.randn(q, h, d, generator=gen), 3, gen)
+    raw[q - 1] = _spread(raw[q - 1], 40, gen)
+    raw[0, 0, :2] = 1.0  # equal values: key (1, -1, 0, ...) cancels exactly
+    if q > 2:
+        raw[1] = raw[1].abs()  # every product with a −0 key is −0
+        raw[2] *= 2.0**-118
+    if q > 3:
+        raw[3] *= 2.0**88
+    raw[torch.rand(q, h, d, generator=gen) < 0.03] = -0.0
+    if d >= 64:
+        raw[0, h - 1, 32:64] = 0.0  # a block of zeros
+    queries = _mxfp4(raw)
+    w = torch.randn(q, h, generator=gen)
+    w[torch.rand(q, h, generator=gen) < 0.2] = 0.0
+    if q > 4:
+        w[4, 0], w[4, h - 1] = float("inf"), float("nan")
+    keys = _spread(torch.randn(n, d, generator=gen), 2, gen)
+    keys[n // 3 :: 7] = _spread(keys[n // 3 :: 7], 40, gen)
+    keys[1::5] *= 2.0**30  # with the 2^88 query: past the bound's overflow limit, products overflow in fp32
+    keys[2::5] *= 2.0**-10  # with the 2^-118 query: units below the normal range
+    packed = mxfp4.encode_index_key(keys)
+    packed[5::11] = 0  # +0 codes (scale byte 0 is out of range: give them 127)
+    packed[5::11, d // 2 :] = 127
+    packed[6::11, : d // 2] = 0x88  # −0 codes
+    cancel = torch.zeros(d // 2, dtype=torch.uint8)
+    cancel[0] = 0xA2  # values +1 (code 2), −1 (code 10)
+    packed[7::11, : d // 2] = cancel
+    packed[7::11, d // 2 :] = 127
+    limit = torch.tensor([n, n // 2, n + 5, max(0, n - 1), n, 1, 0] * q)[:q]
+    return queries, w, packed, limit
+
+
+@pytest.mark.parametrize(
+    ("q", "h", "d", "n"),
+    [
+        (7, 4, 128, 1031),
+        (5, 1, 32, 17),
+        (5, 3, 96, 65),
+        (6, 5, 160, 40),
+        (5, 8, 256, 129),
+        (5, 2, 64, 16),
+        (5, 4, 128, 64),
+        (5, 6, 1024, 18),
+    ],
+)
+def test_mxfp4_queries_score_with_the_fp32_orders_bits_on_both_paths(both, q, h, d, n):
+    queries, w, packed, limit = _mxfp4_case(q * 1000 + d + n, q, h, d, n)
+    before = _integer_groups()
+    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), limit)
+    ran = _integer_groups() - before
+    assert _same_bits(compiled, pure)
+    kernels = native.fp4_kernels()
+    if kernels.index_integer_path():
+        assert ran > 0  # the integer path ran on these inputs
+    else:
+        assert ran == 0
+    _every_layout_agrees(both, queries, w, packed, limit, compiled)
+
+
+def test_every_group_of_plain_mxfp4_inputs_takes_the_integer_path(both):
+    """Keys and queries as the model writes them (block scales within a few powers of two): every (query,
+    16-entry group) pair is scored on the integer path, with the pure-torch bits."""
+    gen = torch.Generator().manual_seed(3)
+    queries = _mxfp4(torch.randn(3, 4, 128, generator=gen))
+    w = torch.randn(3, 4, generator=gen)
+    packed = mxfp4.encode_index_key(torch.randn(500, 128, generator=gen))
+    limit = torch.tensor([500, 250, 17])
+    before = _integer_groups()
+    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), limit)
+    assert _same_bits(compiled, pure)
+    groups = sum(-(-int(lim) // 16) for lim in limit)
+    expected = groups if native.fp4_kernels().index_integer_path() else 0
+    assert _integer_groups() - before == expected
+
+
+def test_a_dot_of_only_negative_zero_products_keeps_its_sign(both):
+    """A key of −0 codes against a query of nonnegative values: every product is −0, so the fp32 order's dot is −0
+    (relu keeps it, a positive weight too). One exactly cancelling key gives +0. Both on the integer path."""
+    gen = torch.Generator().manual_seed(4)
+    queries = _mxfp4(torch.randn(1, 1, 64, generator=gen).abs())
+    queries[0, 0, :2] = 1.0  # a grid value at both places: the key (+1, −1) below cancels
+    w = torch.tensor([[0.5]])
+    packed = mxfp4.encode_index_key(torch.randn(16, 64, generator=gen))
+    packed[3, :32] = 0x88
+    packed[9, :32] = 0
+    packed[9, 0] = 0xA2
+    packed[9, 32:] = 127
+    before = _integer_groups()
+    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), torch.tensor([16]))
+    assert _same_bits(compiled, pure)
+    assert compiled[0, 3] == 0 and torch.signbit(compiled[0, 3])
+    assert compiled[0, 9] == 0 and not torch.signbit(compiled[0, 9])
+    assert _integer_groups() - before == (1 if native.fp4_kernels().index_integer_path() else 0)
+
+
+def test_a_bad_scale_byte_still_raises_with_mxfp4_queries(both, monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    queries = _mxfp4(torch.randn(1, 4, 128, generator=gen))
+    w = torch.randn(1, 4, generator=gen)
+    packed = mxfp4.encode_index_key(torch.randn(40, 128, generator=gen))
+    packed[21, 64 + 2] = 0  # scale byte 0: outside 1..252
+    keys = StoredKeys.contiguous(packed)
+    for native_on in ("1", "0"):
+        monkeypatch.setenv(native.ENV, native_on)
+        with pytest.raises(ValueError):
+            index_scores(queries, w, keys, torch.tensor([40]))
+        # entries 16..20 share the bad entry's group, but an entry no query sees is never read
+        assert torch.isfinite(index_scores(queries, w, keys, torch.tensor([21]))[0, :21]).all()

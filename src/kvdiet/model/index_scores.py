@@ -1,9 +1,13 @@
 """Indexer scores read straight from the stored index keys: ``Σ_h relu(q_h · k_j) · w_h`` (v41-spec §4).
 
 Keys are scored where the cache holds them (`StoredKeys`: packed MXFP4 entries, or fp32 rows in exact mode,
-in the pages of the device pool), never decoded as a whole: the compiled kernel (``formats/fp4_kernels.cpp``,
+in the pages of the device pool), never decoded as a whole: the compiled kernel (``formats/index_kernels.cpp``,
 ``index_scores``) decodes 16 entries at a time into its own scratch, value-major (one 16-float vector holds a
-value of each of the 16 keys), and scores them against every query.
+value of each of the 16 keys), and scores them against every query. On a CPU with AVX-512 VNNI, an MXFP4 query
+(what `Indexer.queries` returns) against packed keys is scored from int8 products instead: each block's dot is an
+exact integer times a power of two, and where the scales prove that every partial sum of the fp32 order below is
+exact (checked per entry and head from the scale bytes), that order's result is the exact dot: the same bits.
+Entries the check declines, exact zero dots' signs and any other query keep the fp32 order.
 `index_scores` scores every visible entry (KV-source and candidate-source layers); `index_scores_at` only
 the entries each query names (a candidate consumer's pool: 2,048 blocks × 8 of 1M entries on V4.1).
 

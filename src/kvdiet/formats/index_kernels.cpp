@@ -1,0 +1,681 @@
+// Indexer scores on stored MXFP4 index keys (v41-spec §4), in the translation unit fp4_kernels.cpp opens (its
+// helpers: float_of, grid_bits, note_row, first_noted). Built at first use by kvdiet.formats.native.
+
+namespace {
+
+// ---- indexer scores on stored index keys (v41-spec §4): score(t, j) = sum_h relu(q[t,h] . k_j) * w[t,h] ----
+// Keys are packed MXFP4 entries (uint8 [R, d/2 + d/32], decoded into a small tile on the fly, never written
+// out) or fp32 rows [R, d]; entry j lives in row table[j / per_block] * per_block + j % per_block. The order of
+// every fp32 operation is fixed, so a (query, entry) score never depends on which other entries are scored
+// (index_scores.py holds the same order in torch):
+//   dot: 8 lanes; lane l sums q[i] * k[i] over i = l, l+8, ... in increasing i (each product rounded, then
+//        added: no FMA); lanes folded (l, l+4), then (l, l+2), then (0, 1).
+//   relu(x) = x < 0 ? 0 : x (NaN kept); heads summed in order 0..H-1 from head 0's term relu(dot_0) * w_0.
+// Vectors only hold more keys side by side: 16 entries are decoded together into a tile transposed to value-major
+// order (tile[i * 16 + k]: value i of entry k), so one 16-float vector holds value i of 16 keys and every step
+// above (the lane sums, the folds, relu, the head sum) is one vector operation for 16 keys, with no shuffles.
+// Each tile vector, once loaded, serves 4 heads (16 accumulators: 4 heads x lanes 0..3, then lanes 4..7).
+
+using v16 = float __attribute__((vector_size(64)));
+using v16i = int32_t __attribute__((vector_size(64)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+
+template <typename V>
+inline V load_vec(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+inline void store_vec(void* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// fp32 bits of the E2M1 values as one 16-float vector, indexed by code
+inline v16 grid_vector() {
+  v16 g;
+  for (uint32_t c = 0; c < 16; ++c) g[c] = float_of(grid_bits(c));
+  return g;
+}
+
+constexpr int64_t kGroup = 16;  // entries decoded and scored together: a vector holds one value of each
+constexpr int64_t kTile = 64;   // entries per task (a multiple of kGroup)
+constexpr int kHeadsAtOnce = 4;  // heads whose accumulators stay in registers together
+constexpr int64_t kMaxDim = 1024;  // the largest head dim index_scores takes (sizes kZeroRow and the scales)
+alignas(64) const uint8_t kZeroRow[kMaxDim * sizeof(float)] = {};  // stands in for absent entries (d fp32 values)
+
+struct ScoreArgs {
+  const float* q;        // [Q, H, d]
+  const float* w;        // [Q, H]
+  const uint8_t* keys;   // [R, row_bytes] packed, or fp32 rows when packed == false
+  int64_t row_bytes, heads, dim;
+  bool packed;
+  const int64_t* table;  // block ids
+  int64_t per_block;
+  const int64_t* limit;  // [Q]: entries j < limit[t] are visible to query t
+};
+
+// Bit k set where lane k of v is nonzero
+inline uint32_t mask_of(const v16i& v) {
+#ifdef __AVX512F__
+  const __m512i x = reinterpret_cast<__m512i>(v);
+  return _mm512_test_epi32_mask(x, x);
+#else
+  uint32_t m = 0;
+  for (int k = 0; k < 16; ++k) m |= static_cast<uint32_t>(v[k] != 0) << k;
+  return m;
+#endif
+}
+
+// Bit k set where 0 <= ids[k] < limit, k = 0..15
+inline uint32_t ids_below(const int64_t* ids, int64_t limit) {
+#ifdef __AVX512F__
+  const __m512i lim = _mm512_set1_epi64(limit), zero = _mm512_setzero_si512();
+  const __m512i lo = _mm512_loadu_si512(ids), hi = _mm512_loadu_si512(ids + 8);
+  const uint32_t m0 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(lo, zero), lo, lim);
+  const uint32_t m1 = _mm512_mask_cmplt_epi64_mask(_mm512_cmpge_epi64_mask(hi, zero), hi, lim);
+  return m0 | m1 << 8;
+#else
+  uint32_t m = 0;
+  for (int k = 0; k < 16; ++k) m |= static_cast<uint32_t>(ids[k] >= 0 && ids[k] < limit) << k;
+  return m;
+#endif
+}
+
+// -1 in lane k where bit k of m is set, else 0
+inline v16i lanes_of(uint32_t m) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16i>(_mm512_movm_epi32(static_cast<__mmask16>(m)));
+#else
+  v16i v;
+  for (int k = 0; k < 16; ++k) v[k] = (m >> k & 1) ? -1 : 0;
+  return v;
+#endif
+}
+
+// Rows r[0..16) of 16 dwords transposed in place: r[c][k] becomes the old r[k][c].
+inline void transpose16(u32x16* r) {
+#ifdef __AVX512F__
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = reinterpret_cast<__m512i>(r[i]);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: (row i, row i+1) at columns 4L, 4L+1 / 4L+2, 4L+3
+    b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // a[4g + m] lane L: column 4L + m of rows 4g .. 4g+3
+    a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+    a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+    a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+    a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // the four lanes of columns m, 4+m, 8+m, 12+m gathered
+    const __m512i t = _mm512_shuffle_i32x4(a[m], a[4 + m], 0x88), tp = _mm512_shuffle_i32x4(a[m], a[4 + m], 0xdd);
+    const __m512i s = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0x88);
+    const __m512i sp = _mm512_shuffle_i32x4(a[8 + m], a[12 + m], 0xdd);
+    r[m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(t, s, 0x88));
+    r[8 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(t, s, 0xdd));
+    r[4 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(tp, sp, 0x88));
+    r[12 + m] = reinterpret_cast<u32x16>(_mm512_shuffle_i32x4(tp, sp, 0xdd));
+  }
+#else
+  for (int i = 0; i < 16; ++i) {
+    for (int k = i + 1; k < 16; ++k) std::swap(r[i][k], r[k][i]);
+  }
+#endif
+}
+
+// Dwords w0 .. w0 + cnt - 1 (cnt <= 16) of rows[0..16) into r, transposed: r[c][k] = dword w0 + c of row k
+// (0 for c >= cnt).
+inline void load_transposed(const uint8_t* const* rows, int64_t w0, int64_t cnt, u32x16* r) {
+  for (int k = 0; k < 16; ++k) {
+    if (cnt == 16) {
+      r[k] = load_vec<u32x16>(rows[k] + 4 * w0);
+    } else {
+      r[k] = u32x16{};
+      std::memcpy(&r[k], rows[k] + 4 * w0, 4 * cnt);
+    }
+  }
+  transpose16(r);
+}
+
+// The entries of rows[0..16) (kZeroRow for an absent one) decoded into tile[i * 16 + k] = value i of entry k.
+// Returns the mask of entries holding a scale byte outside 1..252 (packed keys).
+template <int64_t D>
+inline uint32_t decode_group(const ScoreArgs& a, const uint8_t* const* rows, float* tile, const v16& grid) {
+  const int64_t d = D > 0 ? D : a.dim, words = a.packed ? d / 8 : d;  // dwords per row: codes, or fp32 values
+  uint32_t bad = 0;
+  v16 scale[kMaxDim / 32];  // packed: scale[b][k] = the scale of values 32b .. 32b+31 of entry k
+  if (a.packed) {
+    const int64_t nb = d / 32;
+    for (int64_t b4 = 0; b4 < nb; b4 += 4) {  // scale bytes b4 .. b4+3 of each entry in one dword
+      u32x16 bytes4{};
+      for (int k = 0; k < 16; ++k) {
+        uint32_t v = 0;
+        std::memcpy(&v, rows[k] + d / 2 + b4, std::min<int64_t>(4, nb - b4));
+        bytes4[k] = v;
+      }
+      for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
+        const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
+        bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
+        scale[b] = reinterpret_cast<v16>(s << 23);
+      }
+    }
+  }
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, words - w0);
+    u32x16 r[16];
+    load_transposed(rows, w0, cnt, r);  // r[c][k]: dword w0 + c of entry k
+    for (int64_t c = 0; c < cnt; ++c) {
+      if (!a.packed) {
+        store_vec(tile + (w0 + c) * 16, r[c]);
+        continue;
+      }
+      // dword w0 + c holds codes of values 8(w0 + c) + j, j = 0..7, at bits 4j .. 4j+3 (low nibble first);
+      // __builtin_shuffle reads each index modulo 16, so the bits above a code select nothing
+      const v16 s = scale[(w0 + c) / 4];
+      float* o = tile + (w0 + c) * 8 * 16;
+      for (int j = 0; j < 8; ++j) {
+        store_vec(o + j * 16, __builtin_shuffle(grid, reinterpret_cast<v16i>(r[c] >> (4 * j))) * s);
+      }
+    }
+  }
+  return bad;
+}
+
+// The dots of heads h0 .. h0 + HG - 1 of one query (qh: head h0's d values, the next heads d apart) with the 16
+// entries of the tile, each in 8 lanes folded as the comment above says.
+template <int HG, int64_t D>
+inline void dots16(const float* tile, const float* qh, int64_t d, v16* dots) {
+  if constexpr (D > 0) d = D;
+  v16 acc[HG][4];
+  alignas(64) float low[HG][4][16];  // lanes 0..3, kept while lanes 4..7 are summed
+  for (int half = 0; half < 2; ++half) {
+    for (int l = 0; l < 4; ++l) {
+      const v16 k = load_vec<v16>(tile + (4 * half + l) * 16);
+      for (int h = 0; h < HG; ++h) acc[h][l] = qh[h * d + 4 * half + l] * k;
+    }
+    for (int64_t c = 1; c < d / 8; ++c) {
+      for (int l = 0; l < 4; ++l) {
+        const int64_t i = 8 * c + 4 * half + l;
+        const v16 k = load_vec<v16>(tile + i * 16);
+        for (int h = 0; h < HG; ++h) acc[h][l] += qh[h * d + i] * k;
+      }
+    }
+    if (half == 0) {
+      for (int h = 0; h < HG; ++h) {
+        for (int l = 0; l < 4; ++l) store_vec(low[h][l], acc[h][l]);
+      }
+    }
+  }
+  for (int h = 0; h < HG; ++h) {
+    v16 r[4];
+    for (int l = 0; l < 4; ++l) r[l] = load_vec<v16>(low[h][l]) + acc[h][l];
+    dots[h] = (r[0] + r[2]) + (r[1] + r[3]);
+  }
+}
+
+// Scores of query t (its heads at qt, weights at wt) against the tile's 16 entries.
+template <int64_t D>
+inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, const float* wt) {
+  const int64_t d = D > 0 ? D : a.dim;
+  v16 total{}, dots[kHeadsAtOnce];
+  for (int64_t h0 = 0; h0 < a.heads; h0 += kHeadsAtOnce) {
+    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, a.heads - h0);
+    const float* qh = qt + h0 * d;
+    switch (hg) {
+      case 4: dots16<4, D>(tile, qh, d, dots); break;
+      case 3: dots16<3, D>(tile, qh, d, dots); break;
+      case 2: dots16<2, D>(tile, qh, d, dots); break;
+      default: dots16<1, D>(tile, qh, d, dots); break;
+    }
+    for (int64_t h = 0; h < hg; ++h) {
+      const v16 r = (dots[h] < 0.0f ? v16{} : dots[h]) * wt[h0 + h];
+      total = h0 + h == 0 ? r : total + r;
+    }
+  }
+  return total;
+}
+
+// ---- the integer path: the same scores from int8 products, where they are provably the same bits ----
+// A query that went through the MXFP4 round trip (Indexer.queries) holds, per head and 32-value block b,
+// q[i] = a[i] * 2^u_b with a[i] in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}; a stored key holds
+// k[i] = c[i] * 2^(s_b - 128) (c = twice the E2M1 value, s_b the block's scale byte). Every product is then
+// a[i] c[i] * 2^E_b with E_b = u_b + s_b - 128, and a block's dot is the integer I_b = sum a[i] c[i]
+// (|I_b| <= 32 * 144) times 2^E_b: vpdpbusd sums those int8 products exactly.
+// The fp32 order above adds subsets of the same products. Where 2^Emin (Emin = min_b E_b over the query's nonzero
+// blocks) is a normal float and sum_b B_b 2^(E_b - Emin) < 2^24 (B_b = 12 sum_i |a[i]| bounds sum_i |a[i] c[i]|),
+// every product and every partial sum it can form is a multiple of 2^Emin below 2^24 * 2^Emin: exact. Its result
+// is then the exact dot, and so is sum_b I_b 2^E_b here, formed in fp32 in any order: the same bits. Each
+// (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is used;
+// an entry that fails it, a zero dot (whose sign depends on every product's), a query that is not MXFP4 and a
+// scale byte outside 1..252 all take the fp32 order above. relu, the weights and the head sum are the same
+// vector operations as score_group's.
+#ifdef __AVX512F__
+constexpr int32_t kNoBlock = INT32_MIN;  // unit of a query block of zeros: it adds nothing and bounds nothing
+
+struct IntQueries {
+  int64_t heads = 0, words = 0, blocks = 0;  // words: d / 8 (8 values each), blocks: d / 32
+  std::vector<uint64_t> pattern;             // [t, h, w]: a[8w .. 8w+7] as int8 bytes, low byte first
+  std::vector<int32_t> unit;                 // [t, h, b]: u_b, or kNoBlock
+  std::vector<int32_t> offset;               // [t, h, b]: 12 sum a[i] (vpdpbusd reads c + 12, unsigned)
+  std::vector<int32_t> spread;               // [t, h]: the largest Emax - Emin the bound allows
+  std::vector<uint8_t> ok;                   // [t]: every head MXFP4 with a nonzero block
+};
+
+// Block x[0..32) as a[i] * 2^(unit) for the grid above, or false. abs_sum: sum |a[i]|.
+inline bool int_block(const float* x, int8_t* a, int32_t& unit, int32_t& sum, int32_t& abs_sum) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  if (!std::isfinite(amax)) return false;  // NaN compares false to every value: checked below too
+  sum = abs_sum = 0;
+  if (amax == 0.0f) {
+    std::memset(a, 0, 32);
+    unit = kNoBlock;
+    return true;
+  }
+  int ex = 0;
+  std::frexp(amax, &ex);  // amax = m 2^ex, m in [0.5, 1): amax 2^(4 - ex) in [8, 16)
+  for (int i = 0; i < 32; ++i) {
+    const float v = std::ldexp(x[i], 4 - ex);  // exact whenever v is one of the grid's integers
+    if (!(std::fabs(v) <= 12.0f)) return false;
+    const int32_t n = static_cast<int32_t>(v);
+    if (static_cast<float>(n) != v || ((0x115Fu >> std::abs(n)) & 1u) == 0 || (n == 0 && x[i] != 0.0f)) {
+      return false;  // not on the grid {0, 1, 2, 3, 4, 6, 8, 12}, or a nonzero value that scaled to zero
+    }
+    a[i] = static_cast<int8_t>(n);
+    sum += n;
+    abs_sum += std::abs(n);
+  }
+  unit = ex - 4;
+  return true;
+}
+
+// q fp32 [Q, H, d] as IntQueries (ok[t] = 0 where query t is not MXFP4 or has a head of zeros).
+inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d) {
+  IntQueries iq;
+  iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
+  iq.pattern.resize(nq * heads * iq.words);
+  iq.unit.resize(nq * heads * iq.blocks);
+  iq.offset.resize(nq * heads * iq.blocks);
+  iq.spread.resize(nq * heads);
+  iq.ok.assign(nq, 1);
+  std::vector<int8_t> a(d);
+  for (int64_t t = 0; t < nq; ++t) {
+    for (int64_t h = 0; h < heads && iq.ok[t]; ++h) {
+      const int64_t th = t * heads + h;
+      int64_t bound = 0;
+      for (int64_t b = 0; b < iq.blocks; ++b) {
+        int32_t sum = 0, abs_sum = 0;
+        if (!int_block(q + th * d + 32 * b, a.data() + 32 * b, iq.unit[th * iq.blocks + b], sum, abs_sum)) {
+          iq.ok[t] = 0;
+          break;
+        }
+        iq.offset[th * iq.blocks + b] = 12 * sum;
+        bound += 12 * abs_sum;
+      }
+      if (!iq.ok[t] || bound == 0) {
+        iq.ok[t] = 0;
+        break;
+      }
+      int32_t spread = 0;
+      while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
+      iq.spread[th] = spread;
+      std::memcpy(iq.pattern.data() + th * iq.words, a.data(), d);
+    }
+  }
+  return iq;
+}
+
+// One 16-entry group's keys for the integer path: ex[2w] and ex[2w + 1] hold c + 12 of values 8w .. 8w+7 as
+// int_expand lays them out; unit[b] lane k: s_b - 128 of entry k.
+struct IntGroup {
+  std::vector<__m512i> ex;
+  v16i unit[kMaxDim / 32];
+};
+
+// Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252.
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expand(const uint8_t* const* rows,
+                                                                                 int64_t d, IntGroup& g) {
+  const int64_t words = d / 8, nb = d / 32;
+  uint32_t bad = 0;
+  for (int64_t b4 = 0; b4 < nb; b4 += 4) {
+    u32x16 bytes4{};
+    if (nb - b4 >= 4) {  // scale bytes b4 .. b4+3 of each entry: one dword gathered from each row
+      const __m512i at = _mm512_set1_epi64(d / 2 + b4);
+      const __m512i p0 = _mm512_add_epi64(_mm512_loadu_si512(rows), at);
+      const __m512i p1 = _mm512_add_epi64(_mm512_loadu_si512(rows + 8), at);
+      const __m256i s0 = _mm512_i64gather_epi32(p0, nullptr, 1), s1 = _mm512_i64gather_epi32(p1, nullptr, 1);
+      bytes4 = reinterpret_cast<u32x16>(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
+    } else {
+      for (int k = 0; k < 16; ++k) {
+        uint32_t v = 0;
+        std::memcpy(&v, rows[k] + d / 2 + b4, nb - b4);
+        bytes4[k] = v;
+      }
+    }
+    for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
+      const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
+      bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
+      g.unit[b] = reinterpret_cast<v16i>(s) - 128;
+    }
+  }
+  alignas(64) static const int8_t kLut[64] = {  // code -> c + 12, in each 128-bit lane (vpshufb's table)
+      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,  // codes 0..7: +grid, 8..15: -grid
+      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+      12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  const __m512i lut = _mm512_load_si512(kLut), nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t w0 = 0; w0 < words; w0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, words - w0);
+    u32x16 r[16];
+    load_transposed(rows, w0, cnt, r);  // r[c] lane k: dword w0 + c of entry k (codes of values 8(w0 + c) .. +7)
+    for (int64_t c = 0; c < cnt; ++c) {
+      const __m512i x = reinterpret_cast<__m512i>(r[c]);
+      const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibble);
+      // per 128-bit lane L: unpacklo holds entries 4L, 4L+1, unpackhi 4L+2, 4L+3, each as two dwords (values
+      // 0..3, then 4..7 of the eight)
+      g.ex[2 * (w0 + c)] = _mm512_shuffle_epi8(lut, _mm512_unpacklo_epi8(lo, hi));
+      g.ex[2 * (w0 + c) + 1] = _mm512_shuffle_epi8(lut, _mm512_unpackhi_epi8(lo, hi));
+    }
+  }
+  return bad;
+}
+
+// The fp32 order's dot where the exact dot is zero: -0 when every product q[i] k[i] is -0, else +0 (a sum of
+// exact partials is -0 only when every term is).
+inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t code = row[i / 2] >> (4 * (i % 2)) & 15u;
+    const float k = float_of(grid_bits(code)) * float_of(static_cast<uint32_t>(row[d / 2 + i / 32]) << 23);
+    const float p = qh[i] * k;
+    if (p != 0.0f || !std::signbit(p)) return 0.0f;
+  }
+  return -0.0f;
+}
+
+// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq) with the group's entries into dot[h], and
+// emin[h] / emax[h]: the least and largest E_b over the head's nonzero blocks. The block dots are summed as
+// integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled once.
+// The heads' products are independent chains, so they overlap.
+template <int HG>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(const IntQueries& iq, int64_t th0,
+                                                                           const IntGroup& g, v16* dot, v16i* emin,
+                                                                           v16i* emax) {
+  // lane i of the pair sums: entry i = 4L + j; j < 2 in unpacklo's dwords 4L + 2j, 4L + 2j + 1, else unpackhi's
+  alignas(64) static const int32_t kEven[16] = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const int64_t nb = iq.blocks, words = iq.words;
+  const uint64_t* pat = iq.pattern.data() + th0 * words;
+  const int32_t* unit = iq.unit.data() + th0 * nb;
+  __m512i total[HG];
+  v16i least[HG];  // locals, not emin / emax: those may alias what the loops read
+  for (int h = 0; h < HG; ++h) {
+    v16i lo = v16i{} + INT32_MAX, hi = v16i{} + INT32_MIN;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (unit[h * nb + b] == kNoBlock) continue;
+      const v16i e = g.unit[b] + unit[h * nb + b];
+      lo = e < lo ? e : lo;
+      hi = e > hi ? e : hi;
+    }
+    least[h] = lo, emin[h] = lo, emax[h] = hi;
+    total[h] = _mm512_setzero_si512();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[HG], hi[HG];
+    for (int h = 0; h < HG; ++h) lo[h] = hi[h] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int64_t w = 4 * b; w < 4 * b + 4; ++w) {
+      const __m512i x0 = g.ex[2 * w], x1 = g.ex[2 * w + 1];
+      for (int h = 0; h < HG; ++h) {
+        const __m512i qv = _mm512_set1_epi64(static_cast<long long>(pat[h * words + w]));
+        lo[h] = _mm512_dpbusd_epi32(lo[h], x0, qv);
+        hi[h] = _mm512_dpbusd_epi32(hi[h], x1, qv);
+      }
+    }
+    for (int h = 0; h < HG; ++h) {
+      const int32_t qu = unit[h * nb + b];
+      if (qu == kNoBlock) continue;
+      const __m512i pairs = _mm512_add_epi32(_mm512_permutex2var_epi32(lo[h], even, hi[h]),
+                                             _mm512_permutex2var_epi32(lo[h], odd, hi[h]));
+      const __m512i sum = _mm512_sub_epi32(pairs, _mm512_set1_epi32(iq.offset[(th0 + h) * nb + b]));  // I_b
+      const __m512i shift = reinterpret_cast<__m512i>(g.unit[b] + qu - least[h]);
+      total[h] = _mm512_add_epi32(total[h], _mm512_sllv_epi32(sum, shift));
+    }
+  }
+  for (int h = 0; h < HG; ++h) {  // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
+    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(least[h] + 127) << 23);
+    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total[h]), v16) * unit_value;
+  }
+}
+
+// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]: entry k's row) into s
+// (lanes where visible), or false where the check above fails for a visible entry (nothing written then).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
+                                                                            const IntGroup& g, const float* q,
+                                                                            const uint8_t* const* rows,
+                                                                            const float* wt, const v16i& visible,
+                                                                            v16& s) {
+  const int64_t heads = iq.heads, d = iq.words * 8;
+  v16 total{}, dot[kHeadsAtOnce];
+  v16i emin[kHeadsAtOnce], emax[kHeadsAtOnce];
+  for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
+    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
+    switch (hg) {
+      case 4: int_dots<4>(iq, th0, g, dot, emin, emax); break;
+      case 3: int_dots<3>(iq, th0, g, dot, emin, emax); break;
+      case 2: int_dots<2>(iq, th0, g, dot, emin, emax); break;
+      default: int_dots<1>(iq, th0, g, dot, emin, emax); break;
+    }
+    for (int64_t h = 0; h < hg; ++h) {
+      const v16i pass = (emax[h] - emin[h] <= iq.spread[th0 + h]) & (emin[h] >= -126) & (emin[h] <= 104);
+      if (mask_of(visible & ~pass) != 0) return false;
+      for (uint32_t zero = mask_of(visible & (dot[h] == 0.0f)); zero != 0; zero &= zero - 1) {
+        const int k = __builtin_ctz(zero);
+        dot[h][k] = zero_dot(q + (h0 + h) * d, rows[k], d);
+      }
+      const v16 r = (dot[h] < 0.0f ? v16{} : dot[h]) * wt[h0 + h];
+      total = h0 + h == 0 ? r : total + r;
+    }
+  }
+  s = visible != 0 ? total : s;
+  return true;
+}
+
+std::atomic<int64_t> g_integer_groups{0};  // (query, 16-entry group) pairs scored on the integer path
+
+inline bool integer_path_available() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+#endif
+
+// Lanes 0 .. cnt - 1 of s to o
+inline void store_scores(float* o, const v16& s, int64_t cnt) {
+  if (cnt == kGroup) {
+    store_vec(o, s);
+  } else {
+    std::memcpy(o, &s, cnt * sizeof(float));
+  }
+}
+
+// The row of entry j
+inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
+  return a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
+}
+
+// Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
+// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
+// entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim).
+#ifdef __AVX512F__
+struct IntPath {               // the integer path of one parallel task
+  const IntQueries* queries;   // nullptr: not taken (fp32 keys, no VNNI, no MXFP4 query)
+  IntGroup* group;
+  int64_t scored = 0;          // (query, group) pairs it scored
+};
+#else
+struct IntPath {};
+#endif
+
+template <int64_t D>
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t n, int64_t t0,
+                   int64_t t1, float* out, int64_t out_stride, float* tile, const v16& grid, IntPath& ip) {
+  const int64_t d = D > 0 ? D : a.dim;
+  constexpr float kNeg = -std::numeric_limits<float>::infinity();
+  int64_t bad = -1;
+  for (int64_t g = 0; g * kGroup < n; ++g) {
+    const int64_t* gid = ids + g * kGroup;
+    const int64_t cnt = std::min(kGroup, n - g * kGroup);
+    const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
+    bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
+#ifdef __AVX512F__
+    if (ip.queries != nullptr && present != 0) {
+      integer = (int_expand(rows + g * kGroup, d, *ip.group) & present) == 0;
+    }
+#endif
+    if (present != 0 && !integer) {
+      uint32_t flagged = decode_group<D>(a, rows + g * kGroup, tile, grid) & present;
+      decoded = true;
+      for (int k = 0; flagged != 0; ++k, flagged >>= 1) {
+        if ((flagged & 1) && (bad < 0 || gid[k] < bad)) bad = gid[k];
+      }
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      float* o = out + (t - t0) * out_stride + g * kGroup;
+      const int64_t lim = a.limit[t];
+      const uint32_t seen = ids_below(gid, lim);
+      const v16i visible = lanes_of(seen);
+      v16 s = v16{} + kNeg;
+      if (seen != 0) {
+#ifdef __AVX512F__
+        const float* qt = a.q + t * a.heads * d;
+        if (integer && ip.queries->ok[t] &&
+            int_score(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
+          ++ip.scored;
+          store_scores(o, s, cnt);
+          continue;
+        }
+#endif
+        if (!decoded) {
+          decode_group<D>(a, rows + g * kGroup, tile, grid);  // no bad scale byte: int_expand checked them
+          decoded = true;
+        }
+        s = visible != 0 ? score_group<D>(a, tile, a.q + t * a.heads * d, a.w + t * a.heads) : s;
+      }
+      store_scores(o, s, cnt);
+    }
+  }
+  return bad;
+}
+
+}  // namespace
+
+// Index scores of queries q fp32 [Q, H, d] (weights w fp32 [Q, H]) against stored keys (packed uint8
+// [R, d/2 + d/32] or fp32 [R, d], unit element stride), entry j at row table[j / per_block] * per_block + j %
+// per_block.
+// entries int64 [Q, C]: score those entries (< 0: not scored) into out [Q, C]; entries empty ([0, 0]): score
+// entries 0..N-1 into out [Q, N]. Entries at or past limit[t] get -inf. Returns -1 or the first entry id holding
+// a scale byte outside 1..252.
+int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor table, int64_t per_block,
+                     at::Tensor limit, at::Tensor entries, at::Tensor out) {
+  TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && table.is_contiguous() && limit.is_contiguous() &&
+                  entries.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.dim() == 2 &&
+                  keys.dim() == 2 && (keys.size(1) <= 1 || keys.stride(1) == 1),
+              "index scores: layout");
+  const int64_t nq = q.size(0), d = q.size(2);
+  TORCH_CHECK(d % 32 == 0 && d <= kMaxDim, "index scores: head dim must be a multiple of 32, at most ", kMaxDim);
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == nq && w.size(1) == q.size(1) && limit.numel() == nq &&
+                  out.size(0) == nq && (entries.numel() == 0 || (entries.dim() == 2 && entries.sizes() == out.sizes())),
+              "index scores: w [Q, H], limit [Q], out [Q, C] and entries [Q, C] or empty");
+  TORCH_CHECK(per_block >= 1, "index scores: per_block must be at least 1");
+  const bool packed = keys.scalar_type() == at::kByte;
+  TORCH_CHECK(packed || keys.scalar_type() == at::kFloat, "index scores: keys are uint8 (MXFP4) or float32");
+  TORCH_CHECK(keys.size(1) == (packed ? d / 2 + d / 32 : d), "index scores: key rows of ", keys.size(1),
+              packed ? " bytes for head dim " : " values for head dim ", d);
+  ScoreArgs a{q.data_ptr<float>(), w.data_ptr<float>(), static_cast<const uint8_t*>(keys.data_ptr()),
+              keys.stride(0) * keys.element_size(), q.size(1), d, packed, table.data_ptr<int64_t>(), per_block,
+              limit.data_ptr<int64_t>()};
+  const bool dense = entries.numel() == 0;
+  const int64_t width = out.size(1), tiles = (width + kTile - 1) / kTile;
+  const int64_t qblock = dense ? 16 : 1, qblocks = (nq + qblock - 1) / qblock;
+  float* o = out.data_ptr<float>();
+  const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
+  std::atomic<int64_t> bad{INT64_MAX};
+#ifdef __AVX512F__
+  IntQueries iq;
+  if (packed && integer_path_available()) iq = int_queries(a.q, nq, a.heads, d);
+  const bool integer = std::find(iq.ok.begin(), iq.ok.end(), 1) != iq.ok.end();
+#endif
+  at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
+    std::vector<v16> tile(d);  // 16 entries x d values
+#ifdef __AVX512F__
+    IntGroup group;
+    IntPath ip{integer ? &iq : nullptr, &group};
+    if (integer) group.ex.resize(d / 4);
+#else
+    IntPath ip;
+#endif
+    const v16 grid = grid_vector();
+    int64_t ids[kTile];
+    const uint8_t* rows[kTile];
+    const bool pow2 = (per_block & (per_block - 1)) == 0;
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(per_block));
+    for (int64_t task = b0; task < b1; ++task) {
+      const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
+      const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
+      if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
+        int64_t reach = 0;
+        for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
+        const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
+        int64_t block = c0 / per_block, offset = c0 % per_block;
+        for (int64_t e = 0; e < seen; ++e) {
+          ids[e] = c0 + e;
+          rows[e] = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+          if (++offset == per_block) offset = 0, ++block;
+        }
+        for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
+      } else {
+        for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
+          const int64_t j = ent[t0 * width + c0 + e];
+          ids[e] = j < a.limit[t0] ? j : -1;
+          if (ids[e] < 0) {
+            rows[e] = kZeroRow;
+            continue;
+          }
+          rows[e] = pow2 ? a.keys + ((a.table[j >> shift] << shift) + (j & (per_block - 1))) * a.row_bytes
+                         : row_of(a, j);
+          __builtin_prefetch(rows[e]);  // named entries lie anywhere in the pool: start every read now
+          __builtin_prefetch(rows[e] + a.row_bytes - 1);
+        }
+      }
+      for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
+      float* ot = o + t0 * width + c0;
+      float* tp = reinterpret_cast<float*>(tile.data());
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip)
+                                 : score_tile<0>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip);
+      if (r >= 0) note_row(bad, r);
+    }
+#ifdef __AVX512F__
+    g_integer_groups += ip.scored;
+#endif
+  });
+  return first_noted(bad);
+}
+
+// Whether index_scores has its integer path on this CPU (AVX-512 VNNI), and the (query, 16-entry group) pairs it
+// scored there in this process
+bool index_integer_path() {
+#ifdef __AVX512F__
+  return integer_path_available();
+#else
+  return false;
+#endif
+}
+
+int64_t index_integer_groups() {
+#ifdef __AVX512F__
+  return g_integer_groups.load();
+#else
+  return 0;
+#endif
+}
