@@ -304,9 +304,10 @@ def test_fp32_keys_with_non_finite_values_score_as_on_the_pure_torch_path(both):
         assert _same_bits(got, torch.where(entries >= 0, compiled.gather(1, entries.clamp(0)), NEG))
 
 
-# ---- the kernel's integer path (AVX-512 VNNI): MXFP4 queries scored from int8 products where the fp32 order is
-# provably exact, bit for bit the pure-torch path's scores wherever it runs or declines: wide block-scale spreads,
-# values near the fp32 limits, exact zero dots and their signs, zero blocks, every head-group, vector and tile split
+# ---- the kernel's integer path (AVX-512 VNNI; calls that score one query per task at head dim >= 128): MXFP4
+# queries scored from int8 products where the fp32 order is provably exact, bit for bit the pure-torch path's
+# scores wherever it runs or declines: wide block-scale spreads, values near the fp32 limits, exact zero dots and
+# their signs, zero blocks and heads, every head group, vector and tile split, dense, named, paged and per-query keys
 
 
 def _mxfp4(x: torch.Tensor) -> torch.Tensor:
@@ -328,28 +329,30 @@ def _integer_groups() -> int:
     return kernels.index_integer_groups()
 
 
+def _integer_path() -> bool:
+    return bool(native.fp4_kernels().index_integer_path())
+
+
 def _mxfp4_case(seed: int, q: int, h: int, d: int, n: int):
     """MXFP4 queries and keys: most block scales within a few powers of two (the integer path), some spread by up
     to 2^±40 (past its bound), one query at 2^-118 (units below the normal range) and one at 2^88 (sums near
-    the fp32 limit), zero blocks and −0 values; keys with all-zero and all-(−0) entries and ones whose dot with
-    query 0's head 0 cancels exactly, entries scaled by 2^30 and 2^-10; weights with zeros, ±inf and NaN."""
+    the fp32 limit), zero blocks, a head of zeros and −0 values; keys with all-zero and all-(−0) entries and ones
+    whose dot with query 0's head 0 cancels exactly, entries scaled by 2^30 and 2^-10; weights with zeros, ±inf
+    and NaN."""
     gen = torch.Generator().manual_seed(seed)
     raw = _spread(torch.randn(q, h, d, generator=gen), 3, gen)
     raw[q - 1] = _spread(raw[q - 1], 40, gen)
     raw[0, 0, :2] = 1.0  # equal values: key (1, -1, 0, ...) cancels exactly
-    if q > 2:
-        raw[1] = raw[1].abs()  # every product with a −0 key is −0
-        raw[2] *= 2.0**-118
-    if q > 3:
-        raw[3] *= 2.0**88
+    raw[1] = raw[1].abs()  # every product with a −0 key is −0
+    raw[2] *= 2.0**-118
+    raw[3] *= 2.0**88
     raw[torch.rand(q, h, d, generator=gen) < 0.03] = -0.0
-    if d >= 64:
-        raw[0, h - 1, 32:64] = 0.0  # a block of zeros
+    raw[0, h - 1, 32:64] = 0.0  # a block of zeros
+    raw[5, h - 1] = 0.0  # a head of zeros: this query keeps the fp32 order
     queries = _mxfp4(raw)
     w = torch.randn(q, h, generator=gen)
     w[torch.rand(q, h, generator=gen) < 0.2] = 0.0
-    if q > 4:
-        w[4, 0], w[4, h - 1] = float("inf"), float("nan")
+    w[4, 0], w[4, h - 1] = float("inf"), float("nan")
     keys = _spread(torch.randn(n, d, generator=gen), 2, gen)
     keys[n // 3 :: 7] = _spread(keys[n // 3 :: 7], 40, gen)
     keys[1::5] *= 2.0**30  # with the 2^88 query: past the bound's overflow limit, products overflow in fp32
@@ -366,70 +369,100 @@ def _mxfp4_case(seed: int, q: int, h: int, d: int, n: int):
     return queries, w, packed, limit
 
 
+def _named_groups(entries: torch.Tensor, limit: torch.Tensor, skip: set[int]) -> int:
+    """(query, 16-entry group) pairs `index_scores_at` scores with any visible entry, queries in ``skip`` left out
+    (groups of 16 within each 64-entry tile of a query's row)."""
+    total = 0
+    for t in range(entries.shape[0]):
+        if t in skip:
+            continue
+        row = entries[t]
+        visible = (row >= 0) & (row < limit[t])
+        starts = [
+            c for tile in range(0, row.numel(), 64) for c in range(tile, min(tile + 64, row.numel()), 16)
+        ]
+        total += sum(bool(visible[c : min(c + 16, (c // 64) * 64 + 64)].any()) for c in starts)
+    return total
+
+
 @pytest.mark.parametrize(
-    ("q", "h", "d", "n"),
+    ("h", "d", "n"),
     [
-        (7, 4, 128, 1031),
-        (5, 1, 32, 17),
-        (5, 3, 96, 65),
-        (6, 5, 160, 40),
-        (5, 8, 256, 129),
-        (5, 2, 64, 16),
-        (5, 4, 128, 64),
-        (5, 6, 1024, 18),
+        (4, 128, 1031),
+        (1, 128, 17),
+        (3, 160, 65),
+        (5, 160, 40),
+        (8, 256, 129),
+        (2, 128, 16),
+        (4, 128, 64),
+        (6, 1024, 18),
     ],
 )
-def test_mxfp4_queries_score_with_the_fp32_orders_bits_on_both_paths(both, q, h, d, n):
-    queries, w, packed, limit = _mxfp4_case(q * 1000 + d + n, q, h, d, n)
-    before = _integer_groups()
-    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), limit)
-    ran = _integer_groups() - before
+def test_mxfp4_queries_score_with_the_fp32_orders_bits_on_both_paths(both, h, d, n):
+    queries, w, packed, limit = _mxfp4_case(h * 1000 + d + n, 7, h, d, n)
+    contiguous = StoredKeys.contiguous(packed)
+    compiled, pure = both(
+        index_scores, queries, w, contiguous, limit
+    )  # 7 queries share each task: fp32 order
     assert _same_bits(compiled, pure)
-    kernels = native.fp4_kernels()
-    if kernels.index_integer_path():
-        assert ran > 0  # the integer path ran on these inputs
-    else:
-        assert ran == 0
+    before = _integer_groups()
+    each, each_pure = both(index_scores_each, queries, w, [contiguous] * 7, None, limit)  # one query per call
+    ran = _integer_groups() - before
+    assert _same_bits(each, each_pure) and _same_bits(each, compiled)
+    assert (ran > 0) == _integer_path()  # the integer path ran on these inputs
     _every_layout_agrees(both, queries, w, packed, limit, compiled)
 
 
 def test_every_group_of_plain_mxfp4_inputs_takes_the_integer_path(both):
-    """Keys and queries as the model writes them (block scales within a few powers of two): every (query,
-    16-entry group) pair is scored on the integer path, with the pure-torch bits."""
+    """Keys and queries as the model writes them (block scales within a few powers of two), one query per task:
+    every (query, 16-entry group) pair with a visible entry is scored on the integer path, with the pure-torch
+    bits; named entries too, query by query; a query that is not MXFP4 and one with a head of zeros keep the fp32
+    order."""
     gen = torch.Generator().manual_seed(3)
-    queries = _mxfp4(torch.randn(3, 4, 128, generator=gen))
-    w = torch.randn(3, 4, generator=gen)
+    raw = torch.randn(6, 4, 128, generator=gen)
+    queries = _mxfp4(raw)
+    queries[3] = raw[3]  # not on the MXFP4 grid
+    queries[4, 2] = 0.0  # a head of zeros
+    w = torch.randn(6, 4, generator=gen)
     packed = mxfp4.encode_index_key(torch.randn(500, 128, generator=gen))
-    limit = torch.tensor([500, 250, 17])
+    keys = StoredKeys.contiguous(packed)
+    limit = torch.tensor([500, 250, 17, 500, 500, 0])
     before = _integer_groups()
-    compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), limit)
-    assert _same_bits(compiled, pure)
-    groups = sum(-(-int(lim) // 16) for lim in limit)
-    expected = groups if native.fp4_kernels().index_integer_path() else 0
-    assert _integer_groups() - before == expected
+    each, each_pure = both(index_scores_each, queries, w, [keys] * 6, None, limit)
+    assert _same_bits(each, each_pure)
+    groups = sum(-(-int(limit[t]) // 16) for t in (0, 1, 2, 5))
+    assert _integer_groups() - before == (groups if _integer_path() else 0)
+    entries = torch.randint(-1, 520, (6, 150), generator=gen)
+    before = _integer_groups()
+    named, named_pure = both(index_scores_at, queries, w, keys, entries, limit)
+    assert _same_bits(named, named_pure)
+    ok = (entries >= 0) & (entries < limit[:, None])
+    assert _same_bits(named, torch.where(ok, each.gather(1, entries.clamp(0, 499)), NEG))
+    expected = _named_groups(entries, limit, {3, 4})
+    assert expected > 0 and _integer_groups() - before == (expected if _integer_path() else 0)
 
 
 def test_a_dot_of_only_negative_zero_products_keeps_its_sign(both):
     """A key of −0 codes against a query of nonnegative values: every product is −0, so the fp32 order's dot is −0
     (relu keeps it, a positive weight too). One exactly cancelling key gives +0. Both on the integer path."""
     gen = torch.Generator().manual_seed(4)
-    queries = _mxfp4(torch.randn(1, 1, 64, generator=gen).abs())
+    queries = _mxfp4(torch.randn(1, 1, 128, generator=gen).abs())
     queries[0, 0, :2] = 1.0  # a grid value at both places: the key (+1, −1) below cancels
     w = torch.tensor([[0.5]])
-    packed = mxfp4.encode_index_key(torch.randn(16, 64, generator=gen))
-    packed[3, :32] = 0x88
-    packed[9, :32] = 0
+    packed = mxfp4.encode_index_key(torch.randn(16, 128, generator=gen))
+    packed[3, :64] = 0x88
+    packed[9, :64] = 0
     packed[9, 0] = 0xA2
-    packed[9, 32:] = 127
+    packed[9, 64:] = 127
     before = _integer_groups()
     compiled, pure = both(index_scores, queries, w, StoredKeys.contiguous(packed), torch.tensor([16]))
     assert _same_bits(compiled, pure)
     assert compiled[0, 3] == 0 and torch.signbit(compiled[0, 3])
     assert compiled[0, 9] == 0 and not torch.signbit(compiled[0, 9])
-    assert _integer_groups() - before == (1 if native.fp4_kernels().index_integer_path() else 0)
+    assert _integer_groups() - before == (1 if _integer_path() else 0)
 
 
-def test_a_bad_scale_byte_still_raises_with_mxfp4_queries(both, monkeypatch):
+def test_a_bad_scale_byte_still_raises_with_mxfp4_queries(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     queries = _mxfp4(torch.randn(1, 4, 128, generator=gen))
     w = torch.randn(1, 4, generator=gen)
@@ -442,3 +475,33 @@ def test_a_bad_scale_byte_still_raises_with_mxfp4_queries(both, monkeypatch):
             index_scores(queries, w, keys, torch.tensor([40]))
         # entries 16..20 share the bad entry's group, but an entry no query sees is never read
         assert torch.isfinite(index_scores(queries, w, keys, torch.tensor([21]))[0, :21]).all()
+
+
+def test_flush_to_zero_keeps_the_fp32_orders_result():
+    """Under torch.set_flush_denormal(True) the fp32 order flushes a subnormal key value (E2M1 0.5 under scale byte
+    1: 2^-127) to zero, so its score is 0; the integer path, whose exactness needs IEEE subnormals, stands aside and
+    the compiled kernel gives the same 0 as the pure-torch path (without the flag both give 24 · 2^-127)."""
+    queries = torch.zeros(1, 1, 128)
+    queries[0, 0, 0] = 24.0  # 12 · 2^1: MXFP4
+    packed = torch.zeros(16, 68, dtype=torch.uint8)
+    packed[:, 64:] = 127
+    packed[0, 0], packed[0, 64] = 1, 1  # value 0: code 1 (0.5) under scale byte 1
+    keys, w, limit = StoredKeys.contiguous(packed), torch.ones(1, 1), torch.tensor([16])
+    results = {}
+    try:
+        for flush in (False, True):
+            torch.set_flush_denormal(flush)
+            before = _integer_groups()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv(native.ENV, raising=False)
+                compiled = index_scores(queries, w, keys, limit)
+                mp.setenv(native.ENV, "0")
+                pure = index_scores(queries, w, keys, limit)
+            results[flush] = (compiled, pure, _integer_groups() - before)
+    finally:
+        torch.set_flush_denormal(False)
+    for compiled, pure, _ in results.values():
+        assert _same_bits(compiled, pure)
+    assert results[False][0][0, 0] == 24.0 * 2.0**-127 and results[True][0][0, 0] == 0.0
+    assert results[True][2] == 0
+    assert results[False][2] == (1 if _integer_path() else 0)

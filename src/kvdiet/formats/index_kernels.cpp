@@ -247,10 +247,11 @@ inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, c
 // blocks) is a normal float and sum_b B_b 2^(E_b - Emin) < 2^24 (B_b = 12 sum_i |a[i]| bounds sum_i |a[i] c[i]|),
 // every product and every partial sum it can form is a multiple of 2^Emin below 2^24 * 2^Emin: exact. Its result
 // is then the exact dot, and so is sum_b I_b 2^E_b here, formed in fp32 in any order: the same bits. Each
-// (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is used;
-// an entry that fails it, a zero dot (whose sign depends on every product's), a query that is not MXFP4 and a
-// scale byte outside 1..252 all take the fp32 order above. relu, the weights and the head sum are the same
-// vector operations as score_group's.
+// (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is used.
+// An exact zero dot gets the fp32 order's sign from a scalar pass over its products (zero_dot). An entry that
+// fails the check, a query that is not MXFP4 or has a head of zeros, a scale byte outside 1..252 and a thread
+// with flush-to-zero or denormals-are-zero set all take the fp32 order above. relu, the weights and the head sum
+// are the same vector operations as score_group's.
 #ifdef __AVX512F__
 constexpr int32_t kNoBlock = INT32_MIN;  // unit of a query block of zeros: it adds nothing and bounds nothing
 
@@ -263,24 +264,31 @@ struct IntQueries {
   std::vector<uint8_t> ok;                   // [t]: every head MXFP4 with a nonzero block
 };
 
-// Block x[0..32) as a[i] * 2^(unit) for the grid above, or false. abs_sum: sum |a[i]|.
+// Block x[0..32) as a[i] * 2^(unit) for the grid above, or false. abs_sum: sum |a[i]|. Magnitudes and zeros are
+// read from the bits, so a subnormal value is never taken for zero (even with denormals-are-zero set); a value
+// that flush-to-zero or rounding changes is not a grid integer and declines the block.
 inline bool int_block(const float* x, int8_t* a, int32_t& unit, int32_t& sum, int32_t& abs_sum) {
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-  if (!std::isfinite(amax)) return false;  // NaN compares false to every value: checked below too
+  uint32_t top = 0;  // the largest |x| as bits: for non-NaN values, the order of the bits is that of the magnitudes
+  for (int i = 0; i < 32; ++i) top = std::max(top, bits_of(x[i]) & 0x7FFFFFFFu);
+  if (top >= 0x7F800000u) return false;  // inf or NaN
   sum = abs_sum = 0;
-  if (amax == 0.0f) {
+  if (top == 0) {
     std::memset(a, 0, 32);
     unit = kNoBlock;
     return true;
   }
   int ex = 0;
-  std::frexp(amax, &ex);  // amax = m 2^ex, m in [0.5, 1): amax 2^(4 - ex) in [8, 16)
+  std::frexp(float_of(top), &ex);  // |x| max = m 2^ex, m in [0.5, 1): it scales by 2^(4 - ex) into [8, 16)
+  // 2^(4 - ex) as a normal float where it is one (x times it is exact unless it lands below the normal range,
+  // where no nonzero grid integer lies), else std::ldexp per value
+  const bool normal = 4 - ex >= -126 && 4 - ex <= 127;
+  const float factor = normal ? float_of(static_cast<uint32_t>(4 - ex + 127) << 23) : 0.0f;
   for (int i = 0; i < 32; ++i) {
-    const float v = std::ldexp(x[i], 4 - ex);  // exact whenever v is one of the grid's integers
+    const float v = normal ? x[i] * factor : std::ldexp(x[i], 4 - ex);  // exact where v is a grid integer
     if (!(std::fabs(v) <= 12.0f)) return false;
     const int32_t n = static_cast<int32_t>(v);
-    if (static_cast<float>(n) != v || ((0x115Fu >> std::abs(n)) & 1u) == 0 || (n == 0 && x[i] != 0.0f)) {
+    const bool nonzero = (bits_of(x[i]) & 0x7FFFFFFFu) != 0;
+    if (static_cast<float>(n) != v || ((0x115Fu >> std::abs(n)) & 1u) == 0 || (n == 0 && nonzero)) {
       return false;  // not on the grid {0, 1, 2, 3, 4, 6, 8, 12}, or a nonzero value that scaled to zero
     }
     a[i] = static_cast<int8_t>(n);
@@ -291,7 +299,33 @@ inline bool int_block(const float* x, int8_t* a, int32_t& unit, int32_t& sum, in
   return true;
 }
 
-// q fp32 [Q, H, d] as IntQueries (ok[t] = 0 where query t is not MXFP4 or has a head of zeros).
+// Query t of q fp32 [Q, H, d] into iq's rows (ok[t] = 0 where it is not MXFP4 or has a head of zeros; a: d int8 of
+// scratch).
+inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQueries& iq, int8_t* a) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t th = t * heads + h;
+    int64_t bound = 0;
+    for (int64_t b = 0; b < iq.blocks; ++b) {
+      int32_t sum = 0, abs_sum = 0;
+      if (!int_block(q + th * d + 32 * b, a + 32 * b, iq.unit[th * iq.blocks + b], sum, abs_sum)) {
+        iq.ok[t] = 0;
+        return;
+      }
+      iq.offset[th * iq.blocks + b] = 12 * sum;
+      bound += 12 * abs_sum;
+    }
+    if (bound == 0) {
+      iq.ok[t] = 0;
+      return;
+    }
+    int32_t spread = 0;
+    while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
+    iq.spread[th] = spread;
+    std::memcpy(iq.pattern.data() + th * iq.words, a, d);
+  }
+}
+
+// q fp32 [Q, H, d] as IntQueries, the queries split over the threads.
 inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d) {
   IntQueries iq;
   iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
@@ -300,30 +334,10 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   iq.offset.resize(nq * heads * iq.blocks);
   iq.spread.resize(nq * heads);
   iq.ok.assign(nq, 1);
-  std::vector<int8_t> a(d);
-  for (int64_t t = 0; t < nq; ++t) {
-    for (int64_t h = 0; h < heads && iq.ok[t]; ++h) {
-      const int64_t th = t * heads + h;
-      int64_t bound = 0;
-      for (int64_t b = 0; b < iq.blocks; ++b) {
-        int32_t sum = 0, abs_sum = 0;
-        if (!int_block(q + th * d + 32 * b, a.data() + 32 * b, iq.unit[th * iq.blocks + b], sum, abs_sum)) {
-          iq.ok[t] = 0;
-          break;
-        }
-        iq.offset[th * iq.blocks + b] = 12 * sum;
-        bound += 12 * abs_sum;
-      }
-      if (!iq.ok[t] || bound == 0) {
-        iq.ok[t] = 0;
-        break;
-      }
-      int32_t spread = 0;
-      while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
-      iq.spread[th] = spread;
-      std::memcpy(iq.pattern.data() + th * iq.words, a.data(), d);
-    }
-  }
+  at::parallel_for(0, nq, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<int8_t> a(d);
+    for (int64_t t = t0; t < t1; ++t) int_query(q, t, heads, d, iq, a.data());
+  });
   return iq;
 }
 
@@ -504,18 +518,24 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
   return a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
 }
 
-// Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
-// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
-// entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim).
 #ifdef __AVX512F__
 struct IntPath {               // the integer path of one parallel task
-  const IntQueries* queries;   // nullptr: not taken (fp32 keys, no VNNI, no MXFP4 query)
+  const IntQueries* queries;   // nullptr: not taken (fp32 keys, no VNNI, no MXFP4 query, flush-to-zero set)
   IntGroup* group;
   int64_t scored = 0;          // (query, group) pairs it scored
 };
+
+// Whether this thread computes with IEEE subnormals (the exactness argument above needs them): neither
+// flush-to-zero (MXCSR bit 15) nor denormals-are-zero (bit 6), as torch.set_flush_denormal(True) sets them.
+inline bool ieee_subnormals() { return (_mm_getcsr() & 0x8040u) == 0; }
 #else
 struct IntPath {};
 #endif
+
+// Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
+// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
+// entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this task's
+// integer path (its queries nullptr where it is not taken).
 
 template <int64_t D>
 int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t n, int64_t t0,
@@ -529,7 +549,8 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
     const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
     bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
 #ifdef __AVX512F__
-    if (ip.queries != nullptr && present != 0) {
+    if (ip.queries != nullptr && present != 0 &&
+        std::find(ip.queries->ok.begin() + t0, ip.queries->ok.begin() + t1, 1) != ip.queries->ok.begin() + t1) {
       integer = (int_expand(rows + g * kGroup, d, *ip.group) & present) == 0;
     }
 #endif
@@ -602,15 +623,21 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
   std::atomic<int64_t> bad{INT64_MAX};
 #ifdef __AVX512F__
+  // The integer path where every task scores one query (a decode step's call, named entries) and d >= 128: there
+  // its expansion and integer dots beat the fp32 decode and dots (about 1.2x per call at d = 128 with 4 heads,
+  // 64K entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and 64, the fp32 order is the
+  // faster one (0.6-0.9x), so it keeps them.
   IntQueries iq;
-  if (packed && integer_path_available()) iq = int_queries(a.q, nq, a.heads, d);
+  if (packed && d >= 128 && (qblock == 1 || nq == 1) && integer_path_available()) {
+    iq = int_queries(a.q, nq, a.heads, d);
+  }
   const bool integer = std::find(iq.ok.begin(), iq.ok.end(), 1) != iq.ok.end();
 #endif
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
     std::vector<v16> tile(d);  // 16 entries x d values
 #ifdef __AVX512F__
     IntGroup group;
-    IntPath ip{integer ? &iq : nullptr, &group};
+    IntPath ip{integer && ieee_subnormals() ? &iq : nullptr, &group};
     if (integer) group.ex.resize(d / 4);
 #else
     IntPath ip;

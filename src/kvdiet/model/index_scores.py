@@ -6,8 +6,9 @@ in the pages of the device pool), never decoded as a whole: the compiled kernel 
 value of each of the 16 keys), and scores them against every query. On a CPU with AVX-512 VNNI, an MXFP4 query
 (what `Indexer.queries` returns) against packed keys is scored from int8 products instead: each block's dot is an
 exact integer times a power of two, and where the scales prove that every partial sum of the fp32 order below is
-exact (checked per entry and head from the scale bytes), that order's result is the exact dot: the same bits.
-Entries the check declines, exact zero dots' signs and any other query keep the fp32 order.
+exact (checked per entry and head from the scale bytes), that order's result is the exact dot: the same bits (an
+exact zero takes that order's sign from a scalar pass over its products). Entries the check declines, queries that
+are not MXFP4 or have a head of zeros, and threads under flush-to-zero keep the fp32 order.
 `index_scores` scores every visible entry (KV-source and candidate-source layers); `index_scores_at` only
 the entries each query names (a candidate consumer's pool: 2,048 blocks × 8 of 1M entries on V4.1).
 
