@@ -246,8 +246,9 @@ inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, c
 // The fp32 order above adds subsets of the same products. Where 2^Emin (Emin = min_b E_b over the query's nonzero
 // blocks) is a normal float and sum_b B_b 2^(E_b - Emin) < 2^24 (B_b = 12 sum_i |a[i]| bounds sum_i |a[i] c[i]|),
 // every product and every partial sum it can form is a multiple of 2^Emin below 2^24 * 2^Emin: exact. Its result
-// is then the exact dot, and so is sum_b I_b 2^E_b here, formed in fp32 in any order: the same bits. Each
-// (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is used.
+// is then the exact dot, and so is the integer sum_b I_b 2^(E_b - Emin) here, scaled once by 2^Emin: the same
+// bits. Each (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is
+// used.
 // An exact zero dot gets the fp32 order's sign from a scalar pass over its products (zero_dot). An entry that
 // fails the check, a query that is not MXFP4 or has a head of zeros, a scale byte outside 1..252 and a thread
 // with flush-to-zero or denormals-are-zero set all take the fp32 order above. relu, the weights and the head sum
@@ -520,7 +521,7 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 
 #ifdef __AVX512F__
 struct IntPath {               // the integer path of one parallel task
-  const IntQueries* queries;   // nullptr: not taken (fp32 keys, no VNNI, no MXFP4 query, flush-to-zero set)
+  const IntQueries* queries;   // nullptr: not taken (see index_scores; flush-to-zero set; no MXFP4 query)
   IntGroup* group;
   int64_t scored = 0;          // (query, group) pairs it scored
 };
@@ -536,7 +537,6 @@ struct IntPath {};
 // out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
 // entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this task's
 // integer path (its queries nullptr where it is not taken).
-
 template <int64_t D>
 int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t n, int64_t t0,
                    int64_t t1, float* out, int64_t out_stride, float* tile, const v16& grid, IntPath& ip) {
