@@ -139,6 +139,28 @@ inline void load_transposed(const uint8_t* const* rows, int64_t w0, int64_t cnt,
   transpose16(r);
 }
 
+// Scale bytes b4 .. b4+3 of packed rows[0..16) (head dim d), lane k from row k's dword, low byte first (bytes past
+// the row's last scale read as 0).
+inline u32x16 scale_dwords(const uint8_t* const* rows, int64_t d, int64_t b4) {
+  const int64_t have = std::min<int64_t>(4, d / 32 - b4);
+#ifdef __AVX512F__
+  if (have == 4) {  // one dword gathered from each row
+    const __m512i at = _mm512_set1_epi64(d / 2 + b4);
+    const __m512i p0 = _mm512_add_epi64(_mm512_loadu_si512(rows), at);
+    const __m512i p1 = _mm512_add_epi64(_mm512_loadu_si512(rows + 8), at);
+    const __m256i s0 = _mm512_i64gather_epi32(p0, nullptr, 1), s1 = _mm512_i64gather_epi32(p1, nullptr, 1);
+    return reinterpret_cast<u32x16>(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
+  }
+#endif
+  u32x16 bytes4{};
+  for (int k = 0; k < 16; ++k) {
+    uint32_t v = 0;
+    std::memcpy(&v, rows[k] + d / 2 + b4, have);
+    bytes4[k] = v;
+  }
+  return bytes4;
+}
+
 // The entries of rows[0..16) (kZeroRow for an absent one) decoded into tile[i * 16 + k] = value i of entry k.
 // Returns the mask of entries holding a scale byte outside 1..252 (packed keys).
 template <int64_t D>
@@ -148,13 +170,8 @@ inline uint32_t decode_group(const ScoreArgs& a, const uint8_t* const* rows, flo
   v16 scale[kMaxDim / 32];  // packed: scale[b][k] = the scale of values 32b .. 32b+31 of entry k
   if (a.packed) {
     const int64_t nb = d / 32;
-    for (int64_t b4 = 0; b4 < nb; b4 += 4) {  // scale bytes b4 .. b4+3 of each entry in one dword
-      u32x16 bytes4{};
-      for (int k = 0; k < 16; ++k) {
-        uint32_t v = 0;
-        std::memcpy(&v, rows[k] + d / 2 + b4, std::min<int64_t>(4, nb - b4));
-        bytes4[k] = v;
-      }
+    for (int64_t b4 = 0; b4 < nb; b4 += 4) {
+      const u32x16 bytes4 = scale_dwords(rows, d, b4);
       for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
         const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
         bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
@@ -355,20 +372,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expan
   const int64_t words = d / 8, nb = d / 32;
   uint32_t bad = 0;
   for (int64_t b4 = 0; b4 < nb; b4 += 4) {
-    u32x16 bytes4{};
-    if (nb - b4 >= 4) {  // scale bytes b4 .. b4+3 of each entry: one dword gathered from each row
-      const __m512i at = _mm512_set1_epi64(d / 2 + b4);
-      const __m512i p0 = _mm512_add_epi64(_mm512_loadu_si512(rows), at);
-      const __m512i p1 = _mm512_add_epi64(_mm512_loadu_si512(rows + 8), at);
-      const __m256i s0 = _mm512_i64gather_epi32(p0, nullptr, 1), s1 = _mm512_i64gather_epi32(p1, nullptr, 1);
-      bytes4 = reinterpret_cast<u32x16>(_mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1));
-    } else {
-      for (int k = 0; k < 16; ++k) {
-        uint32_t v = 0;
-        std::memcpy(&v, rows[k] + d / 2 + b4, nb - b4);
-        bytes4[k] = v;
-      }
-    }
+    const u32x16 bytes4 = scale_dwords(rows, d, b4);
     for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
       const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
       bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
@@ -521,7 +525,7 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 
 #ifdef __AVX512F__
 struct IntPath {               // the integer path of one parallel task
-  const IntQueries* queries;   // nullptr: not taken (see index_scores; flush-to-zero set; no MXFP4 query)
+  const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
   IntGroup* group;
   int64_t scored = 0;          // (query, group) pairs it scored
 };
@@ -549,8 +553,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
     const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
     bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
 #ifdef __AVX512F__
-    if (ip.queries != nullptr && present != 0 &&
-        std::find(ip.queries->ok.begin() + t0, ip.queries->ok.begin() + t1, 1) != ip.queries->ok.begin() + t1) {
+    if (ip.queries != nullptr && present != 0) {
       integer = (int_expand(rows + g * kGroup, d, *ip.group) & present) == 0;
     }
 #endif
@@ -570,7 +573,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
       if (seen != 0) {
 #ifdef __AVX512F__
         const float* qt = a.q + t * a.heads * d;
-        if (integer && ip.queries->ok[t] &&
+        if (integer &&
             int_score(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
           ++ip.scored;
           store_scores(o, s, cnt);
@@ -631,13 +634,13 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   if (packed && d >= 128 && (qblock == 1 || nq == 1) && integer_path_available()) {
     iq = int_queries(a.q, nq, a.heads, d);
   }
-  const bool integer = std::find(iq.ok.begin(), iq.ok.end(), 1) != iq.ok.end();
 #endif
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
     std::vector<v16> tile(d);  // 16 entries x d values
 #ifdef __AVX512F__
     IntGroup group;
-    IntPath ip{integer && ieee_subnormals() ? &iq : nullptr, &group};
+    IntPath ip{nullptr, &group};
+    const bool integer = !iq.ok.empty() && ieee_subnormals();
     if (integer) group.ex.resize(d / 4);
 #else
     IntPath ip;
@@ -650,6 +653,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
+#ifdef __AVX512F__
+      ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
+#endif
       if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);

@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvdiet.formats import native
 from kvdiet.formats.codec import Codec
 from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
-from kvdiet.model import gemv
-from kvdiet.model.layers import RMSNorm, Rotation, as_dtype, kernels_agree
+from kvdiet.model.fused_rows import fused_kernels
+from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
 
 __all__ = ["Indexer"]
@@ -83,16 +82,12 @@ class Indexer(nn.Module):
         self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`queries` in one ``index_query_rows`` call where it applies (see `queries`), else None."""
-        if torch.is_grad_enabled() or not 1 <= qr.shape[0] <= gemv.ROWS_MAX:
-            return None
         if codec.encode is not encode_index_key or codec.decode is not decode_index_key:
             return None  # another codec (exact mode) rounds otherwise
-        if qr.dtype != torch.float32 or x.dtype != torch.float32 or not (qr.is_cpu and x.is_cpu):
+        if x.dtype != torch.float32 or not x.is_cpu:
             return None
-        if self.wq_b.storage != "dense" or self.weights_proj.storage != "dense":
-            return None
-        kernels = native.fp4_kernels()
-        if kernels is None or not kernels_agree("rope_rotate"):
+        kernels = fused_kernels(qr, self.wq_b, self.weights_proj)
+        if kernels is None:
             return None
         lo, hi = INDEX_KEY.scale_bytes
         return kernels.index_query_rows(
