@@ -55,6 +55,15 @@ def _rotation(d: int, t: int, gen: torch.Generator, *, specials: bool = False) -
     return Rotation(d, cis, cis.conj().resolve_conj())
 
 
+def _skew_torch_rotation(monkeypatch) -> None:
+    """The torch formula one ulp off (so no compiled rotation agrees with it), the checks' cache cleared."""
+    torch_formula = layers._torch_rotate
+    monkeypatch.setattr(
+        layers, "_torch_rotate", lambda *a: torch_formula(*a).add_(0.0).nextafter_(torch.tensor(1e30))
+    )
+    layers.kernels_agree.cache_clear()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("eps", [1e-20, 1e-6])
 def test_rms_norm_kernel_equals_torch_formula_at_every_width(rows, eps):
@@ -162,6 +171,54 @@ def test_rotation_kernel_equals_torch_formula(d, inverse):
     assert len(compared) > 16  # most inputs ran in the kernel
 
 
+@pytest.mark.parametrize("d", [2, 8, 16, 24, 48])
+def test_rotation_off_multiples_of_32_runs_the_kernel_only_where_torchs_tail_agrees(d, monkeypatch):
+    # rope_dim d not a multiple of 32: torch's complex product runs its scalar tail, whose bits on this build
+    # decide whether the kernel may run; either way the rotation has the torch formula's bits
+    gen = torch.Generator().manual_seed(d)
+    agree = layers.kernels_agree("rope_rotate", d)
+    calls = []
+    kernels = _kernels()
+    spy = type("Spy", (), {"rope_rotate": lambda self, *a: calls.append(1) or kernels.rope_rotate(*a)})()
+    monkeypatch.setattr(layers, "_checked_kernels", lambda op: spy if op == "rope_rotate" else None)
+    compared = 0
+    for t in range(1, 17):
+        rot = _rotation(d, t, gen, specials=t % 2 == 0)
+        x = _values(t * 4 * (d + 64), gen, specials=t % 3 == 0).view(t, 4, d + 64)
+        for v in (x.transpose(0, 1), x[:, 0]):
+            for inverse in (False, True):
+                want = layers._torch_rotate(v, rot.cis_inverse if inverse else rot.cis, d)
+                _assert_same(rot.apply(v, inverse=inverse), want)
+                compared += 1
+    assert len(calls) == (compared if agree else 0)
+
+
+def test_rotation_tail_check_at_a_rope_dim(monkeypatch, caplog):
+    kernels = _kernels()
+    # the kernel rounds as c10::complex's operator*= without FMA: where torch's tail computes that, they agree
+    x, c = torch.randn(5, 4, 80), torch.polar(torch.ones(5, 8), torch.rand(5, 8) * 100)
+    plain = kernels.rope_rotate(x, c[:, None], 16)
+    pairs = x[..., 64:].reshape(5, 4, 8, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    re, im = torch.view_as_real(c)[:, None, :, 0], torch.view_as_real(c)[:, None, :, 1]
+    _assert_same(
+        plain[..., 64:].contiguous(), torch.stack([a * re - b * im, a * im + b * re], -1).flatten(-2)
+    )
+    _assert_same(plain[..., :64].contiguous(), x[..., :64].contiguous())
+    _skew_torch_rotation(monkeypatch)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvdiet.model.layers"):
+            assert not layers.kernels_agree("rope_rotate", 16)
+        assert "rope_dim 16: torch's scalar tail rounds otherwise" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # expected, not a fault
+        assert layers.rope_kernels(16) is None
+    finally:
+        layers.kernels_agree.cache_clear()
+    for op, rope_dim in (("rms_norm", 16), ("rope_rotate", 64), ("rope_rotate", 15), ("rope_rotate", 0)):
+        with pytest.raises(ValueError, match="is not checked at rope_dim"):
+            layers.kernels_agree(op, rope_dim)
+
+
 def test_rotation_broadcasts_cis_over_heads(both):
     gen = torch.Generator().manual_seed(1)
     rot = _rotation(64, 5, gen)
@@ -180,8 +237,8 @@ def test_rotation_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch)
     rot = _rotation(64, 4, gen)
     assert kernels.rope_rotate(torch.randn(4, 64), rot.cis, 64) is not None
     assert (
-        kernels.rope_rotate(torch.randn(4, 48)[:, :32], _rotation(16, 4, gen).cis, 16) is None
-    )  # rope_dim 16
+        kernels.rope_rotate(torch.randn(4, 48), _rotation(16, 4, gen).cis[:, :7], 15) is None
+    )  # odd rope_dim
     assert kernels.rope_rotate(torch.randn(128, 4).t(), rot.cis, 64) is None  # last stride 2
     assert kernels.rope_rotate(torch.randn(ROPE_ROWS_MAX + 1, 64), rot.cis[:1], 64) is None
     assert kernels.rope_rotate(torch.randn(3, 64), rot.cis, 64) is None  # cis would broadcast x (4 vs 3)
@@ -209,11 +266,7 @@ def test_rotation_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch)
 
 def test_a_mismatch_keeps_the_torch_formula(monkeypatch, caplog):
     assert layers.kernels_agree("rms_norm") and layers.kernels_agree("rope_rotate")
-    torch_formula = layers._torch_rotate
-    monkeypatch.setattr(
-        layers, "_torch_rotate", lambda *a: torch_formula(*a).add_(0.0).nextafter_(torch.tensor(1e30))
-    )
-    layers.kernels_agree.cache_clear()
+    _skew_torch_rotation(monkeypatch)
     try:
         with caplog.at_level(logging.WARNING, logger="kvdiet.model.layers"):
             assert not layers.kernels_agree("rope_rotate")

@@ -5,15 +5,18 @@
 //
 // rope_rotate: x float32 [..., D] (last stride 1, 1..kRopeRowsMax rows of D <= kRopeWidthMax, at most
 //   kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading dims, right-aligned to x's,
-//   each 1 or x's size), rope_dim (a multiple of 32, <= D) -> float32 of x's shape, strides as x.clone() gives
-//   them; any other input, and any output with a NaN in its rotated part, gets std::nullopt (the caller runs the
-//   torch formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul kernel computes
-//   it: with AVX-512 or AVX2, Vectorized<c10::complex<float>>::operator* (ATen/cpu/vec/vec512/
-//   vec512_complex_float.h, vec256/vec256_complex_float.h), re = a·c − b·d, im = a·d − b·(−c), each product
-//   rounded, with the same intrinsics in the same order; without them c10::complex's operator*= (re = a·c − b·d,
-//   im = a·d + b·c: the same values). rope_dim/2 a multiple of 16 keeps torch's loop (16 complex per AVX-512
-//   step, 8 per AVX2 step) free of its scalar tail. No FMA contraction (-ffp-contract=off). kvdiet.model.layers
-//   checks these bits against the torch formula once per process before it uses the kernel.
+//   each 1 or x's size), rope_dim (even, <= D) -> float32 of x's shape, strides as x.clone() gives them; any
+//   other input, and any output with a NaN in its rotated part, gets std::nullopt (the caller runs the torch
+//   formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul kernel computes it: with
+//   AVX-512 or AVX2, Vectorized<c10::complex<float>>::operator* (ATen/cpu/vec/vec512/vec512_complex_float.h,
+//   vec256/vec256_complex_float.h), re = a·c − b·d, im = a·d − b·(−c), each product rounded, with the same
+//   intrinsics in the same order; the pairs past the last whole vector, and every pair without those
+//   extensions, as c10::complex's operator*= (re = a·c − b·d, im = a·d + b·c: the same values, b·(−c) being
+//   −(b·c) exactly). Torch's loop runs whole vectors of 2 × 8 (AVX-512) or 2 × 4 (AVX2) complex, then that
+//   scalar operator*= on the rest: rope_dim a multiple of 32 never reaches the scalar tail; other rope_dims do,
+//   and match it only where torch's own build compiled that scalar formula without FMA contraction. So
+//   kvdiet.model.layers checks these bits against the torch formula once per process before it uses the kernel,
+//   for multiples of 32 and (separately) for other rope_dims. No FMA contraction here (-ffp-contract=off).
 //   Why: the torch formula is some ten ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
 
 #include <cstring>
@@ -32,7 +35,8 @@ inline void rotate_pairs(const float* x, const float* c, float* out, int64_t n) 
       _mm512_setr_ps(0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0);
   const __m512i idx1 = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
   const __m512i idx2 = _mm512_set_epi32(31, 15, 29, 13, 27, 11, 25, 9, 23, 7, 21, 5, 19, 3, 17, 1);
-  for (int64_t k = 0; k < n; k += 8) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
     const __m512 a = _mm512_loadu_ps(x + 2 * k);
     const __m512 b = _mm512_loadu_ps(c + 2 * k);
     const __m512 ac_bd = _mm512_mul_ps(a, b);
@@ -45,7 +49,8 @@ inline void rotate_pairs(const float* x, const float* c, float* out, int64_t n) 
   }
 #elif defined(__AVX2__)
   const __m256 sign_mask = _mm256_setr_ps(0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0);
-  for (int64_t k = 0; k < n; k += 4) {
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
     const __m256 a = _mm256_loadu_ps(x + 2 * k);
     const __m256 b = _mm256_loadu_ps(c + 2 * k);
     const __m256 ac_bd = _mm256_mul_ps(a, b);
@@ -57,12 +62,13 @@ inline void rotate_pairs(const float* x, const float* c, float* out, int64_t n) 
     _mm256_storeu_ps(out + 2 * k, ret);
   }
 #else
-  for (int64_t k = 0; k < n; ++k) {
+  int64_t k = 0;
+#endif
+  for (; k < n; ++k) {  // c10::complex's operator*=
     const float a = x[2 * k], b = x[2 * k + 1], re = c[2 * k], im = c[2 * k + 1];
     out[2 * k] = a * re - b * im;
     out[2 * k + 1] = a * im + b * re;
   }
-#endif
 }
 
 }  // namespace
@@ -75,7 +81,7 @@ std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis
   const int64_t nd = x.dim();
   if (nd < 1 || nd > kRopeDimsMax || cis.dim() < 1 || cis.dim() > nd) return {};
   const int64_t width = x.size(-1), half = rope_dim / 2;
-  if (rope_dim <= 0 || rope_dim % 32 || rope_dim > width || width > kRopeWidthMax) return {};
+  if (rope_dim <= 0 || rope_dim % 2 || rope_dim > width || width > kRopeWidthMax) return {};
   if (x.stride(-1) != 1) return {};
   if (cis.size(-1) != half || cis.stride(-1) != 1 || x.numel() == 0) return {};
   const int64_t rows = x.numel() / width;

@@ -18,7 +18,7 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import gemv
-from kvdiet.model.layers import kernels_agree
+from kvdiet.model.layers import kernels_agree, rope_kernels
 
 if TYPE_CHECKING:
     from kvdiet.model.layers import RMSNorm, Rotation
@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["expert_groups", "fused_kernels", "project_out_rows", "project_rows"]
 
 
-def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None) -> ModuleType | None:
-    """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) may run in them: 1..16 fp32
-    CPU rows, no autograd, dense weights, the kernels built and the rotation kernel checked; else None."""
+def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: int) -> ModuleType | None:
+    """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) that rotates ``rope_dim``
+    dims may run in them: 1..16 fp32 CPU rows, no autograd, dense weights, the kernels built and the rotation
+    kernel checked for that ``rope_dim`` (`kvdiet.model.layers.rope_kernels`); else None."""
     if (
         torch.is_grad_enabled()
         or x.dtype != torch.float32
@@ -40,8 +41,7 @@ def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None) -> ModuleTyp
         return None
     if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
         return None
-    kernels = native.fp4_kernels()
-    return kernels if kernels is not None and kernels_agree("rope_rotate") else None
+    return rope_kernels(rope_dim)
 
 
 def project_rows(
@@ -50,7 +50,7 @@ def project_rows(
     """`Attention.project_q` (with ``w_b``: ``(qr [T, R], q [T, heads, head_dim])``) or `project_window_kv`'s
     ``(normed, rotated)`` for rows ``x`` fp32 [T, hidden] in one ``project_rows`` call; None where it does not
     apply (see the module docstring; the norm kernel checked too)."""
-    kernels = fused_kernels(x, w_a, w_b)
+    kernels = fused_kernels(x, w_a, w_b, rot.rope_dim)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None
     b_weight = None if w_b is None else w_b.weight
@@ -64,7 +64,7 @@ def project_out_rows(
 ) -> torch.Tensor | None:
     """`Attention.project_out` of a contiguous ``o`` fp32 [T, H, D] in one ``project_out_rows`` call (the inverse
     rotation, the grouped ``wo_a`` bmm, ``wo_b``) → fp32 [T, hidden]; None where it does not apply."""
-    kernels = fused_kernels(o, wo_a, wo_b)
+    kernels = fused_kernels(o, wo_a, wo_b, rot.rope_dim)
     if kernels is None or not o.is_contiguous():
         return None
     return kernels.project_out_rows(o, rot.cis_inverse, rot.rope_dim, wo_a.weight, groups, wo_b.weight)

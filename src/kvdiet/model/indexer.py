@@ -86,7 +86,7 @@ class Indexer(nn.Module):
             return None  # another codec (exact mode) rounds otherwise
         if x.dtype != torch.float32 or not x.is_cpu:
             return None
-        kernels = fused_kernels(qr, self.wq_b, self.weights_proj)
+        kernels = fused_kernels(qr, self.wq_b, self.weights_proj, rot.rope_dim)
         if kernels is None:
             return None
         lo, hi = INDEX_KEY.scale_bytes

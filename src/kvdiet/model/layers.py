@@ -43,6 +43,7 @@ __all__ = [
     "constant",
     "kernels_agree",
     "rope_frequencies",
+    "rope_kernels",
     "widen",
 ]
 
@@ -266,7 +267,7 @@ class Rotation:
             arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``). The compiled
             ``rope_rotate`` computes it, with the torch formula's bits, for an fp32 ``x`` with no gradient to
             track that fits: on the CPU, last stride 1, at most 6 dims, 1..`ROPE_ROWS_MAX` rows of at most
-            `WIDTH_MAX`; ``rope_dim`` a multiple of 32 (torch's complex product then runs no scalar tail);
+            `WIDTH_MAX` (``rope_dim`` not a multiple of 32 only where `rope_kernels` allows it);
             ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; neither a lazy conjugate or
             negative view (``cis.conj()``); no output NaN.
         Raises:
@@ -275,7 +276,7 @@ class Rotation:
         _check_width(x, self.rope_dim)
         cis = self.cis_inverse if inverse else self.cis
         if x.dtype == torch.float32 and x.is_cpu and _untracked(x, cis):
-            kernels = _checked_kernels("rope_rotate")
+            kernels = rope_kernels(self.rope_dim)
             out = None if kernels is None else kernels.rope_rotate(x, cis, self.rope_dim)
             if out is not None:  # else it does not fit, or an output is NaN
                 return out
@@ -320,8 +321,20 @@ def _checked_kernels(op: str) -> ModuleType | None:
     return kernels if kernels is not None and kernels_agree(op) else None
 
 
+def rope_kernels(rope_dim: int) -> ModuleType | None:
+    """The compiled kernels when a rotation of ``rope_dim`` dims may run in them (``rope_rotate``, and the fused
+    projections that rotate: ``project_rows``, ``project_out_rows``, ``index_query_rows``): built, not switched
+    off, `kernels_agree` for ``"rope_rotate"``, and where ``rope_dim`` is not a multiple of 32 for that
+    ``rope_dim`` too (there torch's complex product runs its scalar tail, whose bits depend on how torch's build
+    compiled it: see ``formats/rope_kernels.cpp``); else None."""
+    kernels = _checked_kernels("rope_rotate")
+    if kernels is None or (rope_dim % 32 and not kernels_agree("rope_rotate", rope_dim)):
+        return None
+    return kernels
+
+
 @functools.cache
-def kernels_agree(op: str) -> bool:
+def kernels_agree(op: str, rope_dim: int | None = None) -> bool:
     """Whether the compiled ``op`` (``"rms_norm"`` or ``"rope_rotate"``) gives the torch formula's bits on
     adversarial inputs on this machine, checked once per process (some 20 ms); a mismatch logs a warning.
 
@@ -329,24 +342,37 @@ def kernels_agree(op: str) -> bool:
     split of a vector loop and its tail), eps 1e-20 and 1e-6; rope_dim 32, 64 and 128 for the rotation, inverse
     too, on ``[H, T, D]`` transposed views as attention passes them and on ``[T, D]``; values normal, ±0, ±inf,
     subnormal, near the fp32 limits (no NaN inputs: the kernels decline NaN outputs, which inf · 0 still makes).
+    With ``rope_dim`` (the rotation only, an even rope_dim that is not a multiple of 32): that rope_dim on every
+    row count 1..16 (torch's loop length, hence whether it reaches its scalar tail, is a multiple of rope_dim/2
+    set by the rows), with ``cis`` per row and broadcast over the heads.
 
     Raises:
-        ValueError: an unknown ``op``; RuntimeError: the kernels did not build.
+        ValueError: an unknown ``op``, or a ``rope_dim`` that is odd, a multiple of 32 or given for the norm;
+            RuntimeError: the kernels did not build.
     """
     if op not in ("rms_norm", "rope_rotate"):
         raise ValueError(f"unknown kernel {op!r}")
+    if rope_dim is not None and (op != "rope_rotate" or rope_dim <= 0 or rope_dim % 2 or rope_dim % 32 == 0):
+        raise ValueError(f"{op} is not checked at rope_dim {rope_dim}")
     kernels = native.fp4_kernels()
     if kernels is None:
         raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
     gen = torch.Generator(device="cpu").manual_seed(0)
     ran = 0
     with torch.inference_mode():
-        for case, (got, want) in enumerate(_cases(op, kernels, gen)):
+        for case, (got, want) in enumerate(_cases(op, kernels, gen, rope_dim)):
             if got is None:  # declined (a NaN output): the torch formula runs such inputs
                 continue
             ran += 1
             if not _same_bits(got, want):
-                _log.warning("compiled %s differs from torch's formula (case %d); using torch's", op, case)
+                if rope_dim is None:
+                    _log.warning(
+                        "compiled %s differs from torch's formula (case %d); using torch's", op, case
+                    )
+                else:  # expected on builds whose scalar tail contracts to FMA: not a fault
+                    _log.info(
+                        "rope_dim %d: torch's scalar tail rounds otherwise here; using torch's", rope_dim
+                    )
                 return False
     if ran == 0:
         _log.warning("compiled %s declined every check; using torch's", op)
@@ -354,7 +380,7 @@ def kernels_agree(op: str) -> bool:
 
 
 def _cases(
-    op: str, kernels: ModuleType, gen: torch.Generator
+    op: str, kernels: ModuleType, gen: torch.Generator, rope_dim: int | None = None
 ) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
     """(compiled result or None, torch formula's result) pairs of `kernels_agree`'s inputs."""
     if op == "rms_norm":
@@ -365,15 +391,24 @@ def _cases(
                 for eps in (1e-20, 1e-6):
                     yield kernels.rms_norm(x, weight, eps), _torch_rms_norm(x, weight, eps)
         return
-    for d in (32, 64, 128):
-        for rows, heads, width in ((1, 1, d), (3, 4, d + 64), (16, 4, 512)):
-            x = _adversarial(rows * heads * width, gen, nan=False).view(rows, heads, width)
-            angles = torch.rand(rows, d // 2, generator=gen, dtype=_F32, device="cpu") * 1e4
-            cis = torch.polar(torch.ones_like(angles), angles)
-            cis[0] = torch.view_as_complex(_adversarial(d, gen, nan=False).view(d // 2, 2))
-            for c in (cis, cis.conj().resolve_conj()):
-                for v in (x.transpose(0, 1), x[:, 0]):
-                    yield kernels.rope_rotate(v, c, d), _torch_rotate(v, c, d)
+    if rope_dim is None:
+        shapes = [
+            (d, rows, heads, width)
+            for d in (32, 64, 128)
+            for rows, heads, width in ((1, 1, d), (3, 4, d + 64), (16, 4, 512))
+        ]
+    else:
+        shapes = [(rope_dim, rows, 4, rope_dim + 64) for rows in range(1, 17)]
+    for d, rows, heads, width in shapes:
+        x = _adversarial(rows * heads * width, gen, nan=False).view(rows, heads, width)
+        angles = torch.rand(rows, d // 2, generator=gen, dtype=_F32, device="cpu") * 1e4
+        cis = torch.polar(torch.ones_like(angles), angles)
+        cis[0] = torch.view_as_complex(_adversarial(d, gen, nan=False).view(d // 2, 2))
+        for c in (cis, cis.conj().resolve_conj()):
+            for v in (x.transpose(0, 1), x[:, 0]):
+                yield kernels.rope_rotate(v, c, d), _torch_rotate(v, c, d)
+            if rope_dim is not None:  # cis [T, 1, d/2] against x [T, H, D]: torch's loop runs d/2 at a time
+                yield kernels.rope_rotate(x, c[:, None], d), _torch_rotate(x, c[:, None], d)
 
 
 _SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)
