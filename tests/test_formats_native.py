@@ -93,6 +93,15 @@ def test_environment_selects_the_pure_torch_path(monkeypatch):
     assert native.fp4_kernels() is None
     monkeypatch.setenv(native.ENV, "1")
     assert native.fp4_kernels() is not None
+    # only the exact value "0" switches them off, however the variable is set or removed
+    for value in ("0", "00", "", " 0", "false", "1"):
+        os.environ[native.ENV] = value
+        assert (native.fp4_kernels() is None) == (value == "0")
+    del os.environ[native.ENV]
+    assert native.fp4_kernels() is not None
+    monkeypatch.setattr(native, "_ENCODED", None)  # an os.environ without CPython's encoders: the public read
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.fp4_kernels() is None
 
 
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_process() -> None:
