@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from kvdiet.config import load_config
 from kvdiet.formats import native
 from kvdiet.model import gemv
-from kvdiet.model.moe import MoE, run_experts
+from kvdiet.model.fused_rows import expert_groups
+from kvdiet.model.moe import Expert, MoE, run_experts
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +434,139 @@ def test_grouped_kernel_gives_the_torch_ops_bits(micro, topk, rows, hidden, monk
         assert kernel(x, weights.double(), ids, *args) is None
         assert kernel(x.double(), weights, ids, *args) is None
         assert kernel(x, weights, ids, *args) is not None
+
+
+_LIMIT = 10.0
+_ULP_UP, _ULP_DOWN = math.nextafter(_LIMIT, math.inf), math.nextafter(_LIMIT, -math.inf)
+# values the activation must pass through unchanged: either side of the clamp, ±0, subnormals, huge (past the
+# clamp; 6e38, halved into a row, doubles to inf in the products)
+_SPECIALS = [_LIMIT, _ULP_UP, _ULP_DOWN, -_LIMIT, -_ULP_UP, -_ULP_DOWN, 0.0, -0.0, 1e-40, -1e-45, 1e30, -1e30]
+_SPECIALS.append(6e38)
+
+
+def _picking_expert(hidden: int, inter: int, limit: float, seed: int) -> Expert:
+    """An `Expert` whose gate and up are twice the row's own entries: w1[j, j % hidden] = w3[j, (j + 1) % hidden]
+    = 2, zeros elsewhere (one product plus zeros: exact), so the activation sees chosen values; w2 random."""
+    expert = Expert(hidden, inter, swiglu_limit=limit)
+    cols = torch.arange(inter)
+    with torch.no_grad():
+        for lin, shift in ((expert.w1, 0), (expert.w3, 1)):
+            lin.weight.zero_()
+            lin.weight[cols, (cols + shift) % hidden] = 2.0
+        expert.w2.weight.copy_(torch.randn(hidden, inter, generator=torch.Generator().manual_seed(seed)))
+    return expert
+
+
+def _adversarial_rows(rows: int, hidden: int, seed: int, *, infinite: bool = True) -> torch.Tensor:
+    """Rows whose doubled values (the gates of `_picking_expert`) all have a silu that differs between torch's
+    scalar loop (std::exp; a strided input runs it) and its vector loop, each row with `_SPECIALS` halved at a
+    place of its own."""
+    draws = torch.rand(64 * rows * hidden, generator=torch.Generator().manual_seed(seed)) * 24 - 12
+    scalar = F.silu(torch.stack([draws, draws], 1)[:, 0])
+    splitting = draws[F.silu(draws) != scalar]  # a few percent of the draws
+    assert splitting.numel() >= rows * hidden
+    x = splitting[: rows * hidden].view(rows, hidden) / 2
+    specials = _SPECIALS if infinite else _SPECIALS[:-1]  # without 6e38: no inf
+    for r in range(rows):
+        for i, v in enumerate(specials):
+            x[r, (r * 5 + i * 3) % hidden] = v / 2
+    return x
+
+
+# (routed inters, shared inter, limits of the routed experts then the shared, rows per routed expert, shared rows):
+# the first and last meet expert_rows' condition for one op per activation step over all experts; the others miss
+# it by one clause each: inter not a multiple of 32 (48; 40 also pads w2's input), two clamp limits, weighted
+# experts of two inters, GRAIN_SIZE (32768) elements or more
+_ACTIVATION_CASES = {
+    "together": ([64, 64, 64], 128, [_LIMIT] * 4, [3, 1, 5], 16),
+    "inter-48": ([48, 48, 48], 48, [_LIMIT] * 4, [3, 1, 5], 16),
+    "inter-40": ([40, 40, 40], 40, [_LIMIT] * 4, [3, 1, 5], 16),
+    "two-limits": ([64, 64, 64], 64, [_LIMIT, _LIMIT, 0.0, _LIMIT], [3, 1, 5], 16),
+    "two-inters": ([64, 96, 64], 64, [_LIMIT] * 4, [3, 1, 5], 16),
+    "grain": ([1024, 1024], 1024, [_LIMIT] * 3, [16, 16], 16),
+    "no-clamp": ([32, 32], 32, [0.0] * 3, [3, 7], 5),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", list(_ACTIVATION_CASES))
+def test_expert_rows_activation_gives_each_experts_bits(case, threads):
+    """``expert_rows`` (one torch op per activation step over all experts where its condition holds, else one per
+    expert) = each expert's own forward to the bit, on values either side of the clamp, ±0, subnormals, ±inf
+    (NaN where silu(−inf) makes one), and values whose silu differs between torch's scalar and vector loops; routing
+    weights ±0, subnormal and huge. Where the inter is not a multiple of 32, the inputs are such that one op over
+    every expert's rows would give other bits."""
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        pytest.fail("the compiled kernels did not build")
+    inters, shared_inter, limits, rows, shared_rows = _ACTIVATION_CASES[case]
+    hidden = 64
+    shapes = zip([*inters, shared_inter], limits, strict=True)
+    experts = [_picking_expert(hidden, n, lim, s) for s, (n, lim) in enumerate(shapes)]
+    xs = [_adversarial_rows(m, hidden, 20 + s) for s, m in enumerate([*rows, shared_rows])]
+    xs[0][0, 0] = -3e38  # doubled: gate −inf, silu NaN
+    weights = [torch.rand(m, 1, generator=torch.Generator().manual_seed(40 + s)) for s, m in enumerate(rows)]
+    weights[0][:3, 0] = torch.tensor([-0.0, 1e-40, 3e30])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = kernels.expert_rows(
+                xs,
+                *([getattr(e, w).weight for e in experts] for w in ("w1", "w3", "w2")),
+                [*weights, None],
+                limits,
+            )
+            for e, x, w, out in zip(experts, xs, [*weights, None], got, strict=True):
+                want = e(x, w)
+                assert torch.equal(out.isnan(), want.isnan())
+                assert torch.equal(
+                    out.nan_to_num(7.0).view(torch.int32), want.nan_to_num(7.0).view(torch.int32)
+                )
+            assert got[0][0].isnan().all() and not got[0][1:].isnan().any()
+            if inters[0] % 32:  # one op over every expert's gate would put other values in the scalar tail
+                gates = [e.w1(x).clamp(max=lim) for e, x, lim in zip(experts, xs, limits, strict=True)]
+                each = torch.cat([F.silu(g).flatten() for g in gates]).view(torch.int32)
+                assert not torch.equal(
+                    F.silu(torch.cat([g.flatten() for g in gates])).view(torch.int32), each
+                )
+    finally:
+        torch.set_num_threads(old)
+
+
+def _grouped_ref(x, weights, ids, experts, shared):
+    """`MoE._routed_grouped` with each group through its `Expert`'s own forward: the (row, slot) pairs grouped by
+    expert (stable), each group's rows and weights [n, 1], back in (row, slot) order, summed over the slots, plus
+    the shared expert."""
+    rows, k = ids.shape
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    outs = torch.empty(rows * k, x.shape[1])
+    for e in sorted(set(flat.tolist())):
+        pairs = order[flat[order] == e]
+        outs[pairs] = experts[e](x[pairs // k], weights.flatten()[pairs][:, None])
+    return outs.view(rows, k, -1).sum(1) + shared(x)
+
+
+@pytest.mark.parametrize("inter", [64, 48])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_expert_groups_gives_the_per_expert_forwards_bits(inter, rows):
+    """``expert_groups`` on adversarial rows (see `_adversarial_rows`; no inf, so no NaN) = `_grouped_ref` to the
+    bit, with one activation op per step over every expert (inter 64) and one per expert (48); with an inf
+    (NaN outputs) it declines."""
+    hidden, k = 64, 3
+    experts = {e: _picking_expert(hidden, inter, _LIMIT, e) for e in range(6)}
+    shared = _picking_expert(hidden, 2 * inter, _LIMIT, 9)
+    ids = torch.stack(
+        [torch.randperm(6, generator=torch.Generator().manual_seed(r))[:k] for r in range(rows)]
+    )
+    weights = torch.rand(rows, k, generator=torch.Generator().manual_seed(3))
+    weights[0] = torch.tensor([-0.0, 1e-40, 3e3])
+    used = sorted(set(ids.flatten().tolist()))
+    with torch.no_grad():
+        x = _adversarial_rows(rows, hidden, 7, infinite=False)
+        got = expert_groups(x, weights, ids, used, [experts[e] for e in used], shared)
+        want = _grouped_ref(x, weights, ids, experts, shared)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        x[0, 1] = -3e38  # doubled: gate −inf, silu NaN
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None

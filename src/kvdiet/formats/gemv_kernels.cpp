@@ -3,8 +3,8 @@
 // same module (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // row_products_each: pairs of x float32 [M, K] (contiguous, 1 <= M <= 16) and w float32 [N, K] (contiguous)
-//   -> out float32 [M, N] (contiguous), in one parallel region (an MoE layer's experts: one call for every w1
-//   and w3, one for every w2). row_products: one pair, x [..., K] of 1..16 rows in any layout -> [..., N]. Each y[m, n] is one dot product in 16 lanes: lane l sums x[i]·w[i] for i = l, l+16, …
+//   -> out float32 [M, N] (contiguous), in one parallel region (run_row_products, which expert_kernels.cpp calls
+//   on its own buffers: every w1 and w3 of an MoE layer's experts in one call, every w2 in another). row_products: one pair, x [..., K] of 1..16 rows in any layout -> [..., N]. Each y[m, n] is one dot product in 16 lanes: lane l sums x[i]·w[i] for i = l, l+16, …
 //   in increasing i, from +0 (each product rounded, then added; no fused multiply-add: the module is built
 //   with -ffp-contract=off); a last partial chunk reads zeros past K. The lanes fold as (l, l+8), (l, l+4),
 //   (l, l+2), then (0, 1).
@@ -12,8 +12,9 @@
 //   on the CPU (v4.1-mini's 132 MB LM head in 10.5 ms); this runs at the read bandwidth (about 30 GB/s on 2
 //   cores) and with one order on every machine. The order is this kernel's own: it rounds differently from the
 //   BLAS (as the BLAS's one-row and many-row kernels already do from each other), within fp32 rounding.
-//   Rows of w are split over torch's intra-op threads; within a task, four rows of w are scored against the
-//   rows of x four at a time, so each w row is read from memory once.
+//   Rows of w are split over torch's intra-op threads (a call of fewer than 64K elements of w in all runs on the
+//   calling thread: each output is one dot_rows call whatever the split, so the same bits); within a task, four
+//   rows of w are scored against the rows of x four at a time, so each w row is read from memory once.
 
 namespace {
 
@@ -106,20 +107,54 @@ void dot_rows(const float* xs, int64_t m, int64_t kp, const float* w, int64_t k,
 
 }  // namespace
 
-// One product of row_products_each: x padded to whole chunks, w, out.
+// One product: m rows of x at xs (row stride kp = K rounded up to 16, zeros past K; kp == K reads x itself), the
+// n rows of w [n, K], out y [m, n] (contiguous).
 struct RowProduct {
-  std::vector<float> xs;  // the rows of x zero-padded to kp
+  const float* xs;
   int64_t m, k, kp, n;
   const float* w;
   float* y;
 };
 
-// Every (x, w) pair's products in one parallel region: the tasks are the pairs' blocks of 4 rows of w.
+// Below this many elements of w in all (256 KB), one call's products run on the calling thread: a parallel
+// region costs more than it saves there. Each output is one dot_rows call whatever the split, so the same bits.
+constexpr int64_t kSerialElements = 1 << 16;
+
+// Every product in one parallel region: the tasks are the products' blocks of 4 rows of w.
+void run_row_products(const std::vector<RowProduct>& ps) {
+  std::vector<int64_t> first(ps.size() + 1, 0);  // the products' first block among all blocks
+  int64_t elements = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    first[i + 1] = first[i] + (ps[i].n + 3) / 4;
+    elements += ps[i].n * ps[i].k;
+  }
+  const int64_t blocks = first.back();
+  if (blocks == 0) return;
+  auto run = [&](int64_t b0, int64_t b1) {
+    size_t i = std::upper_bound(first.begin(), first.end(), b0) - first.begin() - 1;
+    for (int64_t b = b0; b < b1; ++b) {
+      while (b >= first[i + 1]) ++i;
+      const RowProduct& p = ps[i];
+      const int64_t j0 = (b - first[i]) * 4;
+      if (j0 + 4 <= p.n) {
+        dot_rows<4>(p.xs, p.m, p.kp, p.w, p.k, j0, p.y, p.n);
+      } else {
+        for (int64_t j = j0; j < p.n; ++j) dot_rows<1>(p.xs, p.m, p.kp, p.w, p.k, j, p.y, p.n);
+      }
+    }
+  };
+  if (elements < kSerialElements) return run(0, blocks);
+  // tasks of about 64 KB of w each
+  const int64_t grain = std::max<int64_t>(1, 4096 * blocks / std::max<int64_t>(elements, 1));
+  at::parallel_for(0, blocks, grain, run);
+}
+
+// Every (x, w) pair's products in one parallel region (run_row_products), rows of x with K % 16 != 0 copied
+// zero-padded.
 void row_products_each(std::vector<at::Tensor> xs, std::vector<at::Tensor> ws, std::vector<at::Tensor> outs) {
   TORCH_CHECK(xs.size() == ws.size() && ws.size() == outs.size(), "row_products_each: as many x, w and out");
   std::vector<RowProduct> ps(xs.size());
-  std::vector<int64_t> first(xs.size() + 1, 0);  // the pairs' first block among all blocks
-  int64_t elements = 0;
+  std::vector<std::vector<float>> padded(xs.size());  // the rows of x zero-padded to kp, where K % 16 != 0
   for (size_t i = 0; i < xs.size(); ++i) {
     const at::Tensor &x = xs[i], &w = ws[i], &out = outs[i];
     TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat && out.dtype() == at::kFloat,
@@ -131,29 +166,15 @@ void row_products_each(std::vector<at::Tensor> xs, std::vector<at::Tensor> ws, s
     TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "row_products needs contiguous tensors");
     RowProduct& p = ps[i];
     p.m = x.size(0), p.k = x.size(1), p.kp = (p.k + 15) / 16 * 16, p.n = w.size(0);
-    p.xs.assign(p.m * p.kp, 0.0f);
-    for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.xs.data() + r * p.kp, x.data_ptr<float>() + r * p.k, p.k * 4);
-    p.w = w.data_ptr<float>(), p.y = out.data_ptr<float>();
-    first[i + 1] = first[i] + (p.n + 3) / 4;
-    elements += p.n * p.k;
-  }
-  const int64_t blocks = first.back();
-  if (blocks == 0) return;
-  // tasks of about 64 KB of w each
-  const int64_t grain = std::max<int64_t>(1, 4096 * blocks / std::max<int64_t>(elements, 1));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    size_t i = std::upper_bound(first.begin(), first.end(), b0) - first.begin() - 1;
-    for (int64_t b = b0; b < b1; ++b) {
-      while (b >= first[i + 1]) ++i;
-      const RowProduct& p = ps[i];
-      const int64_t j0 = (b - first[i]) * 4;
-      if (j0 + 4 <= p.n) {
-        dot_rows<4>(p.xs.data(), p.m, p.kp, p.w, p.k, j0, p.y, p.n);
-      } else {
-        for (int64_t j = j0; j < p.n; ++j) dot_rows<1>(p.xs.data(), p.m, p.kp, p.w, p.k, j, p.y, p.n);
-      }
+    p.xs = x.data_ptr<float>();
+    if (p.kp != p.k) {
+      padded[i].assign(p.m * p.kp, 0.0f);
+      for (int64_t r = 0; r < p.m; ++r) std::memcpy(padded[i].data() + r * p.kp, p.xs + r * p.k, p.k * 4);
+      p.xs = padded[i].data();
     }
-  });
+    p.w = w.data_ptr<float>(), p.y = out.data_ptr<float>();
+  }
+  run_row_products(ps);
 }
 
 // x float32 [..., K] (any layout) -> float32 [..., N]
