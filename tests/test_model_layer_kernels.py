@@ -219,6 +219,27 @@ def test_rotation_tail_check_at_a_rope_dim(monkeypatch, caplog):
             layers.kernels_agree(op, rope_dim)
 
 
+@pytest.mark.parametrize("d", [272, 1024])
+def test_rotation_of_grain_size_pairs_or_more_keeps_the_torch_formula(d):
+    # torch splits a product of 32768 pairs or more over its threads (3 here) at chunk boundaries off a whole
+    # vector (34680 pairs over 3 threads: 11560 each): its scalar tail lands mid-row, where the kernel does not
+    # run its own; the rotation must keep torch's bits, so the kernel declines
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(d)
+    rows = 255 if d == 272 else 131
+    rot = _rotation(d, rows, gen)
+    x = torch.randn(rows, d, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        _assert_same(rot.apply(x), layers._torch_rotate(x, rot.cis, d))
+        assert kernels.rope_rotate(x, rot.cis, d) is None
+        under = 32768 // (d // 2) - 1  # rows of fewer pairs than that: the kernel runs them
+        assert kernels.rope_rotate(x[:under], rot.cis[:under], d) is not None
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rotation_broadcasts_cis_over_heads(both):
     gen = torch.Generator().manual_seed(1)
     rot = _rotation(64, 5, gen)

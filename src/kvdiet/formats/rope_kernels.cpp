@@ -16,7 +16,9 @@
 //   scalar operator*= on the rest: rope_dim a multiple of 32 never reaches the scalar tail; other rope_dims do,
 //   and match it only where torch's own build compiled that scalar formula without FMA contraction. So
 //   kvdiet.model.layers checks these bits against the torch formula once per process before it uses the kernel,
-//   for multiples of 32 and (separately) for other rope_dims. No FMA contraction here (-ffp-contract=off).
+//   for multiples of 32 and (separately) for other rope_dims. A product of at::internal::GRAIN_SIZE pairs or
+//   more gets std::nullopt too: torch splits that loop over its threads at chunk boundaries that need not fall on
+//   a whole vector, so its scalar tail lands on pairs no check covers. No FMA contraction (-ffp-contract=off).
 //   Why: the torch formula is some ten ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
 
 #include <cstring>
@@ -85,7 +87,7 @@ std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis
   if (x.stride(-1) != 1) return {};
   if (cis.size(-1) != half || cis.stride(-1) != 1 || x.numel() == 0) return {};
   const int64_t rows = x.numel() / width;
-  if (rows > kRopeRowsMax) return {};
+  if (rows > kRopeRowsMax || rows * half >= at::internal::GRAIN_SIZE) return {};  // see the header
   // leading dims of x (nd - 1 of them), with cis's strides right-aligned (0 where cis broadcasts)
   const int64_t lead = nd - 1, pad = nd - cis.dim();
   int64_t size[kRopeDimsMax], xstride[kRopeDimsMax], ostride[kRopeDimsMax], cstride[kRopeDimsMax];

@@ -267,7 +267,9 @@ class Rotation:
             arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``). The compiled
             ``rope_rotate`` computes it, with the torch formula's bits, for an fp32 ``x`` with no gradient to
             track that fits: on the CPU, last stride 1, at most 6 dims, 1..`ROPE_ROWS_MAX` rows of at most
-            `WIDTH_MAX` (``rope_dim`` not a multiple of 32 only where `rope_kernels` allows it);
+            `WIDTH_MAX`, fewer than 32768 (torch's GRAIN_SIZE) rotated pairs in all (torch splits a larger
+            product over its threads, its scalar tail then where no check looks); ``rope_dim`` not a multiple of
+            32 only where `rope_kernels` allows it;
             ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; neither a lazy conjugate or
             negative view (``cis.conj()``); no output NaN.
         Raises:
