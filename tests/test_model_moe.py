@@ -371,6 +371,23 @@ def test_router_kernel_gives_the_torch_ops_bits(rows, topk, normalize, monkeypat
     assert want[0].isnan().any()  # the NaN cases are reached
 
 
+def test_router_kernel_takes_torchs_square_root(monkeypatch):
+    # torch's CPU sqrt is not always correctly rounded (with MKL it runs VML's): some scores of these ordinary
+    # rows round the other way from std::sqrt (the kernel before this test used it and failed here)
+    from kvdiet.model.moe import Gate
+
+    gen = torch.Generator().manual_seed(0)
+    gate = Gate(64, 8, 2, norm_topk_prob=True, routed_scaling_factor=1.5)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(8, 64, generator=gen) * 0.125)
+        xs = [torch.randn(rows, 64, generator=gen) * 3 for rows in (1, 16) for _ in range(48)]
+        got = [gate(x) for x in xs]
+        monkeypatch.setenv(native.ENV, "0")  # the torch ops
+        want = [gate(x) for x in xs]
+    for (w, i), (w0, i0) in zip(got, want, strict=True):
+        assert torch.equal(i, i0) and torch.equal(w.view(torch.int32), w0.view(torch.int32))
+
+
 def test_router_kernel_declines_what_it_does_not_fit(micro):
     from kvdiet.model.moe import Gate
 
