@@ -111,12 +111,7 @@ at::Tensor run_experts(const std::vector<const float*>& x, const std::vector<int
   ps.clear();
   for (size_t i = 0; i < n; ++i) {
     const int64_t k = inter[i], kpi = (k + 15) / 16 * 16;
-    const float* a = acts[i];
-    if (kpi != k) {
-      padded[i].assign(m[i] * kpi, 0.0f);
-      for (int64_t r = 0; r < m[i]; ++r) std::memcpy(padded[i].data() + r * kpi, a + r * k, k * sizeof(float));
-      a = padded[i].data();
-    }
+    const float* a = chunk_rows(acts[i], m[i], k, padded[i]);
     ps.push_back({a, m[i], k, kpi, w2s[i].size(0), w2s[i].data_ptr<float>(), out.data_ptr<float>() + out_at[i]});
   }
   run_row_products(ps);
@@ -144,13 +139,7 @@ std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::
                 "expert_rows: x float32 [M, hidden] on the CPU (expert ", i, ")");
     rows[i] = xs[i].contiguous();
     m[i] = rows[i].size(0), hidden[i] = rows[i].size(1);
-    const int64_t k = hidden[i], kp = (k + 15) / 16 * 16;
-    x[i] = rows[i].data_ptr<float>();
-    if (kp != k) {
-      padded[i].assign(m[i] * kp, 0.0f);
-      for (int64_t r = 0; r < m[i]; ++r) std::memcpy(padded[i].data() + r * kp, x[i] + r * k, k * sizeof(float));
-      x[i] = padded[i].data();
-    }
+    x[i] = chunk_rows(rows[i].data_ptr<float>(), m[i], hidden[i], padded[i]);
   }
   std::vector<at::Tensor> columns;
   for (size_t i = 0; i < weighted; ++i) {

@@ -116,6 +116,16 @@ struct RowProduct {
   float* y;
 };
 
+// Rows x [m, k] (row stride k) as dot_rows reads them, padded to kp = k rounded up to 16: x itself where kp == k,
+// else copies zero-padded past k in buf (which must outlive the products).
+inline const float* chunk_rows(const float* x, int64_t m, int64_t k, std::vector<float>& buf) {
+  const int64_t kp = (k + 15) / 16 * 16;
+  if (kp == k) return x;
+  buf.assign(m * kp, 0.0f);
+  for (int64_t r = 0; r < m; ++r) std::memcpy(buf.data() + r * kp, x + r * k, k * sizeof(float));
+  return buf.data();
+}
+
 // Below this many elements of w in all (256 KB), one call's products run on the calling thread: a parallel
 // region costs more than it saves there. Each output is one dot_rows call whatever the split, so the same bits.
 constexpr int64_t kSerialElements = 1 << 16;
@@ -166,12 +176,7 @@ void row_products_each(std::vector<at::Tensor> xs, std::vector<at::Tensor> ws, s
     TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "row_products needs contiguous tensors");
     RowProduct& p = ps[i];
     p.m = x.size(0), p.k = x.size(1), p.kp = (p.k + 15) / 16 * 16, p.n = w.size(0);
-    p.xs = x.data_ptr<float>();
-    if (p.kp != p.k) {
-      padded[i].assign(p.m * p.kp, 0.0f);
-      for (int64_t r = 0; r < p.m; ++r) std::memcpy(padded[i].data() + r * p.kp, p.xs + r * p.k, p.k * 4);
-      p.xs = padded[i].data();
-    }
+    p.xs = chunk_rows(x.data_ptr<float>(), p.m, p.k, padded[i]);
     p.w = w.data_ptr<float>(), p.y = out.data_ptr<float>();
   }
   run_row_products(ps);
