@@ -70,10 +70,12 @@ def decode_step_seconds(model: Transformer, tokens: torch.Tensor, steps: int) ->
 
 
 def batch_step_seconds(model: Transformer, batch: int, context: int, steps: int) -> float:
-    """Median seconds of one decode step of ``batch`` requests, each after its own ``context``-token prompt."""
+    """Median seconds of one decode step of ``batch`` requests, each after its own ``context``-token prompt, their
+    caches in one pool as an engine's are (`kvdiet.engine.runner`)."""
     states, tokens = [], []
+    pool = model.new_pool(4)
     for b in range(batch):
-        state = model.new_state()
+        state = model.new_state(pool)
         tokens.append(int(model.prefill(state, _prompt(model, context, offset=1 + b)).argmax()))
         states.append(state)
     times = []

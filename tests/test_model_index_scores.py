@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from kvdiet.formats import mxfp4, native
-from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at, index_scores_each
+from kvdiet.model.index_scores import (
+    StoredKeys,
+    index_scores,
+    index_scores_at,
+    index_scores_each,
+    index_scores_runs,
+)
 from kvdiet.model.selection import candidate_entries, select_topk, select_topk_at
 
 NEG = float("-inf")
@@ -460,6 +466,69 @@ def test_a_dot_of_only_negative_zero_products_keeps_its_sign(both):
     assert compiled[0, 3] == 0 and torch.signbit(compiled[0, 3])
     assert compiled[0, 9] == 0 and not torch.signbit(compiled[0, 9])
     assert _integer_groups() - before == (1 if _integer_path() else 0)
+
+
+def _runs(packed: torch.Tensor, lengths: list[int], per_block: int, seed: int):
+    """Requests whose entries are runs of one shared pool (as `BatchTables` lays a batch out): request b holds
+    ``lengths[b]`` entries of ``packed`` in its own shuffled blocks, its table padded to the widest one with the
+    next request's blocks. Returns (each request's `StoredKeys`, the shared `StoredKeys`, offsets int64 [B])."""
+    width = max(-(-n // per_block) for n in lengths)
+    perm = torch.randperm(len(lengths) * width + 2, generator=torch.Generator().manual_seed(seed))
+    table = perm[: len(lengths) * width].view(len(lengths), width)
+    pool = torch.full((perm.numel() * per_block, packed.shape[1]), 0xFF, dtype=torch.uint8)  # bad scales
+    own, start = [], 0
+    for b, n in enumerate(lengths):
+        ids = torch.arange(n)
+        pool[table[b, ids // per_block] * per_block + ids % per_block] = packed[start : start + n]
+        own.append(StoredKeys(pool, table[b], per_block, n))
+        start += n
+    flat = table.flatten()
+    offsets = torch.arange(len(lengths)) * width * per_block
+    return own, StoredKeys(pool, flat, per_block, flat.numel() * per_block), offsets
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_runs_of_one_shared_table_score_as_each_requests_own_keys(both, d):
+    """`index_scores_runs` (a batched decode step's dense layers in one call) gives `index_scores_each`'s
+    numbers over each run as its own keys, bit for bit, on MXFP4 queries (at d = 128 the integer path) and on
+    both paths: limits of 0, inside, at and past a run's own entries, and a run padded with unwritten rows (bad
+    scale bytes that no query may read)."""
+    lengths = [0, 37, 16, 100, 5, 64]
+    queries, w, packed, _ = _mxfp4_case(3, len(lengths), 4, d, sum(lengths))
+    own, shared, offsets = _runs(packed, lengths, 16, 4)
+    lengths_t = torch.tensor(lengths)
+    for limit in (lengths_t, torch.tensor([0, 20, 16, 0, 3, 1]), torch.tensor([5, 99, 0, 100, 5, 64])):
+        limit = torch.minimum(limit, lengths_t)
+        before = _integer_groups()
+        compiled, pure = both(index_scores_runs, queries, w, shared, offsets, limit, max(lengths))
+        each = index_scores_each(queries, w, own, None, limit)
+        assert _same_bits(compiled, each) and _same_bits(pure, each)
+        assert (compiled[torch.arange(max(lengths))[None, :] >= limit[:, None]] == NEG).all()
+        if d == 128 and int(limit.sum()):
+            assert (_integer_groups() > before) == _integer_path()
+    assert (compiled[3, :99] != NEG).all()  # every entry it sees scored
+
+
+def test_runs_reaching_past_the_keys_or_with_bad_offsets_raise(both, monkeypatch):
+    queries, w, packed, _ = _case(5, 2, 2, 32, 30)
+    own, shared, offsets = _runs(packed, [10, 20], 8, 1)
+    for env in ("1", "0"):
+        monkeypatch.setenv(native.ENV, env)
+        with pytest.raises(ValueError, match="offsets int64"):
+            index_scores_runs(queries, w, shared, offsets.int(), torch.tensor([10, 20]), 20)
+        with pytest.raises(ValueError, match="offsets int64"):
+            index_scores_runs(queries, w, shared, offsets[:1], torch.tensor([10, 20]), 20)
+        with pytest.raises(ValueError, match="reaches past"):
+            index_scores_runs(
+                queries, w, shared, offsets + shared.num_entries - 20, torch.tensor([10, 20]), 20
+            )
+        packed_bad = shared.rows.clone()
+        row = int(own[1].table[0]) * 8 + 3  # entry 3 of request 1
+        packed_bad[row, 16] = 0
+        bad = StoredKeys(packed_bad, shared.table, 8, shared.num_entries)
+        with pytest.raises(ValueError, match="scale byte"):
+            index_scores_runs(queries, w, bad, offsets, torch.tensor([10, 20]), 20)
+        assert index_scores_runs(queries, w, bad, offsets, torch.tensor([10, 3]), 20)[1, :3].isfinite().all()
 
 
 def test_a_bad_scale_byte_still_raises_with_mxfp4_queries(monkeypatch):

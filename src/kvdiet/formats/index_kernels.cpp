@@ -598,10 +598,12 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
 // [R, d/2 + d/32] or fp32 [R, d], unit element stride), entry j at row table[j / per_block] * per_block + j %
 // per_block.
 // entries int64 [Q, C]: score those entries (< 0: not scored) into out [Q, C]; entries empty ([0, 0]): score
-// entries 0..N-1 into out [Q, N]. Entries at or past limit[t] get -inf. Returns -1 or the first entry id holding
-// a scale byte outside 1..252.
+// entries 0..C-1 into out [Q, C]. Entries at or past limit[t] get -inf. offsets int64 [Q] (entries empty only;
+// empty: all 0): query t's entry c is entry offsets[t] + c of the keys (each query its own run of one shared
+// table: a batch's requests in one pool), still visible where c < limit[t]. Returns -1 or the first entry id (c)
+// holding a scale byte outside 1..252.
 int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor table, int64_t per_block,
-                     at::Tensor limit, at::Tensor entries, at::Tensor out) {
+                     at::Tensor limit, at::Tensor entries, at::Tensor offsets, at::Tensor out) {
   TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && table.is_contiguous() && limit.is_contiguous() &&
                   entries.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.dim() == 2 &&
                   keys.dim() == 2 && (keys.size(1) <= 1 || keys.stride(1) == 1),
@@ -612,6 +614,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
                   out.size(0) == nq && (entries.numel() == 0 || (entries.dim() == 2 && entries.sizes() == out.sizes())),
               "index scores: w [Q, H], limit [Q], out [Q, C] and entries [Q, C] or empty");
   TORCH_CHECK(per_block >= 1, "index scores: per_block must be at least 1");
+  TORCH_CHECK(offsets.numel() == 0 || (entries.numel() == 0 && offsets.dim() == 1 && offsets.size(0) == nq &&
+                                       offsets.is_contiguous() && offsets.scalar_type() == at::kLong),
+              "index scores: offsets int64 [Q] (contiguous), with entries empty");
   const bool packed = keys.scalar_type() == at::kByte;
   TORCH_CHECK(packed || keys.scalar_type() == at::kFloat, "index scores: keys are uint8 (MXFP4) or float32");
   TORCH_CHECK(keys.size(1) == (packed ? d / 2 + d / 32 : d), "index scores: key rows of ", keys.size(1),
@@ -621,7 +626,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
               limit.data_ptr<int64_t>()};
   const bool dense = entries.numel() == 0;
   const int64_t width = out.size(1), tiles = (width + kTile - 1) / kTile;
-  const int64_t qblock = dense ? 16 : 1, qblocks = (nq + qblock - 1) / qblock;
+  const int64_t* off = offsets.numel() == 0 ? nullptr : offsets.data_ptr<int64_t>();
+  // queries over one run of entries share each decoded tile, 16 at a time; each their own run (offsets), none
+  const int64_t qblock = dense && off == nullptr ? 16 : 1, qblocks = (nq + qblock - 1) / qblock;
   float* o = out.data_ptr<float>();
   const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
   std::atomic<int64_t> bad{INT64_MAX};
@@ -660,7 +667,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
         const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
-        int64_t block = c0 / per_block, offset = c0 % per_block;
+        const int64_t first = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
+        int64_t block = first / per_block, offset = first % per_block;
         for (int64_t e = 0; e < seen; ++e) {
           ids[e] = c0 + e;
           rows[e] = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;

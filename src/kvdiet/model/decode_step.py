@@ -27,7 +27,7 @@ from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.compressor import pool_groups
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.fused_rows import project_out_rows, project_rows
-from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each
+from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
 from kvdiet.model.layers import Rope, Rotation
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
@@ -271,8 +271,9 @@ def _select(
 
     Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
     the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
-    one call per request. Other layers score every entry, one call per request with no per-entry ids (no [B, N]
-    temporaries: N is 1M at 1M tokens and ratio 1), padded with −inf to the longest key list.
+    one call per request. Other layers score every entry with no per-entry ids (no [B, N] temporaries: N is 1M
+    at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
+    pool (each its own run of it), else one call per request.
     """
     info, indexer, pos = attn.info, attn.indexer, plan.positions
     q_idx, w = indexer.queries(qr, x, rot, attn.codecs.index_key)
@@ -283,8 +284,13 @@ def _select(
     limit = torch.minimum(
         torch.div(pos + 1, info.compress_ratio, rounding_mode="floor"), torch.tensor(lengths, device=dev)
     )
+    tables = plan.tables
     if info.candidate != "consumer":
-        scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], None, limit)
+        if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
+            off = tables.offsets(info.kv_src)
+            scores = index_scores_runs(q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n)
+        else:
+            scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], None, limit)
         if info.candidate == "source":
             plan.candidates = select_candidate_blocks(
                 scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
@@ -294,7 +300,6 @@ def _select(
     if plan.candidates is None:
         raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
     entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
-    tables = plan.tables
     if tables.shared is not None and len(segs) > 1:
         off = tables.offsets(info.kv_src)
         shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty

@@ -38,7 +38,7 @@ from kvdiet.formats.mxfp4 import decode_index_key
 if TYPE_CHECKING:
     from kvdiet.model.state import PagedEntries
 
-__all__ = ["StoredKeys", "index_scores", "index_scores_at", "index_scores_each"]
+__all__ = ["StoredKeys", "index_scores", "index_scores_at", "index_scores_each", "index_scores_runs"]
 
 LANES = 8
 """Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold one lane of 16 keys)."""
@@ -148,6 +148,40 @@ def index_scores_at(
     return out
 
 
+def index_scores_runs(
+    q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, offsets: torch.Tensor, limit: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Scores of every entry of each query's own run of one table (a batch's requests in one pool): fp32
+    [Q, width], row t entry c scoring entry ``offsets[t] + c`` of ``keys``, −inf at ``c ≥ limit[t]``. The same
+    numbers as `index_scores_each` with ``entries`` None over each run as its own keys, in one kernel call.
+
+    Args:
+        q, w: as `index_scores`.
+        keys: the shared keys (`kvdiet.model.decode_step.BatchTables.keys`).
+        offsets: int64 [Q] each query's first entry (`BatchTables.offsets`).
+        limit: int64 [Q] entries of its run visible to each query, at most the run's own entries (no query may
+            read into the next run).
+        width: C, the columns of the result (the most entries of any run).
+    Raises:
+        ValueError: as `index_scores`; offsets not int64 [Q]; a run reaching past the keys' N.
+    """
+    _check_inputs(q, w, limit, [keys])
+    qn = q.shape[0]
+    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (qn,):
+        raise ValueError(
+            f"runs of {qn} queries take offsets int64 [{qn}], got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    limit = limit.clamp(0, width)
+    if qn and int((offsets + limit).max()) > keys.num_entries:
+        raise ValueError(f"a run of entries reaches past the {keys.num_entries} entries the keys hold")
+    out = _native(q, w, keys, limit, None, width, offsets=offsets)
+    if out is not None:
+        return out
+    cols = torch.arange(width, device=q.device)[None, :]
+    entries = torch.where(cols < limit[:, None], offsets[:, None] + cols, -1)
+    return index_scores_at(q, w, keys, entries, offsets + limit)
+
+
 def index_scores_each(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -195,9 +229,11 @@ def _native(
     width: int,
     *,
     out: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The compiled kernel's scores fp32 [Q, width] (into ``out`` when given: contiguous, on the CPU), or None
-    where the pure-torch path runs (off the CPU; exact-mode keys of a float dtype other than fp32)."""
+    where the pure-torch path runs (off the CPU; exact-mode keys of a float dtype other than fp32). ``offsets``
+    int64 [Q] (``entries`` None): query t's entry c is entry ``offsets[t] + c`` of ``keys``."""
     on_cpu = q.device.type == "cpu" and keys.rows.device.type == "cpu"
     kernels = native.fp4_kernels() if on_cpu and keys.rows.dtype in (torch.uint8, torch.float32) else None
     if kernels is None:
@@ -212,6 +248,7 @@ def _native(
         keys.per_block,
         limit.contiguous(),
         none if entries is None else entries.contiguous(),
+        none.view(0) if offsets is None else offsets.contiguous(),
         out,
     )
     _check_scales(bad)
