@@ -587,3 +587,26 @@ def test_expert_groups_gives_the_per_expert_forwards_bits(inter, rows):
         assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
         x[0, 1] = -3e38  # doubled: gate −inf, silu NaN
         assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
+
+
+def test_expert_groups_declines_weights_it_cannot_read_in_place():
+    """A used expert's weight that is not contiguous fp32 (the kernel checks, not Python): None, nothing raised,
+    and the modules' path still gives `_grouped_ref`'s result."""
+    hidden, inter, k, rows = 64, 64, 2, 4
+    experts = {e: _picking_expert(hidden, inter, _LIMIT, e) for e in range(4)}
+    shared = _picking_expert(hidden, inter, _LIMIT, 9)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
+    weights = torch.rand(rows, k, generator=torch.Generator().manual_seed(1))
+    used = [0, 1, 2, 3]
+    with torch.no_grad():
+        x = _adversarial_rows(rows, hidden, 5, infinite=False)
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is not None
+        w = experts[2].w3.weight
+        experts[2].w3.weight = torch.nn.Parameter(w.t().contiguous().t())  # same values, column-major
+        assert not experts[2].w3.weight.is_contiguous()
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
+        experts[2].w3.weight = torch.nn.Parameter(w.double())
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
+        experts[2].w3.weight = w
+        shared.w2.weight = torch.nn.Parameter(shared.w2.weight.t().contiguous().t())
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None

@@ -82,8 +82,9 @@ def expert_groups(
     through `kvdiet.model.moe.run_experts`'s kernel, the k slots summed by torch's own sum of the same
     [T, k, hidden] tensor, the shared expert added, so the same bits. Rows ``x`` fp32 [T, hidden] name experts
     ``ids`` int64 [T, k] (``used``: the ids named, increasing, at most 16 pairs each; ``modules``: those experts,
-    already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16; every used expert and ``shared``
-    dense and fitting `gemv.applies_all`, no autograd. Else None (also where an output is NaN)."""
+    already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16; rows fitting `gemv.applies_all`,
+    every used expert and ``shared`` dense, no autograd. Else None (also where an output is NaN, or where a
+    weight is not contiguous fp32 on the CPU: the kernel checks those)."""
     k = ids.shape[1]
     if torch.is_grad_enabled() or not 1 <= k < 16 or x.dim() != 2:
         return None
@@ -91,7 +92,7 @@ def expert_groups(
         return None
     group = [*modules, shared]
     dense = [e.dense_weights() for e in group]
-    if not all(d is not None and gemv.applies_all(x, d) for d in dense):
+    if None in dense or not gemv.applies_all(x, ()):
         return None
     kernels = native.fp4_kernels()
     if kernels is None:
