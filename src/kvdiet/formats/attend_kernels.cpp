@@ -16,10 +16,10 @@
 //     +0 (each product rounded, then added; no FMA: the module is built with -ffp-contract=off), then the fold
 //     (l, l+8), (l, l+4), (l, l+2), (0, 1) — row_products(p[b, h, :W+K], keysᵀ)'s order.
 //   Why: `attend` runs four bmm and seven other torch ops per layer (some 330 µs at v4.1-mini's 4 heads × 512
-//   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run as many at a time as
-//   there are threads (scores, softmax, values), so a request's keys (1.3 MB at v4.1-mini) stay in one core's
-//   cache between the two passes; within them the tasks are blocks of 4 keys (scores) and of 4 heads × 64 dims
-//   (values), so a one-request step splits over both threads.
+//   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run in rounds (scores,
+//   softmax, values) of one per thread, or as many as keep 256 KB of keys per thread, so a request's keys (1.3 MB
+//   at v4.1-mini) stay in one core's cache between the two passes; within them the tasks are blocks of 4 keys
+//   (scores) and of 4 heads × 64 dims (values), so a one-request step splits over both threads.
 
 #include <limits>
 #include <vector>
@@ -28,6 +28,7 @@ namespace {
 
 constexpr int64_t kAttendHeads = 4;  // heads of one value block (their accumulators stay in registers)
 constexpr int64_t kAttendDims = 64;  // dims of one value block: four 16-float vectors
+constexpr int64_t kRoundBytes = 256 * 1024;  // keys per thread of one round of requests (well inside a core's L2)
 
 // The W + K keys of one request, window first.
 struct AttendKeys {
@@ -154,8 +155,11 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   float* op = out.mutable_data_ptr<float>();
   const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
   const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
-  // one request per thread at a time: its keys stay in that core's cache from the scores to the values
-  const int64_t chunk = std::max<int64_t>(1, at::get_num_threads());
+  // one request per thread at a time, so its keys stay in that core's cache from the scores to the values; more
+  // where several requests' keys fit there together (a round's softmax call and two parallel regions cost some
+  // microseconds: at tiny widths, more than a request's whole attention)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = threads * std::max<int64_t>(1, kRoundBytes / std::max<int64_t>(1, n * dim * 4));
   for (int64_t r0 = 0; r0 < b; r0 += chunk) {
     const int64_t rn = std::min(chunk, b - r0);
     at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
