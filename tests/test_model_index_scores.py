@@ -522,6 +522,8 @@ def test_runs_reaching_past_the_keys_or_with_bad_offsets_raise(both, monkeypatch
             index_scores_runs(
                 queries, w, shared, offsets + shared.num_entries - 20, torch.tensor([10, 20]), 20
             )
+        with pytest.raises(ValueError, match="starts before 0"):
+            index_scores_runs(queries, w, shared, offsets - 1, torch.tensor([10, 20]), 20)
         packed_bad = shared.rows.clone()
         row = int(own[1].table[0]) * 8 + 3  # entry 3 of request 1
         packed_bad[row, 16] = 0

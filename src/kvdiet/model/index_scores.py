@@ -163,7 +163,8 @@ def index_scores_runs(
             read into the next run).
         width: C, the columns of the result (the most entries of any run).
     Raises:
-        ValueError: as `index_scores`; offsets not int64 [Q]; a run reaching past the keys' N.
+        ValueError: as `index_scores`; offsets not int64 [Q]; on the CPU, a run starting before entry 0 or
+            reaching past the keys' N.
     """
     _check_inputs(q, w, limit, [keys])
     qn = q.shape[0]
@@ -172,8 +173,12 @@ def index_scores_runs(
             f"runs of {qn} queries take offsets int64 [{qn}], got {offsets.dtype} {tuple(offsets.shape)}"
         )
     limit = limit.clamp(0, width)
-    if qn and int((offsets + limit).max()) > keys.num_entries:
-        raise ValueError(f"a run of entries reaches past the {keys.num_entries} entries the keys hold")
+    # the kernel reads the rows of entries offsets[t] .. offsets[t] + limit[t] - 1 (the torch path masks them
+    # instead: no device sync there)
+    if qn and q.is_cpu and bool(((offsets < 0) | (offsets + limit > keys.num_entries)).any()):
+        raise ValueError(
+            f"a run of entries starts before 0 or reaches past the {keys.num_entries} entries held"
+        )
     out = _native(q, w, keys, limit, None, width, offsets=offsets)
     if out is not None:
         return out
