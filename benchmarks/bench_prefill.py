@@ -11,7 +11,8 @@ top-4, Engram on layers 1 and 14) with seeded random weights, fp32, on the CPU. 
 - the **decode step** after that prefill (median of ``--steps`` greedy steps).
 
 Then **batch scaling**: one decode step for 1, 4 and 16 requests at once (each after its own prefill of
-``--batch-context`` tokens), as tokens per second and × the single request's. Deterministic (fixed seed);
+``--batch-context`` tokens, their caches in one pool as an engine's are), as tokens per second and × the single
+request's. Deterministic (fixed seed);
 ``--threads`` sizes torch's pool. Prints tables, then one JSON line.
 
     python benchmarks/bench_prefill.py                   # ~3 min on 2 cores
