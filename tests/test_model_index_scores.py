@@ -491,8 +491,8 @@ def _runs(packed: torch.Tensor, lengths: list[int], per_block: int, seed: int):
 def test_runs_of_one_shared_table_score_as_each_requests_own_keys(both, d):
     """`index_scores_runs` (a batched decode step's dense layers in one call) gives `index_scores_each`'s
     numbers over each run as its own keys, bit for bit, on MXFP4 queries (at d = 128 the integer path) and on
-    both paths: limits of 0, inside, at and past a run's own entries, and a run padded with unwritten rows (bad
-    scale bytes that no query may read)."""
+    both paths: limits of 0, inside and at a run's own entries (a limit may not pass them: the caller's
+    contract), and a run padded with unwritten rows (bad scale bytes that no query may read)."""
     lengths = [0, 37, 16, 100, 5, 64]
     queries, w, packed, _ = _mxfp4_case(3, len(lengths), 4, d, sum(lengths))
     own, shared, offsets = _runs(packed, lengths, 16, 4)
@@ -506,6 +506,10 @@ def test_runs_of_one_shared_table_score_as_each_requests_own_keys(both, d):
         assert (compiled[torch.arange(max(lengths))[None, :] >= limit[:, None]] == NEG).all()
         if d == 128 and int(limit.sum()):
             assert (_integer_groups() > before) == _integer_path()
+        with pytest.MonkeyPatch.context() as mp:  # the torch path in column chunks of 7 entries
+            mp.setattr("kvdiet.model.index_scores._TORCH_BUDGET", 7 * 4 * d)
+            mp.setenv(native.ENV, "0")
+            assert _same_bits(index_scores_runs(queries, w, shared, offsets, limit, max(lengths)), each)
     assert (compiled[3, :99] != NEG).all()  # every entry it sees scored
 
 
@@ -524,11 +528,17 @@ def test_runs_reaching_past_the_keys_or_with_bad_offsets_raise(both, monkeypatch
             )
         with pytest.raises(ValueError, match="starts before 0"):
             index_scores_runs(queries, w, shared, offsets - 1, torch.tensor([10, 20]), 20)
+        with pytest.raises(ValueError, match="offsets int64"):
+            index_scores_runs(queries, w, shared, offsets.to("meta"), torch.tensor([10, 20]), 20)
+        with pytest.raises(ValueError, match="width >= 0"):
+            index_scores_runs(queries, w, shared, offsets, torch.tensor([10, 20]), -1)
         packed_bad = shared.rows.clone()
         row = int(own[1].table[0]) * 8 + 3  # entry 3 of request 1
         packed_bad[row, 16] = 0
         bad = StoredKeys(packed_bad, shared.table, 8, shared.num_entries)
-        with pytest.raises(ValueError, match="scale byte"):
+        with pytest.raises(
+            ValueError, match=f"entry {int(offsets[1]) + 3} holds" if env == "1" else "scale byte"
+        ):
             index_scores_runs(queries, w, bad, offsets, torch.tensor([10, 20]), 20)
         assert index_scores_runs(queries, w, bad, offsets, torch.tensor([10, 3]), 20)[1, :3].isfinite().all()
 

@@ -590,8 +590,8 @@ def test_expert_groups_gives_the_per_expert_forwards_bits(inter, rows):
 
 
 def test_expert_groups_declines_weights_it_cannot_read_in_place():
-    """A used expert's weight that is not contiguous fp32 (the kernel checks, not Python): None, nothing raised,
-    and the modules' path still gives `_grouped_ref`'s result."""
+    """A used expert's weight that is not contiguous fp32, or a lazily negated view (its storage holds −w): None,
+    nothing raised (the kernel checks, not Python)."""
     hidden, inter, k, rows = 64, 64, 2, 4
     experts = {e: _picking_expert(hidden, inter, _LIMIT, e) for e in range(4)}
     shared = _picking_expert(hidden, inter, _LIMIT, 9)
@@ -606,6 +606,9 @@ def test_expert_groups_declines_weights_it_cannot_read_in_place():
         assert not experts[2].w3.weight.is_contiguous()
         assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
         experts[2].w3.weight = torch.nn.Parameter(w.double())
+        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
+        experts[2].w3.weight = torch.nn.Parameter(torch._neg_view(-w))  # w's values, stored negated
+        assert experts[2].w3.weight.is_neg()
         assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
         experts[2].w3.weight = w
         shared.w2.weight = torch.nn.Parameter(shared.w2.weight.t().contiguous().t())

@@ -25,7 +25,8 @@
 //   so it is called, not repeated), plus the shared output (one IEEE add). MoE._one_row's row is the case T = 1.
 //   The same values reach the activation ops, the products and at::sum as in Python, so the same bits;
 //   std::nullopt where an output is NaN (where two NaNs meet in the add, which one torch keeps is its loop's) or
-//   a weight is not contiguous float32 on the CPU (checked here, not per weight in Python: 27 a layer at 16 rows).
+//   a weight is not contiguous float32 on the CPU or is a lazily negated view (checked here, not per weight in
+//   Python: 27 a layer at 16 rows).
 //   Throws on an id not in experts, a group of more than 16 rows, or k >= 16 (MoE checks first).
 
 namespace {
@@ -173,7 +174,8 @@ std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& i
   TORCH_CHECK(k >= 1 && k < 16, "expert_groups: 1..15 slots");
   for (size_t g = 0; g < w1s.size(); ++g)  // weights the products cannot read in place: the caller's modules run
     for (const at::Tensor* t : {&w1s[g], &w3s[g], &w2s[g]})
-      if (t->scalar_type() != at::kFloat || !t->device().is_cpu() || !t->is_contiguous()) return std::nullopt;
+      if (t->scalar_type() != at::kFloat || !t->device().is_cpu() || !t->is_contiguous() || t->is_neg())
+        return std::nullopt;
   const at::Tensor id = ids.contiguous(), w = weights.contiguous(), xs = x.contiguous();
   const int64_t* ip = id.const_data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> pairs(used);  // each used expert's (row, slot) pairs, in order

@@ -600,8 +600,8 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
 // entries int64 [Q, C]: score those entries (< 0: not scored) into out [Q, C]; entries empty ([0, 0]): score
 // entries 0..C-1 into out [Q, C]. Entries at or past limit[t] get -inf. offsets int64 [Q] (entries empty only;
 // empty: all 0): query t's entry c is entry offsets[t] + c of the keys (each query its own run of one shared
-// table: a batch's requests in one pool), still visible where c < limit[t]. Returns -1 or the first entry id (c)
-// holding a scale byte outside 1..252.
+// table: a batch's requests in one pool), still visible where c < limit[t]. Returns -1 or the first entry id (of
+// the keys: offsets[t] + c) holding a scale byte outside 1..252.
 int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor table, int64_t per_block,
                      at::Tensor limit, at::Tensor entries, at::Tensor offsets, at::Tensor out) {
   TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && table.is_contiguous() && limit.is_contiguous() &&
@@ -633,7 +633,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   const int64_t* ent = dense ? nullptr : entries.data_ptr<int64_t>();
   std::atomic<int64_t> bad{INT64_MAX};
 #ifdef __AVX512F__
-  // The integer path where every task scores one query (a decode step's call, named entries) and d >= 128: there
+  // The integer path where every task scores one query (a decode step's call: named entries, or each query its
+  // own run) and d >= 128: there
   // its expansion and integer dots beat the fp32 decode and dots (about 1.2x per call at d = 128 with 4 heads,
   // 64K entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and 64, the fp32 order is the
   // faster one (0.6-0.9x), so it keeps them.
@@ -694,7 +695,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       float* tp = reinterpret_cast<float*>(tile.data());
       const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip)
                                  : score_tile<0>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip);
-      if (r >= 0) note_row(bad, r);
+      if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
     }
 #ifdef __AVX512F__
     g_integer_groups += ip.scored;

@@ -84,7 +84,7 @@ def expert_groups(
     ``ids`` int64 [T, k] (``used``: the ids named, increasing, at most 16 pairs each; ``modules``: those experts,
     already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16; rows fitting `gemv.applies_all`,
     every used expert and ``shared`` dense, no autograd. Else None (also where an output is NaN, or where a
-    weight is not contiguous fp32 on the CPU: the kernel checks those)."""
+    weight is not contiguous fp32 on the CPU or is a lazily negated view: the kernel checks those)."""
     k = ids.shape[1]
     if torch.is_grad_enabled() or not 1 <= k < 16 or x.dim() != 2:
         return None

@@ -163,15 +163,18 @@ def index_scores_runs(
             read into the next run).
         width: C, the columns of the result (the most entries of any run).
     Raises:
-        ValueError: as `index_scores`; offsets not int64 [Q]; on the CPU, a run starting before entry 0 or
-            reaching past the keys' N.
+        ValueError: as `index_scores`; offsets not int64 [Q], or offsets or limit on another device than q;
+            width < 0; on the CPU, a run starting before entry 0 or reaching past the keys' N.
     """
     _check_inputs(q, w, limit, [keys])
     qn = q.shape[0]
-    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (qn,):
+    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (qn,) or offsets.device != q.device:
         raise ValueError(
-            f"runs of {qn} queries take offsets int64 [{qn}], got {offsets.dtype} {tuple(offsets.shape)}"
+            f"runs of {qn} queries take offsets int64 [{qn}] on {q.device}, got {offsets.dtype}"
+            f" {tuple(offsets.shape)} on {offsets.device}"
         )
+    if width < 0 or limit.device != q.device:
+        raise ValueError(f"runs take width >= 0 and limit on {q.device}, got {width} and {limit.device}")
     limit = limit.clamp(0, width)
     # the kernel reads the rows of entries offsets[t] .. offsets[t] + limit[t] - 1 (the torch path masks them
     # instead: no device sync there)
@@ -182,9 +185,14 @@ def index_scores_runs(
     out = _native(q, w, keys, limit, None, width, offsets=offsets)
     if out is not None:
         return out
-    cols = torch.arange(width, device=q.device)[None, :]
-    entries = torch.where(cols < limit[:, None], offsets[:, None] + cols, -1)
-    return index_scores_at(q, w, keys, entries, offsets + limit)
+    # the torch path: named entries, a column chunk at a time (index_scores_at splits only rows)
+    out = torch.empty(qn, width, device=q.device)
+    step = max(1, _TORCH_BUDGET // max(1, q.shape[1] * q.shape[2]))
+    for c0 in range(0, width, step):
+        cols = torch.arange(c0, min(width, c0 + step), device=q.device)[None, :]
+        entries = torch.where(cols < limit[:, None], offsets[:, None] + cols, -1)
+        out[:, c0 : c0 + step] = index_scores_at(q, w, keys, entries, offsets + limit)
+    return out
 
 
 def index_scores_each(
