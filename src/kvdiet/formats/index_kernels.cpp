@@ -275,7 +275,8 @@ constexpr int32_t kNoBlock = INT32_MIN;  // unit of a query block of zeros: it a
 
 struct IntQueries {
   int64_t heads = 0, words = 0, blocks = 0;  // words: d / 8 (8 values each), blocks: d / 32
-  std::vector<uint64_t> pattern;             // [t, h, w]: a[8w .. 8w+7] as int8 bytes, low byte first
+  std::vector<uint32_t> pattern;             // [t, h, 2w + p]: a[8w + p], a[8w + p + 2], .. a[8w + p + 6] as int8
+                                             // bytes, low byte first (p = 0: even values of word w, 1: odd)
   std::vector<int32_t> unit;                 // [t, h, b]: u_b, or kNoBlock
   std::vector<int32_t> offset;               // [t, h, b]: 12 sum a[i] (vpdpbusd reads c + 12, unsigned)
   std::vector<int32_t> spread;               // [t, h]: the largest Emax - Emin the bound allows
@@ -339,7 +340,10 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     int32_t spread = 0;
     while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
     iq.spread[th] = spread;
-    std::memcpy(iq.pattern.data() + th * iq.words, a, d);
+    uint32_t* pat = iq.pattern.data() + th * 2 * iq.words;
+    for (int64_t i = 0; i < d; ++i) {  // value i = 8w + 2j + p: byte j of pattern 2w + p
+      pat[i / 8 * 2 + i % 2] |= static_cast<uint32_t>(static_cast<uint8_t>(a[i])) << (8 * (i % 8 / 2));
+    }
   }
 }
 
@@ -347,7 +351,7 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
 inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d) {
   IntQueries iq;
   iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
-  iq.pattern.resize(nq * heads * iq.words);
+  iq.pattern.assign(nq * heads * 2 * iq.words, 0);
   iq.unit.resize(nq * heads * iq.blocks);
   iq.offset.resize(nq * heads * iq.blocks);
   iq.spread.resize(nq * heads);
@@ -359,16 +363,50 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   return iq;
 }
 
-// One 16-entry group's keys for the integer path: ex[2w] and ex[2w + 1] hold c + 12 of values 8w .. 8w+7 as
-// int_expand lays them out; unit[b] lane k: s_b - 128 of entry k.
+// One 16-entry group's keys for the integer path: byte j of ex[2w + p] lane k holds c + 12 of value 8w + 2j + p of
+// entry k (p = 0: the low nibbles of its dword w, 1: the high ones), the order of IntQueries' patterns, so one
+// vpdpbusd sums four products of one entry in its own lane; unit[b] lane k: s_b - 128 of entry k.
 struct IntGroup {
+  int64_t blocks = 0;  // d / 32
   std::vector<__m512i> ex;
   v16i unit[kMaxDim / 32];
 };
 
-// Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252.
+// One query's rows of IntQueries broadcast to every dword, the operands int_dots reads; built once per task's query,
+// not per group. A block of zeros (unit kNoBlock) has units that take no part in min / max: its sums are 0, so
+// any shift of them adds nothing.
+constexpr int32_t kFarUnit = 1 << 28;  // beyond every E_b: |s_b - 128| <= 127 and |u_b| <= 152
+struct IntPatterns {
+  int64_t query = -1;          // the query they hold, or -1
+  std::vector<__m512i> vec;    // [h, 2w + p]: the patterns (vpdpbusd's operands)
+  std::vector<__m512i> start;  // [h, b]: -offset (each block sum starts there)
+  std::vector<__m512i> below;  // [h, b]: u_b, or kFarUnit for a block of zeros (for the least E_b)
+  std::vector<__m512i> above;  // [h, b]: u_b, or -kFarUnit for a block of zeros (for the largest E_b)
+};
+
+// Query t's rows of iq into p (nothing to do where p holds them already).
+__attribute__((target("avx512f"))) inline void broadcast_patterns(const IntQueries& iq, int64_t t, IntPatterns& p) {
+  if (p.query == t) return;
+  const int64_t n = iq.heads * 2 * iq.words, nb = iq.heads * iq.blocks;
+  const uint32_t* pat = iq.pattern.data() + t * n;
+  p.vec.resize(n);
+  for (int64_t i = 0; i < n; ++i) p.vec[i] = _mm512_set1_epi32(static_cast<int32_t>(pat[i]));
+  p.start.resize(nb), p.below.resize(nb), p.above.resize(nb);
+  for (int64_t i = 0; i < nb; ++i) {
+    const int32_t u = iq.unit[t * nb + i];
+    p.start[i] = _mm512_set1_epi32(-iq.offset[t * nb + i]);
+    p.below[i] = _mm512_set1_epi32(u == kNoBlock ? kFarUnit : u);
+    p.above[i] = _mm512_set1_epi32(u == kNoBlock ? -kFarUnit : u);
+  }
+  p.query = t;
+}
+
+// Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252. D: the head dim
+// when known at compile time (0: d).
+template <int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expand(const uint8_t* const* rows,
                                                                                  int64_t d, IntGroup& g) {
+  if constexpr (D > 0) d = D;
   const int64_t words = d / 8, nb = d / 32;
   uint32_t bad = 0;
   for (int64_t b4 = 0; b4 < nb; b4 += 4) {
@@ -391,11 +429,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expan
     load_transposed(rows, w0, cnt, r);  // r[c] lane k: dword w0 + c of entry k (codes of values 8(w0 + c) .. +7)
     for (int64_t c = 0; c < cnt; ++c) {
       const __m512i x = reinterpret_cast<__m512i>(r[c]);
-      const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibble);
-      // per 128-bit lane L: unpacklo holds entries 4L, 4L+1, unpackhi 4L+2, 4L+3, each as two dwords (values
-      // 0..3, then 4..7 of the eight)
-      g.ex[2 * (w0 + c)] = _mm512_shuffle_epi8(lut, _mm512_unpacklo_epi8(lo, hi));
-      g.ex[2 * (w0 + c) + 1] = _mm512_shuffle_epi8(lut, _mm512_unpackhi_epi8(lo, hi));
+      g.ex[2 * (w0 + c)] = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, nibble));
+      g.ex[2 * (w0 + c) + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi32(x, 4), nibble));
     }
   }
   return bad;
@@ -413,53 +448,63 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
   return -0.0f;
 }
 
+constexpr int64_t kBlocksAtOnce = 4;  // 32-value blocks whose sums int_dots keeps in registers together
+
+// acc[i][h] lane k: I_b of entry k, block b = b0 + i (i < NB), head h of pv and start (head h's pattern vectors
+// 2 words apart, its starts nb apart): the sum of (c + 12) a over the block from -offset on. The NB x HG sums are
+// independent vpdpbusd chains, interleaved so that they overlap.
+template <int HG, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void block_sums(const IntGroup& g, const __m512i* pv,
+                                                                             const __m512i* start, int64_t words,
+                                                                             int64_t nb, int64_t b0,
+                                                                             __m512i (*acc)[HG]) {
+  for (int i = 0; i < NB; ++i) {
+    for (int h = 0; h < HG; ++h) acc[i][h] = start[h * nb + b0 + i];
+  }
+#pragma GCC unroll 8
+  for (int x = 0; x < 8; ++x) {  // ex[8b + x]: values 32b .. 32b + 31 over x = 0..7
+#pragma GCC unroll 4
+    for (int i = 0; i < NB; ++i) {
+      const int64_t at = 8 * (b0 + i) + x;
+      const __m512i k = g.ex[at];
+#pragma GCC unroll 4
+      for (int h = 0; h < HG; ++h) {
+        acc[i][h] = _mm512_dpbusd_epi32(acc[i][h], k, pv[h * 2 * words + at]);
+      }
+    }
+  }
+}
+
 // Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq) with the group's entries into dot[h], and
 // emin[h] / emax[h]: the least and largest E_b over the head's nonzero blocks. The block dots are summed as
 // integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled once.
-// The heads' products are independent chains, so they overlap.
-template <int HG>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(const IntQueries& iq, int64_t th0,
+// The heads' products are independent chains, so they overlap. D: the head dim when known at compile time (0: from
+// iq).
+template <int HG, int64_t D>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(const IntPatterns& p, int64_t h0,
                                                                            const IntGroup& g, v16* dot, v16i* emin,
                                                                            v16i* emax) {
-  // lane i of the pair sums: entry i = 4L + j; j < 2 in unpacklo's dwords 4L + 2j, 4L + 2j + 1, else unpackhi's
-  alignas(64) static const int32_t kEven[16] = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
-  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const int64_t nb = iq.blocks, words = iq.words;
-  const uint64_t* pat = iq.pattern.data() + th0 * words;
-  const int32_t* unit = iq.unit.data() + th0 * nb;
+  const int64_t nb = D > 0 ? D / 32 : g.blocks, words = nb * 4;
+  const __m512i* pv = p.vec.data() + h0 * 2 * words;
+  const __m512i *start = p.start.data() + h0 * nb, *below = p.below.data() + h0 * nb;
+  const __m512i* above = p.above.data() + h0 * nb;
+  __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k (registers at d = 128)
+  for (int64_t b = 0; b < nb; ++b) block_sums<HG, 1>(g, pv, start, words, nb, b, acc + b);
   __m512i total[HG];
   v16i least[HG];  // locals, not emin / emax: those may alias what the loops read
-  for (int h = 0; h < HG; ++h) {
-    v16i lo = v16i{} + INT32_MAX, hi = v16i{} + INT32_MIN;
-    for (int64_t b = 0; b < nb; ++b) {
-      if (unit[h * nb + b] == kNoBlock) continue;
-      const v16i e = g.unit[b] + unit[h * nb + b];
+  for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
+    v16i lo = g.unit[0] + reinterpret_cast<v16i>(below[h * nb]), hi = g.unit[0] + reinterpret_cast<v16i>(above[h * nb]);
+    for (int64_t b = 1; b < nb; ++b) {
+      const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
+      const v16i f = g.unit[b] + reinterpret_cast<v16i>(above[h * nb + b]);
       lo = e < lo ? e : lo;
-      hi = e > hi ? e : hi;
+      hi = f > hi ? f : hi;
     }
     least[h] = lo, emin[h] = lo, emax[h] = hi;
     total[h] = _mm512_setzero_si512();
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i lo[HG], hi[HG];
-    for (int h = 0; h < HG; ++h) lo[h] = hi[h] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int64_t w = 4 * b; w < 4 * b + 4; ++w) {
-      const __m512i x0 = g.ex[2 * w], x1 = g.ex[2 * w + 1];
-      for (int h = 0; h < HG; ++h) {
-        const __m512i qv = _mm512_set1_epi64(static_cast<long long>(pat[h * words + w]));
-        lo[h] = _mm512_dpbusd_epi32(lo[h], x0, qv);
-        hi[h] = _mm512_dpbusd_epi32(hi[h], x1, qv);
-      }
-    }
-    for (int h = 0; h < HG; ++h) {
-      const int32_t qu = unit[h * nb + b];
-      if (qu == kNoBlock) continue;
-      const __m512i pairs = _mm512_add_epi32(_mm512_permutex2var_epi32(lo[h], even, hi[h]),
-                                             _mm512_permutex2var_epi32(lo[h], odd, hi[h]));
-      const __m512i sum = _mm512_sub_epi32(pairs, _mm512_set1_epi32(iq.offset[(th0 + h) * nb + b]));  // I_b
-      const __m512i shift = reinterpret_cast<__m512i>(g.unit[b] + qu - least[h]);
-      total[h] = _mm512_add_epi32(total[h], _mm512_sllv_epi32(sum, shift));
+    for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
+      const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
+      total[h] = _mm512_add_epi32(total[h], _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
     }
   }
   for (int h = 0; h < HG; ++h) {  // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
@@ -468,23 +513,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(cons
   }
 }
 
-// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]: entry k's row) into s
-// (lanes where visible), or false where the check above fails for a visible entry (nothing written then).
+// Scores of query t (q: its fp32 values [H, d], p: its rows of iq broadcast) against the group's 16 entries (rows[k]:
+// entry k's row) into s (lanes where visible), or false where the check above fails for a visible entry (nothing
+// written then). D: the head dim when known at compile time (0: from iq).
+template <int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
-                                                                            const IntGroup& g, const float* q,
+                                                                            const IntPatterns& p, const IntGroup& g,
+                                                                            const float* q,
                                                                             const uint8_t* const* rows,
                                                                             const float* wt, const v16i& visible,
                                                                             v16& s) {
-  const int64_t heads = iq.heads, d = iq.words * 8;
+  const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
   v16 total{}, dot[kHeadsAtOnce];
   v16i emin[kHeadsAtOnce], emax[kHeadsAtOnce];
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
     switch (hg) {
-      case 4: int_dots<4>(iq, th0, g, dot, emin, emax); break;
-      case 3: int_dots<3>(iq, th0, g, dot, emin, emax); break;
-      case 2: int_dots<2>(iq, th0, g, dot, emin, emax); break;
-      default: int_dots<1>(iq, th0, g, dot, emin, emax); break;
+      case 4: int_dots<4, D>(p, h0, g, dot, emin, emax); break;
+      case 3: int_dots<3, D>(p, h0, g, dot, emin, emax); break;
+      case 2: int_dots<2, D>(p, h0, g, dot, emin, emax); break;
+      default: int_dots<1, D>(p, h0, g, dot, emin, emax); break;
     }
     for (int64_t h = 0; h < hg; ++h) {
       const v16i pass = (emax[h] - emin[h] <= iq.spread[th0 + h]) & (emin[h] >= -126) & (emin[h] <= 104);
@@ -527,6 +575,7 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 struct IntPath {               // the integer path of one parallel task
   const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
   IntGroup* group;
+  IntPatterns* patterns;       // the task's query's patterns, broadcast
   int64_t scored = 0;          // (query, group) pairs it scored
 };
 
@@ -554,7 +603,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
     bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
 #ifdef __AVX512F__
     if (ip.queries != nullptr && present != 0) {
-      integer = (int_expand(rows + g * kGroup, d, *ip.group) & present) == 0;
+      integer = (int_expand<D>(rows + g * kGroup, d, *ip.group) & present) == 0;
     }
 #endif
     if (present != 0 && !integer) {
@@ -574,7 +623,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
 #ifdef __AVX512F__
         const float* qt = a.q + t * a.heads * d;
         if (integer &&
-            int_score(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
+            int_score<D>(*ip.queries, t, *ip.patterns, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
           ++ip.scored;
           store_scores(o, s, cnt);
           continue;
@@ -639,9 +688,10 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     std::vector<v16> tile(d);  // 16 entries x d values
 #ifdef __AVX512F__
     IntGroup group;
-    IntPath ip{nullptr, &group};
+    IntPatterns patterns;
+    IntPath ip{nullptr, &group, &patterns};
     const bool integer = !iq.ok.empty() && ieee_subnormals();
-    if (integer) group.ex.resize(d / 4);
+    if (integer) group.ex.resize(d / 4), group.blocks = d / 32;
 #else
     IntPath ip;
 #endif
@@ -655,6 +705,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
 #ifdef __AVX512F__
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
+      if (ip.queries != nullptr) broadcast_patterns(iq, t0, patterns);
 #endif
       if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
         int64_t reach = 0;
