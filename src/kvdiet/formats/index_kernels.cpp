@@ -475,23 +475,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void block_sums(co
   }
 }
 
-// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq) with the group's entries into dot[h], and
-// emin[h] / emax[h]: the least and largest E_b over the head's nonzero blocks. The block dots are summed as
-// integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled once.
-// The heads' products are independent chains, so they overlap. D: the head dim when known at compile time (0: from
-// iq).
+// Exact dots of heads h0 .. h0 + HG - 1 (p: the query's rows of iq broadcast, spread: iq's spread of head h0 on)
+// with the group's entries into dot[h]; returns the mask of entries that pass the check for every one of these
+// heads: emax - emin <= spread and -126 <= emin <= 104, emin / emax the least and largest E_b over the head's
+// nonzero blocks. The block dots are summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24
+// where the check passes), then scaled once. D: the head dim when known at compile time (0: from g).
 template <int HG, int64_t D>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(const IntPatterns& p, int64_t h0,
-                                                                           const IntGroup& g, v16* dot, v16i* emin,
-                                                                           v16i* emax) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntPatterns& p, int64_t h0,
+                                                                               const int32_t* spread,
+                                                                               const IntGroup& g, v16* dot) {
   const int64_t nb = D > 0 ? D / 32 : g.blocks, words = nb * 4;
   const __m512i* pv = p.vec.data() + h0 * 2 * words;
   const __m512i *start = p.start.data() + h0 * nb, *below = p.below.data() + h0 * nb;
   const __m512i* above = p.above.data() + h0 * nb;
   __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k (registers at d = 128)
   for (int64_t b = 0; b < nb; ++b) block_sums<HG, 1>(g, pv, start, words, nb, b, acc + b);
-  __m512i total[HG];
-  v16i least[HG];  // locals, not emin / emax: those may alias what the loops read
+  __mmask16 pass = 0xFFFF;
   for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
     v16i lo = g.unit[0] + reinterpret_cast<v16i>(below[h * nb]), hi = g.unit[0] + reinterpret_cast<v16i>(above[h * nb]);
     for (int64_t b = 1; b < nb; ++b) {
@@ -500,17 +499,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(cons
       lo = e < lo ? e : lo;
       hi = f > hi ? f : hi;
     }
-    least[h] = lo, emin[h] = lo, emax[h] = hi;
-    total[h] = _mm512_setzero_si512();
+    const __m512i least = reinterpret_cast<__m512i>(lo);
+    pass = _mm512_mask_cmple_epi32_mask(pass, reinterpret_cast<__m512i>(hi - lo), _mm512_set1_epi32(spread[h]));
+    pass = _mm512_mask_cmpge_epi32_mask(pass, least, _mm512_set1_epi32(-126));
+    pass = _mm512_mask_cmple_epi32_mask(pass, least, _mm512_set1_epi32(104));
+    __m512i total = _mm512_setzero_si512();
     for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
       const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
-      total[h] = _mm512_add_epi32(total[h], _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
+      total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
     }
+    // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
+    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(lo + 127) << 23);
+    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total), v16) * unit_value;
   }
-  for (int h = 0; h < HG; ++h) {  // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
-    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(least[h] + 127) << 23);
-    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total[h]), v16) * unit_value;
-  }
+  return pass;
 }
 
 // Scores of query t (q: its fp32 values [H, d], p: its rows of iq broadcast) against the group's 16 entries (rows[k]:
@@ -525,18 +527,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
                                                                             v16& s) {
   const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
   v16 total{}, dot[kHeadsAtOnce];
-  v16i emin[kHeadsAtOnce], emax[kHeadsAtOnce];
+  const uint32_t seen = mask_of(visible);
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
-    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
+    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0);
+    const int32_t* spread = iq.spread.data() + t * heads + h0;
+    uint32_t pass = 0;
     switch (hg) {
-      case 4: int_dots<4, D>(p, h0, g, dot, emin, emax); break;
-      case 3: int_dots<3, D>(p, h0, g, dot, emin, emax); break;
-      case 2: int_dots<2, D>(p, h0, g, dot, emin, emax); break;
-      default: int_dots<1, D>(p, h0, g, dot, emin, emax); break;
+      case 4: pass = int_dots<4, D>(p, h0, spread, g, dot); break;
+      case 3: pass = int_dots<3, D>(p, h0, spread, g, dot); break;
+      case 2: pass = int_dots<2, D>(p, h0, spread, g, dot); break;
+      default: pass = int_dots<1, D>(p, h0, spread, g, dot); break;
     }
+    if ((seen & ~pass) != 0) return false;
     for (int64_t h = 0; h < hg; ++h) {
-      const v16i pass = (emax[h] - emin[h] <= iq.spread[th0 + h]) & (emin[h] >= -126) & (emin[h] <= 104);
-      if (mask_of(visible & ~pass) != 0) return false;
       for (uint32_t zero = mask_of(visible & (dot[h] == 0.0f)); zero != 0; zero &= zero - 1) {
         const int k = __builtin_ctz(zero);
         dot[h][k] = zero_dot(q + (h0 + h) * d, rows[k], d);
@@ -569,6 +572,17 @@ inline void store_scores(float* o, const v16& s, int64_t cnt) {
 // The row of entry j
 inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
   return a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
+}
+
+// f(e, first, run) for each run of entries c + e .. c + e + run - 1 (e from 0 up to n) whose rows lie one after
+// another in a block, from row first on: the rows of entries c .. c + n - 1, found with no division per entry.
+template <typename F>
+inline void row_runs(const ScoreArgs& a, int64_t c, int64_t n, F&& f) {
+  for (int64_t e = 0, block = c / a.per_block, offset = c % a.per_block; e < n; ++block, offset = 0) {
+    const int64_t run = std::min(n - e, a.per_block - offset);
+    f(e, a.keys + (a.table[block] * a.per_block + offset) * a.row_bytes, run);
+    e += run;
+  }
 }
 
 #ifdef __AVX512F__
@@ -707,17 +721,20 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
       if (ip.queries != nullptr) broadcast_patterns(iq, t0, patterns);
 #endif
-      if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
+      if (dense) {  // entries c0 .. c0 + n - 1
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
         const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
-        int64_t block = c0 / per_block, offset = c0 % per_block;
-        for (int64_t e = 0; e < seen; ++e) {
-          ids[e] = c0 + e;
-          rows[e] = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
-          if (++offset == per_block) offset = 0, ++block;
-        }
+        row_runs(a, c0, seen, [&](int64_t e, const uint8_t* first, int64_t run) {
+          for (int64_t i = 0; i < run; ++i) ids[e + i] = c0 + e + i, rows[e + i] = first + i * a.row_bytes;
+        });
         for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
+        // the next tile's rows, read while this one is scored (its entries past reach are never read)
+        const int64_t next = std::clamp<int64_t>(reach - c0 - n, 0, std::min(kTile, width - c0 - n));
+        row_runs(a, c0 + n, next, [&](int64_t, const uint8_t* first, int64_t run) {
+          for (int64_t at = 0; at < run * a.row_bytes; at += 64) __builtin_prefetch(first + at);
+          __builtin_prefetch(first + run * a.row_bytes - 1);
+        });
       } else {
         for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
           const int64_t j = ent[t0 * width + c0 + e];
