@@ -448,33 +448,6 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
   return -0.0f;
 }
 
-constexpr int64_t kBlocksAtOnce = 4;  // 32-value blocks whose sums int_dots keeps in registers together
-
-// acc[i][h] lane k: I_b of entry k, block b = b0 + i (i < NB), head h of pv and start (head h's pattern vectors
-// 2 words apart, its starts nb apart): the sum of (c + 12) a over the block from -offset on. The NB x HG sums are
-// independent vpdpbusd chains, interleaved so that they overlap.
-template <int HG, int NB>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void block_sums(const IntGroup& g, const __m512i* pv,
-                                                                             const __m512i* start, int64_t words,
-                                                                             int64_t nb, int64_t b0,
-                                                                             __m512i (*acc)[HG]) {
-  for (int i = 0; i < NB; ++i) {
-    for (int h = 0; h < HG; ++h) acc[i][h] = start[h * nb + b0 + i];
-  }
-#pragma GCC unroll 8
-  for (int x = 0; x < 8; ++x) {  // ex[8b + x]: values 32b .. 32b + 31 over x = 0..7
-#pragma GCC unroll 4
-    for (int i = 0; i < NB; ++i) {
-      const int64_t at = 8 * (b0 + i) + x;
-      const __m512i k = g.ex[at];
-#pragma GCC unroll 4
-      for (int h = 0; h < HG; ++h) {
-        acc[i][h] = _mm512_dpbusd_epi32(acc[i][h], k, pv[h * 2 * words + at]);
-      }
-    }
-  }
-}
-
 // Exact dots of heads h0 .. h0 + HG - 1 (p: the query's rows of iq broadcast, spread: iq's spread of head h0 on)
 // with the group's entries into dot[h]; returns the mask of entries that pass the check for every one of these
 // heads: emax - emin <= spread and -126 <= emin <= 104, emin / emax the least and largest E_b over the head's
@@ -488,11 +461,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
   const __m512i* pv = p.vec.data() + h0 * 2 * words;
   const __m512i *start = p.start.data() + h0 * nb, *below = p.below.data() + h0 * nb;
   const __m512i* above = p.above.data() + h0 * nb;
-  __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k (registers at d = 128)
-  for (int64_t b = 0; b < nb; ++b) block_sums<HG, 1>(g, pv, start, words, nb, b, acc + b);
+  __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
+  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b: independent vpdpbusd chains, from -offset
+    for (int h = 0; h < HG; ++h) acc[b][h] = start[h * nb + b];
+#pragma GCC unroll 8
+    for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
+      const __m512i k = g.ex[8 * b + x];
+      for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_dpbusd_epi32(acc[b][h], k, pv[h * 2 * words + 8 * b + x]);
+    }
+  }
   __mmask16 pass = 0xFFFF;
   for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
-    v16i lo = g.unit[0] + reinterpret_cast<v16i>(below[h * nb]), hi = g.unit[0] + reinterpret_cast<v16i>(above[h * nb]);
+    v16i lo = g.unit[0] + reinterpret_cast<v16i>(below[h * nb]);
+    v16i hi = g.unit[0] + reinterpret_cast<v16i>(above[h * nb]);
     for (int64_t b = 1; b < nb; ++b) {
       const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
       const v16i f = g.unit[b] + reinterpret_cast<v16i>(above[h * nb + b]);
