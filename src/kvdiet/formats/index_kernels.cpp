@@ -462,13 +462,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
   const __m512i *start = p.start.data() + h0 * nb, *below = p.below.data() + h0 * nb;
   const __m512i* above = p.above.data() + h0 * nb;
   __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
-  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b: independent vpdpbusd chains, from -offset
-    for (int h = 0; h < HG; ++h) acc[b][h] = start[h * nb + b];
+  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from -offset, each in two vpdpbusd chains
+    __m512i part[2][HG];                // (x even, x odd), independent: 2 HG chains of 4 overlap
+    for (int h = 0; h < HG; ++h) part[0][h] = start[h * nb + b], part[1][h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
       const __m512i k = g.ex[8 * b + x];
-      for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_dpbusd_epi32(acc[b][h], k, pv[h * 2 * words + 8 * b + x]);
+      for (int h = 0; h < HG; ++h) {
+        part[x % 2][h] = _mm512_dpbusd_epi32(part[x % 2][h], k, pv[h * 2 * words + 8 * b + x]);
+      }
     }
+    for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_add_epi32(part[0][h], part[1][h]);
   }
   __mmask16 pass = 0xFFFF;
   for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
@@ -671,9 +675,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   std::atomic<int64_t> bad{INT64_MAX};
 #ifdef __AVX512F__
   // The integer path where every task scores one query (a decode step's call, named entries) and d >= 128: there
-  // its expansion and integer dots beat the fp32 decode and dots (about 1.2x per call at d = 128 with 4 heads,
-  // 64K entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and 64, the fp32 order is the
-  // faster one (0.6-0.9x), so it keeps them.
+  // its expansion and integer dots beat the fp32 decode and dots (about 2x per call at d = 128 with 4 heads, 64K
+  // entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and 64, the fp32 order was the
+  // faster one (0.6-0.9x, measured before the integer path's one-lane-per-entry layout), so it keeps them.
   IntQueries iq;
   if (packed && d >= 128 && (qblock == 1 || nq == 1) && integer_path_available()) {
     iq = int_queries(a.q, nq, a.heads, d);
