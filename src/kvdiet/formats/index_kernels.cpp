@@ -621,8 +621,8 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
       if (seen != 0) {
 #ifdef __AVX512F__
         const float* qt = a.q + t * a.heads * d;
-        if (integer &&
-            int_score<D>(*ip.queries, t, *ip.patterns, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
+        if (integer && int_score<D>(*ip.queries, t, *ip.patterns, *ip.group, qt, rows + g * kGroup,
+                                    a.w + t * a.heads, visible, s)) {
           ++ip.scored;
           store_scores(o, s, cnt);
           continue;
