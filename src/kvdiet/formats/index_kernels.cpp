@@ -559,17 +559,6 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
   return a.keys + (a.table[j / a.per_block] * a.per_block + j % a.per_block) * a.row_bytes;
 }
 
-// f(e, first, run) for each run of entries c + e .. c + e + run - 1 (e from 0 up to n) whose rows lie one after
-// another in a block, from row first on: the rows of entries c .. c + n - 1, found with no division per entry.
-template <typename F>
-inline void row_runs(const ScoreArgs& a, int64_t c, int64_t n, F&& f) {
-  for (int64_t e = 0, block = c / a.per_block, offset = c % a.per_block; e < n; ++block, offset = 0) {
-    const int64_t run = std::min(n - e, a.per_block - offset);
-    f(e, a.keys + (a.table[block] * a.per_block + offset) * a.row_bytes, run);
-    e += run;
-  }
-}
-
 #ifdef __AVX512F__
 struct IntPath {               // the integer path of one parallel task
   const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
@@ -706,20 +695,16 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
       if (ip.queries != nullptr) broadcast_patterns(iq, t0, patterns);
 #endif
-      if (dense) {  // entries c0 .. c0 + n - 1
+      if (dense) {  // entries c0 .. c0 + n - 1: rows found per run of consecutive rows, no division per entry
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
         const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
-        row_runs(a, c0, seen, [&](int64_t e, const uint8_t* first, int64_t run) {
-          for (int64_t i = 0; i < run; ++i) ids[e + i] = c0 + e + i, rows[e + i] = first + i * a.row_bytes;
-        });
+        for (int64_t e = 0, block = c0 / per_block, offset = c0 % per_block; e < seen; ++block, offset = 0) {
+          const uint8_t* first = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+          const int64_t run = std::min(seen - e, per_block - offset);  // rows one after another in the block
+          for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a.row_bytes;
+        }
         for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
-        // the next tile's rows, read while this one is scored (its entries past reach are never read)
-        const int64_t next = std::clamp<int64_t>(reach - c0 - n, 0, std::min(kTile, width - c0 - n));
-        row_runs(a, c0 + n, next, [&](int64_t, const uint8_t* first, int64_t run) {
-          for (int64_t at = 0; at < run * a.row_bytes; at += 64) __builtin_prefetch(first + at);
-          __builtin_prefetch(first + run * a.row_bytes - 1);
-        });
       } else {
         for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
           const int64_t j = ent[t0 * width + c0 + e];
