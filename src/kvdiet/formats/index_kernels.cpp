@@ -272,13 +272,17 @@ inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, c
 // are the same vector operations as score_group's.
 #ifdef __AVX512F__
 constexpr int32_t kNoBlock = INT32_MIN;  // unit of a query block of zeros: it adds nothing and bounds nothing
+// A block of zeros' unit where the least E_b is taken, negated where the largest is: past every E_b (|s_b - 128|
+// <= 127, |u_b| <= 152), so neither sees it; its sum, 0, shifted by any count adds nothing.
+constexpr int32_t kFarUnit = 1 << 28;
 
 struct IntQueries {
   int64_t heads = 0, words = 0, blocks = 0;  // words: d / 8 (8 values each), blocks: d / 32
   std::vector<uint32_t> pattern;             // [t, h, 2w + p]: a[8w + p], a[8w + p + 2], .. a[8w + p + 6] as int8
                                              // bytes, low byte first (p = 0: even values of word w, 1: odd)
-  std::vector<int32_t> unit;                 // [t, h, b]: u_b, or kNoBlock
-  std::vector<int32_t> offset;               // [t, h, b]: 12 sum a[i] (vpdpbusd reads c + 12, unsigned)
+  std::vector<int32_t> start;                // [t, h, b]: -12 sum a[i] (vpdpbusd reads c + 12, unsigned)
+  std::vector<int32_t> below;                // [t, h, b]: u_b, or kFarUnit for a block of zeros
+  std::vector<int32_t> above;                // [t, h, b]: u_b, or -kFarUnit for a block of zeros
   std::vector<int32_t> spread;               // [t, h]: the largest Emax - Emin the bound allows
   std::vector<uint8_t> ok;                   // [t]: every head MXFP4 with a nonzero block
 };
@@ -325,12 +329,14 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     const int64_t th = t * heads + h;
     int64_t bound = 0;
     for (int64_t b = 0; b < iq.blocks; ++b) {
-      int32_t sum = 0, abs_sum = 0;
-      if (!int_block(q + th * d + 32 * b, a + 32 * b, iq.unit[th * iq.blocks + b], sum, abs_sum)) {
+      int32_t unit = 0, sum = 0, abs_sum = 0;
+      if (!int_block(q + th * d + 32 * b, a + 32 * b, unit, sum, abs_sum)) {
         iq.ok[t] = 0;
         return;
       }
-      iq.offset[th * iq.blocks + b] = 12 * sum;
+      iq.start[th * iq.blocks + b] = -12 * sum;
+      iq.below[th * iq.blocks + b] = unit == kNoBlock ? kFarUnit : unit;
+      iq.above[th * iq.blocks + b] = unit == kNoBlock ? -kFarUnit : unit;
       bound += 12 * abs_sum;
     }
     if (bound == 0) {
@@ -352,8 +358,9 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   IntQueries iq;
   iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
   iq.pattern.assign(nq * heads * 2 * iq.words, 0);
-  iq.unit.resize(nq * heads * iq.blocks);
-  iq.offset.resize(nq * heads * iq.blocks);
+  iq.start.resize(nq * heads * iq.blocks);
+  iq.below.resize(nq * heads * iq.blocks);
+  iq.above.resize(nq * heads * iq.blocks);
   iq.spread.resize(nq * heads);
   iq.ok.assign(nq, 1);
   at::parallel_for(0, nq, 16, [&](int64_t t0, int64_t t1) {
@@ -367,39 +374,9 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
 // entry k (p = 0: the low nibbles of its dword w, 1: the high ones), the order of IntQueries' patterns, so one
 // vpdpbusd sums four products of one entry in its own lane; unit[b] lane k: s_b - 128 of entry k.
 struct IntGroup {
-  int64_t blocks = 0;  // d / 32
   std::vector<__m512i> ex;
   v16i unit[kMaxDim / 32];
 };
-
-// One query's rows of IntQueries broadcast to every dword, the operands int_dots reads; built once per task's query,
-// not per group. A block of zeros (unit kNoBlock) has units that take no part in min / max: its sums are 0, so
-// any shift of them adds nothing.
-constexpr int32_t kFarUnit = 1 << 28;  // beyond every E_b: |s_b - 128| <= 127 and |u_b| <= 152
-struct IntPatterns {
-  int64_t query = -1;          // the query they hold, or -1
-  std::vector<__m512i> vec;    // [h, 2w + p]: the patterns (vpdpbusd's operands)
-  std::vector<__m512i> start;  // [h, b]: -offset (each block sum starts there)
-  std::vector<__m512i> below;  // [h, b]: u_b, or kFarUnit for a block of zeros (for the least E_b)
-  std::vector<__m512i> above;  // [h, b]: u_b, or -kFarUnit for a block of zeros (for the largest E_b)
-};
-
-// Query t's rows of iq into p (nothing to do where p holds them already).
-__attribute__((target("avx512f"))) inline void broadcast_patterns(const IntQueries& iq, int64_t t, IntPatterns& p) {
-  if (p.query == t) return;
-  const int64_t n = iq.heads * 2 * iq.words, nb = iq.heads * iq.blocks;
-  const uint32_t* pat = iq.pattern.data() + t * n;
-  p.vec.resize(n);
-  for (int64_t i = 0; i < n; ++i) p.vec[i] = _mm512_set1_epi32(static_cast<int32_t>(pat[i]));
-  p.start.resize(nb), p.below.resize(nb), p.above.resize(nb);
-  for (int64_t i = 0; i < nb; ++i) {
-    const int32_t u = iq.unit[t * nb + i];
-    p.start[i] = _mm512_set1_epi32(-iq.offset[t * nb + i]);
-    p.below[i] = _mm512_set1_epi32(u == kNoBlock ? kFarUnit : u);
-    p.above[i] = _mm512_set1_epi32(u == kNoBlock ? -kFarUnit : u);
-  }
-  p.query = t;
-}
 
 // Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252. D: the head dim
 // when known at compile time (0: d).
@@ -448,39 +425,37 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
   return -0.0f;
 }
 
-// Exact dots of heads h0 .. h0 + HG - 1 (p: the query's rows of iq broadcast, spread: iq's spread of head h0 on)
-// with the group's entries into dot[h]; returns the mask of entries that pass the check for every one of these
+// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the group's entries into
+// dot[h]; returns the mask of entries that pass the check for every one of these
 // heads: emax - emin <= spread and -126 <= emin <= 104, emin / emax the least and largest E_b over the head's
 // nonzero blocks. The block dots are summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24
 // where the check passes), then scaled once. D: the head dim when known at compile time (0: from g).
 template <int HG, int64_t D>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntPatterns& p, int64_t h0,
-                                                                               const int32_t* spread,
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntQueries& iq, int64_t th0,
                                                                                const IntGroup& g, v16* dot) {
-  const int64_t nb = D > 0 ? D / 32 : g.blocks, words = nb * 4;
-  const __m512i* pv = p.vec.data() + h0 * 2 * words;
-  const __m512i *start = p.start.data() + h0 * nb, *below = p.below.data() + h0 * nb;
-  const __m512i* above = p.above.data() + h0 * nb;
+  const int64_t nb = D > 0 ? D / 32 : iq.blocks, words = nb * 4;
+  const uint32_t* pat = iq.pattern.data() + th0 * 2 * words;
+  const int32_t *start = iq.start.data() + th0 * nb, *below = iq.below.data() + th0 * nb;
+  const int32_t *above = iq.above.data() + th0 * nb, *spread = iq.spread.data() + th0;
   __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
   for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from -offset, each in two vpdpbusd chains
     __m512i part[2][HG];                // (x even, x odd), independent: 2 HG chains of 4 overlap
-    for (int h = 0; h < HG; ++h) part[0][h] = start[h * nb + b], part[1][h] = _mm512_setzero_si512();
+    for (int h = 0; h < HG; ++h) part[0][h] = _mm512_set1_epi32(start[h * nb + b]), part[1][h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
       const __m512i k = g.ex[8 * b + x];
       for (int h = 0; h < HG; ++h) {
-        part[x % 2][h] = _mm512_dpbusd_epi32(part[x % 2][h], k, pv[h * 2 * words + 8 * b + x]);
+        const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(pat[h * 2 * words + 8 * b + x]));
+        part[x % 2][h] = _mm512_dpbusd_epi32(part[x % 2][h], k, qv);
       }
     }
     for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_add_epi32(part[0][h], part[1][h]);
   }
   __mmask16 pass = 0xFFFF;
   for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
-    v16i lo = g.unit[0] + reinterpret_cast<v16i>(below[h * nb]);
-    v16i hi = g.unit[0] + reinterpret_cast<v16i>(above[h * nb]);
+    v16i lo = g.unit[0] + below[h * nb], hi = g.unit[0] + above[h * nb];
     for (int64_t b = 1; b < nb; ++b) {
-      const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
-      const v16i f = g.unit[b] + reinterpret_cast<v16i>(above[h * nb + b]);
+      const v16i e = g.unit[b] + below[h * nb + b], f = g.unit[b] + above[h * nb + b];
       lo = e < lo ? e : lo;
       hi = f > hi ? f : hi;
     }
@@ -490,7 +465,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
     pass = _mm512_mask_cmple_epi32_mask(pass, least, _mm512_set1_epi32(104));
     __m512i total = _mm512_setzero_si512();
     for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
-      const v16i e = g.unit[b] + reinterpret_cast<v16i>(below[h * nb + b]);
+      const v16i e = g.unit[b] + below[h * nb + b];
       total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
     }
     // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
@@ -500,13 +475,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
   return pass;
 }
 
-// Scores of query t (q: its fp32 values [H, d], p: its rows of iq broadcast) against the group's 16 entries (rows[k]:
+// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]:
 // entry k's row) into s (lanes where visible), or false where the check above fails for a visible entry (nothing
 // written then). D: the head dim when known at compile time (0: from iq).
 template <int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
-                                                                            const IntPatterns& p, const IntGroup& g,
-                                                                            const float* q,
+                                                                            const IntGroup& g, const float* q,
                                                                             const uint8_t* const* rows,
                                                                             const float* wt, const v16i& visible,
                                                                             v16& s) {
@@ -514,14 +488,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
   v16 total{}, dot[kHeadsAtOnce];
   const uint32_t seen = mask_of(visible);
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
-    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0);
-    const int32_t* spread = iq.spread.data() + t * heads + h0;
+    const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
     uint32_t pass = 0;
     switch (hg) {
-      case 4: pass = int_dots<4, D>(p, h0, spread, g, dot); break;
-      case 3: pass = int_dots<3, D>(p, h0, spread, g, dot); break;
-      case 2: pass = int_dots<2, D>(p, h0, spread, g, dot); break;
-      default: pass = int_dots<1, D>(p, h0, spread, g, dot); break;
+      case 4: pass = int_dots<4, D>(iq, th0, g, dot); break;
+      case 3: pass = int_dots<3, D>(iq, th0, g, dot); break;
+      case 2: pass = int_dots<2, D>(iq, th0, g, dot); break;
+      default: pass = int_dots<1, D>(iq, th0, g, dot); break;
     }
     if ((seen & ~pass) != 0) return false;
     for (int64_t h = 0; h < hg; ++h) {
@@ -563,7 +536,6 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 struct IntPath {               // the integer path of one parallel task
   const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
   IntGroup* group;
-  IntPatterns* patterns;       // the task's query's patterns, broadcast
   int64_t scored = 0;          // (query, group) pairs it scored
 };
 
@@ -610,8 +582,8 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
       if (seen != 0) {
 #ifdef __AVX512F__
         const float* qt = a.q + t * a.heads * d;
-        if (integer && int_score<D>(*ip.queries, t, *ip.patterns, *ip.group, qt, rows + g * kGroup,
-                                    a.w + t * a.heads, visible, s)) {
+        if (integer &&
+            int_score<D>(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
           ++ip.scored;
           store_scores(o, s, cnt);
           continue;
@@ -676,10 +648,9 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     std::vector<v16> tile(d);  // 16 entries x d values
 #ifdef __AVX512F__
     IntGroup group;
-    IntPatterns patterns;
-    IntPath ip{nullptr, &group, &patterns};
+    IntPath ip{nullptr, &group};
     const bool integer = !iq.ok.empty() && ieee_subnormals();
-    if (integer) group.ex.resize(d / 4), group.blocks = d / 32;
+    if (integer) group.ex.resize(d / 4);
 #else
     IntPath ip;
 #endif
@@ -693,7 +664,6 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
 #ifdef __AVX512F__
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
-      if (ip.queries != nullptr) broadcast_patterns(iq, t0, patterns);
 #endif
       if (dense) {  // entries c0 .. c0 + n - 1: rows found per run of consecutive rows, no division per entry
         int64_t reach = 0;
