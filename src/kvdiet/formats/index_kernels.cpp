@@ -426,10 +426,10 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
 }
 
 // Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the group's entries into
-// dot[h]; returns the mask of entries that pass the check for every one of these
-// heads: emax - emin <= spread and -126 <= emin <= 104, emin / emax the least and largest E_b over the head's
-// nonzero blocks. The block dots are summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24
-// where the check passes), then scaled once. D: the head dim when known at compile time (0: from g).
+// dot[h]; returns the mask of entries that pass the check for every one of these heads: emax - emin <= spread and
+// -126 <= emin <= 104, emin / emax the least and largest E_b over the head's nonzero blocks. The block dots are
+// summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled
+// once. D: the head dim when known at compile time (0: from iq).
 template <int HG, int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntQueries& iq, int64_t th0,
                                                                                const IntGroup& g, v16* dot) {
@@ -438,7 +438,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
   const int32_t *start = iq.start.data() + th0 * nb, *below = iq.below.data() + th0 * nb;
   const int32_t *above = iq.above.data() + th0 * nb, *spread = iq.spread.data() + th0;
   __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
-  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from -offset, each in two vpdpbusd chains
+  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from start, each in two vpdpbusd chains
     __m512i part[2][HG];                // (x even, x odd), independent: 2 HG chains of 4 overlap
     for (int h = 0; h < HG; ++h) part[0][h] = _mm512_set1_epi32(start[h * nb + b]), part[1][h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
