@@ -448,6 +448,34 @@ def test_every_group_of_plain_mxfp4_inputs_takes_the_integer_path(both):
     assert expected > 0 and _integer_groups() - before == (expected if _integer_path() else 0)
 
 
+def test_blocks_of_zeros_anywhere_in_a_head_keep_the_integer_path_and_the_pure_torch_bits(both):
+    """Heads (two head groups) whose blocks of zeros (+0 and −0) lie first, last, in the middle or everywhere but
+    one block, the nonzero blocks' units near 2^-100: a block of zeros bounds nothing, so every group still takes
+    the integer path (a zero block counted with any unit of its own would spread E_b past the bound), with the
+    pure-torch bits, dense and named."""
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randn(1, 6, 160, generator=gen) * 2.0**-100
+    zero_blocks = [[0], [4], [1, 2], [0, 1, 3, 4], [], [2]]
+    for h, blocks in enumerate(zero_blocks):
+        for b in blocks:
+            raw[0, h, 32 * b : 32 * b + 32] = -0.0 if b % 2 else 0.0
+    queries = _mxfp4(raw)
+    w = torch.rand(1, 6, generator=gen)
+    packed = mxfp4.encode_index_key(_spread(torch.randn(70, 160, generator=gen), 1, gen))
+    keys = StoredKeys.contiguous(packed)
+    limit = torch.tensor([67])
+    before = _integer_groups()
+    compiled, pure = both(index_scores, queries, w, keys, limit)
+    assert _same_bits(compiled, pure) and torch.isfinite(compiled[0, :67]).all()
+    assert _integer_groups() - before == (5 if _integer_path() else 0)
+    entries = torch.randint(-1, 70, (1, 40), generator=gen)
+    named, named_pure = both(index_scores_at, queries, w, keys, entries, limit)
+    assert _same_bits(named, named_pure)
+    assert _same_bits(
+        named, torch.where((entries >= 0) & (entries < 67), compiled.gather(1, entries.clamp(0)), NEG)
+    )
+
+
 def test_a_dot_of_only_negative_zero_products_keeps_its_sign(both):
     """A key of −0 codes against a query of nonnegative values: every product is −0, so the fp32 order's dot is −0
     (relu keeps it, a positive weight too). One exactly cancelling key gives +0. Both on the integer path."""

@@ -272,12 +272,17 @@ inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, c
 // are the same vector operations as score_group's.
 #ifdef __AVX512F__
 constexpr int32_t kNoBlock = INT32_MIN;  // unit of a query block of zeros: it adds nothing and bounds nothing
+// A block of zeros' unit where the least E_b is taken, negated where the largest is: past every E_b (|s_b - 128|
+// <= 127, |u_b| <= 152), so neither sees it; its sum, 0, shifted by any count adds nothing.
+constexpr int32_t kFarUnit = 1 << 28;
 
 struct IntQueries {
   int64_t heads = 0, words = 0, blocks = 0;  // words: d / 8 (8 values each), blocks: d / 32
-  std::vector<uint64_t> pattern;             // [t, h, w]: a[8w .. 8w+7] as int8 bytes, low byte first
-  std::vector<int32_t> unit;                 // [t, h, b]: u_b, or kNoBlock
-  std::vector<int32_t> offset;               // [t, h, b]: 12 sum a[i] (vpdpbusd reads c + 12, unsigned)
+  std::vector<uint32_t> pattern;             // [t, h, 2w + p]: a[8w + p], a[8w + p + 2], .. a[8w + p + 6] as int8
+                                             // bytes, low byte first (p = 0: even values of word w, 1: odd)
+  std::vector<int32_t> start;                // [t, h, b]: -12 sum a[i] (vpdpbusd reads c + 12, unsigned)
+  std::vector<int32_t> below;                // [t, h, b]: u_b, or kFarUnit for a block of zeros
+  std::vector<int32_t> above;                // [t, h, b]: u_b, or -kFarUnit for a block of zeros
   std::vector<int32_t> spread;               // [t, h]: the largest Emax - Emin the bound allows
   std::vector<uint8_t> ok;                   // [t]: every head MXFP4 with a nonzero block
 };
@@ -324,12 +329,14 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     const int64_t th = t * heads + h;
     int64_t bound = 0;
     for (int64_t b = 0; b < iq.blocks; ++b) {
-      int32_t sum = 0, abs_sum = 0;
-      if (!int_block(q + th * d + 32 * b, a + 32 * b, iq.unit[th * iq.blocks + b], sum, abs_sum)) {
+      int32_t unit = 0, sum = 0, abs_sum = 0;
+      if (!int_block(q + th * d + 32 * b, a + 32 * b, unit, sum, abs_sum)) {
         iq.ok[t] = 0;
         return;
       }
-      iq.offset[th * iq.blocks + b] = 12 * sum;
+      iq.start[th * iq.blocks + b] = -12 * sum;
+      iq.below[th * iq.blocks + b] = unit == kNoBlock ? kFarUnit : unit;
+      iq.above[th * iq.blocks + b] = unit == kNoBlock ? -kFarUnit : unit;
       bound += 12 * abs_sum;
     }
     if (bound == 0) {
@@ -339,7 +346,10 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     int32_t spread = 0;
     while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
     iq.spread[th] = spread;
-    std::memcpy(iq.pattern.data() + th * iq.words, a, d);
+    uint32_t* pat = iq.pattern.data() + th * 2 * iq.words;
+    for (int64_t i = 0; i < d; ++i) {  // value i = 8w + 2j + p: byte j of pattern 2w + p
+      pat[i / 8 * 2 + i % 2] |= static_cast<uint32_t>(static_cast<uint8_t>(a[i])) << (8 * (i % 8 / 2));
+    }
   }
 }
 
@@ -347,9 +357,10 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
 inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d) {
   IntQueries iq;
   iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
-  iq.pattern.resize(nq * heads * iq.words);
-  iq.unit.resize(nq * heads * iq.blocks);
-  iq.offset.resize(nq * heads * iq.blocks);
+  iq.pattern.assign(nq * heads * 2 * iq.words, 0);
+  iq.start.resize(nq * heads * iq.blocks);
+  iq.below.resize(nq * heads * iq.blocks);
+  iq.above.resize(nq * heads * iq.blocks);
   iq.spread.resize(nq * heads);
   iq.ok.assign(nq, 1);
   at::parallel_for(0, nq, 16, [&](int64_t t0, int64_t t1) {
@@ -359,16 +370,20 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   return iq;
 }
 
-// One 16-entry group's keys for the integer path: ex[2w] and ex[2w + 1] hold c + 12 of values 8w .. 8w+7 as
-// int_expand lays them out; unit[b] lane k: s_b - 128 of entry k.
+// One 16-entry group's keys for the integer path: byte j of ex[2w + p] lane k holds c + 12 of value 8w + 2j + p of
+// entry k (p = 0: the low nibbles of its dword w, 1: the high ones), the order of IntQueries' patterns, so one
+// vpdpbusd sums four products of one entry in its own lane; unit[b] lane k: s_b - 128 of entry k.
 struct IntGroup {
   std::vector<__m512i> ex;
   v16i unit[kMaxDim / 32];
 };
 
-// Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252.
+// Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252. D: the head dim
+// when known at compile time (0: d).
+template <int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expand(const uint8_t* const* rows,
                                                                                  int64_t d, IntGroup& g) {
+  if constexpr (D > 0) d = D;
   const int64_t words = d / 8, nb = d / 32;
   uint32_t bad = 0;
   for (int64_t b4 = 0; b4 < nb; b4 += 4) {
@@ -391,11 +406,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expan
     load_transposed(rows, w0, cnt, r);  // r[c] lane k: dword w0 + c of entry k (codes of values 8(w0 + c) .. +7)
     for (int64_t c = 0; c < cnt; ++c) {
       const __m512i x = reinterpret_cast<__m512i>(r[c]);
-      const __m512i lo = _mm512_and_si512(x, nibble), hi = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibble);
-      // per 128-bit lane L: unpacklo holds entries 4L, 4L+1, unpackhi 4L+2, 4L+3, each as two dwords (values
-      // 0..3, then 4..7 of the eight)
-      g.ex[2 * (w0 + c)] = _mm512_shuffle_epi8(lut, _mm512_unpacklo_epi8(lo, hi));
-      g.ex[2 * (w0 + c) + 1] = _mm512_shuffle_epi8(lut, _mm512_unpackhi_epi8(lo, hi));
+      g.ex[2 * (w0 + c)] = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, nibble));
+      g.ex[2 * (w0 + c) + 1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi32(x, 4), nibble));
     }
   }
   return bad;
@@ -413,82 +425,79 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
   return -0.0f;
 }
 
-// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq) with the group's entries into dot[h], and
-// emin[h] / emax[h]: the least and largest E_b over the head's nonzero blocks. The block dots are summed as
-// integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled once.
-// The heads' products are independent chains, so they overlap.
-template <int HG>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void int_dots(const IntQueries& iq, int64_t th0,
-                                                                           const IntGroup& g, v16* dot, v16i* emin,
-                                                                           v16i* emax) {
-  // lane i of the pair sums: entry i = 4L + j; j < 2 in unpacklo's dwords 4L + 2j, 4L + 2j + 1, else unpackhi's
-  alignas(64) static const int32_t kEven[16] = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
-  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const int64_t nb = iq.blocks, words = iq.words;
-  const uint64_t* pat = iq.pattern.data() + th0 * words;
-  const int32_t* unit = iq.unit.data() + th0 * nb;
-  __m512i total[HG];
-  v16i least[HG];  // locals, not emin / emax: those may alias what the loops read
-  for (int h = 0; h < HG; ++h) {
-    v16i lo = v16i{} + INT32_MAX, hi = v16i{} + INT32_MIN;
-    for (int64_t b = 0; b < nb; ++b) {
-      if (unit[h * nb + b] == kNoBlock) continue;
-      const v16i e = g.unit[b] + unit[h * nb + b];
-      lo = e < lo ? e : lo;
-      hi = e > hi ? e : hi;
-    }
-    least[h] = lo, emin[h] = lo, emax[h] = hi;
-    total[h] = _mm512_setzero_si512();
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i lo[HG], hi[HG];
-    for (int h = 0; h < HG; ++h) lo[h] = hi[h] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int64_t w = 4 * b; w < 4 * b + 4; ++w) {
-      const __m512i x0 = g.ex[2 * w], x1 = g.ex[2 * w + 1];
+// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the group's entries into
+// dot[h]; returns the mask of entries that pass the check for every one of these heads: emax - emin <= spread and
+// -126 <= emin <= 104, emin / emax the least and largest E_b over the head's nonzero blocks. The block dots are
+// summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled
+// once. D: the head dim when known at compile time (0: from iq).
+template <int HG, int64_t D>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntQueries& iq, int64_t th0,
+                                                                               const IntGroup& g, v16* dot) {
+  const int64_t nb = D > 0 ? D / 32 : iq.blocks, words = nb * 4;
+  const uint32_t* pat = iq.pattern.data() + th0 * 2 * words;
+  const int32_t *start = iq.start.data() + th0 * nb, *below = iq.below.data() + th0 * nb;
+  const int32_t *above = iq.above.data() + th0 * nb, *spread = iq.spread.data() + th0;
+  __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
+  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from start, each in two vpdpbusd chains
+    __m512i part[2][HG];                // (x even, x odd), independent: 2 HG chains of 4 overlap
+    for (int h = 0; h < HG; ++h) part[0][h] = _mm512_set1_epi32(start[h * nb + b]), part[1][h] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
+      const __m512i k = g.ex[8 * b + x];
       for (int h = 0; h < HG; ++h) {
-        const __m512i qv = _mm512_set1_epi64(static_cast<long long>(pat[h * words + w]));
-        lo[h] = _mm512_dpbusd_epi32(lo[h], x0, qv);
-        hi[h] = _mm512_dpbusd_epi32(hi[h], x1, qv);
+        const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(pat[h * 2 * words + 8 * b + x]));
+        part[x % 2][h] = _mm512_dpbusd_epi32(part[x % 2][h], k, qv);
       }
     }
-    for (int h = 0; h < HG; ++h) {
-      const int32_t qu = unit[h * nb + b];
-      if (qu == kNoBlock) continue;
-      const __m512i pairs = _mm512_add_epi32(_mm512_permutex2var_epi32(lo[h], even, hi[h]),
-                                             _mm512_permutex2var_epi32(lo[h], odd, hi[h]));
-      const __m512i sum = _mm512_sub_epi32(pairs, _mm512_set1_epi32(iq.offset[(th0 + h) * nb + b]));  // I_b
-      const __m512i shift = reinterpret_cast<__m512i>(g.unit[b] + qu - least[h]);
-      total[h] = _mm512_add_epi32(total[h], _mm512_sllv_epi32(sum, shift));
+    for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_add_epi32(part[0][h], part[1][h]);
+  }
+  __mmask16 pass = 0xFFFF;
+  for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
+    v16i lo = g.unit[0] + below[h * nb], hi = g.unit[0] + above[h * nb];
+    for (int64_t b = 1; b < nb; ++b) {
+      const v16i e = g.unit[b] + below[h * nb + b], f = g.unit[b] + above[h * nb + b];
+      lo = e < lo ? e : lo;
+      hi = f > hi ? f : hi;
     }
+    const __m512i least = reinterpret_cast<__m512i>(lo);
+    pass = _mm512_mask_cmple_epi32_mask(pass, reinterpret_cast<__m512i>(hi - lo), _mm512_set1_epi32(spread[h]));
+    pass = _mm512_mask_cmpge_epi32_mask(pass, least, _mm512_set1_epi32(-126));
+    pass = _mm512_mask_cmple_epi32_mask(pass, least, _mm512_set1_epi32(104));
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
+      const v16i e = g.unit[b] + below[h * nb + b];
+      total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
+    }
+    // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
+    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(lo + 127) << 23);
+    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total), v16) * unit_value;
   }
-  for (int h = 0; h < HG; ++h) {  // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
-    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(least[h] + 127) << 23);
-    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total[h]), v16) * unit_value;
-  }
+  return pass;
 }
 
-// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]: entry k's row) into s
-// (lanes where visible), or false where the check above fails for a visible entry (nothing written then).
+// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]:
+// entry k's row) into s (lanes where visible), or false where the check above fails for a visible entry (nothing
+// written then). D: the head dim when known at compile time (0: from iq).
+template <int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
                                                                             const IntGroup& g, const float* q,
                                                                             const uint8_t* const* rows,
                                                                             const float* wt, const v16i& visible,
                                                                             v16& s) {
-  const int64_t heads = iq.heads, d = iq.words * 8;
+  const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
   v16 total{}, dot[kHeadsAtOnce];
-  v16i emin[kHeadsAtOnce], emax[kHeadsAtOnce];
+  const uint32_t seen = mask_of(visible);
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
+    uint32_t pass = 0;
     switch (hg) {
-      case 4: int_dots<4>(iq, th0, g, dot, emin, emax); break;
-      case 3: int_dots<3>(iq, th0, g, dot, emin, emax); break;
-      case 2: int_dots<2>(iq, th0, g, dot, emin, emax); break;
-      default: int_dots<1>(iq, th0, g, dot, emin, emax); break;
+      case 4: pass = int_dots<4, D>(iq, th0, g, dot); break;
+      case 3: pass = int_dots<3, D>(iq, th0, g, dot); break;
+      case 2: pass = int_dots<2, D>(iq, th0, g, dot); break;
+      default: pass = int_dots<1, D>(iq, th0, g, dot); break;
     }
+    if ((seen & ~pass) != 0) return false;
     for (int64_t h = 0; h < hg; ++h) {
-      const v16i pass = (emax[h] - emin[h] <= iq.spread[th0 + h]) & (emin[h] >= -126) & (emin[h] <= 104);
-      if (mask_of(visible & ~pass) != 0) return false;
       for (uint32_t zero = mask_of(visible & (dot[h] == 0.0f)); zero != 0; zero &= zero - 1) {
         const int k = __builtin_ctz(zero);
         dot[h][k] = zero_dot(q + (h0 + h) * d, rows[k], d);
@@ -554,7 +563,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
     bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
 #ifdef __AVX512F__
     if (ip.queries != nullptr && present != 0) {
-      integer = (int_expand(rows + g * kGroup, d, *ip.group) & present) == 0;
+      integer = (int_expand<D>(rows + g * kGroup, d, *ip.group) & present) == 0;
     }
 #endif
     if (present != 0 && !integer) {
@@ -574,7 +583,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
 #ifdef __AVX512F__
         const float* qt = a.q + t * a.heads * d;
         if (integer &&
-            int_score(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
+            int_score<D>(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
           ++ip.scored;
           store_scores(o, s, cnt);
           continue;
@@ -634,10 +643,10 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   std::atomic<int64_t> bad{INT64_MAX};
 #ifdef __AVX512F__
   // The integer path where every task scores one query (a decode step's call: named entries, or each query its
-  // own run) and d >= 128: there
-  // its expansion and integer dots beat the fp32 decode and dots (about 1.2x per call at d = 128 with 4 heads,
-  // 64K entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and 64, the fp32 order is the
-  // faster one (0.6-0.9x), so it keeps them.
+  // own run) and d >= 128: there its expansion and integer dots beat the fp32 decode and dots (about 2x per call
+  // at d = 128 with 4 heads, 64K entries, one thread). Where 16 queries share one decoded tile, or at d = 32 and
+  // 64, the fp32 order was the faster one (0.6-0.9x, measured before the integer path's one-lane-per-entry
+  // layout), so it keeps them.
   IntQueries iq;
   if (packed && d >= 128 && (qblock == 1 || nq == 1) && integer_path_available()) {
     iq = int_queries(a.q, nq, a.heads, d);
@@ -664,16 +673,15 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
 #ifdef __AVX512F__
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
 #endif
-      if (dense) {  // entries c0 .. c0 + n - 1: rows found by stepping through the blocks, no division per entry
+      if (dense) {  // entries c0 .. c0 + n - 1: rows found per run of consecutive rows, no division per entry
         int64_t reach = 0;
         for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
         const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
-        const int64_t first = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
-        int64_t block = first / per_block, offset = first % per_block;
-        for (int64_t e = 0; e < seen; ++e) {
-          ids[e] = c0 + e;
-          rows[e] = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
-          if (++offset == per_block) offset = 0, ++block;
+        const int64_t start = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
+        for (int64_t e = 0, block = start / per_block, offset = start % per_block; e < seen; ++block, offset = 0) {
+          const uint8_t* first = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+          const int64_t run = std::min(seen - e, per_block - offset);  // rows one after another in the block
+          for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a.row_bytes;
         }
         for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
       } else {
