@@ -556,6 +556,23 @@ def test_runs_reaching_past_the_keys_or_with_bad_offsets_raise(both, monkeypatch
             )
         with pytest.raises(ValueError, match="starts before 0"):
             index_scores_runs(queries, w, shared, offsets - 1, torch.tensor([10, 20]), 20)
+        with pytest.raises(ValueError, match="reaches past"):  # offsets + limit would wrap past int64
+            index_scores_runs(queries, w, shared, torch.tensor([2**63 - 6, 0]), torch.tensor([10, 20]), 20)
+    monkeypatch.delenv(native.ENV, raising=False)
+    kernels = native.fp4_kernels()  # the kernel refuses such a run itself (a caller past the Python checks)
+    for off in ([2**63 - 6, 0], [-1, 0], [0, shared.num_entries - 19]):
+        with pytest.raises(RuntimeError, match="outside the table"):
+            kernels.index_scores(
+                queries,
+                w,
+                shared.rows,
+                shared.table,
+                8,
+                torch.tensor([10, 20]),
+                torch.empty(0, 0, dtype=torch.int64),
+                torch.tensor(off),
+                torch.empty(2, 20),
+            )
         with pytest.raises(ValueError, match="offsets int64"):
             index_scores_runs(queries, w, shared, offsets.to("meta"), torch.tensor([10, 20]), 20)
         with pytest.raises(ValueError, match="width >= 0"):

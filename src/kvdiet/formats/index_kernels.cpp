@@ -636,6 +636,11 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   const bool dense = entries.numel() == 0;
   const int64_t width = out.size(1), tiles = (width + kTile - 1) / kTile;
   const int64_t* off = offsets.numel() == 0 ? nullptr : offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; off != nullptr && t < nq; ++t) {  // every run inside the table: no read outside it
+    const int64_t seen = std::clamp<int64_t>(limit.data_ptr<int64_t>()[t], 0, width);
+    TORCH_CHECK(off[t] >= 0 && off[t] <= table.numel() * per_block - seen, "index scores: query ", t,
+                "'s run of entries lies outside the table");
+  }
   // queries over one run of entries share each decoded tile, 16 at a time; each their own run (offsets), none
   const int64_t qblock = dense && off == nullptr ? 16 : 1, qblocks = (nq + qblock - 1) / qblock;
   float* o = out.data_ptr<float>();

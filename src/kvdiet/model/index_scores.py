@@ -21,7 +21,8 @@ are scored with it, on either path, from packed or decoded keys (an MXFP4 value 
   head 0's term.
 
 The pure-torch path (``KVDIET_NATIVE_KERNELS=0``, non-CPU tensors, or a failed build) computes the same
-order with whole-tensor ops and gives the same bits. Entries a query may not see score −inf.
+order with whole-tensor ops and gives the same bits (a NaN score at the same place, its sign bit not always the
+same). Entries a query may not see score −inf.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def index_scores_runs(
     limit = limit.clamp(0, width)
     # the kernel reads the rows of entries offsets[t] .. offsets[t] + limit[t] - 1 (the torch path masks them
     # instead: no device sync there)
-    if qn and q.is_cpu and bool(((offsets < 0) | (offsets + limit > keys.num_entries)).any()):
+    n = keys.num_entries
+    if qn and q.is_cpu and bool(((offsets < 0) | (offsets > n) | (limit > n - offsets)).any()):  # no wrap
         raise ValueError(
             f"a run of entries starts before 0 or reaches past the {keys.num_entries} entries held"
         )
