@@ -82,6 +82,9 @@ def test_linear_routes_a_few_cpu_fp32_rows_and_leaves_the_rest_to_the_blas(both)
     layer = Linear(64, 40)
     layer.set_weight(w)
     assert torch.equal(layer(few[0]), row_products(few[0], w))
+    # lazily negated views (the storage holds the negation) go to the BLAS, which reads their values
+    assert torch.equal(linear(torch._neg_view(-few), w), F.linear(few, w))
+    assert torch.equal(linear(few, torch._neg_view(-w)), F.linear(few, w))
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,7 @@ def test_gradients_and_default_dtype_do_not_change_the_path():
 
 def test_applies_all_checks_the_rows_once_and_every_weight():
     """`applies_all(x, ws)` is `applies(x, w)` for every w: rows 1..ROWS_MAX of fp32 on the CPU, every weight a
-    contiguous fp32 CPU tensor, nothing to track under grad mode."""
+    contiguous fp32 CPU tensor, nothing to track under grad mode, no lazily negated view."""
     w = torch.randn(8, 32)
     bad_weights = {
         "fp64": w.double(),
@@ -156,11 +159,13 @@ def test_applies_all_checks_the_rows_once_and_every_weight():
         "strided": torch.randn(32, 8).T,
         "meta": torch.empty(8, 32, device="meta"),
         "tracked": w.clone().requires_grad_(True),
+        "negated": torch._neg_view(-w),
     }
     rows = {m: torch.randn(m, 32) for m in (1, ROWS_MAX, ROWS_MAX + 1)}
     rows["fp64"] = torch.randn(2, 32, dtype=torch.float64)
     rows["tracked"] = torch.randn(2, 32, requires_grad=True)
     rows["empty"] = torch.randn(0, 32)
+    rows["negated"] = torch._neg_view(-torch.randn(2, 32))
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             for name, x in rows.items():

@@ -591,7 +591,8 @@ def test_expert_groups_gives_the_per_expert_forwards_bits(inter, rows):
 
 def test_expert_groups_declines_weights_it_cannot_read_in_place():
     """A used expert's weight that is not contiguous fp32, or a lazily negated view (its storage holds −w): None,
-    nothing raised (the kernel checks, not Python)."""
+    nothing raised (the kernel checks, not Python). Negated routing weights are read as their values; negated
+    rows are declined (`gemv.applies_all`)."""
     hidden, inter, k, rows = 64, 64, 2, 4
     experts = {e: _picking_expert(hidden, inter, _LIMIT, e) for e in range(4)}
     shared = _picking_expert(hidden, inter, _LIMIT, 9)
@@ -600,7 +601,15 @@ def test_expert_groups_declines_weights_it_cannot_read_in_place():
     used = [0, 1, 2, 3]
     with torch.no_grad():
         x = _adversarial_rows(rows, hidden, 5, infinite=False)
-        assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is not None
+        want = expert_groups(x, weights, ids, used, [experts[e] for e in used], shared)
+        assert want is not None
+        # lazily negated routing weights are read as their values; negated rows go to the modules
+        negated = torch._neg_view(-weights)
+        got = expert_groups(x, negated, ids, used, [experts[e] for e in used], shared)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert (
+            expert_groups(torch._neg_view(-x), weights, ids, used, [experts[e] for e in used], shared) is None
+        )
         w = experts[2].w3.weight
         experts[2].w3.weight = torch.nn.Parameter(w.t().contiguous().t())  # same values, column-major
         assert not experts[2].w3.weight.is_contiguous()

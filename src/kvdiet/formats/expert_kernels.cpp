@@ -139,7 +139,7 @@ std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(xs[i].dim() == 2 && xs[i].dtype() == at::kFloat && xs[i].device().is_cpu(),
                 "expert_rows: x float32 [M, hidden] on the CPU (expert ", i, ")");
-    rows[i] = xs[i].contiguous();
+    rows[i] = xs[i].resolve_neg().contiguous();  // a lazy neg view read as its values
     m[i] = rows[i].size(0), hidden[i] = rows[i].size(1);
     x[i] = chunk_rows(rows[i].data_ptr<float>(), m[i], hidden[i], padded[i]);
   }
@@ -176,7 +176,8 @@ std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& i
     for (const at::Tensor* t : {&w1s[g], &w3s[g], &w2s[g]})
       if (t->scalar_type() != at::kFloat || !t->device().is_cpu() || !t->is_contiguous() || t->is_neg())
         return std::nullopt;
-  const at::Tensor id = ids.contiguous(), w = weights.contiguous(), xs = x.contiguous();
+  // lazy neg views read as their values (their storage holds the negation)
+  const at::Tensor id = ids.contiguous(), w = weights.resolve_neg().contiguous(), xs = x.resolve_neg().contiguous();
   const int64_t* ip = id.const_data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> pairs(used);  // each used expert's (row, slot) pairs, in order
   for (int64_t p = 0; p < rows * k; ++p) {

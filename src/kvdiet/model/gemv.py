@@ -66,20 +66,22 @@ def applies_all(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
 
 
 def _rows_fit(x: torch.Tensor, grad: bool) -> bool:
-    """1..`ROWS_MAX` fp32 CPU rows, no gradient to track (the kernel keeps no autograd graph)."""
-    if not (x.is_cpu and x.dtype == _F32 and x.dim()) or (grad and x.requires_grad):
+    """1..`ROWS_MAX` fp32 CPU rows, no gradient to track (the kernel keeps no autograd graph), not a lazily
+    negated view (the kernel reads the storage, which holds −x)."""
+    if not (x.is_cpu and x.dtype == _F32 and x.dim()) or (grad and x.requires_grad) or x.is_neg():
         return False
     k = x.shape[-1]
     return 0 < (x.numel() // k if k else 0) <= ROWS_MAX
 
 
 def _weight_fits(weight: torch.Tensor, grad: bool) -> bool:
-    """A contiguous fp32 CPU weight, no gradient to track."""
+    """A contiguous fp32 CPU weight, no gradient to track, not a lazily negated view."""
     return (
         weight.is_cpu
         and weight.dtype == _F32
         and weight.is_contiguous()
         and not (grad and weight.requires_grad)
+        and not weight.is_neg()
     )
 
 
