@@ -476,6 +476,93 @@ def test_blocks_of_zeros_anywhere_in_a_head_keep_the_integer_path_and_the_pure_t
     )
 
 
+def _integer_rule(units: torch.Tensor, a: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Whether the integer path may score each (query, entry): query t's head h has block units ``units[t, h, b]``
+    (None-like: a block of zeros where ``a[t, h, b]`` is all 0) and grid integers ``a`` [Q, H, nb, 32]; entry j has
+    scale bytes ``scales[j, b]``. Per head, with E_b = u_b + s_b - 128 over the nonzero blocks and spread the
+    largest s with (sum 12 |a|) 2^s < 2^24: the exact check (emax - emin <= spread, -126 <= emin <= 104) or the
+    group-wide one (S = min_b s_b - 128 over every block, U / M = least / largest u_b: range s + M - U <= spread,
+    -126 <= S + U <= 104) holds for every head. Returns bool [Q, N]."""
+    nonzero = a.abs().sum(-1) > 0  # [Q, H, nb]
+    bound = 12 * a.abs().sum((-1, -2))  # [Q, H]
+    spread = torch.zeros_like(bound)
+    while bool(((bound << (spread + 1)) < 2**24).any()):
+        spread += ((bound << (spread + 1)) < 2**24).long()
+    e = units[:, :, None, :] + scales[None, None].long() - 128  # [Q, H, N, nb]
+    far = torch.tensor(10**6)
+    lo = torch.where(nonzero[:, :, None], e, far).amin(-1)
+    hi = torch.where(nonzero[:, :, None], e, -far).amax(-1)
+    exact = ((hi - lo) <= spread[..., None]) & (lo >= -126) & (lo <= 104)
+    s = scales.long() - 128
+    low, rng = s.amin(-1), s.amax(-1) - s.amin(-1)  # [N]
+    u_lo = torch.where(nonzero, units, far).amin(-1)  # [Q, H]
+    u_hi = torch.where(nonzero, units, -far).amax(-1)
+    least = low[None, None] + u_lo[..., None]
+    wide = (
+        (rng[None, None] + (u_hi - u_lo)[..., None] <= spread[..., None]) & (least >= -126) & (least <= 104)
+    )
+    return (exact.all(1)) | (wide.all(1))
+
+
+def test_the_integer_paths_checks_at_their_edges_keep_the_pure_torch_bits(both):
+    """MXFP4 queries whose least unit puts S + U at -127 / -126 and 104 / 105 against keys whose scale bytes span
+    1..4 and 249..252 (subnormal and near-overflow keys), block scales spread to either side of the sum bound, a
+    block of zeros with a tiny scale byte under it: every score has the pure-torch bits, and the (query, group)
+    pairs the integer path scores are the ones where every visible entry passes the exact or the group-wide check
+    (`_integer_rule`), so a check that admits one entry too many or too few shows."""
+    gen = torch.Generator().manual_seed(11)
+    h, d, n = 4, 128, 16 * 24
+    grid = torch.tensor([1, 2, 3, 4, 6, 8, 12, -1, -2, -3, -4, -6, -8, -12])
+    cases = [
+        (2, [0, 0, 0, 0]),
+        (1, [0, 0, 0, 0]),
+        (1, [0, 3, 1, 2]),
+        (-20, [0, 0, 0, 0]),
+        (-21, [0, 1, 0, 1]),
+    ]
+    cases += [(-19, [0, 2, 0, 0]), (0, [0, 9, 2, 4]), (-3, [0, 5, 0, 0])]
+    cases += [(-16, [0, 3, 0, 3]), (3, [0, 8, 0, 8])]  # against the last two groups: only one check passes
+    q = len(cases)
+    a = grid[torch.randint(0, grid.numel(), (q, h, d // 32, 32), generator=gen)]
+    a[..., 0] = 12  # the block's unit is its scale: |a| reaches 12
+    units = torch.zeros(q, h, d // 32, dtype=torch.int64)
+    for t, (offset, rise) in enumerate(cases):
+        units[t] = offset + torch.tensor(rise)
+    a[0, 1, 2] = 0  # blocks of zeros: they bound nothing
+    a[6, 3, 0] = 0
+    queries = (a.float() * torch.pow(2.0, units.float())[..., None]).reshape(q, h, d) * 2.0**-3
+    units -= 3
+    w = torch.rand(q, h, generator=gen) + 0.5
+    packed = torch.randint(0, 256, (n, d // 2 + d // 32), dtype=torch.uint8, generator=gen)
+    low = torch.tensor([1, 2, 249, 250, 125, 1, 250, 127]).repeat_interleave(3)  # per group of 16
+    width = torch.tensor([0, 3, 0, 2, 8, 0, 1, 20]).repeat_interleave(3)
+    first = low.repeat_interleave(16)[:, None] + (
+        torch.rand(n, d // 32, generator=gen) * (width.repeat_interleave(16)[:, None] + 1)
+    ).long().clamp(max=252 - low.repeat_interleave(16)[:, None])
+    packed[:, d // 2 :] = first.clamp(1, 252).to(torch.uint8)
+    packed[16 * 5 + 3, d // 2 + 2] = 1  # one entry of an otherwise passing group below the normal range
+    # scales falling where the query's units rise: every E_b the same, 105 with query 8 (the exact check fails,
+    # emin > 104, the group-wide one passes: S + U = 102) and 5 with query 9, a range of 16 (only the exact one)
+    packed[-32:-16, d // 2 :] = torch.tensor([252, 249, 252, 249], dtype=torch.uint8)
+    packed[-16:, d // 2 :] = torch.tensor([136, 128, 136, 128], dtype=torch.uint8)
+    keys = StoredKeys.contiguous(packed)
+    limit = torch.full((q,), n)
+    limit[2] = n - 5
+    before = _integer_groups()
+    each, each_pure = both(index_scores_each, queries, w, [keys] * q, None, limit)
+    assert _same_bits(each, each_pure)
+    ok = _integer_rule(units, a, packed[:, d // 2 :])
+    ok &= torch.arange(n)[None] < limit[:, None]
+    groups = sum(
+        bool(ok[t, g : g + 16].sum() == min(16, max(0, int(limit[t]) - g)))
+        for t in range(q)
+        for g in range(0, n, 16)
+        if g < limit[t]
+    )
+    assert 0 < groups < q * n // 16  # both outcomes occur
+    assert _integer_groups() - before == (groups if _integer_path() else 0)
+
+
 def test_a_dot_of_only_negative_zero_products_keeps_its_sign(both):
     """A key of −0 codes against a query of nonnegative values: every product is −0, so the fp32 order's dot is −0
     (relu keeps it, a positive weight too). One exactly cancelling key gives +0. Both on the integer path."""

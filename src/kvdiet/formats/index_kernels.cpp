@@ -265,7 +265,10 @@ inline v16 score_group(const ScoreArgs& a, const float* tile, const float* qt, c
 // every product and every partial sum it can form is a multiple of 2^Emin below 2^24 * 2^Emin: exact. Its result
 // is then the exact dot, and so is the integer sum_b I_b 2^(E_b - Emin) here, scaled once by 2^Emin: the same
 // bits. Each (entry, head) is checked against the stronger (sum_b B_b) 2^(Emax - Emin) < 2^24 before its score is
-// used.
+// used. The argument holds as well for any L <= Emin in place of Emin (2^L normal, (sum_b B_b) 2^(Emax - L) < 2^24,
+// L <= 104): a group whose entries all pass with L = S + U (S the entry's least s_b - 128 over every block, U the
+// head's least u_b) skips the per-head check and sums in units of 2^L (int_dots' wide), a few vector operations per
+// group instead of several per block and head.
 // An exact zero dot gets the fp32 order's sign from a scalar pass over its products (zero_dot). An entry that
 // fails the check, a query that is not MXFP4 or has a head of zeros, a scale byte outside 1..252 and a thread
 // with flush-to-zero or denormals-are-zero set all take the fp32 order above. relu, the weights and the head sum
@@ -285,6 +288,11 @@ struct IntQueries {
   std::vector<int32_t> above;                // [t, h, b]: u_b, or -kFarUnit for a block of zeros
   std::vector<int32_t> spread;               // [t, h]: the largest Emax - Emin the bound allows
   std::vector<uint8_t> ok;                   // [t]: every head MXFP4 with a nonzero block
+  // the group-wide check (int_score): with U = min_b u_b over the head's nonzero blocks,
+  std::vector<int32_t> lowest;               // [t, h]: U
+  std::vector<int32_t> rise;                 // [t, h, b]: u_b - U, or kFarUnit for a block of zeros
+  std::vector<int32_t> room;                 // [t]: min_h (spread - (max_b u_b - U)), nonzero blocks
+  std::vector<int32_t> least_min, least_max;  // [t]: max_h (-126 - U), min_h (104 - U)
 };
 
 // Block x[0..32) as a[i] * 2^(unit) for the grid above, or false. abs_sum: sum |a[i]|. Magnitudes and zeros are
@@ -346,6 +354,18 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     int32_t spread = 0;
     while ((bound << (spread + 1)) < (int64_t{1} << 24)) ++spread;
     iq.spread[th] = spread;
+    int32_t least = kFarUnit, most = -kFarUnit;  // over the nonzero blocks (bound > 0: there is one)
+    for (int64_t b = 0; b < iq.blocks; ++b) {
+      least = std::min(least, iq.below[th * iq.blocks + b]), most = std::max(most, iq.above[th * iq.blocks + b]);
+    }
+    iq.lowest[th] = least;
+    for (int64_t b = 0; b < iq.blocks; ++b) {
+      const int32_t u = iq.below[th * iq.blocks + b];
+      iq.rise[th * iq.blocks + b] = u == kFarUnit ? kFarUnit : u - least;
+    }
+    iq.room[t] = h == 0 ? spread - (most - least) : std::min(iq.room[t], spread - (most - least));
+    iq.least_min[t] = h == 0 ? -126 - least : std::max(iq.least_min[t], -126 - least);
+    iq.least_max[t] = h == 0 ? 104 - least : std::min(iq.least_max[t], 104 - least);
     uint32_t* pat = iq.pattern.data() + th * 2 * iq.words;
     for (int64_t i = 0; i < d; ++i) {  // value i = 8w + 2j + p: byte j of pattern 2w + p
       pat[i / 8 * 2 + i % 2] |= static_cast<uint32_t>(static_cast<uint8_t>(a[i])) << (8 * (i % 8 / 2));
@@ -363,6 +383,9 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   iq.above.resize(nq * heads * iq.blocks);
   iq.spread.resize(nq * heads);
   iq.ok.assign(nq, 1);
+  iq.lowest.resize(nq * heads);
+  iq.rise.resize(nq * heads * iq.blocks);
+  iq.room.resize(nq), iq.least_min.resize(nq), iq.least_max.resize(nq);
   at::parallel_for(0, nq, 16, [&](int64_t t0, int64_t t1) {
     std::vector<int8_t> a(d);
     for (int64_t t = t0; t < t1; ++t) int_query(q, t, heads, d, iq, a.data());
@@ -373,9 +396,11 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
 // One 16-entry group's keys for the integer path: byte j of ex[2w + p] lane k holds c + 12 of value 8w + 2j + p of
 // entry k (p = 0: the low nibbles of its dword w, 1: the high ones), the order of IntQueries' patterns, so one
 // vpdpbusd sums four products of one entry in its own lane; unit[b] lane k: s_b - 128 of entry k.
+// least lane k: S = min_b (s_b - 128) of entry k, range: max_b (s_b - 128) - S, rise[b]: s_b - 128 - S.
 struct IntGroup {
   std::vector<__m512i> ex;
   v16i unit[kMaxDim / 32];
+  v16i least, range, rise[kMaxDim / 32];
 };
 
 // Expand rows[0..16) into g; returns the mask of entries holding a scale byte outside 1..252. D: the head dim
@@ -394,6 +419,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expan
       g.unit[b] = reinterpret_cast<v16i>(s) - 128;
     }
   }
+  v16i least = g.unit[0], most = g.unit[0];
+  for (int64_t b = 1; b < nb; ++b) {
+    least = g.unit[b] < least ? g.unit[b] : least;
+    most = g.unit[b] > most ? g.unit[b] : most;
+  }
+  g.least = least, g.range = most - least;
+  for (int64_t b = 0; b < nb; ++b) g.rise[b] = g.unit[b] - least;
   alignas(64) static const int8_t kLut[64] = {  // code -> c + 12, in each 128-bit lane (vpshufb's table)
       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,  // codes 0..7: +grid, 8..15: -grid
       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -429,10 +461,16 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
 // dot[h]; returns the mask of entries that pass the check for every one of these heads: emax - emin <= spread and
 // -126 <= emin <= 104, emin / emax the least and largest E_b over the head's nonzero blocks. The block dots are
 // summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled
-// once. D: the head dim when known at compile time (0: from iq).
+// once.
+// wide: every entry the caller uses passed the group-wide check of int_score (L = S + U <= emin, emax - L <= spread,
+// -126 <= L <= 104); the argument above holds with L for emin (every product a multiple of 2^L, each partial sum
+// below 2^24 2^L), so the sums are taken in units of 2^L, shifted by the entry's rise[b] plus the head's: no
+// per-head least and largest, and the mask returned is all entries.
+// D: the head dim when known at compile time (0: from iq).
 template <int HG, int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntQueries& iq, int64_t th0,
-                                                                               const IntGroup& g, v16* dot) {
+                                                                               const IntGroup& g, bool wide,
+                                                                               v16* dot) {
   const int64_t nb = D > 0 ? D / 32 : iq.blocks, words = nb * 4;
   const uint32_t* pat = iq.pattern.data() + th0 * 2 * words;
   const int32_t *start = iq.start.data() + th0 * nb, *below = iq.below.data() + th0 * nb;
@@ -450,6 +488,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
       }
     }
     for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_add_epi32(part[0][h], part[1][h]);
+  }
+  if (wide) {
+    const int32_t *lowest = iq.lowest.data() + th0, *rise = iq.rise.data() + th0 * nb;
+    for (int h = 0; h < HG; ++h) {  // a block of zeros: its sum 0 shifted by kFarUnit + rise_s (> 31 bits: 0)
+      __m512i total = _mm512_setzero_si512();
+      for (int64_t b = 0; b < nb; ++b) {
+        const v16i by = g.rise[b] + rise[h * nb + b];
+        total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(by)));
+      }
+      const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(g.least + (lowest[h] + 127)) << 23);
+      dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total), v16) * unit_value;
+    }
+    return 0xFFFF;
   }
   __mmask16 pass = 0xFFFF;
   for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
@@ -487,14 +538,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
   const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
   v16 total{}, dot[kHeadsAtOnce];
   const uint32_t seen = mask_of(visible);
+  // the group-wide check (int_dots' wide): S >= -126 - U and S <= 104 - U and range + max_b u_b - U <= spread
+  // for every head (IntQueries' room, least_min, least_max)
+  __mmask16 fits = _mm512_cmple_epi32_mask(reinterpret_cast<__m512i>(g.range), _mm512_set1_epi32(iq.room[t]));
+  fits = _mm512_mask_cmpge_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_min[t]));
+  fits = _mm512_mask_cmple_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_max[t]));
+  const bool wide = (seen & ~static_cast<uint32_t>(fits)) == 0;
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
     uint32_t pass = 0;
     switch (hg) {
-      case 4: pass = int_dots<4, D>(iq, th0, g, dot); break;
-      case 3: pass = int_dots<3, D>(iq, th0, g, dot); break;
-      case 2: pass = int_dots<2, D>(iq, th0, g, dot); break;
-      default: pass = int_dots<1, D>(iq, th0, g, dot); break;
+      case 4: pass = int_dots<4, D>(iq, th0, g, wide, dot); break;
+      case 3: pass = int_dots<3, D>(iq, th0, g, wide, dot); break;
+      case 2: pass = int_dots<2, D>(iq, th0, g, wide, dot); break;
+      default: pass = int_dots<1, D>(iq, th0, g, wide, dot); break;
     }
     if ((seen & ~pass) != 0) return false;
     for (int64_t h = 0; h < hg; ++h) {
@@ -547,18 +604,25 @@ struct IntPath {};
 #endif
 
 // Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
-// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0). Returns -1 or the first
-// entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this task's
-// integer path (its queries nullptr where it is not taken).
+// out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0); ahead: nullptr or the
+// next tile's kTile rows, prefetched a group at a time (each group's reads then start a tile ahead, spread over
+// the tile instead of all at once, which stalls on the few outstanding misses a core can track). Returns -1 or
+// the first entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this
+// task's integer path (its queries nullptr where it is not taken).
 template <int64_t D>
-int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t n, int64_t t0,
-                   int64_t t1, float* out, int64_t out_stride, float* tile, const v16& grid, IntPath& ip) {
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows,
+                   const uint8_t* const* ahead, int64_t n, int64_t t0, int64_t t1, float* out, int64_t out_stride,
+                   float* tile, const v16& grid, IntPath& ip) {
   const int64_t d = D > 0 ? D : a.dim;
   constexpr float kNeg = -std::numeric_limits<float>::infinity();
   int64_t bad = -1;
   for (int64_t g = 0; g * kGroup < n; ++g) {
     const int64_t* gid = ids + g * kGroup;
     const int64_t cnt = std::min(kGroup, n - g * kGroup);
+    for (int64_t k = 0; ahead != nullptr && k < kGroup; ++k) {
+      __builtin_prefetch(ahead[g * kGroup + k]);
+      __builtin_prefetch(ahead[g * kGroup + k] + a.row_bytes - 1);
+    }
     const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
     bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
 #ifdef __AVX512F__
@@ -668,27 +732,45 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     IntPath ip;
 #endif
     const v16 grid = grid_vector();
-    int64_t ids[kTile];
-    const uint8_t* rows[kTile];
+    int64_t ids_of[2][kTile];  // a dense task's entries and rows, and the next task's (read ahead)
+    const uint8_t* rows_of[2][kTile];
+    int64_t ready = -1;  // the task whose entries are in ids_of[1 - cur] and rows_of[1 - cur]
+    int cur = 0;
     const bool pow2 = (per_block & (per_block - 1)) == 0;
     const int shift = __builtin_ctzll(static_cast<uint64_t>(per_block));
+    // a dense task's entries c0 .. c0 + n - 1 (-1 past what its queries see) and their rows (kZeroRow there):
+    // rows found per run of consecutive rows, no division per entry
+    const auto dense_rows = [&](int64_t task, int64_t* ids, const uint8_t** rows) {
+      const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
+      const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
+      int64_t reach = 0;
+      for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
+      const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
+      const int64_t start = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
+      for (int64_t e = 0, block = start / per_block, offset = start % per_block; e < seen; ++block, offset = 0) {
+        const uint8_t* first = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+        const int64_t run = std::min(seen - e, per_block - offset);  // rows one after another in the block
+        for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a.row_bytes;
+      }
+      for (int64_t e = seen; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
+    };
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
 #ifdef __AVX512F__
       ip.queries = integer && iq.ok[t0] ? &iq : nullptr;  // iq is built only where every task has one query
 #endif
-      if (dense) {  // entries c0 .. c0 + n - 1: rows found per run of consecutive rows, no division per entry
-        int64_t reach = 0;
-        for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
-        const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
-        const int64_t start = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
-        for (int64_t e = 0, block = start / per_block, offset = start % per_block; e < seen; ++block, offset = 0) {
-          const uint8_t* first = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
-          const int64_t run = std::min(seen - e, per_block - offset);  // rows one after another in the block
-          for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a.row_bytes;
+      if (ready == task) cur = 1 - cur;  // found while the task before was scored
+      int64_t* ids = ids_of[cur];
+      const uint8_t** rows = rows_of[cur];
+      const uint8_t* const* ahead = nullptr;  // the next task's rows, read ahead while this one is scored
+      if (dense) {
+        if (ready != task) dense_rows(task, ids, rows);
+        if (task + 1 < b1) {  // the next task is this thread's too: its rows found now
+          dense_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur]);
+          ready = task + 1;
+          ahead = rows_of[1 - cur];
         }
-        for (int64_t e = seen; e < n; ++e) ids[e] = -1, rows[e] = kZeroRow;
       } else {
         for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
           const int64_t j = ent[t0 * width + c0 + e];
@@ -702,12 +784,12 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
           __builtin_prefetch(rows[e]);  // named entries lie anywhere in the pool: start every read now
           __builtin_prefetch(rows[e] + a.row_bytes - 1);
         }
+        for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
       }
-      for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
       float* ot = o + t0 * width + c0;
       float* tp = reinterpret_cast<float*>(tile.data());
-      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip)
-                                 : score_tile<0>(a, ids, rows, n, t0, t1, ot, width, tp, grid, ip);
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, ahead, n, t0, t1, ot, width, tp, grid, ip)
+                                 : score_tile<0>(a, ids, rows, ahead, n, t0, t1, ot, width, tp, grid, ip);
       if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
     }
 #ifdef __AVX512F__
