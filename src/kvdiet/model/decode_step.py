@@ -47,8 +47,8 @@ class DecodePlan:
     Attributes:
         positions: int64 [B], the new row's position per request.
         rings: each request's window rings, read in place (not copied).
-        layer_rings: per layer l, the B rings' rows of layer l, uint8 [W, width] views (``rings[b].rows[l]``,
-            taken once per step).
+        layer_rings: per layer l, the B rings' rows of layer l, [W, width] views in the window codec's dtype
+            (``rings[b].rows[l]``, taken once per step).
         fresh: per layer l, uint8 [B, width] (the window codec's dtype and width), its new entries, set by the
             layer (None until then).
         window_slots: int64 [B, W−1], the ring slots of request b's older window positions ``t−W+1 … t−1``
