@@ -405,6 +405,42 @@ def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
                 assert bool(mask[b, -1]) and torch.equal(keys[b, -1], kv[b])
 
 
+def test_decode_plan_takes_each_layers_rings_once_and_stores_only_a_complete_step(micro: Transformer) -> None:
+    """`DecodePlan.layer_rings` are views of each request's rings (`_window` reads the rings in place), and
+    `store_windows` refuses a step in which a layer staged nothing, before any ring is written; with every layer
+    staged it writes each layer's entries at the new position's slot."""
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan
+
+    m = micro
+    states = [m.new_state() for _ in range(2)]
+    for s, n in zip(states, (5, 30), strict=True):
+        m.prefill(s, _tokens(n, seed=n))
+    segs = [Segment(s, torch.tensor([s.num_tokens])) for s in states]
+    plan = DecodePlan.for_segments(segs)
+    layers, w, width = states[0].windows.rows.shape
+    dtype = states[0].windows.rows.dtype
+    assert len(plan.layer_rings) == len(plan.fresh) == len(plan.window_mask) == layers
+    for layer, rings in enumerate(plan.layer_rings):
+        for b, ring in enumerate(rings):
+            want = states[b].windows.rows[layer]
+            assert ring.data_ptr() == want.data_ptr() and ring.shape == want.shape == (w, width)
+    before = [s.windows.rows.clone() for s in states]
+    gen = torch.Generator().manual_seed(3)
+    for layer in range(layers - 1):  # the last layer stages nothing
+        plan.fresh[layer] = torch.randint(0, 120, (2, width), generator=gen, dtype=dtype)
+    with pytest.raises(RuntimeError, match="store_windows before every layer staged"):
+        plan.store_windows(segs)
+    assert all(torch.equal(s.windows.rows, b) for s, b in zip(states, before, strict=True))
+    plan.fresh[layers - 1] = torch.randint(0, 120, (2, width), generator=gen, dtype=dtype)
+    plan.store_windows(segs)
+    for b, s in enumerate(states):
+        slot = s.num_tokens % w
+        for layer in range(layers):
+            assert torch.equal(s.windows.rows[layer, slot], plan.fresh[layer][b])
+            assert int(s.windows.positions[layer, slot]) == s.num_tokens
+
+
 def _window_and_staged(attn: Attention, plan, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`_window`'s keys and mask, and the entries it staged (a copy)."""
     from kvdiet.model.decode_step import _window

@@ -37,6 +37,7 @@ outside 0x01..0x7E.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -233,8 +234,18 @@ def _check_pair(codes: Tensor, scales: Tensor, r: Fp4Recipe) -> EntryFormat:
 
 def _entry_of(packed: Tensor, r: Fp4Recipe) -> EntryFormat:
     return entry_of_packed(
-        packed, lambda width: width * 8 * r.block // (4 * r.block + 8), r.entry, name=r.name
+        packed,
+        lambda width: width * 8 * r.block // (4 * r.block + 8),
+        functools.partial(_entry, r),
+        name=r.name,
     )
+
+
+@functools.cache
+def _entry(r: Fp4Recipe, dim: int) -> EntryFormat:
+    """``r.entry(dim)``, built once per recipe and width: an `EntryFormat` checks itself when made, and a decode
+    step decodes main-KV entries in every compressed layer (an error is raised on every call, not kept)."""
+    return r.entry(dim)
 
 
 def quantize_main_kv(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -84,20 +84,17 @@ def fp4_kernels() -> ModuleType | None:
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).
     """
-    if _switched_off():
+    # ``KVDIET_NATIVE_KERNELS=0`` at this moment, read inline (a decode step asks some 500 times; a helper's call
+    # costs as much as the read): ``os.environ.get`` costs about 2 µs here (it encodes the key and decodes the
+    # value each time), so CPython's mapping of the encoded bytes behind ``os.environ`` (which ``os.environ[...]
+    # = ...``, ``del`` and pytest's monkeypatch update) is read directly, 0.1 µs, where it exists
+    raw, encoded = getattr(os.environ, "_data", None), _ENCODED
+    if raw is None or encoded is None:  # not CPython's os._Environ: the public read
+        if os.environ.get(ENV, "1") == "0":
+            return None
+    elif raw.get(encoded[0]) == encoded[1]:
         return None
     return _build()
-
-
-def _switched_off() -> bool:
-    """``KVDIET_NATIVE_KERNELS=0`` at this moment. A decode step asks some 500 times; ``os.environ.get`` costs
-    about 2 µs here (it encodes the key and decodes the value each time), so CPython's mapping of the encoded
-    bytes behind ``os.environ`` (which ``os.environ[...] = ...``, ``del`` and pytest's monkeypatch update) is read
-    directly, 0.1 µs, where it exists."""
-    raw = getattr(os.environ, "_data", None)
-    if raw is None or _ENCODED is None:  # not CPython's os._Environ: the public read
-        return os.environ.get(ENV, "1") == "0"
-    return raw.get(_ENCODED[0]) == _ENCODED[1]
 
 
 def _encoded() -> tuple[object, object] | None:

@@ -45,7 +45,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ``attn`` or ``ffn`` sublayer's normed input from streams ``h`` [T, hc, hidden] collapsed by
         ``collapse_pre`` [T, hc], and its mHC ``(pre, post, comb)`` (`kvdiet.model.hc.sublayer_entry`)."""
-        norm = self.attn_norm if part == "attn" else self.ffn_norm
+        norm = self._modules["attn_norm" if part == "attn" else "ffn_norm"]  # no nn.Module attribute fallback
         return sublayer_entry(self, self.cfg, h, part, collapse_pre, norm)
 
     def ffn_half(
@@ -54,4 +54,4 @@ class Block(nn.Module):
         """FFN sublayer: returns ``(new streams, this FFN's pre)``. ``decode_step``: the rows are a batched
         decode step's, one per request (the MoE may pad its groups: `MoE.forward`)."""
         x, pre, post, comb = self.entry(h, "ffn", attn_pre)
-        return hc_expand(self.ffn(x, padded=decode_step), h, post, comb), pre
+        return hc_expand(self._modules["ffn"](x, padded=decode_step), h, post, comb), pre

@@ -28,7 +28,7 @@ from kvdiet.model.compressor import pool_groups
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.fused_rows import project_out_rows, project_rows
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
-from kvdiet.model.layers import Rope, Rotation
+from kvdiet.model.layers import Rope, Rotation, as_dtype
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import RequestState, WindowRings
@@ -47,15 +47,18 @@ class DecodePlan:
     Attributes:
         positions: int64 [B], the new row's position per request.
         rings: each request's window rings, read in place (not copied).
-        fresh: uint8 [L, B, width] (the window codec's dtype and width), each layer's new entries, written by
-            the layer.
+        layer_rings: per layer l, the B rings' rows of layer l, [W, width] views in the window codec's dtype
+            (``rings[b].rows[l]``, taken once per step).
+        fresh: per layer l, uint8 [B, width] (the window codec's dtype and width), its new entries, set by the
+            layer (None until then).
         window_slots: int64 [B, W−1], the ring slots of request b's older window positions ``t−W+1 … t−1``
             (``position % W``; the same in every layer).
-        window_held: bool [L, B, W−1], whether layer l's ring slot holds that position and it is readable (≥ 0
-            and ≥ the request's window floor); None when every slot is (a slot not held is read as the
-            layer's new entry instead, masked out: a slot never written may hold bytes that do not decode).
-        window_mask: bool [L, B, W], which of layer l's window keys request b reads (``window_held``, then its new
-            entry, always).
+        window_held: per layer l, bool [B, W−1], whether its ring slot holds that position and it is readable (≥
+            0 and ≥ the request's window floor); None when every slot of every layer is (a slot not held is read
+            as the layer's new entry instead, masked out: a slot never written may hold bytes that do not
+            decode).
+        window_mask: per layer l, bool [B, W], which of its window keys request b reads (``window_held``, then its
+            new entry, always).
         tables: the batch's block tables (`BatchTables`).
         rotations: ``{(rope_dim, RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each
             table.
@@ -63,19 +66,26 @@ class DecodePlan:
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
         gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step.
+        visible: ``{kv_src: (each request's `StoredKeys`, limit int64 [B], most entries)}``: the index keys the
+            layers reading ``kv_src`` score and how many each request sees (``min((t+1) // ratio, held)``), taken
+            by the first such layer (after ``kv_src`` itself wrote its new entries: no later layer writes them).
+        candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
     """
 
     positions: torch.Tensor
     rings: list[WindowRings]
-    fresh: torch.Tensor
+    layer_rings: list[list[torch.Tensor]]
+    fresh: list[torch.Tensor | None]
     window_slots: torch.Tensor
-    window_held: torch.Tensor | None
-    window_mask: torch.Tensor
+    window_held: tuple[torch.Tensor, ...] | None
+    window_mask: tuple[torch.Tensor, ...]
     tables: BatchTables
     rotations: dict[tuple[int, float, bool], Rotation] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    visible: dict[int, tuple[list[StoredKeys], torch.Tensor, int]] = field(default_factory=dict)
+    candidate_ids: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def for_segments(cls, segs: list[Segment]) -> DecodePlan:
@@ -85,9 +95,9 @@ class DecodePlan:
             TypeError: a state's rings are not `WindowRings`.
         """
         rings = [_rings(s.state) for s in segs]
-        layers, window, width = rings[0].rows.shape
+        layers, window, _ = rings[0].rows.shape
         b, dev = len(segs), rings[0].rows.device
-        fresh = torch.empty(layers, b, width, dtype=rings[0].rows.dtype, device=dev)
+        layer_rings = [list(rows) for rows in zip(*(r.rows.unbind(0) for r in rings), strict=True)]
         pos = torch.cat([s.positions for s in segs])
         older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)  # [B, W−1]
         floors = torch.tensor([s.window_floor for s in segs], device=dev)
@@ -96,7 +106,11 @@ class DecodePlan:
         held = ring_positions.gather(2, slots.expand(layers, b, -1)) == older
         held &= (older >= 0) & (older >= floors[:, None])
         window_mask = torch.cat([held, torch.ones(layers, b, 1, dtype=torch.bool, device=dev)], dim=2)
-        return cls(pos, rings, fresh, slots, None if held.all() else held, window_mask, BatchTables.of(segs))
+        held_by_layer = None if held.all() else held.unbind(0)
+        fresh: list[torch.Tensor | None] = [None] * layers
+        return cls(
+            pos, rings, layer_rings, fresh, slots, held_by_layer, window_mask.unbind(0), BatchTables.of(segs)
+        )
 
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (one model's
@@ -113,9 +127,16 @@ class DecodePlan:
 
     def store_windows(self, segs: list[Segment]) -> None:
         """Write each request's new window entries of every layer into its rings (after the last layer, before
-        the states' ``num_tokens`` move on)."""
+        the states' ``num_tokens`` move on).
+
+        Raises:
+            RuntimeError: a layer staged no entries (before any ring is written).
+        """
+        if any(f is None for f in self.fresh):
+            raise RuntimeError("store_windows before every layer staged its window entries")
+        fresh = torch.stack(self.fresh)  # [L, B, width]
         for i, seg in enumerate(segs):
-            self.rings[i].store_step(self.fresh[:, i], seg.state.num_tokens)
+            self.rings[i].store_step(fresh[:, i], seg.state.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +172,9 @@ class BatchTables:
     def slots(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         """Pool rows int64 [B, C] of request b's entries ``idx[b]`` (int64 [B, C], each in [0, held))."""
         per_block = self.pools[0].entries_per_block(layer)
-        return self.table.gather(1, idx // per_block) * per_block + idx % per_block
+        # torch.div, not ``//`` (Tensor.__floordiv__ is a Python wrapper); the same values
+        blocks = self.table.gather(1, torch.div(idx, per_block, rounding_mode="floor"))
+        return blocks.mul_(per_block).add_(idx % per_block)
 
     def keys(self, layer: int, kind: str) -> StoredKeys:
         """Every request's entries of ``layer`` and ``kind`` (``"main"`` or ``"index"``) as one `StoredKeys`
@@ -182,15 +205,16 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     installed).
     """
     info, rot = attn.info, plan.rotation(attn.rope)
-    if attn.compressor is not None:
+    mods = attn._modules  # its own dict: nn.Module's attribute fallback costs a microsecond a lookup
+    if mods.get("compressor") is not None:
         _update_global(attn, x, segs, plan.positions)
     # the projections in one compiled call each where they fit (the same bits), else the modules
     qr, q = project_rows(
-        x, attn.wq_a, attn.q_norm, attn.wq_b, attn.n_heads, attn.head_dim, rot
+        x, mods["wq_a"], mods["q_norm"], mods["wq_b"], attn.n_heads, attn.head_dim, rot
     ) or attn.project_q(x, rot)
-    kv = project_rows(x, attn.wkv, attn.kv_norm, None, 1, attn.head_dim, rot)
+    kv = project_rows(x, mods["wkv"], mods["kv_norm"], None, 1, attn.head_dim, rot)
     win_kv, win_mask = _window(attn, plan, attn.project_window_kv(x, rot) if kv is None else kv[1])
-    if attn.indexer is not None:
+    if mods.get("indexer") is not None:
         _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
         idx, valid = plan.topk[info.idx_src]
@@ -206,8 +230,8 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
         if key not in plan.gathered:
             plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
-    o = decode_attend(q, win_kv, win_mask, comp, comp_mask, attn.attn_sink, attn.scale)
-    out = project_out_rows(o, rot, attn.wo_a, attn.wo_b, attn.n_groups)
+    o = decode_attend(q, win_kv, win_mask, comp, comp_mask, attn._parameters["attn_sink"], attn.scale)
+    out = project_out_rows(o, rot, mods["wo_a"], mods["wo_b"], attn.n_groups)
     return attn.project_out(o, rot) if out is None else out
 
 
@@ -220,9 +244,10 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
     ``encode(roundtrip(kv))``, as `Attention.forward` stores them.
     """
     layer = attn.info.layer_id
-    rings = [r.rows[layer] for r in plan.rings]
     held = None if plan.window_held is None else plan.window_held[layer]
-    win_kv, plan.fresh[layer] = attn.codecs.window.read_window(kv, rings, plan.window_slots, held)
+    win_kv, plan.fresh[layer] = attn.codecs.window.read_window(
+        kv, plan.layer_rings[layer], plan.window_slots, held
+    )
     return win_kv, plan.window_mask[layer]
 
 
@@ -234,8 +259,8 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
         ValueError: a tail does not end at its request's position, or a new entry would leave a gap.
     """
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
-    kv = comp.wkv(x).float()
-    score = comp.wgate(x).float() if r > 1 else None
+    kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
+    score = as_dtype(comp.wgate(x), torch.float32) if r > 1 else None
     done, group_kv, group_score = [], [], []
     for b, seg in enumerate(segs):
         t = seg.state.num_tokens  # the new row's position
@@ -275,22 +300,16 @@ def _select(
     at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
     pool (each its own run of it), else one call per request.
     """
-    info, indexer, pos = attn.info, attn.indexer, plan.positions
-    q_idx, w = indexer.queries(qr, x, rot, attn.codecs.index_key)
-    stores = [seg.state.index_keys[info.kv_src] for seg in segs]
-    lengths = [len(s) for s in stores]
-    n, dev = max(lengths), x.device
-    # visible_entries of each request (a prefix of its own entries)
-    limit = torch.minimum(
-        torch.div(pos + 1, info.compress_ratio, rounding_mode="floor"), torch.tensor(lengths, device=dev)
-    )
+    info = attn.info
+    q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key)
+    keys, limit, n = _visible(plan, segs, info.kv_src, info.compress_ratio)
     tables = plan.tables
     if info.candidate != "consumer":
         if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
             off = tables.offsets(info.kv_src)
             scores = index_scores_runs(q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n)
         else:
-            scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], None, limit)
+            scores = index_scores_each(q_idx, w, keys, None, limit)
         if info.candidate == "source":
             plan.candidates = select_candidate_blocks(
                 scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
@@ -299,14 +318,37 @@ def _select(
         return
     if plan.candidates is None:
         raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-    entries = candidate_entries(*plan.candidates, block_size=attn.candidate_block_size)
+    size = attn.candidate_block_size
+    entries = plan.candidate_ids.get(size)
+    if entries is None:
+        entries = plan.candidate_ids[size] = candidate_entries(*plan.candidates, block_size=size)
     if tables.shared is not None and len(segs) > 1:
         off = tables.offsets(info.kv_src)
         shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty
         scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
     else:
-        scores = index_scores_each(q_idx, w, [StoredKeys.of(s) for s in stores], entries, limit)
+        scores = index_scores_each(q_idx, w, keys, entries, limit)
     plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
+
+
+def _visible(
+    plan: DecodePlan, segs: list[Segment], kv_src: int, ratio: int
+) -> tuple[list[StoredKeys], torch.Tensor, int]:
+    """``plan.visible[kv_src]``, taken on the first call of the step: each request's index keys of ``kv_src``
+    (none when the requests share a pool and are scored in one call over it, `BatchTables.keys`), how many it
+    sees (`visible_entries`: a prefix of its own entries, ``min((t + 1) // ratio, held)``, int64 [B]) and the
+    most entries any request holds."""
+    got = plan.visible.get(kv_src)
+    if got is None:
+        stores = [seg.state.index_keys[kv_src] for seg in segs]
+        lengths = [len(s) for s in stores]
+        pos = plan.positions
+        limit = torch.minimum(
+            torch.div(pos + 1, ratio, rounding_mode="floor"), torch.tensor(lengths, device=pos.device)
+        )
+        each = plan.tables.shared is None or len(segs) == 1
+        got = plan.visible[kv_src] = ([StoredKeys.of(s) for s in stores] if each else [], limit, max(lengths))
+    return got
 
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:

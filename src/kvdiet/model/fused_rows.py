@@ -53,9 +53,11 @@ def project_rows(
     kernels = fused_kernels(x, w_a, w_b, rot.rope_dim)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None
-    b_weight = None if w_b is None else w_b.weight
+    # the parameters' own dicts: nn.Module's attribute fallback costs about a microsecond a lookup
+    b_weight = None if w_b is None else w_b._parameters["weight"]
+    a_weight, n_weight = w_a._parameters["weight"], norm._parameters["weight"]
     return kernels.project_rows(
-        x, w_a.weight, norm.weight, norm.eps, b_weight, heads, head_dim, rot.cis, rot.rope_dim
+        x, a_weight, n_weight, norm.eps, b_weight, heads, head_dim, rot.cis, rot.rope_dim
     )
 
 
@@ -67,7 +69,8 @@ def project_out_rows(
     kernels = fused_kernels(o, wo_a, wo_b, rot.rope_dim)
     if kernels is None or not o.is_contiguous():
         return None
-    return kernels.project_out_rows(o, rot.cis_inverse, rot.rope_dim, wo_a.weight, groups, wo_b.weight)
+    a_weight, b_weight = wo_a._parameters["weight"], wo_b._parameters["weight"]
+    return kernels.project_out_rows(o, rot.cis_inverse, rot.rope_dim, a_weight, groups, b_weight)
 
 
 def expert_groups(
@@ -97,5 +100,5 @@ def expert_groups(
     kernels = native.fp4_kernels()
     if kernels is None:
         return None
-    w1s, w3s, w2s = ([d[j] for d in dense] for j in range(3))
+    w1s, w3s, w2s = map(list, zip(*dense, strict=True))  # no Python frame per list
     return kernels.expert_groups(x, ids, weights, used, w1s, w3s, w2s, [e.swiglu_limit for e in group])

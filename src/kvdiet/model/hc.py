@@ -101,7 +101,7 @@ def sublayer_entry(
         entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
-                h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm.weight, norm.eps,
+                h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm._parameters["weight"], norm.eps,
                 cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix,
             )  # fmt: skip
         if entered is not None:
@@ -125,13 +125,16 @@ def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part:
     fn_name, scale_name, base_name = _NAMES[part]
     params = block._parameters
     fn, scale, base = params[fn_name], params[scale_name], params[base_name]
+    dtype, grad = _compute_dtype(h), torch.is_grad_enabled()
+    weights = block.hc_weights.get(part)
+    # kept weights are never of inference tensors (below), so the same objects are not: `current` may read
+    # their version counters
+    if not grad and weights is not None and weights.current(fn, scale, base, dtype):
+        return weights
     # the cached tensors are detached: gradients need the parameters themselves; inference tensors keep no
     # version counter, so an in-place write could not be seen
-    if torch.is_grad_enabled() or fn.is_inference() or scale.is_inference() or base.is_inference():
-        return HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
-    weights = block.hc_weights.get(part)
-    if weights is None or not weights.current(fn, scale, base, _compute_dtype(h)):
-        weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=_compute_dtype(h))
+    weights = HcWeights.build(fn, scale, base, hc_mult=cfg.hc_mult, dtype=dtype)
+    if not (grad or fn.is_inference() or scale.is_inference() or base.is_inference()):
         block.hc_weights[part] = weights
     return weights
 
@@ -288,13 +291,13 @@ class HcWeights:
 
 def _stamp(fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     """(version, data pointer) of each parameter: an in-place write through autograd bumps the first, a
-    replaced storage changes the second."""
-    return (*_version_ptr(fn), *_version_ptr(scale), *_version_ptr(base))
-
-
-def _version_ptr(t: torch.Tensor) -> tuple[int, int]:
-    """An inference tensor keeps no version counter: −1 (`sublayer_coefficients` does not cache those)."""
-    return (-1 if t.is_inference() else t._version, t.data_ptr())
+    replaced storage changes the second. An inference tensor keeps no version counter: −1
+    (`sublayer_coefficients` does not cache those)."""
+    try:
+        return (fn._version, fn.data_ptr(), scale._version, scale.data_ptr(), base._version, base.data_ptr())
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        pairs = [(-1 if t.is_inference() else t._version, t.data_ptr()) for t in (fn, scale, base)]
+        return (*pairs[0], *pairs[1], *pairs[2])
 
 
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

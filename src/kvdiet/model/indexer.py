@@ -86,11 +86,13 @@ class Indexer(nn.Module):
             return None  # another codec (exact mode) rounds otherwise
         if x.dtype != torch.float32 or not x.is_cpu:
             return None
-        kernels = fused_kernels(qr, self.wq_b, self.weights_proj, rot.rope_dim)
+        mods = self._modules  # no nn.Module attribute fallback (about a microsecond a lookup)
+        wq_b, weights_proj = mods["wq_b"], mods["weights_proj"]
+        kernels = fused_kernels(qr, wq_b, weights_proj, rot.rope_dim)
         if kernels is None:
             return None
         lo, hi = INDEX_KEY.scale_bytes
         return kernels.index_query_rows(
-            qr, self.wq_b.weight, self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x, self.weights_proj.weight,
-            self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
+            qr, wq_b._parameters["weight"], self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x,
+            weights_proj._parameters["weight"], self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
         )  # fmt: skip

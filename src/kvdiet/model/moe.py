@@ -97,23 +97,29 @@ class Gate(nn.Module):
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
-        if self.tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, self.weight):
+        # the parameters' and buffers' own dicts: nn.Module's attribute fallback costs a microsecond a lookup
+        weight, bias, tid2eid = (
+            self._parameters["weight"],
+            self._parameters.get("bias"),
+            self._buffers["tid2eid"],
+        )
+        if tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, weight):
             kernels = native.fp4_kernels()
             routed = None if kernels is None else kernels.route_rows(
-                x, self.weight, self.bias, self.topk, self.norm_topk_prob, self.routed_scaling_factor
+                x, weight, bias, self.topk, self.norm_topk_prob, self.routed_scaling_factor
             )  # fmt: skip
             if routed is not None:
                 return routed
         dt = x.dtype
-        scores = torch.sqrt(F.softplus(x @ as_dtype(self.weight, dt).T))  # [T, E]
-        if self.tid2eid is not None:
+        scores = torch.sqrt(F.softplus(x @ as_dtype(weight, dt).T))  # [T, E]
+        if tid2eid is not None:
             if token_ids is None:
                 raise ValueError("a hash-routed MoE layer needs the token ids")
-            ids = self.tid2eid[token_ids]
+            ids = tid2eid[token_ids]
             if bool(((ids < 0) | (ids >= scores.shape[1])).any()):
                 raise ValueError(f"tid2eid names an expert outside [0, {scores.shape[1]})")
         else:
-            order = torch.sort(scores + as_dtype(self.bias, dt), dim=-1, descending=True, stable=True).indices
+            order = torch.sort(scores + as_dtype(bias, dt), dim=-1, descending=True, stable=True).indices
             ids = order[:, : self.topk]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob and self.topk > 1:
@@ -257,10 +263,11 @@ class MoE(nn.Module):
             ValueError: see `Gate.forward`.
         """
         x = widen(x)
-        weights, ids = self.gate(x, token_ids)  # [T, k] each
-        one_row = ids.shape[0] == 1 and len(set(ids[0].tolist())) == ids.shape[1]
-        if one_row:
-            return self._one_row(x, weights, ids)
+        weights, ids = self._modules["gate"](x, token_ids)  # [T, k] each
+        if ids.shape[0] == 1:
+            id_list = ids.tolist()[0]  # no ``ids[0]`` view to dispatch
+            if len(set(id_list)) == len(id_list):
+                return self._one_row(x, weights, ids, id_list)
         return self._routed_grouped(x, weights, ids, padded=padded)
 
     def _fetch(self, ids: list[int]) -> list[Expert]:
@@ -268,26 +275,30 @@ class MoE(nn.Module):
         resident ones straight from the ModuleList's own dict (its ``__getitem__`` costs about a microsecond)."""
         if self.routed is not None:
             return [self.routed[e] for e in ids]
-        mods = self.experts._modules
+        mods = self._modules["experts"]._modules
         return [mods[str(e)] for e in ids]
 
-    def _one_row(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _one_row(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, id_list: list[int] | None = None
+    ) -> torch.Tensor:
         """The FFN of one row whose k experts all differ (a decode step of one request): each expert's group is
         that row, so `_routed_grouped`'s products and k-slot sum without the sorting into groups; the shared
         expert runs with the routed ones (`run_experts`).
 
-        x: [1, hidden]; weights [1, k]; ids int64 [1, k] -> [1, hidden] in x's dtype.
+        x: [1, hidden]; weights [1, k]; ids int64 [1, k] (``id_list``: its row as a list, when the caller has it)
+        -> [1, hidden] in x's dtype.
         """
-        k = ids.shape[1]
-        id_list = ids[0].tolist()
+        id_list = ids[0].tolist() if id_list is None else id_list
+        k = len(id_list)
         chosen = self._fetch(id_list)
         by_id = dict(zip(id_list, chosen, strict=True))
         used = sorted(by_id)
-        row = expert_groups(x, weights, ids, used, [by_id[e] for e in used], self.shared_experts)
+        shared_expert = self._modules["shared_experts"]
+        row = expert_groups(x, weights, ids, used, [by_id[e] for e in used], shared_expert)
         if row is not None:
             return row
         slots = weights.split(1, dim=1)  # k views [1, 1], as weights[:, j : j + 1], in one call
-        *routed, shared = run_experts([*chosen, self.shared_experts], [x] * (k + 1), [*slots, None])
+        *routed, shared = run_experts([*chosen, shared_expert], [x] * (k + 1), [*slots, None])
         routed = torch.cat([as_dtype(out, x.dtype) for out in routed]).view(1, k, -1).sum(1)
         return routed + shared
 

@@ -164,13 +164,17 @@ def select_topk_at(
         raise ValueError(f"select_topk_at needs k >= 1, got {k}")
     q, c = scores.shape
     kk = min(k, num_entries)
+    if c and kk:
+        pos, ok = select_topk(scores, k)
+        if pos.shape[1] >= kk:  # no column left to fill: the chosen ones as they are
+            pos, ok = pos[:, :kk], ok[:, :kk].contiguous()
+            return entries.gather(1, pos).masked_fill_(~ok, 0), ok
     idx = torch.zeros(q, kk, dtype=torch.int64, device=scores.device)
     valid = torch.zeros(q, kk, dtype=torch.bool, device=scores.device)
     if c and kk:
-        pos, ok = select_topk(scores, k)
-        m = min(kk, pos.shape[1])  # columns past kk are invalid: valid slots come first
-        idx[:, :m] = entries.gather(1, pos[:, :m]).masked_fill_(~ok[:, :m], 0)
-        valid[:, :m] = ok[:, :m]
+        m = pos.shape[1]  # columns past it are invalid: valid slots come first
+        idx[:, :m] = entries.gather(1, pos).masked_fill_(~ok, 0)
+        valid[:, :m] = ok
     return idx, valid
 
 

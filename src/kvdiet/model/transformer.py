@@ -354,7 +354,7 @@ class Transformer(nn.Module):
                 )
             elif plan is not None:
                 x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
-                out = block.attn(x, segs, plan)
+                out = block._modules["attn"](x, segs, plan)  # no nn.Module attribute fallback (a microsecond)
             else:
                 x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
                 out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
