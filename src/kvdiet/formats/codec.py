@@ -82,9 +82,8 @@ class Codec:
             ValueError: a slot outside its ring (before anything is read), or as ``encode`` / ``decode`` (a
                 non-finite ``kv``, a held row that does not decode).
         """
-        if (
-            kv.is_neg()
-        ):  # a lazily negated key is read as its value on both paths (no dispatch when it is not)
+        # a lazily negated key is read as its value on both paths (no dispatch when it is not)
+        if kv.is_neg():
             kv = kv.resolve_neg()
         if self.fused_read is not None and (fused := self.fused_read(kv, rings, slots, held)) is not None:
             return fused
