@@ -223,6 +223,35 @@ def test_expand_rows_equal_the_torch_formula_bit_for_bit(hc, rows, hidden, speci
         _assert_same((direct,), (want,))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "hc", "hidden"), [(17, 4, 64), (300, 4, 17), (2048, 4, 64), (61, 2, 256)])
+def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidden, threads):
+    """``any_rows``: more rows than a decode step's (a prefill's, as `hc_expand` asks) = the torch formula to the
+    bit on adversarial values (±0, subnormals, huge, ±inf), on one and two threads; NaN outputs still declined;
+    without ``any_rows`` they are declined."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(rows + hidden)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for specials in (False, True):
+            x = _values(rows * hidden, gen, specials=specials, nan=False).view(rows, hidden)
+            residual = _values(rows * hc * hidden, gen, specials=specials, nan=False).view(rows, hc, hidden)
+            post = _values(rows * hc, gen, specials=specials, nan=False).view(rows, hc)
+            comb = _values(rows * hc * hc, gen, specials=specials, nan=False).view(rows, hc, hc)
+            want = _expand_formula(x, residual, post, comb)
+            assert kernels.hc_expand_rows(x, residual, post, comb) is None
+            got = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
+            if want.isnan().any():
+                assert got is None and specials
+            else:
+                _assert_same((got,), (want,))
+            with torch.no_grad():
+                _assert_same((hc_expand(x, residual, post, comb),), (want,))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_expand_rows_decline_what_they_do_not_fit():
     kernels = _kernels()
     x, residual, post, comb = torch.randn(2, 8), torch.randn(2, 4, 8), torch.rand(2, 4), torch.rand(2, 4, 4)

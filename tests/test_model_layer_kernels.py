@@ -142,6 +142,58 @@ def test_rms_norm_falls_back_to_torch_where_the_kernel_does_not_fit(monkeypatch)
     assert len(calls) == 6
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_kernel_takes_a_prefills_rows_with_the_formulas_bits(threads):
+    """``any_rows``: any number of rows (a prefill's, as `RMSNorm` asks) = the torch formula to the bit, over
+    widths either side of the vector loops (and one row-count split past GRAIN_SIZE elements), adversarial
+    values, on one and two threads (torch's sum splits over rows); NaN outputs still declined. Without it, more
+    than `NORM_ROWS_MAX` rows are declined; `RMSNorm` runs such rows in the kernel."""
+    gen = torch.Generator().manual_seed(threads)
+    kernels = _kernels()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compared = 0
+        for rows, width in (
+            (17, 1),
+            (61, 17),
+            (256, 64),
+            (257, 79),
+            (300, 128),
+            (1000, 33),
+            (2048, 64),
+            (40, 1025),
+        ):
+            x = _values(rows * width, gen, specials=rows % 2 == 0, nan=False, inf=False).view(rows, width)
+            weight = _values(width, gen, specials=width % 3 == 0, nan=False)
+            for eps in (1e-20, 1e-6):
+                want = layers._torch_rms_norm(x, weight, eps)
+                got = kernels.rms_norm(x, weight, eps, any_rows=True)
+                assert kernels.rms_norm(x, weight, eps) is None
+                if want.isnan().any():
+                    assert got is None
+                else:
+                    _assert_same(got, want)
+                    compared += 1
+        assert compared >= 10
+    finally:
+        torch.set_num_threads(old)
+    norm = RMSNorm(64, 1e-20)
+    x = torch.randn(300, 64)
+    with torch.no_grad():
+        norm.weight.copy_(_values(64, gen, specials=False))
+        want = layers._torch_rms_norm(x, norm.weight, norm.eps)
+        assert layers.kernels_agree("rms_norm")
+        calls = []
+        torch_formula = layers._torch_rms_norm
+        layers._torch_rms_norm = lambda *a: calls.append(a) or torch_formula(*a)
+        try:
+            _assert_same(norm(x), want)
+        finally:
+            layers._torch_rms_norm = torch_formula
+        assert calls == []  # the kernel ran
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rotation_kernel_equals_torch_formula(d, inverse):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kvdiet.config import load_config
 from kvdiet.formats import native
 from kvdiet.model import gemv
+from kvdiet.model.expert_buffers import run_sorted_groups
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.moe import Expert, MoE, run_experts
 
@@ -622,3 +623,101 @@ def test_expert_groups_declines_weights_it_cannot_read_in_place():
         experts[2].w3.weight = w
         shared.w2.weight = torch.nn.Parameter(shared.w2.weight.t().contiguous().t())
         assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
+
+
+def _sorted_groups_case(inter: int, counts: list[int], seed: int):
+    """Experts picking their gates (`_picking_expert`), one per group of ``counts`` rows, the sorted pairs' rows
+    ``tokens`` of adversarial ``x`` (`_adversarial_rows`: ±inf too, so NaN outputs) and routing weights [N, 1]
+    with ±0, a subnormal, a huge value and an inf."""
+    hidden, n = 64, sum(counts)
+    experts = [_picking_expert(hidden, inter, _LIMIT, seed + g) for g in range(len(counts))]
+    x = _adversarial_rows(97, hidden, seed)
+    x[3, 0] = -3e38  # doubled: gate −inf, silu NaN
+    tokens = torch.randint(0, x.shape[0], (n,), generator=torch.Generator().manual_seed(seed))
+    weights = torch.rand(n, 1, generator=torch.Generator().manual_seed(seed + 1))
+    weights[:5, 0] = torch.tensor([-0.0, 1e-40, 3e30, math.inf, 0.0])
+    return experts, x, tokens, weights
+
+
+def _each_group(experts, x, tokens, weights, counts):
+    """Each group's rows through its expert's own forward (`Expert.forward`), concatenated in group order."""
+    outs, start = [], 0
+    for expert, count in zip(experts, counts, strict=True):
+        part = slice(start, start + count)
+        outs.append(expert(x.index_select(0, tokens[part]), weights[part]))
+        start += count
+    return torch.cat(outs)
+
+
+# group sizes either side of gemv.ROWS_MAX (16: the compiled row products below, the BLAS above), odd ones (a
+# silu scalar tail per group where inter is not a multiple of 32), and one over GRAIN_SIZE elements (600 × 64)
+_GROUP_COUNTS = [1, 16, 17, 3, 33, 100, 5, 600]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("inter", [64, 48])
+def test_sorted_groups_give_each_experts_forward_bits(inter, threads):
+    """`run_sorted_groups` = every group through its `Expert`'s forward, to the bit (NaN payloads included), on
+    adversarial rows and routing weights (see `_sorted_groups_case`); inter 48 puts a group's silu tail where
+    one silu over every group would not (so the silu runs per group: checked below)."""
+    experts, x, tokens, weights = _sorted_groups_case(inter, _GROUP_COUNTS, 11)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = run_sorted_groups(x, tokens, weights, _GROUP_COUNTS, experts)
+            want = _each_group(experts, x, tokens, weights, _GROUP_COUNTS)
+            assert got is not None and got.isnan().any()
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+            if inter % 32:
+                gates = [e.w1(x[tokens]).clamp(max=_LIMIT).flatten() for e in experts[:2]]
+                each = torch.cat([F.silu(g) for g in gates]).view(torch.int32)
+                assert not torch.equal(F.silu(torch.cat(gates)).view(torch.int32), each)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_sorted_groups_read_negated_views_and_decline_what_they_do_not_fit():
+    """Lazily negated rows, weights and routing weights are read as their values; None (the caller runs each
+    expert) under autograd, for a quantised or non-fp32 expert, two clamps, forward hooks, or a group whose rows
+    would not start 64-byte aligned (inter 40: 160-byte rows)."""
+    counts = [3, 20, 1]
+    experts, x, tokens, weights = _sorted_groups_case(64, counts, 5)
+    with torch.no_grad():
+        want = _each_group(experts, x, tokens, weights, counts)
+        got = run_sorted_groups(torch._neg_view(-x), tokens, torch._neg_view(-weights), counts, experts)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        w = experts[1].w2.weight
+        experts[1].w2.weight = torch.nn.Parameter(torch._neg_view(-w))
+        got = run_sorted_groups(x, tokens, weights, counts, experts)
+        assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        experts[1].w2.weight = torch.nn.Parameter(w.double())
+        assert run_sorted_groups(x, tokens, weights, counts, experts) is None
+        experts[1].w2.weight = w
+        experts[2].swiglu_limit = 0.0
+        assert run_sorted_groups(x, tokens, weights, counts, experts) is None
+        experts[2].swiglu_limit = _LIMIT
+        hook = experts[1].w3.register_forward_hook(lambda *_: None)
+        assert run_sorted_groups(x, tokens, weights, counts, experts) is None
+        hook.remove()
+        assert run_sorted_groups(x, tokens, weights, counts, experts) is not None
+        experts[0].w1.set_weight(experts[0].w1.weight.to(torch.float8_e4m3fn), torch.ones(1, 1), block=128)
+        assert run_sorted_groups(x, tokens, weights, counts, experts) is None
+        narrow, x40, tokens40, weights40 = _sorted_groups_case(40, counts, 5)
+        assert run_sorted_groups(x40, tokens40, weights40, counts, narrow) is None
+    assert run_sorted_groups(x, tokens, weights, counts, experts[1:] + experts[1:2]) is None  # autograd on
+
+
+def test_a_prefill_moe_gives_the_per_expert_forwards_bits(micro):
+    """`MoE.forward` on a prefill's rows (groups of more than 16 rows through `run_sorted_groups`) = each group
+    through its `Expert`'s forward (`_grouped_ref`), to the bit, on rows with ±0, subnormals and huge values."""
+    torch.manual_seed(6)
+    moe = MoE(micro)
+    x = torch.randn(300, micro.hidden_size) * 3
+    x[:4, :3] = torch.tensor([[-0.0, 1e-40, 1e30]])
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        assert max(torch.bincount(ids.flatten()).tolist()) > gemv.ROWS_MAX
+        got = moe(x)
+        want = _grouped_ref(x, weights, ids, moe.experts, moe.shared_experts)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

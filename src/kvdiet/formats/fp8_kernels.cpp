@@ -212,9 +212,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("any_rows") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("hc_enter", &hc_enter, py::call_guard<py::gil_scoped_release>());
-  m.def("hc_expand_rows", &hc_expand_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("hc_expand_rows", &hc_expand_rows, py::arg("x"), py::arg("residual"), py::arg("post"), py::arg("comb"),
+        py::arg("any_rows") = false, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
   m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
   m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());

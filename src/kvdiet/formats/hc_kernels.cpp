@@ -16,9 +16,10 @@
 //   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): the products one IEEE multiply each into a [T, hc, hidden]
 //     tensor, summed over hc by torch's own at::sum (as hc_collapse sums them), then rmsnorm_kernels.cpp's rms_norm.
 // hc_expand_rows(x, residual, post, comb): x float32 [T, hidden], residual float32 [T, hc, hidden], post float32
-//   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows) -> float32 [T, hc, hidden], or std::nullopt for any
-//   other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual),
-//   torch's own product (then one IEEE multiply and one add per element: hc_expand's formula).
+//   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows, or any number with any_rows: a prefill's) -> float32
+//   [T, hc, hidden], or std::nullopt for any other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i]
+//   with mixed = at::bmm(combᵀ, residual), torch's own product on the formula's operands (then one IEEE multiply
+//   and one add per element: hc_expand's formula), so no step depends on the number of rows but torch's own.
 //   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
 //   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
 
@@ -86,12 +87,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
 }
 
 std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& post,
-                                         const at::Tensor& comb) {
+                                         const at::Tensor& comb, bool any_rows = false) {
   for (const at::Tensor* t : {&x, &residual, &post, &comb})
     if (!hc_float_cpu(*t)) return {};
   if (residual.dim() != 3) return {};
   const int64_t rows = residual.size(0), hc = residual.size(1), hidden = residual.size(2);
-  if (rows < 1 || rows > kHcRowsMax) return {};
+  if (rows < 1 || (!any_rows && rows > kHcRowsMax)) return {};
   if (x.dim() != 2 || x.size(0) != rows || x.size(1) != hidden) return {};
   if (post.dim() != 2 || post.size(0) != rows || post.size(1) != hc) return {};
   if (comb.dim() != 3 || comb.size(0) != rows || comb.size(1) != hc || comb.size(2) != hc) return {};

@@ -2,7 +2,8 @@
 // the torch formula in kvdiet/model/layers.py (RMSNorm.forward). Compiled after gemv_kernels.cpp into the same
 // module (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
-// rms_norm: x float32 [..., dim] (contiguous, 1..kNormRowsMax rows, 1 <= dim <= kNormDimMax), weight float32
+// rms_norm: x float32 [..., dim] (contiguous, 1..kNormRowsMax rows, or any number of rows with any_rows: a
+//   prefill's, 1 <= dim <= kNormDimMax), weight float32
 //   [dim] (contiguous), eps -> float32 [..., dim] (contiguous); any other input, and any output with a NaN, gets
 //   std::nullopt (the caller runs the torch formula: where two NaNs meet in a product, the one torch keeps
 //   depends on the element's place in its loop, vector body or scalar tail). The squares x·x are this file's
@@ -13,6 +14,9 @@
 //   weight[j]. No FMA contraction (the module is built with -ffp-contract=off). kvdiet.model.layers checks these
 //   bits against the torch formula once per process before it uses the kernel.
 //   Why: the torch formula is six ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
+//   Nothing here depends on the number of rows but torch's at::sum, which is the formula's own call on a tensor
+//   of the same shape (its split over threads is over rows, each row summed by one thread in either), so a
+//   prefill's rows (any_rows) get the formula's bits too; the default cap keeps a decode step's contract.
 
 #include <cmath>
 #include <cstring>
@@ -66,7 +70,7 @@ bool any_nan(const float* x, int64_t n) {
 
 }  // namespace
 
-std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool any_rows = false) {
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || x.dim() < 1 || !x.is_contiguous()) return {};
   if (x.is_neg() || weight.is_neg()) return {};  // lazy neg views: the data is not the value
   if (!weight.device().is_cpu() || weight.scalar_type() != at::kFloat || weight.dim() != 1 ||
@@ -75,7 +79,7 @@ std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight
   const int64_t dim = x.size(-1);
   if (dim < 1 || dim > kNormDimMax || weight.size(0) != dim) return {};
   const int64_t rows = x.numel() / dim;
-  if (rows < 1 || rows > kNormRowsMax) return {};
+  if (rows < 1 || (!any_rows && rows > kNormRowsMax)) return {};
   const float* xp = x.const_data_ptr<float>();
   const float* wp = weight.const_data_ptr<float>();
   at::Tensor squares = at::empty({rows, dim}, x.options());

@@ -17,7 +17,7 @@ same projections and `attend` over whole sequences without any cache.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,8 @@ from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
 from kvdiet.model.indexer import Indexer
 from kvdiet.model.layers import RMSNorm, Rope, Rotation, as_dtype
 from kvdiet.model.linear import Linear
+from kvdiet.model.row_tables import RowTables
+from kvdiet.model.segment import Segment
 from kvdiet.model.selection import (
     candidate_entries,
     select_candidate_blocks,
@@ -40,7 +42,6 @@ from kvdiet.model.selection import (
     select_topk_at,
     visible_entries,
 )
-from kvdiet.model.state import RequestState
 
 if TYPE_CHECKING:
     from kvdiet.model.decode_step import DecodePlan
@@ -97,6 +98,15 @@ def attend(
     return out
 
 
+def _band_mask(w: int, win_pos: torch.Tensor, pos: torch.Tensor, floor: int, first: int) -> torch.Tensor:
+    """`Attention.window_band`'s mask bool [T, w]: the band slots' positions (``win_pos`` int64 [L] after w − 1
+    padding slots at −1, query 0's band from padded slot ``first``) in ``[max(pos − w + 1, floor), pos]``."""
+    padded_pos = torch.cat([win_pos.new_full((w - 1,), -1), win_pos])
+    band_pos = padded_pos.as_strided((pos.shape[0], w), (1, 1), first)
+    lo = torch.clamp(pos - w + 1, min=floor)[:, None]
+    return (band_pos >= lo) & (band_pos <= pos[:, None]) & (band_pos >= 0)
+
+
 def grouped_product(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``einsum("tgd,grd->tgr", o, w)`` → [T, G, R] for a contiguous ``o`` [T, G, D] and ``w`` [G, R, D]: the one
     ``bmm`` einsum runs, over the same operand views (so the same values bit for bit), without einsum's
@@ -105,45 +115,6 @@ def grouped_product(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     t, g, d = o.shape
     left = o.view(g, 1, d) if t == 1 else o.transpose(0, 1)  # einsum's [G, T, D] operand
     return torch.bmm(left, w.transpose(1, 2)).transpose(0, 1)
-
-
-@dataclass(slots=True)
-class Segment:
-    """One request's rows in a forward call, and what layers publish to later layers during that call.
-
-    Attributes:
-        state: the request's caches (mutated by the layers).
-        positions: int64 [T] consecutive absolute positions of the rows.
-        window_floor: window keys at positions below this are never read.
-        topk: ``{index-source layer: (idx int64 [T, k], valid bool [T, k])}`` for these rows.
-        candidates: the candidate source's kept blocks ``(block ids [T, Kb], valid)`` for these rows.
-        decoded_main: per-call decoded copies of a KV source's main-KV entries (read-only).
-    """
-
-    state: RequestState
-    positions: torch.Tensor
-    window_floor: int = 0
-    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
-    decoded_main: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def start_pos(self) -> int:
-        return int(self.positions[0])
-
-    def last_rows(self, keep: int, window_floor: int) -> Segment:
-        """The same request narrowed to its last ``keep`` rows (decoder bounded replay)."""
-        cut = self.positions.shape[0] - keep
-        topk = {layer: (i[cut:], v[cut:]) for layer, (i, v) in self.topk.items()}
-        cand = None if self.candidates is None else (self.candidates[0][cut:], self.candidates[1][cut:])
-        return Segment(
-            self.state,
-            self.positions[cut:],
-            max(self.window_floor, window_floor),
-            topk,
-            cand,
-            self.decoded_main,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,22 +249,24 @@ class Attention(nn.Module):
     def attend_rows(self, x: torch.Tensor, seg: Segment) -> torch.Tensor:
         """Attention for rows ``x`` [T, hidden] at ``seg.positions`` (global caches already up to date)."""
         pos, info, state = seg.positions, self.info, seg.state
-        rot = self.rope.at(pos)
+        rot = seg.tables.rotation(self.rope, pos)
         qr, q = self.project_q(x, rot)
         kv = self.codecs.window.roundtrip(self.project_window_kv(x, rot))
         ring = state.windows[info.layer_id]
-        ring_kv, ring_pos = ring.read()
-        older = ring_pos < seg.start_pos
-        order = torch.argsort(ring_pos[older])
-        win_kv = torch.cat([ring_kv[older][order], kv])
-        win_pos = torch.cat([ring_pos[older][order], pos])
+        win_kv, win_pos = kv, pos  # from position 0 no ring entry is older than the rows
+        if seg.start_pos > 0:
+            ring_kv, ring_pos = ring.read()
+            older = ring_pos < seg.start_pos
+            order = torch.argsort(ring_pos[older])
+            win_kv = torch.cat([ring_kv[older][order], kv])
+            win_pos = torch.cat([ring_pos[older][order], pos])
         ring.write(kv, pos)
         if self.indexer is not None:
             q_idx, w = self.indexer.queries(qr, x, rot, self.codecs.index_key)
             seg.topk[info.layer_id] = self.select(q_idx, w, seg)
         if self.selection_observer is not None and info.compress_ratio:
             self.selection_observer(Selection(self, seg, x, qr, q, *seg.topk[info.idx_src]))
-        band_kv, band_mask = self.window_band(win_kv, win_pos, pos, seg.window_floor)
+        band_kv, band_mask = self.window_band(win_kv, win_pos, pos, seg.window_floor, seg.tables)
         t = pos.shape[0]
         o = torch.empty(t, self.n_heads, self.head_dim, device=q.device)
         k = self.index_topk if info.compress_ratio else 0
@@ -323,7 +296,12 @@ class Attention(nn.Module):
         return self.project_out(o, rot)
 
     def window_band(
-        self, win_kv: torch.Tensor, win_pos: torch.Tensor, pos: torch.Tensor, floor: int
+        self,
+        win_kv: torch.Tensor,
+        win_pos: torch.Tensor,
+        pos: torch.Tensor,
+        floor: int,
+        tables: RowTables | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's own window: ``(fp32 [T, W, D], bool [T, W])``, a view of ``win_kv`` and its mask.
 
@@ -331,16 +309,17 @@ class Attention(nn.Module):
         the front), ending with the T query rows at ``pos``. The keys query i may read (positions in
         ``[max(pos[i] − W + 1, floor), pos[i]]``) are then a run of at most W rows ending at its own row: row
         ``L − T + i``. Query i's band is the W rows ending there (the rows before the first are W − 1 padding
-        rows at position −1); the mask keeps the readable ones (`window_mask` of each query alone).
+        rows at position −1); the mask keeps the readable ones (`window_mask` of each query alone). With
+        ``tables`` (the rows' `RowTables`) and L = T (no entry before the rows), the mask, then a function of
+        ``pos``, W and ``floor`` alone, is the one ``tables`` keeps (read-only).
         """
         w, (n, d), t = self.window, win_kv.shape, pos.shape[0]
         padded = torch.cat([win_kv.new_zeros(w - 1, d), win_kv])
-        padded_pos = torch.cat([win_pos.new_full((w - 1,), -1), win_pos])
         first = n - t  # padded row of query 0's oldest band slot: (n − t + w − 1) − (w − 1)
         band = padded.as_strided((t, w, d), (d, d, 1), first * d)
-        band_pos = padded_pos.as_strided((t, w), (1, 1), first)
-        lo = torch.clamp(pos - w + 1, min=floor)[:, None]
-        return band, (band_pos >= lo) & (band_pos <= pos[:, None]) & (band_pos >= 0)
+        if tables is not None and first == 0:
+            return band, tables.band_mask(w, floor, lambda: _band_mask(w, win_pos, pos, floor, first))
+        return band, _band_mask(w, win_pos, pos, floor, first)
 
     def _gather_main(self, seg: Segment, idx: torch.Tensor) -> torch.Tensor:
         """Decoded main-KV entries of ``kv_src`` at ``idx`` [B, k] → fp32 [B, k, D]; decodes the whole

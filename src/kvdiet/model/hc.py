@@ -52,7 +52,8 @@ def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
 
 
 KERNEL_ROWS = 16
-"""The most rows ``hc_enter`` and ``hc_expand_rows`` take (``kHcRowsMax``: a batched decode step's)."""
+"""The most rows ``hc_enter`` takes, and ``hc_expand_rows`` unless asked for any number (``kHcRowsMax``: a batched
+decode step's)."""
 
 _NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
 
@@ -320,12 +321,13 @@ def hc_expand(
     Returns:
         fp32 [..., T, hc, hidden].
 
-    fp32 CPU rows (at most `KERNEL_ROWS`, no autograd: a decode step's) run in one compiled call (``hc_expand_rows``,
-    ``formats/hc_kernels.cpp``: the same ``bmm``, then each element's multiply and add), with the same bits.
+    fp32 CPU rows (any number, ``any_rows``: a decode step's and a prefill's; no autograd) run in one compiled call
+    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, then each element's multiply and add), with
+    the same bits; it declines NaN outputs.
     """
-    if not torch.is_grad_enabled() and residual.dim() == 3 and residual.shape[0] <= KERNEL_ROWS:
+    if not torch.is_grad_enabled() and residual.dim() == 3:
         kernels = native.fp4_kernels()
-        out = None if kernels is None else kernels.hc_expand_rows(x, residual, post, comb)
+        out = None if kernels is None else kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
         if out is not None:
             return out
     residual = widen(residual)

@@ -48,8 +48,9 @@ __all__ = [
 ]
 
 NORM_ROWS_MAX = 16
-"""The most rows `RMSNorm` sends to the compiled ``rms_norm`` (a batched decode step of up to 16 requests; a
-prefill's rows stay with torch), each of at most `WIDTH_MAX` floats (the kernel's ``kNormRowsMax``)."""
+"""The most rows the compiled ``rms_norm`` takes unless asked for any number (``any_rows``, as `RMSNorm` asks: a
+prefill's rows too; the kernel's ``kNormRowsMax``, a batched decode step of up to 16 requests), each of at most
+`WIDTH_MAX` floats."""
 ROPE_ROWS_MAX = 256
 """The most rows `Rotation.apply` sends to the compiled ``rope_rotate`` (a decode step of 16 requests' queries of
 up to 16 heads), each of at most `WIDTH_MAX` floats (the kernel's ``kRopeRowsMax``)."""
@@ -104,12 +105,13 @@ class RMSNorm(nn.Module):
         """x: [..., dim] any float dtype -> [..., dim] in its compute dtype (`widen`: fp32, or fp64).
 
         The compiled ``rms_norm`` runs an fp32 ``x`` with no gradient to track when it fits: ``x`` contiguous on
-        the CPU, 1..`NORM_ROWS_MAX` rows, 1 ≤ dim ≤ `WIDTH_MAX`, neither ``x`` nor ``weight`` a lazy negative view,
-        and no output is NaN; it returns a new contiguous tensor with the torch formula's bits.
+        the CPU, any number of rows (``any_rows``: its one row-count-dependent step is torch's own ``at::sum`` on
+        the formula's shape), 1 ≤ dim ≤ `WIDTH_MAX`, neither ``x`` nor ``weight`` a lazy negative view, and no
+        output is NaN; it returns a new contiguous tensor with the torch formula's bits.
         """
         if x.dtype == torch.float32 and x.is_cpu and _untracked(x, self.weight):
             kernels = _checked_kernels("rms_norm")
-            out = None if kernels is None else kernels.rms_norm(x, self.weight, self.eps)
+            out = None if kernels is None else kernels.rms_norm(x, self.weight, self.eps, any_rows=True)
             if out is not None:  # else it does not fit, or an output is NaN
                 return out
         return _torch_rms_norm(x, self.weight, self.eps)
@@ -291,13 +293,13 @@ def kernels_agree(op: str, rope_dim: int | None = None) -> bool:
     """Whether the compiled ``op`` (``"rms_norm"`` or ``"rope_rotate"``) gives the torch formula's bits on
     adversarial inputs on this machine, checked once per process (some 20 ms); a mismatch logs a warning.
 
-    The inputs: rows 1, 3 and 16; every width 1..80 and either side of 128, 256, 512, 1024 for the norm (every
-    split of a vector loop and its tail), eps 1e-20 and 1e-6; rope_dim 32, 64 and 128 for the rotation, inverse
-    too, on ``[H, T, D]`` transposed views as attention passes them and on ``[T, D]``; values normal, ±0, ±inf,
-    subnormal, near the fp32 limits (no NaN inputs: the kernels decline NaN outputs, which inf · 0 still makes).
-    With ``rope_dim`` (the rotation only, an even rope_dim that is not a multiple of 32): that rope_dim on every
-    row count 1..16 (torch's loop length, hence whether it reaches its scalar tail, is a multiple of rope_dim/2
-    set by the rows), with ``cis`` per row and broadcast over the heads.
+    The inputs: rows 1, 3 and 16 (and 61 for the norm at `_PREFILL_WIDTHS`); every width 1..80 and either side of
+    128, 256, 512, 1024 for the norm (every split of a vector loop and its tail), eps 1e-20 and 1e-6; rope_dim 32,
+    64 and 128 for the rotation, inverse too, on ``[H, T, D]`` transposed views as attention passes them and on
+    ``[T, D]``; values normal, ±0, ±inf, subnormal, near the fp32 limits (no NaN inputs: the kernels decline NaN
+    outputs, which inf · 0 still makes). With ``rope_dim`` (the rotation only, an even rope_dim that is not a
+    multiple of 32): that rope_dim on every row count 1..16 (torch's loop length, hence whether it reaches its
+    scalar tail, is a multiple of rope_dim/2 set by the rows), with ``cis`` per row and broadcast over the heads.
 
     Raises:
         ValueError: an unknown ``op``, or a ``rope_dim`` that is odd, a multiple of 32 or given for the norm;
@@ -339,11 +341,16 @@ def _cases(
     """(compiled result or None, torch formula's result) pairs of `kernels_agree`'s inputs."""
     if op == "rms_norm":
         for width in [*range(1, 81), 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024, 1025]:
-            for rows in (1, 3, 16):
+            for rows in (
+                (1, 3, 16, 61) if width in _PREFILL_WIDTHS else (1, 3, 16)
+            ):  # 61: a prefill's (any_rows)
                 x = _adversarial(rows * width, gen, nan=False).view(rows, width)
                 weight = _adversarial(width, gen, nan=False)
                 for eps in (1e-20, 1e-6):
-                    yield kernels.rms_norm(x, weight, eps), _torch_rms_norm(x, weight, eps)
+                    yield (
+                        kernels.rms_norm(x, weight, eps, any_rows=rows > 16),
+                        _torch_rms_norm(x, weight, eps),
+                    )
         return
     if rope_dim is None:
         shapes = [
@@ -365,6 +372,9 @@ def _cases(
                 yield kernels.rope_rotate(x, c[:, None], d), _torch_rotate(x, c[:, None], d)
 
 
+# Widths `kernels_agree` also checks at a prefill's row count (the vector and tail splits are every width's at 1..16
+# rows; what more rows add is torch's sum over them).
+_PREFILL_WIDTHS = (1, 17, 64, 79, 257, 1025)
 _SPECIALS = (0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-38, 3.4e38, -3.4e38, 1e19, 1e-19)
 
 
