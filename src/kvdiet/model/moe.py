@@ -98,12 +98,9 @@ class Gate(nn.Module):
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
-        # the parameters' and buffers' own dicts: nn.Module's attribute fallback costs a microsecond a lookup
-        weight, bias, tid2eid = (
-            self._parameters["weight"],
-            self._parameters.get("bias"),
-            self._buffers["tid2eid"],
-        )
+        # its own dicts: nn.Module's attribute fallback costs a microsecond a lookup
+        params, buffers = self._parameters, self._buffers
+        weight, bias, tid2eid = params["weight"], params.get("bias"), buffers["tid2eid"]
         if tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, weight):
             kernels = native.fp4_kernels()
             routed = None if kernels is None else kernels.route_rows(
