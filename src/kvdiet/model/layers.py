@@ -43,6 +43,7 @@ __all__ = [
     "as_dtype",
     "constant",
     "kernels_agree",
+    "member",
     "rope_kernels",
     "widen",
 ]
@@ -71,6 +72,24 @@ def widen(x: torch.Tensor) -> torch.Tensor:
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, skipping the call (about a microsecond) when ``x`` already has that dtype."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def member(module: nn.Module, name: str) -> torch.Tensor | None:
+    """``getattr(module, name)`` for a parameter or buffer ``name``: read from the module's own ``_parameters``
+    or ``_buffers`` dict where it is held there (nn.Module's attribute fallback costs about a microsecond a
+    lookup), else the attribute as nn.Module resolves it: a parametrized or pruned parameter
+    (``torch.nn.utils.parametrize`` and ``prune`` take it out of ``_parameters`` and compute it on access).
+
+    Raises:
+        AttributeError: ``module`` has no attribute ``name``.
+    """
+    params = module._parameters
+    if name in params:
+        return params[name]
+    buffers = module._buffers
+    if name in buffers:
+        return buffers[name]
+    return getattr(module, name)
 
 
 @functools.cache
