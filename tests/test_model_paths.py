@@ -479,3 +479,45 @@ def test_decode_window_compiled_equals_the_torch_path(both, micro: Transformer, 
             held = None if plan.window_held is None else plan.window_held[layer]
             fused = fp8.read_window(raw, rings, plan.window_slots, held)
             assert (attn.codecs.window.fused_read is None) == m.exact and (fused is not None) != m.exact
+
+
+def test_a_decode_step_reads_parametrized_weights_as_the_modules_do() -> None:
+    """``torch.nn.utils.parametrize`` takes a parameter out of its module's ``_parameters`` and computes it on
+    access: a decode step of a model whose floating weights (every ``weight``, the attention sinks, the Engram
+    gate weights) are parametrized as twice their values gives the logits of the same model with those weights
+    doubled in place, bit for bit (the decode glue reads them through `member`, not the parameters' dicts)."""
+    from torch import nn
+    from torch.nn.utils import parametrize
+
+    class Twice(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w * 2.0
+
+    def logits(parametrized: bool) -> tuple[torch.Tensor, set[str]]:
+        m = Transformer.from_config(load_config("v4.1-micro"), seed=0, exact=False)
+        names = set()
+        for _, mod in list(m.named_modules()):
+            for name in ("weight", "attn_sink", "q_weight", "k_weight"):
+                p = mod._parameters.get(name)
+                if p is None or not p.dtype.is_floating_point:
+                    continue
+                names.add(f"{type(mod).__name__}.{name}")
+                if parametrized:
+                    parametrize.register_parametrization(mod, name, Twice())
+                else:
+                    with torch.no_grad():
+                        p.mul_(2.0)
+        state = m.new_state()
+        with torch.no_grad():
+            return torch.stack([m.decode([state], [t])[0] for t in _tokens(6, seed=4).tolist()]), names
+
+    want, names = logits(False)
+    got, _ = logits(True)
+    assert {
+        "Gate.weight",
+        "Engram.q_weight",
+        "Attention.attn_sink",
+        "RMSNorm.weight",
+        "Linear.weight",
+    } <= names
+    assert torch.isfinite(want).all() and torch.equal(got, want)

@@ -29,6 +29,7 @@ from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.fused_rows import project_out_rows, project_rows
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
 from kvdiet.model.layers import Rope, Rotation, as_dtype
+from kvdiet.model.member import member
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import RequestState, WindowRings
@@ -230,7 +231,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
         if key not in plan.gathered:
             plan.gathered[key] = _gather_main(attn, segs, plan)
         comp, comp_mask = plan.gathered[key]
-    o = decode_attend(q, win_kv, win_mask, comp, comp_mask, attn._parameters["attn_sink"], attn.scale)
+    o = decode_attend(q, win_kv, win_mask, comp, comp_mask, member(attn, "attn_sink"), attn.scale)
     out = project_out_rows(o, rot, mods["wo_a"], mods["wo_b"], attn.n_groups)
     return attn.project_out(o, rot) if out is None else out
 

@@ -17,6 +17,7 @@ from kvdiet.formats.fp8 import quantize_window
 from kvdiet.model.checkpoint import Checkpoint
 from kvdiet.model.layers import as_dtype
 from kvdiet.model.linear import Linear, ue8m0_values
+from kvdiet.model.member import member
 
 __all__ = ["Engram", "Fp8Embedding"]
 
@@ -122,14 +123,15 @@ class Engram(nn.Module):
             fp32 [..., T, hc, hidden].
         """
         h = as_dtype(h, torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
-        mods, params = self._modules, self._parameters  # no nn.Module attribute fallback (a microsecond each)
+        mods = self._modules  # no nn.Module attribute fallback (a microsecond each)
         rows = mods["embed"](row_ids).flatten(-2)  # [..., T, n_cols·head_dim]
         kv = mods["wkv"](rows)  # [..., T, (hc+1)·hidden]
         split = self.hc_mult * self.hidden
         # the slices as narrow views (Python indexing parses its key on every call)
         key = kv.narrow(-1, 0, split).unflatten(-1, (self.hc_mult, self.hidden))  # [..., T, hc, hidden]
         value = kv.narrow(-1, split, kv.shape[-1] - split)  # [..., T, hidden]
-        w = as_dtype(params["q_weight"], torch.float32) * as_dtype(params["k_weight"], torch.float32)
+        q_weight, k_weight = member(self, "q_weight"), member(self, "k_weight")
+        w = as_dtype(q_weight, torch.float32) * as_dtype(k_weight, torch.float32)
         # the two rsqrt factors multiplied first, as DeepSeek's reference orders it
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * w * key).sum(-1) * rstd * self.hidden**-0.5  # [..., T, hc]

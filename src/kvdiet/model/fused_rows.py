@@ -19,6 +19,7 @@ import torch
 from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.layers import kernels_agree, rope_kernels
+from kvdiet.model.member import member
 
 if TYPE_CHECKING:
     from kvdiet.model.layers import RMSNorm, Rotation
@@ -53,9 +54,8 @@ def project_rows(
     kernels = fused_kernels(x, w_a, w_b, rot.rope_dim)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None
-    # the parameters' own dicts: nn.Module's attribute fallback costs about a microsecond a lookup
-    b_weight = None if w_b is None else w_b._parameters["weight"]
-    a_weight, n_weight = w_a._parameters["weight"], norm._parameters["weight"]
+    b_weight = None if w_b is None else member(w_b, "weight")
+    a_weight, n_weight = member(w_a, "weight"), member(norm, "weight")
     return kernels.project_rows(
         x, a_weight, n_weight, norm.eps, b_weight, heads, head_dim, rot.cis, rot.rope_dim
     )
@@ -69,7 +69,7 @@ def project_out_rows(
     kernels = fused_kernels(o, wo_a, wo_b, rot.rope_dim)
     if kernels is None or not o.is_contiguous():
         return None
-    a_weight, b_weight = wo_a._parameters["weight"], wo_b._parameters["weight"]
+    a_weight, b_weight = member(wo_a, "weight"), member(wo_b, "weight")
     return kernels.project_out_rows(o, rot.cis_inverse, rot.rope_dim, a_weight, groups, b_weight)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
+from kvdiet.model.member import member
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
 
 __all__ = [
@@ -102,7 +103,7 @@ def sublayer_entry(
         entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
-                h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm._parameters["weight"], norm.eps,
+                h, weights.fn_t, weights.scale, weights.base, collapse_pre, member(norm, "weight"), norm.eps,
                 cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix,
             )  # fmt: skip
         if entered is not None:
@@ -124,8 +125,7 @@ def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
 def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
     """The `HcWeights` of ``block``'s ``part`` sublayer for streams ``h``, kept as `sublayer_coefficients` says."""
     fn_name, scale_name, base_name = _NAMES[part]
-    params = block._parameters
-    fn, scale, base = params[fn_name], params[scale_name], params[base_name]
+    fn, scale, base = member(block, fn_name), member(block, scale_name), member(block, base_name)
     dtype, grad = _compute_dtype(h), torch.is_grad_enabled()
     weights = block.hc_weights.get(part)
     # kept weights are never of inference tensors (below), so the same objects are not: `current` may read

@@ -22,6 +22,7 @@ from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
 from kvdiet.model.fused_rows import fused_kernels
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
+from kvdiet.model.member import member
 
 __all__ = ["Indexer"]
 
@@ -93,6 +94,6 @@ class Indexer(nn.Module):
             return None
         lo, hi = INDEX_KEY.scale_bytes
         return kernels.index_query_rows(
-            qr, wq_b._parameters["weight"], self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x,
-            weights_proj._parameters["weight"], self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
+            qr, member(wq_b, "weight"), self.n_heads, self.index_head_dim, rot.cis, rot.rope_dim, x,
+            member(weights_proj, "weight"), self.softmax_scale, INDEX_KEY.kernel, lo, hi, codec.width,
         )  # fmt: skip

@@ -37,6 +37,7 @@ from kvdiet.model.expert_cache import LayerExperts
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
+from kvdiet.model.member import member
 
 __all__ = ["Expert", "Gate", "MoE", "run_experts"]
 
@@ -98,9 +99,8 @@ class Gate(nn.Module):
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
-        # its own dicts: nn.Module's attribute fallback costs a microsecond a lookup
-        params, buffers = self._parameters, self._buffers
-        weight, bias, tid2eid = params["weight"], params.get("bias"), buffers["tid2eid"]
+        # `member`: the parameters' and buffers' own dicts (nn.Module's attribute fallback: a microsecond a lookup)
+        weight, bias, tid2eid = member(self, "weight"), member(self, "bias"), member(self, "tid2eid")
         if tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, weight):
             kernels = native.fp4_kernels()
             routed = None if kernels is None else kernels.route_rows(
@@ -160,13 +160,13 @@ class Expert(nn.Module):
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(w1, w3, w2)`` weights when all three are stored dense, else None."""
-        # the submodules' and parameters' own dicts: nn.Module's attribute fallback costs about a microsecond a
+        # the submodules' own dict and `member`: nn.Module's attribute fallback costs about a microsecond a
         # lookup, and a decode step asks for every used expert's weights in every layer
         mods = self._modules
         w1, w3, w2 = mods["w1"], mods["w3"], mods["w2"]
         if w1.storage != "dense" or w3.storage != "dense" or w2.storage != "dense":
             return None
-        return w1._parameters["weight"], w3._parameters["weight"], w2._parameters["weight"]
+        return member(w1, "weight"), member(w3, "weight"), member(w2, "weight")
 
 
 def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
