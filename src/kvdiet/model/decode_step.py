@@ -31,6 +31,7 @@ from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_
 from kvdiet.model.layers import Rope, Rotation, as_dtype
 from kvdiet.model.member import member
 from kvdiet.model.paged_pool import DevicePool
+from kvdiet.model.row_tables import RowTables
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import RequestState, WindowRings
 
@@ -61,8 +62,7 @@ class DecodePlan:
         window_mask: per layer l, bool [B, W], which of its window keys request b reads (``window_held``, then its
             new entry, always).
         tables: the batch's block tables (`BatchTables`).
-        rotations: ``{(rope_dim, RoPE base, YaRN): Rope.at(positions)}``, made by the step's first layer of each
-            table.
+        rows: the step's `RowTables`: each RoPE table's ``Rope.at(positions)``, made by its first layer.
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
@@ -81,7 +81,7 @@ class DecodePlan:
     window_held: tuple[torch.Tensor, ...] | None
     window_mask: tuple[torch.Tensor, ...]
     tables: BatchTables
-    rotations: dict[tuple[int, float, bool], Rotation] = field(default_factory=dict)
+    rows: RowTables = field(default_factory=RowTables)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -114,13 +114,8 @@ class DecodePlan:
         )
 
     def rotation(self, rope: Rope) -> Rotation:
-        """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (one model's
-        tables are told apart by width, base and YaRN: `Rope.for_layer`)."""
-        key = (rope.rope_dim, rope.base, rope.yarn)
-        rot = self.rotations.get(key)
-        if rot is None:
-            rot = self.rotations[key] = rope.at(self.positions)
-        return rot
+        """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
+        return self.rows.rotation(rope, self.positions)
 
     def attend(self, attn: Attention, x: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         """`decode_attention` of this step (what `Attention.forward` calls when given the plan)."""

@@ -21,21 +21,20 @@ __all__ = ["RowTables"]
 class RowTables:
     """One segment's shared tables for one forward call (empty until a layer asks).
 
-    Rotations are keyed by what `Rope.at` reads: ``rope_dim`` and the frequencies' dtype, device and bytes (the
-    model's layers of one RoPE base share one entry); band masks by ``(window, floor)``.
+    Rotations are keyed as `Rope.for_layer` tells a model's tables apart: ``(rope_dim, base, yarn)`` (the layers of
+    one table share one entry); band masks by ``(window, floor)``.
     """
 
     __slots__ = ("_bands", "_rotations")
 
     def __init__(self) -> None:
-        self._rotations: dict[tuple[int, str, str, bytes], Rotation] = {}
+        self._rotations: dict[tuple[int, float, bool], Rotation] = {}
         self._bands: dict[tuple[int, int], torch.Tensor] = {}
 
     def rotation(self, rope: Rope, positions: torch.Tensor) -> Rotation:
         """``rope.at(positions)`` (``positions`` int64 [T]: the segment's rows, the same on every call of this
         object), computed on the first call for that table and shared afterwards."""
-        freqs = rope.freqs
-        key = (rope.rope_dim, str(freqs.dtype), str(freqs.device), freqs.detach().cpu().numpy().tobytes())
+        key = (rope.rope_dim, rope.base, rope.yarn)
         rot = self._rotations.get(key)
         if rot is None:
             rot = self._rotations[key] = rope.at(positions)
