@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 import kvdiet.model.transformer as transformer_module
 from kvdiet.cli import main
 from kvdiet.config import load_config
+from kvdiet.formats.codec import CacheCodecs
 from kvdiet.model.placement import place, tensors_off_device
 from kvdiet.model.reference import forward_full
 from kvdiet.model.snapshot import restore_snapshot, snapshot_bytes
@@ -168,6 +169,26 @@ def test_every_allocation_names_its_device_or_runs_in_the_scope(monkeypatch) -> 
         restore_snapshot(states[0], snapshot_bytes(states[0], b"fp"), b"fp")
         model.decode(states, [5, 6])
     assert seen.calls == []
+
+
+@pytest.mark.parametrize("v4", [False, True], ids=["v41-codecs", "v4-codecs"])
+def test_the_codecs_allocate_on_their_inputs_device(device: str, v4: bool, monkeypatch) -> None:
+    """A codec called outside the device scope (a cache comparison, a benchmark filling a pool) allocates on
+    its input's device: the torch path makes no tensor without ``device=``, and the device gives the CPU's
+    bytes and values."""
+    monkeypatch.setenv("KVDIET_NATIVE_KERNELS", "0")  # the torch path: the one CUDA runs
+    codecs = CacheCodecs.for_v4(512, 128, 64) if v4 else CacheCodecs.for_dims(512, 128)
+    g = torch.Generator().manual_seed(7)
+    for codec in (codecs.main, codecs.index_key, codecs.window):
+        x = torch.randn(70, codec.dim, generator=g) * torch.logspace(-3, 3, 70)[:, None]
+        want = codec.encode(x)
+        with _Undeviced() as seen:
+            rows = codec.encode(x.to(device))
+            back = codec.decode(rows)
+        assert seen.calls == [], codec.name
+        assert rows.device.type == torch.device(device).type
+        assert torch.equal(rows.cpu(), want), codec.name
+        assert torch.equal(back.cpu(), codec.decode(want)), codec.name
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def encode_e2m1(y: torch.Tensor) -> torch.Tensor:
         ValueError: ``y`` is not float32/bfloat16/float16 or holds ±inf/NaN.
     """
     rows = as_rows(y.reshape(-1, 1), block=1, name="e2m1")
-    work = torch.empty(2 * rows.numel(), dtype=torch.int32)
+    work = torch.empty(2 * rows.numel(), dtype=torch.int32, device=rows.device)
     block_amax(rows.view(-1, 1, 1), work, name="e2m1")  # non-finite check
     return encode_e2m1_(rows.float().reshape(-1).clone(), work).to(torch.uint8).view(y.shape)
 
@@ -100,7 +100,7 @@ def decode_e2m1(codes: torch.Tensor, *, out: torch.Tensor | None = None) -> torc
         ValueError: ``codes`` is not uint8 or holds a value above 15.
     """
     _check_codes(codes)
-    table = torch.tensor(DECODE_TABLE, dtype=torch.float32 if out is None else out.dtype)
+    table = torch.tensor(DECODE_TABLE, dtype=torch.float32 if out is None else out.dtype, device=codes.device)
     index = codes.reshape(-1).to(torch.int32)
     if out is None:
         return torch.index_select(table, 0, index).view(codes.shape)

@@ -118,7 +118,13 @@ def _setup(x: Tensor, r: Fp4Recipe) -> tuple[Tensor, EntryFormat, Tensor, Tensor
     rows = as_rows(x, block=r.block, name=r.name)
     fmt = r.entry(rows.shape[1])
     n = chunk_rows(*rows.shape) * fmt.dim
-    return rows, fmt, torch.empty(n, dtype=torch.float32), torch.empty(2 * n, dtype=torch.int32)
+    dev = rows.device
+    return (
+        rows,
+        fmt,
+        torch.empty(n, dtype=torch.float32, device=dev),
+        torch.empty(2 * n, dtype=torch.int32, device=dev),
+    )
 
 
 def _quantize_chunk(xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: int) -> tuple[Tensor, Tensor]:
@@ -136,8 +142,8 @@ def _quantize_chunk(xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: i
 def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
     """``x [..., dim]`` → (codes uint8 ``[..., dim]``, scale bytes uint8 ``[..., dim/block]``)."""
     rows, fmt, ybuf, work = _setup(x, recipe)
-    codes = torch.empty(rows.shape, dtype=torch.uint8)
-    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8)
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8, device=rows.device)
     for sl in row_chunks(*rows.shape):
         c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
         codes[sl].copy_(c)
@@ -159,7 +165,7 @@ def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
             raise non_finite_error(recipe.name, bad)
         return packed.view(*x.shape[:-1], packed.shape[1])
     rows, fmt, ybuf, work = _setup(x, recipe)
-    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
+    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8, device=rows.device)
     assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
     for sl in row_chunks(*rows.shape):
         c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
@@ -193,7 +199,7 @@ def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: t
         s = recipe.scale_to_float(s2[sl])
         out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
 
-    return decode_rows(*c2.shape, fill, dtype=dtype, name=recipe.name).view(codes.shape)
+    return decode_rows(*c2.shape, fill, dtype=dtype, name=recipe.name, device=codes.device).view(codes.shape)
 
 
 def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
@@ -221,7 +227,7 @@ def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tens
         s = recipe.scale_to_float(rows[sl, fmt.scale_offset :])
         out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
 
-    return decode_rows(rows.shape[0], fmt.dim, fill, dtype=dtype, name=recipe.name).view(
+    return decode_rows(rows.shape[0], fmt.dim, fill, dtype=dtype, name=recipe.name, device=rows.device).view(
         *packed.shape[:-1], fmt.dim
     )
 

@@ -119,8 +119,8 @@ def _setup(rows: Tensor) -> tuple[EntryFormat, Tensor, Tensor]:
     n = chunk_rows(*rows.shape) * rows.shape[1]
     return (
         window_format(rows.shape[1]),
-        torch.empty(n, dtype=torch.float32),
-        torch.empty(n, dtype=torch.int32),
+        torch.empty(n, dtype=torch.float32, device=rows.device),
+        torch.empty(n, dtype=torch.int32, device=rows.device),
     )
 
 
@@ -128,8 +128,8 @@ def quantize_window(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x [..., dim]`` → (E4M3 codes uint8 ``[..., dim]``, UE8M0 scale bytes uint8 ``[..., dim/32]``)."""
     rows = as_rows(x, block=_BLOCK, name=_NAME)
     fmt, ybuf, work = _setup(rows)
-    codes = torch.empty(rows.shape, dtype=torch.uint8)
-    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8)
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8, device=rows.device)
     for sl in row_chunks(*rows.shape):
         quantize_e4m3_chunk_(
             rows[sl], codes[sl], scales[sl], ybuf, work, block=_BLOCK, name=_NAME, row=sl.start
@@ -145,7 +145,7 @@ def encode_window(x: Tensor) -> Tensor:
     """
     rows = as_rows(x, block=_BLOCK, name=_NAME)
     fmt, width = _format(rows.shape[1])
-    packed = torch.empty(rows.shape[0], width, dtype=torch.uint8)
+    packed = torch.empty(rows.shape[0], width, dtype=torch.uint8, device=rows.device)
     kernels = native.fp4_kernels() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
     if kernels is not None and (not rows.shape[0] or kernels.encode_fp8(rows, packed) < 0):
         return packed.view(*x.shape[:-1], width)
@@ -235,12 +235,12 @@ def fake_quant_window(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tenso
 
 
 def _decode(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    work = torch.empty(chunk_rows(*codes.shape) * codes.shape[1], dtype=torch.int16)
+    work = torch.empty(chunk_rows(*codes.shape) * codes.shape[1], dtype=torch.int16, device=codes.device)
 
     def fill(sl: slice, out: Tensor) -> None:
         dequantize_e4m3_chunk_(codes[sl], scales[sl], out, work, block=_BLOCK)
 
-    return decode_rows(*codes.shape, fill, dtype=dtype, name=_NAME)
+    return decode_rows(*codes.shape, fill, dtype=dtype, name=_NAME, device=codes.device)
 
 
 def _check_pair(codes: Tensor, scales: Tensor) -> EntryFormat:

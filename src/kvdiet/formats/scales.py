@@ -139,9 +139,16 @@ def e4m3_scale_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
 
 
 def decode_rows(
-    rows: int, dim: int, fill: Callable[[slice, torch.Tensor], None], *, dtype: torch.dtype, name: str
+    rows: int,
+    dim: int,
+    fill: Callable[[slice, torch.Tensor], None],
+    *,
+    dtype: torch.dtype,
+    name: str,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Allocate ``[rows, dim]`` of ``dtype``; ``fill(row_slice, out)`` writes each chunk as float32.
+    """Allocate ``[rows, dim]`` of ``dtype`` on ``device``; ``fill(row_slice, out)`` writes each chunk as
+    float32.
 
     Every dequantised value here is exact in bfloat16 (≤ 6 significant bits: an E2M1 value times an E4M3
     scale, or an E2M1/E4M3 value times a power of two, inside bf16's exponent range), so bfloat16 output is
@@ -150,8 +157,8 @@ def decode_rows(
     Raises:
         ValueError: ``dtype`` is neither float32 nor bfloat16.
     """
-    out = torch.empty(rows, dim, dtype=output_dtype(dtype, name=name))
-    scratch = None if dtype == torch.float32 else torch.empty(chunk_rows(rows, dim), dim)
+    out = torch.empty(rows, dim, dtype=output_dtype(dtype, name=name), device=device)
+    scratch = None if dtype == torch.float32 else torch.empty(chunk_rows(rows, dim), dim, device=device)
     for sl in row_chunks(rows, dim):
         chunk = out[sl] if scratch is None else scratch[: sl.stop - sl.start]
         fill(sl, chunk)

@@ -75,16 +75,23 @@ def _setup(x: Tensor, rope_dim: int) -> tuple[Tensor, EntryFormat, Tensor, Tenso
     rows = as_rows(x, block=1, name=_NAME)
     fmt = _entry(rows.shape[1], rope_dim)
     n = chunk_rows(*rows.shape) * fmt.dim
-    nope = torch.empty(chunk_rows(*rows.shape), fmt.quantised_dim, dtype=torch.uint8)
-    return rows, fmt, torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32), nope
+    dev = rows.device
+    nope = torch.empty(chunk_rows(*rows.shape), fmt.quantised_dim, dtype=torch.uint8, device=dev)
+    return (
+        rows,
+        fmt,
+        torch.empty(n, dtype=torch.float32, device=dev),
+        torch.empty(n, dtype=torch.int32, device=dev),
+        nope,
+    )
 
 
 def quantize_v4_record(x: Tensor, *, rope_dim: int = 64) -> tuple[Tensor, Tensor]:
     """``x [..., dim]`` → (codes int16 ``[..., dim]``, UE8M0 scale bytes uint8 ``[..., (dim − rope)/64]``)."""
     rows, fmt, ybuf, work, nope = _setup(x, rope_dim)
     q = fmt.quantised_dim
-    codes = torch.empty(rows.shape, dtype=torch.int16)
-    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8)
+    codes = torch.empty(rows.shape, dtype=torch.int16, device=rows.device)
+    scales = torch.empty(rows.shape[0], fmt.num_scales, dtype=torch.uint8, device=rows.device)
     for sl in row_chunks(*rows.shape):
         u8 = nope[: sl.stop - sl.start]
         quantize_e4m3_chunk_(rows[sl, :q], u8, scales[sl], ybuf, work, block=_BLOCK, name=_NAME, row=sl.start)
@@ -97,7 +104,7 @@ def encode_v4_record(x: Tensor, *, rope_dim: int = 64) -> Tensor:
     """Fused quantise + pack (the cache write): ``x [..., dim]`` → uint8 ``[..., bytes_per_entry]``."""
     rows, fmt, ybuf, work, _ = _setup(x, rope_dim)
     q, so = fmt.quantised_dim, fmt.scale_offset
-    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8)
+    packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8, device=rows.device)
     packed[:, so + fmt.num_scales :] = 0
     for sl in row_chunks(*rows.shape):
         codes, scales = packed[sl, :q], packed[sl, so : so + fmt.num_scales]
@@ -110,7 +117,7 @@ def pack_v4_record(codes: Tensor, scales: Tensor, *, rope_dim: int = 64) -> Tens
     """(codes int16, scale bytes) → records uint8 ``[..., bytes_per_entry]`` (584 B at dim 512, rope 64)."""
     fmt = _check_pair(codes, scales, rope_dim)
     q, so = fmt.quantised_dim, fmt.scale_offset
-    packed = torch.zeros(*codes.shape[:-1], fmt.bytes_per_entry, dtype=torch.uint8)
+    packed = torch.zeros(*codes.shape[:-1], fmt.bytes_per_entry, dtype=torch.uint8, device=codes.device)
     packed[..., :q] = codes[..., :q]
     packed[..., q:so] = codes[..., q:].contiguous().view(torch.uint8)
     packed[..., so : so + fmt.num_scales] = scales
@@ -122,7 +129,7 @@ def unpack_v4_record(packed: Tensor, *, rope_dim: int = 64) -> tuple[Tensor, Ten
     """Records uint8 ``[..., bytes_per_entry]`` → (codes int16 ``[..., dim]``, scale bytes uint8)."""
     fmt = _entry_of(packed, rope_dim)
     q, so = fmt.quantised_dim, fmt.scale_offset
-    codes = torch.empty(*packed.shape[:-1], fmt.dim, dtype=torch.int16)
+    codes = torch.empty(*packed.shape[:-1], fmt.dim, dtype=torch.int16, device=packed.device)
     codes[..., :q] = packed[..., :q]
     codes[..., q:] = packed[..., q:so].contiguous().view(torch.int16)
     return codes, packed[..., so : so + fmt.num_scales].contiguous()
@@ -159,13 +166,13 @@ def _decode(nope: Tensor, rope: Tensor, scales: Tensor, dtype: torch.dtype) -> T
     # nope uint8 [N, q]; rope [N, rope_dim] int16 or [N, 2·rope_dim] uint8 (bf16 bits); scales uint8 [N, nb]
     n, q = nope.shape
     dim = q + rope.shape[1] * rope.element_size() // 2
-    work = torch.empty(chunk_rows(n, dim) * q, dtype=torch.int16)
+    work = torch.empty(chunk_rows(n, dim) * q, dtype=torch.int16, device=nope.device)
 
     def fill(sl: slice, out: Tensor) -> None:
         dequantize_e4m3_chunk_(nope[sl], scales[sl], out[:, :q], work, block=_BLOCK)
         out[:, q:] = rope[sl].contiguous().view(torch.bfloat16)
 
-    return decode_rows(n, dim, fill, dtype=dtype, name=_NAME)
+    return decode_rows(n, dim, fill, dtype=dtype, name=_NAME, device=nope.device)
 
 
 def _check_pair(codes: Tensor, scales: Tensor, rope_dim: int) -> EntryFormat:

@@ -4,12 +4,17 @@ straight from the paged device pool, never decoded into an fp32 copy.
 What it computes is `kvdiet.model.attention.attend` with ``comp_kv`` the decoded entries
 (``fp4_e2m1_e4m3x16``, `kvdiet.formats.fp4`): one softmax over the window keys, the selected compressed keys
 (an invalid selection slot masked) and the per-head sink (value 0). The kernel covers the selected entries,
-split over ``splits`` programs per query and blocks of 16 heads (flash-decoding): each program streams its
-share of the top-k slots for its heads, decodes each byte's two E2M1 nibbles (low nibble = even element, sign
-bit 3) and each 16-value block's E4M3 scale in registers, and keeps an online softmax — running max ``m``, sum
-``l`` and unnormalised output ``acc`` for every head. `attend_packed` merges those partials with the window
-keys and the sink in torch (log-sum-exp), so the result equals ``attend``'s up to fp32 summation order.
-Decoded values are exact (an E2M1 value times an E4M3 scale is exact in fp32), as in the torch decode.
+split over ``splits`` programs per query and blocks of heads (flash-decoding; `Tile`): each program streams
+its share of the top-k slots for its heads, decodes each byte's two E2M1 nibbles (low nibble = even element,
+sign bit 3) and each 16-value block's E4M3 scale in registers, and keeps an online softmax — running max
+``m``, sum ``l`` and unnormalised output ``acc`` for every head. `attend_packed` merges those partials with the
+window keys and the sink in torch (log-sum-exp), so the result equals ``attend``'s up to fp32 summation order.
+Decoded values are exact (an E2M1 value times an E4M3 scale has at most 6 significant bits), as in the torch
+decode, and exact in fp16, the inputs of the tensor-core dots (`PRECISIONS`).
+
+With 64 heads sharing one 512-d latent, each 288-B entry costs 4·64·512 = 131,072 FLOP (scores and output):
+455 FLOP per byte read, over twice an H200's dense bf16 ridge (~990 TFLOP/s ÷ 4.8 TB/s ≈ 206), so this read
+is arithmetic-bound at V4.1's head count; ``bench_triton_decode.py`` reports both ceilings.
 
 Used on CUDA when ``triton`` imports (`available`); the tests run it on the CPU in Triton's interpreter
 (``TRITON_INTERPRET=1``, set before triton is imported). It knows the entry layout of the main-KV format
@@ -18,14 +23,55 @@ and nothing of requests or pools beyond a rows tensor and row indices.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
-__all__ = ["attend_packed", "available", "sparse_partials"]
+__all__ = ["DEFAULT_TILE", "PRECISIONS", "Tile", "attend_packed", "available", "sparse_partials"]
 
-_BLOCK_K = 16  # selected entries per loop step (tl.dot needs ≥ 16)
-_BLOCK_H = 16  # heads per program: its two [16, D/2] fp32 accumulators stay in registers
+PRECISIONS = ("fp16x3", "fp16x2", "ieee")
+"""The kernel's dot products. ``fp16x3``: on fp16 tensor cores, with fp32 accumulation; the decoded entries
+are exact in fp16, and the fp32 operand (each head's query, scaled by a power of two into [1, 2), and the
+softmax weights, in [0, 1]) is split into three fp16 terms that sum to it to within 2^-25 of its largest
+element, so only that and the accumulation order differ from ``ieee``. ``fp16x2``: two terms, within 2^-22,
+a third fewer tensor-core products. ``ieee``: plain fp32 FMA on CUDA cores, about
+15× less arithmetic per second on an H100/H200 (datasheet: 67 fp32 against 990 dense fp16 TFLOP/s). fp16, not
+bf16: Triton's interpreter computes fp16 dots exactly and bf16 dots wrongly (as their bit patterns)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """How the kernel cuts its work: ``block_h`` heads per program (16, 32 or 64: its two [block_h, D/2] fp32
+    accumulators live in registers), ``block_k`` selected entries per loop step (16, 32 or 64; tl.dot needs
+    ≥ 16), ``num_warps`` warps per program, ``precision`` one of `PRECISIONS`."""
+
+    precision: str = "fp16x3"
+    block_h: int = 16
+    block_k: int = 16
+    num_warps: int = 4
+
+    def check(self) -> None:
+        """Raises ValueError naming the field that is not one the kernel takes."""
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"tile precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.block_h not in (16, 32, 64) or self.block_k not in (16, 32, 64):
+            raise ValueError(
+                f"tile block_h and block_k must be 16, 32 or 64, got {self.block_h}, {self.block_k}"
+            )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"tile num_warps must be a power of two ≤ 16, got {self.num_warps}")
+
+
+_TERMS = {"fp16x3": 3, "fp16x2": 2, "ieee": 0}
+
+DEFAULT_TILE = Tile()
+"""The tile `sparse_partials` runs when given none, the one checked end to end on an H200 (`kvdiet golden
+--device cuda` accepted, the device tests passed). At 1M context and 64 heads ``block_k`` 32 read 10–30%
+faster there (``bench_triton_decode.py``), but with it as the default the golden check on CUDA kept 36 of 64
+rows within tolerance (every argmax and decoded token still equal), with 16 all 64: not yet explained (a
+top-k near-tie that the summation order flips, or a compiled-code fault at head_dim 64 that Triton's
+interpreter does not show), so it is not the default."""
 
 
 @functools.cache
@@ -60,6 +106,7 @@ def _kernel():  # built on first use: importing triton is slow and it may be abs
         ENTRY: tl.constexpr,  # bytes per entry (9·D/16)
         BLOCK_H: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        TERMS: tl.constexpr,  # 2 or 3: the dots on fp16 tensor cores, q and p split in TERMS terms; 0: fp32 FMA
     ):
         # head blocks vary fastest: the programs reading the same entries run together (one HBM read, L2 after)
         h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -72,6 +119,21 @@ def _kernel():  # built on first use: importing triton is slow and it may be abs
         q_base = q_ptr + b * num_heads * d + h[:, None] * d + 2 * j[None, :]
         q_even = tl.load(q_base, mask=hmask[:, None], other=0.0)  # [BLOCK_H, HALF]
         q_odd = tl.load(q_base + 1, mask=hmask[:, None], other=0.0)
+        if TERMS > 0:
+            # each head's query times a power of two that brings its largest |element| into [1, 2) (undone,
+            # exactly, on the scores), then as three fp16 terms that sum to it to within 2^-25 of that largest
+            top = tl.maximum(tl.max(tl.abs(q_even), 1), tl.max(tl.abs(q_odd), 1))
+            e = tl.minimum(tl.maximum((top.to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 253)
+            up = ((254 - e) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(127 − e)
+            down = (e << 23).to(tl.float32, bitcast=True)  # 2^(e − 127)
+            qs = q_even * up
+            qe1 = qs.to(tl.float16)
+            qe2 = (qs - qe1.to(tl.float32)).to(tl.float16)
+            qe3 = (qs - qe1.to(tl.float32) - qe2.to(tl.float32)).to(tl.float16)  # unused when TERMS == 2
+            qs = q_odd * up
+            qo1 = qs.to(tl.float16)
+            qo2 = (qs - qo1.to(tl.float32)).to(tl.float16)
+            qo3 = (qs - qo1.to(tl.float32) - qo2.to(tl.float32)).to(tl.float16)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc_even = tl.zeros([BLOCK_H, HALF], tl.float32)
@@ -86,27 +148,48 @@ def _kernel():  # built on first use: importing triton is slow and it may be abs
             base = rows_ptr + slot[:, None] * ENTRY
             byte = tl.load(base + j[None, :], mask=valid[:, None], other=0).to(tl.int32)  # [BLOCK_K, HALF]
             sbyte = tl.load(base + HALF + j[None, :] // 8, mask=valid[:, None], other=0x38).to(tl.int32)
-            se = (sbyte >> 3) & 15  # E4M3: (8 + m)·2^(e − 10), subnormal m·2^-9
-            sm = (sbyte & 7).to(tl.float32)
-            s = tl.where(se == 0, sm * 0.001953125, (8.0 + sm) * tl.exp2((se - 10).to(tl.float32)))
-            lo = byte & 15
-            hi = byte >> 4
-            le, lm = ((lo & 7) >> 1), (lo & 1).to(tl.float32)  # E2M1: 0.5·m, else (1 + m/2)·2^(e − 1)
-            he, hm = ((hi & 7) >> 1), (hi & 1).to(tl.float32)
-            lv = tl.where(le == 0, 0.5 * lm, (1.0 + 0.5 * lm) * tl.exp2((le - 1).to(tl.float32)))
-            hv = tl.where(he == 0, 0.5 * hm, (1.0 + 0.5 * hm) * tl.exp2((he - 1).to(tl.float32)))
-            v_even = tl.where((lo & 8) != 0, -lv, lv) * s  # [BLOCK_K, HALF]
-            v_odd = tl.where((hi & 8) != 0, -hv, hv) * s
-            scores = tl.dot(q_even, tl.trans(v_even), input_precision="ieee")
-            scores += tl.dot(q_odd, tl.trans(v_odd), input_precision="ieee")  # [BLOCK_H, BLOCK_K]
+            # decoded by placing the bits in an fp16 (every value of both formats is exact there): the E4M3
+            # scale's 7 magnitude bits as fp16 exponent (low 4) and mantissa (top 3) is scale·2^-8, an E2M1
+            # nibble's sign as the sign and its 3 magnitude bits likewise is value·2^-14 (subnormals included)
+            s = ((sbyte & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
+            lo = ((byte & 7) << 9) | ((byte & 8) << 12)
+            hi = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+            v_even = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * s  # [BLOCK_K, HALF]
+            v_odd = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * s
+            if TERMS > 0:  # decoded values have ≤ 6 significant bits in [2^-10, 2688]: exact in fp16
+                ve, vo = v_even.to(tl.float16), v_odd.to(tl.float16)
+                vet, vot = tl.trans(ve), tl.trans(vo)
+                scores = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+                if TERMS == 3:  # small terms first
+                    scores = tl.dot(qe3, vet, scores)
+                    scores = tl.dot(qo3, vot, scores)
+                scores = tl.dot(qe2, vet, scores)
+                scores = tl.dot(qo2, vot, scores)
+                scores = tl.dot(qe1, vet, scores)
+                scores = tl.dot(qo1, vot, scores) * down[:, None]  # [BLOCK_H, BLOCK_K]
+            else:
+                scores = tl.dot(q_even, tl.trans(v_even), input_precision="ieee")
+                scores += tl.dot(q_odd, tl.trans(v_odd), input_precision="ieee")
             scores = tl.where(valid[None, :], scores * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision="ieee")
-            acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision="ieee")
+            if TERMS > 0:  # p in [0, 1] as fp16 terms, within 2^-25 (three) or 2^-22 (two) of it
+                p1 = p.to(tl.float16)
+                p2 = (p - p1.to(tl.float32)).to(tl.float16)
+                acc_even = acc_even * alpha[:, None]
+                acc_odd = acc_odd * alpha[:, None]
+                if TERMS == 3:
+                    p3 = (p - p1.to(tl.float32) - p2.to(tl.float32)).to(tl.float16)
+                    acc_even = tl.dot(p3, ve, acc_even)
+                    acc_odd = tl.dot(p3, vo, acc_odd)
+                acc_even = tl.dot(p1, ve, tl.dot(p2, ve, acc_even))
+                acc_odd = tl.dot(p1, vo, tl.dot(p2, vo, acc_odd))
+            else:
+                acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even, input_precision="ieee")
+                acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision="ieee")
             m_i = m_new
         out = (b * num_splits + split) * num_heads + h
         tl.store(m_ptr + out, m_i, mask=hmask)
@@ -126,6 +209,7 @@ def sparse_partials(
     scale: float,
     *,
     splits: int = 1,
+    tile: Tile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online-softmax partials of ``q`` over the selected packed entries, ``splits`` programs per query.
 
@@ -136,6 +220,7 @@ def sparse_partials(
         valid: bool [B, K].
         scale: softmax scale (head_dim^-½).
         splits: programs per query, each over ⌈K / splits⌉ consecutive slots (≥ 1).
+        tile: the kernel's arithmetic and block sizes (`Tile`; default `DEFAULT_TILE`).
     Returns:
         ``(m fp32 [B, S, H], l fp32 [B, S, H], acc fp32 [B, S, H, D])``: per split the largest scaled score
         (−inf when it saw no valid slot), Σ exp(score − m) and Σ exp(score − m)·value.
@@ -154,13 +239,15 @@ def sparse_partials(
         )
     if len({q.device, rows.device, slots.device, valid.device}) != 1:
         raise ValueError("q, rows, slots and valid must be on one device")
+    tile = tile or DEFAULT_TILE
+    tile.check()
     k = slots.shape[1]
-    per_split = max(_BLOCK_K, -(-k // splits))
+    per_split = max(tile.block_k, -(-k // splits))
     splits = max(1, -(-k // per_split))
     m = torch.empty(b, splits, h, device=q.device)
     l_sum = torch.empty(b, splits, h, device=q.device)
     acc = torch.empty(b, splits, h, d, device=q.device)
-    _kernel()[(-(-h // _BLOCK_H), b, splits)](
+    _kernel()[(-(-h // tile.block_h), b, splits)](
         q.contiguous(),
         rows.contiguous(),
         slots.to(torch.int64).contiguous(),
@@ -174,8 +261,10 @@ def sparse_partials(
         float(scale),
         HALF=d // 2,
         ENTRY=9 * d // 16,
-        BLOCK_H=_BLOCK_H,
-        BLOCK_K=_BLOCK_K,
+        BLOCK_H=tile.block_h,
+        BLOCK_K=tile.block_k,
+        TERMS=_TERMS[tile.precision],
+        num_warps=tile.num_warps,
     )
     return m, l_sum, acc
 
@@ -191,17 +280,18 @@ def attend_packed(
     scale: float,
     *,
     splits: int = 1,
+    tile: Tile | None = None,
 ) -> torch.Tensor:
     """`kvdiet.model.attention.attend` with the selected entries read packed: fp32 [B, H, D].
 
     Args:
         q: fp32 [B, H, D]; win_kv fp32 [L, D] shared by the queries, or [B, L, D] each query's own (its window
             band), with win_mask bool [B, L]; sink fp32 [H]; scale as ``attend``.
-        rows, slots, valid, splits: the packed selection, as `sparse_partials`.
+        rows, slots, valid, splits, tile: the packed selection and the kernel's tile, as `sparse_partials`.
     Raises:
         ValueError: as `sparse_partials`.
     """
-    m, l_sum, acc = sparse_partials(q, rows, slots, valid, scale, splits=splits)
+    m, l_sum, acc = sparse_partials(q, rows, slots, valid, scale, splits=splits, tile=tile)
     b, h, _ = q.shape
     shared = win_kv.dim() == 2
     win = (q.reshape(b * h, -1) @ win_kv.T).view(b, h, -1) if shared else torch.bmm(q, win_kv.transpose(1, 2))
