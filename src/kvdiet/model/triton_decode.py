@@ -67,11 +67,11 @@ _TERMS = {"fp16x3": 3, "fp16x2": 2, "ieee": 0}
 
 DEFAULT_TILE = Tile()
 """The tile `sparse_partials` runs when given none, the one checked end to end on an H200 (`kvdiet golden
---device cuda` accepted, the device tests passed). At 1M context and 64 heads ``block_k`` 32 read 10–30%
+--device cuda` accepted, the device tests passed). At 1M context and 64 heads ``block_k`` 32 read 10–20%
 faster there (``bench_triton_decode.py``), but with it as the default the golden check on CUDA kept 36 of 64
-rows within tolerance (every argmax and decoded token still equal), with 16 all 64: not yet explained (a
-top-k near-tie that the summation order flips, or a compiled-code fault at head_dim 64 that Triton's
-interpreter does not show), so it is not the default."""
+rows within tolerance (every argmax and decoded token still equal; with 16, all 64). In Triton's interpreter
+the same golden run through this kernel keeps all 64 rows with either value, so the fault is in the compiled
+code at head_dim 64 (Triton 3.6) or elsewhere on the GPU, not yet found: 32 is not the default."""
 
 
 @functools.cache
