@@ -31,7 +31,7 @@ step() {
   shift 2
   echo "== $name: $*" | tee -a "$LOG"
   local start=$SECONDS out status=0
-  out=$(timeout "$limit" "$@" 2>>"$LOG") || status=$?
+  out=$(timeout -k 10 "$limit" "$@" 2>>"$LOG") || status=$?
   echo "$out" >>"$LOG"
   local last
   last=$(printf '%s\n' "$out" | tail -n 1)
@@ -39,7 +39,12 @@ step() {
     FAILED+=("$name")
     echo "gpu_check: step $name FAILED (exit status $status$([ "$status" -eq 124 ] && echo ": past ${limit} s"))" \
       | tee -a "$LOG" >&2
-    last=$(printf '{"failed": "exit status %d"}' "$status")
+    # the command's own JSON, if it printed one (golden --check prints its report, then fails), is kept
+    if [ "${last:0:1}" = "{" ]; then
+      last=$(printf '{"failed": "exit status %d", "result": %s}' "$status" "$last")
+    else
+      last=$(printf '{"failed": "exit status %d"}' "$status")
+    fi
   fi
   printf '{"step": "%s", "seconds": %d, "result": %s}\n' "$name" $((SECONDS - start)) \
     "$(printf '%s' "$last" | "$PYTHON" -c 'import json,sys; t=sys.stdin.read(); print(t if t.startswith("{") else json.dumps(t))')" >>"$JSONL"
@@ -48,7 +53,7 @@ step() {
 if [ "$DEVICE" = cpu ]; then
   export TRITON_INTERPRET=1
   CONTEXTS=4Ki TRITON_ARGS="--context 2Ki --batch 2 --splits 4 --repeats 1 --tiles fp16x3:16:16:4,ieee:16:16:4"
-  TOKENS=64 BATCHES=1,2 CASES=cpu SKIPS_OK=1
+  TOKENS=64 BATCHES=1,2 CASES="(cpu or interpreter)" SKIPS_OK=1
 else
   "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
     || fail "torch sees no CUDA device (python: $PYTHON)"
@@ -65,9 +70,9 @@ step triton_decode 150 "$PYTHON" benchmarks/bench_triton_decode.py --device "$DE
 
 # the device's cases (the CLI's no-CUDA message is the CPU-only machines' case); on CUDA a skip fails the check
 step tests 200 bash -c "$PYTHON -m pytest tests/test_model_device.py tests/test_model_triton_decode.py -o addopts= -q \
-  -p no:cacheprovider -rs -k '$CASES and not bad_device' | tee /dev/stderr | tail -n 1 | $PYTHON -c 'import json,sys
-t = sys.stdin.read().strip(); print(json.dumps(t))
-sys.exit(1 if (\"skipped\" in t and not $SKIPS_OK) or \"passed\" not in t or \"failed\" in t else 0)'"
+  -p no:cacheprovider -rs -k '$CASES and not bad_device' | tee -a /dev/stderr | tail -n 1 | $PYTHON -c 'import sys
+t = sys.stdin.read().strip(); print(t)
+sys.exit(1 if (\"skipped\" in t and not $SKIPS_OK) or \"passed\" not in t or \"failed\" in t or \"error\" in t else 0)'"
 
 GOLDEN=${GOLDEN:-../shared/golden/tiny-fp8}
 if [ -d "$GOLDEN" ]; then
@@ -91,21 +96,30 @@ from pathlib import Path
 steps = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
 out, device = Path(sys.argv[2]), sys.argv[3]
 rows = ["| step | seconds | figure |", "|---|---|---|"]
+def figure(step, r):
+    if step == "tests":
+        return r
+    if step == "golden":
+        return f"accepted {r['accepted']}, rows within tol {r['rows_within_tol']}/{r['rows']}"
+    if step == "bench_decode":
+        return "; ".join(f"{d['context']:,} tokens {d['step_seconds'] * 1e3:.1f} ms ({d['step_seconds'] / d['floor_seconds']:.1f}× floor)" for d in r["decode"])
+    if step == "bench_prefill":
+        return "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("bench", "seed", "config", "device", "threads"))[:400]
+    return f"copy {r['copy_gb_per_s']:,.0f} GB/s, fp16 matmul {r['fp16_matmul_tflop_per_s']:,.0f} TFLOP/s; best: " + "; ".join(
+        f"{case} {b['tile']} {b['gb_per_s']:,.0f} GB/s = {b['of_hbm']:.0%} of HBM" for case, b in r["best"].items())
+
+
 for s in steps:
     r = s["result"]
-    if isinstance(r, dict) and "failed" in r:
-        fig = f"FAILED: {r['failed']} (log: gpu_check.log)"
-    elif s["step"] == "tests":
-        fig = r
-    elif s["step"] == "golden":
-        fig = f"accepted {r['accepted']}, rows within tol {r['rows_within_tol']}/{r['rows']}"
-    elif s["step"] == "bench_decode":
-        fig = "; ".join(f"{d['context']:,} tokens {d['step_seconds'] * 1e3:.1f} ms ({d['step_seconds'] / d['floor_seconds']:.1f}× floor)" for d in r["decode"])
-    elif s["step"] == "bench_prefill":
-        fig = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("bench", "seed", "config", "device", "threads"))[:400]
-    else:
-        fig = f"copy {r['copy_gb_per_s']:,.0f} GB/s, fp16 matmul {r['fp16_matmul_tflop_per_s']:,.0f} TFLOP/s; best: " + "; ".join(
-            f"{case} {b['tile']} {b['gb_per_s']:,.0f} GB/s = {b['of_hbm']:.0%} of HBM" for case, b in r["best"].items())
+    failed = isinstance(r, dict) and "failed" in r
+    if failed:
+        r = r.get("result")
+    try:
+        fig = figure(s["step"], r) if r is not None else ""
+    except (KeyError, TypeError, ValueError):
+        fig = f"unreadable result: {str(r)[:200]}"
+    if failed:
+        fig = f"FAILED: {s['result']['failed']} (log: gpu_check.log) {fig}".rstrip()
     rows.append(f"| {s['step']} | {s['seconds']} | {fig} |")
 table = f"GPU check on {device}\n\n" + "\n".join(rows) + "\n"
 (out / "gpu_check.md").write_text(table)

@@ -32,12 +32,13 @@ __all__ = ["DEFAULT_TILE", "PRECISIONS", "Tile", "attend_packed", "available", "
 
 PRECISIONS = ("fp16x3", "fp16x2", "ieee")
 """The kernel's dot products. ``fp16x3``: on fp16 tensor cores, with fp32 accumulation; the decoded entries
-are exact in fp16, and the fp32 operand (each head's query, scaled by a power of two into [1, 2), and the
-softmax weights, in [0, 1]) is split into three fp16 terms that sum to it to within 2^-25 of its largest
-element, so only that and the accumulation order differ from ``ieee``. ``fp16x2``: two terms, within 2^-22,
-a third fewer tensor-core products. ``ieee``: plain fp32 FMA on CUDA cores, about
-15× less arithmetic per second on an H100/H200 (datasheet: 67 fp32 against 990 dense fp16 TFLOP/s). fp16, not
-bf16: Triton's interpreter computes fp16 dots exactly and bf16 dots wrongly (as their bit patterns)."""
+are exact in fp16, and the fp32 operand is split into three fp16 terms that sum to it to within 2^-25: of
+the largest element, for each head's query (scaled by a power of two into [1, 2) first), and absolutely, for
+the softmax weights (in [0, 1], beside a running sum ≥ 1), so only that and the accumulation order differ
+from ``ieee``. ``fp16x2``: two terms, within 2^-22, a third fewer tensor-core products. ``ieee``: plain fp32
+FMA on CUDA cores, about 15× less arithmetic per second on an H100/H200 (datasheet: 67 fp32 against 990 dense
+fp16 TFLOP/s). fp16, not bf16: Triton's interpreter computes fp16 dots exactly and bf16 dots wrongly (as their
+bit patterns)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,11 +220,14 @@ def sparse_partials(
         slots: int64 [B, K] the row of each selected entry (any value where ``valid`` is False).
         valid: bool [B, K].
         scale: softmax scale (head_dim^-½).
-        splits: programs per query, each over ⌈K / splits⌉ consecutive slots (≥ 1).
+        splits: programs per query asked for (≥ 1); each covers max(⌈K / splits⌉, ``tile.block_k``)
+            consecutive slots, so the S splits returned are ⌈K / that⌉ (at most ``splits``).
         tile: the kernel's arithmetic and block sizes (`Tile`; default `DEFAULT_TILE`).
     Returns:
         ``(m fp32 [B, S, H], l fp32 [B, S, H], acc fp32 [B, S, H, D])``: per split the largest scaled score
-        (−inf when it saw no valid slot), Σ exp(score − m) and Σ exp(score − m)·value.
+        (−inf when it saw no valid slot), Σ exp(score − m) and Σ exp(score − m)·value. Stored scale bytes
+        are not checked as the torch decode checks them (a pool holds only what the encoder wrote): a byte
+        outside the written range decodes as its 7 magnitude bits (0x7F as 480, the sign bit ignored).
     Raises:
         ValueError: shapes, dtypes or devices that do not fit, or ``splits`` < 1.
     """
