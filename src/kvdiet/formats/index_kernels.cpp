@@ -457,113 +457,145 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
   return -0.0f;
 }
 
-// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the group's entries into
-// dot[h]; returns the mask of entries that pass the check for every one of these heads: emax - emin <= spread and
-// -126 <= emin <= 104, emin / emax the least and largest E_b over the head's nonzero blocks. The block dots are
-// summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24 where the check passes), then scaled
-// once.
+// Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the entries of groups
+// g[0..G) into dot[i][h] (group i); returns the mask of g[0]'s entries that pass the check for every one of these
+// heads: emax - emin <= spread and -126 <= emin <= 104, emin / emax the least and largest E_b over the head's
+// nonzero blocks. The block dots are summed as integers in units of 2^emin (sum_b I_b << (E_b - emin): below 2^24
+// where the check passes), then scaled once.
 // wide: every entry the caller uses passed the group-wide check of int_score (L = S + U <= emin, emax - L <= spread,
 // -126 <= L <= 104); the argument above holds with L for emin (every product a multiple of 2^L, each partial sum
 // below 2^24 2^L), so the sums are taken in units of 2^L, shifted by the entry's rise[b] plus the head's: no
-// per-head least and largest, and the mask returned is all entries.
+// per-head least and largest, and the mask returned is all entries. G = 2 (only wide): each broadcast of the
+// query's pattern serves both groups' vpdpbusd. Integer sums are exact, so how they are grouped changes no bit.
 // D: the head dim when known at compile time (0: from iq).
-template <int HG, int64_t D>
+template <int G, int HG, int64_t D>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(const IntQueries& iq, int64_t th0,
-                                                                               const IntGroup& g, bool wide,
-                                                                               v16* dot) {
+                                                                               const IntGroup* const* g, bool wide,
+                                                                               v16 (*dot)[kHeadsAtOnce]) {
+  static_assert(G == 1 || G == 2, "one group, or two scored wide");
   const int64_t nb = D > 0 ? D / 32 : iq.blocks, words = nb * 4;
   const uint32_t* pat = iq.pattern.data() + th0 * 2 * words;
   const int32_t *start = iq.start.data() + th0 * nb, *below = iq.below.data() + th0 * nb;
   const int32_t *above = iq.above.data() + th0 * nb, *spread = iq.spread.data() + th0;
-  __m512i acc[D > 0 ? D / 32 : kMaxDim / 32][HG];  // acc[b][h] lane k: I_b of entry k
-  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from start, each in two vpdpbusd chains
-    __m512i part[2][HG];                // (x even, x odd), independent: 2 HG chains of 4 overlap
-    for (int h = 0; h < HG; ++h) part[0][h] = _mm512_set1_epi32(start[h * nb + b]), part[1][h] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
-      const __m512i k = g.ex[8 * b + x];
-      for (int h = 0; h < HG; ++h) {
-        const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(pat[h * 2 * words + 8 * b + x]));
-        part[x % 2][h] = _mm512_dpbusd_epi32(part[x % 2][h], k, qv);
+  const int32_t *lowest = iq.lowest.data() + th0, *rise = iq.rise.data() + th0 * nb;
+  constexpr int C = G == 1 ? 2 : 1;  // vpdpbusd chains per (group, head): C G HG chains of 8 / C overlap
+  __m512i acc[G == 1 ? (D > 0 ? D / 32 : kMaxDim / 32) : 1][HG];  // not wide: acc[b][h] lane k: I_b of entry k
+  __m512i total[G][HG];  // wide: sum_b I_b << (rise[b] + the head's rise[b])
+  for (int i = 0; i < G; ++i) {
+    for (int h = 0; h < HG; ++h) total[i][h] = _mm512_setzero_si512();
+  }
+  for (int64_t b = 0; b < nb; ++b) {  // the HG heads' sums over block b from start
+    __m512i part[C][G][HG];
+    for (int h = 0; h < HG; ++h) {
+      for (int i = 0; i < G; ++i) {
+        part[0][i][h] = _mm512_set1_epi32(start[h * nb + b]);
+        if constexpr (C == 2) part[1][i][h] = _mm512_setzero_si512();
       }
     }
-    for (int h = 0; h < HG; ++h) acc[b][h] = _mm512_add_epi32(part[0][h], part[1][h]);
+#pragma GCC unroll 8
+    for (int x = 0; x < 8; ++x) {  // ex[8b + x]: 4 of the block's 32 values
+      __m512i k[G];
+      for (int i = 0; i < G; ++i) k[i] = g[i]->ex[8 * b + x];
+      for (int h = 0; h < HG; ++h) {
+        const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(pat[h * 2 * words + 8 * b + x]));
+        for (int i = 0; i < G; ++i) part[x % C][i][h] = _mm512_dpbusd_epi32(part[x % C][i][h], k[i], qv);
+      }
+    }
+    for (int i = 0; i < G; ++i) {
+      for (int h = 0; h < HG; ++h) {
+        __m512i sum = part[0][i][h];
+        if constexpr (C == 2) sum = _mm512_add_epi32(sum, part[1][i][h]);
+        if (wide) {  // a block of zeros: its sum 0 shifted by kFarUnit + rise_s (> 31 bits: 0)
+          const v16i by = g[i]->rise[b] + rise[h * nb + b];
+          total[i][h] = _mm512_add_epi32(total[i][h], _mm512_sllv_epi32(sum, reinterpret_cast<__m512i>(by)));
+        } else if constexpr (G == 1) {
+          acc[b][h] = sum;
+        }
+      }
+    }
   }
   if (wide) {
-    const int32_t *lowest = iq.lowest.data() + th0, *rise = iq.rise.data() + th0 * nb;
-    for (int h = 0; h < HG; ++h) {  // a block of zeros: its sum 0 shifted by kFarUnit + rise_s (> 31 bits: 0)
-      __m512i total = _mm512_setzero_si512();
-      for (int64_t b = 0; b < nb; ++b) {
-        const v16i by = g.rise[b] + rise[h * nb + b];
-        total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(by)));
+    for (int i = 0; i < G; ++i) {
+      for (int h = 0; h < HG; ++h) {
+        const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(g[i]->least + (lowest[h] + 127)) << 23);
+        dot[i][h] = __builtin_convertvector(reinterpret_cast<v16i>(total[i][h]), v16) * unit_value;
       }
-      const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(g.least + (lowest[h] + 127)) << 23);
-      dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total), v16) * unit_value;
     }
     return 0xFFFF;
   }
   __mmask16 pass = 0xFFFF;
-  for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
-    v16i lo = g.unit[0] + below[h * nb], hi = g.unit[0] + above[h * nb];
-    for (int64_t b = 1; b < nb; ++b) {
-      const v16i e = g.unit[b] + below[h * nb + b], f = g.unit[b] + above[h * nb + b];
-      lo = e < lo ? e : lo;
-      hi = f > hi ? f : hi;
+  if constexpr (G == 1) {
+    const IntGroup& e = *g[0];
+    for (int h = 0; h < HG; ++h) {  // after the sums, one head at a time: few vectors live at once
+      v16i lo = e.unit[0] + below[h * nb], hi = e.unit[0] + above[h * nb];
+      for (int64_t b = 1; b < nb; ++b) {
+        const v16i u = e.unit[b] + below[h * nb + b], f = e.unit[b] + above[h * nb + b];
+        lo = u < lo ? u : lo;
+        hi = f > hi ? f : hi;
+      }
+      const __m512i least = reinterpret_cast<__m512i>(lo);
+      pass = _mm512_mask_cmple_epi32_mask(pass, reinterpret_cast<__m512i>(hi - lo), _mm512_set1_epi32(spread[h]));
+      pass = _mm512_mask_cmpge_epi32_mask(pass, least, _mm512_set1_epi32(-126));
+      pass = _mm512_mask_cmple_epi32_mask(pass, least, _mm512_set1_epi32(104));
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
+        const v16i u = e.unit[b] + below[h * nb + b];
+        sum = _mm512_add_epi32(sum, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(u - lo)));
+      }
+      // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
+      const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(lo + 127) << 23);
+      dot[0][h] = __builtin_convertvector(reinterpret_cast<v16i>(sum), v16) * unit_value;
     }
-    const __m512i least = reinterpret_cast<__m512i>(lo);
-    pass = _mm512_mask_cmple_epi32_mask(pass, reinterpret_cast<__m512i>(hi - lo), _mm512_set1_epi32(spread[h]));
-    pass = _mm512_mask_cmpge_epi32_mask(pass, least, _mm512_set1_epi32(-126));
-    pass = _mm512_mask_cmple_epi32_mask(pass, least, _mm512_set1_epi32(104));
-    __m512i total = _mm512_setzero_si512();
-    for (int64_t b = 0; b < nb; ++b) {  // a block of zeros: its sum 0 shifted by kFarUnit - least (> 31 bits: 0)
-      const v16i e = g.unit[b] + below[h * nb + b];
-      total = _mm512_add_epi32(total, _mm512_sllv_epi32(acc[b][h], reinterpret_cast<__m512i>(e - lo)));
-    }
-    // 2^emin as fp32 bits where emin is in the normal range (else the check fails)
-    const v16 unit_value = reinterpret_cast<v16>(reinterpret_cast<u32x16>(lo + 127) << 23);
-    dot[h] = __builtin_convertvector(reinterpret_cast<v16i>(total), v16) * unit_value;
   }
   return pass;
 }
 
-// Scores of query t (q: its fp32 values [H, d]) against the group's 16 entries (rows[k]:
-// entry k's row) into s (lanes where visible), or false where the check above fails for a visible entry (nothing
-// written then). D: the head dim when known at compile time (0: from iq).
-template <int64_t D>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
-                                                                            const IntGroup& g, const float* q,
-                                                                            const uint8_t* const* rows,
-                                                                            const float* wt, const v16i& visible,
-                                                                            v16& s) {
-  const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
-  v16 total{}, dot[kHeadsAtOnce];
-  const uint32_t seen = mask_of(visible);
-  // the group-wide check (int_dots' wide): S >= -126 - U and S <= 104 - U and range + max_b u_b - U <= spread
-  // for every head (IntQueries' room, least_min, least_max)
+// Whether every entry of seen (a mask of g's entries) passes the group-wide check for query t (int_dots' wide):
+// S >= -126 - U and S <= 104 - U and range + max_b u_b - U <= spread for every head (IntQueries' room, least_min,
+// least_max).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool group_wide(const IntQueries& iq, int64_t t,
+                                                                             const IntGroup& g, uint32_t seen) {
   __mmask16 fits = _mm512_cmple_epi32_mask(reinterpret_cast<__m512i>(g.range), _mm512_set1_epi32(iq.room[t]));
   fits = _mm512_mask_cmpge_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_min[t]));
   fits = _mm512_mask_cmple_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_max[t]));
-  const bool wide = (seen & ~static_cast<uint32_t>(fits)) == 0;
+  return (seen & ~static_cast<uint32_t>(fits)) == 0;
+}
+
+// Scores of query t (q: its fp32 values [H, d]) against the 16 entries of each group g[0..G) (rows[16 i + k]: entry
+// k of group i's row) into s[i] (lanes where visible[i]), or false where the check above fails for a visible entry
+// (nothing written then). wide: every visible entry of every group passed group_wide (G = 2: always so; G = 1:
+// else each entry takes the exact check). D: the head dim when known at compile time (0: from iq).
+template <int G, int64_t D>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(const IntQueries& iq, int64_t t,
+                                                                            const IntGroup* const* g, bool wide,
+                                                                            const float* q,
+                                                                            const uint8_t* const* rows,
+                                                                            const float* wt, const v16i* visible,
+                                                                            v16* s) {
+  const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
+  v16 total[G], dot[G][kHeadsAtOnce];
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
     uint32_t pass = 0;
     switch (hg) {
-      case 4: pass = int_dots<4, D>(iq, th0, g, wide, dot); break;
-      case 3: pass = int_dots<3, D>(iq, th0, g, wide, dot); break;
-      case 2: pass = int_dots<2, D>(iq, th0, g, wide, dot); break;
-      default: pass = int_dots<1, D>(iq, th0, g, wide, dot); break;
+      case 4: pass = int_dots<G, 4, D>(iq, th0, g, wide, dot); break;
+      case 3: pass = int_dots<G, 3, D>(iq, th0, g, wide, dot); break;
+      case 2: pass = int_dots<G, 2, D>(iq, th0, g, wide, dot); break;
+      default: pass = int_dots<G, 1, D>(iq, th0, g, wide, dot); break;
     }
-    if ((seen & ~pass) != 0) return false;
-    for (int64_t h = 0; h < hg; ++h) {
-      for (uint32_t zero = mask_of(visible & (dot[h] == 0.0f)); zero != 0; zero &= zero - 1) {
-        const int k = __builtin_ctz(zero);
-        dot[h][k] = zero_dot(q + (h0 + h) * d, rows[k], d);
+    if ((mask_of(visible[0]) & ~pass) != 0) return false;  // G = 1 only: wide passes every entry
+    for (int i = 0; i < G; ++i) {
+      for (int64_t h = 0; h < hg; ++h) {
+        for (uint32_t zero = mask_of(visible[i] & (dot[i][h] == 0.0f)); zero != 0; zero &= zero - 1) {
+          const int k = __builtin_ctz(zero);
+          dot[i][h][k] = zero_dot(q + (h0 + h) * d, rows[kGroup * i + k], d);
+        }
+        const v16 r = (dot[i][h] < 0.0f ? v16{} : dot[i][h]) * wt[h0 + h];
+        total[i] = h0 + h == 0 ? r : total[i] + r;
       }
-      const v16 r = (dot[h] < 0.0f ? v16{} : dot[h]) * wt[h0 + h];
-      total = h0 + h == 0 ? r : total + r;
     }
   }
-  s = visible != 0 ? total : s;
+  for (int i = 0; i < G; ++i) s[i] = visible[i] != 0 ? total[i] : s[i];
   return true;
 }
 
@@ -592,7 +624,7 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 #ifdef __AVX512F__
 struct IntPath {               // the integer path of one parallel task
   const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
-  IntGroup* group;
+  IntGroup* group;             // [2]: two groups expanded at once, scored together where both are wide
   int64_t scored = 0;          // (query, group) pairs it scored
 };
 
@@ -608,58 +640,92 @@ struct IntPath {};
 // next tile's kTile rows, prefetched a group at a time (each group's reads then start a tile ahead, spread over
 // the tile instead of all at once, which stalls on the few outstanding misses a core can track). Returns -1 or
 // the first entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this
-// task's integer path (its queries nullptr where it is not taken).
+// task's integer path (its queries nullptr where it is not taken; where it is, groups go two at a time, and a pair
+// whose visible entries all pass the group-wide check is scored in one int_score; else each group on its own).
 template <int64_t D>
 int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows,
                    const uint8_t* const* ahead, int64_t n, int64_t t0, int64_t t1, float* out, int64_t out_stride,
                    float* tile, const v16& grid, IntPath& ip) {
-  const int64_t d = D > 0 ? D : a.dim;
+  const int64_t d = D > 0 ? D : a.dim, groups = (n + kGroup - 1) / kGroup;
   constexpr float kNeg = -std::numeric_limits<float>::infinity();
-  int64_t bad = -1;
-  for (int64_t g = 0; g * kGroup < n; ++g) {
+  int64_t bad = -1, in_tile = -1;  // in_tile: the group decoded in tile
+  bool integer[2] = {};            // group g0 + i expanded for the integer path, every scale byte valid
+  // group g's reads ahead, and its expansion (into ip.group[g % 2]) or decoding (noting bad scale bytes)
+  const auto prepare = [&](int64_t g) {
     const int64_t* gid = ids + g * kGroup;
-    const int64_t cnt = std::min(kGroup, n - g * kGroup);
     for (int64_t k = 0; ahead != nullptr && k < kGroup; ++k) {
       __builtin_prefetch(ahead[g * kGroup + k]);
       __builtin_prefetch(ahead[g * kGroup + k] + a.row_bytes - 1);
     }
     const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
-    bool integer = false, decoded = false;  // integer: expanded for the integer path, every scale byte valid
+    integer[g % 2] = false;
 #ifdef __AVX512F__
     if (ip.queries != nullptr && present != 0) {
-      integer = (int_expand<D>(rows + g * kGroup, d, *ip.group) & present) == 0;
+      integer[g % 2] = (int_expand<D>(rows + g * kGroup, d, ip.group[g % 2]) & present) == 0;
     }
 #endif
-    if (present != 0 && !integer) {
+    if (present != 0 && !integer[g % 2]) {
       uint32_t flagged = decode_group<D>(a, rows + g * kGroup, tile, grid) & present;
-      decoded = true;
+      in_tile = g;
       for (int k = 0; flagged != 0; ++k, flagged >>= 1) {
         if ((flagged & 1) && (bad < 0 || gid[k] < bad)) bad = gid[k];
       }
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      float* o = out + (t - t0) * out_stride + g * kGroup;
-      const int64_t lim = a.limit[t];
-      const uint32_t seen = ids_below(gid, lim);
-      const v16i visible = lanes_of(seen);
-      v16 s = v16{} + kNeg;
-      if (seen != 0) {
+  };
+  // group g's scores for query t
+  const auto score = [&](int64_t g, int64_t t) {
+    float* o = out + (t - t0) * out_stride + g * kGroup;
+    const uint32_t seen = ids_below(ids + g * kGroup, a.limit[t]);
+    const v16i visible = lanes_of(seen);
+    v16 s = v16{} + kNeg;
+    if (seen != 0) {
 #ifdef __AVX512F__
-        const float* qt = a.q + t * a.heads * d;
-        if (integer &&
-            int_score<D>(*ip.queries, t, *ip.group, qt, rows + g * kGroup, a.w + t * a.heads, visible, s)) {
-          ++ip.scored;
-          store_scores(o, s, cnt);
+      const IntGroup* one = ip.group + g % 2;
+      if (integer[g % 2] &&
+          int_score<1, D>(*ip.queries, t, &one, group_wide(*ip.queries, t, *one, seen), a.q + t * a.heads * d,
+                          rows + g * kGroup, a.w + t * a.heads, &visible, &s)) {
+        ++ip.scored;
+        store_scores(o, s, std::min(kGroup, n - g * kGroup));
+        return;
+      }
+#endif
+      if (in_tile != g) {
+        decode_group<D>(a, rows + g * kGroup, tile, grid);  // no bad scale byte: prepare noted them
+        in_tile = g;
+      }
+      s = visible != 0 ? score_group<D>(a, tile, a.q + t * a.heads * d, a.w + t * a.heads) : s;
+    }
+    store_scores(o, s, std::min(kGroup, n - g * kGroup));
+  };
+#ifdef __AVX512F__
+  const int64_t step = ip.queries != nullptr ? 2 : 1;  // the integer path's tasks have one query
+#else
+  constexpr int64_t step = 1;
+#endif
+  for (int64_t g0 = 0; g0 < groups; g0 += step) {
+    const int64_t ng = std::min(step, groups - g0);
+    for (int64_t i = 0; i < ng; ++i) prepare(g0 + i);
+    for (int64_t t = t0; t < t1; ++t) {
+#ifdef __AVX512F__
+      if (ng == 2 && integer[0] && integer[1]) {  // g0 is even: group g0 + i in ip.group[i]
+        const uint32_t seen[2] = {ids_below(ids + g0 * kGroup, a.limit[t]),
+                                  ids_below(ids + (g0 + 1) * kGroup, a.limit[t])};
+        const IntGroup* pair[2] = {ip.group, ip.group + 1};
+        if (seen[0] != 0 && seen[1] != 0 && group_wide(*ip.queries, t, ip.group[0], seen[0]) &&
+            group_wide(*ip.queries, t, ip.group[1], seen[1])) {
+          const v16i visible[2] = {lanes_of(seen[0]), lanes_of(seen[1])};
+          v16 s[2] = {v16{} + kNeg, v16{} + kNeg};
+          int_score<2, D>(*ip.queries, t, pair, true, a.q + t * a.heads * d, rows + g0 * kGroup,
+                          a.w + t * a.heads, visible, s);
+          ip.scored += 2;
+          float* o = out + (t - t0) * out_stride + g0 * kGroup;
+          store_scores(o, s[0], kGroup);
+          store_scores(o + kGroup, s[1], std::min(kGroup, n - (g0 + 1) * kGroup));
           continue;
         }
-#endif
-        if (!decoded) {
-          decode_group<D>(a, rows + g * kGroup, tile, grid);  // no bad scale byte: int_expand checked them
-          decoded = true;
-        }
-        s = visible != 0 ? score_group<D>(a, tile, a.q + t * a.heads * d, a.w + t * a.heads) : s;
       }
-      store_scores(o, s, cnt);
+#endif
+      for (int64_t i = 0; i < ng; ++i) score(g0 + i, t);
     }
   }
   return bad;
@@ -724,10 +790,10 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
     std::vector<v16> tile(d);  // 16 entries x d values
 #ifdef __AVX512F__
-    IntGroup group;
-    IntPath ip{nullptr, &group};
+    IntGroup group[2];
+    IntPath ip{nullptr, group};
     const bool integer = !iq.ok.empty() && ieee_subnormals();
-    if (integer) group.ex.resize(d / 4);
+    for (int i = 0; integer && i < 2; ++i) group[i].ex.resize(d / 4);
 #else
     IntPath ip;
 #endif
