@@ -292,6 +292,45 @@ def test_rotation_of_grain_size_pairs_or_more_keeps_the_torch_formula(d):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("d", [16, 64, 272])
+def test_rotation_of_a_prefills_rows_runs_the_kernel_on_one_thread_only(d, monkeypatch):
+    # a prefill's queries [H, T, D] (transposed views, T odd and even) and window rows [T, D]: more than
+    # ROPE_ROWS_MAX rows and 32768 pairs; on one torch thread (its loop unsplit) the kernel runs them with the
+    # torch formula's bits; on three, where torch's own bits vary with its split, the torch formula runs
+    gen = torch.Generator().manual_seed(d)
+    kernels = _kernels()
+    calls = []  # the kernel's results Rotation.apply used (not declined)
+
+    def rotate(self, *args):
+        out = kernels.rope_rotate(*args)
+        calls.extend([] if out is None else [1])
+        return out
+
+    spy = type("Spy", (), {"rope_rotate": rotate})()
+    assert layers.kernels_agree("rope_rotate") and (d % 32 == 0 or layers.kernels_agree("rope_rotate", d))
+    monkeypatch.setattr(layers, "_checked_kernels", lambda op: spy if op == "rope_rotate" else None)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            for t in (1023, 1025, 2048):  # specials in cis, none, in x (NaN outputs: the torch formula runs)
+                rot = _rotation(d, t, gen, specials=t == 1023)
+                x = _values(t * 4 * (d + 48), gen, specials=t == 2048).view(t, 4, d + 48)
+                for v in (x.transpose(0, 1), x[:, 1]):
+                    assert v.numel() // v.shape[-1] > ROPE_ROWS_MAX
+                    for inverse in (False, True):
+                        cis = rot.cis_inverse if inverse else rot.cis
+                        if n_threads == 1:
+                            got = kernels.rope_rotate(v, cis, d, True)
+                            assert got is not None or torch.isnan(layers._torch_rotate(v, cis, d)).any()
+                            assert kernels.rope_rotate(v, cis, d) is None  # no any_rows: the caps hold
+                        _assert_same(rot.apply(v, inverse=inverse), layers._torch_rotate(v, cis, d))
+            assert (len(calls) > 0) == (n_threads == 1)
+            calls.clear()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rotation_broadcasts_cis_over_heads(both):
     gen = torch.Generator().manual_seed(1)
     rot = _rotation(64, 5, gen)

@@ -217,7 +217,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hc_enter", &hc_enter, py::call_guard<py::gil_scoped_release>());
   m.def("hc_expand_rows", &hc_expand_rows, py::arg("x"), py::arg("residual"), py::arg("post"), py::arg("comb"),
         py::arg("any_rows") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("rope_rotate", &rope_rotate, py::call_guard<py::gil_scoped_release>());
+  m.def("rope_rotate", &rope_rotate, py::arg("x"), py::arg("cis"), py::arg("rope_dim"), py::arg("any_rows") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());
   m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());
   m.def("index_query_rows", &index_query_rows, py::call_guard<py::gil_scoped_release>());

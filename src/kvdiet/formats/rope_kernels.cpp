@@ -3,8 +3,8 @@
 // (Rotation.apply: view_as_complex(pairs) * cis, the head copied). Compiled after rmsnorm_kernels.cpp into the
 // same module (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
-// rope_rotate: x float32 [..., D] (last stride 1, 1..kRopeRowsMax rows of D <= kRopeWidthMax, at most
-//   kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading dims, right-aligned to x's,
+// rope_rotate: x float32 [..., D] (last stride 1, 1..kRopeRowsMax rows, or any number with any_rows, of
+//   D <= kRopeWidthMax, at most kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading dims, right-aligned to x's,
 //   each 1 or x's size), rope_dim (even, <= D) -> float32 of x's shape, strides as x.clone() gives them; any
 //   other input, and any output with a NaN in its rotated part, gets std::nullopt (the caller runs the torch
 //   formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul kernel computes it: with
@@ -18,7 +18,10 @@
 //   kvdiet.model.layers checks these bits against the torch formula once per process before it uses the kernel,
 //   for multiples of 32 and (separately) for other rope_dims. A product of at::internal::GRAIN_SIZE pairs or
 //   more gets std::nullopt too: torch splits that loop over its threads at chunk boundaries that need not fall on
-//   a whole vector, so its scalar tail lands on pairs no check covers. No FMA contraction (-ffp-contract=off).
+//   a whole vector, so its scalar tail lands on pairs no check covers. any_rows lifts both caps: the caller
+//   passes it where torch runs one thread (kvdiet.model.layers.Rotation.apply: a prefill's rows), its loop then
+//   unsplit, its tails where the checks look (on more threads torch's own bits vary with the split). No FMA
+//   contraction (-ffp-contract=off).
 //   Why: the torch formula is some ten ops of 5-15 µs dispatch each for a few hundred floats; this is one call.
 
 #include <cstring>
@@ -75,7 +78,8 @@ inline void rotate_pairs(const float* x, const float* c, float* out, int64_t n) 
 
 }  // namespace
 
-std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis, int64_t rope_dim) {
+std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis, int64_t rope_dim,
+                                      bool any_rows = false) {
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || !cis.device().is_cpu() ||
       cis.scalar_type() != at::kComplexFloat)
     return {};
@@ -87,7 +91,7 @@ std::optional<at::Tensor> rope_rotate(const at::Tensor& x, const at::Tensor& cis
   if (x.stride(-1) != 1) return {};
   if (cis.size(-1) != half || cis.stride(-1) != 1 || x.numel() == 0) return {};
   const int64_t rows = x.numel() / width;
-  if (rows > kRopeRowsMax || rows * half >= at::internal::GRAIN_SIZE) return {};  // see the header
+  if (!any_rows && (rows > kRopeRowsMax || rows * half >= at::internal::GRAIN_SIZE)) return {};  // see the header
   // leading dims of x (nd - 1 of them), with cis's strides right-aligned (0 where cis broadcasts)
   const int64_t lead = nd - 1, pad = nd - cis.dim();
   int64_t size[kRopeDimsMax], xstride[kRopeDimsMax], ostride[kRopeDimsMax], cstride[kRopeDimsMax];

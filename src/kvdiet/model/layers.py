@@ -7,13 +7,13 @@ table sized by ``max_position_embeddings`` exists and 1M positions cost nothing 
 once for every tensor rotated at the same positions (`Rotation`). This module knows
 nothing about which vectors get rotated; attention and the indexer decide that.
 
-A decode step's few rows (fp32, on the CPU, no gradient to track) run in compiled kernels, ``rms_norm``
+A decode step's rows and a prefill's (fp32, on the CPU, no gradient to track) run in compiled kernels, ``rms_norm``
 (``formats/rmsnorm_kernels.cpp``) and ``rope_rotate`` (``formats/rope_kernels.cpp``): one call instead of six to ten
 torch ops of 5-15 µs dispatch each, with the torch formula's bits (`RMSNorm.forward` and `Rotation.apply` say
 which inputs; the kernels decline any other, and any output with a NaN: which NaN torch's product of two NaNs
 keeps depends on the element's place in its loop and on its compiler). Each kernel is checked against the torch
-formula once per process on adversarial inputs (`kernels_agree`); a mismatch logs one warning
-and keeps the torch formula. ``KVDIET_NATIVE_KERNELS=0`` (read on every call) or a failed build selects the
+formula once per process on adversarial inputs (`kernels_agree`); a mismatch logs one warning and keeps the torch
+formula. ``KVDIET_NATIVE_KERNELS=0`` (read on every call) or a failed build selects the
 torch formulas too.
 """
 
@@ -52,8 +52,8 @@ NORM_ROWS_MAX = 16
 prefill's rows too; the kernel's ``kNormRowsMax``, a batched decode step of up to 16 requests), each of at most
 `WIDTH_MAX` floats."""
 ROPE_ROWS_MAX = 256
-"""The most rows `Rotation.apply` sends to the compiled ``rope_rotate`` (a decode step of 16 requests' queries of
-up to 16 heads), each of at most `WIDTH_MAX` floats (the kernel's ``kRopeRowsMax``)."""
+"""The most rows the compiled ``rope_rotate`` takes unless asked for any (``any_rows``, `Rotation.apply` says when;
+``kRopeRowsMax``: a decode step of 16 requests' queries of up to 16 heads), each of at most `WIDTH_MAX` floats."""
 WIDTH_MAX = 8192
 """The widest last dim either compiled kernel takes (``kNormDimMax``, ``kRopeWidthMax``)."""
 _F32 = torch.float32
@@ -219,10 +219,10 @@ class Rotation:
             A new tensor, same shape, strides and dtype as ``x`` (the rotation itself runs in fp32 complex
             arithmetic, like the reference ``apply_rotary_emb``; in fp64 for an fp64 ``x``). The compiled
             ``rope_rotate`` computes it, with the torch formula's bits, for an fp32 ``x`` with no gradient to
-            track that fits: on the CPU, last stride 1, at most 6 dims, 1..`ROPE_ROWS_MAX` rows of at most
-            `WIDTH_MAX`, fewer than 32768 (torch's GRAIN_SIZE) rotated pairs in all (torch splits a larger
-            product over its threads, its scalar tail then where no check looks); ``rope_dim`` not a multiple of
-            32 only where `rope_kernels` allows it;
+            track that fits: on the CPU, last stride 1, at most 6 dims, rows of at most `WIDTH_MAX`: any number
+            (a prefill's) while torch runs one thread, else 1..`ROPE_ROWS_MAX` and under 32768 (GRAIN_SIZE) pairs
+            (torch splits more over its threads, its scalar tail then where no check looks: its bits vary with the
+            thread count); ``rope_dim`` not a multiple of 32 only where `rope_kernels` allows it;
             ``cis`` on the CPU, last stride 1, its leading dims each 1 or ``x``'s; neither a lazy conjugate or
             negative view (``cis.conj()``); no output NaN.
         Raises:
@@ -232,7 +232,8 @@ class Rotation:
         cis = self.cis_inverse if inverse else self.cis
         if x.dtype == torch.float32 and x.is_cpu and _untracked(x, cis):
             kernels = rope_kernels(self.rope_dim)
-            out = None if kernels is None else kernels.rope_rotate(x, cis, self.rope_dim)
+            one = torch.get_num_threads() == 1  # torch's loop unsplit: its tails where `kernels_agree` looks
+            out = None if kernels is None else kernels.rope_rotate(x, cis, self.rope_dim, one)
             if out is not None:  # else it does not fit, or an output is NaN
                 return out
         return _torch_rotate(x, cis, self.rope_dim)
