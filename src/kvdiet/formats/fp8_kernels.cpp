@@ -223,5 +223,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project_out_rows", &project_out_rows, py::call_guard<py::gil_scoped_release>());
   m.def("index_query_rows", &index_query_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("softmax_rows", &softmax_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
 }

@@ -1,7 +1,7 @@
 """Compiled block codecs: ``fp4_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``,
 ``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``hc_kernels.cpp``, ``rope_kernels.cpp``,
-``projection_kernels.cpp``, ``attend_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at
-first use.
+``projection_kernels.cpp``, ``attend_kernels.cpp``, ``softmax_kernels.cpp`` then ``fp8_kernels.cpp`` (one module),
+built once per machine at first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -63,6 +63,7 @@ _SOURCES = [
         "rope_kernels.cpp",
         "projection_kernels.cpp",
         "attend_kernels.cpp",
+        "softmax_kernels.cpp",
         "fp8_kernels.cpp",
     )
 ]

@@ -33,6 +33,7 @@ from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
 from kvdiet.model.indexer import Indexer
 from kvdiet.model.layers import RMSNorm, Rope, Rotation, as_dtype
 from kvdiet.model.linear import Linear
+from kvdiet.model.narrow_softmax import softmax_last
 from kvdiet.model.row_tables import RowTables
 from kvdiet.model.segment import Segment
 from kvdiet.model.selection import (
@@ -87,7 +88,7 @@ def attend(
         lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
         parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
     parts.append(as_dtype(sink, torch.float32)[None, :, None].expand(b, h, 1))
-    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    probs = softmax_last(torch.cat(parts, dim=-1))
     n_win = win_kv.shape[-2]
     if shared:
         out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
@@ -292,7 +293,11 @@ class Attention(nn.Module):
                     )
                     continue
                 comp, comp_mask = self._gather_main(seg, idx[s:e]), valid[s:e]
-            o[s:e] = attend(q[s:e], band_kv[s:e], band_mask[s:e], comp, comp_mask, self.attn_sink, self.scale)
+            out = attend(q[s:e], band_kv[s:e], band_mask[s:e], comp, comp_mask, self.attn_sink, self.scale)
+            if e - s == t and out.dtype == o.dtype:  # one block (a whole prompt at small widths): no copy
+                o = out
+            else:
+                o[s:e] = out
         return self.project_out(o, rot)
 
     def window_band(
