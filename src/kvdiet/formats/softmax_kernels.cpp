@@ -8,10 +8,10 @@
 //   what torch's CPU softmax over the last dim computes for a row narrower than one vector (_vec_softmax_lastdim
 //   with vec::reduce_all and vec::map, ATen/cpu/vec/functional_base.h): m = the max of the row (exact in any
 //   order; the sign of a zero max changes no x − m of a finite x, nor its exp); e_j = exp(x_j − m) by torch's own
-//   Sleef_expf16_u10 (Vectorized<float>::exp, exported by libtorch_cpu); s = e_0 + e_1 + … + e_{n−1} left to
-//   right (reduce_all under one vector: vec_reduce_all's lane-0 loop); r = 1 / s; p_j = e_j · r. No FMA
-//   contraction (-ffp-contract=off). kvdiet.model.narrow_softmax checks these bits against torch.softmax once per
-//   process before it uses the kernel.
+//   Sleef_expf16_u10 (Vectorized<float>::exp, exported by libtorch_cpu; where it is not, every call is
+//   declined); s = e_0 + e_1 + … + e_{n−1} left to right (reduce_all under one vector: vec_reduce_all's lane-0
+//   loop); r = 1 / s; p_j = e_j · r. No FMA contraction (-ffp-contract=off). kvdiet.model.narrow_softmax checks
+//   these bits against torch.softmax once per process before it uses the kernel.
 //   Why: torch's reduce_all under one vector runs a vector store, load and op per element (some 250 ns a row of
 //   13 floats, 12 times its time per row of 16); this is one masked vector pass per row.
 
@@ -20,7 +20,8 @@
 #include <optional>
 
 #if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);
+// weak: a torch build that does not export it leaves it null, and softmax_rows declines (the module still loads)
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 #endif
 
 namespace {
@@ -32,7 +33,7 @@ constexpr int64_t kSoftmaxWidthMax = 15;  // under one AVX-512 vector of floats
 std::optional<at::Tensor> softmax_rows(const at::Tensor& x) {
 #if defined(__AVX512F__)
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() < 1) return {};
-  if (x.is_neg()) return {};  // a lazy negative view: the data is not the value
+  if (x.is_neg() || Sleef_expf16_u10 == nullptr) return {};  // a lazy negative view: the data is not the value
   const int64_t n = x.size(-1);
   if (n < 1 || n > kSoftmaxWidthMax || x.numel() == 0) return {};
   const int64_t rows = x.numel() / n;
