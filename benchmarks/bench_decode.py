@@ -173,7 +173,10 @@ def main() -> None:
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     add_device_arg(parser)
     args = parser.parse_args()
-    check_device(args.device)
+    try:
+        check_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     model, _ = load_model("v4.1-mini", seed=SEED, device=args.device)

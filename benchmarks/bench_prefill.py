@@ -108,7 +108,10 @@ def main() -> None:
     )
     add_device_arg(parser)
     args = parser.parse_args()
-    check_device(args.device)
+    try:
+        check_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     threads = set_threads(args.threads)
     torch.manual_seed(SEED)
     cfg = load_config(args.config)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -33,7 +35,7 @@ from rich.table import Table
 
 from kvdiet.device import add_device_arg, check_device, synchronize
 from kvdiet.formats.fp4 import encode_main_kv
-from kvdiet.model.triton_decode import DEFAULT_TILE, Tile, sparse_partials
+from kvdiet.model.triton_decode import DEFAULT_TILE, Tile, available, sparse_partials
 from kvdiet.units import parse_count
 
 SEED = 0
@@ -75,7 +77,7 @@ def parse_tiles(text: str) -> list[Tile]:
     tiles = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 4:
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
             raise ValueError(f"--tiles: {item!r} is not precision:block_h:block_k:num_warps")
         tile = Tile(parts[0], *(int(p) for p in parts[1:]))
         tile.check()
@@ -104,11 +106,17 @@ def main() -> None:
     try:
         check_device(args.device)
         tiles = parse_tiles(args.tiles)
+        n = parse_count(args.context) // 2
     except ValueError as exc:
         parser.error(str(exc))
+    if min(n, args.heads, args.batch, args.topk, args.splits, args.topk_splits, args.repeats) < 1:
+        parser.error("--context must be ≥ 2 tokens and --heads, --batch, --topk, --splits, --repeats ≥ 1")
+    if not available():
+        parser.error("triton does not import here (it is in the dev extra: pip install -e '.[dev]')")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs Triton's interpreter: set TRITON_INTERPRET=1")
     dev = args.device
     gen = torch.Generator().manual_seed(SEED)
-    n = parse_count(args.context) // 2
     block = torch.randn(4096, DIM, generator=gen)
     rows = encode_main_kv(block).repeat(-(-n // 4096), 1)[:n].to(dev)  # [n, 288] packed, as in the pool
     scale = DIM**-0.5
@@ -178,6 +186,10 @@ def main() -> None:
             f"copy {copy:,.0f} GB/s; fp16 matmul {flops:,.0f} TFLOP/s; nominal HBM {args.hbm_gb_per_s:,.0f} GB/s"
         )
     print(json.dumps(result))
+    if len(best) < len(cases):  # a case no tile could run: nothing was measured there
+        sys.exit(
+            f"bench_triton_decode: no tile ran for {sorted(set(cases) - set(best))} (errors in the table)"
+        )
 
 
 if __name__ == "__main__":

@@ -120,8 +120,8 @@ def test_the_compiled_kernel_matches_attend_on_cuda(precision: str) -> None:
     _check(scope["run"]("cuda", precision), precision)
 
 
-def test_bad_shapes_are_refused_before_the_kernel() -> None:
-    from kvdiet.model.triton_decode import sparse_partials
+def test_bad_shapes_are_refused_before_the_kernel(monkeypatch) -> None:
+    from kvdiet.model.triton_decode import Tile, sparse_partials
 
     q = torch.zeros(1, 2, 512)
     with pytest.raises(ValueError, match=r"rows must be \[N, 288\]"):
@@ -130,3 +130,27 @@ def test_bad_shapes_are_refused_before_the_kernel() -> None:
         sparse_partials(
             q.double(), torch.zeros(4, 288, dtype=torch.uint8), torch.zeros(1, 3), torch.ones(1, 3), 1.0
         )
+    with pytest.raises(ValueError, match=r"need fp32 q \[B, H, D\] with D ≥ 32"):
+        sparse_partials(
+            torch.zeros(2, 512),
+            torch.zeros(4, 288, dtype=torch.uint8),
+            torch.zeros(1, 3),
+            torch.ones(1, 3),
+            1.0,
+        )
+    rows, slots, valid = (
+        torch.zeros(4, 288, dtype=torch.uint8),
+        torch.zeros(1, 3, dtype=torch.int64),
+        torch.ones(1, 3),
+    )
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="only in Triton's interpreter"):
+        sparse_partials(q, rows, slots, valid.bool(), 1.0)
+    for tile, message in [
+        (Tile(block_h=16.0), "must be ints"),  # type: ignore[arg-type]
+        (Tile(num_warps=True), "must be ints"),  # type: ignore[arg-type]
+        (Tile(precision="bf16"), "precision must be one of"),
+        (Tile(block_k=8), "must be 16, 32 or 64"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sparse_partials(q, rows, slots, valid.bool(), 1.0, tile=tile)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -54,6 +55,9 @@ class Tile:
 
     def check(self) -> None:
         """Raises ValueError naming the field that is not one the kernel takes."""
+        sizes = (self.block_h, self.block_k, self.num_warps)
+        if not all(type(v) is int for v in sizes):  # bool and float are refused too
+            raise ValueError(f"tile block_h, block_k and num_warps must be ints, got {sizes}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"tile precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.block_h not in (16, 32, 64) or self.block_k not in (16, 32, 64):
@@ -217,7 +221,9 @@ def sparse_partials(
     Args:
         q: fp32 [B, H, D] queries (D a multiple of 32).
         rows: uint8 [N, 9·D/16] packed ``fp4_e2m1_e4m3x16`` entries (the pool rows of one layer and kind).
-        slots: int64 [B, K] the row of each selected entry (any value where ``valid`` is False).
+        slots: int64 [B, K] the row of each selected entry, in [0, N) where ``valid`` (not checked: that would
+            read the slots back to the host, a device sync; the pool's stores give only such rows); any value where
+            ``valid`` is False.
         valid: bool [B, K].
         scale: softmax scale (head_dim^-½).
         splits: programs per query asked for (≥ 1); each covers max(⌈K / splits⌉, ``tile.block_k``)
@@ -229,8 +235,11 @@ def sparse_partials(
         are not checked as the torch decode checks them (a pool holds only what the encoder wrote): a byte
         outside the written range decodes as its 7 magnitude bits (0x7F as 480, the sign bit ignored).
     Raises:
-        ValueError: shapes, dtypes or devices that do not fit, or ``splits`` < 1.
+        ValueError: shapes, dtypes or devices that do not fit (on the CPU: without Triton's interpreter), a bad
+            ``tile``, or ``splits`` < 1.
     """
+    if q.dim() != 3 or q.shape[-1] < 32:
+        raise ValueError(f"need fp32 q [B, H, D] with D ≥ 32, got shape {tuple(q.shape)}")
     b, h, d = q.shape
     if q.dtype != torch.float32 or rows.dtype != torch.uint8 or rows.dim() != 2 or d % 32:
         raise ValueError(
@@ -245,6 +254,8 @@ def sparse_partials(
         raise ValueError("q, rows, slots and valid must be on one device")
     tile = tile or DEFAULT_TILE
     tile.check()
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("on the CPU the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1)")
     k = slots.shape[1]
     per_split = max(tile.block_k, -(-k // splits))
     splits = max(1, -(-k // per_split))
