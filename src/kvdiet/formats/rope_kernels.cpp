@@ -4,10 +4,11 @@
 // same module (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // rope_rotate: x float32 [..., D] (last stride 1, 1..kRopeRowsMax rows, or any number with any_rows, of
-//   D <= kRopeWidthMax, at most kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading dims, right-aligned to x's,
-//   each 1 or x's size), rope_dim (even, <= D) -> float32 of x's shape, strides as x.clone() gives them; any
-//   other input, and any output with a NaN in its rotated part, gets std::nullopt (the caller runs the torch
-//   formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul kernel computes it: with
+//   D <= kRopeWidthMax, at most kRopeDimsMax dims), cis complex64 [..., rope_dim/2] (last stride 1; its leading
+//   dims, right-aligned to x's, each 1 or x's size), rope_dim (even, <= D) -> float32 of x's shape, strides as
+//   x.clone() gives them; any other input, and any output with a NaN in its rotated part, gets std::nullopt (the
+//   caller runs the torch formula). Each pair (a, b) times (c, d) is torch's complex64 product as its CPU mul
+//   kernel computes it: with
 //   AVX-512 or AVX2, Vectorized<c10::complex<float>>::operator* (ATen/cpu/vec/vec512/vec512_complex_float.h,
 //   vec256/vec256_complex_float.h), re = a·c − b·d, im = a·d − b·(−c), each product rounded, with the same
 //   intrinsics in the same order; the pairs past the last whole vector, and every pair without those
