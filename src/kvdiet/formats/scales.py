@@ -187,7 +187,8 @@ def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name
         ValueError: a byte outside the range (a corrupt or foreign entry), naming it.
     """
     if scale_bytes.numel():
-        lo, hi = int(scale_bytes.min()), int(scale_bytes.max())
+        # one host read of both ends (on a GPU each read waits for the device: this check runs on every decode)
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(scale_bytes)).tolist())
         if lo < valid[0] or hi > valid[1]:
             bad = lo if lo < valid[0] else hi
             raise ValueError(f"{name}: stored scale byte {bad} is outside the written range {valid}")
