@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdiet.formats import native
 from kvdiet.model.attention import attend
 from kvdiet.model.selection import (
     candidate_entries,
@@ -249,3 +250,41 @@ def test_compiled_candidates_and_topk_at_equal_pure_torch(both, n: int, bs: int,
     pooled = torch.where((entries >= 0) & (entries < n), scores.gather(1, entries.clamp(0, n - 1)), NEG)
     got, want = both(select_topk_at, pooled, entries, 5, n)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _folded_block_max(scores: torch.Tensor, block: int) -> torch.Tensor:
+    """Each block's max as a scalar fold in entry order (``x > m``: NaN never, of equal -0 / +0 the first)."""
+    q, n = scores.shape
+    out = torch.full((q, -(-n // block)), NEG)
+    for r in range(q):
+        for b in range(out.shape[1]):
+            m = torch.tensor(NEG)
+            for x in scores[r, b * block : (b + 1) * block]:
+                m = x if bool(x > m) else m
+            out[r, b] = m
+    return out
+
+
+def test_block_max_of_eights_keeps_the_scalar_folds_bits(both) -> None:
+    """The compiled block max (two blocks of 8 per vector, a scalar fold for the rest) gives the fold's bits:
+    the first of equal zeros (-0 before +0 and after it), NaN read as −inf, ±inf, subnormals, a last block
+    partly filled, an odd block count, rows of a wider tensor (row stride > N); and pure torch's values."""
+    gen = torch.Generator().manual_seed(3)
+    zeros = torch.tensor([-0.0, 0.0, 0.0, -0.0, NAN, -0.0, NEG, 0.0] * 4)
+    pool = torch.tensor([NAN, NEG, INF, -0.0, 0.0, 1e-45, -1e-45, 1.5, -2.0, 1.5])
+    wide = pool[torch.randint(len(pool), (3, 300), generator=gen)]
+    wide[0, :32] = zeros
+    wide[1, :32] = zeros.flip(0)
+    wide[2, :8] = NAN
+    none = torch.zeros(3, dtype=torch.int64)  # no newest block pinned
+    for rows in (wide[:, :250], wide[:, :253], wide[:, :16], wide[:, :7]):
+        got, want = both(select_candidate_blocks, rows, none, block_size=8, topk_blocks=4)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        out = torch.empty(3, -(-rows.shape[1] // 8))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(native.ENV, raising=False)
+            native.fp4_kernels().block_max(rows, 8, out)
+        assert torch.equal(out.view(torch.int32), _folded_block_max(rows, 8).view(torch.int32))
+    folded = _folded_block_max(wide[:, :32], 8)
+    assert folded[0].tolist() == [0.0] * 4 and torch.signbit(folded[0]).tolist() == [True] * 4
+    assert torch.signbit(folded[1]).tolist() == [False] * 4 and folded[2, 0].item() == NEG

@@ -15,7 +15,9 @@
 //   it the k best are among them, the same set; else (a rare unlucky guess) it runs on the whole row. Where the
 //   sample holds too few valid scores to guess, the pass keeps every valid entry.
 // block_max: scores float32 [Q, N] -> out float32 [Q, ceil(N / B)], each block's max with NaN read as -inf
-//   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf).
+//   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf), the bits of a scalar fold
+//   in entry order (of equal largest scores, -0 and +0 alike, the first). Full blocks of B = 8 (V4.1's
+//   candidate_block_size) take two blocks per 16-float vector (block8_max), the rest the scalar fold.
 
 #include <functional>
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -203,6 +205,30 @@ void select_topk(at::Tensor scores, at::Tensor idx, at::Tensor valid) {
   });
 }
 
+namespace {
+
+// Maxima of the blocks of 8 that start at row[0], row[8], .. row[8 (m - 1)] (all 8 m scores read) into o[0..m), each
+// the scalar fold's bits: vmaxps(x, y) is x > y ? x : y per lane, so a tree that keeps the earlier operand unless
+// the later one is greater gives the first of the equal largest scores (the fold's pick, -0 or +0 alike); NaN is
+// first read as -inf (vmaxps(x, -inf)), as the fold never picks it.
+inline int64_t block8_max(const float* row, int64_t m, float* o) {
+  int64_t b = 0;
+#ifdef __AVX512F__
+  const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; b + 2 <= m; b += 2) {  // blocks b (lanes 0..7) and b + 1 (lanes 8..15)
+    __m512 v = _mm512_max_ps(_mm512_loadu_ps(row + 8 * b), neg);
+    v = _mm512_max_ps(_mm512_permute_ps(v, 0xB1), v);  // lane 2i: lanes 2i, 2i + 1
+    v = _mm512_max_ps(_mm512_permute_ps(v, 0x4E), v);  // lane 4i: lanes 4i .. 4i + 3
+    v = _mm512_max_ps(_mm512_shuffle_f32x4(v, v, 0x31), v);  // lanes 0 and 8: lanes 0 .. 7 and 8 .. 15
+    o[b] = _mm512_cvtss_f32(v);
+    o[b + 1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(v, 1));
+  }
+#endif
+  return b;
+}
+
+}  // namespace
+
 // scores float32 [Q, N] (unit element stride) -> out float32 [Q, ceil(N / block)] contiguous
 void block_max(at::Tensor scores, int64_t block, at::Tensor out) {
   TORCH_CHECK(fp32_rows(scores) && block >= 1 && out.is_contiguous() && out.scalar_type() == at::kFloat &&
@@ -214,12 +240,18 @@ void block_max(at::Tensor scores, int64_t block, at::Tensor out) {
   float* o = out.data_ptr<float>();
   const float neg = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, q * nb, 4096, [&](int64_t b0, int64_t b1) {
-    for (int64_t t = b0; t < b1; ++t) {
-      const int64_t r = t / nb, j0 = (t % nb) * block, j1 = std::min(n, j0 + block);
+    for (int64_t t = b0; t < b1;) {  // the task's blocks of one row at a time
+      const int64_t r = t / nb, first = t % nb, last = std::min(nb, first + (b1 - t));
       const float* row = s + r * stride;
-      float m = neg;
-      for (int64_t j = j0; j < j1; ++j) m = row[j] > m ? row[j] : m;  // NaN never compares greater
-      o[t] = m;
+      int64_t b = first;
+      if (block == 8) b += block8_max(row + 8 * first, std::min(last, n / 8) - first, o + r * nb + first);
+      for (; b < last; ++b) {
+        const int64_t j0 = b * block, j1 = std::min(n, j0 + block);
+        float m = neg;
+        for (int64_t j = j0; j < j1; ++j) m = row[j] > m ? row[j] : m;  // NaN never compares greater
+        o[r * nb + b] = m;
+      }
+      t += last - first;
     }
   });
 }
