@@ -17,9 +17,12 @@
 //     (l, l+8), (l, l+4), (l, l+2), (0, 1) — row_products(p[b, h, :W+K], keysᵀ)'s order.
 //   Why: `attend` runs four bmm and seven other torch ops per layer (some 330 µs at v4.1-mini's 4 heads × 512
 //   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run in rounds (scores,
-//   softmax, values) of one per thread, or as many as keep 256 KB of keys per thread, so a request's keys (1.3 MB
-//   at v4.1-mini) stay in one core's cache between the two passes; within them the tasks are blocks of 4 keys
-//   (scores) and of 4 heads × 64 dims (values), so a one-request step splits over both threads.
+//   softmax, values, fold) of one per thread, or as many as keep 256 KB of keys per thread, so a request's keys
+//   (1.3 MB at v4.1-mini) stay in cache between the two passes. The value tasks are (request, lane l): lane l's
+//   partial sums over its keys j = l, l + 16, … for every head and dim (whole key rows, read once per lane), then
+//   the fold of the 16 partials, 16 outputs per vector. The score tasks are blocks of 4 keys ordered by their lane
+//   quad, so the thread that scores a key is the one whose lanes sum it (at::parallel_for splits both ranges
+//   the same way): a one-request step splits over both threads and reads its keys from its own core's cache.
 
 #include <limits>
 #include <vector>
@@ -27,7 +30,6 @@
 namespace {
 
 constexpr int64_t kAttendHeads = 4;  // heads of one value block (their accumulators stay in registers)
-constexpr int64_t kAttendDims = 64;  // dims of one value block: four 16-float vectors
 constexpr int64_t kRoundBytes = 256 * 1024;  // keys per thread of one round of requests (well inside a core's L2)
 
 // The W + K keys of one request, window first.
@@ -38,63 +40,63 @@ struct AttendKeys {
   const float* row(int64_t j) const { return j < w ? win + j * dim : comp + (j - w) * dim; }
 };
 
-// o[g, d0 .. d0 + 16V) for G heads of probabilities p (row stride ps) against the keys: the 16 lanes' sums, then
-// the fold, each element on its own (vector lanes are output dims; the summed lanes are the 16 partials).
+// Lane l's partial sums of G heads of probabilities p (row stride ps) for dims d0 .. d0 + 16V: Σ p[g, j]·k_j[d]
+// over j = l, l + 16, … in increasing j from +0, into part[g·dim + d] (vector lanes are output dims).
 template <int G, int V>
-void value_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, float* o, int64_t os) {
-  Lanes16 part[16][G][V];
-  for (int l = 0; l < 16; ++l) {
-    Lanes16 acc[G][V] = {};
-    for (int64_t j = l; j < keys.n; j += 16) {
-      const float* row = keys.row(j) + d0;
-      Lanes16 v[V];
-      for (int c = 0; c < V; ++c) v[c] = load_lanes(row + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const float pj = p[g * ps + j];
-        for (int c = 0; c < V; ++c) acc[g][c] = acc[g][c] + pj * v[c];
-      }
+void lane_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d0, float* part) {
+  Lanes16 acc[G][V] = {};
+  for (int64_t j = l; j < keys.n; j += 16) {
+    const float* row = keys.row(j) + d0;
+    Lanes16 v[V];
+    for (int c = 0; c < V; ++c) v[c] = load_lanes(row + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const float pj = p[g * ps + j];
+      for (int c = 0; c < V; ++c) acc[g][c] = acc[g][c] + pj * v[c];
     }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < V; ++c) part[l][g][c] = acc[g][c];
   }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < V; ++c) std::memcpy(part + g * keys.dim + d0 + 16 * c, &acc[g][c], sizeof(Lanes16));
+}
+
+// lane_block's order for one dim d of G heads, in scalars (dims past the last whole 16).
+template <int G>
+void lane_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d, float* part) {
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < V; ++c) {
-      Lanes16 s8[8], s4[4], s2[2];
-      for (int l = 0; l < 8; ++l) s8[l] = part[l][g][c] + part[l + 8][g][c];
-      for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-      for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-      const Lanes16 r = s2[0] + s2[1];
-      std::memcpy(o + g * os + d0 + 16 * c, &r, sizeof r);
-    }
+    float acc = 0.0f;
+    for (int64_t j = l; j < keys.n; j += 16) acc = acc + p[g * ps + j] * keys.row(j)[d];
+    part[g * keys.dim + d] = acc;
   }
 }
 
-// value_block's order for one dim d of G heads, in scalars (dims past the last whole 16).
+// Lane l's partial sums of G heads over all dims: blocks of 64, 32 and 16 dims, then single dims.
 template <int G>
-void value_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t d, float* o, int64_t os) {
-  for (int g = 0; g < G; ++g) {
-    float part[16];
-    for (int l = 0; l < 16; ++l) {
-      float acc = 0.0f;
-      for (int64_t j = l; j < keys.n; j += 16) acc = acc + p[g * ps + j] * keys.row(j)[d];
-      part[l] = acc;
-    }
-    float s8[8], s4[4], s2[2];
-    for (int l = 0; l < 8; ++l) s8[l] = part[l] + part[l + 8];
+void lane_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, float* part) {
+  int64_t d = 0;
+  for (; d + 64 <= keys.dim; d += 64) lane_block<G, 4>(p, ps, keys, l, d, part);
+  for (; d + 32 <= keys.dim; d += 32) lane_block<G, 2>(p, ps, keys, l, d, part);
+  for (; d + 16 <= keys.dim; d += 16) lane_block<G, 1>(p, ps, keys, l, d, part);
+  for (; d < keys.dim; ++d) lane_dim<G>(p, ps, keys, l, d, part);
+}
+
+// o[i] = the fold (l, l+8), (l, l+4), (l, l+2), (0, 1) of the 16 lanes' partials part[l·ls + i], i < count:
+// 16 outputs side by side per vector, each element's adds in that order.
+void fold_partials(const float* part, int64_t ls, int64_t count, float* o) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    Lanes16 s8[8], s4[4], s2[2];
+    for (int l = 0; l < 8; ++l) s8[l] = load_lanes(part + l * ls + i) + load_lanes(part + (l + 8) * ls + i);
     for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
     for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
-    o[g * os + d] = s2[0] + s2[1];
+    const Lanes16 r = s2[0] + s2[1];
+    std::memcpy(o + i, &r, sizeof r);
   }
-}
-
-// Dims d0 .. d1 of G heads: whole blocks of 64, 32 and 16, then single dims.
-template <int G>
-void value_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, int64_t d1, float* o, int64_t os) {
-  int64_t d = d0;
-  for (; d + 64 <= d1; d += 64) value_block<G, 4>(p, ps, keys, d, o, os);
-  for (; d + 32 <= d1; d += 32) value_block<G, 2>(p, ps, keys, d, o, os);
-  for (; d + 16 <= d1; d += 16) value_block<G, 1>(p, ps, keys, d, o, os);
-  for (; d < d1; ++d) value_dim<G>(p, ps, keys, d, o, os);
+  for (; i < count; ++i) {
+    float s8[8], s4[4], s2[2];
+    for (int l = 0; l < 8; ++l) s8[l] = part[l * ls + i] + part[(l + 8) * ls + i];
+    for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+    for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
+    o[i] = s2[0] + s2[1];
+  }
 }
 
 // Logits of keys j0 .. j0 + r of one request (r <= 4) for all its heads: row_products's dots of the keys at
@@ -154,17 +156,25 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   at::Tensor out = at::empty({b, heads, dim}, q.options());
   float* op = out.mutable_data_ptr<float>();
   const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
-  const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
+  // the blocks in the order of their first key's lane quad ((j / 4) % 4 of the request's j), so a thread's share
+  // of the scores is the keys whose lanes it sums in the values (they stay in its core's cache)
+  std::vector<int64_t> order(per);
+  for (int64_t i = 0; i < per; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [wb, w](int64_t x, int64_t y) {
+    return ((x < wb ? 4 * x : w + 4 * (x - wb)) / 4) % 4 < ((y < wb ? 4 * y : w + 4 * (y - wb)) / 4) % 4;
+  });
   // one request per thread at a time, so its keys stay in that core's cache from the scores to the values; more
-  // where several requests' keys fit there together (a round's softmax call and two parallel regions cost some
+  // where several requests' keys fit there together (a round's softmax call and its parallel regions cost some
   // microseconds: at tiny widths, more than a request's whole attention)
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = threads * std::max<int64_t>(1, kRoundBytes / std::max<int64_t>(1, n * dim * 4));
+  const int64_t hd = heads * dim;
+  std::vector<float> parts(std::min(chunk, b) * 16 * hd);  // a round's lane partials [request, lane, H, D]
   for (int64_t r0 = 0; r0 < b; r0 += chunk) {
     const int64_t rn = std::min(chunk, b - r0);
     at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = r0 + t / per, blk = t % per;
+        const int64_t r = r0 + t / per, blk = order[t % per];
         const float* qr = qpad.data() + r * heads * kp;
         float* y = lp + r * heads * n1;
         if (blk < wb) {
@@ -182,20 +192,26 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
     // torch's softmax of each row (a row's bits do not depend on the rows beside it)
     const at::Tensor probs = at::softmax(logits.narrow(0, r0, rn), -1);
     const float* pp = probs.const_data_ptr<float>();
-    at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
+    // the tasks are (request, lane): a lane's sums read only its keys, whole rows
+    at::parallel_for(0, rn * 16, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = r0 + t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
+        const int64_t r = r0 + t / 16, l = t % 16;
         const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
-        const float* p = pp + ((r - r0) * heads + g0) * n1;
-        float* o = op + (r * heads + g0) * dim;
-        const int64_t d1 = std::min(dim, d0 + kAttendDims);
-        switch (std::min(kAttendHeads, heads - g0)) {
-          case 1: value_dims<1>(p, n1, keys, d0, d1, o, dim); break;
-          case 2: value_dims<2>(p, n1, keys, d0, d1, o, dim); break;
-          case 3: value_dims<3>(p, n1, keys, d0, d1, o, dim); break;
-          default: value_dims<4>(p, n1, keys, d0, d1, o, dim); break;
+        float* part = parts.data() + ((r - r0) * 16 + l) * hd;
+        for (int64_t g0 = 0; g0 < heads; g0 += kAttendHeads) {
+          const float* p = pp + ((r - r0) * heads + g0) * n1;
+          switch (std::min(kAttendHeads, heads - g0)) {
+            case 1: lane_dims<1>(p, n1, keys, l, part + g0 * dim); break;
+            case 2: lane_dims<2>(p, n1, keys, l, part + g0 * dim); break;
+            case 3: lane_dims<3>(p, n1, keys, l, part + g0 * dim); break;
+            default: lane_dims<4>(p, n1, keys, l, part + g0 * dim); break;
+          }
         }
       }
+    });
+    // the fold of each request's lanes (a few µs each: on the calling thread for one request)
+    at::parallel_for(0, rn, 2, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fold_partials(parts.data() + t * 16 * hd, hd, hd, op + (r0 + t) * hd);
     });
   }
   return out;

@@ -14,7 +14,9 @@
 //   BLAS (as the BLAS's one-row and many-row kernels already do from each other), within fp32 rounding.
 //   Rows of w are split over torch's intra-op threads (a call of fewer than 64K elements of w in all runs on the
 //   calling thread: each output is one dot_rows call whatever the split, so the same bits); within a task, four
-//   rows of w are scored against the rows of x four at a time, so each w row is read from memory once.
+//   rows of w are scored against the rows of x four at a time, so each w row is read from memory once; for one
+//   row of x, sixteen rows of w at a time, whose 16 outputs fold side by side (fold_lanes16) rather than one by
+//   one (a fold alone is some 15 dependent adds and their shuffles: at K = 128 about as many steps as the row).
 
 namespace {
 
@@ -90,9 +92,16 @@ inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, in
 
 template <int R>
 void dot_rows(const float* xs, int64_t m, int64_t kp, const float* w, int64_t k, int64_t j0, float* y, int64_t n) {
-  alignas(64) float wt[R * 16] = {};
+  alignas(64) float wt[R * 16];
   const int64_t full = k / 16;
-  for (int r = 0; r < R; ++r) std::memcpy(wt + r * 16, w + (j0 + r) * k + full * 16, (k - full * 16) * 4);
+  if (full * 16 < k) {
+    std::memset(wt, 0, sizeof wt);
+    for (int r = 0; r < R; ++r) std::memcpy(wt + r * 16, w + (j0 + r) * k + full * 16, (k - full * 16) * 4);
+  }
+  if constexpr (R > 4) {  // 16 rows of w (block_rows): one row of x at a time, its 16 outputs folded together
+    for (int64_t g = 0; g < m; ++g) dot_block<R, 1>(xs + g * kp, kp, w, k, j0, wt, y + g * n, n);
+    return;
+  }
   for (int64_t g0 = 0; g0 < m; g0 += 4) {
     const float* xg = xs + g0 * kp;
     float* yg = y + g0 * n;
@@ -130,12 +139,17 @@ inline const float* chunk_rows(const float* x, int64_t m, int64_t k, std::vector
 // region costs more than it saves there. Each output is one dot_rows call whatever the split, so the same bits.
 constexpr int64_t kSerialElements = 1 << 16;
 
-// Every product in one parallel region: the tasks are the products' blocks of 4 rows of w.
+// Rows of w per task of a product of m rows of x: 16 for one row (dot_block<16, 1> folds its 16 outputs side by
+// side, fold_lanes16), else 4 (four rows of x at a time already fold 16 outputs at once).
+inline int64_t block_rows(int64_t m) { return m == 1 ? 16 : 4; }
+
+// Every product in one parallel region: the tasks are the products' blocks of block_rows rows of w.
 void run_row_products(const std::vector<RowProduct>& ps) {
   std::vector<int64_t> first(ps.size() + 1, 0);  // the products' first block among all blocks
   int64_t elements = 0;
   for (size_t i = 0; i < ps.size(); ++i) {
-    first[i + 1] = first[i] + (ps[i].n + 3) / 4;
+    const int64_t rb = block_rows(ps[i].m);
+    first[i + 1] = first[i] + (ps[i].n + rb - 1) / rb;
     elements += ps[i].n * ps[i].k;
   }
   const int64_t blocks = first.back();
@@ -145,11 +159,13 @@ void run_row_products(const std::vector<RowProduct>& ps) {
     for (int64_t b = b0; b < b1; ++b) {
       while (b >= first[i + 1]) ++i;
       const RowProduct& p = ps[i];
-      const int64_t j0 = (b - first[i]) * 4;
-      if (j0 + 4 <= p.n) {
-        dot_rows<4>(p.xs, p.m, p.kp, p.w, p.k, j0, p.y, p.n);
+      const int64_t rb = block_rows(p.m), j0 = (b - first[i]) * rb;
+      if (rb == 16 && j0 + 16 <= p.n) {
+        dot_rows<16>(p.xs, p.m, p.kp, p.w, p.k, j0, p.y, p.n);
       } else {
-        for (int64_t j = j0; j < p.n; ++j) dot_rows<1>(p.xs, p.m, p.kp, p.w, p.k, j, p.y, p.n);
+        int64_t j = j0;
+        for (; j + 4 <= std::min(p.n, j0 + rb); j += 4) dot_rows<4>(p.xs, p.m, p.kp, p.w, p.k, j, p.y, p.n);
+        for (; j < std::min(p.n, j0 + rb); ++j) dot_rows<1>(p.xs, p.m, p.kp, p.w, p.k, j, p.y, p.n);
       }
     }
   };
