@@ -31,7 +31,11 @@ def _written_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 9, 37), (3, 13, 64), (5, 6, 15), (16, 7, 100), (4, 1, 16)])
+# one row: blocks of 16 weight rows (with a K tail, then 4- and 1-row remainders); more rows: blocks of 4
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 9, 37), (1, 53, 37), (1, 32, 128), (3, 13, 64), (5, 6, 15), (16, 7, 100), (4, 1, 16)],
+)
 def test_compiled_equals_pure_torch_and_the_written_out_order(both, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     # magnitudes over many octaves, so a different summation order would round differently

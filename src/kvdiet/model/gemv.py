@@ -4,7 +4,8 @@ A decode step multiplies one row (one per request in a batched step) by every we
 the CPU torch's BLAS runs such products at 12-18 GB/s — v4.1-mini's 132 MB LM head takes 10.5 ms on 2 cores,
 against some 4 ms at the read bandwidth — and ran 35% of a 4K-context decode step. `row_products` runs them in
 the compiled kernel ``row_products`` (``formats/gemv_kernels.cpp``): each weight row read once, 4 rows at a
-time, against the input rows 4 at a time, on torch's intra-op threads.
+time against the input rows 4 at a time (16 at a time against a single input row), on torch's intra-op
+threads.
 
 The order (each output one dot product over K inputs):
 
