@@ -590,6 +590,30 @@ def test_expert_groups_gives_the_per_expert_forwards_bits(inter, rows):
         assert expert_groups(x, weights, ids, used, [experts[e] for e in used], shared) is None
 
 
+@pytest.mark.parametrize("rows", [17, 200])
+def test_a_prefills_groups_give_each_experts_forward_bits(micro, rows, monkeypatch):
+    """A prefill's rows (more than ``gemv.ROWS_MAX``: its groups through `run_sorted_groups`, then back in (row,
+    slot) order by the inverse of the sort) = `_grouped_ref` to the bit, on adversarial rows, with groups either
+    side of ROWS_MAX and a row naming one expert twice."""
+    torch.manual_seed(0)
+    moe = MoE(micro)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(rows)])
+    ids[: rows // 2, 0] = 2  # expert 2's group the largest
+    ids[-1] = torch.tensor([1, 1])
+    weights = torch.rand(rows, 2, generator=gen)
+    ran = []
+    monkeypatch.setattr(
+        "kvdiet.model.moe.run_sorted_groups", lambda *a: ran.append(run_sorted_groups(*a)) or ran[-1]
+    )
+    with torch.no_grad():
+        x = _adversarial_rows(rows, 64, 3, infinite=False)
+        got = moe._routed_grouped(x, weights, ids)
+        want = _grouped_ref(x, weights, ids, moe.experts, moe.shared_experts)
+    assert len(ran) == 1 and ran[0] is not None
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_expert_groups_declines_weights_it_cannot_read_in_place():
     """A used expert's weight that is not contiguous fp32, or a lazily negated view (its storage holds −w): None,
     nothing raised (the kernel checks, not Python). Negated routing weights are read as their values; negated

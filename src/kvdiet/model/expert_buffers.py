@@ -58,45 +58,51 @@ def run_sorted_groups(
         or weights.shape != (tokens.shape[0], 1)
     ):
         return None
-    dense = [e.dense_weights() for e in experts]
-    limit = experts[0].swiglu_limit
-    if any(d is None for d in dense) or any(e.swiglu_limit != limit or _hooked(e) for e in experts):
-        return None
-    w1_shape, w2_shape = dense[0][0].shape, dense[0][2].shape
-    if any(w.dtype != x.dtype for d in dense for w in d) or any(
-        d[0].shape != w1_shape or d[1].shape != w1_shape or d[2].shape != w2_shape for d in dense
-    ):
-        return None
+    limit, dense = experts[0].swiglu_limit, []
+    for e in experts:
+        d = e.dense_weights()
+        if d is None or e.swiglu_limit != limit or _hooked(e):
+            return None
+        dense.append(d)
+    dt, w1_shape, w2_shape = x.dtype, dense[0][0].shape, dense[0][2].shape
+    for w1, w3, w2 in dense:
+        if w1.dtype != dt or w3.dtype != dt or w2.dtype != dt:
+            return None
+        if w1.shape != w1_shape or w3.shape != w1_shape or w2.shape != w2_shape:
+            return None
     n, inter, hidden = tokens.shape[0], w1_shape[0], x.shape[1]
     rows = x.index_select(0, tokens)
     gate, up, out = x.new_empty(n, inter), x.new_empty(n, inter), x.new_empty(n, hidden)
-    bounds, start = [], 0
-    for count in counts:
-        bounds.append((start, start + count))
-        start += count
     row_bytes = (inter * x.element_size(), hidden * x.element_size())  # gate and up rows; x and out rows
-    if any(t.data_ptr() % _ALIGN for t in (rows, gate, up, out)) or any(
-        s * width % _ALIGN for s, _ in bounds for width in row_bytes
-    ):
+    start = 0
+    for count in counts:
+        if any(start * width % _ALIGN for width in row_bytes):
+            return None
+        start += count
+    if any(t.data_ptr() % _ALIGN for t in (rows, gate, up, out)):
         return None
-    for (w1, w3, _), (s, e) in zip(dense, bounds, strict=True):
-        _product(rows[s:e], w1, gate[s:e])
-        _product(rows[s:e], w3, up[s:e])
+    # each group's rows of every buffer: views as ``buffer[s_g:e_g]``, made in one call per buffer
+    sizes = list(counts)
+    xs, gates, ups, outs = rows.split(sizes), gate.split(sizes), up.split(sizes), out.split(sizes)
+    for (w1, w3, _), xg, g, u in zip(dense, xs, gates, ups, strict=True):
+        _product(xg, w1, g)
+        _product(xg, w3, u)
     if limit > 0:
         up.clamp_(-limit, limit)
         gate.clamp_(max=limit)
-    for s, e in bounds:
-        F.silu(gate[s:e], inplace=True)
-    act = torch.mul(weights, gate.mul_(up), out=gate)  # weight · (silu(gate) · up)
-    for (_, _, w2), (s, e) in zip(dense, bounds, strict=True):
-        _product(act[s:e], w2, out[s:e])
+    for g in gates:
+        F.silu(g, inplace=True)
+    torch.mul(weights, gate.mul_(up), out=gate)  # weight · (silu(gate) · up), each group's rows still `gates`
+    for (_, _, w2), a, o in zip(dense, gates, outs, strict=True):
+        _product(a, w2, o)
     return out
 
 
 def _hooked(expert: Expert) -> bool:
     """Whether the expert or one of its linears has forward hooks (its forward then runs as a module call, so
     they see it)."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in (expert, expert.w1, expert.w3, expert.w2))
+    mods = expert._modules  # no nn.Module attribute fallback (about a microsecond a lookup)
+    return any(m._forward_hooks or m._forward_pre_hooks for m in (expert, mods["w1"], mods["w3"], mods["w2"]))
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:

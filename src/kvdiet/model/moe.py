@@ -325,11 +325,10 @@ class MoE(nn.Module):
             if grouped is not None:
                 return grouped
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
-        tokens = order // k
+        tokens = torch.floor_divide(order, k)  # what ``order // k`` calls, without its Python wrapper
         # gathers as index_select (4x faster than advanced indexing on the CPU; the same copies)
         sorted_weights = weights.flatten().index_select(0, order)[:, None]
-        # a prefill's groups through shared buffers (`run_sorted_groups`: the same bits in fewer calls)
-        sizes = [counts[e] for e in used_ids]
+        sizes = [counts[e] for e in used_ids]  # a prefill's groups: shared buffers, fewer calls
         sorted_out = None if decode_rows else run_sorted_groups(x, tokens, sorted_weights, sizes, used)
         if sorted_out is None:
             rows, slots, start = [], [], 0
@@ -342,8 +341,9 @@ class MoE(nn.Module):
             sorted_out = torch.cat([as_dtype(out, x.dtype) for out in outs])
         else:
             shared = self.shared_experts(x)
-        # Back to (token, slot) order with a gather, then sum the k slots in slot order.
-        routed = sorted_out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1).sum(1)
+        # back to (token, slot) order by order's inverse (scattered, not sorted), then sum the k slots in order
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        routed = sorted_out.index_select(0, back).view(num_tokens, k, -1).sum(1)
         return routed + shared
 
     def _stacked_weights(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], float] | None:

@@ -357,7 +357,8 @@ class Transformer(nn.Module):
                 out = block._modules["attn"](x, segs, plan)  # no nn.Module attribute fallback (a microsecond)
             else:
                 x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
-                out = torch.cat([block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)])
+                outs = [block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
+                out = outs[0] if len(outs) == 1 else torch.cat(outs)  # one request's prefill: no copy
             h = hc_expand(out, h, post, comb)
             h, prev_pre = block.ffn_half(h, attn_pre, decode_step=plan is not None)
         if plan is not None:
