@@ -92,6 +92,20 @@ def test_eps_zero_and_larger_eps(monkeypatch):
         assert torch.equal(native, want) and torch.equal(plain, want)
 
 
+@pytest.mark.parametrize("hc", [1, 2, 3, 4])
+def test_one_matrix_at_a_time_and_whole_blocks_agree_with_the_formula(hc, monkeypatch):
+    """Counts either side of the kernel's split (a last block of fewer than 4 fp32 matrices goes one at a
+    time, more go 16 side by side), on entries that stress the rounding: zeros, subnormals, huge values."""
+    values = torch.tensor([0.0, 1e-45, 3e-39, 1e-38, 1e-7, 0.3, 1.0, 7.0, 1e30, 3e38])
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 4, 5, 16, 17, 18, 19, 20, 35):
+        comb = values[torch.randint(0, values.numel(), (n, hc, hc), generator=g)]
+        for iters in (1, 3, 20):
+            native, plain = _both(comb, iters, monkeypatch)
+            want = _formula(comb, iters)
+            assert torch.equal(native, want) and torch.equal(plain, want), (n, iters)
+
+
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_hc_coefficients_do_not_depend_on_the_path(tokens, monkeypatch):
     g = torch.Generator().manual_seed(3)

@@ -9,7 +9,8 @@
 //   kvdiet.model.sinkhorn.hc_mix_address -> (x float32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]),
 //   or std::nullopt for any other input, where rms_norm declines (a NaN in x) or the mix kernel refuses. What a
 //   sublayer takes from its input streams before its own work (v41-spec §8.1a), each step as hc.py computes it:
-//   - the coefficients' product at::matmul(flatten(h), fn_t): torch's own product of the same operands;
+//   - the coefficients' product at::mm(flatten(h), fn_t): torch's own product of the same operands (at::matmul
+//     of two matrices is that call);
 //   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
 //     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
 //   - pre, post, comb from those two: kvdiet_hc_mix_f32, the very call kvdiet.model.sinkhorn.hc_mix makes;
@@ -75,7 +76,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   float* mp = mean_sq.mutable_data_ptr<float>();
   const float n = static_cast<float>(width);
   for (int64_t r = 0; r < rows; ++r) mp[r] = mp[r] / n;
-  at::Tensor mixes = at::matmul(h.view({rows, width}), fn_t).contiguous();  // overwritten by the mix kernel
+  // at::matmul of two matrices is at::mm (ATen's matmul passes them on unchanged): mm's output is contiguous
+  at::Tensor mixes = at::mm(h.view({rows, width}), fn_t);  // overwritten by the mix kernel
   at::Tensor pre = at::empty({rows, hc}, h.options()), post = at::empty({rows, hc}, h.options());
   at::Tensor comb = at::empty({rows, hc, hc}, h.options());
   const int status = reinterpret_cast<HcMixFn>(mix_fn)(
@@ -96,7 +98,7 @@ std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& 
   if (x.dim() != 2 || x.size(0) != rows || x.size(1) != hidden) return {};
   if (post.dim() != 2 || post.size(0) != rows || post.size(1) != hc) return {};
   if (comb.dim() != 3 || comb.size(0) != rows || comb.size(1) != hc || comb.size(2) != hc) return {};
-  at::Tensor out = at::bmm(comb.transpose(1, 2), residual).contiguous();  // mixed, then overwritten with the sum
+  at::Tensor out = at::bmm(comb.transpose(1, 2), residual);  // mixed (contiguous), then overwritten with the sum
   const at::Tensor xs = x.contiguous(), ps = post.contiguous();
   const float* xp = xs.const_data_ptr<float>();
   const float* pp = ps.const_data_ptr<float>();

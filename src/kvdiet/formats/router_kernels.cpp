@@ -5,8 +5,8 @@
 // route_rows(x, weight, bias, topk, normalize, scale): x float32 [T, hidden] (1..16 rows, any layout), weight
 //   float32 [E, hidden], bias float32 [E] -> (weights float32 [T, topk], ids int64 [T, topk]), or std::nullopt for
 //   any other input. The steps of Gate.forward's top-k routing (v41-spec §8.2a), each as torch runs it:
-//   - scores = at::sqrt(at::softplus(at::matmul(x, weightᵀ))): torch's own product, softplus and square root of
-//     the same [T, E] tensors (torch's CPU sqrt is not always the correctly rounded one: with MKL it runs VML's,
+//   - scores = at::sqrt(at::softplus(at::mm(x, weightᵀ))): torch's own product (at::matmul's call for two
+//     matrices), softplus and square root of the same [T, E] tensors (torch's CPU sqrt is not always the correctly rounded one: with MKL it runs VML's,
 //     which rounds some values the other way, e.g. one of eight router scores in a 40-layer tiny-plan step);
 //   - ids: the first topk of a stable descending sort of scores + bias (one IEEE add each), as torch.sort orders
 //     them: NaN first, then by value, equal values (−0 = +0) and NaNs in index order;
@@ -37,7 +37,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> route_rows(const at::Tensor& x
   if (x.dim() != 2 || weight.dim() != 2 || bias.dim() != 1 || x.size(1) != weight.size(1)) return {};
   const int64_t rows = x.size(0), experts = weight.size(0);
   if (rows < 1 || rows > kRouteRowsMax || bias.size(0) != experts || topk < 1 || topk > experts) return {};
-  at::Tensor scores = at::sqrt(at::softplus(at::matmul(x, weight.t()))).contiguous();
+  // at::matmul of two matrices is at::mm (ATen passes them on unchanged); sqrt's new output is contiguous
+  at::Tensor scores = at::sqrt(at::softplus(at::mm(x, weight.t())));
   const float* sp = scores.const_data_ptr<float>();
   const at::Tensor b = bias.contiguous();
   const float* bp = b.const_data_ptr<float>();
