@@ -14,8 +14,10 @@
 //   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
 //     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
 //   - pre, post, comb from those two: kvdiet_hc_mix_f32, the very call kvdiet.model.sinkhorn.hc_mix makes;
-//   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): the products one IEEE multiply each into a [T, hc, hidden]
-//     tensor, summed over hc by torch's own at::sum (as hc_collapse sums them), then rmsnorm_kernels.cpp's rms_norm.
+//   - x = rms_norm(Σ_i collapse_pre[t, i] · h[t, i]): the products one IEEE multiply each, added one at a time in
+//     increasing i to a sum from +0, the order of torch's CPU sum over a dim of at most 4 values (hc_collapse's
+//     at::sum over hc; sinkhorn.c's column sums rely on it too, and the tests hold this kernel to hc_collapse's
+//     bits, zeros' signs included), then rmsnorm_kernels.cpp's rms_norm.
 // hc_expand_rows(x, residual, post, comb): x float32 [T, hidden], residual float32 [T, hc, hidden], post float32
 //   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows, or any number with any_rows: a prefill's) -> float32
 //   [T, hc, hidden], or std::nullopt for any other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i]
@@ -61,13 +63,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
 
   const at::Tensor pre_in = collapse_pre.contiguous();
   const float* cp = pre_in.const_data_ptr<float>();
-  at::Tensor products = at::empty({rows, hc, hidden}, h.options());
-  float* pp = products.mutable_data_ptr<float>();
+  at::Tensor collapsed = at::zeros({rows, hidden}, h.options());  // the sums from +0
+  float* sp = collapsed.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < hc; ++i)
-      for (int64_t d = 0; d < hidden; ++d)
-        pp[(r * hc + i) * hidden + d] = cp[r * hc + i] * hp[(r * hc + i) * hidden + d];
-  std::optional<at::Tensor> x = rms_norm(at::sum(products, {1}), norm_weight, norm_eps);
+    for (int64_t i = 0; i < hc; ++i) {
+      const float c = cp[r * hc + i];
+      const float* hr = hp + (r * hc + i) * hidden;
+      float* s = sp + r * hidden;
+      for (int64_t d = 0; d < hidden; ++d) s[d] = s[d] + c * hr[d];
+    }
+  std::optional<at::Tensor> x = rms_norm(collapsed, norm_weight, norm_eps);
   if (!x.has_value()) return {};
 
   at::Tensor squares = at::empty({rows, width}, h.options());
