@@ -116,6 +116,35 @@ def test_entry_equals_the_collapse_norm_and_coefficients_bit_for_bit(hc, rows, h
         _assert_same(direct, want)
 
 
+@pytest.mark.parametrize("hc", [1, 4])
+def test_entry_collapse_of_signed_zero_products_keeps_torchs_sign(hc):
+    """The collapse Σ_i pre_i·h_i sums from +0 as torch does: columns whose products are all −0 (h = −0 under a
+    positive pre, or pre = −0 under a positive h) collapse to +0, not −0 (the norm keeps the sign, so a wrong
+    start shows in x's bits); no NaN or inf, so the kernel itself must answer."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(7 + hc)
+    rows, hidden = 3, 17
+    block, cfg, norm = _block(hc, hidden, gen, specials=False)
+    h = torch.rand(rows, hc, hidden, generator=gen) + 0.5
+    h[0, :, :5] = -0.0  # row 0: five columns of −0 under positive pre
+    collapse_pre = torch.rand(rows, hc, generator=gen) + 0.25
+    collapse_pre[1] = -0.0  # row 1: every product −0
+    collapse_pre[2, 0] = -0.0  # row 2: one −0 product among positives
+    want = _formulas(block, cfg, norm, h, collapse_pre)
+    collapsed = hc_collapse(h, collapse_pre)
+    assert torch.equal(_bits(collapsed[0, :5]), _bits(torch.zeros(5)))  # torch's collapse gives +0 there
+    assert torch.equal(_bits(collapsed[1]), _bits(torch.zeros(hidden)))
+    with torch.no_grad():
+        sublayer_entry(block, cfg, h, "attn", collapse_pre, norm)  # builds the cached weights
+        weights = block.hc_weights["attn"]
+        direct = kernels.hc_enter(
+            h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm.weight, norm.eps,
+            RMS_EPS, HC_EPS, ITERS, hc_mix_address(),
+        )  # fmt: skip
+    assert direct is not None
+    _assert_same(direct, want)
+
+
 def test_entry_runs_the_kernel_in_a_decode_step_and_the_functions_elsewhere(monkeypatch):
     _kernels()
     gen = torch.Generator().manual_seed(5)

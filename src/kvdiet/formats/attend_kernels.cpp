@@ -21,10 +21,12 @@
 //   (1.3 MB at v4.1-mini) stay in cache between the two passes. The value tasks are (request, lane l): lane l's
 //   partial sums over its keys j = l, l + 16, … for every head and dim (whole key rows, read once per lane), then
 //   the fold of the 16 partials, 16 outputs per vector. The score tasks are blocks of 4 keys ordered by their lane
-//   quad, so the thread that scores a key is the one whose lanes sum it (at::parallel_for splits both ranges
-//   the same way): a one-request step splits over both threads and reads its keys from its own core's cache.
+//   quad, so the thread that scores a key is mostly the one whose lanes sum it (at::parallel_for splits both
+//   ranges alike, though the quads hold unequal numbers of blocks): a one-request step splits over both threads
+//   and reads its keys mostly from its own core's cache. Only where work runs changes, never a sum's order.
 
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -169,7 +171,8 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t chunk = threads * std::max<int64_t>(1, kRoundBytes / std::max<int64_t>(1, n * dim * 4));
   const int64_t hd = heads * dim;
-  std::vector<float> parts(std::min(chunk, b) * 16 * hd);  // a round's lane partials [request, lane, H, D]
+  // a round's lane partials [request, lane, H, D], uninitialised: every one is written before the fold reads it
+  std::unique_ptr<float[]> parts(new float[std::min(chunk, b) * 16 * hd]);
   for (int64_t r0 = 0; r0 < b; r0 += chunk) {
     const int64_t rn = std::min(chunk, b - r0);
     at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
@@ -197,7 +200,7 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r = r0 + t / 16, l = t % 16;
         const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
-        float* part = parts.data() + ((r - r0) * 16 + l) * hd;
+        float* part = parts.get() + ((r - r0) * 16 + l) * hd;
         for (int64_t g0 = 0; g0 < heads; g0 += kAttendHeads) {
           const float* p = pp + ((r - r0) * heads + g0) * n1;
           switch (std::min(kAttendHeads, heads - g0)) {
@@ -211,7 +214,7 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
     });
     // the fold of each request's lanes (a few µs each: on the calling thread for one request)
     at::parallel_for(0, rn, 2, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) fold_partials(parts.data() + t * 16 * hd, hd, hd, op + (r0 + t) * hd);
+      for (int64_t t = t0; t < t1; ++t) fold_partials(parts.get() + t * 16 * hd, hd, hd, op + (r0 + t) * hd);
     });
   }
   return out;

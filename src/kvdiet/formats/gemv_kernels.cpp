@@ -139,16 +139,18 @@ inline const float* chunk_rows(const float* x, int64_t m, int64_t k, std::vector
 // region costs more than it saves there. Each output is one dot_rows call whatever the split, so the same bits.
 constexpr int64_t kSerialElements = 1 << 16;
 
-// Rows of w per task of a product of m rows of x: 16 for one row (dot_block<16, 1> folds its 16 outputs side by
-// side, fold_lanes16), else 4 (four rows of x at a time already fold 16 outputs at once).
-inline int64_t block_rows(int64_t m) { return m == 1 ? 16 : 4; }
+// Rows of w per task of a product of m rows of x by n rows of w: 16 for one row of x when there are at least 16
+// rows of w per thread (dot_block<16, 1> folds its 16 outputs side by side, fold_lanes16), else 4 (four rows of x
+// at a time already fold 16 outputs at once; a short w keeps enough tasks for every thread). wide: 16 · threads.
+inline int64_t block_rows(int64_t m, int64_t n, int64_t wide) { return m == 1 && n >= wide ? 16 : 4; }
 
 // Every product in one parallel region: the tasks are the products' blocks of block_rows rows of w.
 void run_row_products(const std::vector<RowProduct>& ps) {
   std::vector<int64_t> first(ps.size() + 1, 0);  // the products' first block among all blocks
   int64_t elements = 0;
+  const int64_t wide = 16 * static_cast<int64_t>(at::get_num_threads());
   for (size_t i = 0; i < ps.size(); ++i) {
-    const int64_t rb = block_rows(ps[i].m);
+    const int64_t rb = block_rows(ps[i].m, ps[i].n, wide);
     first[i + 1] = first[i] + (ps[i].n + rb - 1) / rb;
     elements += ps[i].n * ps[i].k;
   }
@@ -159,7 +161,7 @@ void run_row_products(const std::vector<RowProduct>& ps) {
     for (int64_t b = b0; b < b1; ++b) {
       while (b >= first[i + 1]) ++i;
       const RowProduct& p = ps[i];
-      const int64_t rb = block_rows(p.m), j0 = (b - first[i]) * rb;
+      const int64_t rb = block_rows(p.m, p.n, wide), j0 = (b - first[i]) * rb;
       if (rb == 16 && j0 + 16 <= p.n) {
         dot_rows<16>(p.xs, p.m, p.kp, p.w, p.k, j0, p.y, p.n);
       } else {
@@ -170,7 +172,7 @@ void run_row_products(const std::vector<RowProduct>& ps) {
     }
   };
   if (elements < kSerialElements) return run(0, blocks);
-  // tasks of about 64 KB of w each
+  // tasks of about 4,096 elements (16 KB) of w each
   const int64_t grain = std::max<int64_t>(1, 4096 * blocks / std::max<int64_t>(elements, 1));
   at::parallel_for(0, blocks, grain, run);
 }

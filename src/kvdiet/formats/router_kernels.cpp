@@ -6,8 +6,9 @@
 //   float32 [E, hidden], bias float32 [E] -> (weights float32 [T, topk], ids int64 [T, topk]), or std::nullopt for
 //   any other input. The steps of Gate.forward's top-k routing (v41-spec §8.2a), each as torch runs it:
 //   - scores = at::sqrt(at::softplus(at::mm(x, weightᵀ))): torch's own product (at::matmul's call for two
-//     matrices), softplus and square root of the same [T, E] tensors (torch's CPU sqrt is not always the correctly rounded one: with MKL it runs VML's,
-//     which rounds some values the other way, e.g. one of eight router scores in a 40-layer tiny-plan step);
+//     matrices), softplus and square root of the same [T, E] tensors (torch's CPU sqrt is not always the
+//     correctly rounded one: with MKL it runs VML's, which rounds some values the other way, e.g. one of eight
+//     router scores in a 40-layer tiny-plan step);
 //   - ids: the first topk of a stable descending sort of scores + bias (one IEEE add each), as torch.sort orders
 //     them: NaN first, then by value, equal values (−0 = +0) and NaNs in index order;
 //   - weights = the chosen scores; with normalize and topk > 1 each divided by (at::sum of the row's chosen

@@ -179,7 +179,8 @@ def output_dtype(dtype: torch.dtype, *, name: str) -> torch.dtype:
 
 
 def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name: str) -> None:
-    """Reject stored scale bytes outside ``valid`` (inclusive), the range the format's quantiser writes.
+    """Reject stored scale bytes ``scale_bytes`` (uint8, any shape, any device) outside ``valid`` (inclusive),
+    the range the format's quantiser writes. One host read (one device wait on a GPU) however many bytes.
 
     Within it every decoded scale, and every dequantised value, is finite.
 
@@ -188,7 +189,7 @@ def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name
     """
     if scale_bytes.numel():
         # one host read of both ends (on a GPU each read waits for the device: this check runs on every decode)
-        lo, hi = (int(v) for v in torch.stack(torch.aminmax(scale_bytes)).tolist())
+        lo, hi = torch.stack(torch.aminmax(scale_bytes)).tolist()
         if lo < valid[0] or hi > valid[1]:
             bad = lo if lo < valid[0] else hi
             raise ValueError(f"{name}: stored scale byte {bad} is outside the written range {valid}")

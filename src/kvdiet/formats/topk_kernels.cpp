@@ -17,7 +17,8 @@
 // block_max: scores float32 [Q, N] -> out float32 [Q, ceil(N / B)], each block's max with NaN read as -inf
 //   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf), the bits of a scalar fold
 //   in entry order (of equal largest scores, -0 and +0 alike, the first). Full blocks of B = 8 (V4.1's
-//   candidate_block_size) take two blocks per 16-float vector (block8_max), the rest the scalar fold.
+//   candidate_block_size) take two blocks per 16-float vector (block8_max) in AVX-512 builds, the rest (and every
+//   block elsewhere) the scalar fold.
 
 #include <functional>
 #if defined(__AVX2__) && !defined(__AVX512F__)
