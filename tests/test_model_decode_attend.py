@@ -198,12 +198,13 @@ def test_the_order_is_the_documented_one(both):
     assert not torch.equal(compiled, attend(*args))
 
 
-def test_threads_and_layouts_give_the_same_bits():
-    """One, two or three threads (three split two requests' 32 lane tasks 11/11/10), a strided window (a
-    prefill's band view) or a contiguous copy, a lazy negated key (resolved by the kernel): the same bits; the
-    shared entries are only read."""
+@pytest.mark.parametrize("k", [40, 60])
+def test_threads_and_layouts_give_the_same_bits(k):
+    """One, two or three threads (three split two requests' tasks unevenly: 32 lane tasks 11/11/10 at 80 keys,
+    row tasks at 60), a strided window (a prefill's band view) or a contiguous copy, a lazy negated key (resolved
+    by the kernel): the same bits; the shared entries are only read."""
     q, win, win_mask, comp, comp_mask, sink, scale = _inputs(
-        2, 4, 64, 20, 40, seed=3, octaves=6, specials=True
+        2, 4, 64, 20, k, seed=3, octaves=6, specials=True
     )
     kept = comp.clone()
     want = decode_attend(q, win, win_mask, comp, comp_mask, sink, scale)

@@ -18,21 +18,27 @@
 //   Why: `attend` runs four bmm and seven other torch ops per layer (some 330 µs at v4.1-mini's 4 heads × 512
 //   dims over 128 + 512 keys); this is one call on torch's intra-op threads. Requests run in rounds (scores,
 //   softmax, values, fold) of one per thread, or as many as keep 256 KB of keys per thread, so a request's keys
-//   (1.3 MB at v4.1-mini) stay in cache between the two passes. The value tasks are (request, lane l): lane l's
-//   partial sums over its keys j = l, l + 16, … for every head and dim (whole key rows, read once per lane), then
-//   the fold of the 16 partials, 16 outputs per vector. The score tasks are blocks of 4 keys ordered by their lane
-//   quad, so the thread that scores a key is mostly the one whose lanes sum it (at::parallel_for splits both
-//   ranges alike, though the quads hold unequal numbers of blocks): a one-request step splits over both threads
-//   and reads its keys mostly from its own core's cache. Only where work runs changes, never a sum's order.
+//   (1.3 MB at v4.1-mini) stay in cache between the two passes. Requests of at least kLaneKeys keys take lane
+//   tasks: the value tasks are (request, lane l): lane l's partial sums over its keys j = l, l + 16, … for every
+//   head and dim (whole key rows, read once per lane), then the fold of the 16 partials, 16 outputs per vector;
+//   the score tasks are blocks of 4 keys ordered by their lane quad, so the thread that scores a key is mostly
+//   the one whose lanes sum it (at::parallel_for splits both ranges alike, though the quads hold unequal numbers
+//   of blocks): a one-request step splits over both threads and reads its keys mostly from its own core's cache.
+//   Fewer keys (the 40-layer tiny plan's 8 + 4) take row tasks: (request, 4 heads, 64 dims), all 16 lanes in
+//   registers and folded there (lane tasks would write and re-read 16 partials of every output for a key or two
+//   each). Only where work runs changes, never a sum's order.
 
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kAttendHeads = 4;  // heads of one value block (their accumulators stay in registers)
+constexpr int64_t kAttendDims = 64;  // dims of one row-task value block: four 16-float vectors
 constexpr int64_t kRoundBytes = 256 * 1024;  // keys per thread of one round of requests (well inside a core's L2)
+constexpr int64_t kLaneKeys = 64;  // the fewest keys per request that take lane tasks (else row tasks)
 
 // The W + K keys of one request, window first.
 struct AttendKeys {
@@ -43,9 +49,9 @@ struct AttendKeys {
 };
 
 // Lane l's partial sums of G heads of probabilities p (row stride ps) for dims d0 .. d0 + 16V: Σ p[g, j]·k_j[d]
-// over j = l, l + 16, … in increasing j from +0, into part[g·dim + d] (vector lanes are output dims).
+// over j = l, l + 16, … in increasing j from +0, into part[g·pst + d − d0] (vector lanes are output dims).
 template <int G, int V>
-void lane_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d0, float* part) {
+void lane_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d0, float* part, int64_t pst) {
   Lanes16 acc[G][V] = {};
   for (int64_t j = l; j < keys.n; j += 16) {
     const float* row = keys.row(j) + d0;
@@ -57,16 +63,16 @@ void lane_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, i
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < V; ++c) std::memcpy(part + g * keys.dim + d0 + 16 * c, &acc[g][c], sizeof(Lanes16));
+    for (int c = 0; c < V; ++c) std::memcpy(part + g * pst + 16 * c, &acc[g][c], sizeof(Lanes16));
 }
 
-// lane_block's order for one dim d of G heads, in scalars (dims past the last whole 16).
+// lane_block's order for one dim d of G heads, in scalars (dims past the last whole 16), into part[g·pst].
 template <int G>
-void lane_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d, float* part) {
+void lane_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d, float* part, int64_t pst) {
   for (int g = 0; g < G; ++g) {
     float acc = 0.0f;
     for (int64_t j = l; j < keys.n; j += 16) acc = acc + p[g * ps + j] * keys.row(j)[d];
-    part[g * keys.dim + d] = acc;
+    part[g * pst] = acc;
   }
 }
 
@@ -74,10 +80,10 @@ void lane_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int
 template <int G>
 void lane_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, float* part) {
   int64_t d = 0;
-  for (; d + 64 <= keys.dim; d += 64) lane_block<G, 4>(p, ps, keys, l, d, part);
-  for (; d + 32 <= keys.dim; d += 32) lane_block<G, 2>(p, ps, keys, l, d, part);
-  for (; d + 16 <= keys.dim; d += 16) lane_block<G, 1>(p, ps, keys, l, d, part);
-  for (; d < keys.dim; ++d) lane_dim<G>(p, ps, keys, l, d, part);
+  for (; d + 64 <= keys.dim; d += 64) lane_block<G, 4>(p, ps, keys, l, d, part + d, keys.dim);
+  for (; d + 32 <= keys.dim; d += 32) lane_block<G, 2>(p, ps, keys, l, d, part + d, keys.dim);
+  for (; d + 16 <= keys.dim; d += 16) lane_block<G, 1>(p, ps, keys, l, d, part + d, keys.dim);
+  for (; d < keys.dim; ++d) lane_dim<G>(p, ps, keys, l, d, part + d, keys.dim);
 }
 
 // o[i] = the fold (l, l+8), (l, l+4), (l, l+2), (0, 1) of the 16 lanes' partials part[l·ls + i], i < count:
@@ -98,6 +104,26 @@ void fold_partials(const float* part, int64_t ls, int64_t count, float* o) {
     for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
     for (int l = 0; l < 2; ++l) s2[l] = s4[l] + s4[l + 2];
     o[i] = s2[0] + s2[1];
+  }
+}
+
+// Row tasks: o[g, d] (row stride os) for G heads and dims d0 .. d1: each block of 64, 32 or 16 dims (then each
+// single dim) as all 16 lanes' partials (lane_block, lane_dim) into a buffer on the stack, then their fold.
+template <int G>
+void value_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, int64_t d1, float* o, int64_t os) {
+  alignas(64) float buf[16 * G * 64];  // [lane, head, dim of the block]
+  auto block = [&](auto vectors, int64_t d) {
+    constexpr int V = decltype(vectors)::value, width = 16 * V;
+    for (int l = 0; l < 16; ++l) lane_block<G, V>(p, ps, keys, l, d, buf + l * G * width, width);
+    for (int g = 0; g < G; ++g) fold_partials(buf + g * width, G * width, width, o + g * os + d);
+  };
+  int64_t d = d0;
+  for (; d + 64 <= d1; d += 64) block(std::integral_constant<int, 4>{}, d);
+  for (; d + 32 <= d1; d += 32) block(std::integral_constant<int, 2>{}, d);
+  for (; d + 16 <= d1; d += 16) block(std::integral_constant<int, 1>{}, d);
+  for (; d < d1; ++d) {
+    for (int l = 0; l < 16; ++l) lane_dim<G>(p, ps, keys, l, d, buf + l * G, 1);
+    for (int g = 0; g < G; ++g) fold_partials(buf + g, G, 1, o + g * os + d);
   }
 }
 
@@ -160,11 +186,13 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   const int64_t wb = (w + 3) / 4, per = wb + (k + 3) / 4;  // blocks of 4 keys: the window's, then comp's
   // the blocks in the order of their first key's lane quad ((j / 4) % 4 of the request's j), so a thread's share
   // of the scores is the keys whose lanes it sums in the values (they stay in its core's cache)
+  const bool lanes = n >= kLaneKeys;
   std::vector<int64_t> order(per);
   for (int64_t i = 0; i < per; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [wb, w](int64_t x, int64_t y) {
-    return ((x < wb ? 4 * x : w + 4 * (x - wb)) / 4) % 4 < ((y < wb ? 4 * y : w + 4 * (y - wb)) / 4) % 4;
-  });
+  if (lanes)
+    std::stable_sort(order.begin(), order.end(), [wb, w](int64_t x, int64_t y) {
+      return ((x < wb ? 4 * x : w + 4 * (x - wb)) / 4) % 4 < ((y < wb ? 4 * y : w + 4 * (y - wb)) / 4) % 4;
+    });
   // one request per thread at a time, so its keys stay in that core's cache from the scores to the values; more
   // where several requests' keys fit there together (a round's softmax call and its parallel regions cost some
   // microseconds: at tiny widths, more than a request's whole attention)
@@ -172,7 +200,8 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   const int64_t chunk = threads * std::max<int64_t>(1, kRoundBytes / std::max<int64_t>(1, n * dim * 4));
   const int64_t hd = heads * dim;
   // a round's lane partials [request, lane, H, D], uninitialised: every one is written before the fold reads it
-  std::unique_ptr<float[]> parts(new float[std::min(chunk, b) * 16 * hd]);
+  std::unique_ptr<float[]> parts(lanes ? new float[std::min(chunk, b) * 16 * hd] : nullptr);
+  const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
   for (int64_t r0 = 0; r0 < b; r0 += chunk) {
     const int64_t rn = std::min(chunk, b - r0);
     at::parallel_for(0, rn * per, 1, [&](int64_t t0, int64_t t1) {
@@ -195,7 +224,25 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
     // torch's softmax of each row (a row's bits do not depend on the rows beside it)
     const at::Tensor probs = at::softmax(logits.narrow(0, r0, rn), -1);
     const float* pp = probs.const_data_ptr<float>();
-    // the tasks are (request, lane): a lane's sums read only its keys, whole rows
+    if (!lanes) {  // row tasks: (request, 4 heads, 64 dims)
+      at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = r0 + t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
+          const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
+          const float* p = pp + ((r - r0) * heads + g0) * n1;
+          float* o = op + (r * heads + g0) * dim;
+          const int64_t d1 = std::min(dim, d0 + kAttendDims);
+          switch (std::min(kAttendHeads, heads - g0)) {
+            case 1: value_dims<1>(p, n1, keys, d0, d1, o, dim); break;
+            case 2: value_dims<2>(p, n1, keys, d0, d1, o, dim); break;
+            case 3: value_dims<3>(p, n1, keys, d0, d1, o, dim); break;
+            default: value_dims<4>(p, n1, keys, d0, d1, o, dim); break;
+          }
+        }
+      });
+      continue;
+    }
+    // lane tasks (request, lane): a lane's sums read only its keys, whole rows
     at::parallel_for(0, rn * 16, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r = r0 + t / 16, l = t % 16;
