@@ -4,10 +4,12 @@ cache layer's `BlockPool` under an engine, or a private growable `PrivateBlocks`
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvdiet.cache.block_pool import BlockPool, NoFreeBlocksError
 from kvdiet.config import load_config
 from kvdiet.model.block_ids import PrivateBlocks
+from kvdiet.model.state import PagedEntries
 from kvdiet.model.transformer import Transformer
 
 
@@ -90,3 +92,41 @@ def test_a_block_round_trips_as_bytes(micro: Transformer) -> None:
     assert pool.read_block(second) == payload
     with pytest.raises(ValueError, match=f"a block payload is {pool.block_bytes} bytes, got 3"):
         pool.write_block(first, b"abc")
+
+
+def test_write_each_stores_what_write_rows_would_and_refuses_before_writing(micro: Transformer) -> None:
+    """A batched step's new entries, one per request, in one copy: the same pool rows as `write_rows` one by one
+    (requests holding 0, 3 and 5 entries: different blocks and offsets; all on one pool, or one on its own); a
+    store without room for its entry, or a row count that does not match, fails before any store changes."""
+    layer = micro.plan.kv_sources[0]
+    shared, private = micro.new_pool(4, block_size=4), micro.new_pool(2, block_size=4)
+    per_block = shared.entries_per_block(layer)
+    codec = shared.codecs["main"]
+    rows = codec.encode(torch.randn(3, codec.dim, generator=torch.Generator().manual_seed(0)))
+
+    def states(pools, helds=(0, 3, 5), room=1):
+        out = []
+        for pool, held in zip(pools, helds, strict=True):
+            s = micro.new_state(pool)
+            s.table.reserve(-(-(held + room) // per_block) * 4)  # 4 tokens a block
+            if held:
+                s.main[layer].write_rows(codec.encode(torch.full((held, codec.dim), float(held))))
+            out.append(s)
+        return out
+
+    for pools in ([shared] * 3, [shared, private, shared]):
+        one_by_one, batched = states(pools), states(pools)
+        for s, row in zip(one_by_one, rows.split(1), strict=True):
+            s.main[layer].write_rows(row)
+        PagedEntries.write_each([s.main[layer] for s in batched], rows)
+        for m, (a, b) in enumerate(zip(one_by_one, batched, strict=True)):
+            assert len(b.main[layer]) == len(a.main[layer]) == (0, 3, 5)[m] + 1
+            assert torch.equal(b.main[layer].raw(), a.main[layer].raw())
+            assert torch.equal(b.main[layer].raw()[-1], rows[m])
+    full = states([shared] * 3, helds=(1, 3, 2 * per_block), room=0)  # the last one's blocks are full
+    kept = [s.main[layer].raw() for s in full]
+    with pytest.raises(ValueError, match="need"):
+        PagedEntries.write_each([s.main[layer] for s in full], rows)
+    with pytest.raises(ValueError, match="2 stores for 3 rows"):
+        PagedEntries.write_each([s.main[layer] for s in full[:2]], rows)
+    assert all(torch.equal(s.main[layer].raw(), k) for s, k in zip(full, kept, strict=True))

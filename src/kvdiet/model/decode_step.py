@@ -11,7 +11,7 @@ batched, and each (KV source, top-k source) pair's gathered entries are kept for
 same ones. Layers that score every index key score each request's keys in place with no per-entry ids;
 requests sharing a pool (an engine's) score a candidate pool and gather their selected entries in one call over
 their block tables end to end (`BatchTables`), requests on private pools one call each. Only the compressor
-tails and the new global entries are touched request by request.
+tails are touched request by request; the new global entries are stored in one copy per kind.
 
 Same results as the per-request path up to fp32 reassociation (batched matmuls): the same entries are
 read and written, every selection is the same function of the same scores, padding is masked (−inf).
@@ -33,7 +33,7 @@ from kvdiet.model.member import member
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.row_tables import RowTables
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
-from kvdiet.model.state import RequestState, WindowRings
+from kvdiet.model.state import PagedEntries, RequestState, WindowRings
 
 __all__ = ["BatchTables", "DecodePlan", "decode_attention"]
 
@@ -278,11 +278,13 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
     rot = attn.rope.at(gids * r)  # each group's first position
     keys = attn.codecs.index_key.encode(attn.indexer.keys(latent, rot))
     main = attn.codecs.main.encode(attn.compressed_entries(latent, rot))
-    for m, b in enumerate(done):
-        state = segs[b].state
-        if state.main[layer].is_next(state.num_tokens // r):  # a replay never rewrites held entries
-            state.index_keys[layer].write_rows(keys[m : m + 1])
-            state.main[layer].write_rows(main[m : m + 1])
+    # a replay never rewrites held entries; the new ones go in one copy per kind
+    new = [m for m, b in enumerate(done) if segs[b].state.main[layer].is_next(segs[b].state.num_tokens // r)]
+    states = [segs[done[m]].state for m in new]
+    if len(new) < len(done):
+        keys, main = keys[new], main[new]
+    PagedEntries.write_each([s.index_keys[layer] for s in states], keys)
+    PagedEntries.write_each([s.main[layer] for s in states], main)
 
 
 def _select(

@@ -117,15 +117,7 @@ class PagedEntries:
         Raises:
             ValueError: wrong dtype/width, or the block table does not cover the new entries.
         """
-        if rows.dim() != 2 or rows.shape[1] != self.codec.width or rows.dtype != self.codec.dtype:
-            raise ValueError(
-                f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} {tuple(rows.shape)}"
-            )
-        end = self._len + rows.shape[0]
-        if end > len(self.table) * self.per_block:
-            raise ValueError(
-                f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
-            )
+        end = self._end(rows, rows.shape[0] if rows.dim() == 2 else 0)
         pages, rows = self.table.pool.rows(self.layer, self.kind), rows.to(self.table.pool.device)
         at = self._len
         while at < end:  # one slice per block the rows reach (one for a decode step's entry)
@@ -135,6 +127,40 @@ class PagedEntries:
             pages[slot : slot + n] = rows[at - self._len : at - self._len + n]
             at += n
         self._len = end
+
+    def _end(self, rows: torch.Tensor, count: int) -> int:
+        """``len`` after storing ``count`` of ``rows``; raises `write_rows`'s ValueError."""
+        if rows.dim() != 2 or rows.shape[1] != self.codec.width or rows.dtype != self.codec.dtype:
+            raise ValueError(
+                f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} {tuple(rows.shape)}"
+            )
+        end = self._len + count
+        if end > len(self.table) * self.per_block:
+            raise ValueError(
+                f"entries up to {end} need {-(-end // self.per_block)} blocks, table has {len(self.table)}"
+            )
+        return end
+
+    @staticmethod
+    def write_each(stores: Sequence[PagedEntries], rows: torch.Tensor) -> None:
+        """Store encoded row m of ``rows`` [M, width] as the next entry of ``stores[m]`` (a batched decode step's,
+        one per request): one copy when the stores share a pool, layer and kind, else `write_rows` each.
+
+        Raises:
+            ValueError: as `write_rows`, for any store, before anything is written; ``len(stores) != M``.
+        """
+        if len(stores) != rows.shape[0]:
+            raise ValueError(f"{len(stores)} stores for {rows.shape[0]} rows")
+        ends = [s._end(rows, 1) for s in stores]
+        if len({(id(s.table.pool), s.layer, s.kind) for s in stores}) > 1:  # private pools: a copy each
+            for m, s in enumerate(stores):
+                s.write_rows(rows[m : m + 1])
+        elif stores:
+            pages = stores[0].table.pool.rows(stores[0].layer, stores[0].kind)
+            slots = [s.table.ids[s._len // s.per_block] * s.per_block + s._len % s.per_block for s in stores]
+            pages.index_copy_(0, torch.tensor(slots, device=pages.device), rows.to(pages.device))
+            for s, end in zip(stores, ends, strict=True):
+                s._len = end
 
     def raw(self) -> torch.Tensor:
         """The stored rows [len, width] (a gathered copy)."""
@@ -273,8 +299,7 @@ class CompressorTail:
     def replace(self, kv: torch.Tensor, score: torch.Tensor) -> None:
         """Hold ``kv``/``score`` [c, dim] (c < ratio) as the open group's rows."""
         c = kv.shape[0]
-        self.kv.zero_()
-        self.score.fill_(float("-inf"))
+        self.clear()
         self.kv[:c], self.score[:c] = kv, score
         self.count = c
 
