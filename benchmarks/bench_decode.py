@@ -31,7 +31,7 @@ from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.build import load_model
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
-from kvdiet.units import parse_count
+from kvdiet.units import count_list, positive_count, positive_int
 
 SEED = 0
 
@@ -164,12 +164,16 @@ def replay_drift(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--contexts", default="4Ki,32Ki,128Ki,512Ki,1Mi", help="decode contexts (tokens)")
-    parser.add_argument("--steps", type=int, default=3, help="timed decode steps per context")
-    parser.add_argument("--prefill-tokens", default="1024", help="prompt length of the prefill sweep")
-    parser.add_argument("--chunks", default="128,512,1024", help="prefill chunk sizes")
+    parser.add_argument(
+        "--contexts", type=count_list, default="4Ki,32Ki,128Ki,512Ki,1Mi", help="decode contexts (tokens)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed decode steps per context")
+    parser.add_argument(
+        "--prefill-tokens", type=positive_count, default=1024, help="prompt length of the prefill sweep"
+    )
+    parser.add_argument("--chunks", type=count_list, default="128,512,1024", help="prefill chunk sizes")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     add_device_arg(parser)
     args = parser.parse_args()
@@ -180,11 +184,14 @@ def main() -> None:
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
     model, _ = load_model("v4.1-mini", seed=SEED, device=args.device)
+    top = model.cfg.max_position_embeddings
+    if max(args.contexts) > top or args.prefill_tokens > top:
+        parser.error(f"contexts and --prefill-tokens must be at most the model's {top:,} positions")
     bandwidth = read_bandwidth(device=args.device)
     weights = weight_bytes(model)
     rows = []
     room = model.cfg.max_position_embeddings - (args.steps + 1)  # the timed steps must still fit
-    for context in (min(parse_count(c), room) for c in args.contexts.split(",")):
+    for context in (min(c, room) for c in args.contexts):
         state = fill_state(model, context, gen)
         step_s, roles = time_decode(model, state, args.steps)
         kv = step_bytes(model, context)
@@ -193,8 +200,8 @@ def main() -> None:
                      "floor_seconds": (kv + weights) / bandwidth,
                      "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
         del state
-    prompt = torch.randint(0, model.cfg.vocab_size, (parse_count(args.prefill_tokens),), generator=gen)
-    prefill = {int(c): time_prefill(model, prompt, int(c)) for c in args.chunks.split(",")}
+    prompt = torch.randint(0, model.cfg.vocab_size, (args.prefill_tokens,), generator=gen)
+    prefill = {c: time_prefill(model, prompt, c) for c in args.chunks}
     drift = replay_drift(model, prompt, 512)
     result = {
         "bench": "decode",

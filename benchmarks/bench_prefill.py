@@ -31,11 +31,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.config import load_config
+from kvdiet.config import ConfigError, load_config
 from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
 from kvdiet.threads import set_threads
+from kvdiet.units import count_list, positive_int
 
 CONFIG = Path(__file__).resolve().parents[2] / "shared" / "golden" / "bench-40layer-tiny" / "config.json"
 SEED = 0
@@ -89,22 +90,28 @@ def batch_step_seconds(model: Transformer, batch: int, context: int, steps: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(
         "--config", default=str(CONFIG), help="model config (default: the 40-layer tiny plan)"
     )
-    parser.add_argument("--tokens", default="256,1024,2048", help="prompt lengths (default 256,1024,2048)")
     parser.add_argument(
-        "--repeats", type=int, default=3, help="prefill runs per figure, best kept (default 3)"
+        "--tokens", type=count_list, default="256,1024,2048", help="prompt lengths (default 256,1024,2048)"
     )
     parser.add_argument(
-        "--steps", type=int, default=8, help="decode steps per figure, median kept (default 8)"
+        "--repeats", type=positive_int, default=3, help="prefill runs per figure, best kept (default 3)"
     )
-    parser.add_argument("--batches", default="1,4,16", help="requests per decode step (default 1,4,16)")
-    parser.add_argument("--batch-context", type=int, default=256, help="prompt tokens per batched request")
     parser.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: the cores this process may use)"
+        "--steps", type=positive_int, default=8, help="decode steps per figure, median kept (default 8)"
+    )
+    parser.add_argument(
+        "--batches", type=count_list, default="1,4,16", help="requests per decode step (default 1,4,16)"
+    )
+    parser.add_argument(
+        "--batch-context", type=positive_int, default=256, help="prompt tokens per batched request"
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, help="torch CPU threads (default: the cores this process may use)"
     )
     add_device_arg(parser)
     args = parser.parse_args()
@@ -112,15 +119,21 @@ def main() -> None:
         check_device(args.device)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, OSError) as exc:
+        parser.error(f"--config: {exc}")
+    if max(args.tokens) > cfg.max_position_embeddings or args.batch_context > cfg.max_position_embeddings:
+        parser.error(
+            f"--tokens and --batch-context must be at most the model's {cfg.max_position_embeddings:,} positions"
+        )
     threads = set_threads(args.threads)
     torch.manual_seed(SEED)
-    cfg = load_config(args.config)
     # the golden files' stub Engram map (token i → i // 2): tiny vocabularies have no tokenizer to derive one
     stub = torch.arange(cfg.vocab_size) * cfg.engram_compressed_vocab_size // cfg.vocab_size
     model = Transformer.from_config(cfg, seed=SEED, token_map=stub if cfg.engram_layer_ids else None)
     model = place(model.eval(), args.device)
-    lengths = [int(t) for t in args.tokens.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    lengths, batches = args.tokens, args.batches
     err = Console(stderr=True)
 
     rows = []

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from kvdiet import units
 from kvdiet.units import format_bytes, parse_bytes, parse_count
 
 
@@ -35,3 +38,20 @@ def test_format_duration_uses_human_units() -> None:
         "250 ms",
         "0 s",
     ]
+
+
+def test_flag_types_take_positive_counts_and_refuse_the_rest_as_argparse_errors():
+    """The benchmark scripts' flag types: counts with suffixes, lists of them, whole numbers ≥ 1; anything else an
+    ArgumentTypeError (argparse prints it as one line and exits 2)."""
+    assert units.positive_count("4K") == 4000 and units.positive_count("1Mi") == 1 << 20
+    assert units.count_list("256,1Ki") == [256, 1024]
+    assert units.positive_int("3") == 3
+    for bad in ("0", "-5", "abc", "", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            units.positive_count(bad)
+    for bad in ("4K,,8K", "1,0", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            units.count_list(bad)
+    for bad in ("0", "-1", "2.0", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            units.positive_int(bad)

@@ -7,10 +7,21 @@ are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prin
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 
-__all__ = ["format_bytes", "format_count", "format_duration", "parse_bytes", "parse_count", "parse_duration"]
+__all__ = [
+    "count_list",
+    "format_bytes",
+    "format_count",
+    "format_duration",
+    "parse_bytes",
+    "parse_count",
+    "parse_duration",
+    "positive_count",
+    "positive_int",
+]
 
 _MULT = {
     "": 1,
@@ -33,6 +44,45 @@ def parse_count(text: str | int) -> int:
         ValueError: not a non-negative whole number with an optional suffix.
     """
     return _parse(text, what="token count", strip_b=False)
+
+
+def positive_count(text: str) -> int:
+    """A flag's token count of at least 1 (``4K``, ``1Mi``, ``256``), for argparse's ``type=``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a count (`parse_count`), or 0.
+    """
+    try:
+        count = parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"a count must be at least 1, got {text!r}")
+    return count
+
+
+def count_list(text: str) -> list[int]:
+    """A flag's comma-separated `positive_count` values (``4K,1Mi`` → [4000, 1048576]), for argparse's ``type=``.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty item, or one that is not a count of at least 1.
+    """
+    return [positive_count(item) for item in text.split(",")]
+
+
+def positive_int(text: str) -> int:
+    """A flag's whole number of at least 1 (steps, repeats, threads), for argparse's ``type=``.
+
+    Raises:
+        argparse.ArgumentTypeError: not a whole number, or below 1.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_bytes(text: str | int) -> int:
