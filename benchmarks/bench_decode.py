@@ -29,6 +29,7 @@ from rich.table import Table
 
 from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.build import load_model
+from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
 from kvdiet.units import count_list, positive_count, positive_int
@@ -46,10 +47,13 @@ def read_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
     return num_bytes / min(seconds(x.sum, device) for _ in range(3))
 
 
-def fill_state(model: Transformer, context: int, gen: torch.Generator) -> RequestState:
-    """A request state as if ``context`` tokens had been processed (random entries, real formats)."""
+def fill_state(
+    model: Transformer, context: int, gen: torch.Generator, pool: DevicePool | None = None
+) -> RequestState:
+    """A request state as if ``context`` tokens had been processed (random entries, real formats), on ``pool``
+    (a batch's shared one) or a pool of its own."""
     cfg, codecs = model.cfg, model.codecs
-    state = model.new_state(model.new_pool(-(-(context + 64) // 64)))
+    state = model.new_state(pool if pool is not None else model.new_pool(-(-(context + 64) // 64)))
     state.table.reserve(context + 64)  # the decode steps too: the model itself allocates nothing
     block = 4096
     for layer in model.plan.kv_sources:
