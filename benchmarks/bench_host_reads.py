@@ -3,8 +3,8 @@
 On a GPU each read of a tensor's value into Python (``.item()``, ``.tolist()``, ``bool(t)``, ``int(t)``, a
 ``nonzero``) waits for the device to finish everything queued before it: a decode step with hundreds of them
 cannot overlap its kernel launches, and none can be captured in a CUDA graph. This script counts them without a
-GPU: it runs the pure-torch path (``KVDIET_NATIVE_KERNELS=0``, what runs off the CPU) under a
-``torch.overrides.TorchFunctionMode`` that records every such call and the kvdiet line that made it. The step's
+GPU: it runs the pure-torch path (``KVDIET_NATIVE_KERNELS=0``, what runs off the CPU) under
+`kvdiet.host_reads.HostReads`, which records every such call and the kvdiet line that made it. The step's
 caches are filled as ``bench_decode.py`` fills them (random entries in the real packed formats). Prints a table,
 then one JSON line. Deterministic (fixed seed); a few reads depend on the data (the top-k's tie paths), and a GPU
 profile adds the CUDA-only paths (the Triton attention's).
@@ -21,46 +21,15 @@ os.environ["KVDIET_NATIVE_KERNELS"] = "0"  # before kvdiet loads: the pure-torch
 
 import argparse
 import json
-import traceback
-from collections import Counter
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.overrides import TorchFunctionMode
 
 from bench_decode import SEED, fill_state
+from kvdiet.host_reads import HostReads
 from kvdiet.model.build import load_model
 from kvdiet.units import positive_count, positive_int
-
-READS = {
-    torch.Tensor.item: "item",
-    torch.Tensor.tolist: "tolist",
-    torch.Tensor.__bool__: "bool",
-    torch.Tensor.__int__: "int",
-    torch.Tensor.__float__: "float",
-    torch.Tensor.__index__: "index",
-    torch.Tensor.nonzero: "nonzero",
-    torch.nonzero: "nonzero",
-    torch.Tensor.numpy: "numpy",
-}
-"""The calls that copy a tensor's values to the host (on a GPU: a device synchronisation each)."""
-
-
-class HostReads(TorchFunctionMode):
-    """Counts `READS` by (kind, the innermost ``kvdiet/`` file:line on the stack)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: Counter[tuple[str, str]] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kind = READS.get(func)
-        if kind is not None:
-            frames = [f for f in traceback.extract_stack()[:-1] if "/kvdiet/" in f.filename]
-            where = f"{frames[-1].filename.split('/kvdiet/')[-1]}:{frames[-1].lineno}" if frames else "?"
-            self.sites[(kind, where)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
@@ -88,7 +57,7 @@ def main() -> None:
         model.decode(states, tokens)  # warm-up: one-time checks and caches
         with HostReads() as reads:
             model.decode(states, tokens)
-    total = sum(reads.sites.values())
+    total = reads.total
     result = {
         "bench": "host_reads",
         "model": "v4.1-mini",

@@ -133,12 +133,11 @@ def main() -> None:
     stub = torch.arange(cfg.vocab_size) * cfg.engram_compressed_vocab_size // cfg.vocab_size
     model = Transformer.from_config(cfg, seed=SEED, token_map=stub if cfg.engram_layer_ids else None)
     model = place(model.eval(), args.device)
-    lengths, batches = args.tokens, args.batches
     err = Console(stderr=True)
 
     rows = []
     with torch.inference_mode():
-        for n in lengths:
+        for n in args.tokens:
             err.print(f"bench_prefill: {n} tokens", highlight=False)
             tokens = _prompt(model, n)
             full = prefill_seconds(model, tokens, False, args.repeats)
@@ -155,7 +154,7 @@ def main() -> None:
                 }
             )
         scaling = []
-        for b in batches:
+        for b in args.batches:
             err.print(f"bench_prefill: decode batch {b}", highlight=False)
             step = batch_step_seconds(model, b, args.batch_context, args.steps)
             scaling.append({"batch": b, "step_ms": round(step * 1e3, 2), "tok_s": round(b / step, 1)})

@@ -36,7 +36,7 @@ from rich.table import Table
 from kvdiet.device import add_device_arg, check_device, synchronize
 from kvdiet.formats.fp4 import encode_main_kv
 from kvdiet.model.triton_decode import DEFAULT_TILE, Tile, available, sparse_partials
-from kvdiet.units import parse_count
+from kvdiet.units import positive_count, positive_int
 
 SEED = 0
 DIM, ENTRY = 512, 288  # V4.1 main-KV latent and its packed entry (fp4_e2m1_e4m3x16)
@@ -87,18 +87,26 @@ def parse_tiles(text: str) -> list[Tile]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--context", default="1Mi", help="tokens of context (entries = context / 2)")
     parser.add_argument(
-        "--heads", type=int, default=64, help="query heads sharing the latent (V4.1-Flash: 64)"
+        "--context", type=positive_count, default="1Mi", help="tokens of context (entries = context / 2)"
     )
-    parser.add_argument("--batch", type=int, default=128, help="decode queries of the top-k read")
-    parser.add_argument("--topk", type=int, default=512, help="entries each top-k query reads (index_topk)")
-    parser.add_argument("--splits", type=int, default=1024, help="programs per query of the dense reads")
-    parser.add_argument("--topk-splits", type=int, default=4, help="programs per query of the top-k read")
+    parser.add_argument(
+        "--heads", type=positive_int, default=64, help="query heads sharing the latent (V4.1-Flash: 64)"
+    )
+    parser.add_argument("--batch", type=positive_int, default=128, help="decode queries of the top-k read")
+    parser.add_argument(
+        "--topk", type=positive_int, default=512, help="entries each top-k query reads (index_topk)"
+    )
+    parser.add_argument(
+        "--splits", type=positive_int, default=1024, help="programs per query of the dense reads"
+    )
+    parser.add_argument(
+        "--topk-splits", type=positive_int, default=4, help="programs per query of the top-k read"
+    )
     parser.add_argument("--tiles", default=TILES, help=f"tiles to time (default {TILES})")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs, best kept")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs, best kept")
     parser.add_argument("--hbm-gb-per-s", type=float, default=4800.0, help="nominal HBM GB/s (H200: 4,800)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")
     add_device_arg(parser)
@@ -106,11 +114,11 @@ def main() -> None:
     try:
         check_device(args.device)
         tiles = parse_tiles(args.tiles)
-        n = parse_count(args.context) // 2
     except ValueError as exc:
         parser.error(str(exc))
-    if min(n, args.heads, args.batch, args.topk, args.splits, args.topk_splits, args.repeats) < 1:
-        parser.error("--context must be ≥ 2 tokens and --heads, --batch, --topk, --splits, --repeats ≥ 1")
+    n = args.context // 2
+    if n < 1:
+        parser.error("--context must be at least 2 tokens (one entry at ratio 2)")
     if not available():
         parser.error("triton does not import here (it is in the dev extra: pip install -e '.[dev]')")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

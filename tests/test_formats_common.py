@@ -20,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 
 from kvdiet.formats import fp4, fp8, layout, mxfp4, scales, v4_record
 from kvdiet.formats.layout import EntryFormat
+from kvdiet.host_reads import HostReads
 
 pytestmark = pytest.mark.usefixtures("format_backend")  # compiled kernels and pure torch
 
@@ -240,27 +241,13 @@ def test_errors_name_the_bad_value(f):
         f.fn("decode", dim)(packed)
 
 
-class _HostReads(torch.overrides.TorchFunctionMode):
-    """Counts the calls that copy a tensor's values to the host (on a GPU each one waits for the device)."""
-
-    READS = (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 def test_stored_scale_bytes_are_checked_with_one_host_read():
     """Every decode checks its rows' stored scale bytes: one read of both ends, not one per end; a byte below or
     above the written range is still named."""
     good = torch.tensor([[0x30, 0x7E], [0x01, 0x38]], dtype=torch.uint8)
-    with _HostReads() as reads:
+    with HostReads() as reads:
         scales.check_scale_bytes(good, (0x01, 0x7E), name="t")
-    assert reads.count == 1
+    assert reads.total == 1 and [where.split(":")[0] for _, where in reads.sites] == ["formats/scales.py"]
     for bad, byte in ((good.clone().fill_(0x7F), 127), (torch.zeros(2, 2, dtype=torch.uint8), 0)):
         with pytest.raises(ValueError, match=f"stored scale byte {byte} is outside"):
             scales.check_scale_bytes(bad, (0x01, 0x7E), name="t")
