@@ -12,8 +12,8 @@ top-4, Engram on layers 1 and 14) with seeded random weights, fp32, on the CPU. 
 
 Then **batch scaling**: one decode step for 1, 4 and 16 requests at once (each after its own prefill of
 ``--batch-context`` tokens, their caches in one pool as an engine's are), as tokens per second and × the single
-request's. Deterministic (fixed seed);
-``--threads`` sizes torch's pool. Prints tables, then one JSON line.
+request's; the sizes take turns step by step, so a shared machine's swings meet them alike. Deterministic (fixed
+seed); ``--threads`` sizes torch's pool. Prints tables, then one JSON line.
 
     python benchmarks/bench_prefill.py                   # ~3 min on 2 cores
     python benchmarks/bench_prefill.py --tokens 256,1024 --repeats 1
@@ -71,21 +71,25 @@ def decode_step_seconds(model: Transformer, tokens: torch.Tensor, steps: int) ->
     return statistics.median(times[1:])
 
 
-def batch_step_seconds(model: Transformer, batch: int, context: int, steps: int) -> float:
-    """Median seconds of one decode step of ``batch`` requests, each after its own ``context``-token prompt, their
-    caches in one pool as an engine's are (`kvdiet.engine.runner`)."""
-    states, tokens = [], []
-    pool = model.new_pool(4)
-    for b in range(batch):
-        state = model.new_state(pool)
-        tokens.append(int(model.prefill(state, _prompt(model, context, offset=1 + b)).argmax()))
-        states.append(state)
-    times = []
+def batch_step_seconds(model: Transformer, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    """Median seconds of one decode step of each ``batches`` size, each request after its own ``context``-token
+    prompt, every batch's caches in one pool as an engine's are (`kvdiet.engine.runner`). The sizes take turns
+    step by step (one round: a step of each), so a change in the machine's speed meets them all alike and their
+    ratio holds; the first round is a warm-up."""
+    runs = []
+    for size in batches:
+        pool, states, tokens = model.new_pool(4), [], []
+        for b in range(size):
+            state = model.new_state(pool)
+            tokens.append(int(model.prefill(state, _prompt(model, context, offset=1 + b)).argmax()))
+            states.append(state)
+        runs.append((states, tokens, []))
     out: list[torch.Tensor] = []
     for _ in range(steps + 1):
-        times.append(seconds(lambda ts=tokens: out.append(model.decode(states, ts)), model.device))
-        tokens = out.pop().argmax(dim=-1).tolist()
-    return statistics.median(times[1:])
+        for states, tokens, times in runs:
+            times.append(seconds(lambda s=states, t=tokens: out.append(model.decode(s, t)), model.device))
+            tokens[:] = out.pop().argmax(dim=-1).tolist()
+    return {size: statistics.median(times[1:]) for size, (_, _, times) in zip(batches, runs, strict=True)}
 
 
 def main() -> None:
@@ -153,11 +157,11 @@ def main() -> None:
                     "decode_step_ms": round(step * 1e3, 2),
                 }
             )
-        scaling = []
-        for b in args.batches:
-            err.print(f"bench_prefill: decode batch {b}", highlight=False)
-            step = batch_step_seconds(model, b, args.batch_context, args.steps)
-            scaling.append({"batch": b, "step_ms": round(step * 1e3, 2), "tok_s": round(b / step, 1)})
+        err.print(f"bench_prefill: decode batches {args.batches}, taking turns", highlight=False)
+        steps = batch_step_seconds(model, args.batches, args.batch_context, args.steps)
+        scaling = [
+            {"batch": b, "step_ms": round(t * 1e3, 2), "tok_s": round(b / t, 1)} for b, t in steps.items()
+        ]
     one = scaling[0]["tok_s"] if scaling and scaling[0]["batch"] == 1 else None
     for s in scaling:
         s["x_single"] = round(s["tok_s"] / one, 2) if one else None
