@@ -719,3 +719,43 @@ def test_flush_to_zero_keeps_the_fp32_orders_result():
     assert results[False][0][0, 0] == 24.0 * 2.0**-127 and results[True][0][0, 0] == 0.0
     assert results[True][2] == 0
     assert results[False][2] == (1 if _integer_path() else 0)
+
+
+def test_a_long_row_over_many_grains_and_threads_keeps_the_pure_torch_bits_and_selection(both):
+    """One query over paged keys long enough for several of the kernel's parallel grains (2,048 entries each, split
+    over the threads): the same bits on 1 and 2 threads and on the pure-torch path, the integer path taken, and the
+    same top-k. Keys repeat every 700 entries (tied scores: the lowest index must win), a group of 16 zero keys
+    scores ±0, a limit ends mid-grain (−inf past it), and a NaN weight turns a second query's scores to NaN (read
+    as −inf by the selection)."""
+    gen = torch.Generator().manual_seed(11)
+    n, d, h = 3 * 2048 + 77, 128, 4
+    base = _spread(torch.randn(700, d, generator=gen), 2, gen)
+    keys = base.repeat(-(-n // 700), 1)[:n]
+    keys[64:80] = 0.0  # a 16-entry group of zero keys: every dot ±0
+    packed = mxfp4.encode_index_key(keys)
+    paged = _paged(packed, 24, 5)  # blocks of 24 rows: groups of 16 straddle blocks
+    queries = _mxfp4(torch.randn(2, h, d, generator=gen))
+    w = torch.randn(2, h, generator=gen)
+    w[1, 2] = float("nan")
+    limit = torch.tensor([n - 1000, n])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = index_scores_each(queries, w, [paged] * 2, None, limit)
+        torch.set_num_threads(2)
+        before = _integer_groups()
+        two, pure = both(index_scores_each, queries, w, [paged] * 2, None, limit)
+        ran = _integer_groups() - before
+    finally:
+        torch.set_num_threads(threads)
+    assert _same_bits(two, one) and _same_bits(two, pure)
+    assert two[0, int(limit[0]) :].eq(NEG).all() and two[0, : int(limit[0])].isfinite().all()
+    assert two[1].isnan().any() and two[0, 64:80].eq(0).all()
+    # every group a query sees takes the integer path but the zero keys' (scale byte 1, 2^-127: below its range)
+    seen = sum(-(-int(lim) // 16) for lim in limit)
+    assert ran == (seen - 2 if _integer_path() else 0)
+    # ties: entry j and j + 700 score alike; the top-k keeps the lower one where only one fits
+    assert torch.equal(two[0, 100], two[0, 800])
+    picked, picked_pure = both(select_topk, two, 512)
+    assert torch.equal(picked[0], picked_pure[0]) and torch.equal(picked[1], picked_pure[1])
+    assert picked[1][1].logical_not().all()  # the NaN row has no valid entry

@@ -574,6 +574,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
                                                                             v16* s) {
   const int64_t heads = iq.heads, d = D > 0 ? D : iq.words * 8;
   v16 total[G], dot[G][kHeadsAtOnce];
+  __mmask16 seen[G];  // the visible entries of each group
+  for (int i = 0; i < G; ++i) seen[i] = static_cast<__mmask16>(mask_of(visible[i]));
   for (int64_t h0 = 0; h0 < heads; h0 += kHeadsAtOnce) {
     const int64_t hg = std::min<int64_t>(kHeadsAtOnce, heads - h0), th0 = t * heads + h0;
     uint32_t pass = 0;
@@ -583,14 +585,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
       case 2: pass = int_dots<G, 2, D>(iq, th0, g, wide, dot); break;
       default: pass = int_dots<G, 1, D>(iq, th0, g, wide, dot); break;
     }
-    if ((mask_of(visible[0]) & ~pass) != 0) return false;  // G = 1 only: wide passes every entry
+    if ((seen[0] & ~pass) != 0) return false;  // G = 1 only: wide passes every entry
     for (int i = 0; i < G; ++i) {
       for (int64_t h = 0; h < hg; ++h) {
-        for (uint32_t zero = mask_of(visible[i] & (dot[i][h] == 0.0f)); zero != 0; zero &= zero - 1) {
+        const __m512 zero_ps = _mm512_setzero_ps();
+        for (uint32_t zero = _mm512_mask_cmp_ps_mask(seen[i], reinterpret_cast<__m512>(dot[i][h]), zero_ps, _CMP_EQ_OQ);
+             zero != 0; zero &= zero - 1) {
           const int k = __builtin_ctz(zero);
           dot[i][h][k] = zero_dot(q + (h0 + h) * d, rows[kGroup * i + k], d);
         }
-        const v16 r = (dot[i][h] < 0.0f ? v16{} : dot[i][h]) * wt[h0 + h];
+        // relu as score_group's x < 0 ? 0 : x (after the zero dots' signs): vmaxps(+0, x) is +0 where +0 > x,
+        // else x (-0 kept; the dots here are exact, never NaN or subnormal)
+        const v16 r = reinterpret_cast<v16>(_mm512_max_ps(zero_ps, reinterpret_cast<__m512>(dot[i][h]))) * wt[h0 + h];
         total[i] = h0 + h == 0 ? r : total[i] + r;
       }
     }
