@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvdiet.config import load_config
@@ -36,3 +37,41 @@ def test_store_step_writes_every_layer_at_the_positions_slot_and_logs_in_layer_o
     rings.store_step(rows + 1, 10)
     assert [p.tolist() for _, p in log] == [[10]] * 3
     assert torch.equal(torch.cat([r for r, _ in log]), rows + 1) and torch.equal(rings.rows[:, 2], rows + 1)
+
+
+def test_layer_rows_are_the_rings_own_views() -> None:
+    rings = _rings()
+    assert all(view is ring.rows for view, ring in zip(rings.layer_rows, rings, strict=True))
+    rings.layer_rows[2][3] = 7
+    assert (rings.rows[2, 3] == 7).all() and not rings.rows[:2].any()
+
+
+def test_store_steps_stores_what_store_step_would_for_each_request() -> None:
+    batch, twins = [_rings() for _ in range(3)], [_rings() for _ in range(3)]
+    log: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for ring in batch[1]:  # a logging request among plain ones: stored one by one, logged in layer order
+        ring.log = log
+    twin_log: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for ring in twins[1]:
+        ring.log = twin_log
+    width = batch[0].rows.shape[2]
+    rows = torch.arange(3 * 3 * width, dtype=torch.uint8).view(3, 3, width)  # [layers, B, width]
+    positions = [9, 6, 0]
+    WindowRings.store_steps(batch, rows, positions)
+    for b, twin in enumerate(twins):
+        twin.store_step(rows[:, b], positions[b])
+    for got, want in zip(batch, twins, strict=True):
+        assert torch.equal(got.rows, want.rows) and torch.equal(got.positions, want.positions)
+    assert (
+        batch[0].positions.tolist() == [[-1, 9, -1, -1]] * 3 and batch[2].positions[:, 0].tolist() == [0] * 3
+    )
+    assert torch.equal(batch[2].rows[:, 0], rows[:, 2]) and [p.tolist() for _, p in log] == [[6]] * 3
+    assert torch.equal(torch.cat([r for r, _ in log]), rows[:, 1])
+
+
+def test_store_steps_refuses_a_position_count_that_differs_before_writing() -> None:
+    batch = [_rings() for _ in range(2)]
+    rows = torch.ones(3, 2, batch[0].rows.shape[2], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="2 rings and 1 positions for 2 rows"):
+        WindowRings.store_steps(batch, rows, [4])
+    assert all((r.positions == -1).all() and not r.rows.any() for r in batch)

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
-from kvdiet.model.state import CompressorTail
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.v4 import V4Transformer
 from kvdiet.model.v4.indexer import V4Indexer
 from v4_helpers import tiny_v4_config

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
-from kvdiet.model.state import CompressorTail
 
 __all__ = ["Compressor", "pool_groups"]
 

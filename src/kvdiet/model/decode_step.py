@@ -25,6 +25,7 @@ import torch
 
 from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.compressor import pool_groups
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.fused_rows import project_out_rows, project_rows
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
@@ -98,7 +99,7 @@ class DecodePlan:
         rings = [_rings(s.state) for s in segs]
         layers, window, _ = rings[0].rows.shape
         b, dev = len(segs), rings[0].rows.device
-        layer_rings = [list(rows) for rows in zip(*(r.rows.unbind(0) for r in rings), strict=True)]
+        layer_rings = [list(rows) for rows in zip(*(r.layer_rows for r in rings), strict=True)]
         pos = torch.cat([s.positions for s in segs])
         older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)  # [B, W−1]
         floors = torch.tensor([s.window_floor for s in segs], device=dev)
@@ -130,9 +131,7 @@ class DecodePlan:
         """
         if any(f is None for f in self.fresh):
             raise RuntimeError("store_windows before every layer staged its window entries")
-        fresh = torch.stack(self.fresh)  # [L, B, width]
-        for i, seg in enumerate(segs):
-            self.rings[i].store_step(fresh[:, i], seg.state.num_tokens)
+        WindowRings.store_steps(self.rings, torch.stack(self.fresh), [seg.state.num_tokens for seg in segs])
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +158,10 @@ class BatchTables:
         pools = [t.pool for t in tables]
         shared = pools[0] if all(p is pools[0] for p in pools) else None
         rows = [t.tensor() for t in tables]  # each table's cached ids on its pool's device (no list → tensor)
-        width = max(1, *(r.numel() for r in rows))
-        table = torch.zeros(len(rows), width, dtype=torch.int64, device=pools[0].device)
+        sizes = [r.numel() for r in rows]
+        if min(sizes) == max(sizes) > 0:  # no padding (requests of a length): one copy
+            return cls(pools, torch.stack(rows), shared)
+        table = torch.zeros(len(rows), max(1, *sizes), dtype=torch.int64, device=pools[0].device)
         for b, r in enumerate(rows):
             table[b, : r.numel()] = r
         return cls(pools, table, shared)
@@ -256,25 +257,26 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
     """
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
-    score = as_dtype(comp.wgate(x), torch.float32) if r > 1 else None
-    done, group_kv, group_score = [], [], []
-    for b, seg in enumerate(segs):
-        t = seg.state.num_tokens  # the new row's position
-        if r > 1:
-            tail = seg.state.tails[layer]
+    done = list(range(len(segs)))
+    if r > 1:
+        score = as_dtype(comp.wgate(x), torch.float32)
+        tails = [seg.state.tails[layer] for seg in segs]
+        for seg, tail in zip(segs, tails, strict=True):
+            t = seg.state.num_tokens  # the new row's position
             if tail.count != t % r:
                 raise ValueError(f"compressor tail holds {tail.count} rows but position {t} needs {t % r}")
-            if tail.count + 1 < r:
-                tail.push(kv[b], score[b])
-                continue
-            group_kv.append(torch.cat([tail.kv[: tail.count], kv[b : b + 1]]))
-            group_score.append(torch.cat([tail.score[: tail.count], score[b : b + 1]]))
-            tail.clear()
-        done.append(b)
-    if not done:
-        return
-    latent = comp.norm(pool_groups(torch.cat(group_kv), torch.cat(group_score), r) if r > 1 else kv)
-    gids = torch.div(pos[done], r, rounding_mode="floor")
+        done = [b for b, tail in enumerate(tails) if tail.count + 1 == r]
+        if len(done) < len(segs):  # the open groups take their rows
+            rest = [b for b, tail in enumerate(tails) if tail.count + 1 < r]
+            CompressorTail.push_each([tails[b] for b in rest], _rows(kv, rest), _rows(score, rest))
+        if not done:
+            return
+        group_kv, group_score = CompressorTail.close_each(
+            [tails[b] for b in done], _rows(kv, done), _rows(score, done)
+        )
+        kv = pool_groups(group_kv, group_score, r)
+    latent = comp.norm(kv)
+    gids = torch.div(_rows(pos, done), r, rounding_mode="floor")
     rot = attn.rope.at(gids * r)  # each group's first position
     keys = attn.codecs.index_key.encode(attn.indexer.keys(latent, rot))
     main = attn.codecs.main.encode(attn.compressed_entries(latent, rot))
@@ -285,6 +287,11 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
         keys, main = keys[new], main[new]
     PagedEntries.write_each([s.index_keys[layer] for s in states], keys)
     PagedEntries.write_each([s.main[layer] for s in states], main)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]`` of increasing ``rows``: ``t`` itself when they are all of its rows."""
+    return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _select(

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import overload
 
 import torch
 
 from kvdiet.formats.codec import Codec
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.paged_pool import DevicePool
 
 __all__ = [
     "BlockTable",
     "CacheBytes",
-    "CompressorTail",
     "PagedEntries",
     "RequestState",
     "WindowRing",
     "WindowRings",
 ]
+
+_LOG = attrgetter("log")  # a ring's log, read for 40 rings per request and step (no Python frame each)
 
 
 class BlockTable:
@@ -128,9 +131,11 @@ class PagedEntries:
             at += n
         self._len = end
 
-    def _end(self, rows: torch.Tensor, count: int) -> int:
-        """``len`` after storing ``count`` of ``rows``; raises `write_rows`'s ValueError."""
-        if rows.dim() != 2 or rows.shape[1] != self.codec.width or rows.dtype != self.codec.dtype:
+    def _end(self, rows: torch.Tensor, count: int, *, checked: bool = False) -> int:
+        """``len`` after storing ``count`` of ``rows`` (``checked``: their dtype and width are known to fit this
+        store's codec); raises `write_rows`'s ValueError."""
+        codec = self.codec
+        if not checked and (rows.dim() != 2 or rows.shape[1] != codec.width or rows.dtype != codec.dtype):
             raise ValueError(
                 f"rows must be {self.codec.dtype} [M, {self.codec.width}], got {rows.dtype} {tuple(rows.shape)}"
             )
@@ -151,11 +156,12 @@ class PagedEntries:
         """
         if len(stores) != rows.shape[0]:
             raise ValueError(f"{len(stores)} stores for {rows.shape[0]} rows")
-        ends = [s._end(rows, 1) for s in stores]
         if len({(id(s.table.pool), s.layer, s.kind) for s in stores}) > 1:  # private pools: a copy each
+            ends = [s._end(rows, 1) for s in stores]
             for m, s in enumerate(stores):
                 s.write_rows(rows[m : m + 1])
-        elif stores:
+        elif stores:  # one pool, layer and kind: one codec, whose dtype and width are checked once
+            ends = [stores[0]._end(rows, 1)] + [s._end(rows, 1, checked=True) for s in stores[1:]]
             pages = stores[0].table.pool.rows(stores[0].layer, stores[0].kind)
             slots = [s.table.ids[s._len // s.per_block] * s.per_block + s._len % s.per_block for s in stores]
             pages.index_copy_(0, torch.tensor(slots, device=pages.device), rows.to(pages.device))
@@ -257,6 +263,9 @@ class WindowRings(Sequence[WindowRing]):
         self._rings = [
             WindowRing(codec, window, storage=(self.rows[i], self.positions[i])) for i in range(layers)
         ]
+        # ring l's rows [window, width], the views its `WindowRing` holds (a decode step reads them every step;
+        # ``rows.unbind(0)`` would make them anew, about a microsecond each)
+        self.layer_rows = tuple(ring.rows for ring in self._rings)
 
     @overload
     def __getitem__(self, i: int) -> WindowRing: ...
@@ -271,7 +280,7 @@ class WindowRings(Sequence[WindowRing]):
     def store_step(self, rows: torch.Tensor, position: int) -> None:
         """Every ring's `WindowRing.store` of one encoded entry: ``rows`` [layers, width] at ``position`` (a
         decode step's new entries; logged per ring, in layer order, where a ring logs)."""
-        if any(ring.log is not None for ring in self._rings):
+        if self._logged():
             at = torch.tensor([position], device=self.positions.device)
             for i, ring in enumerate(self._rings):
                 ring.store(rows[i : i + 1].clone(), at)
@@ -280,43 +289,34 @@ class WindowRings(Sequence[WindowRing]):
         self.rows[:, slot] = rows
         self.positions[:, slot] = position
 
+    def _logged(self) -> bool:
+        """Whether a ring logs its writes (``log`` not None; an empty list logs)."""
+        return list(map(_LOG, self._rings)).count(None) != len(self._rings)
 
-class CompressorTail:
-    """fp32 projections of the open group's tokens (a ratio-r compressor), kept until the group completes.
+    @staticmethod
+    def store_steps(rings: Sequence[WindowRings], rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """``rings[b].store_step(rows[:, b], positions[b])`` for every b (a batched decode step's new entries,
+        ``rows`` [layers, B, width]): the same copies, those of rings that do not log in one call per tensor.
 
-    ``rows`` is the group size r for V4.1. V4-Flash's CSA layers keep 2r rows: the last complete window's
-    projections (rows ``[0, r)``; zero kv and −inf scores before the first window completes) and then the
-    open window's ``count`` rows (`kvdiet.model.v4.compressor`). ``dtype`` is fp64 in a model run in fp64.
-    """
-
-    def __init__(
-        self, rows: int, dim: int, dtype: torch.dtype = torch.float32, *, device: torch.device | str = "cpu"
-    ) -> None:
-        self.kv = torch.zeros(rows, dim, dtype=dtype, device=device)
-        self.score = torch.full((rows, dim), float("-inf"), dtype=dtype, device=device)
-        self.count = 0
-
-    def replace(self, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """Hold ``kv``/``score`` [c, dim] (c < ratio) as the open group's rows."""
-        c = kv.shape[0]
-        self.clear()
-        self.kv[:c], self.score[:c] = kv, score
-        self.count = c
-
-    def push(self, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """Add one row ``kv``/``score`` [dim] to the open group (it must have room: ``count < rows``)."""
-        self.kv[self.count], self.score[self.count] = kv, score
-        self.count += 1
-
-    def clear(self) -> None:
-        """No open group."""
-        self.kv.zero_()
-        self.score.fill_(float("-inf"))
-        self.count = 0
-
-    @property
-    def nbytes(self) -> int:
-        return (self.kv.numel() + self.score.numel()) * self.kv.element_size()
+        Raises:
+            ValueError: ``len(rings)``, ``len(positions)`` and B differ (before any ring changes).
+        """
+        if not len(rings) == len(positions) == rows.shape[1]:
+            raise ValueError(f"{len(rings)} rings and {len(positions)} positions for {rows.shape[1]} rows")
+        dst_rows, dst_pos, src_rows, at = [], [], [], []
+        for r, row, p in zip(rings, rows.unbind(1), positions, strict=True):
+            if r._logged():
+                r.store_step(row, p)
+                continue
+            slot = p % r.rows.shape[1]
+            dst_rows.append(r.rows[:, slot])
+            dst_pos.append(r.positions[:, slot])
+            src_rows.append(row)
+            at.append(p)
+        if dst_rows:
+            torch._foreach_copy_(dst_rows, src_rows)
+            src_pos = torch.tensor(at, dtype=torch.int64, device=dst_pos[0].device)
+            torch._foreach_copy_(dst_pos, list(src_pos[:, None].expand(-1, dst_pos[0].shape[0]).unbind(0)))
 
 
 @dataclass(frozen=True, slots=True)

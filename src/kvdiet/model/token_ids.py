@@ -49,10 +49,11 @@ def check_token_ids(
     return ids
 
 
-def decode_token_ids(
-    cfg: ModelConfig, states: Sequence[_HasLength], tokens: Sequence[int]
-) -> list[torch.Tensor]:
-    """One int64 [1] per request of a decode batch: ``tokens[b]`` at position ``states[b].num_tokens``.
+def decode_token_ids(cfg: ModelConfig, states: Sequence[_HasLength], tokens: Sequence[int]) -> torch.Tensor:
+    """The token ids of a decode batch, int64 [B]: ``tokens[b]`` at position ``states[b].num_tokens``.
+
+    A batch of Python ints in range is checked at once (no tensor per request); any other (another type, an id
+    out of range, a position past the limit) is checked token by token by `check_token_ids`, which raises.
 
     Raises:
         ValueError: an empty batch, lengths that differ, a state that appears twice, or a bad token.
@@ -63,4 +64,15 @@ def decode_token_ids(
         )
     if len({id(s) for s in states}) != len(states):
         raise ValueError("the same request state appears twice in one decode batch")
-    return [check_token_ids(cfg, [t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
+    last = cfg.max_position_embeddings - 1  # the last position a token may take
+    batch = list(tokens)
+    if (
+        all(type(t) is int for t in batch)  # not bool, not a tensor or numpy scalar: those go one by one
+        and min(batch) >= 0
+        and max(batch) < cfg.vocab_size
+        and max(s.num_tokens for s in states) <= last
+    ):
+        return torch.tensor(batch, dtype=torch.int64, device="cpu")  # validated on the host
+    return torch.cat(
+        [check_token_ids(cfg, [t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
+    )

@@ -32,6 +32,7 @@ from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, LayerPlan
 from kvdiet.model.attention import Segment, Selection
 from kvdiet.model.block import Block
 from kvdiet.model.block_ids import BlockAllocator
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.decode_step import DecodePlan
 from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
@@ -39,7 +40,7 @@ from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.paged_pool import DevicePool
-from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRings
+from kvdiet.model.state import BlockTable, PagedEntries, RequestState, WindowRings
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 
 __all__ = ["Transformer"]
@@ -278,7 +279,7 @@ class Transformer(nn.Module):
             ValueError: lengths differ, a state appears twice, a token is invalid, or a block table on a
                 shared pool does not cover its new token (nothing changes then).
         """
-        ids = torch.cat(decode_token_ids(self.cfg, states, tokens)).to(self.device)  # token ids cross here
+        ids = decode_token_ids(self.cfg, states, tokens).to(self.device)  # token ids cross here
         with device_scope(self.device):
             return self._forward(list(states), list(ids.split(1)), [1] * len(states))
 
@@ -319,11 +320,11 @@ class Transformer(nn.Module):
             segs.append(Segment(state, pos))
             rows.append((start, start + chunk.numel()))
             start += chunk.numel()
-        with_hist: list[torch.Tensor] = []
+        histories: Sequence[torch.Tensor] = []  # each request's Engram history after this call
         if self.hasher is not None and start == len(segs):  # one id each: the batch's [B, N] hashed at once
             hist = torch.stack([s.engram_history for s in states])
             batch = self.hasher.with_history(self.hasher.compress(torch.cat(ids))[:, None], hist)
-            with_hist = list(batch)
+            histories = self.hasher.next_history(batch).unbind(0)  # a view each, one copy for all
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = self.hasher.row_ids(layer, batch).flatten(0, 1)
         elif self.hasher is not None:
@@ -333,6 +334,7 @@ class Transformer(nn.Module):
             ]
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
+            histories = [self.hasher.next_history(w) for w in with_hist]
         # a decode step (one row per request): each layer's attention runs over the whole batch at once
         plan = DecodePlan.for_segments(segs) if start == len(segs) else None
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
@@ -366,7 +368,7 @@ class Transformer(nn.Module):
         for i, (state, chunk) in enumerate(zip(states, ids, strict=True)):
             state.num_tokens += chunk.numel()
             if self.hasher is not None:
-                state.engram_history = self.hasher.next_history(with_hist[i])
+                state.engram_history = histories[i]
         if last_row:
             h, prev_pre = h[-1:], prev_pre[-1:]
         return self.head(self.norm(hc_collapse(h, prev_pre))).float()

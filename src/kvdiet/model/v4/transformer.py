@@ -32,12 +32,13 @@ from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import V4_BLOCK_SIZE, LayerPlan
 from kvdiet.model.block_ids import BlockAllocator
+from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.hc import add_sublayer_hc, hc_collapse, hc_expand, hc_init_streams, sublayer_coefficients
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
 from kvdiet.model.moe import MoE
 from kvdiet.model.paged_pool import DevicePool
-from kvdiet.model.state import BlockTable, CompressorTail, PagedEntries, RequestState, WindowRing
+from kvdiet.model.state import BlockTable, PagedEntries, RequestState, WindowRing
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 from kvdiet.model.transformer import Transformer
 from kvdiet.model.v4.attention import V4Attention
@@ -259,7 +260,7 @@ class V4Transformer(nn.Module):
         Raises:
             ValueError: lengths differ, a state appears twice, or a token is invalid (nothing changes then).
         """
-        ids = decode_token_ids(self.cfg, states, tokens)
+        ids = list(decode_token_ids(self.cfg, states, tokens).split(1))
         self._check_tables(list(states), ids)
         return self._forward(list(states), ids)
 
