@@ -314,12 +314,18 @@ class Transformer(nn.Module):
         cfg = self.cfg
         self._check_tables(states, ids)
         segs, row_ids, rows = [], {}, []
+        sizes = [chunk.numel() for chunk in ids]
+        if sizes.count(1) == len(sizes):  # a decode step: every request's position in one tensor, a view each
+            positions = torch.tensor([s.num_tokens for s in states]).split(1)
+        else:
+            positions = [
+                torch.arange(s.num_tokens, s.num_tokens + n) for s, n in zip(states, sizes, strict=True)
+            ]
         start = 0
-        for state, chunk in zip(states, ids, strict=True):
-            pos = torch.arange(state.num_tokens, state.num_tokens + chunk.numel())
+        for state, pos, n in zip(states, positions, sizes, strict=True):
             segs.append(Segment(state, pos))
-            rows.append((start, start + chunk.numel()))
-            start += chunk.numel()
+            rows.append((start, start + n))
+            start += n
         histories: Sequence[torch.Tensor] = []  # each request's Engram history after this call
         if self.hasher is not None and start == len(segs):  # one id each: the batch's [B, N] hashed at once
             hist = torch.stack([s.engram_history for s in states])
