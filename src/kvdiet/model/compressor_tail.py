@@ -76,8 +76,8 @@ class CompressorTail:
         ``(kv, score)`` [B·r, dim], request b's r rows (its ``count`` open rows, then row b) at ``[b·r, b·r + r)``,
         what concatenating ``cat([tail.kv[:count], kv[b : b + 1]])`` over the tails gives.
 
-        Each tail must hold r − 1 open rows of r (``count + 1 == rows``, V4.1's tails) and all alike (rows, dim,
-        dtype, device); otherwise each tail's rows are concatenated and it is cleared, one by one.
+        Several tails holding r − 1 open rows of r (``count + 1 == rows``, V4.1's tails), all alike (rows, dim,
+        dtype, device), are stacked at once; otherwise each tail's rows are concatenated and it is cleared.
 
         Raises:
             ValueError: ``len(tails) != B``, or a tail has no open row left for the last row (before any change).
@@ -87,7 +87,7 @@ class CompressorTail:
         if any(t.count >= t.kv.shape[0] for t in tails):
             raise ValueError("a compressor tail is full: its group cannot take another row")
         first = tails[0].kv if tails else None
-        if tails and all(
+        if len(tails) > 1 and all(  # one tail: its own concatenation is as fast
             t.count + 1 == t.kv.shape[0] == first.shape[0]
             and t.kv.shape == first.shape
             and t.score.shape == first.shape

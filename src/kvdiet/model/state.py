@@ -296,27 +296,26 @@ class WindowRings(Sequence[WindowRing]):
     @staticmethod
     def store_steps(rings: Sequence[WindowRings], rows: torch.Tensor, positions: Sequence[int]) -> None:
         """``rings[b].store_step(rows[:, b], positions[b])`` for every b (a batched decode step's new entries,
-        ``rows`` [layers, B, width]): the same copies, those of rings that do not log in one call per tensor.
+        ``rows`` [layers, B, width]): the same copies, the rows of rings that do not log in one call.
 
         Raises:
             ValueError: ``len(rings)``, ``len(positions)`` and B differ (before any ring changes).
         """
         if not len(rings) == len(positions) == rows.shape[1]:
             raise ValueError(f"{len(rings)} rings and {len(positions)} positions for {rows.shape[1]} rows")
-        dst_rows, dst_pos, src_rows, at = [], [], [], []
+        dst_rows, src_rows, dst_pos = [], [], []
         for r, row, p in zip(rings, rows.unbind(1), positions, strict=True):
             if r._logged():
                 r.store_step(row, p)
                 continue
             slot = p % r.rows.shape[1]
-            dst_rows.append(r.rows[:, slot])
-            dst_pos.append(r.positions[:, slot])
+            dst_rows.append(r.rows.select(1, slot))  # ``rows[:, slot]`` without the index parsing
             src_rows.append(row)
-            at.append(p)
+            dst_pos.append((r.positions.select(1, slot), p))
         if dst_rows:
             torch._foreach_copy_(dst_rows, src_rows)
-            src_pos = torch.tensor(at, dtype=torch.int64, device=dst_pos[0].device)
-            torch._foreach_copy_(dst_pos, list(src_pos[:, None].expand(-1, dst_pos[0].shape[0]).unbind(0)))
+        for at, p in dst_pos:
+            at.fill_(p)
 
 
 @dataclass(frozen=True, slots=True)
