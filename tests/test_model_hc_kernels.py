@@ -14,6 +14,7 @@ from torch import nn
 from kvdiet.formats import native
 from kvdiet.model import hc as hc_module
 from kvdiet.model import layers
+from kvdiet.model.chain_products import chain_agrees, chain_class
 from kvdiet.model.hc import add_sublayer_hc, hc_coefficients, hc_collapse, hc_expand, sublayer_entry
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.sinkhorn import hc_mix_address
@@ -160,6 +161,10 @@ def test_entry_runs_the_kernel_in_a_decode_step_and_the_functions_elsewhere(monk
         entry(torch.randn(16, 4, 32, generator=gen), torch.rand(16, 4, generator=gen))
         assert calls == []  # one compiled call
         entry(torch.randn(17, 4, 32, generator=gen), torch.rand(17, 4, generator=gen))  # a prefill's rows
+        assert calls == []
+        entry(
+            torch.randn(257, 4, 32, generator=gen), torch.rand(257, 4, generator=gen)
+        )  # past the mix kernel's
         assert calls == ["collapse"]
         monkeypatch.setenv(native.ENV, "0")
         entry(torch.randn(3, 4, 32, generator=gen), torch.rand(3, 4, generator=gen))
@@ -178,6 +183,45 @@ def test_entry_runs_the_kernel_in_a_decode_step_and_the_functions_elsewhere(monk
             block.double(), cfg, h.double(), "attn", torch.rand(2, 4).double(), norm.double()
         )
     assert got[0].dtype == got[1].dtype == torch.float64 and calls == ["collapse"] * 5
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "hc", "hidden"), [(17, 4, 64), (61, 2, 17), (256, 4, 64), (256, 4, 256)])
+def test_entry_takes_a_prefills_rows_with_the_functions_bits(rows, hc, hidden, threads):
+    """``any_rows``: a prefill chunk's rows (up to the mix kernel's 256, as `sublayer_entry` asks) = the functions
+    to the bit on adversarial values, on one and two threads; without ``any_rows`` they are declined."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(rows + hidden + threads)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for specials in (False, True):
+            block, cfg, norm = _block(hc, hidden, gen, specials=specials)
+            h = _values(rows * hc * hidden, gen, specials=specials).view(rows, hc, hidden)
+            collapse_pre = _values(rows * hc, gen, specials=specials).view(rows, hc)
+            want = _formulas(block, cfg, norm, h, collapse_pre)
+            with torch.no_grad():
+                _assert_same(sublayer_entry(block, cfg, h, "attn", collapse_pre, norm), want)
+                w = block.hc_weights["attn"]
+                args = (
+                    h,
+                    w.fn_t,
+                    w.scale,
+                    w.base,
+                    collapse_pre,
+                    norm.weight,
+                    norm.eps,
+                    RMS_EPS,
+                    HC_EPS,
+                    ITERS,
+                )
+                assert kernels.hc_enter(*args, hc_mix_address()) is None
+                direct = kernels.hc_enter(*args, hc_mix_address(), any_rows=True)
+            assert direct is not None or specials
+            if direct is not None:
+                _assert_same(direct, want)
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_entry_kernel_declines_what_it_does_not_fit():
@@ -271,10 +315,17 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
             want = _expand_formula(x, residual, post, comb)
             assert kernels.hc_expand_rows(x, residual, post, comb) is None
             got = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
+            # the compiled product, where it has matched torch.bmm at this shape
+            chained = chain_agrees(*chain_class(comb.transpose(1, 2), residual))
+            assert chained == (
+                hc * hc * hidden >= 400
+            )  # below, torch sums rounded products in a loop of its own
+            chain = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chained)
             if want.isnan().any():
-                assert got is None and specials
+                assert got is None and chain is None and specials
             else:
                 _assert_same((got,), (want,))
+                _assert_same((chain,), (want,))
             with torch.no_grad():
                 _assert_same((hc_expand(x, residual, post, comb),), (want,))
     finally:

@@ -2,8 +2,9 @@
 // kvdiet/model/hc.py. Compiled after rmsnorm_kernels.cpp into the same module (its square, any_nan and rms_norm are
 // in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
-// hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix): h float32
-//   [T, hc, hidden] (contiguous, 1..16 rows, 1 <= hc <= 4), fn_t float32 [hc·hidden, (2+hc)·hc] (any layout),
+// hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix, any_rows): h
+//   float32 [T, hc, hidden] (contiguous, 1..16 rows, or any number the mix kernel takes with any_rows: a
+//   prefill's; 1 <= hc <= 4), fn_t float32 [hc·hidden, (2+hc)·hc] (any layout),
 //   scale and base float32 [(2+hc)·hc] (contiguous), collapse_pre float32 [T, hc], norm_weight float32 [hidden];
 //   mix: (address of sinkhorn.c's kvdiet_hc_mix_f32, address of torch's vector exp, its lanes), from
 //   kvdiet.model.sinkhorn.hc_mix_address -> (x float32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]),
@@ -22,7 +23,9 @@
 //   [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows, or any number with any_rows: a prefill's) -> float32
 //   [T, hc, hidden], or std::nullopt for any other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i]
 //   with mixed = at::bmm(combᵀ, residual), torch's own product on the formula's operands (then one IEEE multiply
-//   and one add per element: hc_expand's formula), so no step depends on the number of rows but torch's own.
+//   and one add per element: hc_expand's formula), so no step depends on the number of rows but torch's own; with
+//   chain, mixed is chain_kernels.cpp's chain_bmm instead (the caller has checked that it gives at::bmm's bits at
+//   this shape: kvdiet.model.chain_products).
 //   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
 //   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
 
@@ -40,17 +43,27 @@ bool hc_float_cpu(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kFloat && !t.is_neg();
 }
 
+// o[d] = c · x[d] + o[d] for d < n: one IEEE product and one sum per element, in vector lanes or the tail alike
+void add_scaled(float* o, const float* x, float c, int64_t n) {
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    const NormLanes v = c * load16(x + d) + load16(o + d);
+    std::memcpy(o + d, &v, sizeof v);
+  }
+  for (; d < n; ++d) o[d] = c * x[d] + o[d];
+}
+
 }  // namespace
 
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_enter(
     const at::Tensor& h, const at::Tensor& fn_t, const at::Tensor& scale, const at::Tensor& base,
     const at::Tensor& collapse_pre, const at::Tensor& norm_weight, double norm_eps, double rms_eps, double hc_eps,
-    int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix) {
+    int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix, bool any_rows = false) {
   for (const at::Tensor* t : {&h, &fn_t, &scale, &base, &collapse_pre, &norm_weight})
     if (!hc_float_cpu(*t)) return {};
   if (h.dim() != 3 || !h.is_contiguous()) return {};
   const int64_t rows = h.size(0), hc = h.size(1), hidden = h.size(2), n_mix = (2 + hc) * hc;
-  if (rows < 1 || rows > kHcRowsMax || hc < 1 || hc > kHcStreamsMax || hidden < 1 || iters < 1) return {};
+  if (rows < 1 || (!any_rows && rows > kHcRowsMax) || hc < 1 || hc > kHcStreamsMax || hidden < 1 || iters < 1) return {};
   if (fn_t.dim() != 2 || fn_t.size(0) != hc * hidden || fn_t.size(1) != n_mix) return {};
   for (const at::Tensor* t : {&scale, &base})
     if (t->dim() != 1 || t->size(0) != n_mix || !t->is_contiguous()) return {};
@@ -66,13 +79,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   at::Tensor collapsed = at::zeros({rows, hidden}, h.options());  // the sums from +0
   float* sp = collapsed.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < hc; ++i) {
-      const float c = cp[r * hc + i];
-      const float* hr = hp + (r * hc + i) * hidden;
-      float* s = sp + r * hidden;
-      for (int64_t d = 0; d < hidden; ++d) s[d] = s[d] + c * hr[d];
-    }
-  std::optional<at::Tensor> x = rms_norm(collapsed, norm_weight, norm_eps);
+    for (int64_t i = 0; i < hc; ++i) add_scaled(sp + r * hidden, hp + (r * hc + i) * hidden, cp[r * hc + i], hidden);
+  std::optional<at::Tensor> x = rms_norm(collapsed, norm_weight, norm_eps, any_rows);
   if (!x.has_value()) return {};
 
   at::Tensor squares = at::empty({rows, width}, h.options());
@@ -94,7 +102,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
 }
 
 std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& post,
-                                         const at::Tensor& comb, bool any_rows = false) {
+                                         const at::Tensor& comb, bool any_rows = false, bool chain = false) {
   for (const at::Tensor* t : {&x, &residual, &post, &comb})
     if (!hc_float_cpu(*t)) return {};
   if (residual.dim() != 3) return {};
@@ -103,18 +111,16 @@ std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& 
   if (x.dim() != 2 || x.size(0) != rows || x.size(1) != hidden) return {};
   if (post.dim() != 2 || post.size(0) != rows || post.size(1) != hc) return {};
   if (comb.dim() != 3 || comb.size(0) != rows || comb.size(1) != hc || comb.size(2) != hc) return {};
-  at::Tensor out = at::bmm(comb.transpose(1, 2), residual);  // mixed (contiguous), then overwritten with the sum
+  // mixed (contiguous), then overwritten with the sum
+  std::optional<at::Tensor> mixed = chain ? chain_bmm(comb.transpose(1, 2), residual) : std::nullopt;
+  if (chain && !mixed.has_value()) return {};
+  at::Tensor out = chain ? *mixed : at::bmm(comb.transpose(1, 2), residual);
   const at::Tensor xs = x.contiguous(), ps = post.contiguous();
   const float* xp = xs.const_data_ptr<float>();
   const float* pp = ps.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < hc; ++i) {
-      const float p = pp[r * hc + i];
-      float* o = op + (r * hc + i) * hidden;
-      const float* xr = xp + r * hidden;
-      for (int64_t d = 0; d < hidden; ++d) o[d] = p * xr[d] + o[d];
-    }
+    for (int64_t i = 0; i < hc; ++i) add_scaled(op + (r * hc + i) * hidden, xp + r * hidden, pp[r * hc + i], hidden);
   // where two NaNs meet, which one torch's vector loop keeps is not this loop's to repeat
   if (any_nan(op, out.numel())) return {};
   return out;

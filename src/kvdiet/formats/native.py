@@ -59,6 +59,7 @@ _SOURCES = [
         "expert_kernels.cpp",
         "router_kernels.cpp",
         "rmsnorm_kernels.cpp",
+        "chain_kernels.cpp",
         "hc_kernels.cpp",
         "rope_kernels.cpp",
         "projection_kernels.cpp",

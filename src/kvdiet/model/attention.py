@@ -28,6 +28,7 @@ from kvdiet.formats.codec import CacheCodecs
 from kvdiet.formats.fp4 import decode_main_kv
 from kvdiet.layer_plan import LayerInfo
 from kvdiet.model import triton_decode
+from kvdiet.model.chain_products import batched_product
 from kvdiet.model.compressor import Compressor
 from kvdiet.model.index_scores import StoredKeys, index_scores, index_scores_at
 from kvdiet.model.indexer import Indexer
@@ -92,10 +93,10 @@ def attend(
     n_win = win_kv.shape[-2]
     if shared:
         out = (probs[..., :n_win].reshape(b * h, n_win) @ win_kv).view(b, h, d)
-    else:
-        out = torch.bmm(probs[..., :n_win], win_kv)
+    else:  # torch.bmm's bits (compiled where checked: `kvdiet.model.chain_products`)
+        out = batched_product(probs[..., :n_win], win_kv)
     if comp_kv is not None:
-        out += torch.bmm(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
+        out += batched_product(probs[..., n_win : n_win + comp_kv.shape[1]], comp_kv)
     return out
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
+from kvdiet.model.chain_products import chain_agrees, chain_class
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
 from kvdiet.model.member import member
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
@@ -53,7 +54,7 @@ def add_sublayer_hc(block: nn.Module, cfg: ModelConfig) -> None:
 
 
 KERNEL_ROWS = 16
-"""The most rows ``hc_enter`` takes, and ``hc_expand_rows`` unless asked for any number (``kHcRowsMax``: a batched
+"""The most rows ``hc_enter`` and ``hc_expand_rows`` take unless asked for any number (``kHcRowsMax``: a batched
 decode step's)."""
 
 _NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
@@ -84,9 +85,9 @@ def sublayer_entry(
     ``x = norm(hc_collapse(h, collapse_pre))`` (``collapse_pre`` [T, hc]: the pre-mix that feeds this sublayer,
     v41-spec §8.1) and its own `sublayer_coefficients` ``(pre, post, comb)``, the same values bit for bit.
 
-    Where it applies (fp32 streams of at most `KERNEL_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
-    step's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``: the same torch ops and
-    kernels in the same order, `hc_mix`'s kernel included; it needs the norm kernel checked,
+    Where it applies (fp32 streams of at most `MAX_MIX_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
+    step's and a prefill chunk's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``: the
+    same torch ops and kernels in the same order, `hc_mix`'s kernel included; it needs the norm kernel checked,
     `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
 
     Returns:
@@ -97,14 +98,14 @@ def sublayer_entry(
         not torch.is_grad_enabled()
         and h.dtype == torch.float32
         and h.dim() == 3
-        and h.shape[0] <= KERNEL_ROWS
+        and h.shape[0] <= MAX_MIX_ROWS
     ):
         kernels, mix = _entry_kernels()
         entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
                 h, weights.fn_t, weights.scale, weights.base, collapse_pre, member(norm, "weight"), norm.eps,
-                cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix,
+                cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix, any_rows=h.shape[0] > KERNEL_ROWS,
             )  # fmt: skip
         if entered is not None:
             return entered
@@ -322,12 +323,16 @@ def hc_expand(
         fp32 [..., T, hc, hidden].
 
     fp32 CPU rows (any number, ``any_rows``: a decode step's and a prefill's; no autograd) run in one compiled call
-    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, then each element's multiply and add), with
-    the same bits; it declines NaN outputs.
+    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or its compiled twin where
+    `kvdiet.model.chain_products.chain_agrees` has matched them at this shape, then each element's multiply and
+    add), with the same bits; it declines NaN outputs.
     """
     if not torch.is_grad_enabled() and residual.dim() == 3:
         kernels = native.fp4_kernels()
-        out = None if kernels is None else kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
+        out = None
+        if kernels is not None:
+            chain = comb.dim() == 3 and chain_agrees(*chain_class(comb.transpose(1, 2), residual))
+            out = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chain)
         if out is not None:
             return out
     residual = widen(residual)

@@ -1,0 +1,145 @@
+"""Small batched products with ``torch.bmm``'s bits, compiled: ``chain_bmm`` (``formats/chain_kernels.cpp``) once
+it has matched ``torch.bmm`` at a shape class on this machine.
+
+A prefill's mHC mixes streams by ``bmm(combᵀ, residual)`` ([T, 4, 4] x [T, 4, hidden]) and its attention sums
+values by ``bmm(probs, window)`` and ``bmm(probs, selected)`` ([T, H, 8] and [T, H, 4] operands): a few hundred
+thousand multiply-adds each, which torch's batched BLAS call spends 50-150 µs on. MKL's sgemm sums each output as
+one FMA chain from +0 in increasing k (found by experiment; the order is not documented, and torch's own loop
+below 400 multiply-adds a matrix rounds each product instead), which the kernel repeats. Whether it does at a shape
+is checked here against ``torch.bmm`` once per process and shape class, before the kernel is used there; a
+mismatch logs a warning and keeps ``torch.bmm``. It knows nothing of the callers' formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from kvdiet.formats import native
+
+__all__ = ["CHAIN_DEPTH_MAX", "batched_product", "chain_agrees", "chain_class"]
+
+CHAIN_DEPTH_MAX = 64
+"""The longest contraction ``chain_bmm`` takes (``kChainDepthMax``)."""
+
+_BATCHES = (1, 3, 16, 256)
+_CHECK_ELEMENTS = 1 << 22  # a check's batch counts past this many multiply-adds are skipped
+_log = logging.getLogger(__name__)
+
+
+def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, bool]:
+    """The shape class of ``bmm(a, w)`` (a [B, M, K], w [B, K, N]) that `chain_agrees` checks: (M, K, N, whether
+    ``a``'s columns are its contiguous dim, whether ``w``'s are)."""
+    return (
+        a.shape[1],
+        a.shape[2],
+        w.shape[2],
+        a.stride(1) == 1 and a.stride(2) != 1,
+        w.stride(1) == 1 and w.stride(2) != 1,
+    )
+
+
+def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, w)`` bit for bit: a fp32 [B, M, K], w fp32 [B, K, N] (any strides) -> fp32 [B, M, N]
+    (contiguous). The compiled chain runs where it applies (CPU fp32, no autograd, 1 ≤ K ≤ `CHAIN_DEPTH_MAX`, the
+    kernels built and not switched off, the shape class checked by `chain_agrees`, no NaN in the output);
+    ``torch.bmm`` everywhere else.
+
+    Raises:
+        RuntimeError: what ``torch.bmm`` raises for operands it does not take.
+    """
+    if (
+        not torch.is_grad_enabled()
+        and a.dim() == 3
+        and w.dim() == 3
+        and a.dtype == torch.float32
+        and 1 <= a.shape[2] <= CHAIN_DEPTH_MAX
+    ):
+        kernels = native.fp4_kernels()
+        if kernels is not None and chain_agrees(*chain_class(a, w)):
+            out = kernels.chain_bmm(a, w)
+            if out is not None:
+                return out
+    return torch.bmm(a, w)
+
+
+@functools.cache
+def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool:
+    """Whether ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine,
+    checked once per process: batch counts 1, 3, 16 and 256 (those within 2^22 multiply-adds), on random
+    operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ, products
+    that cancel, ±inf; no NaN: the kernel declines NaN outputs). A mismatch, or no check that ran, logs a
+    warning: the caller keeps ``torch.bmm``.
+
+    Raises:
+        RuntimeError: the kernels are switched off or did not build.
+    """
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
+    shape = (m, depth, n, a_cols, w_cols)
+    ran = 0
+    for batch, case, a, w in _check_operands(shape):
+        with torch.inference_mode():
+            got = kernels.chain_bmm(a, w)
+            if got is None:  # a NaN output: torch.bmm runs such operands
+                continue
+            want = torch.bmm(a, w)
+        ran += 1
+        if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
+            _log.warning("compiled chain_bmm differs from torch.bmm at %s (batch %d, case %d); using torch.bmm",
+                         shape, batch, case)  # fmt: skip
+            return False
+    if ran == 0:
+        _log.warning("compiled chain_bmm declined every check at %s; using torch.bmm", shape)
+    return ran > 0
+
+
+def _check_operands(
+    shape: tuple[int, int, int, bool, bool],
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """(batch count, case, a, w) of `chain_agrees`'s checks at ``shape`` (its arguments), from a fixed seed."""
+    m, depth, n, a_cols, w_cols = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for batch in _BATCHES:
+        if batch > 1 and batch * m * depth * n > _CHECK_ELEMENTS:
+            return
+        for case in range(4):
+            a = _layout(_operand((batch, m, depth), gen, case), transpose=a_cols)
+            w = _layout(_operand((batch, depth, n), gen, case), transpose=w_cols)
+            if case == 3:  # every product −0: the sum from +0 stays +0
+                a, w = a.abs(), w.abs().neg().mul(0.0)
+            yield batch, case, a, w
+
+
+def _operand(shape: tuple[int, int, int], gen: torch.Generator, case: int) -> torch.Tensor:
+    """fp32 ``shape``: case 0 normal values; 1 and 3 a mix of ±0, subnormals, short-mantissa values (exact
+    products whose sums round on ties), values near 1 (cancellation) and scales up to 2^60 (overflow to ±inf);
+    2 normal values whose last k cancels the sum of the others."""
+    x = torch.randn(shape, generator=gen)
+    if case == 2:
+        x[:, :, -1] = -x[:, :, :-1].sum(-1) if shape[2] > 1 else x[:, :, -1]
+        return x
+    if case == 0:
+        return x
+    kind = torch.randint(0, 8, shape, generator=gen)
+    short = torch.randint(-64, 64, shape, generator=gen).float() * 0.5
+    near_one = 1 + torch.randint(0, 1 << 20, shape, generator=gen).float() * 2.0**-23
+    x = torch.where(kind == 0, torch.zeros(shape), x)
+    x = torch.where(kind == 1, -torch.zeros(shape), x)
+    x = torch.where(kind == 2, x * 2.0**-130, x)
+    x = torch.where(kind == 3, short, x)
+    x = torch.where(kind == 4, near_one * torch.sign(x), x)
+    return torch.where(kind == 5, x * 2.0**60, x)
+
+
+def _layout(x: torch.Tensor, *, transpose: bool) -> torch.Tensor:
+    """``x`` [B, R, C] with its columns contiguous (a transposed copy) or its rows padded (a slice)."""
+    if transpose:
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    padded = torch.zeros(*x.shape[:2], x.shape[2] + 3)
+    padded[..., : x.shape[2]] = x
+    return padded[..., : x.shape[2]]

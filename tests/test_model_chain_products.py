@@ -1,0 +1,152 @@
+"""The compiled small batched product (``formats/chain_kernels.cpp``: ``chain_bmm``) against ``torch.bmm``: the same
+bits at the shapes kvdiet uses, an order that operands tell apart, the per-shape check and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from kvdiet.formats import native
+from kvdiet.model import chain_products
+from kvdiet.model.chain_products import batched_product, chain_agrees, chain_class
+
+
+def _kernels():
+    kernels = native.fp4_kernels()
+    assert kernels is not None, "the compiled kernels did not build"
+    return kernels
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _values(shape: tuple[int, ...], gen: torch.Generator, case: int) -> torch.Tensor:
+    """fp32 ``shape``: case 0 normal draws; 1 at scales 2^-140..2^40 (subnormal products) with a fifth of them ±0
+    or halves of small integers (exact products whose sums meet rounding ties); 2 at scales up to 2^70
+    (overflowing products) with ±inf among those."""
+    if case == 0:
+        return torch.randn(shape, generator=gen)
+    top = 41 if case == 1 else 71
+    x = torch.randn(shape, generator=gen) * 2.0 ** torch.randint(-140, top, shape, generator=gen).float()
+    infs = () if case == 1 else (math.inf, -math.inf)
+    pool = torch.tensor([0.0, -0.0, *infs, 0.5, -1.5, 3.0, 2.5])
+    chosen = torch.rand(shape, generator=gen) < 0.2
+    x[chosen] = pool[torch.randint(len(pool), (int(chosen.sum()),), generator=gen)]
+    return x
+
+
+# (a [B, M, K] as made from a contiguous tensor, w [B, K, N] likewise): mHC's combᵀ·residual, attention's
+# probs·window and probs·selected (a slice of the probabilities), a wide decode row and one with a lane tail
+_SHAPES = [
+    ("cols", 4, 4, 64, "rows"),
+    ("slice", 4, 8, 64, "rows"),
+    ("slice", 4, 4, 64, "rows"),
+    ("cols", 4, 4, 1024, "rows"),
+    ("rows", 16, 8, 72, "rows"),
+    ("rows", 5, 3, 37, "cols"),
+]
+
+
+def _operands(
+    layout_a: str, m: int, k: int, n: int, layout_w: str, batch: int, gen: torch.Generator, case: int
+):
+    a = _values((batch, m, k), gen, case)
+    if layout_a == "cols":
+        a = a.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout_a == "slice":
+        a = torch.cat([a, _values((batch, m, 5), gen, case)], -1)[..., :k]
+    w = _values((batch, k, n), gen, case)
+    if layout_w == "cols":
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    return a, w
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [1, 3, 16, 256])
+@pytest.mark.parametrize(("layout_a", "m", "k", "n", "layout_w"), _SHAPES)
+def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, threads):
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(batch * 1000 + m * 100 + k * 10 + n)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ran = 0
+        for case in range(3):
+            a, w = _operands(layout_a, m, k, n, layout_w, batch, gen, case)
+            want = torch.bmm(a, w)
+            got = kernels.chain_bmm(a, w)
+            if want.isnan().any():  # inf · 0 or inf − inf: declined
+                assert got is None
+                continue
+            ran += 1
+            assert got.shape == want.shape and got.is_contiguous()
+            assert torch.equal(_bits(got), _bits(want))
+            with torch.no_grad():
+                assert torch.equal(_bits(batched_product(a, w)), _bits(want))
+        assert ran >= 2
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_the_order_is_one_fused_chain_from_plus_zero():
+    """Operands where the orders differ: (−(1 + 2^-11)) + (1 + 2^-12)² is 2^-24 summed as one fused chain, 0 with
+    the square rounded first (to 1 + 2^-11: a tie to even), and a chain of −0 products from +0 is +0 (from the
+    first product it would be −0); torch.bmm gives the chain's values, and so does the kernel."""
+    kernels = _kernels()
+    x = 1 + 2.0**-12
+    a = torch.tensor([[-1.0, x]]).expand(4, 2).repeat(3, 1, 1)  # [3, 4, 2]: 4·2·64 multiply-adds, MKL's path
+    w = torch.tensor([[1 + 2.0**-11], [x]]).expand(2, 64).repeat(3, 1, 1)  # [3, 2, 64]
+    rounded = (a[..., :1] * w[:, :1]) + (a[..., 1:] * w[:, 1:])  # products rounded, then added
+    assert torch.equal(rounded, torch.zeros(3, 4, 64))
+    want = torch.bmm(a, w)
+    assert torch.equal(want, torch.full((3, 4, 64), 2.0**-24))
+    assert torch.equal(_bits(kernels.chain_bmm(a, w)), _bits(want))
+    zeros = kernels.chain_bmm(torch.ones(3, 4, 2), torch.full((3, 2, 64), -0.0))
+    assert torch.equal(_bits(zeros), _bits(torch.zeros(3, 4, 64)))
+    assert torch.equal(_bits(zeros), _bits(torch.bmm(torch.ones(3, 4, 2), torch.full((3, 2, 64), -0.0))))
+
+
+def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
+    """Below 400 multiply-adds a matrix torch's own loop rounds each product before its sum: the check finds the
+    chain wrong there, logs it, and the product stays torch.bmm's."""
+    kernels = _kernels()
+    chain_agrees.cache_clear()
+    a = torch.tensor([[[-1.0, 1 + 2.0**-12]]]).expand(1, 2, 2).contiguous()  # [1, 2, 2] · [1, 2, 3]: 12
+    w = torch.tensor([[[1 + 2.0**-11] * 3, [1 + 2.0**-12] * 3]])
+    assert torch.equal(torch.bmm(a, w), torch.zeros(1, 2, 3))  # rounded products
+    assert torch.equal(kernels.chain_bmm(a, w), torch.full((1, 2, 3), 2.0**-24))
+    with caplog.at_level(logging.WARNING, logger=chain_products.__name__), torch.no_grad():
+        assert torch.equal(batched_product(a, w), torch.zeros(1, 2, 3))
+    assert not chain_agrees(*chain_class(a, w))
+    assert "differs from torch.bmm" in caplog.text
+    assert chain_agrees(4, 4, 64, True, False)
+
+
+def test_fallbacks_and_refusals(monkeypatch):
+    kernels = _kernels()
+    a, w = torch.randn(2, 4, 4), torch.randn(2, 4, 64)
+    assert kernels.chain_bmm(a, w) is not None
+    assert kernels.chain_bmm(a.double(), w.double()) is None
+    assert kernels.chain_bmm(a, w[:1]) is None  # no broadcasting
+    assert kernels.chain_bmm(a, w[:, :3]) is None
+    assert (
+        kernels.chain_bmm(torch.randn(2, 4, 65), torch.randn(2, 65, 8)) is None
+    )  # deeper than the chain's cap
+    assert kernels.chain_bmm(torch._neg_view(a), w) is None  # a lazy negation: its data is not its value
+    nan = w.clone()
+    nan[1, 2, 3] = math.nan
+    assert kernels.chain_bmm(a, nan) is None
+    with torch.no_grad():
+        assert torch.equal(batched_product(a, nan).isnan(), torch.bmm(a, nan).isnan())
+        monkeypatch.setenv(native.ENV, "0")
+        assert torch.equal(_bits(batched_product(a, w)), _bits(torch.bmm(a, w)))
+    monkeypatch.delenv(native.ENV)
+    a.requires_grad_(True)
+    out = batched_product(a, w)  # autograd on: torch.bmm itself
+    assert out.grad_fn is not None
+    with pytest.raises(RuntimeError):
+        batched_product(torch.randn(2, 4, 4), torch.randn(2, 5, 64))
