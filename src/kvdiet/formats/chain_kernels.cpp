@@ -40,7 +40,8 @@ inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) {
   return KVDIET_CHAIN_PS(fmadd)(KVDIET_CHAIN_PS(set1)(s), w, acc);
 }
 inline void chain_store(float* p, ChainVec v) { KVDIET_CHAIN_PS(storeu)(p, v); }
-#undef KVDIET_CHAIN_PS
+inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return KVDIET_CHAIN_PS(fmadd)(s, w, acc); }
+#define KVDIET_CHAIN_SET1(x) KVDIET_CHAIN_PS(set1)(x)
 #else
 constexpr int64_t kChainLanes = 1;
 typedef float ChainVec;
@@ -48,38 +49,70 @@ inline ChainVec chain_zero() { return 0.0f; }
 inline ChainVec chain_load(const float* p) { return *p; }
 inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
 inline void chain_store(float* p, ChainVec v) { *p = v; }
+inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
+#define KVDIET_CHAIN_SET1(x) (x)
 #endif
 
+// A fixed depth's vector part of kChainRows rows: their a values broadcast once, then each lane block of w's rows
+// (contiguous) loaded once for all of them; the k loop unrolled (the same chain, step by step)
+template <int64_t kDepth>
+void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, float* out,
+                      int64_t n, int64_t vec_n) {
+  ChainVec av[kChainRows][kDepth];
+  for (int64_t r = 0; r < kChainRows; ++r)
+    for (int64_t k = 0; k < kDepth; ++k) av[r][k] = KVDIET_CHAIN_SET1(a[r * a_row + k * a_col]);
+  for (int64_t j = 0; j < vec_n; j += kChainLanes) {
+    ChainVec acc[kChainRows];
+    for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_zero();
+    for (int64_t k = 0; k < kDepth; ++k) {
+      const ChainVec wk = chain_load(w + k * w_row + j);
+      for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_fma_vec(av[r][k], wk, acc[r]);
+    }
+    for (int64_t r = 0; r < kChainRows; ++r) chain_store(out + r * n + j, acc[r]);
+  }
+}
+
 // out [M, N] of one batch: each output a chain from +0 over k, rows in groups of kChainRows sharing each vector
-// of w's row k (contiguous rows of w), the tail lanes and other layouts one output at a time
+// of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1..8), the tail lanes and other
+// layouts one output at a time
 void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, int64_t w_col,
                   float* out, int64_t m, int64_t depth, int64_t n) {
   const int64_t vec_n = w_col == 1 ? n / kChainLanes * kChainLanes : 0;
   for (int64_t i0 = 0; i0 < m; i0 += kChainRows) {
     const int64_t rows = std::min(kChainRows, m - i0);
-    for (int64_t j = 0; j < vec_n; j += kChainLanes) {
+    const float* ai = a + i0 * a_row;
+    float* oi = out + i0 * n;
+    bool fixed = rows == kChainRows && vec_n > 0;
+    if (fixed) switch (depth) {
+        case 1: chain_rows_fixed<1>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        case 2: chain_rows_fixed<2>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        case 3: chain_rows_fixed<3>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        case 4: chain_rows_fixed<4>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        case 8: chain_rows_fixed<8>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        default: fixed = false;
+      }
+    for (int64_t j = fixed ? vec_n : 0; j < vec_n; j += kChainLanes) {
       ChainVec acc[kChainRows];
       for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_zero();
       for (int64_t k = 0; k < depth; ++k) {
         const ChainVec wk = chain_load(w + k * w_row + j);
-        const float* ak = a + i0 * a_row + k * a_col;
-        if (rows == kChainRows)
-          for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_fma(ak[r * a_row], wk, acc[r]);
-        else
-          for (int64_t r = 0; r < rows; ++r) acc[r] = chain_fma(ak[r * a_row], wk, acc[r]);
+        for (int64_t r = 0; r < rows; ++r) acc[r] = chain_fma(ai[r * a_row + k * a_col], wk, acc[r]);
       }
-      for (int64_t r = 0; r < rows; ++r) chain_store(out + (i0 + r) * n + j, acc[r]);
+      for (int64_t r = 0; r < rows; ++r) chain_store(oi + r * n + j, acc[r]);
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = vec_n; j < n; ++j) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < depth; ++k) acc = std::fma(a[(i0 + r) * a_row + k * a_col], w[k * w_row + j * w_col], acc);
-        out[(i0 + r) * n + j] = acc;
+        for (int64_t k = 0; k < depth; ++k) acc = std::fma(ai[r * a_row + k * a_col], w[k * w_row + j * w_col], acc);
+        oi[r * n + j] = acc;
       }
   }
 }
 
 }  // namespace
+
+#undef KVDIET_CHAIN_SET1
+#undef KVDIET_CHAIN_PS
 
 std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w) {
   for (const at::Tensor* t : {&a, &w})
