@@ -1,7 +1,7 @@
 """Compiled block codecs: ``fp4_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``,
-``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``hc_kernels.cpp``, ``rope_kernels.cpp``,
-``projection_kernels.cpp``, ``attend_kernels.cpp``, ``softmax_kernels.cpp`` then ``fp8_kernels.cpp`` (one module),
-built once per machine at first use.
+``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``chain_kernels.cpp``, ``hc_kernels.cpp``,
+``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``, ``softmax_kernels.cpp`` then
+``fp8_kernels.cpp`` (one module), built once per machine at first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -78,7 +78,8 @@ _log = logging.getLogger(__name__)
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores`` with ``index_integer_path`` and
     ``index_integer_groups`` (whether its integer path runs on this CPU, and how often it ran), ``select_topk``,
-    ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``, ``rms_norm``, ``hc_enter``,
+    ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``, ``rms_norm``,
+    ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
     ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
     ``attend_rows``, ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads
     they run on), or None for the pure-torch path.
