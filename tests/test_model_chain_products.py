@@ -11,7 +11,7 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import chain_products
-from kvdiet.model.chain_products import batched_product, chain_agrees, chain_class
+from kvdiet.model.chain_products import TORCH_LOOP_BELOW, batched_product, chain_agrees, chain_class
 
 
 def _kernels():
@@ -111,19 +111,25 @@ def test_the_order_is_one_fused_chain_from_plus_zero():
 
 
 def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
-    """Below 400 multiply-adds a matrix torch's own loop rounds each product before its sum: the check finds the
-    chain wrong there, logs it, and the product stays torch.bmm's."""
+    """Below `TORCH_LOOP_BELOW` multiply-adds a matrix torch's own loop rounds each product before its sum:
+    batched_product leaves such shapes to torch.bmm quietly, and the check, asked, finds the chain wrong there."""
     kernels = _kernels()
     chain_agrees.cache_clear()
     a = torch.tensor([[[-1.0, 1 + 2.0**-12]]]).expand(1, 2, 2).contiguous()  # [1, 2, 2] · [1, 2, 3]: 12
     w = torch.tensor([[[1 + 2.0**-11] * 3, [1 + 2.0**-12] * 3]])
+    assert TORCH_LOOP_BELOW == 4 * 2 * 50  # torch's threshold, held below
     assert torch.equal(torch.bmm(a, w), torch.zeros(1, 2, 3))  # rounded products
     assert torch.equal(kernels.chain_bmm(a, w), torch.full((1, 2, 3), 2.0**-24))
     with caplog.at_level(logging.WARNING, logger=chain_products.__name__), torch.no_grad():
         assert torch.equal(batched_product(a, w), torch.zeros(1, 2, 3))
-    assert not chain_agrees(*chain_class(a, w))
+        assert chain_agrees.cache_info().currsize == 0 and caplog.text == ""  # not even checked
+        assert not chain_agrees(*chain_class(a, w))
     assert "differs from torch.bmm" in caplog.text
     assert chain_agrees(4, 4, 64, True, False)
+    # where torch's BLAS starts: the chain's bits there (the cancelling pair of the test above, at 4·2·50 = 400)
+    a, w = a[:, :1].expand(1, 4, 2).contiguous(), w[:, :, :1].expand(1, 2, 50).contiguous()
+    assert torch.equal(torch.bmm(a, w), torch.full((1, 4, 50), 2.0**-24))
+    assert torch.equal(torch.bmm(a[:, :, :], w[:, :, :49]), torch.zeros(1, 4, 49))  # 392: torch's loop
 
 
 def test_fallbacks_and_refusals(monkeypatch):

@@ -21,10 +21,15 @@ import torch
 
 from kvdiet.formats import native
 
-__all__ = ["CHAIN_DEPTH_MAX", "batched_product", "chain_agrees", "chain_class"]
+__all__ = ["CHAIN_DEPTH_MAX", "TORCH_LOOP_BELOW", "batched_product", "chain_agrees", "chain_class"]
 
 CHAIN_DEPTH_MAX = 64
 """The longest contraction ``chain_bmm`` takes (``kChainDepthMax``)."""
+
+TORCH_LOOP_BELOW = 400
+"""Multiply-adds a matrix (M·K·N) below which ``torch.bmm`` on the CPU sums with its own loop of rounded products
+instead of its BLAS (ATen's ``bmm_out_or_baddbmm_``; the tests hold torch to it): `batched_product` leaves such
+shapes to ``torch.bmm`` without a check or a warning."""
 
 _BATCHES = (1, 3, 16, 256)
 _CHECK_ELEMENTS = 1 << 22  # a check's batch counts past this many multiply-adds are skipped
@@ -46,7 +51,8 @@ def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, 
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, w)`` bit for bit: a fp32 [B, M, K], w fp32 [B, K, N] (any strides) -> fp32 [B, M, N]
     (contiguous). The compiled chain runs where it applies (CPU fp32, no autograd, 1 ≤ K ≤ `CHAIN_DEPTH_MAX`, the
-    kernels built and not switched off, the shape class checked by `chain_agrees`, no NaN in the output);
+    kernels built and not switched off, at least `TORCH_LOOP_BELOW` multiply-adds a matrix, the shape class
+    checked by `chain_agrees`, no NaN in the output);
     ``torch.bmm`` everywhere else.
 
     Raises:
@@ -58,6 +64,7 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         and w.dim() == 3
         and a.dtype == torch.float32
         and 1 <= a.shape[2] <= CHAIN_DEPTH_MAX
+        and a.shape[1] * a.shape[2] * w.shape[-1] >= TORCH_LOOP_BELOW
     ):
         kernels = native.fp4_kernels()
         if kernels is not None and chain_agrees(*chain_class(a, w)):
