@@ -369,7 +369,8 @@ class RequestState:
         index_keys: index keys per KV-source layer.
         tails: compressor tails per ratio>1 KV-source layer.
         table: the request's block table in the device pool (shared by ``main`` and ``index_keys``).
-        engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first).
+        engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first); replaced,
+            never written in place (after a batched step it is a view of one tensor the batch shares).
     """
 
     windows: Sequence[WindowRing]
