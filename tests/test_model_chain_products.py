@@ -11,7 +11,13 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import chain_products
-from kvdiet.model.chain_products import TORCH_LOOP_BELOW, batched_product, chain_agrees, chain_class
+from kvdiet.model.chain_products import (
+    TORCH_LOOP_BELOW,
+    batched_product,
+    chain_agrees,
+    chain_class,
+    chain_fits,
+)
 
 
 def _kernels():
@@ -148,11 +154,57 @@ def test_fallbacks_and_refusals(monkeypatch):
     assert kernels.chain_bmm(a, nan) is None
     with torch.no_grad():
         assert torch.equal(batched_product(a, nan).isnan(), torch.bmm(a, nan).isnan())
-        monkeypatch.setenv(native.ENV, "0")
-        assert torch.equal(_bits(batched_product(a, w)), _bits(torch.bmm(a, w)))
-    monkeypatch.delenv(native.ENV)
+        monkeypatch.setenv(native.ENV, "0")  # switched off: the kernel is not even looked at
+        with monkeypatch.context() as m:
+            m.setattr(chain_products, "chain_agrees", _refuse)
+            assert torch.equal(_bits(batched_product(a, w)), _bits(torch.bmm(a, w)))
+        monkeypatch.delenv(native.ENV)
+        with monkeypatch.context() as m:  # fp64, or autograd: torch.bmm without a check
+            m.setattr(chain_products, "chain_agrees", _refuse)
+            assert batched_product(a.double(), w.double()).dtype == torch.float64
     a.requires_grad_(True)
     out = batched_product(a, w)  # autograd on: torch.bmm itself
     assert out.grad_fn is not None
     with pytest.raises(RuntimeError):
         batched_product(torch.randn(2, 4, 4), torch.randn(2, 5, 64))
+
+
+def _refuse(*args: object) -> bool:
+    raise AssertionError(f"chain_agrees called with {args}")
+
+
+@pytest.mark.parametrize("default", ["float64", "meta"])
+def test_the_check_builds_fp32_cpu_operands_whatever_torchs_defaults(default):
+    """Torch's default dtype fp64, or a default device (a forward on another device sets one): the check still
+    runs on fp32 CPU operands and passes, and its verdict is the one under plain defaults."""
+    _kernels()
+    chain_agrees.cache_clear()
+    old = torch.get_default_dtype()
+    try:
+        if default == "float64":
+            torch.set_default_dtype(torch.float64)
+            assert chain_agrees(4, 4, 48, True, False)
+        else:
+            with torch.device("meta"):
+                assert chain_agrees(4, 4, 48, True, False)
+    finally:
+        torch.set_default_dtype(old)
+        chain_agrees.cache_clear()
+
+
+def test_the_verdict_is_kept_per_matmul_precision(monkeypatch):
+    """A check under one fp32 matmul precision does not answer for another: chain_fits asks again."""
+    _kernels()
+    chain_agrees.cache_clear()
+    old = torch.get_float32_matmul_precision()
+    try:
+        assert chain_fits(4, 4, 64, True, False)
+        torch.set_float32_matmul_precision("medium")
+        assert chain_agrees.cache_info().currsize == 1
+        chain_fits(4, 4, 64, True, False)
+        assert chain_agrees.cache_info().currsize == 2
+        with pytest.raises(ValueError, match="precision 'highest'"):
+            chain_agrees(4, 4, 32, True, False, "highest")
+    finally:
+        torch.set_float32_matmul_precision(old)
+        chain_agrees.cache_clear()

@@ -83,3 +83,25 @@ def test_a_full_tail_or_a_row_count_that_differs_changes_nothing(close: bool) ->
         torch.equal(t.kv, k) and torch.equal(t.score, s) and t.count == c
         for t, (k, s, c) in zip(tails, before, strict=True)
     )
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["push", "close"])
+def test_rows_unlike_a_tail_change_no_tail(close: bool) -> None:
+    """A later tail of another width (the per-tail path of close_each) or rows of another dtype: every tail as
+    it was, the first (which fits) included."""
+    tails = _tails([1, 1], rows=3)
+    tails[1] = CompressorTail(3, 6)
+    tails[1].replace(torch.ones(1, 6), torch.ones(1, 6))
+    before = _state(tails)
+    op = CompressorTail.close_each if close else CompressorTail.push_each
+    with pytest.raises(ValueError, match="do not fit a tail's"):
+        op(tails, torch.ones(2, 5), torch.ones(2, 5))
+    alike = _tails([1, 1], rows=3)
+    alike_before = _state(alike)
+    with pytest.raises(ValueError, match="do not fit a tail's"):
+        op(alike, torch.ones(2, 5, dtype=torch.float64), torch.ones(2, 5, dtype=torch.float64))
+    for ts, bf in ((tails, before), (alike, alike_before)):
+        assert all(
+            torch.equal(t.kv, k) and torch.equal(t.score, s) and t.count == c
+            for t, (k, s, c) in zip(ts, bf, strict=True)
+        )

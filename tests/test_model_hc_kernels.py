@@ -14,7 +14,7 @@ from torch import nn
 from kvdiet.formats import native
 from kvdiet.model import hc as hc_module
 from kvdiet.model import layers
-from kvdiet.model.chain_products import chain_agrees, chain_class
+from kvdiet.model.chain_products import chain_fits
 from kvdiet.model.hc import add_sublayer_hc, hc_coefficients, hc_collapse, hc_expand, sublayer_entry
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.sinkhorn import hc_mix_address
@@ -316,7 +316,7 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
             assert kernels.hc_expand_rows(x, residual, post, comb) is None
             got = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
             # the compiled product, where it has matched torch.bmm at this shape
-            chained = chain_agrees(*chain_class(comb.transpose(1, 2), residual))
+            chained = chain_fits(hc, hc, hidden, True, False)
             assert chained == (
                 hc * hc * hidden >= 400
             )  # below, torch sums rounded products in a loop of its own

@@ -75,3 +75,20 @@ def test_store_steps_refuses_a_position_count_that_differs_before_writing() -> N
     with pytest.raises(ValueError, match="2 rings and 1 positions for 2 rows"):
         WindowRings.store_steps(batch, rows, [4])
     assert all((r.positions == -1).all() and not r.rows.any() for r in batch)
+
+
+def test_store_steps_refuses_rows_unlike_a_ring_before_writing() -> None:
+    """A logging ring among them, and a ring that fits first: no ring is written, none logs."""
+    batch = [_rings() for _ in range(2)]
+    log: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for ring in batch[0]:
+        ring.log = log
+    width = batch[0].rows.shape[2]
+    for rows in (
+        torch.ones(3, 2, width + 1, dtype=torch.uint8),  # another width
+        torch.ones(2, 2, width, dtype=torch.uint8),  # another layer count
+        torch.ones(3, 2, width, dtype=torch.int16),  # another dtype
+    ):
+        with pytest.raises(ValueError, match="do not fit a ring's"):
+            WindowRings.store_steps(batch, rows, [4, 5])
+    assert not log and all((r.positions == -1).all() and not r.rows.any() for r in batch)

@@ -58,3 +58,19 @@ def test_a_batch_must_be_one_token_per_distinct_state() -> None:
         decode_token_ids(CFG, [state, _State(0)], [1])
     with pytest.raises(ValueError, match="appears twice"):
         decode_token_ids(CFG, [state, state], [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "needle"),
+    [
+        ([1, [5, 6]], "request 1: token id [5, 6] is not one integer"),
+        ([1, 5.7], "request 1: token id 5.7 is not one integer"),
+        ([torch.tensor(2.0), 1], "request 0: token id tensor(2.) is not one integer"),
+        ([torch.tensor([2, 3]), 1], "request 0: token id tensor([2, 3]) is not one integer"),
+        ([1, CFG.vocab_size], f"request 1: token id {CFG.vocab_size} at index 0 is outside"),
+    ],
+)
+def test_a_token_that_is_not_one_integer_names_its_request(tokens: list[object], needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        decode_token_ids(CFG, [_State(3), _State(4)], tokens)
+    assert needle in str(err.value)

@@ -73,7 +73,7 @@ void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float*
 }
 
 // out [M, N] of one batch: each output a chain from +0 over k, rows in groups of kChainRows sharing each vector
-// of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1..8), the tail lanes and other
+// of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail lanes and other
 // layouts one output at a time
 void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, int64_t w_col,
                   float* out, int64_t m, int64_t depth, int64_t n) {

@@ -3,8 +3,9 @@
 // in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix, any_rows): h
-//   float32 [T, hc, hidden] (contiguous, 1..16 rows, or any number the mix kernel takes with any_rows: a
-//   prefill's; 1 <= hc <= 4), fn_t float32 [hc·hidden, (2+hc)·hc] (any layout),
+//   float32 [T, hc, hidden] (contiguous, 1..16 rows, or with any_rows any number: a prefill chunk's, up to
+//   sinkhorn.py's MAX_MIX_ROWS, which the caller (hc.py's sublayer_entry) keeps; 1 <= hc <= 4), fn_t float32
+//   [hc·hidden, (2+hc)·hc] (any layout),
 //   scale and base float32 [(2+hc)·hc] (contiguous), collapse_pre float32 [T, hc], norm_weight float32 [hidden];
 //   mix: (address of sinkhorn.c's kvdiet_hc_mix_f32, address of torch's vector exp, its lanes), from
 //   kvdiet.model.sinkhorn.hc_mix_address -> (x float32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]),
@@ -24,8 +25,8 @@
 //   [T, hc, hidden], or std::nullopt for any other input or a NaN output: out[t, i] = post[t, i] · x[t] + mixed[t, i]
 //   with mixed = at::bmm(combᵀ, residual), torch's own product on the formula's operands (then one IEEE multiply
 //   and one add per element: hc_expand's formula), so no step depends on the number of rows but torch's own; with
-//   chain, mixed is chain_kernels.cpp's chain_bmm instead (the caller has checked that it gives at::bmm's bits at
-//   this shape: kvdiet.model.chain_products).
+//   chain and contiguous comb and residual, mixed is chain_kernels.cpp's chain_bmm instead (the caller has checked
+//   that it gives at::bmm's bits at that shape class: kvdiet.model.chain_products.chain_fits).
 //   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
 //   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
 
@@ -112,9 +113,11 @@ std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& 
   if (post.dim() != 2 || post.size(0) != rows || post.size(1) != hc) return {};
   if (comb.dim() != 3 || comb.size(0) != rows || comb.size(1) != hc || comb.size(2) != hc) return {};
   // mixed (contiguous), then overwritten with the sum
-  std::optional<at::Tensor> mixed = chain ? chain_bmm(comb.transpose(1, 2), residual) : std::nullopt;
-  if (chain && !mixed.has_value()) return {};
-  at::Tensor out = chain ? *mixed : at::bmm(comb.transpose(1, 2), residual);
+  // the chain for the class its caller checked (a contiguous comb's transpose, a contiguous residual) only
+  const bool use_chain = chain && comb.is_contiguous() && residual.is_contiguous();
+  std::optional<at::Tensor> mixed = use_chain ? chain_bmm(comb.transpose(1, 2), residual) : std::nullopt;
+  if (use_chain && !mixed.has_value()) return {};
+  at::Tensor out = use_chain ? *mixed : at::bmm(comb.transpose(1, 2), residual);
   const at::Tensor xs = x.contiguous(), ps = post.contiguous();
   const float* xp = xs.const_data_ptr<float>();
   const float* pp = ps.const_data_ptr<float>();

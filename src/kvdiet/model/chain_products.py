@@ -21,7 +21,14 @@ import torch
 
 from kvdiet.formats import native
 
-__all__ = ["CHAIN_DEPTH_MAX", "TORCH_LOOP_BELOW", "batched_product", "chain_agrees", "chain_class"]
+__all__ = [
+    "CHAIN_DEPTH_MAX",
+    "TORCH_LOOP_BELOW",
+    "batched_product",
+    "chain_agrees",
+    "chain_class",
+    "chain_fits",
+]
 
 CHAIN_DEPTH_MAX = 64
 """The longest contraction ``chain_bmm`` takes (``kChainDepthMax``)."""
@@ -48,6 +55,16 @@ def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, 
     )
 
 
+def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool:
+    """Whether ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32 CPU
+    operands without autograd: the kernels built and not switched off, 1 ≤ depth ≤ `CHAIN_DEPTH_MAX`, at least
+    `TORCH_LOOP_BELOW` multiply-adds a matrix, and `chain_agrees` (checked once per class and torch matmul
+    precision)."""
+    if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW or native.fp4_kernels() is None:
+        return False
+    return chain_agrees(m, depth, n, a_cols, w_cols, torch.get_float32_matmul_precision())
+
+
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, w)`` bit for bit: a fp32 [B, M, K], w fp32 [B, K, N] (any strides) -> fp32 [B, M, N]
     (contiguous). The compiled chain runs where it applies (CPU fp32, no autograd, 1 ≤ K ≤ `CHAIN_DEPTH_MAX`, the
@@ -60,27 +77,26 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """
     if (
         not torch.is_grad_enabled()
-        and a.dim() == 3
-        and w.dim() == 3
-        and a.dtype == torch.float32
-        and 1 <= a.shape[2] <= CHAIN_DEPTH_MAX
-        and a.shape[1] * a.shape[2] * w.shape[-1] >= TORCH_LOOP_BELOW
+        and a.dim() == w.dim() == 3
+        and a.dtype == w.dtype == torch.float32
+        and a.is_cpu
+        and w.is_cpu
+        and chain_fits(*chain_class(a, w))
     ):
-        kernels = native.fp4_kernels()
-        if kernels is not None and chain_agrees(*chain_class(a, w)):
-            out = kernels.chain_bmm(a, w)
-            if out is not None:
-                return out
+        out = native.fp4_kernels().chain_bmm(a, w)
+        if out is not None:
+            return out
     return torch.bmm(a, w)
 
 
 @functools.cache
-def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool:
-    """Whether ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine,
-    checked once per process: batch counts 1, 3, 16 and 256 (those within 2^22 multiply-adds), on random
-    operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ, products
-    that cancel, ±inf; no NaN: the kernel declines NaN outputs). A mismatch, or no check that ran, logs a
-    warning: the caller keeps ``torch.bmm``.
+def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str = "highest") -> bool:
+    """Whether ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine
+    under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route products
+    elsewhere), checked once per process: batch counts 1, 3, 16 and 256 (those within 2^22 multiply-adds), on
+    random operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ,
+    products that cancel, ±inf; no NaN: the kernel declines NaN outputs), fp32 on the CPU whatever torch's
+    default dtype and device. A mismatch, or no check that ran, logs a warning: the caller keeps ``torch.bmm``.
 
     Raises:
         RuntimeError: the kernels are switched off or did not build.
@@ -88,9 +104,15 @@ def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool
     kernels = native.fp4_kernels()
     if kernels is None:
         raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
+    if precision != torch.get_float32_matmul_precision():
+        raise ValueError(
+            f"checking under precision {precision!r} while torch's is {torch.get_float32_matmul_precision()!r}"
+        )
     shape = (m, depth, n, a_cols, w_cols)
     ran = 0
-    for batch, case, a, w in _check_operands(shape):
+    with torch.device("cpu"):  # the operands are made under torch's defaults: fp32 on the CPU here
+        checks = list(_check_operands(shape))
+    for batch, case, a, w in checks:
         with torch.inference_mode():
             got = kernels.chain_bmm(a, w)
             if got is None:  # a NaN output: torch.bmm runs such operands
@@ -116,28 +138,30 @@ def _check_operands(
         if batch > 1 and batch * m * depth * n > _CHECK_ELEMENTS:
             return
         for case in range(4):
-            a = _layout(_operand((batch, m, depth), gen, case), transpose=a_cols)
-            w = _layout(_operand((batch, depth, n), gen, case), transpose=w_cols)
+            a, w = _operand((batch, m, depth), gen, case), _operand((batch, depth, n), gen, case)
+            if case == 2 and depth > 1:  # w's rows constant along n, its last 1: a's last k cancels the rest
+                w = w[:, :, :1].expand(batch, depth, n).contiguous()
+                w[:, -1] = 1
+                a[:, :, -1] = -(a[:, :, :-1] * w[:, None, :-1, 0]).sum(-1)
+            a, w = _layout(a, transpose=a_cols), _layout(w, transpose=w_cols)
             if case == 3:  # every product −0: the sum from +0 stays +0
                 a, w = a.abs(), w.abs().neg().mul(0.0)
             yield batch, case, a, w
 
 
 def _operand(shape: tuple[int, int, int], gen: torch.Generator, case: int) -> torch.Tensor:
-    """fp32 ``shape``: case 0 normal values; 1 and 3 a mix of ±0, subnormals, short-mantissa values (exact
-    products whose sums round on ties), values near 1 (cancellation) and scales up to 2^60 (overflow to ±inf);
-    2 normal values whose last k cancels the sum of the others."""
-    x = torch.randn(shape, generator=gen)
-    if case == 2:
-        x[:, :, -1] = -x[:, :, :-1].sum(-1) if shape[2] > 1 else x[:, :, -1]
-        return x
-    if case == 0:
+    """fp32 ``shape``: cases 0 and 2 normal values (2: `_check_operands` makes them cancel); 1 and 3 a mix of ±0,
+    subnormals, short-mantissa values (exact products whose sums round on ties), values near 1 (cancellation) and
+    scales up to 2^60 (overflow to ±inf)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if case in (0, 2):
         return x
     kind = torch.randint(0, 8, shape, generator=gen)
     short = torch.randint(-64, 64, shape, generator=gen).float() * 0.5
     near_one = 1 + torch.randint(0, 1 << 20, shape, generator=gen).float() * 2.0**-23
-    x = torch.where(kind == 0, torch.zeros(shape), x)
-    x = torch.where(kind == 1, -torch.zeros(shape), x)
+    zeros = torch.zeros(shape, dtype=torch.float32)
+    x = torch.where(kind == 0, zeros, x)
+    x = torch.where(kind == 1, -zeros, x)
     x = torch.where(kind == 2, x * 2.0**-130, x)
     x = torch.where(kind == 3, short, x)
     x = torch.where(kind == 4, near_one * torch.sign(x), x)
@@ -148,6 +172,6 @@ def _layout(x: torch.Tensor, *, transpose: bool) -> torch.Tensor:
     """``x`` [B, R, C] with its columns contiguous (a transposed copy) or its rows padded (a slice)."""
     if transpose:
         return x.transpose(1, 2).contiguous().transpose(1, 2)
-    padded = torch.zeros(*x.shape[:2], x.shape[2] + 3)
+    padded = torch.zeros(*x.shape[:2], x.shape[2] + 3, dtype=x.dtype)
     padded[..., : x.shape[2]] = x
     return padded[..., : x.shape[2]]

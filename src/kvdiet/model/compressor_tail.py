@@ -59,10 +59,11 @@ class CompressorTail:
 
         Raises:
             IndexError: a tail has no room (before any tail changes).
-            ValueError: ``len(tails) != B``.
+            ValueError: ``len(tails) != B``, or rows whose width or dtype differ from a tail's (before any change).
         """
         if len(tails) != kv.shape[0] or len(tails) != score.shape[0]:
             raise ValueError(f"{len(tails)} tails for {kv.shape[0]} kv and {score.shape[0]} score rows")
+        _check_rows(tails, kv, score)
         dst = [t.kv[t.count] for t in tails] + [t.score[t.count] for t in tails]
         torch._foreach_copy_(dst, [*kv.unbind(0), *score.unbind(0)])
         for t in tails:
@@ -80,12 +81,14 @@ class CompressorTail:
         dtype, device), are stacked at once; otherwise each tail's rows are concatenated and it is cleared.
 
         Raises:
-            ValueError: ``len(tails) != B``, or a tail has no open row left for the last row (before any change).
+            ValueError: ``len(tails) != B``, a tail has no open row left for the last row, or rows whose width or
+                dtype differ from a tail's (before any change).
         """
         if len(tails) != kv.shape[0] or len(tails) != score.shape[0]:
             raise ValueError(f"{len(tails)} tails for {kv.shape[0]} kv and {score.shape[0]} score rows")
         if any(t.count >= t.kv.shape[0] for t in tails):
             raise ValueError("a compressor tail is full: its group cannot take another row")
+        _check_rows(tails, kv, score)
         first = tails[0].kv if tails else None
         if len(tails) > 1 and all(  # one tail: its own concatenation is as fast
             t.count + 1 == t.kv.shape[0] == first.shape[0]
@@ -103,9 +106,20 @@ class CompressorTail:
             for t in tails:
                 t.count = 0
             return group_kv.flatten(0, 1), group_score.flatten(0, 1)
-        group_kv, group_score = [], []
-        for b, t in enumerate(tails):
-            group_kv.append(torch.cat([t.kv[: t.count], kv[b : b + 1]]))
-            group_score.append(torch.cat([t.score[: t.count], score[b : b + 1]]))
+        group_kv = [torch.cat([t.kv[: t.count], kv[b : b + 1]]) for b, t in enumerate(tails)]
+        group_score = [torch.cat([t.score[: t.count], score[b : b + 1]]) for b, t in enumerate(tails)]
+        for t in tails:  # every group built first: a failed concatenation clears no tail
             t.clear()
         return torch.cat(group_kv), torch.cat(group_score)
+
+
+def _check_rows(tails: Sequence[CompressorTail], kv: torch.Tensor, score: torch.Tensor) -> None:
+    """Raise ValueError unless each tail's rows take ``kv``/``score``'s rows ([B, dim]) as they are: the same
+    width and dtype on the same device."""
+    for t in tails:
+        for name, rows, mine in (("kv", kv, t.kv), ("score", score, t.score)):
+            if rows.shape[1:] != mine.shape[1:] or rows.dtype != mine.dtype or rows.device != mine.device:
+                raise ValueError(
+                    f"{name} rows {tuple(rows.shape[1:])} {rows.dtype} on {rows.device} do not fit a tail's "
+                    f"{tuple(mine.shape[1:])} {mine.dtype} on {mine.device}"
+                )

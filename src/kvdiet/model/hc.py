@@ -22,7 +22,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
-from kvdiet.model.chain_products import chain_agrees, chain_class
+from kvdiet.model.chain_products import chain_fits
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
 from kvdiet.model.member import member
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
@@ -323,16 +323,23 @@ def hc_expand(
         fp32 [..., T, hc, hidden].
 
     fp32 CPU rows (any number, ``any_rows``: a decode step's and a prefill's; no autograd) run in one compiled call
-    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or its compiled twin where
-    `kvdiet.model.chain_products.chain_agrees` has matched them at this shape, then each element's multiply and
-    add), with the same bits; it declines NaN outputs.
+    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or its compiled twin for contiguous
+    operands where `kvdiet.model.chain_products.chain_fits` says it matches at this shape, then each element's
+    multiply and add), with the same bits; it declines NaN outputs.
     """
     if not torch.is_grad_enabled() and residual.dim() == 3:
         kernels = native.fp4_kernels()
         out = None
         if kernels is not None:
-            chain = comb.dim() == 3 and chain_agrees(*chain_class(comb.transpose(1, 2), residual))
-            out = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chain)
+            hc, hidden = residual.shape[1], residual.shape[2]  # the class of a contiguous combᵀ and residual:
+            chain = (
+                residual.is_cpu
+                and residual.dtype == torch.float32
+                and chain_fits(hc, hc, hidden, True, False)
+            )
+            out = kernels.hc_expand_rows(
+                x, residual, post, comb, any_rows=True, chain=chain
+            )  # other layouts: bmm
         if out is not None:
             return out
     residual = widen(residual)

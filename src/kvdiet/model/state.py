@@ -260,11 +260,9 @@ class WindowRings(Sequence[WindowRing]):
     def __init__(self, codec: Codec, window: int, layers: int, *, device: torch.device | str = "cpu") -> None:
         self.rows = torch.empty(layers, window, codec.width, dtype=codec.dtype, device=device)
         self.positions = torch.empty(layers, window, dtype=torch.int64, device=device)
-        self._rings = [
-            WindowRing(codec, window, storage=(self.rows[i], self.positions[i])) for i in range(layers)
-        ]
-        # ring l's rows [window, width], the views its `WindowRing` holds (a decode step reads them every step;
-        # ``rows.unbind(0)`` would make them anew, about a microsecond each)
+        # ring l: rows[l] [window, width] and positions[l] [window]; layer_rows keeps the views (read every step)
+        views = zip(self.rows, self.positions, strict=True)
+        self._rings = [WindowRing(codec, window, storage=pair) for pair in views]
         self.layer_rows = tuple(ring.rows for ring in self._rings)
 
     @overload
@@ -278,8 +276,7 @@ class WindowRings(Sequence[WindowRing]):
         return len(self._rings)
 
     def store_step(self, rows: torch.Tensor, position: int) -> None:
-        """Every ring's `WindowRing.store` of one encoded entry: ``rows`` [layers, width] at ``position`` (a
-        decode step's new entries; logged per ring, in layer order, where a ring logs)."""
+        """Every ring's `WindowRing.store` of one entry, ``rows`` [layers, width] at ``position`` (logged in order)."""
         if self._logged():
             at = torch.tensor([position], device=self.positions.device)
             for i, ring in enumerate(self._rings):
@@ -299,10 +296,13 @@ class WindowRings(Sequence[WindowRing]):
         ``rows`` [layers, B, width]): the same copies, the rows of rings that do not log in one call.
 
         Raises:
-            ValueError: ``len(rings)``, ``len(positions)`` and B differ (before any ring changes).
+            ValueError: ``len(rings)``, ``len(positions)`` and B differ, or rows unlike a ring's (before any change).
         """
         if not len(rings) == len(positions) == rows.shape[1]:
             raise ValueError(f"{len(rings)} rings and {len(positions)} positions for {rows.shape[1]} rows")
+        shape = (rows.shape[0], rows.shape[2], rows.dtype)
+        if any(shape != (*r.rows.shape[::2], r.rows.dtype) for r in rings):
+            raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype} do not fit a ring's [layers, W, width]")
         dst_rows, src_rows, dst_pos = [], [], []
         for r, row, p in zip(rings, rows.unbind(1), positions, strict=True):
             if r._logged():
@@ -369,8 +369,8 @@ class RequestState:
         index_keys: index keys per KV-source layer.
         tails: compressor tails per ratio>1 KV-source layer.
         table: the request's block table in the device pool (shared by ``main`` and ``index_keys``).
-        engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first); replaced,
-            never written in place (after a batched step it is a view of one tensor the batch shares).
+        engram_history: last compressed token ids (int64, ≤ engram_max_ngram_size − 1, oldest first); a batch's
+            share one tensor (views), so it is replaced, never written in place.
     """
 
     windows: Sequence[WindowRing]

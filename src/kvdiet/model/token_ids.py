@@ -56,7 +56,8 @@ def decode_token_ids(cfg: ModelConfig, states: Sequence[_HasLength], tokens: Seq
     out of range, a position past the limit) is checked token by token by `check_token_ids`, which raises.
 
     Raises:
-        ValueError: an empty batch, lengths that differ, a state that appears twice, or a bad token.
+        ValueError: an empty batch, lengths that differ, a state that appears twice, or a bad token (not one
+            integer, outside the vocabulary, or past ``max_position_embeddings``), named with its request.
     """
     if len(states) != len(tokens) or not states:
         raise ValueError(
@@ -73,6 +74,16 @@ def decode_token_ids(cfg: ModelConfig, states: Sequence[_HasLength], tokens: Seq
         and max(s.num_tokens for s in states) <= last
     ):
         return torch.tensor(batch, dtype=torch.int64, device="cpu")  # validated on the host
-    return torch.cat(
-        [check_token_ids(cfg, [t], start=s.num_tokens) for s, t in zip(states, tokens, strict=True)]
-    )
+    ids = []
+    for b, (s, t) in enumerate(zip(states, batch, strict=True)):
+        if isinstance(t, float) or (
+            isinstance(t, torch.Tensor) and (t.numel() != 1 or t.is_floating_point())
+        ):
+            raise ValueError(f"request {b}: token id {t!r} is not one integer")
+        try:
+            ids.append(check_token_ids(cfg, [t], start=s.num_tokens))
+        except ValueError as e:
+            raise ValueError(f"request {b}: {e}") from None
+        if ids[-1].numel() != 1:
+            raise ValueError(f"request {b}: token id {t!r} is not one integer")
+    return torch.cat(ids)
