@@ -57,10 +57,14 @@ def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, 
 
 def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool:
     """Whether ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32 CPU
-    operands without autograd: the kernels built and not switched off, 1 ≤ depth ≤ `CHAIN_DEPTH_MAX`, at least
-    `TORCH_LOOP_BELOW` multiply-adds a matrix, and `chain_agrees` (checked once per class and torch matmul
-    precision)."""
-    if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW or native.fp4_kernels() is None:
+    operands without autograd, for a caller that holds the kernels (``native.fp4_kernels()`` not None): 1 ≤ depth
+    ≤ `CHAIN_DEPTH_MAX`, at least `TORCH_LOOP_BELOW` multiply-adds a matrix, and `chain_agrees` (checked once per
+    class and torch matmul precision).
+
+    Raises:
+        RuntimeError: the kernels are switched off or did not build (from `chain_agrees`'s first check).
+    """
+    if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
         return False
     return chain_agrees(m, depth, n, a_cols, w_cols, torch.get_float32_matmul_precision())
 
@@ -81,9 +85,10 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         and a.dtype == w.dtype == torch.float32
         and a.is_cpu
         and w.is_cpu
+        and (kernels := native.fp4_kernels()) is not None
         and chain_fits(*chain_class(a, w))
     ):
-        out = native.fp4_kernels().chain_bmm(a, w)
+        out = kernels.chain_bmm(a, w)
         if out is not None:
             return out
     return torch.bmm(a, w)
