@@ -323,23 +323,23 @@ def hc_expand(
         fp32 [..., T, hc, hidden].
 
     fp32 CPU rows (any number, ``any_rows``: a decode step's and a prefill's; no autograd) run in one compiled call
-    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or its compiled twin for contiguous
-    operands where `kvdiet.model.chain_products.chain_fits` says it matches at this shape, then each element's
-    multiply and add), with the same bits; it declines NaN outputs.
+    (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or for a prefill's rows (more than
+    `KERNEL_ROWS`) and contiguous operands its compiled twin where `kvdiet.model.chain_products.chain_fits` says it
+    matches at this shape, then each element's multiply and add), with the same bits; it declines NaN outputs.
     """
     if not torch.is_grad_enabled() and residual.dim() == 3:
         kernels = native.fp4_kernels()
         out = None
         if kernels is not None:
-            hc, hidden = residual.shape[1], residual.shape[2]  # the class of a contiguous combᵀ and residual:
+            # the chain's class: a contiguous combᵀ and residual (hc_expand_rows checks the layout)
+            rows, hc, hidden = residual.shape
             chain = (
-                residual.is_cpu
+                rows > KERNEL_ROWS  # a decode step's rows: at::bmm is as fast, without the check's Python
+                and residual.is_cpu
                 and residual.dtype == torch.float32
                 and chain_fits(hc, hc, hidden, True, False)
             )
-            out = kernels.hc_expand_rows(
-                x, residual, post, comb, any_rows=True, chain=chain
-            )  # other layouts: bmm
+            out = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chain)
         if out is not None:
             return out
     residual = widen(residual)
