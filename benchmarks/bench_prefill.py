@@ -35,7 +35,7 @@ from kvdiet.config import ConfigError, load_config
 from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
-from kvdiet.threads import set_threads
+from kvdiet.threads import check_threads, set_threads
 from kvdiet.units import count_list, positive_int
 
 CONFIG = Path(__file__).resolve().parents[2] / "shared" / "golden" / "bench-40layer-tiny" / "config.json"
@@ -121,6 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         check_device(args.device)
+        check_threads(args.threads)
     except ValueError as exc:
         parser.error(str(exc))
     try:

@@ -31,6 +31,11 @@ def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:
     free = llm.engine.runner.pool.blocks.num_free
     with pytest.raises(ValueError, match="2 prompts but 1 sampling parameters"):
         llm.generate([[1, 2], [3, 4]], [SamplingParams()])
+    with pytest.raises(ValueError, match="no prompt"):
+        llm.generate([])  # not zero prompts: an empty token-id prompt too (B26)
+    for bad, at in (([3.0, 4], 0), ([2, True], 1), ([2, "x"], 1)):
+        with pytest.raises(ValueError, match=f"token id {bad[at]!r} at index {at} is not an int"):
+            llm.generate(bad)
     with pytest.raises(ValueError, match="token id 99 at index 1"):
         llm.generate([[1, 2], [3, 99]], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="no tokenizer"):

@@ -124,9 +124,22 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """``prompts`` as a list of prompts: a text, or a list of token ids (ints, not bools), is one.
+
+    Raises:
+        ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
+            list with an item that is not an int (named with its index).
+    """
     if isinstance(prompts, str):
         return [prompts]
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if not items:
+        raise ValueError(
+            "no prompt: give a text, a list of token ids, or a list of prompts (not an empty list)"
+        )
+    if any(isinstance(t, int | float) for t in items):  # token ids (bool is an int: refused)
+        for i, t in enumerate(items):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"token id {t!r} at index {i} is not an int")
         return [items]
     return items

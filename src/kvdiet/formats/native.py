@@ -10,8 +10,9 @@ The kernels are JIT-built by
 ``torch.utils.cpp_extension`` into ``kvdiet/`` under its cache directory (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``; one build at a time under an flock, so a killed build never blocks
 the next) with the C++ compiler torch uses (``c++``, gcc ≥ 9), vectorised for the CPU capability torch
-detects (AVX512, AVX2 or baseline; part of the build's name, so machines sharing a cache directory never
-load each other's build), and with OpenMP: the kernels split their rows over torch's intra-op threads
+detects (AVX512, AVX2 or baseline; part of the build's name, with torch's version and the places of the
+headers, so machines or environments sharing a cache directory never load, or rebuild, each other's build), and
+with OpenMP: the kernels split their rows over torch's intra-op threads
 (``torch.set_num_threads``, kvdiet's ``--threads``; OpenMP resolves to the runtime torch loaded). The first
 build takes about a minute; later processes load it in milliseconds.
 
@@ -35,6 +36,7 @@ import hashlib
 import logging
 import os
 import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -134,7 +136,10 @@ def _build() -> ModuleType | None:
     # no FMA contraction: exact IEEE steps; OpenMP: at::parallel_for is serial without it
     flags = ["-O3", "-ffp-contract=off", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
     source = "\n".join(path.read_text() for path in _SOURCES)  # one translation unit
-    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__]).encode()).hexdigest()[:12]
+    # the headers' places too: torch writes them into the build's ninja file, so two environments (venvs) sharing
+    # one cache folder under one name would rebuild each other's module on every load
+    places = [str(Path(torch.__file__).parent), sysconfig.get_paths()["include"]]
+    digest = hashlib.sha256("\0".join([source, *flags, torch.__version__, *places]).encode()).hexdigest()[:12]
     name = f"kvdiet_fp4_{isa.lower()}_{digest}"
     _log.info("loading FP4 kernels %s (built at first use: about a minute)", name)
     path = os.environ.get("PATH", "")
