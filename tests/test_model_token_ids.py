@@ -64,9 +64,9 @@ def test_a_batch_must_be_one_token_per_distinct_state() -> None:
     ("tokens", "needle"),
     [
         ([1, [5, 6]], "request 1: token id [5, 6] is not one integer"),
-        ([1, 5.7], "request 1: token id 5.7 is not one integer"),
-        ([torch.tensor(2.0), 1], "request 0: token id tensor(2.) is not one integer"),
-        ([torch.tensor([2, 3]), 1], "request 0: token id tensor([2, 3]) is not one integer"),
+        ([1, 5.7], "request 1: token id 5.7 at index 0 is not an integer"),
+        ([torch.tensor(2.0), 1], "request 0: token id tensor(2.) at index 0 is not an integer"),
+        ([torch.tensor([2, 3]), 1], "request 0: token id tensor([2, 3]) at index 0 is not an integer"),
         ([1, CFG.vocab_size], f"request 1: token id {CFG.vocab_size} at index 0 is outside"),
     ],
 )
@@ -74,3 +74,16 @@ def test_a_token_that_is_not_one_integer_names_its_request(tokens: list[object],
     with pytest.raises(ValueError) as err:
         decode_token_ids(CFG, [_State(3), _State(4)], tokens)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "needle"),
+    [
+        ([1, 2.5, 3], "token id 2.5 at index 1 is not an integer"),
+        ([1.0, 2], "token id 1.0 at index 0 is not an integer"),  # an integral float is still no token id
+        (torch.tensor([4.0, 5.0]), "token id 4.0 at index 0 is not an integer"),
+    ],
+)
+def test_a_prompt_with_a_float_is_refused_not_truncated(tokens: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        check_token_ids(CFG, tokens)

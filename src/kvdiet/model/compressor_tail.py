@@ -90,13 +90,14 @@ class CompressorTail:
             raise ValueError("a compressor tail is full: its group cannot take another row")
         _check_rows(tails, kv, score)
         first = tails[0].kv if tails else None
-        if len(tails) > 1 and all(  # one tail: its own concatenation is as fast
-            t.count + 1 == t.kv.shape[0] == first.shape[0]
-            and t.kv.shape == first.shape
-            and t.score.shape == first.shape
-            and t.kv.dtype == t.score.dtype == kv.dtype == score.dtype
-            and t.kv.device == t.score.device == kv.device
-            for t in tails
+        # the rows' dtype and device fit every tail's (checked above); one tail: its own concatenation is as fast
+        if (
+            len(tails) > 1
+            and kv.dtype == score.dtype
+            and kv.device == score.device
+            and all(
+                t.count + 1 == t.kv.shape[0] and t.kv.shape == t.score.shape == first.shape for t in tails
+            )
         ):
             kvs, scores = [t.kv for t in tails], [t.score for t in tails]
             group_kv, group_score = torch.stack(kvs), torch.stack(scores)  # [B, r, dim]

@@ -157,7 +157,7 @@ class PagedEntries:
         if len(stores) != rows.shape[0]:
             raise ValueError(f"{len(stores)} stores for {rows.shape[0]} rows")
         if len({(id(s.table.pool), s.layer, s.kind) for s in stores}) > 1:  # private pools: a copy each
-            ends = [s._end(rows, 1) for s in stores]
+            ends = [s._end(rows, 1) for s in stores]  # every store checked before any is written
             for m, s in enumerate(stores):
                 s.write_rows(rows[m : m + 1])
         elif stores:  # one pool, layer and kind: one codec, whose dtype and width are checked once

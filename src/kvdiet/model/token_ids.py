@@ -25,17 +25,23 @@ def check_token_ids(
     """Validate a chunk whose first token sits at position ``start``; returns int64 [T].
 
     Raises:
-        ValueError: empty chunk, an id outside [0, vocab_size) (named), or the request would pass
-            ``max_position_embeddings``.
+        ValueError: empty chunk, an id that is not an integer (a float) or is outside [0, vocab_size) (named), or
+            the request would pass ``max_position_embeddings``.
     """
     v = cfg.vocab_size
     try:
-        ids = torch.as_tensor(tokens, dtype=torch.int64, device="cpu").flatten()  # validated on the host
+        ids = torch.as_tensor(tokens, device="cpu")  # validated on the host
     except (OverflowError, RuntimeError, TypeError, ValueError):
-        bad = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
-        raise ValueError(f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {v})") from None
+        i, t = next((i, t) for i, t in enumerate(tokens) if not (isinstance(t, int) and 0 <= t < v))
+        what = "is outside the vocabulary [0, {v})" if isinstance(t, int) else "is not an integer"
+        raise ValueError(f"token id {t} at index {i} {what.format(v=v)}") from None
     if ids.numel() == 0:
         raise ValueError("empty prompt: at least one token id is needed")
+    if ids.is_floating_point() or ids.is_complex():  # 5.7 is no token id (an int64 cast would truncate it)
+        items = list(tokens.flatten().tolist() if isinstance(tokens, torch.Tensor) else tokens)
+        i = next((i for i, t in enumerate(items) if not isinstance(t, int)), 0)
+        raise ValueError(f"token id {items[i]!r} at index {i} is not an integer")
+    ids = ids.to(torch.int64).flatten()
     bad = ((ids < 0) | (ids >= v)).nonzero()
     if bad.numel():
         i = int(bad[0])
@@ -76,10 +82,6 @@ def decode_token_ids(cfg: ModelConfig, states: Sequence[_HasLength], tokens: Seq
         return torch.tensor(batch, dtype=torch.int64, device="cpu")  # validated on the host
     ids = []
     for b, (s, t) in enumerate(zip(states, batch, strict=True)):
-        if isinstance(t, float) or (
-            isinstance(t, torch.Tensor) and (t.numel() != 1 or t.is_floating_point())
-        ):
-            raise ValueError(f"request {b}: token id {t!r} is not one integer")
         try:
             ids.append(check_token_ids(cfg, [t], start=s.num_tokens))
         except ValueError as e:
