@@ -12,7 +12,8 @@ from kvdiet.engine.sampling import SamplingParams, sample
     ("kwargs", "needle"),
     [({"max_tokens": -1}, "max_tokens must be >= 0"),
      ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
-     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"), ({"top_k": -2}, "top_k must be >= 0"),
+     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+     ({"top_k": -2}, "top_k must be >= 1, or 0 or -1 for all tokens"),
      ({"top_p": 0.0}, "top_p must be in (0, 1]"), ({"top_p": 1.5}, "top_p must be in (0, 1]")],
 )  # fmt: skip
 def test_invalid(kwargs: dict, needle: str) -> None:
@@ -60,3 +61,15 @@ def test_a_top_p_below_fp32_range_keeps_the_most_likely_token() -> None:
     logits = torch.tensor([0.1, 2.0, -1.0, 0.5])
     gen = torch.Generator().manual_seed(0)
     assert {sample(logits, SamplingParams(temperature=1.0, top_p=5e-324), gen) for _ in range(10)} == {1}
+
+
+def test_top_k_minus_one_means_all_tokens_as_over_http() -> None:
+    """vLLM's "disabled" top_k, -1, is 0 (all tokens) in the Python API as in a request body (issue ux41.1)."""
+    from kvdiet.server.protocol import CompletionRequest
+
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert CompletionRequest(prompt="x", top_k=-1).sampling_params(4).top_k == 0
+    logits = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    gen = torch.Generator().manual_seed(0)
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=-1), gen) for _ in range(200)}
+    assert picks == {0, 1, 2, 3}

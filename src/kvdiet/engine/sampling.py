@@ -21,7 +21,7 @@ class SamplingParams:
         max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only).
         temperature: 0 = greedy (argmax, lowest id on ties; so is anything below `GREEDY_BELOW`); > 0 divides
             the logits.
-        top_k: keep the k most likely tokens (0 = all).
+        top_k: keep the k most likely tokens; 0 or -1 = all (vLLM's convention: -1 is stored as 0).
         top_p: keep the smallest set whose probability reaches p (1.0 = all).
         stop_token_ids: generation ends after emitting one of these (the token is kept in the output).
         stop: generation ends when the output text contains one of these strings; the text is cut before
@@ -52,8 +52,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 for all tokens, got {self.top_k}")
+        if self.top_k == -1:  # vLLM's "disabled": one value for it from here on
+            object.__setattr__(self, "top_k", 0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

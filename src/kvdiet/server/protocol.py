@@ -80,7 +80,7 @@ class _Common(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all (as `SamplingParams`)
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -126,7 +126,7 @@ class _Common(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
-            top_k=max(self.top_k, 0),
+            top_k=self.top_k,
             top_p=self.top_p,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=stop,
