@@ -65,6 +65,10 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--max-tokens", "-1", "--max-tokens: max_tokens must be >= 0"),
         ("--top-p", "2", "--top-p: top_p must be in (0, 1]"),
         ("--chunk-size", "0", "--chunk-size must be >= 1"),
+        ("--top-k", "-2", "--top-k: top_k must be >= 1, or 0 or -1 for all tokens"),
+        ("--max-model-len", "1000", "--max-model-len must be in [1, 256] (max_position_embeddings)"),
+        ("--max-model-len", "8", "prompt 3 + max_tokens 16 = 19 > max_model_len 8"),
+        ("--max-model-len", "1x", "--max-model-len: cannot parse token count"),
     ],
 )
 def test_bad_cache_flags_exit_2_with_one_line(capsys, tmp_path, flag, value, needle) -> None:
@@ -147,3 +151,20 @@ def test_keyboard_interrupt_anywhere_in_a_command_is_one_line(capsys, monkeypatc
     argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--block-size", "4"]
     assert main([*argv, "--persistent-dir", "none"]) == 130
     assert capsys.readouterr().err == "kvdiet generate: interrupted\n"
+
+
+def test_top_k_and_kv_cache_dtype_reach_the_engine(capsys) -> None:
+    """``--top-k 1`` samples the argmax at any temperature; ``--kv-cache-dtype fp32`` stores unquantised caches
+    (issue ux41.2: the vLLM flags the engine already has)."""
+
+    def run(*extra: str) -> dict:
+        argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", PROMPT, "--block-size", "4"]
+        assert main([*argv, "--max-tokens", "6", "--persistent-dir", "none", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    greedy = run("--kv-cache-dtype", "fp32")
+    top1 = run("--kv-cache-dtype", "fp32", "--temperature", "1", "--top-k", "1", "--seed", "0")
+    packed = run()
+    assert top1["output_ids"] == greedy["output_ids"] and len(greedy["output_ids"]) == 6
+    assert (greedy["kv_cache_dtype"], packed["kv_cache_dtype"]) == ("fp32", "auto")
+    assert greedy["global_kv_bytes"] > 5 * packed["global_kv_bytes"]  # fp32 rows vs FP4/MXFP4 codes

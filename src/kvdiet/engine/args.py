@@ -22,7 +22,7 @@ from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
-from kvdiet.units import parse_bytes, parse_duration
+from kvdiet.units import parse_bytes, parse_count, parse_duration
 
 if TYPE_CHECKING:
     from kvdiet.engine.engine import EngineObserver, LLMEngine
@@ -84,19 +84,31 @@ class EngineArgs:
     def add_cli_args(
         parser: argparse.ArgumentParser, *, persistent_default: str | None = None
     ) -> argparse.ArgumentParser:
-        """Add the weights flags (``--weights``, ``--numerics``, ``--expert-cache-size``) and the cache-system
-        group (``--kv-cache-memory``, ``--block-size``, ``--persistent-*``, ``--swa-*``, prefix caching) to
-        ``parser``; ``persistent_default`` is ``--persistent-dir``'s default (None: no persistent tier).
-        Returns ``parser``."""
+        """Add the weights flags (``--weights``, ``--numerics``, ``--expert-cache-size``), ``--max-model-len``,
+        ``--kv-cache-dtype`` and the cache-system group (``--kv-cache-memory``, ``--block-size``,
+        ``--persistent-*``, ``--swa-*``, prefix caching) to ``parser``; ``persistent_default`` is
+        ``--persistent-dir``'s default (None: no persistent tier). Returns ``parser``."""
         _add_weights_args(parser)
+        parser.add_argument(
+            "--max-model-len",
+            help="longest prompt + output in tokens, e.g. 32K; one request of it must fit --kv-cache-memory "
+            "(default: the config's max_position_embeddings)",
+        )
+        parser.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=list(KV_CACHE_DTYPES),
+            help="auto/fp4 (default): the packed V4.1 formats (FP4 KV, MXFP4 index keys, FP8 window); "
+            "fp32: unquantised caches (~9x the bytes)",
+        )
         _add_cache_args(parser.add_argument_group("cache system"), persistent_default=persistent_default)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **fields: object) -> EngineArgs:
         """The arguments the flags of `add_cli_args` plus ``--model`` and ``--seed`` give (``args.model`` is
-        resolved in place, `resolve_model`); ``fields`` sets the rest (``kv_cache_dtype``, ``max_model_len``,
-        ``scheduler``). Checks every flag from the config alone: nothing is loaded, opened or connected.
+        resolved in place, `resolve_model`); ``fields`` sets the rest (``scheduler``). Checks every flag from
+        the config alone: nothing is loaded, opened or connected.
 
         Raises:
             ValueError: a bad value, named by its flag. ConfigError: a bad model.
@@ -108,6 +120,10 @@ class EngineArgs:
             weights=args.weights,
             numerics=args.numerics,
             expert_cache_bytes=_expert_cache_bytes(args),
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=None
+            if args.max_model_len is None
+            else parse_flag("--max-model-len", parse_count, args.max_model_len),
             cache=_cache_options(args),
             device=args.device,
             **fields,

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvdiet.cache.plan import WindowSource
-from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.args import KV_CACHE_DTYPES, EngineArgs
 
 __all__ = ["add_generate_parser", "run_generate"]
 
@@ -46,6 +46,12 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sample from the k most likely tokens (default 0; 0 or -1 = all, as vLLM's)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="weights and sampling seed (default 0)")
     EngineArgs.add_cli_args(gen)
     gen.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -133,17 +139,24 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
         )
     except ValueError as exc:  # name the flag, not the field: "max_tokens must be …" → "--max-tokens: …"
         field = str(exc).split(" ", 1)[0]
         raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
     text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
+    if engine_args.max_model_len is not None:
+        engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool
     model, tokenizer = load_model(
         engine_args.model,
         seed=engine_args.seed,
         weights=engine_args.weights,
+        exact=KV_CACHE_DTYPES[engine_args.kv_cache_dtype],
         numerics=engine_args.numerics,
         expert_cache_bytes=engine_args.expert_cache_bytes,
         device=engine_args.device,
@@ -167,7 +180,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         ids = [tokenizer.bos_token_id, *tokenizer.encode(text)]
         params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_token_id,))
     try:
-        request = check_request(model, ids, params)  # once, before any pool is allocated
+        # once, before any pool is allocated
+        request = check_request(model, ids, params, max_model_len=engine_args.max_model_len)
     except ValueError as exc:
         if "max_tokens" in str(exc):  # the context limit names the prompt and --max-tokens already
             raise
@@ -209,6 +223,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         "total_cache_bytes": cache.total_bytes,
         "decoder_replay": runner.decoder_replay,
         "swa_policy": args.swa_policy,
+        "kv_cache_dtype": engine_args.kv_cache_dtype,
         **_weights_summary(model, args),
         "provenance": result.provenance.as_dict(),
         "cache_stats": stats,

@@ -60,25 +60,31 @@ class GenerateResult:
         return len(self.output_ids) / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def check_request(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams) -> PreparedRequest:
+def check_request(
+    model: Transformer, prompt_ids: Sequence[int], params: SamplingParams, *, max_model_len: int | None = None
+) -> PreparedRequest:
     """Validate a prompt and its sampling parameters for ``model``, once (the offline edge; the contract is
-    in `kvdiet.engine.prepared`).
+    in `kvdiet.engine.prepared`). ``max_model_len``: the longest prompt + output in tokens (None: the config's
+    ``max_position_embeddings``; the caller keeps it within that, `EngineArgs.validate`).
 
     Raises:
         InvalidRequestError (a ValueError): stop ids outside the vocabulary, bad token ids (see
-            `Transformer.check_tokens`), or a prompt plus ``max_tokens`` beyond ``max_position_embeddings``
-            (the real numbers in the message).
+            `Transformer.check_tokens`), or a prompt plus ``max_tokens`` beyond the limit (the real numbers
+            and the limit's name in the message).
     """
     check_sampling_ids(params, model.cfg.vocab_size)
     try:
         ids = model.check_tokens(prompt_ids).tolist()
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="prompt") from None
-    limit = model.cfg.max_position_embeddings
+    limit, name = (
+        (model.cfg.max_position_embeddings, "max_position_embeddings")
+        if max_model_len is None
+        else (max_model_len, "max_model_len")
+    )
     if len(ids) + params.max_tokens > limit:
         raise InvalidRequestError(
-            f"prompt {len(ids)} + max_tokens {params.max_tokens} = "
-            f"{len(ids) + params.max_tokens} > max_position_embeddings {limit}",
+            f"prompt {len(ids)} + max_tokens {params.max_tokens} = {len(ids) + params.max_tokens} > {name} {limit}",
             param="prompt",
         )
     return PreparedRequest(tuple(ids), params)

@@ -72,21 +72,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("KVDIET_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 (default $KVDIET_API_KEY, else none)",
     )
-    p.add_argument(
-        "--max-model-len", help="longest prompt + output in tokens, e.g. 32K (default: the config's maximum)"
-    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=512,
         help="tokens per engine step, prefill chunks and decodes together (default 512)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "fp4", "fp32"],
-        help="auto/fp4: the packed V4.1 formats (FP4 KV, MXFP4 index keys, FP8 window); fp32: unquantised",
     )
     p.add_argument(
         "--default-max-tokens",
@@ -113,7 +104,6 @@ def run_serve(args: argparse.Namespace) -> None:
     from kvdiet.engine.scheduler import SchedulerConfig
     from kvdiet.server.app import build_app
     from kvdiet.server.metrics import ServerMetrics
-    from kvdiet.units import parse_count
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
@@ -123,10 +113,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     engine_args = EngineArgs.from_cli_args(
-        args,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_model_len=parse_count(args.max_model_len) if args.max_model_len else None,
-        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        args, scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
     )
     engine_args.validate()  # every flag is checked before the port is bound
     name = args.served_model_name or args.model
