@@ -277,6 +277,13 @@ def test_models_health_and_metrics(mini, client) -> None:
             "token id 129280 at index 1 is outside the vocabulary [0, 129280)",
         ),
         ("/v1/completions", {"prompt": [0, -1]}, "token id -1 at index 1"),
+        ("/v1/completions", {"prompt": [1.5, 2]}, "prompt: token id 1.5 at index 0 is not an integer"),
+        ("/v1/completions", {"prompt": [[2, 0.5]]}, "prompt: token id 0.5 at index 1 is not an integer"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "top_k": -2},
+            "top_k: Input should be greater than or equal to -1",
+        ),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [200000]}, "stop token id 200000"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias token id 999999"),
         ("/v1/completions", {"prompt": "hi", "n": 2}, "n: Input should be less than or equal to 1"),

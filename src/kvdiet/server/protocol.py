@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.sampling import SamplingParams
@@ -65,6 +65,21 @@ def _one_of(expected: str) -> WrapValidator:
             ) from None
 
     return WrapValidator(validate)
+
+
+def _integer_token_ids(value: Any) -> Any:
+    """A prompt of numbers (or a one-element list of one) with a fractional one is refused as such, with
+    `kvdiet.model.token_ids.check_token_ids`'s words, ``token id 1.5 at index 0 is not an integer``, before
+    the union's one sentence (which names no item). Integral floats (``2.0``) stay JSON's 2, as pydantic
+    reads them; any other value passes unchanged."""
+    ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
+    if isinstance(ids, list) and ids and all(isinstance(t, int | float) for t in ids):
+        for i, t in enumerate(ids):
+            if isinstance(t, float) and not t.is_integer():  # also NaN and ±inf
+                raise PydanticCustomError(
+                    "token_id", "token id {t} at index {i} is not an integer", {"t": repr(t), "i": i}
+                )
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -143,6 +158,7 @@ class CompletionRequest(_Common):
     prompt: Annotated[
         str | list[int] | list[str] | list[list[int]],
         _one_of("a string, a list of token ids (integers), or a one-element list of either"),
+        BeforeValidator(_integer_token_ids),  # runs first (pydantic: last before/wrap validator outermost)
     ]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
 
