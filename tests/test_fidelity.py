@@ -195,3 +195,20 @@ def test_default_hit_lengths_and_prompts_too_short() -> None:
         run.returncode == 2
         and "no prompt reaches the shortest context 64 (the longest has 20 tokens)" in run.stderr
     )
+
+
+def test_default_rows_fit_a_short_window(capsys) -> None:
+    """Issue ux41.4: v4.1-micro's window is 8, so ``--rows``' default (16) becomes 8 there; a given ``--rows``
+    beyond the window is still one line naming it and the limit."""
+    from kvdiet.cli import main
+
+    ids = ",".join(str(3 + i % 60) for i in range(40))
+    argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", ids, "--contexts", "16", "--chunk", "16"]
+    assert main([*argv, "--continuation", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 8
+    assert main([*argv, "--rows", "16"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "kvdiet fidelity: error: --rows 16 exceeds the sliding window 8 (bounded replay keeps that many)\n"
+    )

@@ -21,6 +21,8 @@ RANDOM_CAVEAT = (
     "a model's next-token distribution), not the released model. Run with --weights on the released "
     "checkpoint for the numbers the tech report did not give."
 )
+DEFAULT_ROWS = 16
+"""``--rows``' default: positions measured before each context (the model's sliding window when shorter)."""
 CHECKPOINT_CAVEAT = (
     "Measured on the checkpoint named above, each figure against its exact counterpart in this run."
 )
@@ -59,7 +61,12 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--contexts", default="256,512,1K", help="context lengths, K = 1,000 tokens (default 256,512,1K)"
     )
-    p.add_argument("--rows", type=int, default=16, help="positions measured before each context (default 16)")
+    p.add_argument(
+        "--rows",
+        type=int,
+        help=f"positions measured before each context, at most the model's sliding window (default {DEFAULT_ROWS}, "
+        "or the window when it is shorter)",
+    )
     p.add_argument("--chunk", default="512", help="prefill chunk in tokens (default 512)")
     p.add_argument(
         "--hits",
@@ -84,7 +91,12 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     chunk = parse_count(args.chunk)
     if not contexts or contexts[0] < 1:
         raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")
-    if args.rows < 1 or args.continuation < 0 or chunk < 1 or args.max_prompts < 1:
+    if (
+        (args.rows is not None and args.rows < 1)
+        or args.continuation < 0
+        or chunk < 1
+        or args.max_prompts < 1
+    ):
         raise ValueError("--rows, --chunk and --max-prompts must be >= 1 and --continuation >= 0")
     files = _prompt_files(args.prompts) if args.prompts else []
     if args.report:
@@ -92,6 +104,8 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     resolve_model(args)
     model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights, numerics=args.numerics)
     window = model.cfg.sliding_window
+    if args.rows is None:  # the default fits every model (v4.1-micro's window is 8)
+        args.rows = min(DEFAULT_ROWS, window)
     if args.rows > window:
         raise ValueError(
             f"--rows {args.rows} exceeds the sliding window {window} (bounded replay keeps that many)"
