@@ -168,3 +168,13 @@ def test_top_k_and_kv_cache_dtype_reach_the_engine(capsys) -> None:
     assert top1["output_ids"] == greedy["output_ids"] and len(greedy["output_ids"]) == 6
     assert (greedy["kv_cache_dtype"], packed["kv_cache_dtype"]) == ("fp32", "auto")
     assert greedy["global_kv_bytes"] > 5 * packed["global_kv_bytes"]  # fp32 rows vs FP4/MXFP4 codes
+
+
+def test_a_missing_prompt_file_is_one_line_naming_the_flag(capsys, tmp_path) -> None:
+    argv = ["generate", "--model", "v4.1-micro", "--persistent-dir", "none", "--prompt-file"]
+    assert main([*argv, str(tmp_path / "none.txt")]) == 2
+    assert capsys.readouterr().err == (
+        f"kvdiet generate: error: --prompt-file {tmp_path / 'none.txt'}: no such file or directory\n"
+    )
+    assert main([*argv, str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"kvdiet generate: error: --prompt-file {tmp_path}: is a directory\n"

@@ -125,17 +125,26 @@ def test_plot(tmp_path: Path, capsys) -> None:
     ("argv", "needle"),
     [
         (["nope"], "neither a preset"),
-        (["--contexts", "4K,abc"], "cannot parse token count"),
-        (["--num-gpus", "0"], "num_gpus must be > 0"),
-        (["--weights-gb", "-1"], "weights_gb must be a finite number >= 0"),
-        (["--checkpoint-every", "0"], "checkpoint_every must be > 0"),
-        (["--gpu-mem-gb", "nan"], "gpu_mem_gb must be a finite number > 0"),
-        (["--weights-gb", "inf"], "weights_gb must be a finite number >= 0"),
+        (["--contexts", "4K,abc"], "--contexts: cannot parse token count"),
+        (["--contexts", "0,5"], "--contexts must be positive token counts, got [0, 5]"),
+        (["--context", "0"], "--context must be > 0, got 0"),
+        (["--context", "abc"], "--context: cannot parse token count 'abc'"),
+        (["--num-gpus", "0"], "--num-gpus must be > 0, got 0"),
+        (["--weights-gb", "-1"], "--weights-gb must be a finite number >= 0"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be > 0"),
+        (["--tokens-per-boundary", "0"], "--tokens-per-boundary must be > 0"),
+        (["--gpu-mem-gb", "nan"], "--gpu-mem-gb must be a finite number > 0"),
+        (["--weights-gb", "inf"], "--weights-gb must be a finite number >= 0"),
     ],
 )
 def test_errors_exit_2(capsys, argv: list[str], needle: str) -> None:
+    """Each bad value is one line naming the flag the user typed, never a PlanOptions field (issue ux41.5)."""
     assert main(["plan", *argv]) == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("kvdiet plan: error: ") and needle in err and err.count("\n") == 1
+    assert not any(
+        f in err for f in ("num_gpus", "weights_gb", "capacity_context", "gpu_mem_gb", "checkpoint_every")
+    )
 
 
 def test_options_validation() -> None:

@@ -148,7 +148,10 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
     except ValueError as exc:  # name the flag, not the field: "max_tokens must be …" → "--max-tokens: …"
         field = str(exc).split(" ", 1)[0]
         raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
-    text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
+    try:
+        text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
+    except OSError as exc:  # "[Errno 2] No such file or directory: 'x'" → "--prompt-file x: no such file …"
+        raise ValueError(f"--prompt-file {args.prompt_file}: {(exc.strerror or str(exc)).lower()}") from None
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:
         engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool

@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 
 from kvdiet.config import PRESETS, load_config
+from kvdiet.engine.args import parse_flag
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
 from kvdiet.units import parse_count
 
@@ -82,17 +83,38 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return plan
 
 
+_FLAGS = {
+    "contexts": "--contexts",
+    "capacity_context": "--context",
+    "gpu_mem_gb": "--gpu-mem-gb",
+    "num_gpus": "--num-gpus",
+    "weights_gb": "--weights-gb",
+    "tokens_per_boundary": "--tokens-per-boundary",
+    "checkpoint_every": "--checkpoint-every",
+}
+"""`PlanOptions` field → the ``kvdiet plan`` flag that sets it (errors name the flag the user typed)."""
+
+
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
-    return PlanOptions(
-        contexts=tuple(parse_count(c) for c in args.contexts.split(",") if c.strip()),
-        capacity_context=parse_count(args.context),
-        gpu=args.gpu if args.gpu_mem_gb is None else "custom",
-        gpu_mem_gb=GPUS[args.gpu] if args.gpu_mem_gb is None else args.gpu_mem_gb,
-        num_gpus=args.num_gpus,
-        weights_gb=args.weights_gb,
-        tokens_per_boundary=parse_count(args.tokens_per_boundary),
-        checkpoint_every=parse_count(args.checkpoint_every),
-    )
+    """`PlanOptions` from the flags. Raises ValueError naming the flag: ``--num-gpus must be > 0, got 0``."""
+    try:
+        return PlanOptions(
+            contexts=tuple(
+                parse_flag("--contexts", parse_count, c) for c in args.contexts.split(",") if c.strip()
+            ),
+            capacity_context=parse_flag("--context", parse_count, args.context),
+            gpu=args.gpu if args.gpu_mem_gb is None else "custom",
+            gpu_mem_gb=GPUS[args.gpu] if args.gpu_mem_gb is None else args.gpu_mem_gb,
+            num_gpus=args.num_gpus,
+            weights_gb=args.weights_gb,
+            tokens_per_boundary=parse_flag("--tokens-per-boundary", parse_count, args.tokens_per_boundary),
+            checkpoint_every=parse_flag("--checkpoint-every", parse_count, args.checkpoint_every),
+        )
+    except ValueError as exc:  # PlanOptions names its field first: "num_gpus must be > 0, got 0"
+        field, _, rest = str(exc).partition(" ")
+        if field not in _FLAGS:
+            raise
+        raise ValueError(f"{_FLAGS[field]} {rest}") from None
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> None:

@@ -24,7 +24,7 @@ def plan_runs(args: argparse.Namespace):
     model-free runs and sweeps ``(runs, sweeps)``, the engine-mode configs (a list), or None (``--mode
     stats``)."""
     from kvdiet.config import load_config
-    from kvdiet.sim.cost import check_gpu
+    from kvdiet.sim.cost import GPU_FP8_FLOPS, check_gpu
     from kvdiet.sim.records import SimConfig
     from kvdiet.sim.study import DEFAULT_SUPERSEDE_SWEEP, DEFAULT_TTL_SWEEP, parse_run, parse_sweep
 
@@ -78,7 +78,10 @@ def plan_runs(args: argparse.Namespace):
                 (n.split("@")[0], n.split("@")[1] if "@" in n else args.engine_model) for n in names
             )
         )
-        models = {m: load_config(m) for _, m in runs}
+        models = {
+            m: _flag("--runs" if m != args.engine_model else "--engine-model", load_config, m)
+            for _, m in runs
+        }
         block = args.engine_block_size
         if block is None:  # one slice for every run: V4-Flash needs blocks of 128
             block = V4_BLOCK_SIZE if any(not c.is_v41 for c in models.values()) else DEFAULT_BLOCK_SIZE // 4
@@ -91,7 +94,7 @@ def plan_runs(args: argparse.Namespace):
                 raise ValueError(f"--engine-block-size {block} for {model}: {exc}") from None
         configs = []
         for name, model in runs:  # each run once, in order
-            policy = parse_policy(name)
+            policy = _flag("--runs", parse_policy, name)
             if policy.checkpoint_every is not None and policy.checkpoint_every % block:
                 raise ValueError(
                     f"--runs: {name}: checkpoint period {policy.checkpoint_every} must be a multiple of the "
@@ -131,18 +134,29 @@ def plan_runs(args: argparse.Namespace):
         mfu=args.mfu,
         output_tok_s=args.output_tok_s,
     )
-    check_gpu(base.gpu, base.mfu)
-    runs = [parse_run(n, base) for n in names]
-    for model in {r.model for r in runs}:
-        load_config(model)  # an unknown model fails before the trace is read
+    try:
+        check_gpu(base.gpu, base.mfu)
+    except ValueError as exc:
+        raise ValueError(f"{'--mfu' if base.gpu in GPU_FP8_FLOPS else '--gpu'}: {exc}") from None
+    runs = [_flag("--runs", lambda n: parse_run(n, base), n) for n in names]
     texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
     if "none" in texts and len(texts) > 1:
         raise ValueError("--sweep none runs no sweep: it cannot be combined with another --sweep")
     sweeps = (
         []
         if texts == ["none"]
-        else [(_flag("--sweep", parse_sweep, t), parse_run(args.sweep_run, base)) for t in texts]
+        else [
+            (
+                _flag("--sweep", parse_sweep, t),
+                _flag("--sweep-run", lambda n: parse_run(n, base), args.sweep_run),
+            )
+            for t in texts
+        ]
     )
+    named = [("--runs", r.model, n) for r, n in zip(runs, names, strict=True)]
+    named += [("--sweep-run", c.model, args.sweep_run) for _, c in sweeps]
+    for flag, model in dict.fromkeys((f if "@" in n else "--model", m) for f, m, n in named):
+        _flag(flag, load_config, model)  # an unknown model fails before the trace is read
     if args.mode == "stats":
         return None
     return runs, sweeps
