@@ -188,3 +188,22 @@ def test_plan_and_replay_name_the_same_gpus(capsys) -> None:
     assert set(GPUS) == set(GPU_FP8_FLOPS)
     cap = _run_json(capsys, "--gpu", "h100")["capacity"]
     assert (cap["gpu"], cap["gpu_mem_gb"]) == ("h100", 80.0)
+
+
+def test_a_context_past_max_position_embeddings_warns_but_runs(capsys) -> None:
+    """Issue ux41.6: a warning on stderr and a ``context_warning`` field in --json, exit 0; none within it."""
+    assert main(["plan", "--context", "2M", "--contexts", "4K,3M", "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    warning = (
+        "--contexts 3,000,000; --context 2,000,000: more tokens than the model's max_position_embeddings"
+    )
+    assert report["context_warning"].startswith(warning) and report["capacity"]["context"] == 2_000_000
+    assert (
+        out.err.startswith(f"kvdiet plan: warning: deepseek-v4.1-flash: {warning}")
+        and out.err.count("\n") == 1
+    )
+    assert main(["plan", "--context", "1Mi"]) == 0  # exactly the limit: no warning, in text mode either
+    assert capsys.readouterr().err == ""
+    assert main(["plan", "--context", "1M", "--contexts", "2M"]) == 0  # text mode: stderr too
+    assert "--contexts 2,000,000: more tokens than" in capsys.readouterr().err

@@ -138,10 +138,13 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
             print(json.dumps(reports[0]))
         else:
             render_report(reports[0], console)
-    if args.json or args.compare:  # the text report prints its own warning under the capacity line
-        for report in reports:
-            if warning := report["capacity"]["warning"]:
-                print(f"kvdiet plan: warning: {report['config']}: {warning}", file=sys.stderr)
+    for report in reports:
+        # the text report prints the capacity warning under its capacity line; the context one only goes here
+        shown = [report["context_warning"]] + (
+            [report["capacity"]["warning"]] if args.json or args.compare else []
+        )
+        for warning in filter(None, shown):
+            print(f"kvdiet plan: warning: {report['config']}: {warning}", file=sys.stderr)
     if args.plot:
         from kvdiet.planner.chart import plot_global_kv
 

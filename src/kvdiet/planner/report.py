@@ -130,7 +130,27 @@ def plan_report(cfg: ModelConfig | DenseConfig, options: PlanOptions | None = No
     if spec.windows:
         report["swa_policies"] = _policies(spec, opts)
     report["capacity"] = _capacity(cfg, spec, opts)
+    report["context_warning"] = _context_warning(cfg, opts)
     return report
+
+
+def _context_warning(cfg: ModelConfig | DenseConfig, opts: PlanOptions) -> str | None:
+    """A warning naming the requested contexts (``--contexts``, ``--context``) past the config's
+    ``max_position_embeddings``; None when all fit or the config has no such field. The byte figures for them
+    are still computed (the formulas hold at any length); the model just cannot run that long."""
+    limit = cfg.max_position_embeddings
+    if limit is None:
+        return None
+    over = [f"{n:,}" for n in opts.contexts if n > limit]
+    flags = [f"--contexts {', '.join(over)}"] if over else []
+    if opts.capacity_context > limit:
+        flags.append(f"--context {opts.capacity_context:,}")
+    if not flags:
+        return None
+    return (
+        f"{'; '.join(flags)}: more tokens than the model's max_position_embeddings {limit:,} (the bytes are "
+        "extrapolated; the model serves no context that long)"
+    )
 
 
 def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
