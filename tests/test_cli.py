@@ -78,3 +78,21 @@ def test_every_flag_has_help() -> None:
         for action in parser._actions:
             if action.option_strings and not isinstance(action, argparse._HelpAction):
                 assert action.help, f"{name} {action.option_strings[0]} has no help text"
+
+
+@pytest.mark.parametrize("flags", [["--json"], []])
+def test_a_reader_that_stops_early_ends_the_command_quietly(flags: list[str]) -> None:
+    """Issue ux41.7: ``kvdiet plan --json | head -c 10``: status 1 and nothing on stderr (no BrokenPipeError
+    traceback, no "error: Broken pipe"). The pipe is one page, so the report (over 5 kB) meets it closed."""
+    import fcntl
+    import os
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    cmd = [sys.executable, "-m", "kvdiet.cli", "plan", *flags]
+    proc = subprocess.Popen(cmd, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert len(os.read(read_end, 10)) == 10  # one raw read: the writer stays blocked on the full page
+    os.close(read_end)
+    err = proc.communicate(timeout=60)[1]
+    assert (proc.returncode, err) == (1, "")

@@ -8,6 +8,7 @@ kvdiet), ``fidelity`` (`kvdiet.fidelity.command`) — and turns their errors int
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -132,6 +133,8 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             from kvdiet.model.golden import run_golden_command  # imports torch: only when it runs
 
             return run_golden_command(args, console)
+    except BrokenPipeError:  # stdout's reader went away (``| head``): `entry` exits quietly, not "error"
+        raise
     except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -142,8 +145,19 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
 
 
 def entry() -> int:
-    """The ``kvdiet`` script (and ``python -m kvdiet.cli``): `main` in a process of its own."""
-    return main(own_process=True)
+    """The ``kvdiet`` script (and ``python -m kvdiet.cli``): `main` in a process of its own.
+
+    Output piped into a reader that stops early (``kvdiet replay --json | head -1``) ends the command quietly
+    with status 1 instead of a BrokenPipeError traceback: stdout then points at /dev/null so the interpreter's
+    final flush cannot fail again (the Python documentation's recipe, "Note on SIGPIPE" in the `signal`
+    module; rich's console does the same, status 1, for the text reports)."""
+    try:
+        status = main(own_process=True)
+        sys.stdout.flush()  # output still buffered meets the closed pipe here, inside the try
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return status
 
 
 if __name__ == "__main__":
