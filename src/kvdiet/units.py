@@ -1,4 +1,4 @@
-"""Parsing and printing of token counts and byte sizes.
+"""Parsing and printing of token counts and byte sizes, and a flag's parse errors named by the flag.
 
 SI suffixes are decimal (``128K`` = 128,000 tokens, ``1GB`` = 10⁹ bytes); ``Ki``/``Mi``/``Gi`` suffixes
 are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prints bytes in decimal units
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = [
     "count_list",
@@ -19,6 +21,7 @@ __all__ = [
     "parse_bytes",
     "parse_count",
     "parse_duration",
+    "parse_flag",
     "positive_count",
     "positive_int",
 ]
@@ -163,3 +166,15 @@ def _short(value: float) -> str:
 def format_count(num: int) -> str:
     """``131072`` → ``'131,072'``."""
     return f"{num:,}"
+
+
+_T = TypeVar("_T")
+
+
+def parse_flag(name: str, parse: Callable[[str], _T], value: str) -> _T:
+    """``parse(value)``; a ValueError is raised again with the flag's name in front (``--context: cannot parse
+    token count 'abc' …``)."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

@@ -11,10 +11,9 @@ builds its parser from it); the model and the engine are imported when an engine
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
@@ -22,16 +21,14 @@ from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
-from kvdiet.units import parse_bytes, parse_count, parse_duration
+from kvdiet.units import parse_bytes, parse_count, parse_duration, parse_flag
 
 if TYPE_CHECKING:
     from kvdiet.engine.engine import EngineObserver, LLMEngine
     from kvdiet.engine.scheduler import SchedulerConfig
     from kvdiet.storage.swa_pool import SwaPool
 
-__all__ = ["KV_CACHE_DTYPES", "EngineArgs", "add_numerics_arg", "parse_flag", "resolve_model"]
-
-_T = TypeVar("_T")
+__all__ = ["KV_CACHE_DTYPES", "EngineArgs", "add_numerics_arg", "resolve_model"]
 
 KV_CACHE_DTYPES = {
     "auto": False,  # the model's packed formats: FP4 main KV, MXFP4 index keys, FP8 window (v41-spec §4)
@@ -368,11 +365,3 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
 
 def _bytes_or_none(value: str | None) -> int | None:
     return parse_bytes(value) if value else None
-
-
-def parse_flag(name: str, parse: Callable[[str], _T], value: str) -> _T:
-    """``parse(value)``; a ValueError is raised again with the flag's name in front."""
-    try:
-        return parse(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None

@@ -10,9 +10,8 @@ import sys
 from rich.console import Console
 
 from kvdiet.config import PRESETS, load_config
-from kvdiet.engine.args import parse_flag
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
-from kvdiet.units import parse_count
+from kvdiet.units import parse_count, parse_flag
 
 __all__ = ["add_plan_parser", "run_plan"]
 

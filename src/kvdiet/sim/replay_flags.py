@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
 
-from kvdiet.units import parse_bytes, parse_duration
+from kvdiet.units import parse_bytes, parse_duration, parse_flag
 
 __all__ = ["DEFAULT_ENGINE_REQUESTS", "plan_runs"]
 
@@ -49,12 +48,12 @@ def plan_runs(args: argparse.Namespace):
             raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
     for flag in ("--device-size", "--swa-pool-size", "--persistent-size", "--kv-cache-memory"):
         text = getattr(args, flag[2:].replace("-", "_"))
-        if text is not None and _flag(flag, parse_bytes, text) <= 0:
+        if text is not None and parse_flag(flag, parse_bytes, text) <= 0:
             raise ValueError(f"{flag} must be > 0 bytes, got {text!r}")
-    if _flag("--global-pool-size", parse_bytes, args.global_pool_size) < 0:
+    if parse_flag("--global-pool-size", parse_bytes, args.global_pool_size) < 0:
         raise ValueError(f"--global-pool-size must be >= 0 bytes (0: none), got {args.global_pool_size!r}")
     for flag in ("--swa-pool-ttl", "--persistent-ttl", "--global-pool-ttl"):
-        _flag(flag, parse_duration, getattr(args, flag[2:].replace("-", "_")))
+        parse_flag(flag, parse_duration, getattr(args, flag[2:].replace("-", "_")))
     if args.report:
         _check_report_dir(Path(args.report))
     from kvdiet.sim.study import DEFAULT_RUNS
@@ -79,7 +78,7 @@ def plan_runs(args: argparse.Namespace):
             )
         )
         models = {
-            m: _flag("--runs" if m != args.engine_model else "--engine-model", load_config, m)
+            m: parse_flag("--runs" if m != args.engine_model else "--engine-model", load_config, m)
             for _, m in runs
         }
         block = args.engine_block_size
@@ -94,7 +93,7 @@ def plan_runs(args: argparse.Namespace):
                 raise ValueError(f"--engine-block-size {block} for {model}: {exc}") from None
         configs = []
         for name, model in runs:  # each run once, in order
-            policy = _flag("--runs", parse_policy, name)
+            policy = parse_flag("--runs", parse_policy, name)
             if policy.checkpoint_every is not None and policy.checkpoint_every % block:
                 raise ValueError(
                     f"--runs: {name}: checkpoint period {policy.checkpoint_every} must be a multiple of the "
@@ -138,7 +137,7 @@ def plan_runs(args: argparse.Namespace):
         check_gpu(base.gpu, base.mfu)
     except ValueError as exc:
         raise ValueError(f"{'--mfu' if base.gpu in GPU_FP8_FLOPS else '--gpu'}: {exc}") from None
-    runs = [_flag("--runs", lambda n: parse_run(n, base), n) for n in names]
+    runs = [parse_flag("--runs", lambda n: parse_run(n, base), n) for n in names]
     texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
     if "none" in texts and len(texts) > 1:
         raise ValueError("--sweep none runs no sweep: it cannot be combined with another --sweep")
@@ -147,8 +146,8 @@ def plan_runs(args: argparse.Namespace):
         if texts == ["none"]
         else [
             (
-                _flag("--sweep", parse_sweep, t),
-                _flag("--sweep-run", lambda n: parse_run(n, base), args.sweep_run),
+                parse_flag("--sweep", parse_sweep, t),
+                parse_flag("--sweep-run", lambda n: parse_run(n, base), args.sweep_run),
             )
             for t in texts
         ]
@@ -156,18 +155,10 @@ def plan_runs(args: argparse.Namespace):
     named = [("--runs", r.model, n) for r, n in zip(runs, names, strict=True)]
     named += [("--sweep-run", c.model, args.sweep_run) for _, c in sweeps]
     for flag, model in dict.fromkeys((f if "@" in n else "--model", m) for f, m, n in named):
-        _flag(flag, load_config, model)  # an unknown model fails before the trace is read
+        parse_flag(flag, load_config, model)  # an unknown model fails before the trace is read
     if args.mode == "stats":
         return None
     return runs, sweeps
-
-
-def _flag(flag: str, parse: Callable[[str], object], text: str):
-    """``parse(text)``, its ValueError prefixed with the flag (one line that names what to fix)."""
-    try:
-        return parse(text)
-    except ValueError as exc:
-        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _check_report_dir(path: Path) -> None:
