@@ -46,7 +46,9 @@ def _values(shape: tuple[int, ...], gen: torch.Generator, case: int) -> torch.Te
 
 
 # (a [B, M, K] as made from a contiguous tensor, w [B, K, N] likewise): mHC's combᵀ·residual, attention's
-# probs·window and probs·selected (a slice of the probabilities), a wide decode row and one with a lane tail
+# probs·window and probs·selected (a slice of the probabilities), a wide decode row and one with a lane tail;
+# then attention's scores q·keysᵀ (both operands' k contiguous: 16 batches a vector from batch 16), with
+# partial k chunks and output blocks
 _SHAPES = [
     ("cols", 4, 4, 64, "rows"),
     ("slice", 4, 8, 64, "rows"),
@@ -54,6 +56,10 @@ _SHAPES = [
     ("cols", 4, 4, 1024, "rows"),
     ("rows", 16, 8, 72, "rows"),
     ("rows", 5, 3, 37, "cols"),
+    ("rows", 4, 64, 8, "cols"),
+    ("rows", 4, 64, 4, "cols"),
+    ("slice", 5, 33, 7, "cols"),
+    ("rows", 8, 64, 8, "cols"),
 ]
 
 
@@ -94,6 +100,29 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
             with torch.no_grad():
                 assert torch.equal(_bits(batched_product(a, w)), _bits(want))
         assert ran >= 2
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [16, 37, 256])
+def test_scores_of_overlapping_window_bands_equal_torch_bmm(batch, threads):
+    """A prefill's window scores: q [T, H, D] · bandᵀ, the band [T, W, D] each query's W keys as overlapping
+    views of one key sequence (row stride D, batch stride D): the batch-lane path's rows read in place."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(batch)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case in range(2):
+            q = _values((batch, 4, 64), gen, case)
+            keys = _values((batch + 7, 64), gen, case)
+            band = keys.as_strided((batch, 8, 64), (64, 64, 1))
+            want = torch.bmm(q, band.transpose(1, 2))
+            assert not want.isnan().any()
+            assert torch.equal(_bits(kernels.chain_bmm(q, band.transpose(1, 2))), _bits(want))
+            with torch.no_grad():
+                assert torch.equal(_bits(batched_product(q, band.transpose(1, 2))), _bits(want))
     finally:
         torch.set_num_threads(old)
 

@@ -83,10 +83,14 @@ def attend(
     """
     b, h, d = q.shape
     shared = win_kv.dim() == 2
-    win = (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1) if shared else torch.bmm(q, win_kv.transpose(1, 2))
+    win = (
+        (q.reshape(b * h, d) @ win_kv.T).view(b, h, -1)
+        if shared
+        else batched_product(q, win_kv.transpose(1, 2))
+    )
     parts = [win.mul_(scale).masked_fill_(~win_mask[:, None, :], float("-inf"))]
     if comp_kv is not None:
-        lc = torch.bmm(q, comp_kv.transpose(1, 2)).mul_(scale)
+        lc = batched_product(q, comp_kv.transpose(1, 2)).mul_(scale)
         parts.append(lc.masked_fill_(~comp_mask[:, None, :], float("-inf")))
     parts.append(as_dtype(sink, torch.float32)[None, :, None].expand(b, h, 1))
     probs = softmax_last(torch.cat(parts, dim=-1))

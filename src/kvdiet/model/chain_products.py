@@ -1,12 +1,13 @@
 """Small batched products with ``torch.bmm``'s bits, compiled: ``chain_bmm`` (``formats/chain_kernels.cpp``) once
 it has matched ``torch.bmm`` at a shape class on this machine.
 
-A prefill's mHC mixes streams by ``bmm(combᵀ, residual)`` ([T, 4, 4] x [T, 4, hidden]) and its attention sums
-values by ``bmm(probs, window)`` and ``bmm(probs, selected)`` ([T, H, 8] and [T, H, 4] operands): a few hundred
-thousand multiply-adds each, which torch's batched BLAS call spends 21-24 µs on (one thread; this kernel 13-19
-µs). MKL's sgemm sums each output as one FMA chain from +0 in increasing k (found by experiment; the order is not
-documented, and torch's own loop below 400 multiply-adds a matrix rounds each product instead), which the kernel
-repeats. Whether it does at a shape is checked here against ``torch.bmm`` once per process and shape class,
+A prefill's mHC mixes streams by ``bmm(combᵀ, residual)`` ([T, 4, 4] x [T, 4, hidden]) and its attention scores
+keys by ``bmm(q, windowᵀ)`` and ``bmm(q, selectedᵀ)`` and sums values by ``bmm(probs, window)`` and ``bmm(probs,
+selected)`` ([T, H, 8] and [T, H, 4] operands): a few hundred thousand multiply-adds each, which torch's batched
+BLAS call spends 21-24 µs on (one thread; this kernel 13-19 µs; the scores at head dim 64 about 100 µs, this
+kernel 38 µs). MKL's sgemm sums each output as one FMA chain from +0 in increasing k (found by experiment; the
+order is not documented, and torch's own loop below 400 multiply-adds a matrix rounds each product instead), which
+the kernel repeats. Whether it does at a shape is checked here against ``torch.bmm`` once per process and shape class,
 before the kernel is used there; a mismatch logs a warning and keeps ``torch.bmm``. It knows nothing of the
 callers' formulas.
 """
