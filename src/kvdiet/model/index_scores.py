@@ -158,7 +158,7 @@ def index_scores_runs(
 
     Args:
         q, w: as `index_scores`.
-        keys: the shared keys (`kvdiet.model.decode_step.BatchTables.keys`).
+        keys: the shared keys (`kvdiet.model.batch_tables.BatchTables.keys`).
         offsets: int64 [Q] each query's first entry (`BatchTables.offsets`).
         limit: int64 [Q] entries of its run visible to each query, at most the run's own entries (no query may
             read into the next run).
