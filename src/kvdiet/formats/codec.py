@@ -23,6 +23,7 @@ from kvdiet.formats.layout import (
     v4_record_format,
     window_format,
 )
+from kvdiet.formats.scales import PendingCheck
 
 __all__ = ["CacheCodecs", "Codec", "WindowRead", "exact_codec", "packed_codec"]
 
@@ -46,6 +47,8 @@ class Codec:
         decode: rows ``[..., width]`` → fp32 ``[..., dim]``.
         fused_read: `read_window` in one call (``fp8.read_window``), or None where it returns None (then, and
             for codecs without one, `read_window` runs ``encode`` / ``decode`` and torch ops).
+        defers: ``encode`` and ``decode`` take ``pending=``, a list to append their value checks to as
+            `PendingCheck` instead of reading them (``fp8.encode_window``, ``fp8.decode_window``).
     """
 
     name: str
@@ -55,13 +58,20 @@ class Codec:
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
     fused_read: WindowRead | None = None
+    defers: bool = False
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` in fp32: what a stored value reads back as."""
         return self.decode(self.encode(x))
 
     def read_window(
-        self, kv: torch.Tensor, rings: Sequence[torch.Tensor], slots: torch.Tensor, held: torch.Tensor | None
+        self,
+        kv: torch.Tensor,
+        rings: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+        held: torch.Tensor | None,
+        *,
+        pending: list[PendingCheck] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's window read: each request's stored rows picked by slot, then its new key as stored.
 
@@ -71,16 +81,25 @@ class Codec:
             slots: int64 [B, n], the rows of ``rings[b]`` to read, in order.
             held: bool [B, n], or None for all held: a row not held is read as the new key instead (a slot never
                 written may hold bytes that do not decode).
+            pending: None (the default) checks everything now. A list: the caller vouches that every slot lies
+                in its ring (not checked), and the value checks of a codec that ``defers`` (a non-finite ``kv``,
+                a held row's scale bytes) are appended to it in that order (`PendingCheck`, no host read) for
+                the caller to run (`run_checks`) before it stores ``entries``; until then a failing value reads
+                as finite bytes (see ``fp8.encode_window`` / ``fp8.decode_window``). A codec that does not
+                defer checks its values now.
 
         Returns:
             ``(keys fp32 [B, n+1, dim], entries [B, width])``: ``keys[b, j] = decode(rings[b][slots[b, j]])``
             where held, else ``keys[b, n]``; ``keys[b, n] = roundtrip(kv[b])``; ``entries = encode(keys[:, n])``,
             what the ring stores (`Attention.forward` stores ``encode(roundtrip(kv))``). The decodes of the rows
             and of ``encode(kv)`` are one ``decode`` call; ``fused_read`` gives the same bits in one call.
+            ``keys[:, n]`` is decoded from bytes ``encode`` wrote, so it is finite and its re-encode is not
+            checked (a codec that ``defers``).
 
         Raises:
-            ValueError: a slot outside its ring (before anything is read), or as ``encode`` / ``decode`` (a
-                non-finite ``kv``, a held row that does not decode).
+            ValueError: a slot outside its ring (before anything is read; ``pending`` None), or as ``encode`` /
+                ``decode`` (a non-finite ``kv``, a held row that does not decode; ``pending`` None or a codec
+                that does not defer).
         """
         # a lazily negated key is read as its value on both paths (no dispatch when it is not)
         if kv.is_neg():
@@ -91,7 +110,7 @@ class Codec:
             raise ValueError(
                 f"{self.name}: one ring per row of slots [B, n], got {len(rings)} and {tuple(slots.shape)}"
             )
-        if slots.numel():
+        if pending is None and slots.numel():
             sizes = torch.tensor([ring.shape[0] for ring in rings], device=slots.device)
             bad = ((slots < 0) | (slots >= sizes[:, None])).any(1)
             if bool(bad.any()):
@@ -100,7 +119,8 @@ class Codec:
                 raise ValueError(
                     f"{self.name}: window slots must lie in [0, {int(sizes[i])}), got {lo}..{hi} (request {i})"
                 )
-        encoded = self.encode(kv)  # [B, width]
+        checks = pending if self.defers else None
+        encoded = self._encode(kv, checks)  # [B, width]
         b, n = slots.shape
         rows = torch.empty(b, n + 1, self.width, dtype=encoded.dtype, device=kv.device)
         # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
@@ -110,8 +130,13 @@ class Codec:
         if held is not None:  # a slot not held reads the new entry
             older = rows[:, :-1]
             older.copy_(torch.where(held[..., None], older, encoded[:, None]))
-        keys = self.decode(rows)
-        return keys, self.encode(keys[:, -1])
+        keys = self.decode(rows) if checks is None else self.decode(rows, pending=checks)
+        # keys[:, -1] decodes bytes encode wrote: finite, its check would never fail (a throwaway list)
+        return keys, self._encode(keys[:, -1], [] if self.defers else None)
+
+    def _encode(self, x: torch.Tensor, pending: list[PendingCheck] | None) -> torch.Tensor:
+        """``encode(x)``, its check appended to ``pending`` when that is a list (a codec that ``defers``)."""
+        return self.encode(x) if pending is None else self.encode(x, pending=pending)
 
     @property
     def bytes_per_entry(self) -> int:
@@ -127,10 +152,15 @@ def exact_codec(dim: int, dtype: torch.dtype = torch.float32) -> Codec:
 
 
 def packed_codec(
-    fmt: EntryFormat, module: ModuleType, suffix: str, *, fused_read: WindowRead | None = None
+    fmt: EntryFormat,
+    module: ModuleType,
+    suffix: str,
+    *,
+    fused_read: WindowRead | None = None,
+    defers: bool = False,
 ) -> Codec:
     """The packed codec of ``fmt``, from ``module``'s fused ``encode_{suffix}`` / ``decode_{suffix}`` (and
-    ``fused_read``, `Codec.read_window` in one call)."""
+    ``fused_read``, `Codec.read_window` in one call; ``defers``: they take ``pending=``, `Codec.defers`)."""
     return Codec(
         fmt.name,
         fmt.dim,
@@ -139,6 +169,7 @@ def packed_codec(
         getattr(module, f"encode_{suffix}"),
         getattr(module, f"decode_{suffix}"),
         fused_read,
+        defers,
     )
 
 
@@ -159,7 +190,7 @@ class CacheCodecs:
         return cls(
             packed_codec(main_kv_format(head_dim), fp4, "main_kv"),
             packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"),
-            packed_codec(window_format(head_dim), fp8, "window", fused_read=fp8.read_window),
+            packed_codec(window_format(head_dim), fp8, "window", fused_read=fp8.read_window, defers=True),
         )
 
     @classmethod

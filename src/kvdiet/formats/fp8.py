@@ -47,6 +47,7 @@ from kvdiet.formats import native
 from kvdiet.formats.layout import EntryFormat, window_format
 from kvdiet.formats.scales import (
     E4M3_MAX,
+    PendingCheck,
     as_rows,
     block_amax,
     check_codes_and_scales,
@@ -82,16 +83,25 @@ SCALE_BYTES = (127 - 22, 127 + _MAX_EXPONENT)
 
 
 def quantize_e4m3_chunk_(
-    xc: Tensor, codes: Tensor, scales: Tensor, ybuf: Tensor, work: Tensor, *, block: int, name: str, row: int
+    xc: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    ybuf: Tensor,
+    work: Tensor,
+    *,
+    block: int,
+    name: str,
+    row: int,
+    pending: list[PendingCheck] | None = None,
 ) -> None:
     """Quantise rows ``xc [r, n]`` into ``codes`` uint8 ``[r, n]`` and ``scales`` uint8 ``[r, n/block]``.
 
     ``codes``/``scales`` may be strided views (the parts of packed entries). ``ybuf``: float32 scratch, and
     ``work``: int32 scratch, each of at least ``xc.numel()`` elements. ``row``: index of ``xc``'s first row,
-    for errors. Raises ``ValueError`` on non-finite input.
+    for errors. Raises ``ValueError`` on non-finite input, or appends that check to ``pending`` (`block_amax`).
     """
     xb = xc.view(xc.shape[0], -1, block)
-    amax = block_amax(xb, work, name=name, first_row=row).clamp_(min=1e-4)
+    amax = block_amax(xb, work, name=name, first_row=row, pending=pending).clamp_(min=1e-4)
     s, scale_bytes = ue8m0_scale(amax / E4M3_MAX, max_exponent=_MAX_EXPONENT)
     y = ybuf[: xc.numel()].view(xb.shape)
     if xc.dtype == torch.float32:
@@ -137,11 +147,13 @@ def quantize_window(x: Tensor) -> tuple[Tensor, Tensor]:
     return codes.view(x.shape), scales.view(*x.shape[:-1], fmt.num_scales)
 
 
-def encode_window(x: Tensor) -> Tensor:
+def encode_window(x: Tensor, *, pending: list[PendingCheck] | None = None) -> Tensor:
     """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 33·dim/32]``.
 
     float32 CPU input runs the compiled kernel (``native``) when available, else the pure-torch chunks (same
-    bytes, same errors).
+    bytes, same errors). ``pending``: None raises a non-finite row's error now (one host read on the pure-torch
+    path); a list gets that check appended instead (`scales.block_amax`: no host read) and a non-finite row is
+    encoded as bytes within the written ranges (finite when decoded); finite rows' bytes are the same.
     """
     rows = as_rows(x, block=_BLOCK, name=_NAME)
     fmt, width = _format(rows.shape[1])
@@ -152,7 +164,9 @@ def encode_window(x: Tensor) -> Tensor:
     _, ybuf, work = _setup(rows)  # the pure-torch path (and the error for a non-finite row)
     for sl in row_chunks(*rows.shape):
         codes, scales = packed[sl, : fmt.dim], packed[sl, fmt.dim :]
-        quantize_e4m3_chunk_(rows[sl], codes, scales, ybuf, work, block=_BLOCK, name=_NAME, row=sl.start)
+        quantize_e4m3_chunk_(
+            rows[sl], codes, scales, ybuf, work, block=_BLOCK, name=_NAME, row=sl.start, pending=pending
+        )
     return packed.view(*x.shape[:-1], width)
 
 
@@ -177,11 +191,15 @@ def dequantize_window(codes: Tensor, scales: Tensor, *, dtype: torch.dtype = tor
     return _decode(c2, s2, dtype).view(codes.shape)
 
 
-def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+def decode_window(
+    packed: Tensor, *, dtype: torch.dtype = torch.float32, pending: list[PendingCheck] | None = None
+) -> Tensor:
     """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``.
 
     float32 output from CPU entries runs the compiled kernel (``native``) when available (same values, same
-    errors)."""
+    errors). ``pending``: None raises on a scale byte outside `SCALE_BYTES` now (one host read on the pure-torch
+    path); a list gets that check appended instead (`scales.check_scale_bytes`: no host read) and each scale
+    byte is read clamped into `SCALE_BYTES` (finite values; the same values where every byte is in range)."""
     fmt = _entry_of(packed)
     rows = packed.reshape(-1, packed.shape[-1])
     kernels = native.fp4_kernels() if rows.device.type == "cpu" and dtype == torch.float32 else None
@@ -189,8 +207,11 @@ def decode_window(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tens
         out = torch.empty(rows.shape[0], fmt.dim)
         if not rows.shape[0] or kernels.decode_fp8(rows, *SCALE_BYTES, out) < 0:
             return out.view(*packed.shape[:-1], fmt.dim)
-    check_scale_bytes(rows[:, fmt.dim :], SCALE_BYTES, name=_NAME)
-    out = _decode(rows[:, : fmt.dim], rows[:, fmt.dim :], dtype)
+    scales = rows[:, fmt.dim :]
+    check_scale_bytes(scales, SCALE_BYTES, name=_NAME, pending=pending)
+    if pending is not None:  # a corrupt byte, reported later, reads as in range meanwhile (no inf or NaN)
+        scales = scales.clamp(*SCALE_BYTES)
+    out = _decode(rows[:, : fmt.dim], scales, dtype)
     return out.view(*packed.shape[:-1], fmt.dim)
 
 

@@ -16,7 +16,8 @@ It knows no particular entry layout (``layout`` declares them) and no value grid
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "CHUNK_VALUES",
     "E4M3_MAX",
     "E4M3_SCALE_BYTES",
+    "PendingCheck",
     "as_rows",
     "block_amax",
     "check_codes_and_scales",
@@ -38,6 +40,7 @@ __all__ = [
     "non_finite_error",
     "output_dtype",
     "row_chunks",
+    "run_checks",
     "ue8m0_scale",
     "ue8m0_to_float",
 ]
@@ -86,19 +89,36 @@ def row_chunks(rows: int, dim: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
-def block_amax(xb: torch.Tensor, work: torch.Tensor, *, name: str, first_row: int = 0) -> torch.Tensor:
+def block_amax(
+    xb: torch.Tensor,
+    work: torch.Tensor,
+    *,
+    name: str,
+    first_row: int = 0,
+    pending: list[PendingCheck] | None = None,
+) -> torch.Tensor:
     """Exact absolute maximum per block: ``xb`` float32/bf16/fp16 ``[r, nb, block]`` → float32 ``[r, nb]``.
 
     ``work``: contiguous int32 scratch of at least ``xb.numel()`` elements. ``first_row``: index of ``xb``'s
-    first row in the caller's input, for the error.
+    first row in the caller's input, for the error. ``pending``: None checks now (one host read); a list gets
+    the check appended as a `PendingCheck` (no host read) and a non-finite block's amax becomes the largest
+    finite value, so its scale is finite (the same amax for every finite block).
 
     Raises:
-        ValueError: a block holds ±inf or NaN, naming the row.
+        ValueError: a block holds ±inf or NaN, naming the row (``pending`` None; else the check's error).
     """
     itype, mask, inf_bits = _BITS[xb.dtype]
     mag = torch.bitwise_and(xb.view(itype), mask, out=work.view(itype)[: xb.numel()].view(xb.shape))
     amax = mag.amax(-1)
-    if amax.numel() and int(amax.max()) >= inf_bits:
+    if pending is not None and amax.numel():
+        bad_rows = (amax >= inf_bits).any(-1)  # [r]
+        pending.append(
+            PendingCheck(
+                bad_rows.any(), lambda: non_finite_error(name, first_row + int(bad_rows.nonzero()[0]))
+            )
+        )
+        amax.clamp_(max=inf_bits - 1)
+    elif amax.numel() and int(amax.max()) >= inf_bits:
         raise non_finite_error(name, first_row + int((amax >= inf_bits).any(-1).nonzero()[0]))
     return amax.view(xb.dtype).float()
 
@@ -178,21 +198,69 @@ def output_dtype(dtype: torch.dtype, *, name: str) -> torch.dtype:
     return dtype
 
 
-def check_scale_bytes(scale_bytes: torch.Tensor, valid: tuple[int, int], *, name: str) -> None:
+def check_scale_bytes(
+    scale_bytes: torch.Tensor,
+    valid: tuple[int, int],
+    *,
+    name: str,
+    pending: list[PendingCheck] | None = None,
+) -> None:
     """Reject stored scale bytes ``scale_bytes`` (uint8, any shape, any device) outside ``valid`` (inclusive),
-    the range the format's quantiser writes. One host read (one device wait on a GPU) however many bytes.
+    the range the format's quantiser writes. One host read (one device wait on a GPU) however many bytes, or
+    none when ``pending`` is a list: the check is appended to it as a `PendingCheck` instead.
 
     Within it every decoded scale, and every dequantised value, is finite.
 
     Raises:
-        ValueError: a byte outside the range (a corrupt or foreign entry), naming it.
+        ValueError: a byte outside the range (a corrupt or foreign entry), naming it (``pending`` None; else
+            the check's error).
     """
-    if scale_bytes.numel():
-        # one host read of both ends (on a GPU each read waits for the device: this check runs on every decode)
-        lo, hi = torch.stack(torch.aminmax(scale_bytes)).tolist()
-        if lo < valid[0] or hi > valid[1]:
-            bad = lo if lo < valid[0] else hi
-            raise ValueError(f"{name}: stored scale byte {bad} is outside the written range {valid}")
+    if not scale_bytes.numel():
+        return
+    ends = torch.stack(torch.aminmax(scale_bytes))  # [2]: lowest, highest
+    if pending is not None:
+        pending.append(
+            PendingCheck((ends[0] < valid[0]) | (ends[1] > valid[1]), lambda: _scale_error(ends, valid, name))
+        )
+        return
+    # one host read of both ends (on a GPU each read waits for the device: this check runs on every decode)
+    lo, hi = ends.tolist()
+    if lo < valid[0] or hi > valid[1]:
+        raise _scale_error(ends, valid, name)
+
+
+def _scale_error(ends: torch.Tensor, valid: tuple[int, int], name: str) -> ValueError:
+    """The error for scale bytes whose ``ends`` (uint8 [2], lowest and highest) leave ``valid``."""
+    lo, hi = ends.tolist()
+    bad = lo if lo < valid[0] else hi
+    return ValueError(f"{name}: stored scale byte {bad} is outside the written range {valid}")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheck:
+    """A value check left on the device, to be read later with others in one host read (`run_checks`).
+
+    Attributes:
+        failed: bool [] on the checked values' device, True where the check fails.
+        error: the ValueError the check raises then (reads the device; called only on failure).
+    """
+
+    failed: torch.Tensor
+    error: Callable[[], ValueError]
+
+
+def run_checks(checks: Sequence[PendingCheck]) -> None:
+    """Read every check's ``failed`` in one host read (none for no checks) and raise the first failed one's
+    error, in ``checks``' order.
+
+    Raises:
+        ValueError: the first failed check's error.
+    """
+    if not checks:
+        return
+    for check, failed in zip(checks, torch.stack([c.failed for c in checks]).tolist(), strict=True):
+        if failed:
+            raise check.error()
 
 
 def check_codes_and_scales(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdiet.formats.scales import PendingCheck, run_checks
 from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.batch_tables import BatchTables
 from kvdiet.model.compressor import pool_groups
@@ -45,7 +46,9 @@ class DecodePlan:
 
     Each layer reads its window straight from every request's rings (`WindowRings`, one gather per request),
     with its new entries as the last key, and stages their bytes in ``fresh``; `store_windows` writes each
-    request's new entries of every layer into its rings at the end.
+    request's new entries of every layer into its rings at the end. The window reads' value checks wait in
+    ``pending`` and are read together (`check_windows`: one host read, a device wait on a GPU) before the step
+    encodes a compressor's entries and before the rings are written.
 
     Attributes:
         positions: int64 [B], the new row's position per request.
@@ -72,6 +75,7 @@ class DecodePlan:
             layers reading ``kv_src`` score and how many each request sees (``min((t+1) // ratio, held)``), taken
             by the first such layer (after ``kv_src`` itself wrote its new entries: no later layer writes them).
         candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
+        pending: the window reads' value checks not read yet (`Codec.read_window`'s ``pending``), layer order.
     """
 
     positions: torch.Tensor
@@ -88,16 +92,24 @@ class DecodePlan:
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     visible: dict[int, tuple[list[StoredKeys], torch.Tensor, int]] = field(default_factory=dict)
     candidate_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: list[PendingCheck] = field(default_factory=list)
 
     @classmethod
     def for_segments(cls, segs: list[Segment]) -> DecodePlan:
-        """The plan of segments holding one row each; their states' rings must be `WindowRings`.
+        """The plan of segments holding one row each; their states' rings must be `WindowRings` of one shape, so
+        every window slot (``position % W``) lies in its ring (`_window` does not check them on the device).
 
         Raises:
             TypeError: a state's rings are not `WindowRings`.
+            ValueError: a request's rings are not [layers, W, width] as the first request's, naming it.
         """
         rings = [_rings(s.state) for s in segs]
-        layers, window, _ = rings[0].rows.shape
+        layers, window, _ = shape = rings[0].rows.shape
+        for b, r in enumerate(rings):  # host ints: the slots' range check, free
+            if r.rows.shape != shape or len(r.layer_rows) != layers:
+                raise ValueError(
+                    f"request {b}'s window rings are {list(r.rows.shape)}, request 0's {list(shape)}"
+                )
         b, dev = len(segs), rings[0].rows.device
         layer_rings = [list(rows) for rows in zip(*(r.layer_rows for r in rings), strict=True)]
         pos = torch.cat([s.positions for s in segs])
@@ -118,6 +130,16 @@ class DecodePlan:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
         return self.rows.rotation(rope, self.positions)
 
+    def check_windows(self) -> None:
+        """Read the ``pending`` checks (one host read, none when there are none) and clear them.
+
+        Raises:
+            ValueError: the first failed check's error, the one its layer's `Codec.read_window` would raise (a
+                non-finite new key, a held ring row with a scale byte outside the written range, naming it).
+        """
+        checks, self.pending = self.pending, []
+        run_checks(checks)
+
     def attend(self, attn: Attention, x: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         """`decode_attention` of this step (what `Attention.forward` calls when given the plan)."""
         return decode_attention(attn, x, segs, self)
@@ -128,9 +150,11 @@ class DecodePlan:
 
         Raises:
             RuntimeError: a layer staged no entries (before any ring is written).
+            ValueError: as `check_windows` (before any ring is written).
         """
         if any(f is None for f in self.fresh):
             raise RuntimeError("store_windows before every layer staged its window entries")
+        self.check_windows()
         WindowRings.store_steps(self.rings, torch.stack(self.fresh), [seg.state.num_tokens for seg in segs])
 
 
@@ -152,7 +176,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     info, rot = attn.info, plan.rotation(attn.rope)
     mods = attn._modules  # its own dict: nn.Module's attribute fallback costs a microsecond a lookup
     if mods.get("compressor") is not None:
-        _update_global(attn, x, segs, plan.positions)
+        _update_global(attn, x, segs, plan)
     # the projections in one compiled call each where they fit (the same bits), else the modules
     qr, q = project_rows(
         x, mods["wq_a"], mods["q_norm"], mods["wq_b"], attn.n_heads, attn.head_dim, rot
@@ -186,23 +210,27 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
 
     `Codec.read_window` reads each request's ring straight from its `WindowRings` (a slot not held reads the new
     entry, masked out) and gives the entries staged for the rings (`DecodePlan.store_windows`),
-    ``encode(roundtrip(kv))``, as `Attention.forward` stores them.
+    ``encode(roundtrip(kv))``, as `Attention.forward` stores them. The slots lie in the rings
+    (`DecodePlan.for_segments`); the value checks wait in ``plan.pending``.
     """
     layer = attn.info.layer_id
     held = None if plan.window_held is None else plan.window_held[layer]
     win_kv, plan.fresh[layer] = attn.codecs.window.read_window(
-        kv, plan.layer_rings[layer], plan.window_slots, held
+        kv, plan.layer_rings[layer], plan.window_slots, held, pending=plan.pending
     )
     return win_kv, plan.window_mask[layer]
 
 
-def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: torch.Tensor) -> None:
+def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: DecodePlan) -> None:
     """The compressor of a KV-source layer over the batch: each request's tail takes its row, and the groups
-    completed in this step become index keys and main-KV entries (computed together, stored per request).
+    completed in this step become index keys and main-KV entries (computed together, stored per request),
+    after the earlier layers' window checks (`DecodePlan.check_windows`: an encode here could see their values).
 
     Raises:
-        ValueError: a tail does not end at its request's position, or a new entry would leave a gap.
+        ValueError: a tail does not end at its request's position, a new entry would leave a gap, or as
+            `DecodePlan.check_windows`.
     """
+    pos = plan.positions
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
     done = list(range(len(segs)))
@@ -223,6 +251,7 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], pos: t
             [tails[b] for b in done], _rows(kv, done), _rows(score, done)
         )
         kv = pool_groups(group_kv, group_score, r)
+    plan.check_windows()
     latent = comp.norm(kv)
     gids = torch.div(_rows(pos, done), r, rounding_mode="floor")
     rot = attn.rope.at(gids * r)  # each group's first position

@@ -1,0 +1,244 @@
+"""Host reads of a decode step on the pure-torch path (the one CUDA runs, where each read of a tensor value waits
+for the device), and the window checks that wait for one read: `PendingCheck` in the FP8 codec, in
+`Codec.read_window`, and in a decode step (`DecodePlan.check_windows`), each raising the error the immediate
+check raises, before any ring is written."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvdiet.config import load_config
+from kvdiet.formats import fp8, native
+from kvdiet.formats.codec import CacheCodecs
+from kvdiet.formats.scales import run_checks
+from kvdiet.model.transformer import Transformer
+
+_READS = (
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.tolist,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+)
+HOST_READS = 60
+"""Host reads of the counted v4.1-micro step below (92 when each window read checked its slots and values at
+once: 36 of them inside `Codec.read_window`)."""
+
+
+class _CountReads(TorchFunctionMode):
+    """Counts host reads of tensor values, by the innermost kvdiet function making them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/kvdiet/" in f.filename]
+            self.sites[frames[-1].name if frames else "?"] += 1
+            if any(f.name == "read_window" for f in frames):
+                self.sites["inside read_window"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def micro(monkeypatch) -> Transformer:
+    """v4.1-micro (9 layers, window 8, FP8 window entries) on the pure-torch path."""
+    monkeypatch.setenv(native.ENV, "0")
+    return Transformer.from_config(load_config("v4.1-micro"), seed=0)
+
+
+@pytest.fixture(params=[None, "0"], ids=["compiled", "pure"])
+def micro_both(request, monkeypatch) -> Transformer:
+    """v4.1-micro on either path (the compiled window read declines a failing value to the torch path)."""
+    if request.param:
+        monkeypatch.setenv(native.ENV, request.param)
+    return Transformer.from_config(load_config("v4.1-micro"), seed=0)
+
+
+def _states(m: Transformer, lengths=(13, 30)):
+    states = [m.new_state() for _ in lengths]
+    for s, n in zip(states, lengths, strict=True):
+        m.prefill(s, _tokens(n, n))
+    return states
+
+
+def test_a_torch_decode_step_reads_the_host_a_bounded_number_of_times(micro: Transformer) -> None:
+    """Two requests, one step: no host read inside the window reads (slots in range by construction, value
+    checks read once per batch of layers), at most `HOST_READS` in all."""
+    states = _states(micro)
+    micro.decode(states, [5, 6])
+    count = _CountReads()
+    with count, torch.no_grad():
+        micro.decode(states, [7, 8])
+    assert count.sites["inside read_window"] == 0, count.sites
+    # the window checks: before the compressor encodes of layers 1 and 3 (request 1 closes a group of 2) and 5
+    # (ratio 1), and before the rings are written
+    assert count.sites["run_checks"] == 4, count.sites
+    assert sum(n for site, n in count.sites.items() if site != "inside read_window") <= HOST_READS, (
+        count.sites
+    )
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+def test_fp8_pending_checks_raise_the_immediate_errors_and_keep_valid_bits(monkeypatch, env) -> None:
+    """With ``pending``, FP8 encode and decode read nothing: valid input gives the same bits, a failing value
+    becomes finite bytes or values, and the check raises the immediate error (the compiled kernels check as
+    they go: a failing input falls back to the torch path)."""
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen) * torch.tensor([0.0, 1e-30, 1.0, 1e37, 7.0])[:, None]
+    checks: list = []
+    assert torch.equal(fp8.encode_window(x, pending=checks), fp8.encode_window(x))
+    packed = fp8.encode_window(x)
+    assert torch.equal(
+        fp8.decode_window(packed, pending=checks).view(torch.int32),
+        fp8.decode_window(packed).view(torch.int32),
+    )
+    run_checks(checks)  # nothing failed
+    assert len(checks) == (2 if env else 0) and not any(bool(c.failed) for c in checks)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[3, 40] = bad
+        checks = []
+        out = fp8.encode_window(y, pending=checks)
+        assert torch.equal(out[[0, 1, 2, 4]], packed[[0, 1, 2, 4]])
+        assert torch.isfinite(fp8.decode_window(out)).all()
+        with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 3$"):
+            fp8.encode_window(y)
+        with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 3$"):
+            run_checks(checks)
+    for byte in (0, 104, 247, 255):
+        corrupt = packed.clone()
+        corrupt[2, 64] = byte
+        checks = []
+        values = fp8.decode_window(corrupt, pending=checks)
+        assert torch.isfinite(values).all() and torch.equal(
+            values[[0, 1, 3, 4]], fp8.decode_window(packed)[[0, 1, 3, 4]]
+        )
+        want = rf"^mxfp8: stored scale byte {byte} is outside the written range \(105, 246\)$"
+        with pytest.raises(ValueError, match=want):
+            fp8.decode_window(corrupt)
+        with pytest.raises(ValueError, match=want):
+            run_checks(checks)
+
+
+def _window_inputs(batch: int = 3, window: int = 16, dim: int = 512):
+    gen = torch.Generator().manual_seed(batch)
+    kv = torch.randn(batch, dim, generator=gen)
+    rings = [fp8.encode_window(torch.randn(window, dim, generator=gen)) for _ in range(batch)]
+    slots = torch.randint(window, (batch, window - 1), generator=gen)
+    held = torch.rand(batch, window - 1, generator=gen) < 0.7
+    return kv, rings, slots, held
+
+
+def test_read_window_with_pending_gives_the_same_bits_and_errors(monkeypatch) -> None:
+    """`Codec.read_window` with ``pending`` on the torch path: the bits of the checked read, no host read, and
+    checks that raise its errors in its order (the new key's, then the rows')."""
+    monkeypatch.setenv(native.ENV, "0")
+    codec = CacheCodecs.for_dims(512, 128).window
+    kv, rings, slots, held = _window_inputs()
+    for h in (held, None):
+        checks: list = []
+        count = _CountReads()
+        with count:
+            keys, entries = codec.read_window(kv, rings, slots, h, pending=checks)
+        assert not count.sites and len(checks) == 2
+        want_keys, want_entries = codec.read_window(kv, rings, slots, h)
+        assert torch.equal(keys.view(torch.int32), want_keys.view(torch.int32)) and torch.equal(
+            entries, want_entries
+        )
+    held[1, 0] = True
+    rings[1][slots[1, 0], 512 + 3] = 250  # held row 0 of request 1
+    kv[2, 9] = float("nan")
+    for bad_kv in (False, True):
+        k = kv if bad_kv else kv.nan_to_num(0.0)
+        want = (
+            r"^mxfp8: input holds a non-finite .* in row 2$" if bad_kv else r"^mxfp8: stored scale byte 250 "
+        )
+        with pytest.raises(ValueError, match=want):
+            codec.read_window(k, rings, slots, held)
+        checks = []
+        keys, _ = codec.read_window(k, rings, slots, held, pending=checks)
+        assert torch.isfinite(keys).all()
+        with pytest.raises(ValueError, match=want):
+            run_checks(checks)
+
+
+def _rings_of(states):
+    return [s.windows.rows.clone() for s in states], [s.windows.positions.clone() for s in states]
+
+
+def _assert_untouched(states, before, tokens) -> None:
+    rows, positions = before
+    for s, r, p, n in zip(states, rows, positions, tokens, strict=True):
+        assert torch.equal(s.windows.rows, r) and torch.equal(s.windows.positions, p) and s.num_tokens == n
+
+
+def test_a_decode_step_raises_a_corrupt_ring_rows_error_before_writing_the_rings(
+    micro_both: Transformer,
+) -> None:
+    """A held ring row of layer 6 with a scale byte out of range: the step raises the window read's error (after
+    the later layers ran on finite values) and writes no ring."""
+    states = _states(micro_both)
+    held_slot = (states[1].num_tokens - 2) % micro_both.cfg.sliding_window
+    states[1].windows.rows[6, held_slot, 64] = 255
+    before, tokens = _rings_of(states), [s.num_tokens for s in states]
+    with pytest.raises(ValueError, match=r"^mxfp8: stored scale byte 255 is outside the written range"):
+        micro_both.decode(states, [5, 6])
+    _assert_untouched(states, before, tokens)
+
+
+def test_a_decode_step_raises_a_non_finite_window_key_before_a_later_compressor_sees_it(
+    micro_both: Transformer, monkeypatch
+) -> None:
+    """A non-finite new window key of layer 2 (a NaN weight of its ``wkv``) and non-finite input to layer 5's
+    compressor (which encodes every step): the step raises the window's error, as the immediate check did,
+    and writes no ring."""
+    m = micro_both
+    states = _states(m)
+    comp5 = m.layers[5].attn.compressor
+    with torch.no_grad():
+        m.layers[2].attn.wkv.weight[3] = float("nan")
+    nan = torch.full((2, m.cfg.head_dim), float("nan"))
+    monkeypatch.setattr(comp5.wkv, "forward", lambda x: nan[: x.shape[0]])
+    before, tokens = _rings_of(states), [s.num_tokens for s in states]
+    with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 0$"):
+        m.decode(states, [5, 6])
+    _assert_untouched(states, before, tokens)
+    # layer 5's compressor alone (a fresh model: the failed step left its tails advanced): its own error
+    m = Transformer.from_config(load_config("v4.1-micro"), seed=0)
+    states = _states(m)
+    with torch.no_grad():
+        m.layers[5].attn.compressor.wkv.weight[0] = float("nan")
+    with pytest.raises(ValueError, match=r"^(fp4|mxfp4)\S*: input holds a non-finite"):
+        m.decode(states, [5, 6])
+
+
+def test_a_decode_plan_refuses_rings_of_another_shape(micro: Transformer) -> None:
+    """The window slots are in range only when every request's rings have the first one's shape: checked on the
+    host, naming the request, before anything is read."""
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan
+    from kvdiet.model.state import WindowRings
+
+    states = _states(micro, (5, 9, 12))
+    states[2].windows = WindowRings(micro.codecs.window, micro.cfg.sliding_window // 2, len(micro.layers))
+    segs = [Segment(s, torch.tensor([s.num_tokens])) for s in states]
+    with pytest.raises(
+        ValueError, match=r"^request 2's window rings are \[9, 4, 66\], request 0's \[9, 8, 66\]$"
+    ):
+        DecodePlan.for_segments(segs)
