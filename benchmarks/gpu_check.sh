@@ -11,14 +11,14 @@
 # sizes, Triton in its interpreter, the cuda test cases not required.
 set -euo pipefail
 USAGE="usage: [DEVICE=cuda|cpu] [OUT=DIR] [PYTHON=python3] bash benchmarks/gpu_check.sh [-h|--help]"
-case "${1-}" in
-  -h | --help)  # the usage line, then the comment above: what it runs, writes and needs
+case "$#:${1-}" in
+  1:-h | 1:--help)  # the usage line, then the comment block that opens this file: what it runs, writes and needs
     printf '%s\n\n' "$USAGE"
-    sed -n '2,11s/^# \{0,1\}//p' "$0"
+    sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"
     exit 0
     ;;
-  "") ;;
-  *) printf '%s\ngpu_check: error: unrecognized argument: %s\n' "$USAGE" "$1" >&2; exit 2 ;;
+  0:) ;;
+  *) printf '%s\ngpu_check: error: unrecognized arguments: %s\n' "$USAGE" "$*" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

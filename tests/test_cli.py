@@ -96,3 +96,16 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(flags: list[str]) ->
     os.close(read_end)
     err = proc.communicate(timeout=60)[1]
     assert (proc.returncode, err) == (1, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys) -> None:
+    """A BrokenPipeError from another pipe or socket (stdout still open) is reported like any other I/O error,
+    status 2, not taken for a reader of stdout that stopped early."""
+    from kvdiet import cli
+
+    def broken(args, console):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "run_plan", broken)
+    assert cli.main(["plan"]) == 2
+    assert capsys.readouterr().err == "kvdiet plan: error: [Errno 32] Broken pipe\n"

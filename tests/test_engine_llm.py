@@ -36,6 +36,8 @@ def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:
     for bad, at in (([3.0, 4], 0), ([2, True], 1), ([2, "x"], 1)):
         with pytest.raises(ValueError, match=f"token id {bad[at]!r} at index {at} is not an int"):
             llm.generate(bad)
+    with pytest.raises(ValueError, match="token id True at index 0 of prompt 1 is not an int"):
+        llm.generate([[1, 2], [True, 2]])  # each prompt of a list by the same rule
     with pytest.raises(ValueError, match="token id 99 at index 1"):
         llm.generate([[1, 2], [3, 99]], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="no tokenizer"):

@@ -178,3 +178,5 @@ def test_a_missing_prompt_file_is_one_line_naming_the_flag(capsys, tmp_path) -> 
     )
     assert main([*argv, str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"kvdiet generate: error: --prompt-file {tmp_path}: is a directory\n"
+    assert main([*argv[:-1], "--prompt-file", ""]) == 2  # not the working directory
+    assert capsys.readouterr().err == "kvdiet generate: error: --prompt-file '': no such file or directory\n"

@@ -22,11 +22,14 @@ def test_help_prints_usage_and_runs_nothing(tmp_path: Path, flag: str) -> None:
     assert not (tmp_path / "out").exists()  # no step ran: $OUT was never made
 
 
-def test_an_unknown_argument_is_an_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [(["--device"], "--device"), (["", "--x"], " --x"), (["--help", "extra"], "--help extra")],
+)
+def test_an_unknown_argument_is_an_error(tmp_path: Path, args: list[str], named: str) -> None:
+    """Any argument but one -h/--help, an empty one included, is refused before anything runs."""
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}
-    run = subprocess.run(
-        ["bash", str(SCRIPT), "--device"], capture_output=True, text=True, env=env, timeout=30
-    )
+    run = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=30)
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr.splitlines()[1] == "gpu_check: error: unrecognized argument: --device"
+    assert run.stderr.splitlines()[1] == f"gpu_check: error: unrecognized arguments: {named}"
     assert not (tmp_path / "out").exists()

@@ -196,7 +196,8 @@ def test_a_context_past_max_position_embeddings_warns_but_runs(capsys) -> None:
     out = capsys.readouterr()
     report = json.loads(out.out)
     warning = (
-        "--contexts 3,000,000; --context 2,000,000: more tokens than the model's max_position_embeddings"
+        "context lengths past the model's max_position_embeddings 1,048,576: 3,000,000 (--contexts) and "
+        "2,000,000 (--context); the bytes are extrapolated"
     )
     assert report["context_warning"].startswith(warning) and report["capacity"]["context"] == 2_000_000
     assert (
@@ -206,4 +207,4 @@ def test_a_context_past_max_position_embeddings_warns_but_runs(capsys) -> None:
     assert main(["plan", "--context", "1Mi"]) == 0  # exactly the limit: no warning, in text mode either
     assert capsys.readouterr().err == ""
     assert main(["plan", "--context", "1M", "--contexts", "2M"]) == 0  # text mode: stderr too
-    assert "--contexts 2,000,000: more tokens than" in capsys.readouterr().err
+    assert "max_position_embeddings 1,048,576: 2,000,000 (--contexts); the bytes" in capsys.readouterr().err

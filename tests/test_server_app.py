@@ -279,6 +279,8 @@ def test_models_health_and_metrics(mini, client) -> None:
         ("/v1/completions", {"prompt": [0, -1]}, "token id -1 at index 1"),
         ("/v1/completions", {"prompt": [1.5, 2]}, "prompt: token id 1.5 at index 0 is not an integer"),
         ("/v1/completions", {"prompt": [[2, 0.5]]}, "prompt: token id 0.5 at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": [1.0, 2]}, "prompt: token id 1.0 at index 0 is not an integer"),
+        ("/v1/completions", {"prompt": [2, True]}, "prompt: token id true at index 1 is not an integer"),
         (
             "/v1/completions",
             {"prompt": "hi", "top_k": -2},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import sys
 from collections.abc import Sequence
 
@@ -63,7 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_golden_parser(sub)
     add_fidelity_parser(sub)
     for name in ("generate", "serve", "replay", "golden", "fidelity"):  # the commands that run the model
-        add_threads_arg(sub.choices[name])
+        add_threads_arg(sub.choices[name], note="engine mode only" if name == "replay" else "")
     for name in ("generate", "serve", "replay", "golden"):  # fidelity's experiments run on the CPU only
         add_device_arg(sub.choices[name])
     return parser
@@ -102,7 +103,11 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """Run one ``kvdiet`` command (``argv``: its arguments, default ``sys.argv[1:]``); returns the exit status
     (2 on bad input). ``own_process``: this process exists for the command (`entry`), so it may re-execute
-    itself (`kvdiet replay` on the compiled simulator core); a caller embedding kvdiet keeps False."""
+    itself (`kvdiet replay` on the compiled simulator core); a caller embedding kvdiet keeps False.
+
+    Raises:
+        BrokenPipeError: stdout is a pipe whose reader has gone (a broken pipe elsewhere is an error, status 2).
+    """
     bound_spinning()  # before anything loads torch (`kvdiet.threads`)
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -133,8 +138,11 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             from kvdiet.model.golden import run_golden_command  # imports torch: only when it runs
 
             return run_golden_command(args, console)
-    except BrokenPipeError:  # stdout's reader went away (``| head``): `entry` exits quietly, not "error"
-        raise
+    except BrokenPipeError as exc:
+        if _stdout_closed():  # stdout's reader went away (``| head``): `entry` exits quietly, not "error"
+            raise
+        print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)  # another pipe or socket
+        return 2
     except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -150,14 +158,27 @@ def entry() -> int:
     Output piped into a reader that stops early (``kvdiet replay --json | head -1``) ends the command quietly
     with status 1 instead of a BrokenPipeError traceback: stdout then points at /dev/null so the interpreter's
     final flush cannot fail again (the Python documentation's recipe, "Note on SIGPIPE" in the `signal`
-    module; rich's console does the same, status 1, for the text reports)."""
+    module; rich's console does the same, status 1, for the text reports); a command that had already failed
+    keeps its own status."""
+    status = 1
     try:
         status = main(own_process=True)
         sys.stdout.flush()  # output still buffered meets the closed pipe here, inside the try
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return max(status, 1)
     return status
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on it; False where it cannot
+    tell)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor (a captured stdout)
+        return False
 
 
 if __name__ == "__main__":

@@ -81,12 +81,13 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
-def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    """``--threads N``: torch's CPU threads (default: the cores this process may use)."""
+def add_threads_arg(parser: argparse.ArgumentParser, *, note: str = "") -> None:
+    """``--threads N``: torch's CPU threads (default: the cores this process may use); ``note`` ends its help
+    (where the command uses it, e.g. replay's engine mode only)."""
     parser.add_argument(
         "--threads",
         type=int,
         metavar="N",
-        help=f"CPU threads for the model (default: the cores this process may use, {available_cores()} here; "
-        "replay: engine mode only)",
+        help=f"CPU threads for the model (default: the cores this process may use, {available_cores()} here"
+        f"{'; ' + note if note else ''})",
     )

@@ -148,8 +148,14 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
     except ValueError as exc:  # name the flag, not the field: "max_tokens must be …" → "--max-tokens: …"
         field = str(exc).split(" ", 1)[0]
         raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
+    if args.prompt_file == "":  # Path("") is the working directory: name the empty path instead
+        raise ValueError("--prompt-file '': no such file or directory")
     try:
-        text = Path(args.prompt_file).read_text(errors="replace") if args.prompt_file else args.prompt
+        text = (
+            Path(args.prompt_file).read_text(errors="replace")
+            if args.prompt_file is not None
+            else args.prompt
+        )
     except OSError as exc:  # "[Errno 2] No such file or directory: 'x'" → "--prompt-file x: no such file …"
         raise ValueError(f"--prompt-file {args.prompt_file}: {(exc.strerror or str(exc)).lower()}") from None
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
@@ -192,7 +198,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
             "--prompt-ids"
             if args.prompt_ids is not None
             else "--prompt-file"
-            if args.prompt_file
+            if args.prompt_file is not None
             else "--prompt"
         )
         raise ValueError(f"{flag}: {exc}") from None

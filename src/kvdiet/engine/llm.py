@@ -128,7 +128,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
     Raises:
         ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
-            list with an item that is not an int (named with its index).
+            list (the prompt, or one of a list of prompts) with an item that is not an int (named with its
+            index).
     """
     if isinstance(prompts, str):
         return [prompts]
@@ -138,8 +139,16 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             "no prompt: give a text, a list of token ids, or a list of prompts (not an empty list)"
         )
     if any(isinstance(t, int | float) for t in items):  # token ids (bool is an int: refused)
-        for i, t in enumerate(items):
-            if not isinstance(t, int) or isinstance(t, bool):
-                raise ValueError(f"token id {t!r} at index {i} is not an int")
+        _check_ints(items, "")
         return [items]
+    for p, item in enumerate(items):  # a list of prompts: each token-id prompt by the same rule
+        if not isinstance(item, str):
+            _check_ints(list(item), f" of prompt {p}")
     return items
+
+
+def _check_ints(ids: list, where: str) -> None:
+    """Refuse a token-id list item that is not an int (bools and floats included), named by its index."""
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"token id {t!r} at index {i}{where} is not an int")

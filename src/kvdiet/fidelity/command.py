@@ -91,13 +91,14 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     chunk = parse_count(args.chunk)
     if not contexts or contexts[0] < 1:
         raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")
-    if (
-        (args.rows is not None and args.rows < 1)
-        or args.continuation < 0
-        or chunk < 1
-        or args.max_prompts < 1
+    for flag, value, least in (
+        ("--rows", args.rows, 1),
+        ("--chunk", chunk, 1),
+        ("--max-prompts", args.max_prompts, 1),
+        ("--continuation", args.continuation, 0),
     ):
-        raise ValueError("--rows, --chunk and --max-prompts must be >= 1 and --continuation >= 0")
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     files = _prompt_files(args.prompts) if args.prompts else []
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)  # fail on a bad path before the model loads

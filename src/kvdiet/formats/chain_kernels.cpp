@@ -11,14 +11,16 @@
 //   at::bmm on every operand tried at the shapes kvdiet uses, ties, subnormals, cancellation, ±0 and ±inf included;
 //   products rounded before their sum, a reversed chain, or a chain from the first product did not), so
 //   kvdiet.model.chain_products checks every shape class against at::bmm once per process before it calls this.
-//   Where both operands hold k contiguously (a's k stride 1 and w's: attention's scores q · keysᵀ), at least 16
-//   batches and at most 64 outputs a matrix, the chains run with 16 batches side by side in the vector lanes
-//   (AVX-512): each batch's rows of a and of wᵀ transposed into lane vectors, 16 x 16 at a time, the chains summed
-//   as above (one fused multiply-add a step), the outputs transposed back; a last partial block reads rows of zeros
-//   for its missing batches and stores only its own.
+//   Where both operands hold k contiguously (a's k stride 1, and w's with its n stride not 1: attention's scores
+//   q · keysᵀ), the chains run with 16 batches side by side in the vector lanes (AVX-512, at least 16 batches, at
+//   most 64 outputs a matrix): each batch's rows of a and of wᵀ transposed into lane vectors, 16 x 16 at a time,
+//   the chains summed as above (one fused multiply-add a step), the outputs transposed back; a last partial block
+//   reads rows of zeros for its missing batches and stores only its own. Such operands are declined elsewhere
+//   (fewer batches, wider matrices, no AVX-512): one output at a time there is slower than at::bmm. MKL sums these
+//   as chains too from 3 rows of a up; at 1 and 2 rows (v4.1-micro's 2 heads) it does not, which the check finds.
 //   Why: a prefill's mHC and attention make some 160 such products a chunk; at::bmm's batched-BLAS call takes
 //   21-24 µs on [256, 4, 4] x [256, 4, 64] and [256, 4, 8] x [256, 8, 64] (one thread), this loop 13-19 µs; on the
-//   scores [256, 4, 64] x [256, 64, 8] about 100 µs, the batch lanes 38 µs.
+//   scores of the 40-layer tiny plan (4 heads x 64 dims), [256, 4, 64] x [256, 64, 8], about 100 µs against 38 µs.
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -29,7 +31,7 @@ namespace {
 constexpr int64_t kChainDepthMax = 64;
 constexpr int64_t kChainRows = 4;  // rows of a sharing each load of w
 constexpr int64_t kBatchOutputs = 64;  // batch-lane products: the most outputs a matrix (M·N)
-constexpr int64_t kBatchRows = 64 * kChainDepthMax;  // and the most lane vectors of operands ((M + N)·K)
+constexpr int64_t kBatchRows = 64 * kChainDepthMax;  // and the most lane vectors of a task's scratch ((M + N)·K)
 
 // Lanes of separate outputs, each its own chain: one IEEE fused multiply-add per lane and step, as std::fma
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -227,10 +229,10 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w) {
   const int64_t ws0 = w.stride(0), ws1 = w.stride(1), ws2 = w.stride(2);
   // threads only for work worth waking them: some 2^20 multiply-adds a thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, m * n * depth));
+  // both operands hold k contiguously (q · keysᵀ): 16 batches a vector where that path takes them, else declined
+  const bool keys_layout = as2 == 1 && ws1 == 1 && ws2 != 1;
 #if defined(__AVX512F__)
-  // both operands hold k contiguously (q · keysᵀ): 16 batches a vector, where there are 16 and at most
-  // kBatchOutputs outputs a matrix (the scratch below)
-  if (as2 == 1 && ws1 == 1 && batch >= kBatchLanes && m * n <= kBatchOutputs && (m + n) * depth <= kBatchRows) {
+  if (keys_layout && batch >= kBatchLanes && m * n <= kBatchOutputs && (m + n) * depth <= kBatchRows) {
     const int64_t blocks = (batch + kBatchLanes - 1) / kBatchLanes;
     at::parallel_for(0, blocks, std::max<int64_t>(1, grain / kBatchLanes), [&](int64_t k0, int64_t k1) {
       std::vector<__m512> scratch((m + n) * depth + m * n);
@@ -242,6 +244,7 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w) {
     return out;
   }
 #endif
+  if (keys_layout) return {};
   at::parallel_for(0, batch, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n);

@@ -142,14 +142,14 @@ def _context_warning(cfg: ModelConfig | DenseConfig, opts: PlanOptions) -> str |
     if limit is None:
         return None
     over = [f"{n:,}" for n in opts.contexts if n > limit]
-    flags = [f"--contexts {', '.join(over)}"] if over else []
+    named = [f"{' / '.join(over)} (--contexts)"] if over else []
     if opts.capacity_context > limit:
-        flags.append(f"--context {opts.capacity_context:,}")
-    if not flags:
+        named.append(f"{opts.capacity_context:,} (--context)")
+    if not named:
         return None
     return (
-        f"{'; '.join(flags)}: more tokens than the model's max_position_embeddings {limit:,} (the bytes are "
-        "extrapolated; the model serves no context that long)"
+        f"context lengths past the model's max_position_embeddings {limit:,}: {' and '.join(named)}; the bytes "
+        "are extrapolated, the model serves no context that long"
     )
 
 

@@ -12,6 +12,7 @@ and so are unknown fields — never silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
@@ -68,16 +69,16 @@ def _one_of(expected: str) -> WrapValidator:
 
 
 def _integer_token_ids(value: Any) -> Any:
-    """A prompt of numbers (or a one-element list of one) with a fractional one is refused as such, with
-    `kvdiet.model.token_ids.check_token_ids`'s words, ``token id 1.5 at index 0 is not an integer``, before
-    the union's one sentence (which names no item). Integral floats (``2.0``) stay JSON's 2, as pydantic
-    reads them; any other value passes unchanged."""
+    """A prompt of numbers (or a one-element list of one) with one that is not a JSON integer (``1.5``,
+    ``1.0``, ``true``) is refused as such, as `LLM.generate` refuses it, ``token id 1.5 at index 0 is not an
+    integer``, before the union's one sentence (which names no item; pydantic alone would read ``1.0`` and
+    ``true`` as 1). Any other value passes unchanged."""
     ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
     if isinstance(ids, list) and ids and all(isinstance(t, int | float) for t in ids):
         for i, t in enumerate(ids):
-            if isinstance(t, float) and not t.is_integer():  # also NaN and ±inf
+            if isinstance(t, bool | float):  # JSON true/false and numbers with a fraction or exponent
                 raise PydanticCustomError(
-                    "token_id", "token id {t} at index {i} is not an integer", {"t": repr(t), "i": i}
+                    "token_id", "token id {t} at index {i} is not an integer", {"t": json.dumps(t), "i": i}
                 )
     return value
 
