@@ -28,7 +28,7 @@ _READS = (
     torch.Tensor.nonzero,
     torch.nonzero,
 )
-HOST_READS = 60
+HOST_READS = 62
 """Host reads of the counted v4.1-micro step below (92 when each window read checked its slots and values at
 once: 36 of them inside `Codec.read_window`)."""
 
@@ -84,9 +84,9 @@ def test_a_torch_decode_step_reads_the_host_a_bounded_number_of_times(micro: Tra
     with count, torch.no_grad():
         micro.decode(states, [7, 8])
     assert count.sites["inside read_window"] == 0, count.sites
-    # the window checks: before the compressor encodes of layers 1 and 3 (request 1 closes a group of 2) and 5
-    # (ratio 1), and before the rings are written
-    assert count.sites["run_checks"] == 4, count.sites
+    # the window checks: before the compressors of layers 1, 3 and 5 change their tails, before the indexer
+    # queries of layers 1, 3, 5 and 7, and before the rings are written (one read each)
+    assert count.sites["run_checks"] == 8, count.sites
     assert sum(n for site, n in count.sites.items() if site != "inside read_window") <= HOST_READS, (
         count.sites
     )
@@ -179,13 +179,22 @@ def test_read_window_with_pending_gives_the_same_bits_and_errors(monkeypatch) ->
 
 
 def _rings_of(states):
-    return [s.windows.rows.clone() for s in states], [s.windows.positions.clone() for s in states]
+    rings = [s.windows.rows.clone() for s in states], [s.windows.positions.clone() for s in states]
+    tails = [{layer: (t.count, t.kv.clone()) for layer, t in s.tails.items()} for s in states]
+    return rings, tails
 
 
-def _assert_untouched(states, before, tokens) -> None:
-    rows, positions = before
-    for s, r, p, n in zip(states, rows, positions, tokens, strict=True):
+def _assert_untouched(states, before, tokens, *, failed_layer: int) -> None:
+    """No ring written, no position moved on, and no compressor tail past the failing layer changed (the state
+    the immediate check left: its layer's compressor runs before its window read)."""
+    (rows, positions), tails = before
+    for s, r, p, n, tail in zip(states, rows, positions, tokens, tails, strict=True):
         assert torch.equal(s.windows.rows, r) and torch.equal(s.windows.positions, p) and s.num_tokens == n
+        later = [layer for layer in tail if layer > failed_layer]
+        assert all(
+            s.tails[layer].count == tail[layer][0] and torch.equal(s.tails[layer].kv, tail[layer][1])
+            for layer in later
+        )
 
 
 def test_a_decode_step_raises_a_corrupt_ring_rows_error_before_writing_the_rings(
@@ -199,7 +208,7 @@ def test_a_decode_step_raises_a_corrupt_ring_rows_error_before_writing_the_rings
     before, tokens = _rings_of(states), [s.num_tokens for s in states]
     with pytest.raises(ValueError, match=r"^mxfp8: stored scale byte 255 is outside the written range"):
         micro_both.decode(states, [5, 6])
-    _assert_untouched(states, before, tokens)
+    _assert_untouched(states, before, tokens, failed_layer=6)
 
 
 def test_a_decode_step_raises_a_non_finite_window_key_before_a_later_compressor_sees_it(
@@ -218,14 +227,29 @@ def test_a_decode_step_raises_a_non_finite_window_key_before_a_later_compressor_
     before, tokens = _rings_of(states), [s.num_tokens for s in states]
     with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 0$"):
         m.decode(states, [5, 6])
-    _assert_untouched(states, before, tokens)
-    # layer 5's compressor alone (a fresh model: the failed step left its tails advanced): its own error
+    assert [layer for layer in before[1][0] if layer > 2] == [3]  # a tail that must stay as it was
+    _assert_untouched(states, before, tokens, failed_layer=2)
+    # layer 5's compressor alone (a fresh model: the failed step left layer 1's tails advanced): its own error
     m = Transformer.from_config(load_config("v4.1-micro"), seed=0)
     states = _states(m)
     with torch.no_grad():
         m.layers[5].attn.compressor.wkv.weight[0] = float("nan")
     with pytest.raises(ValueError, match=r"^(fp4|mxfp4)\S*: input holds a non-finite"):
         m.decode(states, [5, 6])
+
+
+def test_a_failing_window_raises_before_a_later_indexer_checks_its_queries(micro_both: Transformer) -> None:
+    """A NaN weight in layer 6's window projection: its attention output, and so layer 7's index queries, turn
+    non-finite; the window's own error comes first (the checks are read before the queries' round trip), as it
+    did when the window read checked at once."""
+    m = micro_both
+    states = _states(m)
+    with torch.no_grad():
+        m.layers[6].attn.wkv.weight[0] = float("nan")
+    before, tokens = _rings_of(states), [s.num_tokens for s in states]
+    with pytest.raises(ValueError, match=r"^mxfp8: input holds a non-finite .* in row 0$"):
+        m.decode(states, [5, 6])
+    _assert_untouched(states, before, tokens, failed_layer=6)
 
 
 def test_a_decode_plan_refuses_rings_of_another_shape(micro: Transformer) -> None:
@@ -239,6 +263,7 @@ def test_a_decode_plan_refuses_rings_of_another_shape(micro: Transformer) -> Non
     states[2].windows = WindowRings(micro.codecs.window, micro.cfg.sliding_window // 2, len(micro.layers))
     segs = [Segment(s, torch.tensor([s.num_tokens])) for s in states]
     with pytest.raises(
-        ValueError, match=r"^request 2's window rings are \[9, 4, 66\], request 0's \[9, 8, 66\]$"
+        ValueError,
+        match=r"^request 2's window rings are \[9, 4, 66\] in 9 layer views, request 0's \[9, 8, 66\]$",
     ):
         DecodePlan.for_segments(segs)

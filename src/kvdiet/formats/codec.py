@@ -168,8 +168,8 @@ def packed_codec(
         torch.uint8,
         getattr(module, f"encode_{suffix}"),
         getattr(module, f"decode_{suffix}"),
-        fused_read,
-        defers,
+        fused_read=fused_read,
+        defers=defers,
     )
 
 

@@ -152,8 +152,9 @@ def encode_window(x: Tensor, *, pending: list[PendingCheck] | None = None) -> Te
 
     float32 CPU input runs the compiled kernel (``native``) when available, else the pure-torch chunks (same
     bytes, same errors). ``pending``: None raises a non-finite row's error now (one host read on the pure-torch
-    path); a list gets that check appended instead (`scales.block_amax`: no host read) and a non-finite row is
-    encoded as bytes within the written ranges (finite when decoded); finite rows' bytes are the same.
+    path); a list gets that check appended instead (`scales.block_amax`: no host read) and a non-finite row's
+    bytes are written with its block scale capped (a NaN still encodes as E4M3's NaN code, which decodes to a
+    large finite value: they stand in only until the check is read); finite rows' bytes are the same.
     """
     rows = as_rows(x, block=_BLOCK, name=_NAME)
     fmt, width = _format(rows.shape[1])

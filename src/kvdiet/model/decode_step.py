@@ -47,8 +47,11 @@ class DecodePlan:
     Each layer reads its window straight from every request's rings (`WindowRings`, one gather per request),
     with its new entries as the last key, and stages their bytes in ``fresh``; `store_windows` writes each
     request's new entries of every layer into its rings at the end. The window reads' value checks wait in
-    ``pending`` and are read together (`check_windows`: one host read, a device wait on a GPU) before the step
-    encodes a compressor's entries and before the rings are written.
+    ``pending`` and are read together (`check_windows`: one host read, a device wait on a GPU) where a later
+    step could change state or check the same values itself: before a compressor's tails change, before the
+    indexer's queries, before a selection observer is called, and before the rings are written. Between those
+    points the layers only compute (projections, attention, the MoE), so a failing window raises its own error
+    with the state as when it was checked at once (its layer's compressor ran before its window read).
 
     Attributes:
         positions: int64 [B], the new row's position per request.
@@ -108,7 +111,8 @@ class DecodePlan:
         for b, r in enumerate(rings):  # host ints: the slots' range check, free
             if r.rows.shape != shape or len(r.layer_rows) != layers:
                 raise ValueError(
-                    f"request {b}'s window rings are {list(r.rows.shape)}, request 0's {list(shape)}"
+                    f"request {b}'s window rings are {list(r.rows.shape)} in {len(r.layer_rows)} layer views, "
+                    f"request 0's {list(shape)}"
                 )
         b, dev = len(segs), rings[0].rows.device
         layer_rings = [list(rows) for rows in zip(*(r.layer_rows for r in rings), strict=True)]
@@ -186,6 +190,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     if mods.get("indexer") is not None:
         _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
+        plan.check_windows()  # the observer sees only checked values
         idx, valid = plan.topk[info.idx_src]
         for b, seg in enumerate(segs):
             k = min(attn.index_topk, len(seg.state.main[info.kv_src]))
@@ -223,13 +228,15 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: DecodePlan) -> None:
     """The compressor of a KV-source layer over the batch: each request's tail takes its row, and the groups
-    completed in this step become index keys and main-KV entries (computed together, stored per request),
-    after the earlier layers' window checks (`DecodePlan.check_windows`: an encode here could see their values).
+    completed in this step become index keys and main-KV entries (computed together, stored per request).
+    The earlier layers' window checks run first (`DecodePlan.check_windows`): no tail changes and nothing here
+    encodes their values before them, so a failing window raises where it raised when read at once.
 
     Raises:
-        ValueError: a tail does not end at its request's position, a new entry would leave a gap, or as
-            `DecodePlan.check_windows`.
+        ValueError: as `DecodePlan.check_windows`, or a tail does not end at its request's position, or a new
+            entry would leave a gap.
     """
+    plan.check_windows()
     pos = plan.positions
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
@@ -251,7 +258,6 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
             [tails[b] for b in done], _rows(kv, done), _rows(score, done)
         )
         kv = pool_groups(group_kv, group_score, r)
-    plan.check_windows()
     latent = comp.norm(kv)
     gids = torch.div(_rows(pos, done), r, rounding_mode="floor")
     rot = attn.rope.at(gids * r)  # each group's first position
@@ -274,7 +280,8 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _select(
     attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan, rot: Rotation
 ) -> None:
-    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
+    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan, after the
+    window checks so far (`DecodePlan.check_windows`: the queries' round trip checks its values too).
 
     Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
     the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
@@ -282,6 +289,7 @@ def _select(
     at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
     pool (each its own run of it), else one call per request.
     """
+    plan.check_windows()
     info = attn.info
     q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key)
     keys, limit, n = _visible(plan, segs, info.kv_src, info.compress_ratio)
