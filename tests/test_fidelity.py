@@ -212,3 +212,22 @@ def test_default_rows_fit_a_short_window(capsys) -> None:
         err
         == "kvdiet fidelity: error: --rows 16 exceeds the sliding window 8 (bounded replay keeps that many)\n"
     )
+
+
+def test_contexts_past_the_models_positions_are_refused_before_the_work(capsys) -> None:
+    """v4.1-micro holds 256 positions: a 256-token context leaves no room for the replay's continuation, which
+    is refused up front naming both flags (it failed after the measurements, naming neither); the JSON lists
+    only the contexts some prompt reaches."""
+    from kvdiet.cli import main
+
+    ids = ",".join(str(3 + i % 60) for i in range(256))
+    argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", ids, "--contexts", "16,256", "--chunk", "64"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet fidelity: error: --contexts 256 + --continuation 8 = 264 tokens > max_position_embeddings 256: "
+        "lower either\n"
+    )
+    short = ",".join(str(3 + i % 60) for i in range(40))
+    argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", short, "--contexts", "16,256,512"]
+    assert main([*argv, "--chunk", "16", "--continuation", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["contexts"] == [16]

@@ -118,7 +118,14 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             f"no prompt reaches the shortest context {contexts[0]:,} (the longest has {longest:,} tokens): "
             "lower --contexts or give longer prompts"
         )
-    top = max(c for c in contexts if c <= longest)
+    contexts = [c for c in contexts if c <= longest]  # the lengths some prompt reaches: those measured
+    limit = model.cfg.max_position_embeddings
+    if limit is not None and contexts[-1] + args.continuation > limit:
+        raise ValueError(
+            f"--contexts {contexts[-1]:,} + --continuation {args.continuation} = "
+            f"{contexts[-1] + args.continuation:,} tokens > max_position_embeddings {limit:,}: lower either"
+        )
+    top = contexts[-1]
     hits = _hits(args.hits, window=window, top=top)
     label = (
         f"{args.weights} ({model.load_report.numerics} numerics)"
