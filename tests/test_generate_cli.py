@@ -62,6 +62,9 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--kv-cache-memory", "500", "blocks"),  # one 4-token block: the pool runs out while decoding
         ("--prompt-ids", "99999999999999999999", "--prompt-ids: token id"),
         ("--prompt-ids", "1,,2", "--prompt-ids: item 2 is empty"),
+        ("--prompt-ids", "1,1.5", "--prompt-ids: item 2 ('1.5') is not an integer"),
+        ("--prompt-ids", "1_0", "--prompt-ids: item 1 ('1_0') is not an integer"),  # int() reads 10
+        ("--prompt-ids", "+5,\u0663", "--prompt-ids: item 1 ('+5') is not an integer"),  # and ٣ as 3
         ("--max-tokens", "-1", "--max-tokens: max_tokens must be >= 0"),
         ("--top-p", "2", "--top-p: top_p must be in (0, 1]"),
         ("--chunk-size", "0", "--chunk-size must be >= 1"),
@@ -100,6 +103,9 @@ def test_block_size_is_checked_before_the_model_loads(capsys, monkeypatch, tmp_p
     assert main([*argv, "--persistent-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--block-size: block size 3 must be a positive multiple of every compress ratio [1, 2]" in err
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,x"]  # the ids' syntax too
+    assert main([*argv, "--persistent-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "kvdiet generate: error: --prompt-ids: item 2 ('x') is not an integer\n"
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(capsys, tmp_path) -> None:

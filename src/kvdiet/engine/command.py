@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -158,6 +159,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         )
     except OSError as exc:  # "[Errno 2] No such file or directory: 'x'" → "--prompt-file x: no such file …"
         raise ValueError(f"--prompt-file {args.prompt_file}: {(exc.strerror or str(exc)).lower()}") from None
+    prompt_ids = None if args.prompt_ids is None else _parse_ids(args.prompt_ids)  # before the model loads
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:
         engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool
@@ -171,14 +173,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         device=engine_args.device,
     )
     if args.prompt_ids is not None:
-        items = args.prompt_ids.split(",")
-        if any(not t.strip() for t in items) and args.prompt_ids.strip():
-            empty = next(i for i, t in enumerate(items) if not t.strip())
-            raise ValueError(f"--prompt-ids: item {empty + 1} is empty (ids are comma-separated integers)")
-        try:
-            ids = [int(t) for t in items if t.strip()]
-        except ValueError as exc:
-            raise ValueError(f"--prompt-ids must be comma-separated integers: {exc}") from exc
+        ids = prompt_ids
     elif tokenizer is None:
         raise ValueError(
             f"model {args.model!r} has no tokenizer (vocab {model.cfg.vocab_size}); use --prompt-ids"
@@ -257,3 +252,22 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
                 markup=False,
                 highlight=False,
             )
+
+
+def _parse_ids(text: str) -> list[int]:
+    """``--prompt-ids``' comma-separated token ids: plain decimal integers (ASCII digits, an optional minus;
+    the range is the model's check), named by their item number when one is not.
+
+    Raises:
+        ValueError: an empty item or one that is not such an integer.
+    """
+    items = text.split(",")
+    if not text.strip():
+        return []
+    for i, item in enumerate(items, 1):
+        t = item.strip()
+        if not t:
+            raise ValueError(f"--prompt-ids: item {i} is empty (ids are comma-separated integers)")
+        if not re.fullmatch(r"-?[0-9]+", t):
+            raise ValueError(f"--prompt-ids: item {i} ({t!r}) is not an integer")
+    return [int(t) for t in items]
