@@ -163,8 +163,8 @@ class LLMEngine:
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens > "
-                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens",
+                f"prompt ({len(ids)} token{'' if len(ids) == 1 else 's'}) + max_tokens ({params.max_tokens}) = "
+                f"{total} tokens > max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens",
                 param="prompt",
             )
         return PreparedRequest(tuple(ids), params)
