@@ -1,7 +1,7 @@
 """Host reads of a decode step on the pure-torch path (the one CUDA runs, where each read of a tensor value waits
-for the device), and the window checks that wait for one read: `PendingCheck` in the FP8 codec, in
-`Codec.read_window`, and in a decode step (`DecodePlan.check_windows`), each raising the error the immediate
-check raises, before any ring is written."""
+for the device), and the value checks that wait for one read: `PendingCheck` in the FP8, FP4 and MXFP4 codecs, in
+`Codec.read_window`, in the index scores, and in a decode step (`DecodePlan.check_pending`), each raising the
+error the immediate check raises, before any ring or pool is written."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvdiet.config import load_config
-from kvdiet.formats import fp8, native
+from kvdiet.formats import fp4, fp8, mxfp4, native
 from kvdiet.formats.codec import CacheCodecs
-from kvdiet.formats.scales import run_checks
+from kvdiet.formats.scales import PendingCheck, run_checks
+from kvdiet.model.index_scores import StoredKeys, index_scores_each
 from kvdiet.model.transformer import Transformer
 
 _READS = (
@@ -28,9 +29,11 @@ _READS = (
     torch.Tensor.nonzero,
     torch.nonzero,
 )
-HOST_READS = 62
+HOST_READS = 28
 """Host reads of the counted v4.1-micro step below (92 when each window read checked its slots and values at
-once: 36 of them inside `Codec.read_window`)."""
+once: 36 of them inside `Codec.read_window`; 58 when the index queries, the index keys scored, the main-KV
+entries gathered and the compressors' entries were checked at once: 26 of them in `block_amax` and
+`check_scale_bytes`, 6 in `index_scores`, 1 in `select_candidate_blocks`)."""
 
 
 class _CountReads(TorchFunctionMode):
@@ -77,16 +80,19 @@ def _states(m: Transformer, lengths=(13, 30)):
 
 def test_a_torch_decode_step_reads_the_host_a_bounded_number_of_times(micro: Transformer) -> None:
     """Two requests, one step: no host read inside the window reads (slots in range by construction, value
-    checks read once per batch of layers), at most `HOST_READS` in all."""
+    checks read once per batch of layers), none to check values or size the index scores, at most `HOST_READS`
+    in all."""
     states = _states(micro)
     micro.decode(states, [5, 6])
     count = _CountReads()
     with count, torch.no_grad():
         micro.decode(states, [7, 8])
     assert count.sites["inside read_window"] == 0, count.sites
-    # the window checks: before the compressors of layers 1, 3 and 5 change their tails, before the indexer
-    # queries of layers 1, 3, 5 and 7, and before the rings are written (one read each)
-    assert count.sites["run_checks"] == 8, count.sites
+    # the checks are read at the compressors of layers 1, 3 and 5 (before their tails change, and before they
+    # write entries) and before the rings are written
+    assert count.sites["run_checks"] == 7, count.sites
+    deferred = {"block_amax", "check_scale_bytes", "index_scores", "select_candidate_blocks", "_gather_main"}
+    assert not deferred & set(count.sites), count.sites
     assert sum(n for site, n in count.sites.items() if site != "inside read_window") <= HOST_READS, (
         count.sites
     )
@@ -267,3 +273,184 @@ def test_a_decode_plan_refuses_rings_of_another_shape(micro: Transformer) -> Non
         match=r"^request 2's window rings are \[9, 4, 66\] in 9 layer views, request 0's \[9, 8, 66\]$",
     ):
         DecodePlan.for_segments(segs)
+
+
+_FP4_CODECS = [
+    (fp4.encode_main_kv, fp4.decode_main_kv, "fp4_e2m1_e4m3x16", 64, (1, 126), (0, 127, 255)),
+    (mxfp4.encode_index_key, mxfp4.decode_index_key, "mxfp4", 32, (1, 252), (0, 253, 255)),
+]
+
+
+@pytest.mark.parametrize("env", [None, "0"], ids=["compiled", "pure"])
+@pytest.mark.parametrize(
+    ("encode", "decode", "name", "dim", "valid", "bad_bytes"), _FP4_CODECS, ids=["fp4", "mxfp4"]
+)
+def test_fp4_pending_checks_raise_the_immediate_errors_and_keep_valid_bits(
+    monkeypatch, env, encode, decode, name, dim, valid, bad_bytes
+) -> None:
+    """FP4 main-KV and MXFP4 index-key encode and decode with ``pending``: valid input gives the same bits with no
+    host read on the torch path, a failing value becomes bytes in the written ranges (finite values) with the
+    other rows' bytes unchanged, and the check raises the immediate error (a compiled kernel that finds a failing
+    value hands the rows to the torch path)."""
+    if env:
+        monkeypatch.setenv(native.ENV, env)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, dim, generator=gen) * torch.tensor([0.0, 1e-30, 1.0, 1e37, 7.0])[:, None]
+    packed = encode(x)
+    checks: list = []
+    count = _CountReads()
+    with count:
+        assert torch.equal(encode(x, pending=checks), packed)
+        values = decode(packed, pending=checks)
+    assert torch.equal(values.view(torch.int32), decode(packed).view(torch.int32))
+    assert not count.sites if env else len(checks) == 0
+    run_checks(checks)  # nothing failed
+    assert len(checks) == (2 if env else 0) and not any(bool(c.failed) for c in checks)
+    scale_at = packed.shape[1] - dim // (16 if name.startswith("fp4") else 32)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[3, dim // 2 + 1] = bad
+        checks = []
+        out = encode(y, pending=checks)
+        assert torch.equal(out[[0, 1, 2, 4]], packed[[0, 1, 2, 4]])
+        assert ((out[:, scale_at:] >= valid[0]) & (out[:, scale_at:] <= valid[1])).all()
+        assert torch.isfinite(decode(out)).all()
+        want = rf"^{name}: input holds a non-finite .* in row 3$"
+        with pytest.raises(ValueError, match=want):
+            encode(y)
+        with pytest.raises(ValueError, match=want):
+            run_checks(checks)
+    for byte in bad_bytes:
+        corrupt = packed.clone()
+        corrupt[2, scale_at] = byte
+        checks = []
+        values = decode(corrupt, pending=checks)
+        assert torch.isfinite(values).all() and torch.equal(
+            values[[0, 1, 3, 4]], decode(packed)[[0, 1, 3, 4]]
+        )
+        # the byte read clamped into the range: the values of the entry holding the range's nearest end
+        clamped = corrupt.clone()
+        clamped[2, scale_at] = min(max(byte, valid[0]), valid[1])
+        assert torch.equal(values[2], decode(clamped)[2])
+        want = rf"^{name}: stored scale byte {byte} is outside the written range \({valid[0]}, {valid[1]}\)$"
+        with pytest.raises(ValueError, match=want):
+            decode(corrupt)
+        with pytest.raises(ValueError, match=want):
+            run_checks(checks)
+
+
+def _index_case():
+    gen = torch.Generator().manual_seed(5)
+    q = mxfp4.decode_index_key(mxfp4.encode_index_key(torch.randn(2, 2, 64, generator=gen)))
+    w = torch.rand(2, 2, generator=gen)
+    keys = [StoredKeys.contiguous(mxfp4.encode_index_key(torch.randn(n, 64, generator=gen))) for n in (9, 20)]
+    return q, w, keys, torch.tensor([7, 20])
+
+
+def test_index_scores_with_pending_read_nothing_and_raise_the_immediate_error(monkeypatch) -> None:
+    """The torch path's scores with ``pending`` and host limits: the same bits, no host read; a visible entry's bad
+    scale byte reads clamped (finite scores) and its check raises the immediate error; an entry past the limit
+    is not checked."""
+    monkeypatch.setenv(native.ENV, "0")
+    q, w, keys, limit = _index_case()
+    want = index_scores_each(q, w, keys, None, limit)
+    checks: list = []
+    count = _CountReads()
+    with count:
+        got = index_scores_each(q, w, keys, None, limit, host_limit=[7, 20], pending=checks)
+    assert not count.sites and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    run_checks(checks)
+    keys[0].rows[8, 32] = 0  # entry 8 of request 0: past its limit 7, never read
+    keys[1].rows[4, 32] = (
+        252  # entry 4 of request 1 (visible) at the top of the range: its scores when clamped
+    )
+    at_top = index_scores_each(q, w, keys, None, limit)
+    assert torch.equal(at_top[0].view(torch.int32), want[0].view(torch.int32))
+    keys[1].rows[4, 32] = 255
+    msg = r"^mxfp4: stored scale byte 255 is outside the written range \(1, 252\)$"
+    with pytest.raises(ValueError, match=msg):
+        index_scores_each(q, w, keys, None, limit)
+    checks = []
+    got = index_scores_each(q, w, keys, None, limit, host_limit=[7, 20], pending=checks)
+    assert not torch.isnan(got).any() and torch.equal(got.view(torch.int32), at_top.view(torch.int32))
+    assert torch.equal(got[1, :4], want[1, :4]) and torch.equal(got[1, 5:], want[1, 5:])
+    with pytest.raises(ValueError, match=msg):
+        run_checks(checks)
+
+
+def test_index_scores_on_the_compiled_path_raise_after_the_earlier_pending_checks(monkeypatch) -> None:
+    """The compiled kernel checks as it scores and raises its own error at once, after ``pending``'s checks: an
+    earlier failed check's error comes first, as the immediate checks would order them."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    assert native.fp4_kernels() is not None, "the compiled kernels did not build"
+    q, w, keys, limit = _index_case()
+    keys[1].rows[4, 32] = 0
+    with pytest.raises(ValueError, match=r"^index key entry 4 holds a scale byte outside 1\.\.252$"):
+        index_scores_each(q, w, keys, None, limit, pending=[])
+    earlier = PendingCheck(torch.tensor(True), lambda: ValueError("earlier"))
+    with pytest.raises(ValueError, match=r"^earlier$"):
+        index_scores_each(q, w, keys, None, limit, pending=[earlier])
+
+
+def _pools_of(states):
+    pages = [{k: t.clone() for k, t in s.table.pool.pages().items()} for s in states]
+    return pages, [
+        {layer: (len(s.main[layer]), len(s.index_keys[layer])) for layer in s.main} for s in states
+    ]
+
+
+def _assert_pools_untouched(states, before, layers) -> None:
+    """The pages and the stores' lengths of KV-source ``layers`` are as ``before`` (`_pools_of`)."""
+    pages, lengths = before
+    for s, p, n in zip(states, pages, lengths, strict=True):
+        for layer in layers:
+            assert (len(s.main[layer]), len(s.index_keys[layer])) == n[layer], layer
+        for (layer, kind), t in s.table.pool.pages().items():
+            if layer in layers:
+                assert torch.equal(t, p[(layer, kind)]), (layer, kind)
+
+
+def _stored_rows(store) -> torch.Tensor:
+    """The pool rows (int64 [N]) of one store's entries."""
+    keys = StoredKeys.of(store)
+    ids = torch.arange(keys.num_entries)
+    return keys.table[ids // keys.per_block] * keys.per_block + ids % keys.per_block
+
+
+@pytest.mark.parametrize("kind", ["index", "main"])
+def test_a_decode_step_raises_a_corrupt_stored_entry_before_a_later_layer_writes(
+    micro_both: Transformer, kind
+):
+    """A scale byte out of range in request 1's index keys (scored by layers 3 and 4) or main-KV entries (gathered
+    by them) of layer 3: the step raises the immediate error at the next check (layer 5's compressor) and writes
+    neither layer 5's entries nor any ring."""
+    m = micro_both
+    states = _states(m)
+    store = states[1].index_keys[3] if kind == "index" else states[1].main[3]
+    rows = store.table.pool.rows(3, kind)
+    scale_at = 16 if kind == "index" else 32  # the first scale byte (index head dim 32, head dim 64)
+    rows[_stored_rows(store), scale_at] = 0
+    before, rings, tokens = _pools_of(states), _rings_of(states), [s.num_tokens for s in states]
+    if kind == "main":
+        msg = r"^fp4_e2m1_e4m3x16: stored scale byte 0 is outside the written range \(1, 126\)$"
+    elif native.fp4_kernels() is not None:
+        msg = r"^index key entry \d+ holds a scale byte outside 1\.\.252$"
+    else:
+        msg = r"^mxfp4: stored scale byte 0 is outside the written range \(1, 252\)$"
+    with pytest.raises(ValueError, match=msg):
+        m.decode(states, [5, 6])
+    _assert_untouched(states, rings, tokens, failed_layer=4)  # layer 4 read the entries last
+    _assert_pools_untouched(states, before, (5,))
+
+
+def test_a_compressors_non_finite_entry_raises_before_any_of_its_entries_is_written(micro_both: Transformer):
+    """Layer 3's compressor encodes a NaN row: its index keys' and main entries' checks are read once, before
+    either is written, raising the immediate error (the index keys' first)."""
+    m = micro_both
+    states = _states(m, (13, 29))  # both requests close a group of 2 in this step
+    with torch.no_grad():
+        m.layers[3].attn.compressor.wkv.weight[0] = float("nan")
+    before = _pools_of(states)
+    with pytest.raises(ValueError, match=r"^mxfp4: input holds a non-finite .* in row 0$"):
+        m.decode(states, [5, 6])
+    _assert_pools_untouched(states, before, (3, 5))

@@ -48,7 +48,9 @@ class Codec:
         fused_read: `read_window` in one call (``fp8.read_window``), or None where it returns None (then, and
             for codecs without one, `read_window` runs ``encode`` / ``decode`` and torch ops).
         defers: ``encode`` and ``decode`` take ``pending=``, a list to append their value checks to as
-            `PendingCheck` instead of reading them (``fp8.encode_window``, ``fp8.decode_window``).
+            `PendingCheck` instead of reading them (the packed codecs of `CacheCodecs.for_dims`:
+            ``fp8.encode_window``, ``fp4.encode_main_kv``, ``mxfp4.encode_index_key`` and their decodes);
+            `encode_deferred` / `decode_deferred` pass it where it is taken.
     """
 
     name: str
@@ -119,8 +121,7 @@ class Codec:
                 raise ValueError(
                     f"{self.name}: window slots must lie in [0, {int(sizes[i])}), got {lo}..{hi} (request {i})"
                 )
-        checks = pending if self.defers else None
-        encoded = self._encode(kv, checks)  # [B, width]
+        encoded = self.encode_deferred(kv, pending)  # [B, width]
         b, n = slots.shape
         rows = torch.empty(b, n + 1, self.width, dtype=encoded.dtype, device=kv.device)
         # rows picked by index_select (uint8 gather and where are ~15x slower on the CPU)
@@ -130,13 +131,31 @@ class Codec:
         if held is not None:  # a slot not held reads the new entry
             older = rows[:, :-1]
             older.copy_(torch.where(held[..., None], older, encoded[:, None]))
-        keys = self.decode(rows) if checks is None else self.decode(rows, pending=checks)
+        keys = self.decode_deferred(rows, pending)
         # keys[:, -1] decodes bytes encode wrote: finite, its check would never fail (a throwaway list)
-        return keys, self._encode(keys[:, -1], [] if self.defers else None)
+        return keys, self.encode_deferred(keys[:, -1], [])
 
-    def _encode(self, x: torch.Tensor, pending: list[PendingCheck] | None) -> torch.Tensor:
-        """``encode(x)``, its check appended to ``pending`` when that is a list (a codec that ``defers``)."""
-        return self.encode(x) if pending is None else self.encode(x, pending=pending)
+    def encode_deferred(self, x: torch.Tensor, pending: list[PendingCheck] | None) -> torch.Tensor:
+        """``encode(x)`` with its value check (a non-finite row) appended to ``pending`` (no host read; the row
+        is encoded as finite bytes until the caller runs it, `run_checks`) where that is a list and the codec
+        ``defers``; else checked now.
+
+        Raises:
+            ValueError: as ``encode`` (``pending`` None, or a codec that does not defer).
+        """
+        return self.encode(x, pending=pending) if self.defers and pending is not None else self.encode(x)
+
+    def decode_deferred(self, rows: torch.Tensor, pending: list[PendingCheck] | None) -> torch.Tensor:
+        """``decode(rows)`` with its value check (a stored scale byte outside the written range) appended to
+        ``pending`` (no host read; the byte reads clamped into the range until the caller runs it, `run_checks`)
+        where that is a list and the codec ``defers``; else checked now.
+
+        Raises:
+            ValueError: as ``decode`` (``pending`` None, or a codec that does not defer).
+        """
+        return (
+            self.decode(rows, pending=pending) if self.defers and pending is not None else self.decode(rows)
+        )
 
     @property
     def bytes_per_entry(self) -> int:
@@ -188,8 +207,8 @@ class CacheCodecs:
         if exact:
             return cls(exact_codec(head_dim), exact_codec(index_head_dim), exact_codec(head_dim))
         return cls(
-            packed_codec(main_kv_format(head_dim), fp4, "main_kv"),
-            packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"),
+            packed_codec(main_kv_format(head_dim), fp4, "main_kv", defers=True),
+            packed_codec(index_key_format(index_head_dim), mxfp4, "index_key", defers=True),
             packed_codec(window_format(head_dim), fp8, "window", fused_read=fp8.read_window, defers=True),
         )
 
@@ -224,4 +243,4 @@ class CacheCodecs:
             functools.partial(v4_record.encode_v4_record, rope_dim=rope_dim),
             functools.partial(v4_record.decode_v4_record, rope_dim=rope_dim),
         )
-        return cls(v4, packed_codec(index_key_format(index_head_dim), mxfp4, "index_key"), v4)
+        return cls(v4, packed_codec(index_key_format(index_head_dim), mxfp4, "index_key", defers=True), v4)

@@ -47,6 +47,7 @@ from kvdiet.formats import e2m1, native
 from kvdiet.formats.layout import EntryFormat, main_kv_format
 from kvdiet.formats.scales import (
     E4M3_SCALE_BYTES,
+    PendingCheck,
     as_rows,
     block_amax,
     check_codes_and_scales,
@@ -127,10 +128,13 @@ def _setup(x: Tensor, r: Fp4Recipe) -> tuple[Tensor, EntryFormat, Tensor, Tensor
     )
 
 
-def _quantize_chunk(xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: int) -> tuple[Tensor, Tensor]:
-    # xc: [rows, dim] -> (int32 codes [rows, dim] living in ybuf, scale bytes [rows, dim/block])
+def _quantize_chunk(
+    xc: Tensor, r: Fp4Recipe, ybuf: Tensor, work: Tensor, row: int, pending: list[PendingCheck] | None = None
+) -> tuple[Tensor, Tensor]:
+    # xc: [rows, dim] -> (int32 codes [rows, dim] living in ybuf, scale bytes [rows, dim/block]); pending: as
+    # `block_amax` (a non-finite value's block gets a finite scale; e2m1 clamps a non-finite value to ±6)
     xb = xc.view(xc.shape[0], -1, r.block)
-    s, scale_bytes = r.scale(block_amax(xb, work, name=r.name, first_row=row))
+    s, scale_bytes = r.scale(block_amax(xb, work, name=r.name, first_row=row, pending=pending))
     y = ybuf[: xc.numel()].view(xb.shape)
     if xc.dtype == torch.float32:
         torch.div(xb, s.unsqueeze(-1), out=y)
@@ -151,24 +155,32 @@ def quantize_fp4(x: Tensor, *, recipe: Fp4Recipe) -> tuple[Tensor, Tensor]:
     return codes.view(x.shape), scales.view(*x.shape[:-1], fmt.num_scales)
 
 
-def encode_fp4(x: Tensor, *, recipe: Fp4Recipe) -> Tensor:
+def encode_fp4(x: Tensor, *, recipe: Fp4Recipe, pending: list[PendingCheck] | None = None) -> Tensor:
     """Fused ``pack_fp4(*quantize_fp4(x))``: ``x [..., dim]`` → uint8 entries ``[..., bytes_per_entry]``.
 
     Runs the compiled kernels (``native``, CPU tensors only) when available, else the pure-torch chunks (on
-    any device); the bytes are equal.
+    any device); the bytes are equal. ``pending``: None raises a non-finite row's error now (one host read per
+    chunk of rows on the pure-torch path); a list gets that check appended instead (`scales.block_amax`, no
+    host read; a compiled kernel that finds one hands the rows to the pure-torch chunks) and a non-finite row
+    is encoded as bytes within the written ranges (finite when decoded); finite rows' bytes are the same.
+
+    Raises:
+        ValueError: ``x`` holds ±inf or NaN, naming the first such row (``pending`` None); as `as_rows`.
     """
     kernels = native.fp4_kernels() if x.device.type == "cpu" else None
     if kernels is not None:
         rows = as_rows(x, block=recipe.block, name=recipe.name)
         packed = torch.empty(rows.shape[0], recipe.entry(rows.shape[1]).bytes_per_entry, dtype=torch.uint8)
-        if rows.shape[0] and (bad := kernels.encode_fp4(rows, recipe.kernel, packed)) >= 0:
+        bad = kernels.encode_fp4(rows, recipe.kernel, packed) if rows.shape[0] else -1
+        if bad < 0:
+            return packed.view(*x.shape[:-1], packed.shape[1])
+        if pending is None:
             raise non_finite_error(recipe.name, bad)
-        return packed.view(*x.shape[:-1], packed.shape[1])
     rows, fmt, ybuf, work = _setup(x, recipe)
     packed = torch.empty(rows.shape[0], fmt.bytes_per_entry, dtype=torch.uint8, device=rows.device)
     assert fmt.value_bytes + fmt.num_scales == fmt.bytes_per_entry  # no tail, no pad
     for sl in row_chunks(*rows.shape):
-        c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start)
+        c, s = _quantize_chunk(rows[sl], recipe, ybuf, work, sl.start, pending)
         e2m1.pack_codes_(c, packed[sl, : fmt.value_bytes], work)
         packed[sl, fmt.scale_offset :].copy_(s)
     return packed.view(*x.shape[:-1], fmt.bytes_per_entry)
@@ -202,11 +214,21 @@ def dequantize_fp4(codes: Tensor, scales: Tensor, *, recipe: Fp4Recipe, dtype: t
     return decode_rows(*c2.shape, fill, dtype=dtype, name=recipe.name, device=codes.device).view(codes.shape)
 
 
-def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tensor:
+def decode_fp4(
+    packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype, pending: list[PendingCheck] | None = None
+) -> Tensor:
     """Fused ``dequantize_fp4(*unpack_fp4(packed))``: entries → ``dtype`` ``[..., dim]``.
 
     Runs the compiled kernels (``native``, CPU tensors only) when available, else the pure-torch chunks (on
-    any device); the values are equal.
+    any device); the values are equal. ``pending``: None raises on a scale byte outside ``recipe.scale_bytes``
+    now (one host read on the pure-torch path); a list gets that check appended instead
+    (`scales.check_scale_bytes`, no host read; a compiled kernel that finds one hands the rows to the
+    pure-torch chunks) and each scale byte is read clamped into the range (finite values; the same values
+    where every byte is in range).
+
+    Raises:
+        ValueError: a scale byte outside ``recipe.scale_bytes`` (``pending`` None); as `entry_of_packed` and
+            `output_dtype`.
     """
     fmt = _entry_of(packed, recipe)
     rows = packed.reshape(-1, fmt.bytes_per_entry)
@@ -216,15 +238,19 @@ def decode_fp4(packed: Tensor, *, recipe: Fp4Recipe, dtype: torch.dtype) -> Tens
         if rows.shape[1] > 1 and rows.stride(1) != 1:
             rows = rows.contiguous()
         lo, hi = recipe.scale_bytes
-        if rows.shape[0] and kernels.decode_fp4(rows, recipe.kernel, lo, hi, out) >= 0:
-            check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)  # raises
-        return out.view(*packed.shape[:-1], fmt.dim)
-    check_scale_bytes(rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name)
+        if not rows.shape[0] or kernels.decode_fp4(rows, recipe.kernel, lo, hi, out) < 0:
+            return out.view(*packed.shape[:-1], fmt.dim)
+    scales = rows[:, fmt.scale_offset :]
+    check_scale_bytes(
+        scales, recipe.scale_bytes, name=recipe.name, pending=pending
+    )  # raises when pending None
+    if pending is not None:  # a corrupt byte, reported later, reads as in range meanwhile (no inf or NaN)
+        scales = scales.clamp(*recipe.scale_bytes)
     table = e2m1.pair_table(rows.device)
 
     def fill(sl: slice, out: Tensor) -> None:
         e2m1.decode_packed_(rows[sl, : fmt.value_bytes], out, table)
-        s = recipe.scale_to_float(rows[sl, fmt.scale_offset :])
+        s = recipe.scale_to_float(scales[sl])
         out.view(-1, fmt.num_scales, recipe.block).mul_(s.unsqueeze(-1))
 
     return decode_rows(rows.shape[0], fmt.dim, fill, dtype=dtype, name=recipe.name, device=rows.device).view(
@@ -274,14 +300,18 @@ def unpack_main_kv(packed: Tensor) -> tuple[Tensor, Tensor]:
     return unpack_fp4(packed, recipe=MAIN_KV)
 
 
-def encode_main_kv(x: Tensor) -> Tensor:
-    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 9·dim/16]``."""
-    return encode_fp4(x, recipe=MAIN_KV)
+def encode_main_kv(x: Tensor, *, pending: list[PendingCheck] | None = None) -> Tensor:
+    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 9·dim/16]``
+    (``pending``: `encode_fp4`)."""
+    return encode_fp4(x, recipe=MAIN_KV, pending=pending)
 
 
-def decode_main_kv(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``."""
-    return decode_fp4(packed, recipe=MAIN_KV, dtype=dtype)
+def decode_main_kv(
+    packed: Tensor, *, dtype: torch.dtype = torch.float32, pending: list[PendingCheck] | None = None
+) -> Tensor:
+    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype`` (``pending``:
+    `decode_fp4`)."""
+    return decode_fp4(packed, recipe=MAIN_KV, dtype=dtype, pending=pending)
 
 
 def fake_quant_main_kv(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -50,7 +50,7 @@ from kvdiet.formats.fp4 import (
     unpack_fp4,
 )
 from kvdiet.formats.layout import index_key_format
-from kvdiet.formats.scales import ue8m0_scale, ue8m0_to_float
+from kvdiet.formats.scales import PendingCheck, ue8m0_scale, ue8m0_to_float
 
 __all__ = [
     "INDEX_KEY",
@@ -105,14 +105,18 @@ def unpack_index_key(packed: Tensor) -> tuple[Tensor, Tensor]:
     return unpack_fp4(packed, recipe=INDEX_KEY)
 
 
-def encode_index_key(x: Tensor) -> Tensor:
-    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 17·dim/32]``."""
-    return encode_fp4(x, recipe=INDEX_KEY)
+def encode_index_key(x: Tensor, *, pending: list[PendingCheck] | None = None) -> Tensor:
+    """Fused quantise + pack (the cache write): ``x [..., dim]`` → entries uint8 ``[..., 17·dim/32]``
+    (``pending``: `fp4.encode_fp4`)."""
+    return encode_fp4(x, recipe=INDEX_KEY, pending=pending)
 
 
-def decode_index_key(packed: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype``."""
-    return decode_fp4(packed, recipe=INDEX_KEY, dtype=dtype)
+def decode_index_key(
+    packed: Tensor, *, dtype: torch.dtype = torch.float32, pending: list[PendingCheck] | None = None
+) -> Tensor:
+    """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype`` (``pending``:
+    `fp4.decode_fp4`)."""
+    return decode_fp4(packed, recipe=INDEX_KEY, dtype=dtype, pending=pending)
 
 
 def fake_quant_index_key(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -46,12 +46,13 @@ class DecodePlan:
 
     Each layer reads its window straight from every request's rings (`WindowRings`, one gather per request),
     with its new entries as the last key, and stages their bytes in ``fresh``; `store_windows` writes each
-    request's new entries of every layer into its rings at the end. The window reads' value checks wait in
-    ``pending`` and are read together (`check_windows`: one host read, a device wait on a GPU) where a later
-    step could change state or check the same values itself: before a compressor's tails change, before the
-    indexer's queries, before a selection observer is called, and before the rings are written. Between those
-    points the layers only compute (projections, attention, the MoE), so a failing window raises its own error
-    with the state as when it was checked at once (its layer's compressor ran before its window read).
+    request's new entries of every layer into its rings at the end. The value checks of the stored bytes the step
+    reads (window rows, index keys scored, main-KV entries gathered) and of the values it encodes (window
+    entries, index queries and keys, main KV) wait in ``pending`` and are read together (`check_pending`: one
+    host read, a device wait on a GPU) before a compressor's tails change, before it writes its entries to the
+    pools, before a selection observer is called, and before the rings are written. Between those points the
+    layers only compute, so a failing check raises its own error, the first in layer order, with the state as
+    when it was checked at once.
 
     Attributes:
         positions: int64 [B], the new row's position per request.
@@ -74,11 +75,12 @@ class DecodePlan:
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
         gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step.
-        visible: ``{kv_src: (each request's `StoredKeys`, limit int64 [B], most entries)}``: the index keys the
-            layers reading ``kv_src`` score and how many each request sees (``min((t+1) // ratio, held)``), taken
-            by the first such layer (after ``kv_src`` itself wrote its new entries: no later layer writes them).
+        visible: ``{kv_src: (each request's `StoredKeys`, limit int64 [B], most entries, limit as host ints)}``:
+            the index keys the layers reading ``kv_src`` score and how many each request sees (``min((t+1) //
+            ratio, held)``), taken by the first such layer (after ``kv_src`` itself wrote its new entries: no
+            later layer writes them).
         candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
-        pending: the window reads' value checks not read yet (`Codec.read_window`'s ``pending``), layer order.
+        pending: the value checks not read yet (`PendingCheck`, in the order the step made them).
     """
 
     positions: torch.Tensor
@@ -93,7 +95,7 @@ class DecodePlan:
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    visible: dict[int, tuple[list[StoredKeys], torch.Tensor, int]] = field(default_factory=dict)
+    visible: dict[int, tuple[list[StoredKeys], torch.Tensor, int, list[int]]] = field(default_factory=dict)
     candidate_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     pending: list[PendingCheck] = field(default_factory=list)
 
@@ -134,12 +136,14 @@ class DecodePlan:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
         return self.rows.rotation(rope, self.positions)
 
-    def check_windows(self) -> None:
+    def check_pending(self) -> None:
         """Read the ``pending`` checks (one host read, none when there are none) and clear them.
 
         Raises:
-            ValueError: the first failed check's error, the one its layer's `Codec.read_window` would raise (a
-                non-finite new key, a held ring row with a scale byte outside the written range, naming it).
+            ValueError: the first failed check's error, the one its immediate check would raise: a non-finite
+                new window key, index query or compressor entry (`Codec.read_window`, `Indexer.queries`,
+                ``Codec.encode``), a stored scale byte outside the written range in a held ring row, a scored
+                index key or a gathered main-KV entry (``Codec.decode``, `index_scores_each`), naming it.
         """
         checks, self.pending = self.pending, []
         run_checks(checks)
@@ -154,11 +158,11 @@ class DecodePlan:
 
         Raises:
             RuntimeError: a layer staged no entries (before any ring is written).
-            ValueError: as `check_windows` (before any ring is written).
+            ValueError: as `check_pending` (before any ring is written).
         """
         if any(f is None for f in self.fresh):
             raise RuntimeError("store_windows before every layer staged its window entries")
-        self.check_windows()
+        self.check_pending()
         WindowRings.store_steps(self.rings, torch.stack(self.fresh), [seg.state.num_tokens for seg in segs])
 
 
@@ -190,7 +194,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     if mods.get("indexer") is not None:
         _select(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
-        plan.check_windows()  # the observer sees only checked values
+        plan.check_pending()  # the observer sees the top-k only of checked values
         idx, valid = plan.topk[info.idx_src]
         for b, seg in enumerate(segs):
             k = min(attn.index_topk, len(seg.state.main[info.kv_src]))
@@ -228,15 +232,15 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
 
 def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: DecodePlan) -> None:
     """The compressor of a KV-source layer over the batch: each request's tail takes its row, and the groups
-    completed in this step become index keys and main-KV entries (computed together, stored per request).
-    The earlier layers' window checks run first (`DecodePlan.check_windows`): no tail changes and nothing here
-    encodes their values before them, so a failing window raises where it raised when read at once.
+    completed in this step become index keys and main-KV entries (computed together, stored per request). The
+    earlier checks are read first (`DecodePlan.check_pending`: no tail changes before them); the encodes' checks
+    join the step's ``pending`` ones, read once before the entries are written.
 
     Raises:
-        ValueError: as `DecodePlan.check_windows`, or a tail does not end at its request's position, or a new
+        ValueError: as `DecodePlan.check_pending`, or a tail does not end at its request's position, or a new
             entry would leave a gap.
     """
-    plan.check_windows()
+    plan.check_pending()
     pos = plan.positions
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
@@ -261,8 +265,9 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
     latent = comp.norm(kv)
     gids = torch.div(_rows(pos, done), r, rounding_mode="floor")
     rot = attn.rope.at(gids * r)  # each group's first position
-    keys = attn.codecs.index_key.encode(attn.indexer.keys(latent, rot))
-    main = attn.codecs.main.encode(attn.compressed_entries(latent, rot))
+    keys = attn.codecs.index_key.encode_deferred(attn.indexer.keys(latent, rot), plan.pending)
+    main = attn.codecs.main.encode_deferred(attn.compressed_entries(latent, rot), plan.pending)
+    plan.check_pending()  # before any entry is written
     # a replay never rewrites held entries; the new ones go in one copy per kind
     new = [m for m, b in enumerate(done) if segs[b].state.main[layer].is_next(segs[b].state.num_tokens // r)]
     states = [segs[done[m]].state for m in new]
@@ -280,8 +285,7 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _select(
     attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan, rot: Rotation
 ) -> None:
-    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan, after the
-    window checks so far (`DecodePlan.check_windows`: the queries' round trip checks its values too).
+    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
 
     Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
     the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
@@ -289,17 +293,18 @@ def _select(
     at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
     pool (each its own run of it), else one call per request.
     """
-    plan.check_windows()
     info = attn.info
-    q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key)
-    keys, limit, n = _visible(plan, segs, info.kv_src, info.compress_ratio)
-    tables = plan.tables
+    q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key, pending=plan.pending)
+    keys, limit, n, host_limit = _visible(plan, segs, info.kv_src, info.compress_ratio)
+    tables, pending = plan.tables, plan.pending
     if info.candidate != "consumer":
         if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
             off = tables.offsets(info.kv_src)
-            scores = index_scores_runs(q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n)
+            scores = index_scores_runs(
+                q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n, pending=pending
+            )
         else:
-            scores = index_scores_each(q_idx, w, keys, None, limit)
+            scores = index_scores_each(q_idx, w, keys, None, limit, host_limit=host_limit, pending=pending)
         if info.candidate == "source":
             plan.candidates = select_candidate_blocks(
                 scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
@@ -315,29 +320,31 @@ def _select(
     if tables.shared is not None and len(segs) > 1:
         off = tables.offsets(info.kv_src)
         shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty
-        scores = index_scores_at(q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off)
+        scores = index_scores_at(
+            q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off, pending=pending
+        )
     else:
-        scores = index_scores_each(q_idx, w, keys, entries, limit)
+        scores = index_scores_each(q_idx, w, keys, entries, limit, pending=pending)
     plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
 
 
 def _visible(
     plan: DecodePlan, segs: list[Segment], kv_src: int, ratio: int
-) -> tuple[list[StoredKeys], torch.Tensor, int]:
+) -> tuple[list[StoredKeys], torch.Tensor, int, list[int]]:
     """``plan.visible[kv_src]``, taken on the first call of the step: each request's index keys of ``kv_src``
     (none when the requests share a pool and are scored in one call over it, `BatchTables.keys`), how many it
-    sees (`visible_entries`: a prefix of its own entries, ``min((t + 1) // ratio, held)``, int64 [B]) and the
-    most entries any request holds."""
+    sees (`visible_entries`: a prefix of its own entries, ``min((t + 1) // ratio, held)`` with t its
+    ``num_tokens``, the new row's position; int64 [B]), the most entries any request holds, and the counts as
+    host ints (computed there, copied to the device: no host read)."""
     got = plan.visible.get(kv_src)
     if got is None:
         stores = [seg.state.index_keys[kv_src] for seg in segs]
         lengths = [len(s) for s in stores]
-        pos = plan.positions
-        limit = torch.minimum(
-            torch.div(pos + 1, ratio, rounding_mode="floor"), torch.tensor(lengths, device=pos.device)
-        )
+        host = [min((seg.state.num_tokens + 1) // ratio, n) for seg, n in zip(segs, lengths, strict=True)]
+        limit = torch.tensor(host, device=plan.positions.device)
         each = plan.tables.shared is None or len(segs) == 1
-        got = plan.visible[kv_src] = ([StoredKeys.of(s) for s in stores] if each else [], limit, max(lengths))
+        stored = [StoredKeys.of(s) for s in stores] if each else []
+        got = plan.visible[kv_src] = (stored, limit, max(lengths), host)
     return got
 
 
@@ -351,16 +358,12 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
     stores = [seg.state.main[info.kv_src] for seg in segs]
     ks = [min(attn.index_topk, len(s)) for s in stores]  # request b's own top-k: its first ks[b] columns
     full = all(k == width for k in ks)
-    if full:
-        at = None
-    else:
-        at = (
-            (torch.arange(width, device=dev)[None, :] < torch.tensor(ks, device=dev)[:, None])
-            .flatten()
-            .nonzero()[:, 0]
-        )
-        if not at.numel():
-            return torch.zeros(b, width, codec.dim, device=dev), valid
+    if not full and not any(ks):
+        return torch.zeros(b, width, codec.dim, device=dev), valid
+    # the flat positions of each request's own columns, from host ints (no host read)
+    at = None
+    if not full:
+        at = torch.cat([torch.arange(i * width, i * width + min(k, width)) for i, k in enumerate(ks)]).to(dev)
     slots = plan.tables.slots(info.kv_src, idx)
     if plan.tables.shared is not None:
         flat = slots.flatten()
@@ -374,8 +377,9 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
                 for i, p in enumerate(plan.tables.pools)
             ]
         )
+    # the stored bytes' check joins the step's pending ones (run before any write)
     if at is None:
-        return codec.decode(raw).view(b, width, codec.dim), valid
+        return codec.decode_deferred(raw, plan.pending).view(b, width, codec.dim), valid
     out = torch.zeros(b * width, codec.dim, device=dev)
-    out[at] = codec.decode(raw)
+    out[at] = codec.decode_deferred(raw, plan.pending)
     return out.view(b, width, codec.dim), valid

@@ -23,6 +23,10 @@ are scored with it, on either path, from packed or decoded keys (an MXFP4 value 
 The pure-torch path (``KVDIET_NATIVE_KERNELS=0``, non-CPU tensors, or a failed build) computes the same
 order with whole-tensor ops and gives the same bits (a NaN score at the same place, its sign bit not always the
 same). Entries a query may not see score −inf.
+
+A decode step passes ``pending`` (a list of `PendingCheck`): the pure-torch path then reads no stored scale byte's
+check on the host (it is appended there, the byte read clamped into range meanwhile: finite scores), and a caller
+that knows each query's visible entries on the host passes them (``host_limit``) so that none is read either.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.formats.mxfp4 import decode_index_key
+from kvdiet.formats.scales import PendingCheck, run_checks
 
 if TYPE_CHECKING:
     from kvdiet.model.state import PagedEntries
@@ -76,17 +81,26 @@ class StoredKeys:
         rows = store.table.pool.rows(store.layer, store.kind)
         return cls(rows, store.table.tensor().to(rows.device), store.per_block, len(store))
 
-    def decoded(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 [M, d] values of entries ``ids`` int64 [M] (each in [0, N)).
+    def decoded(self, ids: torch.Tensor, *, pending: list[PendingCheck] | None = None) -> torch.Tensor:
+        """fp32 [M, d] values of entries ``ids`` int64 [M] (each in [0, N)); ``pending``: as
+        ``mxfp4.decode_index_key``'s (the scale-byte check appended, not read).
 
         Raises:
-            ValueError: a packed entry holds a scale byte outside 1..252.
+            ValueError: a packed entry holds a scale byte outside 1..252 (``pending`` None).
         """
         rows = self.rows[self.table[ids // self.per_block] * self.per_block + ids % self.per_block]
-        return decode_index_key(rows) if rows.dtype == torch.uint8 else rows.float()
+        return decode_index_key(rows, pending=pending) if rows.dtype == torch.uint8 else rows.float()
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torch.Tensor) -> torch.Tensor:
+def index_scores(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: StoredKeys,
+    limit: torch.Tensor,
+    *,
+    host_limit: Sequence[int] | None = None,
+    pending: list[PendingCheck] | None = None,
+) -> torch.Tensor:
     """Scores of every entry: fp32 [Q, N], −inf at entries ``j ≥ limit[t]``.
 
     Args:
@@ -94,24 +108,33 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torc
         w: fp32 [Q, H] head weights (already scaled).
         keys: the stored keys (N entries).
         limit: int64 [Q] entries visible to each query (a prefix; `kvdiet.model.selection.visible_entries`).
+        host_limit: None, or ``limit``'s Q values as host ints (the caller's own, equal to them): the pure-torch
+            path takes the entries to score from them instead of reading ``limit`` (a host read).
+        pending: None checks the visible packed entries' scale bytes now; a list gets that check appended
+            (`PendingCheck`, no host read on the pure-torch path) and a failing byte reads clamped into 1..252
+            meanwhile. The compiled kernel, which checks as it scores, runs ``pending``'s earlier checks
+            (`run_checks`, their error first) and then raises its own.
     Raises:
-        ValueError: a visible packed entry holds a scale byte outside 1..252; keys of another head dim than q
-            (`StoredKeys` rows neither uint8 [R, 17·d/32] nor floating-point [R, d]); w not [Q, H] or limit not
-            [Q].
+        ValueError: a visible packed entry holds a scale byte outside 1..252 (see ``pending``); keys of another
+            head dim than q (`StoredKeys` rows neither uint8 [R, 17·d/32] nor floating-point [R, d]); w not
+            [Q, H] or limit not [Q].
     """
     _check_inputs(q, w, limit, [keys])
     n = keys.num_entries
     limit = limit.clamp(0, n)
-    out = _native(q, w, keys, limit, None, n)
+    out = _native(q, w, keys, limit, None, n, pending=pending)
     if out is not None:
         return out
     qn, h, d = q.shape
     out = torch.full((qn, n), float("-inf"), device=q.device)
-    reach = int(limit.max()) if qn else 0
+    # the entries any query sees: from the caller's host ints where given (no host read)
+    reach = (
+        min(max(max(host_limit), 0), n) if host_limit is not None and qn else int(limit.max()) if qn else 0
+    )
     cols = max(1, min(reach, _TORCH_BUDGET // (h * d)))
     for c0 in range(0, reach, cols):
         c1 = min(reach, c0 + cols)
-        k = keys.decoded(torch.arange(c0, c1, device=q.device))[None]
+        k = keys.decoded(torch.arange(c0, c1, device=q.device), pending=pending)[None]
         rows = max(1, _TORCH_BUDGET // (h * d * (c1 - c0)))
         for s in range(0, qn, rows):
             out[s : s + rows, c0:c1] = _ordered_scores(q[s : s + rows], w[s : s + rows], k)
@@ -119,20 +142,26 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, limit: torc
 
 
 def index_scores_at(
-    q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, entries: torch.Tensor, limit: torch.Tensor
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: StoredKeys,
+    entries: torch.Tensor,
+    limit: torch.Tensor,
+    *,
+    pending: list[PendingCheck] | None = None,
 ) -> torch.Tensor:
     """Scores of the entries each query names: fp32 [Q, C], −inf where ``entries[t, c]`` is < 0 or ≥ ``limit[t]``.
 
     Args:
-        q, w, keys, limit: as `index_scores`.
+        q, w, keys, limit, pending: as `index_scores`.
         entries: int64 [Q, C] entry ids per query (−1 for an empty slot).
     Raises:
-        ValueError: a visible named packed entry holds a scale byte outside 1..252; keys, w and limit as
-            `index_scores`; entries not [Q, C].
+        ValueError: a visible named packed entry holds a scale byte outside 1..252 (see ``pending``); keys, w
+            and limit as `index_scores`; entries not [Q, C].
     """
     _check_inputs(q, w, limit, [keys], entries)
     limit = limit.clamp(0, keys.num_entries)
-    out = _native(q, w, keys, limit, entries, entries.shape[1])
+    out = _native(q, w, keys, limit, entries, entries.shape[1], pending=pending)
     if out is not None:
         return out
     qn, h, d = q.shape
@@ -142,7 +171,7 @@ def index_scores_at(
     for s in range(0, qn, rows):
         e, m = entries[s : s + rows], ok[s : s + rows]
         k = torch.zeros(*e.shape, d, device=q.device)
-        k[m] = keys.decoded(e[m])
+        k[m] = keys.decoded(e[m], pending=pending)
         out[s : s + rows] = _ordered_scores(q[s : s + rows], w[s : s + rows], k).masked_fill_(
             ~m, float("-inf")
         )
@@ -150,14 +179,21 @@ def index_scores_at(
 
 
 def index_scores_runs(
-    q: torch.Tensor, w: torch.Tensor, keys: StoredKeys, offsets: torch.Tensor, limit: torch.Tensor, width: int
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: StoredKeys,
+    offsets: torch.Tensor,
+    limit: torch.Tensor,
+    width: int,
+    *,
+    pending: list[PendingCheck] | None = None,
 ) -> torch.Tensor:
     """Scores of every entry of each query's own run of one table (a batch's requests in one pool): fp32
     [Q, width], row t entry c scoring entry ``offsets[t] + c`` of ``keys``, −inf at ``c ≥ limit[t]``. The same
     numbers as `index_scores_each` with ``entries`` None over each run as its own keys, in one kernel call.
 
     Args:
-        q, w: as `index_scores`.
+        q, w, pending: as `index_scores`.
         keys: the shared keys (`kvdiet.model.batch_tables.BatchTables.keys`).
         offsets: int64 [Q] each query's first entry (`BatchTables.offsets`).
         limit: int64 [Q] entries of its run visible to each query, at most the run's own entries (no query may
@@ -184,7 +220,7 @@ def index_scores_runs(
         raise ValueError(
             f"a run of entries starts before 0 or reaches past the {keys.num_entries} entries held"
         )
-    out = _native(q, w, keys, limit, None, width, offsets=offsets)
+    out = _native(q, w, keys, limit, None, width, offsets=offsets, pending=pending)
     if out is not None:
         return out
     # the torch path: named entries, a column chunk at a time (index_scores_at splits only rows)
@@ -193,7 +229,7 @@ def index_scores_runs(
     for c0 in range(0, width, step):
         cols = torch.arange(c0, min(width, c0 + step), device=q.device)[None, :]
         entries = torch.where(cols < limit[:, None], offsets[:, None] + cols, -1)
-        out[:, c0 : c0 + step] = index_scores_at(q, w, keys, entries, offsets + limit)
+        out[:, c0 : c0 + step] = index_scores_at(q, w, keys, entries, offsets + limit, pending=pending)
     return out
 
 
@@ -203,6 +239,9 @@ def index_scores_each(
     keys: Sequence[StoredKeys],
     entries: torch.Tensor | None,
     limit: torch.Tensor,
+    *,
+    host_limit: Sequence[int] | None = None,
+    pending: list[PendingCheck] | None = None,
 ) -> torch.Tensor:
     """`index_scores_at` of each query against its own keys (``keys[t]``: one request's stored keys in a batch):
     fp32 [Q, C], the same numbers as Q calls of one query each, written in place (one kernel call per query, no
@@ -211,7 +250,8 @@ def index_scores_each(
     ``entries`` None scores every entry as `index_scores` does, with no per-entry ids: row t holds entries
     0 … C − 1 of ``keys[t]`` with C the most entries any of them holds, −inf at or past ``limit[t]`` (and past
     its own N). That is `index_scores_at` of ``arange(C)`` per query, bit for bit, without that [Q, C] int64
-    tensor (8 MB per request at 1M tokens and ratio 1).
+    tensor (8 MB per request at 1M tokens and ratio 1). ``host_limit`` (used where ``entries`` is None) and
+    ``pending``: as `index_scores`.
 
     Raises:
         ValueError: as `index_scores_at`; not one `StoredKeys` per query.
@@ -225,13 +265,20 @@ def index_scores_each(
         one = slice(t, t + 1)
         lim = limit[one].clamp(0, k.num_entries)
         ids = None if entries is None else entries[one]
-        if _native(q[one], w[one], k, lim, ids, width, out=out[one]) is not None:
+        if _native(q[one], w[one], k, lim, ids, width, out=out[one], pending=pending) is not None:
             continue
         if ids is not None:
-            out[one] = index_scores_at(q[one], w[one], k, ids, limit[one])
+            out[one] = index_scores_at(q[one], w[one], k, ids, limit[one], pending=pending)
         else:
             out[one, k.num_entries :] = float("-inf")
-            out[one, : k.num_entries] = index_scores(q[one], w[one], k, limit[one])
+            out[one, : k.num_entries] = index_scores(
+                q[one],
+                w[one],
+                k,
+                limit[one],
+                host_limit=None if host_limit is None else host_limit[one],
+                pending=pending,
+            )
     return out
 
 
@@ -245,10 +292,12 @@ def _native(
     *,
     out: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
+    pending: list[PendingCheck] | None = None,
 ) -> torch.Tensor | None:
     """The compiled kernel's scores fp32 [Q, width] (into ``out`` when given: contiguous, on the CPU), or None
     where the pure-torch path runs (off the CPU; exact-mode keys of a float dtype other than fp32). ``offsets``
-    int64 [Q] (``entries`` None): query t's entry c is entry ``offsets[t] + c`` of ``keys``."""
+    int64 [Q] (``entries`` None): query t's entry c is entry ``offsets[t] + c`` of ``keys``. A bad scale byte
+    raises after ``pending``'s checks (`run_checks`: an earlier failed check's error first)."""
     on_cpu = q.device.type == "cpu" and keys.rows.device.type == "cpu"
     kernels = native.fp4_kernels() if on_cpu and keys.rows.dtype in (torch.uint8, torch.float32) else None
     if kernels is None:
@@ -266,6 +315,8 @@ def _native(
         none.view(0) if offsets is None else offsets.contiguous(),
         out,
     )
+    if bad >= 0 and pending:
+        run_checks(pending)
     _check_scales(bad)
     return out
 

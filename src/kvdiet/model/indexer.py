@@ -19,6 +19,7 @@ from torch import nn
 
 from kvdiet.formats.codec import Codec
 from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
+from kvdiet.formats.scales import PendingCheck
 from kvdiet.model.fused_rows import fused_kernels
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
@@ -57,17 +58,26 @@ class Indexer(nn.Module):
         return rot.apply(k)
 
     def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, rot: Rotation, codec: Codec
+        self,
+        qr: torch.Tensor,
+        x: torch.Tensor,
+        rot: Rotation,
+        codec: Codec,
+        *,
+        pending: list[PendingCheck] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q fp32 [T, H, d] after RoPE and the MXFP4 round trip, w fp32 [T, H])`` for rows at the positions
         of ``rot`` (the layer's ``rope.at(positions [T])``).
 
         A decode step's rows (1..16 fp32 CPU rows, no autograd, dense weights, the packed MXFP4 codec, the
         rotation kernel checked) run in one compiled call (``index_query_rows``, ``formats/projection_kernels.cpp``:
-        the same kernel calls in the same order, so the same bits).
+        the same kernel calls in the same order, so the same bits). ``pending``: None checks the queries now; a
+        list gets the encode's check appended (`Codec.encode_deferred`: no host read on the pure-torch path; a
+        non-finite query reads as finite values meanwhile); the decode of the bytes encode wrote is never
+        checked then (their scale bytes lie in the written range).
 
         Raises:
-            ValueError: a non-finite query (the codec's encode).
+            ValueError: a non-finite query (the codec's encode; ``pending`` None).
         """
         fused = self._fused_queries(qr, x, rot, codec)
         if fused is not None:
@@ -75,7 +85,11 @@ class Indexer(nn.Module):
         t = qr.shape[0]
         q = as_dtype(self.wq_b(qr), torch.float32).view(t, self.n_heads, self.index_head_dim)
         q = rot.apply(q.transpose(0, 1)).transpose(0, 1)
-        q = codec.roundtrip(q)
+        q = (
+            codec.roundtrip(q)
+            if pending is None
+            else codec.decode_deferred(codec.encode_deferred(q, pending), [])
+        )
         w = as_dtype(self.weights_proj(x), torch.float32) * self.softmax_scale
         return q, w
 

@@ -200,9 +200,11 @@ def select_candidate_blocks(
     """
     _check_float(scores)
     block_scores = _block_max(scores, block_size)
-    newest = visible - 1  # newest visible entry, -1 if none
-    rows = torch.nonzero(newest >= 0).squeeze(-1)
-    block_scores[rows, torch.div(newest[rows], block_size, rounding_mode="floor")] = float("inf")
+    if block_scores.shape[1]:  # pin each row's newest block where it sees an entry (no host read: no nonzero)
+        newest = visible[:, None] - 1  # newest visible entry, -1 if none
+        col = torch.div(newest.clamp(min=0), block_size, rounding_mode="floor")
+        pinned = torch.where(newest >= 0, float("inf"), block_scores.gather(1, col))
+        block_scores.scatter_(1, col, pinned)
     return select_topk(block_scores, topk_blocks)
 
 
