@@ -454,3 +454,20 @@ def test_a_compressors_non_finite_entry_raises_before_any_of_its_entries_is_writ
     with pytest.raises(ValueError, match=r"^mxfp4: input holds a non-finite .* in row 0$"):
         m.decode(states, [5, 6])
     _assert_pools_untouched(states, before, (3, 5))
+
+
+def test_a_selection_observer_sees_no_top_k_of_a_failing_check(micro_both: Transformer) -> None:
+    """Layer 3's observer: with request 1's layer-3 index keys corrupt, the step raises the immediate error before
+    the observer is called (the pending checks are read first); with them intact it sees both requests."""
+    m = micro_both
+    states = _states(m)
+    seen: list = []
+    m.layers[3].attn.selection_observer = seen.append
+    m.decode(states, [5, 6])
+    assert [s.seg.state for s in seen] == states
+    seen.clear()
+    store = states[1].index_keys[3]
+    store.table.pool.rows(3, "index")[_stored_rows(store), 16] = 0
+    with pytest.raises(ValueError, match="scale byte"):
+        m.decode(states, [7, 8])
+    assert seen == []
