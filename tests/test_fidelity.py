@@ -231,3 +231,14 @@ def test_contexts_past_the_models_positions_are_refused_before_the_work(capsys) 
     argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", short, "--contexts", "16,256,512"]
     assert main([*argv, "--chunk", "16", "--continuation", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["contexts"] == [16]
+
+
+def test_an_empty_context_item_is_refused(capsys) -> None:
+    """An empty item of --contexts is an error naming it (it was skipped), before the model loads."""
+    from kvdiet.cli import main
+
+    argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", "1,2", "--contexts", "4,,8"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet fidelity: error: --contexts: item 2 is empty (counts are comma-separated)\n"
+    )

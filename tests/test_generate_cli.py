@@ -59,7 +59,11 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--block-size", "3", "multiple of every compress ratio"),
         ("--block-size", "0", "multiple of every compress ratio [1, 2]"),
         ("--max-tokens", "1000000000", "> max_position_embeddings 256"),  # checked before any allocation
-        ("--kv-cache-memory", "500", "blocks"),  # one 4-token block: the pool runs out while decoding
+        (  # one 4-token block: the pool runs out while decoding
+            "--kv-cache-memory",
+            "500",
+            "the batch needs 1 more block, 0 are free (the KV cache is full: raise --kv-cache-memory)",
+        ),
         ("--prompt-ids", "99999999999999999999", "--prompt-ids: token id"),
         ("--prompt-ids", "1,,2", "--prompt-ids: item 2 is empty"),
         ("--prompt-ids", "1,1.5", "--prompt-ids: item 2 ('1.5') is not an integer"),

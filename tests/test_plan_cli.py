@@ -208,3 +208,13 @@ def test_a_context_past_max_position_embeddings_warns_but_runs(capsys) -> None:
     assert capsys.readouterr().err == ""
     assert main(["plan", "--context", "1M", "--contexts", "2M"]) == 0  # text mode: stderr too
     assert "max_position_embeddings 1,048,576: 2,000,000 (--contexts); the bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("contexts", ["4K,,8K", "4K,"])
+def test_an_empty_context_item_is_refused(capsys, contexts: str) -> None:
+    """An empty item of --contexts is an error naming it (it was skipped), as generate's --prompt-ids does."""
+    assert main(["plan", "--contexts", contexts]) == 2
+    assert (
+        capsys.readouterr().err
+        == "kvdiet plan: error: --contexts: item 2 is empty (counts are comma-separated)\n"
+    )

@@ -144,7 +144,10 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)  # another pipe or socket
         return 2
     except (ConfigError, ValueError, OSError, NoFreeBlocksError) as exc:
-        print(f"kvdiet {args.command}: error: {exc}", file=sys.stderr)
+        hint = (
+            " (the KV cache is full: raise --kv-cache-memory)" if isinstance(exc, NoFreeBlocksError) else ""
+        )
+        print(f"kvdiet {args.command}: error: {exc}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl+C: one line and the shell's status for SIGINT, no traceback
         print(f"kvdiet {args.command}: interrupted", file=sys.stderr)

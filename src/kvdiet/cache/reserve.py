@@ -49,7 +49,8 @@ def reserve_blocks(demands: Sequence[tuple[_Table, int]]) -> None:
         need[id(pool)] = need.get(id(pool), 0) + max(0, blocks)
         if need[id(pool)] > pool.blocks.num_free:
             raise NoFreeBlocksError(
-                f"the batch needs {need[id(pool)]} more blocks, {pool.blocks.num_free} are free"
+                f"the batch needs {need[id(pool)]} more block{'' if need[id(pool)] == 1 else 's'}, "
+                f"{pool.blocks.num_free} {'is' if pool.blocks.num_free == 1 else 'are'} free"
             )
     for table, num_tokens in demands:
         table.reserve(num_tokens)

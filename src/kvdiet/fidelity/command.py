@@ -87,7 +87,10 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
     from kvdiet.model.build import load_model
 
-    contexts = sorted({parse_count(c) for c in args.contexts.split(",") if c.strip()})
+    items = args.contexts.split(",")
+    if empty := [i for i, c in enumerate(items, 1) if not c.strip()]:
+        raise ValueError(f"--contexts: item {empty[0]} is empty (counts are comma-separated)")
+    contexts = sorted({parse_count(c) for c in items})
     chunk = parse_count(args.chunk)
     if not contexts or contexts[0] < 1:
         raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")

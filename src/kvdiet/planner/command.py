@@ -94,13 +94,23 @@ _FLAGS = {
 """`PlanOptions` field → the ``kvdiet plan`` flag that sets it (errors name the flag the user typed)."""
 
 
+def _contexts(text: str) -> tuple[int, ...]:
+    """``--contexts``' comma-separated token counts.
+
+    Raises:
+        ValueError: an empty item (as `generate`'s ``--prompt-ids`` refuses one) or a bad count, naming the flag.
+    """
+    items = text.split(",")
+    if empty := [i for i, c in enumerate(items, 1) if not c.strip()]:
+        raise ValueError(f"--contexts: item {empty[0]} is empty (counts are comma-separated)")
+    return tuple(parse_flag("--contexts", parse_count, c) for c in items)
+
+
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
     """`PlanOptions` from the flags. Raises ValueError naming the flag: ``--num-gpus must be > 0, got 0``."""
     try:
         return PlanOptions(
-            contexts=tuple(
-                parse_flag("--contexts", parse_count, c) for c in args.contexts.split(",") if c.strip()
-            ),
+            contexts=_contexts(args.contexts),
             capacity_context=parse_flag("--context", parse_count, args.context),
             gpu=args.gpu if args.gpu_mem_gb is None else "custom",
             gpu_mem_gb=GPUS[args.gpu] if args.gpu_mem_gb is None else args.gpu_mem_gb,
