@@ -230,7 +230,9 @@ def test_contexts_past_the_models_positions_are_refused_before_the_work(capsys) 
     short = ",".join(str(3 + i % 60) for i in range(40))
     argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", short, "--contexts", "16,256,512"]
     assert main([*argv, "--chunk", "16", "--continuation", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["contexts"] == [16]
+    out = capsys.readouterr()
+    assert json.loads(out.out)["contexts"] == [16]
+    assert "kvdiet fidelity: --contexts 256, 512 skipped: the longest prompt has 40 tokens\n" in out.err
 
 
 def test_an_empty_context_item_is_refused(capsys) -> None:

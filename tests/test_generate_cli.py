@@ -68,6 +68,7 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--prompt-ids", "1,,2", "--prompt-ids: item 2 is empty"),
         ("--prompt-ids", "1,1.5", "--prompt-ids: item 2 ('1.5') is not an integer"),
         ("--prompt-ids", "1_0", "--prompt-ids: item 1 ('1_0') is not an integer"),  # int() reads 10
+        ("--prompt-ids", "1," + "9" * 5000, "--prompt-ids: item 2 (999999999999…, 5000 digits) is outside"),
         ("--prompt-ids", "+5,\u0663", "--prompt-ids: item 1 ('+5') is not an integer"),  # and ٣ as 3
         ("--max-tokens", "-1", "--max-tokens: max_tokens must be >= 0"),
         ("--top-p", "2", "--top-p: top_p must be in (0, 1]"),

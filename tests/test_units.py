@@ -17,6 +17,10 @@ def test_parse() -> None:
     assert parse_count(7) == 7
     assert parse_count("99999999999999999999") == 99_999_999_999_999_999_999  # exact, not through a float
     assert parse_count("12345678901234567Ki") == 12_345_678_901_234_567 * 1024
+    assert parse_count("99999999999999999999.0") == 99_999_999_999_999_999_999
+    assert parse_count("4.1G") == 4_100_000_000 and parse_bytes("4.1GB") == 4_100_000_000  # no float error
+    with pytest.raises(ValueError, match="not a whole number"):
+        parse_count("1.000000000000000000001K")
     assert parse_bytes("4GiB") == 4 * 2**30
     assert parse_bytes("141GB") == 141 * 10**9
     assert parse_bytes("1.5KB") == 1500

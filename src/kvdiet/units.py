@@ -11,6 +11,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from fractions import Fraction
 from typing import TypeVar
 
 __all__ = [
@@ -129,14 +130,10 @@ def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
             examples = "4GiB, 141GB, 512MB, 1000" if strip_b else "4096, 128K, 1Mi"
             raise ValueError(f"cannot parse {what} {raw!r} (examples: {examples})")
         number, suffix = match.groups()
-        scale = _MULT[(suffix or "").upper()]
-        if number.isdigit():  # whole numbers exactly, however long (no float)
-            value = int(number) * scale
-        else:
-            exact = float(number) * scale
-            if exact != int(exact):
-                raise ValueError(f"{what} {raw!r} is not a whole number")
-            value = int(exact)
+        exact = Fraction(number) * _MULT[(suffix or "").upper()]  # the decimal exactly (4.1G: no float error)
+        if exact.denominator != 1:
+            raise ValueError(f"{what} {raw!r} is not a whole number")
+        value = int(exact)
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {value}")
     return value

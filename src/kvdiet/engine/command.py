@@ -270,4 +270,6 @@ def _parse_ids(text: str) -> list[int]:
             raise ValueError(f"--prompt-ids: item {i} is empty (ids are comma-separated integers)")
         if not re.fullmatch(r"-?[0-9]+", t):
             raise ValueError(f"--prompt-ids: item {i} ({t!r}) is not an integer")
+        if len(t) > 20:  # past any vocabulary (and Python's 4,300-digit int() limit), named here
+            raise ValueError(f"--prompt-ids: item {i} ({t[:12]}…, {len(t)} digits) is outside any vocabulary")
     return [int(t) for t in items]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -121,7 +122,10 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             f"no prompt reaches the shortest context {contexts[0]:,} (the longest has {longest:,} tokens): "
             "lower --contexts or give longer prompts"
         )
-    contexts = [c for c in contexts if c <= longest]  # the lengths some prompt reaches: those measured
+    if skipped := [f"{c:,}" for c in contexts if c > longest]:  # the lengths no prompt reaches: not measured
+        note = f"--contexts {', '.join(skipped)} skipped: the longest prompt has {longest:,} tokens"
+        print(f"kvdiet fidelity: {note}", file=sys.stderr)
+    contexts = [c for c in contexts if c <= longest]
     limit = model.cfg.max_position_embeddings
     if limit is not None and contexts[-1] + args.continuation > limit:
         raise ValueError(

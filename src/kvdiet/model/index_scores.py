@@ -126,6 +126,8 @@ def index_scores(
     if out is not None:
         return out
     qn, h, d = q.shape
+    if host_limit is not None and len(host_limit) != qn:  # host ints: free to check
+        raise ValueError(f"index scores: host_limit holds {len(host_limit)} values for {qn} queries")
     out = torch.full((qn, n), float("-inf"), device=q.device)
     # the entries any query sees: from the caller's host ints where given (no host read)
     reach = (
