@@ -218,3 +218,12 @@ def test_an_empty_context_item_is_refused(capsys, contexts: str) -> None:
         capsys.readouterr().err
         == "kvdiet plan: error: --contexts: item 2 is empty (counts are comma-separated)\n"
     )
+
+
+def test_the_capacity_line_reads_like_its_warning(capsys) -> None:
+    """The capacity line's figures carry thousands separators and the warning's rounding (829.95 GB on both)."""
+    assert main(["plan", "--context", "10T"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "= 829.95 GB for KV → 0 sessions" in out and "829.95 GB left for the KV cache" in out
+    assert main(["plan", "--num-gpus", "1000000"]) == 0
+    assert "Capacity: 1,000,000 × h200 (141 GB)" in " ".join(capsys.readouterr().out.split())

@@ -238,7 +238,7 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
     warning = None
     if weights_bytes >= total:
         warning = (
-            f"the weights ({weights_bytes / 1e9:,.1f} GB) do not fit in {opts.num_gpus} × "
+            f"the weights ({weights_bytes / 1e9:,.1f} GB) do not fit in {opts.num_gpus:,} × "
             f"{opts.gpu_mem_gb:g} GB = {total / 1e9:,.1f} GB: nothing is left for the KV cache"
         )
     elif budget < per_session:
