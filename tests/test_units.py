@@ -61,3 +61,11 @@ def test_flag_types_take_positive_counts_and_refuse_the_rest_as_argparse_errors(
     for bad in ("0", "-1", "2.0", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             units.positive_int(bad)
+
+
+def test_comma_items_strip_and_refuse_an_empty_item() -> None:
+    from kvdiet.units import comma_items
+
+    assert comma_items("--x", " 4K, 8K ", "counts") == ["4K", "8K"]
+    with pytest.raises(ValueError, match=r"^--x: item 3 is empty \(ids are comma-separated\)$"):
+        comma_items("--x", "1,2, ,4", "ids")

@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import TypeVar
 
 __all__ = [
+    "comma_items",
     "count_list",
     "format_bytes",
     "format_count",
@@ -63,6 +64,19 @@ def positive_count(text: str) -> int:
     if count < 1:
         raise argparse.ArgumentTypeError(f"a count must be at least 1, got {text!r}")
     return count
+
+
+def comma_items(flag: str, text: str, what: str) -> list[str]:
+    """A flag's comma-separated items, stripped (``what``: what they are, for the error).
+
+    Raises:
+        ValueError: an empty item, named by its number from 1 and by the flag (``--contexts: item 2 is empty
+            (counts are comma-separated)``).
+    """
+    items = [item.strip() for item in text.split(",")]
+    if empty := [i for i, item in enumerate(items, 1) if not item]:
+        raise ValueError(f"{flag}: item {empty[0]} is empty ({what} are comma-separated)")
+    return items
 
 
 def count_list(text: str) -> list[int]:

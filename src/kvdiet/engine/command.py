@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kvdiet.cache.plan import WindowSource
 from kvdiet.engine.args import KV_CACHE_DTYPES, EngineArgs
+from kvdiet.units import comma_items
 
 __all__ = ["add_generate_parser", "run_generate"]
 
@@ -261,13 +262,10 @@ def _parse_ids(text: str) -> list[int]:
     Raises:
         ValueError: an empty item or one that is not such an integer.
     """
-    items = text.split(",")
     if not text.strip():
         return []
-    for i, item in enumerate(items, 1):
-        t = item.strip()
-        if not t:
-            raise ValueError(f"--prompt-ids: item {i} is empty (ids are comma-separated integers)")
+    items = comma_items("--prompt-ids", text, "ids")
+    for i, t in enumerate(items, 1):
         if not re.fullmatch(r"-?[0-9]+", t):
             raise ValueError(f"--prompt-ids: item {i} ({t!r}) is not an integer")
         if len(t) > 20:  # past any vocabulary (and Python's 4,300-digit int() limit), named here

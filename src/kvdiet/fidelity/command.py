@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.engine.args import add_numerics_arg, resolve_model
-from kvdiet.units import parse_count
+from kvdiet.units import comma_items, parse_count, parse_flag
 
 __all__ = ["add_fidelity_parser", "run_fidelity"]
 
@@ -88,10 +88,9 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
     from kvdiet.model.build import load_model
 
-    items = args.contexts.split(",")
-    if empty := [i for i, c in enumerate(items, 1) if not c.strip()]:
-        raise ValueError(f"--contexts: item {empty[0]} is empty (counts are comma-separated)")
-    contexts = sorted({parse_count(c) for c in items})
+    contexts = sorted(
+        {parse_flag("--contexts", parse_count, c) for c in comma_items("--contexts", args.contexts, "counts")}
+    )
     chunk = parse_count(args.chunk)
     if not contexts or contexts[0] < 1:
         raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")

@@ -240,12 +240,9 @@ def decode_fp4(
         lo, hi = recipe.scale_bytes
         if not rows.shape[0] or kernels.decode_fp4(rows, recipe.kernel, lo, hi, out) < 0:
             return out.view(*packed.shape[:-1], fmt.dim)
-    scales = rows[:, fmt.scale_offset :]
-    check_scale_bytes(
-        scales, recipe.scale_bytes, name=recipe.name, pending=pending
-    )  # raises when pending None
-    if pending is not None:  # a corrupt byte, reported later, reads as in range meanwhile (no inf or NaN)
-        scales = scales.clamp(*recipe.scale_bytes)
+    scales = check_scale_bytes(
+        rows[:, fmt.scale_offset :], recipe.scale_bytes, name=recipe.name, pending=pending
+    )  # raises when pending None; clamped where deferred
     table = e2m1.pair_table(rows.device)
 
     def fill(sl: slice, out: Tensor) -> None:

@@ -208,10 +208,9 @@ def decode_window(
         out = torch.empty(rows.shape[0], fmt.dim)
         if not rows.shape[0] or kernels.decode_fp8(rows, *SCALE_BYTES, out) < 0:
             return out.view(*packed.shape[:-1], fmt.dim)
-    scales = rows[:, fmt.dim :]
-    check_scale_bytes(scales, SCALE_BYTES, name=_NAME, pending=pending)
-    if pending is not None:  # a corrupt byte, reported later, reads as in range meanwhile (no inf or NaN)
-        scales = scales.clamp(*SCALE_BYTES)
+    scales = check_scale_bytes(
+        rows[:, fmt.dim :], SCALE_BYTES, name=_NAME, pending=pending
+    )  # clamped if deferred
     out = _decode(rows[:, : fmt.dim], scales, dtype)
     return out.view(*packed.shape[:-1], fmt.dim)
 

@@ -204,29 +204,34 @@ def check_scale_bytes(
     *,
     name: str,
     pending: list[PendingCheck] | None = None,
-) -> None:
+) -> torch.Tensor:
     """Reject stored scale bytes ``scale_bytes`` (uint8, any shape, any device) outside ``valid`` (inclusive),
     the range the format's quantiser writes. One host read (one device wait on a GPU) however many bytes, or
     none when ``pending`` is a list: the check is appended to it as a `PendingCheck` instead.
 
     Within it every decoded scale, and every dequantised value, is finite.
 
+    Returns:
+        The bytes to decode: ``scale_bytes`` itself, or with ``pending`` a copy clamped into ``valid`` (a corrupt
+        byte, reported when the check is run, reads as in range meanwhile: no inf or NaN).
+
     Raises:
         ValueError: a byte outside the range (a corrupt or foreign entry), naming it (``pending`` None; else
             the check's error).
     """
     if not scale_bytes.numel():
-        return
+        return scale_bytes
     ends = torch.stack(torch.aminmax(scale_bytes))  # [2]: lowest, highest
     if pending is not None:
         pending.append(
             PendingCheck((ends[0] < valid[0]) | (ends[1] > valid[1]), lambda: _scale_error(ends, valid, name))
         )
-        return
+        return scale_bytes.clamp(*valid)
     # one host read of both ends (on a GPU each read waits for the device: this check runs on every decode)
     lo, hi = ends.tolist()
     if lo < valid[0] or hi > valid[1]:
         raise _scale_error(ends, valid, name)
+    return scale_bytes
 
 
 def _scale_error(ends: torch.Tensor, valid: tuple[int, int], name: str) -> ValueError:

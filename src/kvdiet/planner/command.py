@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvdiet.config import PRESETS, load_config
 from kvdiet.planner.report import GPUS, PlanOptions, compare_reports, plan_report
-from kvdiet.units import parse_count, parse_flag
+from kvdiet.units import comma_items, parse_count, parse_flag
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -94,23 +94,14 @@ _FLAGS = {
 """`PlanOptions` field → the ``kvdiet plan`` flag that sets it (errors name the flag the user typed)."""
 
 
-def _contexts(text: str) -> tuple[int, ...]:
-    """``--contexts``' comma-separated token counts.
-
-    Raises:
-        ValueError: an empty item (as `generate`'s ``--prompt-ids`` refuses one) or a bad count, naming the flag.
-    """
-    items = text.split(",")
-    if empty := [i for i, c in enumerate(items, 1) if not c.strip()]:
-        raise ValueError(f"--contexts: item {empty[0]} is empty (counts are comma-separated)")
-    return tuple(parse_flag("--contexts", parse_count, c) for c in items)
-
-
 def _plan_options(args: argparse.Namespace) -> PlanOptions:
     """`PlanOptions` from the flags. Raises ValueError naming the flag: ``--num-gpus must be > 0, got 0``."""
     try:
         return PlanOptions(
-            contexts=_contexts(args.contexts),
+            contexts=tuple(
+                parse_flag("--contexts", parse_count, c)
+                for c in comma_items("--contexts", args.contexts, "counts")
+            ),
             capacity_context=parse_flag("--context", parse_count, args.context),
             gpu=args.gpu if args.gpu_mem_gb is None else "custom",
             gpu_mem_gb=GPUS[args.gpu] if args.gpu_mem_gb is None else args.gpu_mem_gb,
