@@ -272,6 +272,29 @@ def test_b28_prompt_at_the_context_limit(micro: Transformer) -> None:
         engine.add_request(_ids(33, seed=3), SamplingParams(max_tokens=0))
 
 
+def test_max_model_len_tokens_fit_in_ceil_n_over_block_size_blocks(micro: Transformer) -> None:
+    # vLLM's meaning: --max-model-len 64 with blocks of 4 tokens needs 16 blocks, not 17 (the last sampled
+    # token is never fed back, so a request of 64 tokens holds the KV of 63; scoring 64 holds 64).
+    with pytest.raises(ValueError, match=r"needs 16 blocks of 4 tokens, but the KV cache holds 15 blocks"):
+        _engine(micro, blocks=15, max_model_len=64)
+    engine = _engine(micro, blocks=16, max_num_seqs=2, budget=32, max_model_len=64)
+    free = engine.runner.pool.blocks.num_free
+    params = SamplingParams(max_tokens=40)
+    prompts = [_ids(24, seed=5), _ids(24, seed=6)]  # 24 + 40 = exactly 64 each; together they preempt
+    outs = _run(engine, prompts, params)
+    for p, o in zip(prompts, outs, strict=True):
+        assert list(o.output_ids) == _solo(micro, p, params) and o.finish_reason == "length"
+    assert engine.scheduler.num_preemptions > 0
+    engine.add_request(_ids(64, seed=7), SamplingParams(max_tokens=0))  # scoring: 64 KV entries, 16 blocks
+    outs = [o for _ in range(4) for o in engine.step()]  # 2 chunks of 32; admitting it needs no 17th block
+    assert [(o.output_ids, o.finish_reason) for o in outs] == [((), "length")]
+    with pytest.raises(
+        ValueError, match=r"prompt \(25 tokens\) \+ max_tokens \(40\) = 65 tokens > max_model_len 64"
+    ):
+        engine.add_request(_ids(25, seed=8), params)
+    _assert_clean(engine, free)
+
+
 def test_b29_fully_cached_prompt_beside_a_decoding_request(micro: Transformer) -> None:
     engine = _engine(micro, budget=16)
     a, b = _ids(20, seed=21), _ids(12, seed=22)
@@ -315,7 +338,7 @@ def test_settings_are_checked_at_construction(micro: Transformer) -> None:
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max-model-len must be in"):
         _engine(micro, max_model_len=257)
-    with pytest.raises(ValueError, match=r"needs 17 blocks of 4 tokens, but the KV cache holds 10 blocks"):
+    with pytest.raises(ValueError, match=r"needs 16 blocks of 4 tokens, but the KV cache holds 10 blocks"):
         _engine(micro, blocks=10, max_model_len=64)
     engine = _engine(micro)
     engine.add_request([1, 2], SamplingParams(max_tokens=1), request_id="x")

@@ -29,7 +29,7 @@ class FakeCache:
         return self.free
 
     def admission_blocks(self, r: Request) -> int:
-        return -(-(len(r.all_ids) + 1) // BS)
+        return -(-(len(r.all_ids) + r.decodes_after_prefill) // BS)
 
     def begin(self, r: Request) -> None:
         r.session = SimpleNamespace(state=SimpleNamespace(num_tokens=0, table=[]))

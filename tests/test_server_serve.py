@@ -91,7 +91,7 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
         (["--kv-cache-memory", "100B"], "below one block"),
         (
             ["--kv-cache-memory", "20KiB", "--block-size", "4"],
-            "needs 65 blocks of 4 tokens, but the KV cache holds 48",
+            "needs 64 blocks of 4 tokens, but the KV cache holds 48",
         ),
         (["--swa-policy", "sometimes"], "sometimes"),
         (["--swa-pool", "redis://127.0.0.1:99999/0"], "--swa-pool: bad Redis URL"),

@@ -89,7 +89,7 @@ class EngineArgs:
         parser.add_argument(
             "--max-model-len",
             help="longest prompt + output in tokens, e.g. 32K; one request of it must fit --kv-cache-memory "
-            "(default: the config's max_position_embeddings)",
+            "in ceil(N / --block-size) blocks (default: the config's max_position_embeddings)",
         )
         parser.add_argument(
             "--kv-cache-dtype",

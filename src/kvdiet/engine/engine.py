@@ -63,8 +63,11 @@ class EngineStats:
 
 def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: int, num_blocks: int) -> int:
     """The longest prompt + output in tokens (``limit``, the config's ``max_position_embeddings``, when None),
-    checked against ``limit`` and against a pool of ``num_blocks`` blocks of ``block_size`` tokens (one request
-    of that length plus one token must fit).
+    checked against ``limit`` and against a pool of ``num_blocks`` blocks of ``block_size`` tokens: one request
+    of that length must fit, in ``ceil(max_model_len / block_size)`` blocks (vLLM's meaning). A request never
+    holds the KV of more tokens than that: a decode step writes the KV of the token sampled before it, and
+    the last sampled token is never fed back (a request of N tokens holds N - 1, or N when it only scores
+    its prompt with ``max_tokens`` 0).
 
     Raises:
         ValueError: out of ``[1, limit]``, or one request would not fit in the pool (one line, named by flag).
@@ -74,7 +77,7 @@ def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: in
         raise ValueError(
             f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
         )
-    need = -(-(n + 1) // block_size)
+    need = -(-n // block_size)
     if need > num_blocks:
         raise ValueError(
             f"one request of --max-model-len {n} tokens needs {need} blocks of {block_size} "
@@ -358,7 +361,7 @@ class _CacheOracle:
         return self.runner.pool.blocks.num_free
 
     def admission_blocks(self, request: Request) -> int:
-        return self.runner.admission_blocks(request.all_ids)
+        return self.runner.admission_blocks(request.all_ids, int(request.decodes_after_prefill))
 
     def begin(self, request: Request) -> None:
         ids = request.all_ids

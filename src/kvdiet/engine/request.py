@@ -91,6 +91,13 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def decodes_after_prefill(self) -> bool:
+        """Whether the token sampled after prefilling ``all_ids`` may be fed back by a decode step: False
+        when it is the last one ``max_tokens`` allows (or ``max_tokens`` is 0), so no KV slot is needed
+        for it."""
+        return len(self.output_ids) + 1 < self.params.max_tokens
+
+    @property
     def is_prefilling(self) -> bool:
         """RUNNING and still short of ``prefill_target`` tokens in its session."""
         return self.session is not None and self.session.state.num_tokens < self.prefill_target

@@ -231,7 +231,7 @@ class ModelRunner:
         store = self.persistent  # not bool(store): an empty store has len 0
         return self.options.policy.store is WindowSource.WINDOW_BLOCKS and store is not None and store.enabled
 
-    def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int = 1) -> int:
+    def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int) -> int:
         """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
         consume: all the blocks the tokens span, except leading prefix blocks other requests hold now
         (shared, not consumed). Blocks cached but unreferenced count as consumed (they leave the free

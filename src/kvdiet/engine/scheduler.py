@@ -5,7 +5,8 @@ Every step has a token budget (``max_num_batched_tokens``). The scheduler spends
    of the budget) for each request still prefilling — so chunked prefill is interleaved with the batched
    decode of the others;
 2. waiting requests (new, or preempted; first come, first served) while fewer than ``max_num_seqs`` run,
-   budget is left and the device pool can hold the request's whole prefill plus one decode token.
+   budget is left and the device pool can hold the request's whole prefill plus one decode token (none
+   when the token it samples next is its last: that token is never fed back).
 
 Since admission only spends budget that every running prefill left over, a request still prefilling is
 always newer than every decoding one: the running list is decodes first, so decodes are never starved by
@@ -71,9 +72,9 @@ class BlockOracle(Protocol):
         ...
 
     def admission_blocks(self, request: Request) -> int:
-        """Free blocks a waiting request would consume to prefill its whole target and decode one token,
-        counting prefix blocks other requests hold as shared (an estimate: a restore plan may drop the hit,
-        and the scheduler re-checks after `begin`)."""
+        """Free blocks a waiting request would consume to prefill its whole target and decode one token (if
+        `Request.decodes_after_prefill`), counting prefix blocks other requests hold as shared (an estimate:
+        a restore plan may drop the hit, and the scheduler re-checks after `begin`)."""
         ...
 
     def begin(self, request: Request) -> None:
