@@ -135,6 +135,15 @@ def test_plot(tmp_path: Path, capsys) -> None:
         (["--tokens-per-boundary", "0"], "--tokens-per-boundary must be > 0"),
         (["--gpu-mem-gb", "nan"], "--gpu-mem-gb must be a finite number > 0"),
         (["--weights-gb", "inf"], "--weights-gb must be a finite number >= 0"),
+        (
+            ["--weights-gb", "1e300"],
+            "--weights-gb must be a finite number >= 0 (finite in bytes), got 1e+300",
+        ),
+        (["--gpu-mem-gb", "1e300"], "--gpu-mem-gb must be a finite number > 0 (finite in bytes), got 1e+300"),
+        (
+            ["--num-gpus", str(10**400)],
+            "--num-gpus × --gpu-mem-gb is past the largest float64 (1.8e+308 bytes)",
+        ),
     ],
 )
 def test_errors_exit_2(capsys, argv: list[str], needle: str) -> None:
@@ -218,6 +227,14 @@ def test_an_empty_context_item_is_refused(capsys, contexts: str) -> None:
         capsys.readouterr().err
         == "kvdiet plan: error: --contexts: item 2 is empty (counts are comma-separated)\n"
     )
+
+
+def test_huge_gpu_counts_give_exact_session_counts(capsys) -> None:
+    """``--num-gpus 2**63`` is counted in whole bytes, not float64 (which got the last 7 digits wrong)."""
+    n = 2**63
+    cap = _run_json(capsys, "--num-gpus", str(n), "--weights-gb", "0")["capacity"]
+    assert cap["num_gpus"] == n and cap["sessions"] == n * 141 * 10**9 // cap["bytes_per_session"]
+    assert cap["kv_budget_gb"] == float(n * 141)  # 141 * 2**63 GB is a float64 exactly
 
 
 def test_the_capacity_line_reads_like_its_warning(capsys) -> None:

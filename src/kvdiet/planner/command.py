@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from rich.console import Console
@@ -67,7 +68,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         + " (default h200)",
     )
     plan.add_argument("--gpu-mem-gb", type=float, help="memory of one device in GB (overrides --gpu)")
-    plan.add_argument("--num-gpus", type=int, default=8, help="devices holding weights and cache (default 8)")
+    plan.add_argument(
+        "--num-gpus",
+        type=int,
+        default=8,
+        help="devices holding weights and cache; their bytes in all must be a finite float64 (default 8)",
+    )
     plan.add_argument(
         "--weights-gb", type=float, help="device weight bytes in GB (default: estimated from the config)"
     )
@@ -111,10 +117,10 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
             checkpoint_every=parse_flag("--checkpoint-every", parse_count, args.checkpoint_every),
         )
     except ValueError as exc:  # PlanOptions names its field first: "num_gpus must be > 0, got 0"
-        field, _, rest = str(exc).partition(" ")
+        field = str(exc).partition(" ")[0]
         if field not in _FLAGS:
             raise
-        raise ValueError(f"{_FLAGS[field]} {rest}") from None
+        raise ValueError(re.sub(r"\b[a-z_]+\b", lambda m: _FLAGS.get(m[0], m[0]), str(exc))) from None
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> None:

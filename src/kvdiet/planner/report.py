@@ -8,6 +8,7 @@ planner defines no byte count of its own. The report is a plain JSON-able dict (
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,13 @@ class PlanOptions:
         capacity_context: context of one session in the capacity estimate.
         gpu: a `GPUS` name, or ``"custom"`` when ``gpu_mem_gb`` was given.
         gpu_mem_gb: memory of one device.
-        num_gpus: devices sharing the weights and the cache.
+        num_gpus: devices sharing the weights and the cache (any count whose bytes in all,
+            ``num_gpus × gpu_mem_gb × 1e9``, are a finite float64: the sizes are float GB).
         weights_gb: device weight bytes; None → `kvdiet.weights.estimate_weights`.
         tokens_per_boundary: tokens between prompt/output ends, to amortise ``boundary-snapshot``.
         checkpoint_every: K of the ``checkpoint:K`` row.
+    Raises:
+        ValueError: a value out of range, named by its field first (``num_gpus must be > 0, got 0``).
     """
 
     contexts: tuple[int, ...] = (4_000, 128_000, 1_000_000)
@@ -51,10 +55,23 @@ class PlanOptions:
     def __post_init__(self) -> None:
         if self.num_gpus <= 0:
             raise ValueError(f"num_gpus must be > 0, got {self.num_gpus}")
-        if not (math.isfinite(self.gpu_mem_gb) and self.gpu_mem_gb > 0):
-            raise ValueError(f"gpu_mem_gb must be a finite number > 0, got {self.gpu_mem_gb}")
-        if self.weights_gb is not None and not (math.isfinite(self.weights_gb) and self.weights_gb >= 0):
-            raise ValueError(f"weights_gb must be a finite number >= 0, got {self.weights_gb}")
+        if not (math.isfinite(self.gpu_mem_gb * 1e9) and self.gpu_mem_gb > 0):
+            raise ValueError(
+                f"gpu_mem_gb must be a finite number > 0 (finite in bytes), got {self.gpu_mem_gb}"
+            )
+        if round(self.gpu_mem_gb * 1e9) * self.num_gpus > sys.float_info.max:
+            n = self.num_gpus
+            count = f"{n:,}" if n < 10**30 else f"a {len(str(n))}-digit count"
+            raise ValueError(
+                f"num_gpus × gpu_mem_gb is past the largest float64 ({sys.float_info.max:.3g} bytes), "
+                f"got {count} × {self.gpu_mem_gb:g} GB"
+            )
+        if self.weights_gb is not None and not (
+            math.isfinite(self.weights_gb * 1e9) and self.weights_gb >= 0
+        ):
+            raise ValueError(
+                f"weights_gb must be a finite number >= 0 (finite in bytes), got {self.weights_gb}"
+            )
         for name in ("capacity_context", "tokens_per_boundary", "checkpoint_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -229,11 +246,11 @@ def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
 
 def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions) -> dict[str, Any]:
     if opts.weights_gb is None:
-        weights_bytes, source = estimate_weights(cfg).device_bytes, "estimate"
+        weights_bytes, source = round(estimate_weights(cfg).device_bytes), "estimate"
     else:
-        weights_bytes, source = opts.weights_gb * 1e9, "flag"
-    total = opts.gpu_mem_gb * 1e9 * opts.num_gpus
-    budget = max(0.0, total - weights_bytes)
+        weights_bytes, source = round(opts.weights_gb * 1e9), "flag"
+    total = round(opts.gpu_mem_gb * 1e9) * opts.num_gpus  # whole bytes: the session count below is exact
+    budget = max(0, total - weights_bytes)
     per_session = spec.request_bytes(opts.capacity_context)
     warning = None
     if weights_bytes >= total:
@@ -252,9 +269,9 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
         "num_gpus": opts.num_gpus,
         "weights_gb": weights_bytes / 1e9,
         "weights_source": source,
-        "kv_budget_gb": budget / 1e9,
+        "kv_budget_gb": budget / 10**9,  # int / int: correctly rounded
         "context": opts.capacity_context,
         "bytes_per_session": per_session,
-        "sessions": int(budget // per_session),
+        "sessions": budget // per_session,
         "warning": warning,
     }
