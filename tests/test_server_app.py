@@ -277,10 +277,10 @@ def test_models_health_and_metrics(mini, client) -> None:
             "token id 129280 at index 1 is outside the vocabulary [0, 129280)",
         ),
         ("/v1/completions", {"prompt": [0, -1]}, "token id -1 at index 1"),
-        ("/v1/completions", {"prompt": [1.5, 2]}, "prompt: token id 1.5 at index 0 is not an integer"),
-        ("/v1/completions", {"prompt": [[2, 0.5]]}, "prompt: token id 0.5 at index 1 is not an integer"),
-        ("/v1/completions", {"prompt": [1.0, 2]}, "prompt: token id 1.0 at index 0 is not an integer"),
-        ("/v1/completions", {"prompt": [2, True]}, "prompt: token id true at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": [1.5, 2]}, "token id 1.5 at index 0 is not an integer"),
+        ("/v1/completions", {"prompt": [[2, 0.5]]}, "token id 0.5 at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": [1.0, 2]}, "token id 1.0 at index 0 is not an integer"),
+        ("/v1/completions", {"prompt": [2, True]}, "token id true at index 1 is not an integer"),
         (
             "/v1/completions",
             {"prompt": "hi", "top_k": -2},
@@ -328,6 +328,19 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, mes
     assert not loop.engine.requests
     status, ok = _post(base, "/v1/completions", {"prompt": [0, 42], "max_tokens": 1})
     assert status == 200 and ok["usage"]["completion_tokens"] == 1
+
+
+def test_prompt_token_id_errors_read_as_llm_generate_words_them(mini) -> None:
+    """The same fault, the same message as `LLM.generate` (test_engine_llm): no ``prompt:`` prefix on one
+    kind and not the other; ``param`` names the field."""
+    base, _ = mini
+    for prompt, message in (
+        ([0, 129280], "token id 129280 at index 1 is outside the vocabulary [0, 129280)"),
+        ([1.5, 2], "token id 1.5 at index 0 is not an integer"),
+        ([[2, 0.5]], "token id 0.5 at index 1 is not an integer"),
+    ):
+        status, err = _post(base, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert (status, err["error"]["message"], err["error"]["param"]) == (400, message, "prompt")
 
 
 def test_the_openai_client_sees_a_bad_request_error(client) -> None:

@@ -128,8 +128,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
     Raises:
         ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
-            list (the prompt, or one of a list of prompts) with an item that is not an int (named with its
-            index).
+            list (the prompt, or one of a list of prompts) with an item that is not an integer (named with its
+            index; the engine's and the server's words).
     """
     if isinstance(prompts, str):
         return [prompts]
@@ -148,7 +148,8 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _check_ints(ids: list, where: str) -> None:
-    """Refuse a token-id list item that is not an int (bools and floats included), named by its index."""
+    """Refuse a token-id list item that is not an int (bools and floats included), named by its index in
+    the words of `kvdiet.model.token_ids.check_token_ids` and of the server (``... is not an integer``)."""
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool):
-            raise ValueError(f"token id {t!r} at index {i}{where} is not an int")
+            raise ValueError(f"token id {t!r} at index {i}{where} is not an integer")

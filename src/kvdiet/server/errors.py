@@ -50,14 +50,18 @@ class ApiError(Exception):
 
 
 async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-    """400: malformed JSON, or every schema error as ``field: message`` joined by ``; ``."""
+    """400: malformed JSON, or every schema error as ``field: message`` joined by ``; `` — except a prompt
+    token id that is not an integer (``token_id``), whose message is `LLM.generate`'s word for word, as an
+    id outside the vocabulary is (``param`` names the field)."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return AsciiJSONResponse(error_body(f"malformed JSON body: {first.get('msg')}", status=400), 400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        e.get("msg")
+        if e.get("type") == "token_id"
+        else f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
         for e in errors
     )
     return AsciiJSONResponse(error_body(message, status=400, param=".".join(loc) or None), 400)
