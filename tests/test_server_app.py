@@ -399,6 +399,23 @@ def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
         assert status == 503
 
 
+def test_a_model_without_a_tokenizer_returns_token_ids_unasked() -> None:
+    """v4.1-micro has no text to give: its completions carry ``token_ids`` (and ``prompt_token_ids``) without
+    ``return_token_ids``, streamed or not, so a client does not see only ``""``; the OpenAI client parses them."""
+    args = EngineArgs(model="v4.1-micro", cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20))
+    with running_server(args, "micro") as (base, loop):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        want = _solo(loop, [5, 6, 7], 3)
+        r = c.completions.create(model="micro", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+        (choice,) = r.choices
+        assert (choice.text, choice.model_extra["token_ids"], choice.finish_reason) == ("", want, "length")
+        assert r.model_extra["prompt_token_ids"] == [5, 6, 7]
+        chunks = list(
+            c.completions.create(model="micro", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True)
+        )
+        assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == want
+
+
 def test_metrics_export_the_global_pool_as_its_own_tier() -> None:
     """Each tier's counters under its own ``tier`` label: distinct numbers per tier, so a mix-up shows."""
     import dataclasses

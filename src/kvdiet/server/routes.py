@@ -100,6 +100,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     prepared = _prepare(ctx, prompt, params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
+    # a model without a tokenizer has no text to give (vLLM's skip_tokenizer_init leaves it empty): its ids
+    # come back as if return_token_ids were set, so the output is never just ""
+    with_ids = body.return_token_ids or ctx.loop.engine.tokenizer is None
 
     def chunk(out: RequestOutput, *, final: bool = False) -> dict:
         choice = {
@@ -108,7 +111,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
             "logprobs": None,
             "finish_reason": _finish_reason(out),
         }
-        if body.return_token_ids:
+        if with_ids:
             choice["token_ids"] = list(out.output_ids if final else out.new_token_ids)
         return {
             "id": rid,
@@ -116,7 +119,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
             "created": created,
             "model": ctx.model_name,
             "choices": [choice],
-        } | ({"prompt_token_ids": list(prepared.prompt_ids)} if body.return_token_ids and final else {})
+        } | ({"prompt_token_ids": list(prepared.prompt_ids)} if with_ids and final else {})
 
     def final(out: RequestOutput) -> dict:
         return chunk(out, final=True) | {"usage": usage_body(out)}

@@ -33,7 +33,7 @@ EPILOG = """\
 examples:
   kvdiet serve                                   # v4.1-mini on http://127.0.0.1:8000/v1
   kvdiet serve --max-model-len 32K --max-num-seqs 8 --api-key secret
-  kvdiet serve --model v4.1-micro --persistent-dir none --port 8001   # token-id prompts only
+  kvdiet serve --model v4.1-micro --persistent-dir none --port 8001   # token ids in and out (no tokenizer)
   kvdiet serve --swa-pool redis://127.0.0.1:6379/0      # window snapshots shared through Redis
   kvdiet serve --swa-pool mooncake://127.0.0.1:50051 --swa-pool-size 0   # ... through Mooncake Store
 then:
