@@ -142,7 +142,7 @@ def test_plot(tmp_path: Path, capsys) -> None:
         (["--gpu-mem-gb", "1e300"], "--gpu-mem-gb must be a finite number > 0 (finite in bytes), got 1e+300"),
         (
             ["--num-gpus", str(10**400)],
-            "--num-gpus × --gpu-mem-gb is past the largest float64 (1.8e+308 bytes)",
+            "--num-gpus × --gpu h200 is past the largest float64 (1.8e+308 bytes)",
         ),
     ],
 )
@@ -154,6 +154,15 @@ def test_errors_exit_2(capsys, argv: list[str], needle: str) -> None:
     assert not any(
         f in err for f in ("num_gpus", "weights_gb", "capacity_context", "gpu_mem_gb", "checkpoint_every")
     )
+
+
+def test_a_device_count_past_float64_names_the_gpu_flag_the_user_typed(capsys) -> None:
+    """Without --gpu-mem-gb the device memory comes from --gpu (h200 by default): the error names that
+    flag, not --gpu-mem-gb, which the user never typed."""
+    for argv, names in (([], "--gpu h200"), (["--gpu", "b200"], "--gpu b200")):
+        assert main(["plan", "--num-gpus", str(10**300), *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"--num-gpus × {names} is past the largest float64" in err and "--gpu-mem-gb" not in err
 
 
 def test_options_validation() -> None:
@@ -171,6 +180,10 @@ def test_weights_that_do_not_fit_warn(capsys) -> None:
     assert "do not fit" in report["capacity"]["warning"]
     assert main(["plan", "--num-gpus", "2", "--weights-gb", "5000", "--json"]) == 0
     assert "kvdiet plan: warning: deepseek-v4.1-flash: the weights" in capsys.readouterr().err
+    # no weights and a device below one byte: nothing is left, but the weights are not what does not fit
+    tiny = _run_json(capsys, "--gpu-mem-gb", "1e-12", "--weights-gb", "0")["capacity"]
+    assert (tiny["sessions"], tiny["kv_budget_gb"]) == (0, 0.0)
+    assert tiny["warning"].startswith("0.00 GB left for the KV cache after the weights holds no session")
     # room for weights but not for one 1M-token session
     small = _run_json(
         capsys, "--gpu-mem-gb", "1", "--num-gpus", "1", "--weights-gb", "0.5", "--context", "1M"

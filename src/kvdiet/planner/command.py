@@ -120,7 +120,8 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
         field = str(exc).partition(" ")[0]
         if field not in _FLAGS:
             raise
-        raise ValueError(re.sub(r"\b[a-z_]+\b", lambda m: _FLAGS.get(m[0], m[0]), str(exc))) from None
+        flags = _FLAGS if args.gpu_mem_gb is not None else _FLAGS | {"gpu_mem_gb": f"--gpu {args.gpu}"}
+        raise ValueError(re.sub(r"\b[a-z_]+\b", lambda m: flags.get(m[0], m[0]), str(exc))) from None
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> None:

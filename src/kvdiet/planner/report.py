@@ -253,7 +253,7 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
     budget = max(0, total - weights_bytes)
     per_session = spec.request_bytes(opts.capacity_context)
     warning = None
-    if weights_bytes >= total:
+    if weights_bytes >= total and weights_bytes > 0:  # no weights never fail to fit (a 0-byte device)
         warning = (
             f"the weights ({weights_bytes / 1e9:,.1f} GB) do not fit in {opts.num_gpus:,} × "
             f"{opts.gpu_mem_gb:g} GB = {total / 1e9:,.1f} GB: nothing is left for the KV cache"
