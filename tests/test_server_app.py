@@ -414,6 +414,7 @@ def test_a_model_without_a_tokenizer_returns_token_ids_unasked() -> None:
             c.completions.create(model="micro", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True)
         )
         assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == want
+        assert not any("prompt_token_ids" in ch.model_extra for ch in chunks)  # unstreamed only (README)
 
 
 def test_metrics_export_the_global_pool_as_its_own_tier() -> None:

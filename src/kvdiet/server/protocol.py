@@ -3,7 +3,7 @@
 Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1,
 ``n`` = 1 (one choice per request here), ``logit_bias`` values in [-100, 100]. vLLM's extensions that mean
 the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (each
-choice, and each streamed chunk, also carries ``token_ids``; the response ``prompt_token_ids``; always so
+choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response ``prompt_token_ids``; always so
 for completions of a model without a tokenizer, whose ``text`` is empty), ``chat_template_kwargs``.
 Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``, ``echo``,
 ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their default,
