@@ -295,6 +295,25 @@ def test_max_model_len_tokens_fit_in_ceil_n_over_block_size_blocks(micro: Transf
     _assert_clean(engine, free)
 
 
+def test_admission_reserves_a_decode_token_only_when_one_will_be_fed_back(micro: Transformer) -> None:
+    # blocks of 4: a prompt of 8 fills 2 blocks; the decode slot of its next token would need a 3rd, which
+    # only a request that feeds that token back (max_tokens >= 2) reserves; after a preemption the outputs
+    # so far count as prompt (7 + 1 = 8 tokens) and the rule is the same
+    engine = _engine(micro)
+    oracle = engine.scheduler.cache
+    for prompt, outputs, max_tokens, blocks in (
+        (8, 0, 0, 2),
+        (8, 0, 1, 2),
+        (8, 0, 2, 3),
+        (7, 1, 2, 2),
+        (7, 1, 3, 3),
+    ):
+        engine.add_request(_ids(prompt, seed=prompt), SamplingParams(max_tokens=max_tokens))
+        req = engine.scheduler.waiting[-1]
+        req.output_ids += [5] * outputs
+        assert oracle.admission_blocks(req) == blocks, (prompt, outputs, max_tokens)
+
+
 def test_b29_fully_cached_prompt_beside_a_decoding_request(micro: Transformer) -> None:
     engine = _engine(micro, budget=16)
     a, b = _ids(20, seed=21), _ids(12, seed=22)
