@@ -28,6 +28,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_maximum_concurrency_counts_whole_blocks_per_request() -> None:
+    """One request of --max-model-len 63 takes ceil(63 / 4) = 16 blocks: a pool of 16 holds 1.00 of them (vLLM's
+    figure, blocks over blocks per request), not 64 / 63 = 1.02."""
+    from kvdiet.config import load_config
+    from kvdiet.engine.engine import LLMEngine
+    from kvdiet.engine.runner import CacheOptions, ModelRunner
+    from kvdiet.model.transformer import Transformer
+    from kvdiet.server.serve import startup_report
+
+    model = Transformer.from_config(load_config("v4.1-micro"), seed=0)
+    block_bytes = model.new_pool(1, block_size=4).block_bytes
+    for blocks, max_model_len, figure in ((16, 63, "1.00x"), (16, 64, "1.00x"), (40, 63, "2.50x")):
+        runner = ModelRunner(model, CacheOptions(kv_cache_memory=blocks * block_bytes, block_size=4))
+        with runner:
+            lines = startup_report(LLMEngine(model, runner, max_model_len=max_model_len))
+        assert f"maximum concurrency for {max_model_len} tokens per request: {figure}" in lines
+
+
 def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
     port = _free_port()
     log = tmp_path / "serve.log"

@@ -181,7 +181,9 @@ def startup_report(engine: object) -> list[str]:
         weights_line(engine.model),
         f"KV cache: {blocks:,} blocks × {bs} tokens = {tokens:,} tokens, {format_bytes(blocks * pool.block_bytes)} "
         f"({pool.block_bytes:,} B per block, {pool.block_bytes / bs:,.1f} B/token of global KV)",
-        f"maximum concurrency for {engine.max_model_len:,} tokens per request: {tokens / engine.max_model_len:.2f}x",
+        # vLLM's figure: blocks over the ceil(max_model_len / block_size) blocks one request of it takes
+        f"maximum concurrency for {engine.max_model_len:,} tokens per request: "
+        f"{blocks / -(-engine.max_model_len // bs):.2f}x",
     ]
     p = cache.persistent
     if p is not None and p.enabled:
