@@ -181,7 +181,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     top-k (and candidate blocks), published in the plan (in each segment too while a selection observer is
     installed).
     """
-    info, rot = attn.info, plan.rotation(attn.rope)
+    info, rot = attn.info, plan.rows.rotation(attn.rope, plan.positions)  # `DecodePlan.rotation` inline
     mods = attn._modules  # its own dict: nn.Module's attribute fallback costs a microsecond a lookup
     if mods.get("compressor") is not None:
         _update_global(attn, x, segs, plan)

@@ -19,7 +19,7 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import gemv
-from kvdiet.model.layers import kernels_agree, rope_kernels
+from kvdiet.model.layers import kernels_agree
 from kvdiet.model.member import member_weights
 
 if TYPE_CHECKING:
@@ -45,7 +45,11 @@ def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: in
         return None
     if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
         return None
-    return rope_kernels(rope_dim)
+    # `rope_kernels`' reads, inline (a decode step asks some 130 times: three frames each)
+    kernels = native.fp4_kernels()
+    if kernels is None or not kernels_agree("rope_rotate"):
+        return None
+    return None if rope_dim % 32 and not kernels_agree("rope_rotate", rope_dim) else kernels
 
 
 def project_rows(
