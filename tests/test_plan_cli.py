@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -255,5 +256,10 @@ def test_the_capacity_line_reads_like_its_warning(capsys) -> None:
     assert main(["plan", "--context", "10T"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "= 829.95 GB for KV → 0 sessions" in out and "829.95 GB left for the KV cache" in out
+    # the line's own figures add up at its rounding: 8 × 141 − 298.05 = 829.95 (298.0 did not)
+    total, weights, budget = re.search(
+        r"\(([\d.]+) GB\) − weights ([\d.]+) GB \(estimate\) = ([\d.]+) GB", out
+    ).groups()
+    assert round(8 * float(total) - float(weights), 2) == float(budget)
     assert main(["plan", "--num-gpus", "1000000"]) == 0
     assert "Capacity: 1,000,000 × h200 (141 GB)" in " ".join(capsys.readouterr().out.split())

@@ -281,6 +281,11 @@ def test_models_health_and_metrics(mini, client) -> None:
         ("/v1/completions", {"prompt": [[2, 0.5]]}, "token id 0.5 at index 1 is not an integer"),
         ("/v1/completions", {"prompt": [1.0, 2]}, "token id 1.0 at index 0 is not an integer"),
         ("/v1/completions", {"prompt": [2, True]}, "token id true at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": [1, "1_0"]}, 'token id "1_0" at index 1 is not an integer'),
+        ("/v1/completions", {"prompt": [["1", 2]]}, 'token id "1" at index 0 is not an integer'),
+        ("/v1/completions", {"prompt": [1, None]}, "token id null at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": [1, [2]]}, "token id [2] at index 1 is not an integer"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["5"]}, "stop_token_ids.0: Input should be"),
         (
             "/v1/completions",
             {"prompt": "hi", "top_k": -2},

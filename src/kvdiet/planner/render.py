@@ -113,7 +113,7 @@ def render_report(report: dict[str, Any], console: Console) -> None:
 
     c = report["capacity"]
     console.print(
-        f"Capacity: {c['num_gpus']:,} × {c['gpu']} ({c['gpu_mem_gb']:,g} GB) − weights {c['weights_gb']:,.1f} GB "
+        f"Capacity: {c['num_gpus']:,} × {c['gpu']} ({c['gpu_mem_gb']:,g} GB) − weights {c['weights_gb']:,.2f} GB "
         f"({c['weights_source']}) = {c['kv_budget_gb']:,.2f} GB for KV → [bold]{format_count(c['sessions'])}[/bold] "
         f"sessions of {format_count(c['context'])} tokens ({format_bytes(c['bytes_per_session'])} each)"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.sampling import SamplingParams
@@ -69,14 +69,15 @@ def _one_of(expected: str) -> WrapValidator:
 
 
 def _integer_token_ids(value: Any) -> Any:
-    """A prompt of numbers (or a one-element list of one) with one that is not a JSON integer (``1.5``,
-    ``1.0``, ``true``) is refused as such, as `LLM.generate` refuses it, ``token id 1.5 at index 0 is not an
-    integer``, before the union's one sentence (which names no item; pydantic alone would read ``1.0`` and
-    ``true`` as 1). Any other value passes unchanged."""
+    """A prompt list (or a one-element list of one) holding any number, with an item that is not a JSON
+    integer (``1.5``, ``1.0``, ``true``, ``"1"``, ``null``, ``[2]``), is refused as such, as `LLM.generate`
+    refuses it, ``token id 1.5 at index 0 is not an integer``, before the union's one sentence (which names
+    no item; pydantic alone would read ``1.0``, ``true`` and ``"1"`` as 1). Any other value (text, a list
+    of texts) passes unchanged."""
     ids = value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list) else value
-    if isinstance(ids, list) and ids and all(isinstance(t, int | float) for t in ids):
+    if isinstance(ids, list) and any(isinstance(t, int | float) for t in ids):
         for i, t in enumerate(ids):
-            if isinstance(t, bool | float):  # JSON true/false and numbers with a fraction or exponent
+            if not isinstance(t, int) or isinstance(t, bool):  # JSON true/false, fractions, strings, …
                 raise PydanticCustomError(
                     "token_id", "token id {t} at index {i} is not an integer", {"t": json.dumps(t), "i": i}
                 )
@@ -106,7 +107,7 @@ class _Common(BaseModel):
         | None,
         _one_of("a string of at most 1,024 characters or a list of at most 16 such strings"),
     ] = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # "5" is not a token id (LLM.generate's rule)
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
