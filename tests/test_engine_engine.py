@@ -357,6 +357,11 @@ def test_settings_are_checked_at_construction(micro: Transformer) -> None:
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max-model-len must be in"):
         _engine(micro, max_model_len=257)
+    for bad in (8.5, "8", True):  # a whole number or nothing: not Python's '<=' TypeError
+        with pytest.raises(
+            ValueError, match=f"--max-model-len must be a whole number of tokens, got {bad!r}"
+        ):
+            _engine(micro, max_model_len=bad)
     with pytest.raises(ValueError, match=r"needs 16 blocks of 4 tokens, but the KV cache holds 10 blocks"):
         _engine(micro, blocks=10, max_model_len=64)
     engine = _engine(micro)

@@ -21,6 +21,18 @@ def test_invalid(kwargs: dict, needle: str) -> None:
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [({"max_tokens": "2"}, "max_tokens must be an int, got '2'"), ({"max_tokens": 2.0}, "max_tokens must be an int"),
+     ({"top_k": True}, "top_k must be an int, got True"), ({"temperature": "1"}, "temperature must be a number"),
+     ({"top_p": None}, "top_p must be a number"), ({"seed": 1.5}, "seed must be an int or None, got 1.5")],
+)  # fmt: skip
+def test_wrong_types_are_named(kwargs: dict, needle: str) -> None:
+    """A value of the wrong type is named (not Python's '<' TypeError from the range checks)."""
+    with pytest.raises(TypeError, match=needle):
+        SamplingParams(**kwargs)
+
+
 def test_stop_token_outside_vocab() -> None:
     with pytest.raises(ValueError, match=r"stop token id 64 is outside the vocabulary \[0, 64\)"):
         SamplingParams(stop_token_ids=(1, 64)).check_vocab(64)

@@ -33,6 +33,8 @@ class SamplingParams:
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
     Raises:
+        TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int, ``temperature`` or ``top_p`` not a
+            real number (bools refused as both; named).
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -48,6 +50,17 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name, kinds in (
+            ("max_tokens", int),
+            ("top_k", int),
+            ("temperature", (int, float)),
+            ("top_p", (int, float)),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise TypeError(f"{name} must be {'an int' if kinds is int else 'a number'}, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
