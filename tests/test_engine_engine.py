@@ -4,6 +4,7 @@ stop conditions, and the input cases B26–B29."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,6 +363,7 @@ def test_settings_are_checked_at_construction(micro: Transformer) -> None:
             ValueError, match=f"--max-model-len must be a whole number of tokens, got {bad!r}"
         ):
             _engine(micro, max_model_len=bad)
+    assert _engine(micro, max_model_len=np.int64(64)).max_model_len == 64  # numpy's ints are whole numbers
     with pytest.raises(ValueError, match=r"needs 16 blocks of 4 tokens, but the KV cache holds 10 blocks"):
         _engine(micro, blocks=10, max_model_len=64)
     engine = _engine(micro)

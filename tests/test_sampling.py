@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,20 @@ def test_wrong_types_are_named(kwargs: dict, needle: str) -> None:
     """A value of the wrong type is named (not Python's '<' TypeError from the range checks)."""
     with pytest.raises(TypeError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_numpy_scalars_are_numbers() -> None:
+    """numpy's integers and floats are ints and numbers (``operator.index``, ``numbers.Real``), as they were
+    before the type checks; they are kept as Python's int and float, the same values."""
+    params = SamplingParams(
+        max_tokens=np.int64(3), top_k=np.int32(5), temperature=np.float32(0.5), top_p=np.float64(0.25),
+        seed=np.uint64(2**64 - 1),
+    )  # fmt: skip
+    assert (params.max_tokens, params.top_k, params.temperature, params.top_p) == (3, 5, 0.5, 0.25)
+    assert params.seed == 2**64 - 1 and type(params.seed) is int and type(params.max_tokens) is int
+    assert type(params.top_k) is int and type(params.temperature) is float
+    with pytest.raises(TypeError, match=r"max_tokens must be an int, got np\.True_"):
+        SamplingParams(max_tokens=np.bool_(True))
 
 
 def test_stop_token_outside_vocab() -> None:

@@ -21,10 +21,12 @@ tokenizer and may be called from any thread. `add_prepared` and everything below
 from __future__ import annotations
 
 import itertools
+import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Protocol
 
 import torch
@@ -73,8 +75,9 @@ def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: in
         ValueError: out of ``[1, limit]``, or one request would not fit in the pool (one line, named by flag).
     """
     n = limit if max_model_len is None else max_model_len
-    if not isinstance(n, int) or isinstance(n, bool):  # 8.5 or "8": one line, not a TypeError from <=
+    if not isinstance(n, Integral) or isinstance(n, bool):  # 8.5 or "8": one line, not a TypeError from <=
         raise ValueError(f"--max-model-len must be a whole number of tokens, got {max_model_len!r}")
+    n = operator.index(n)  # numpy's ints too, kept as Python's int
     if not 1 <= n <= limit:
         raise ValueError(
             f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 
@@ -33,8 +35,8 @@ class SamplingParams:
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
     Raises:
-        TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int, ``temperature`` or ``top_p`` not a
-            real number (bools refused as both; named).
+        TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
+            too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; named.
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -50,17 +52,25 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # ints as `operator.index` takes them (numpy's too), numbers as `numbers.Real`; bools are neither here.
+        # Kept as Python's int and float (the same values) from here on.
         for name, kinds in (
-            ("max_tokens", int),
-            ("top_k", int),
-            ("temperature", (int, float)),
-            ("top_p", (int, float)),
+            ("max_tokens", Integral),
+            ("top_k", Integral),
+            ("temperature", Real),
+            ("top_p", Real),
         ):
             value = getattr(self, name)
             if not isinstance(value, kinds) or isinstance(value, bool):
-                raise TypeError(f"{name} must be {'an int' if kinds is int else 'a number'}, got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+                raise TypeError(
+                    f"{name} must be {'an int' if kinds is Integral else 'a number'}, got {value!r}"
+                )
+            if type(value) not in (int, float):
+                object.__setattr__(self, name, operator.index(value) if kinds is Integral else float(value))
+        if self.seed is not None:
+            if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
+                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            object.__setattr__(self, "seed", operator.index(self.seed))
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
