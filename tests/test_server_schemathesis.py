@@ -151,7 +151,7 @@ def test_a_surrogate_in_a_field_name_is_a_400(base_url: str) -> None:
         ),
         (
             "/v1/completions",
-            {"prompt": [1, "a"]},
+            {"prompt": ["a", None]},  # no number in it: [1, "a"] names its item (test_server_app)
             "prompt: must be a string, a list of token ids (integers), or a one-element list of either "
             "(got an array of 2 items)",
         ),
