@@ -13,9 +13,8 @@ from kvdiet.config import load_config
 from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.expert_buffers import run_sorted_groups
-from kvdiet.model.expert_rows import run_experts
 from kvdiet.model.fused_rows import expert_groups
-from kvdiet.model.moe import Expert, MoE
+from kvdiet.model.moe import Expert, MoE, run_experts
 
 
 @pytest.fixture(scope="module")

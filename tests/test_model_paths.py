@@ -351,10 +351,9 @@ def test_decode_plan_shares_one_rotation_per_table_and_reads_each_ring_slot(micr
     segs[1].window_floor = 15  # its older positions 13 … 19 are held; 13 and 14 are below the floor
     plan = DecodePlan.for_segments(segs)
     ropes = {info.compress_ratio > 0: m.layers[info.layer_id].attn.rope for info in m.plan.layers}
-    rotation = plan.rows.rotation  # as `decode_attention` asks it
-    first, again = rotation(ropes[True], plan.positions), rotation(ropes[True], plan.positions)
-    plain = rotation(ropes[False], plan.positions)
-    assert first is again and plain is not first and rotation(ropes[False], plan.positions) is plain
+    first, again = plan.rotation(ropes[True]), plan.rotation(ropes[True])
+    plain = plan.rotation(ropes[False])
+    assert first is again and plain is not first and plan.rotation(ropes[False]) is plain
     assert torch.equal(first.cis, ropes[True].at(torch.tensor([3, 20])).cis)
     layers = len(m.plan.layers)
     for layer in (0, layers - 1):

@@ -1,4 +1,4 @@
-// A decode step's SwiGLU experts in one call (kvdiet/model/expert_rows.py, run_experts): every expert's w1 and w3
+// A decode step's SwiGLU experts in one call (kvdiet/model/moe.py, run_experts): every expert's w1 and w3
 // products, its activation, then every w2 product. Compiled after gemv_kernels.cpp into the same module
 // (fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //

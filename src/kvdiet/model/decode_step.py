@@ -31,7 +31,7 @@ from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.fused_rows import project_out_rows, project_rows
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
-from kvdiet.model.layers import Rotation, as_dtype
+from kvdiet.model.layers import Rope, Rotation, as_dtype
 from kvdiet.model.member import member
 from kvdiet.model.row_tables import RowTables
 from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
@@ -132,6 +132,10 @@ class DecodePlan:
             pos, rings, layer_rings, fresh, slots, held_by_layer, window_mask.unbind(0), BatchTables.of(segs)
         )
 
+    def rotation(self, rope: Rope) -> Rotation:
+        """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
+        return self.rows.rotation(rope, self.positions)
+
     def check_pending(self) -> None:
         """Read the ``pending`` checks (one host read, none when there are none) and clear them.
 
@@ -177,7 +181,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     top-k (and candidate blocks), published in the plan (in each segment too while a selection observer is
     installed).
     """
-    info, rot = attn.info, plan.rows.rotation(attn.rope, plan.positions)  # once per table a step
+    info, rot = attn.info, plan.rotation(attn.rope)
     mods = attn._modules  # its own dict: nn.Module's attribute fallback costs a microsecond a lookup
     if mods.get("compressor") is not None:
         _update_global(attn, x, segs, plan)

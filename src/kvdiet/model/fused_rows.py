@@ -11,7 +11,6 @@ NaN whose payload torch's own loop decides), and the caller runs the modules. Ke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import methodcaller
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -19,8 +18,8 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import gemv
-from kvdiet.model.layers import kernels_agree
-from kvdiet.model.member import member_weights
+from kvdiet.model.layers import kernels_agree, rope_kernels
+from kvdiet.model.member import member
 
 if TYPE_CHECKING:
     from kvdiet.model.layers import RMSNorm, Rotation
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
     from kvdiet.model.moe import Expert
 
 __all__ = ["expert_groups", "fused_kernels", "project_out_rows", "project_rows"]
-
-_DENSE = methodcaller("dense_weights")  # `Expert.dense_weights` of an expert
 
 
 def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: int) -> ModuleType | None:
@@ -45,11 +42,7 @@ def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: in
         return None
     if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
         return None
-    # `rope_kernels`' reads, inline (a decode step asks some 130 times: three frames each)
-    kernels = native.fp4_kernels()
-    if kernels is None or not kernels_agree("rope_rotate"):
-        return None
-    return None if rope_dim % 32 and not kernels_agree("rope_rotate", rope_dim) else kernels
+    return rope_kernels(rope_dim)
 
 
 def project_rows(
@@ -61,7 +54,8 @@ def project_rows(
     kernels = fused_kernels(x, w_a, w_b, rot.rope_dim)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None
-    a_weight, n_weight, b_weight = member_weights(w_a, norm, w_b)
+    b_weight = None if w_b is None else member(w_b, "weight")
+    a_weight, n_weight = member(w_a, "weight"), member(norm, "weight")
     return kernels.project_rows(
         x, a_weight, n_weight, norm.eps, b_weight, heads, head_dim, rot.cis, rot.rope_dim
     )
@@ -75,7 +69,7 @@ def project_out_rows(
     kernels = fused_kernels(o, wo_a, wo_b, rot.rope_dim)
     if kernels is None or not o.is_contiguous():
         return None
-    a_weight, b_weight = member_weights(wo_a, wo_b)
+    a_weight, b_weight = member(wo_a, "weight"), member(wo_b, "weight")
     return kernels.project_out_rows(o, rot.cis_inverse, rot.rope_dim, a_weight, groups, b_weight)
 
 
@@ -88,7 +82,7 @@ def expert_groups(
     shared: Expert,
 ) -> torch.Tensor | None:
     """`MoE._routed_grouped`'s (and `MoE._one_row`'s) decode rows in one ``expert_groups`` call: the same groups
-    through `kvdiet.model.expert_rows.run_experts`'s kernel, the k slots summed by torch's own sum of the same
+    through `kvdiet.model.moe.run_experts`'s kernel, the k slots summed by torch's own sum of the same
     [T, k, hidden] tensor, the shared expert added, so the same bits. Rows ``x`` fp32 [T, hidden] name experts
     ``ids`` int64 [T, k] (``used``: the ids named, increasing, at most 16 pairs each; ``modules``: those experts,
     already fetched) with routing ``weights`` fp32 [T, k] on the CPU, k < 16; rows fitting `gemv.applies_all`,
@@ -100,7 +94,7 @@ def expert_groups(
     if weights.dtype != torch.float32 or not weights.is_cpu or weights.shape != ids.shape:
         return None
     group = [*modules, shared]
-    dense = list(map(_DENSE, group))  # no comprehension frame
+    dense = [e.dense_weights() for e in group]
     if None in dense or not gemv.applies_all(x, ()):
         return None
     kernels = native.fp4_kernels()

@@ -23,7 +23,6 @@ bit-equal), within fp32 rounding of the same sum. Off the CPU (cuBLAS), for fp64
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +63,7 @@ def applies_all(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     grad = torch.is_grad_enabled()
     if not _rows_fit(x, grad):
         return False
-    return all(
-        map(_weight_fits, weights, repeat(grad))
-    )  # `map`: no generator frame (a decode step's MoE layers)
+    return all(_weight_fits(weight, grad) for weight in weights)
 
 
 def _rows_fit(x: torch.Tensor, grad: bool) -> bool:

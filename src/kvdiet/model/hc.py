@@ -15,6 +15,7 @@ Source: v41-spec §8.1a (DeepSeek's V4.1 reference ``hc_pre`` / ``hc_post`` and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from kvdiet.config import ModelConfig
 from kvdiet.formats import native
 from kvdiet.model.chain_products import chain_fits
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
-from kvdiet.model.member import member, members
+from kvdiet.model.member import member
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
 
 __all__ = [
@@ -93,20 +94,19 @@ def sublayer_entry(
         (x fp32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]).
     """
     weights = _sublayer_weights(block, cfg, h, part)
-    # the compiled kernels when ``hc_enter`` may run: built, not switched off, the norm kernel's bits checked
-    kernels = None if torch.is_grad_enabled() or h.dtype != torch.float32 else native.fp4_kernels()
     if (
-        kernels is not None
+        not torch.is_grad_enabled()
+        and h.dtype == torch.float32
         and h.dim() == 3
         and h.shape[0] <= MAX_MIX_ROWS
-        and weights.dtype == torch.float32
-        and kernels_agree("rms_norm")
     ):
-        mix = hc_mix_address()
-        entered = None if mix is None else kernels.hc_enter(
-            h, weights.fn_t, weights.scale, weights.base, collapse_pre, member(norm, "weight"), norm.eps,
-            cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix, any_rows=h.shape[0] > KERNEL_ROWS,
-        )  # fmt: skip
+        kernels, mix = _entry_kernels()
+        entered = None
+        if kernels is not None and mix is not None and weights.dtype == torch.float32:
+            entered = kernels.hc_enter(
+                h, weights.fn_t, weights.scale, weights.base, collapse_pre, member(norm, "weight"), norm.eps,
+                cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix, any_rows=h.shape[0] > KERNEL_ROWS,
+            )  # fmt: skip
         if entered is not None:
             return entered
     return norm(hc_collapse(h, collapse_pre)), *weights.coefficients(
@@ -114,11 +114,20 @@ def sublayer_entry(
     )
 
 
+def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
+    """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, the norm
+    kernel's bits checked), else (None, None)."""
+    kernels = native.fp4_kernels()
+    if kernels is None or not kernels_agree("rms_norm"):
+        return None, None
+    return kernels, hc_mix_address()
+
+
 def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
     """The `HcWeights` of ``block``'s ``part`` sublayer for streams ``h``, kept as `sublayer_coefficients` says."""
-    fn, scale, base = members(block, *_NAMES[part])
-    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32  # `_compute_dtype`, inline
-    grad = torch.is_grad_enabled()
+    fn_name, scale_name, base_name = _NAMES[part]
+    fn, scale, base = member(block, fn_name), member(block, scale_name), member(block, base_name)
+    dtype, grad = _compute_dtype(h), torch.is_grad_enabled()
     weights = block.hc_weights.get(part)
     # kept weights are never of inference tensors (below), so the same objects are not: `current` may read
     # their version counters
@@ -229,20 +238,13 @@ class HcWeights:
         """Whether these are still the layout of ``fn``, ``scale``, ``base`` in ``dtype``: the same objects,
         storage and version counters (see `sublayer_coefficients` for what that covers)."""
         src = self.source
-        if src[0] is not fn or src[1] is not scale or src[2] is not base or self.dtype != dtype:
-            return False
-        try:  # `_stamp`'s first read, inline (a decode step asks 80 times)
-            now = (
-                fn._version,
-                fn.data_ptr(),
-                scale._version,
-                scale.data_ptr(),
-                base._version,
-                base.data_ptr(),
-            )
-        except RuntimeError:  # an inference tensor
-            now = _stamp(fn, scale, base)
-        return self.stamp == now
+        return (
+            src[0] is fn
+            and src[1] is scale
+            and src[2] is base
+            and self.dtype == dtype
+            and self.stamp == _stamp(fn, scale, base)
+        )
 
     def coefficients(
         self, h: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int

@@ -1,16 +1,14 @@
-"""`member`: a module's parameter or buffer, read without nn.Module's attribute fallback where it can be;
-`members` (several of one module) and `member_weights` (the ``weight`` of several modules) in one call each.
+"""`member`: a module's parameter or buffer, read without nn.Module's attribute fallback where it can be.
 
-The decode step reads some 1,100 weights a step; ``module.weight`` goes through ``nn.Module.__getattr__`` (about a
-microsecond each), the module's own dicts take a tenth of that, and one call for a layer's few saves a Python
-frame per weight."""
+The decode step reads some 260 weights a step; ``module.weight`` goes through ``nn.Module.__getattr__`` (about a
+microsecond each), the module's own dicts take a tenth of that."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["member", "member_weights", "members"]
+__all__ = ["member"]
 
 
 def member(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -29,33 +27,3 @@ def member(module: nn.Module, name: str) -> torch.Tensor | None:
     if name in buffers:
         return buffers[name]
     return getattr(module, name)
-
-
-def members(module: nn.Module, *names: str) -> list[torch.Tensor | None]:
-    """``[member(module, name) for name in names]`` in one call (a decode step reads a block's three mHC
-    parameters twice a layer and a router's three tensors once).
-
-    Raises:
-        AttributeError: ``module`` has no attribute of one of ``names``.
-    """
-    params, buffers = module._parameters, module._buffers
-    out = []
-    for name in names:
-        out.append(
-            params[name] if name in params else buffers[name] if name in buffers else getattr(module, name)
-        )
-    return out
-
-
-def member_weights(*modules: nn.Module | None) -> list[torch.Tensor | None]:
-    """``member(m, "weight")`` of each of ``modules`` (None for a None module) in one call: a decode step's fused
-    projections read two or three weights each, 120 calls a step.
-
-    Raises:
-        AttributeError: a module has no attribute ``weight``.
-    """
-    out = []
-    for module in modules:
-        got = None if module is None else module._parameters.get("weight")
-        out.append(got if got is not None or module is None else member(module, "weight"))
-    return out

@@ -8,10 +8,9 @@ Everything runs in fp32 (fp64 in a model converted to fp64); a linear whose weig
 ``experts`` or, when the loader reads them on first use, from ``routed`` (`kvdiet.model.expert_cache`).
 Tokens are grouped per expert (one matmul per used expert, no per-token loop); a lone row (a one-request
 decode step) skips the sorting into groups, each of its experts being a group of that one row. On the CPU a
-decode step's groups (at most 16 rows each) and the shared expert run in one compiled call
-(`kvdiet.model.expert_rows.run_experts`: ``expert_rows`` of ``formats/expert_kernels.cpp``, every w1 and w3, the
-activation, then every w2; without the compiled kernels two calls of `kvdiet.model.gemv.row_products_each`), the
-values each `Expert` would give.
+decode step's groups (at most 16 rows each) and the shared expert run in one compiled call (`run_experts`:
+``expert_rows`` of ``formats/expert_kernels.cpp``, every w1 and w3, the activation, then every w2; without the
+compiled kernels two calls of `kvdiet.model.gemv.row_products_each`), the values each `Expert` would give.
 Otherwise (off the CPU, or more rows than that) in a batched decode step, when the groups are small and even (a
 few rows per expert) and every routed expert is a dense resident `Expert`, all groups run as one batched matmul
 per weight over the experts' weights stacked, each group padded to the largest. This module has no effect on
@@ -24,6 +23,8 @@ weigh them (transformers ``DeepseekV4HashRouter``; V4 reference ``Gate`` with ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,13 +34,12 @@ from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.expert_buffers import run_sorted_groups
 from kvdiet.model.expert_cache import LayerExperts
-from kvdiet.model.expert_rows import run_experts
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
-from kvdiet.model.member import member, members
+from kvdiet.model.member import member
 
-__all__ = ["Expert", "Gate", "MoE"]
+__all__ = ["Expert", "Gate", "MoE", "run_experts"]
 
 _INIT_STD = 0.02  # config ``initializer_range``
 # The padded path (where decode rows cannot go to `run_experts`) runs when its padded rows (experts × largest
@@ -99,8 +99,8 @@ class Gate(nn.Module):
             ValueError: a hash-routed gate without ``token_ids``, or a ``tid2eid`` row naming no expert.
         """
         x = widen(x)
-        # `members`: the parameters' and buffers' own dicts (nn.Module's attribute fallback: a microsecond a lookup)
-        weight, bias, tid2eid = members(self, "weight", "bias", "tid2eid")
+        # `member`: the parameters' and buffers' own dicts (nn.Module's attribute fallback: a microsecond a lookup)
+        weight, bias, tid2eid = member(self, "weight"), member(self, "bias"), member(self, "tid2eid")
         if tid2eid is None and not torch.is_grad_enabled() and gemv.applies(x, weight):
             kernels = native.fp4_kernels()
             routed = None if kernels is None else kernels.route_rows(
@@ -160,15 +160,53 @@ class Expert(nn.Module):
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(w1, w3, w2)`` weights when all three are stored dense, else None."""
-        # the modules' own dicts (`member` where a weight is not held there): nn.Module's attribute fallback costs
-        # about a microsecond a lookup, and a decode step asks for every used expert's weights in every layer
-        w1, w3, w2 = self._modules["w1"], self._modules["w3"], self._modules["w2"]
+        # the submodules' own dict and `member`: nn.Module's attribute fallback costs about a microsecond a
+        # lookup, and a decode step asks for every used expert's weights in every layer
+        mods = self._modules
+        w1, w3, w2 = mods["w1"], mods["w3"], mods["w2"]
         if w1.storage != "dense" or w3.storage != "dense" or w2.storage != "dense":
             return None
-        a, b, c = w1._parameters.get("weight"), w3._parameters.get("weight"), w2._parameters.get("weight")
-        if a is None or b is None or c is None:
-            a, b, c = member(w1, "weight"), member(w3, "weight"), member(w2, "weight")
-        return a, b, c
+        return member(w1, "weight"), member(w3, "weight"), member(w2, "weight")
+
+
+def _fits(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``expert_rows`` takes routing weights ``weight`` for rows ``x`` as they are: fp32 [M, 1] on the CPU
+    (other dtypes or shapes would promote or broadcast differently in torch's ``weight * act``)."""
+    return weight.dtype == torch.float32 and weight.is_cpu and tuple(weight.shape) == (x.shape[0], 1)
+
+
+def run_experts(
+    experts: Sequence[Expert], xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """``experts[i](xs[i], weights[i])`` for every i, bit for bit, when every expert is dense and the rows fit
+    (`gemv.applies`): a decode step's few rows per expert in one compiled call (``expert_rows``: the
+    products of `kvdiet.model.gemv.row_products_each`, the activation as torch's own ops called from C++), or,
+    without the compiled kernels or for routing weights of another dtype or shape, two calls of
+    `gemv.row_products_each` (every w1 and w3, then every w2) around `Expert.activation`. Otherwise (or when a
+    routing weight requires grad under grad mode: the products keep no autograd graph) each expert's own
+    forward.
+
+    xs[i]: [N_i, hidden]; weights[i]: [N_i, 1] or None -> [N_i, hidden] each.
+    """
+    xs = [widen(x) for x in xs]
+    dense = [e.dense_weights() for e in experts]
+    fit = all(d is not None and gemv.applies_all(x, d) for d, x in zip(dense, xs, strict=True))
+    tracked = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights)
+    if not fit or tracked:  # the products keep no autograd graph: a routing weight's gradient needs F.linear
+        return [e(x, w) for e, x, w in zip(experts, xs, weights, strict=True)]
+    kernels = native.fp4_kernels()
+    if kernels is not None and all(w is None or _fits(w, x) for w, x in zip(weights, xs, strict=True)):
+        return kernels.expert_rows(
+            xs, *([d[j] for d in dense] for j in range(3)), list(weights), [e.swiglu_limit for e in experts]
+        )
+    gate_up = gemv.row_products_each(
+        [x for x in xs for _ in range(2)], [w for d in dense for w in d[:2]], checked=False
+    )
+    acts = [
+        e.activation(gate_up[2 * i], gate_up[2 * i + 1], w)
+        for i, (e, w) in enumerate(zip(experts, weights, strict=True))
+    ]
+    return gemv.row_products_each(acts, [d[2] for d in dense], checked=False)
 
 
 class MoE(nn.Module):
@@ -234,10 +272,9 @@ class MoE(nn.Module):
         """Experts ``ids`` (each in [0, n_routed_experts)), each fetched once: a lazily read one is loaded here;
         resident ones straight from the ModuleList's own dict (its ``__getitem__`` costs about a microsecond)."""
         if self.routed is not None:
-            return list(
-                map(self.routed.__getitem__, ids)
-            )  # `map`: no comprehension frame (a decode step's 40)
-        return list(map(self._modules["experts"]._modules.__getitem__, map(str, ids)))
+            return [self.routed[e] for e in ids]
+        mods = self._modules["experts"]._modules
+        return [mods[str(e)] for e in ids]
 
     def _one_row(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, id_list: list[int] | None = None
@@ -255,7 +292,7 @@ class MoE(nn.Module):
         by_id = dict(zip(id_list, chosen, strict=True))
         used = sorted(by_id)
         shared_expert = self._modules["shared_experts"]
-        row = expert_groups(x, weights, ids, used, list(map(by_id.__getitem__, used)), shared_expert)
+        row = expert_groups(x, weights, ids, used, [by_id[e] for e in used], shared_expert)
         if row is not None:
             return row
         slots = weights.split(1, dim=1)  # k views [1, 1], as weights[:, j : j + 1], in one call
