@@ -75,7 +75,7 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--chunk-size", "0", "--chunk-size must be >= 1"),
         ("--top-k", "-2", "--top-k: top_k must be >= 1, or 0 or -1 for all tokens"),
         ("--max-model-len", "1000", "--max-model-len must be in [1, 256] (max_position_embeddings)"),
-        ("--max-model-len", "8", "prompt 3 + max_tokens 16 = 19 > max_model_len 8"),
+        ("--max-model-len", "8", "prompt (3 tokens) + max_tokens (16) = 19 tokens > max_model_len 8"),
         ("--max-model-len", "1x", "--max-model-len: cannot parse token count"),
     ],
 )

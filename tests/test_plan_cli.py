@@ -108,6 +108,17 @@ def test_compare(capsys) -> None:
     assert r == pytest.approx(890 / (3514.25 + 43 * 128 * 584 / 1024))
 
 
+def test_compare_text_states_its_capacity_assumptions(capsys, monkeypatch) -> None:
+    """The text table's sessions row is read under one set of devices and context, which it names, with each
+    config's own weights (a JSON reader has them in each report's ``capacity``)."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line, not the terminal's wrap
+    argv = "plan --compare deepseek-v4.1-flash deepseek-v4-flash --gpu h100 --num-gpus 16 --context 64K"
+    assert main(argv.split()) == 0
+    text = capsys.readouterr().out
+    assert "Capacity of both: 16 × h100 (80 GB), sessions of 64,000 tokens, after the weights: " in text
+    assert "deepseek-v4.1-flash 298.05 GB (estimate), deepseek-v4-flash 155.37 GB (estimate)" in text
+
+
 def test_text_output(capsys) -> None:
     assert main(["plan", "deepseek-v4.1-flash"]) == 0
     text = capsys.readouterr().out

@@ -335,6 +335,37 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, mes
     assert status == 200 and ok["usage"]["completion_tokens"] == 1
 
 
+def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> None:
+    """A prompt too long for max_model_len 4096 is refused in `LLM.generate`'s words, ``param`` the request's
+    own field; a completion that sent no max_tokens is told the 16 is the default (OpenAI's), one that sent 16
+    is not; a logit_bias key that is no token id names logit_bias."""
+    base, loop = mini
+    ids = [5] * 4090
+    cases = (
+        (
+            "/v1/completions",
+            {"prompt": ids},
+            "prompt",
+            "max_tokens (16, the default when a completion gives none)",
+        ),
+        ("/v1/completions", {"prompt": ids, "max_tokens": 16}, "prompt", "max_tokens (16) = 4106 tokens"),
+        ("/v1/completions", {"prompt": ids, "max_tokens": None}, "prompt", "max_tokens (16, the default"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9999},
+            "messages",
+            "+ max_tokens (9999) = ",
+        ),
+        ("/v1/completions", {"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be"),
+    )
+    for path, body, param, message in cases:
+        status, err = _post(base, path, body)
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+        assert message in err["error"]["message"], err
+        assert "shorten the prompt or lower max_tokens" in err["error"]["message"] or param == "logit_bias"
+    assert not loop.engine.requests
+
+
 def test_prompt_token_id_errors_read_as_llm_generate_words_them(mini) -> None:
     """The same fault, the same message as `LLM.generate` (test_engine_llm): no ``prompt:`` prefix on one
     kind and not the other; ``param`` names the field."""

@@ -32,7 +32,12 @@ from typing import Protocol
 import torch
 
 from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
-from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
+from kvdiet.engine.prepared import (
+    InvalidRequestError,
+    PreparedRequest,
+    check_context_length,
+    check_sampling_ids,
+)
 from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvdiet.engine.runner import ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
@@ -143,7 +148,7 @@ class LLMEngine:
                 ids outside the vocabulary; empty prompt; text without a tokenizer; text that is not valid
                 Unicode; a token id outside the vocabulary (index and size named); a prompt past
                 ``max_position_embeddings``; stop strings without a tokenizer; prompt + max_tokens >
-                max_model_len (numbers and comparator in the message).
+                max_model_len (`ContextLengthError`: its numbers as attributes and in the message).
         """
         check_sampling_ids(params, self.model.cfg.vocab_size)
         if isinstance(prompt, str):
@@ -168,13 +173,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop"
             )
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} token{'' if len(ids) == 1 else 's'}) + max_tokens ({params.max_tokens}) = "
-                f"{total} tokens > max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens",
-                param="prompt",
-            )
+        check_context_length(len(ids), params.max_tokens, self.max_model_len, "max_model_len")
         return PreparedRequest(tuple(ids), params)
 
     def add_request(

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kvdiet.cache.plan import Provenance
-from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest, check_sampling_ids
+from kvdiet.engine.prepared import (
+    InvalidRequestError,
+    PreparedRequest,
+    check_context_length,
+    check_sampling_ids,
+)
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, StepProgress
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
@@ -82,11 +87,7 @@ def check_request(
         if max_model_len is None
         else (max_model_len, "max_model_len")
     )
-    if len(ids) + params.max_tokens > limit:
-        raise InvalidRequestError(
-            f"prompt {len(ids)} + max_tokens {params.max_tokens} = {len(ids) + params.max_tokens} > {name} {limit}",
-            param="prompt",
-        )
+    check_context_length(len(ids), params.max_tokens, limit, name)
     return PreparedRequest(tuple(ids), params)
 
 

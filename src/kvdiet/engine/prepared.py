@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 from kvdiet.engine.sampling import SamplingParams
 
-__all__ = ["InvalidRequestError", "PreparedRequest", "check_sampling_ids"]
+__all__ = [
+    "ContextLengthError",
+    "InvalidRequestError",
+    "PreparedRequest",
+    "check_context_length",
+    "check_sampling_ids",
+]
 
 
 class InvalidRequestError(ValueError):
@@ -36,6 +42,54 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, *, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt plus ``max_tokens`` beyond an edge's context limit (``param`` ``"prompt"``), with its numbers.
+
+    One wording at every edge (the engine, ``kvdiet.LLM``, the server, offline ``kvdiet generate``):
+    ``prompt (P tokens) + max_tokens (M) = T tokens > max_model_len L; shorten the prompt or lower
+    max_tokens``. ``max_tokens_origin``, when given, follows M in its parentheses, e.g. the server's
+    ``"the default when a completion gives none"`` for a value the client never sent.
+
+    Attributes:
+        prompt_tokens, max_tokens, limit: the counts (tokens); limit_name: the limit's name
+            (``"max_model_len"`` or ``"max_position_embeddings"``).
+    """
+
+    def __init__(
+        self, prompt_tokens: int, max_tokens: int, limit: int, limit_name: str, *, max_tokens_origin: str = ""
+    ) -> None:
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.limit, self.limit_name = limit, limit_name
+        origin = f", {max_tokens_origin}" if max_tokens_origin else ""
+        total = prompt_tokens + max_tokens
+        super().__init__(
+            f"prompt ({prompt_tokens} token{'' if prompt_tokens == 1 else 's'}) + max_tokens ({max_tokens}{origin})"
+            f" = {total} tokens > {limit_name} {limit}; shorten the prompt or lower max_tokens",
+            param="prompt",
+        )
+
+    def with_origin(self, max_tokens_origin: str) -> ContextLengthError:
+        """The same refusal with ``max_tokens_origin`` named after the max_tokens count."""
+        return ContextLengthError(
+            self.prompt_tokens,
+            self.max_tokens,
+            self.limit,
+            self.limit_name,
+            max_tokens_origin=max_tokens_origin,
+        )
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int, limit: int, limit_name: str) -> None:
+    """Refuse a prompt of ``prompt_tokens`` plus ``max_tokens`` output tokens past ``limit`` tokens.
+
+    Raises:
+        ContextLengthError: ``prompt_tokens + max_tokens > limit`` (an `InvalidRequestError`, ``param``
+            ``"prompt"``).
+    """
+    if prompt_tokens + max_tokens > limit:
+        raise ContextLengthError(prompt_tokens, max_tokens, limit, limit_name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ class SamplingParams:
     Attributes:
         max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only).
         temperature: 0 = greedy (argmax, lowest id on ties; so is anything below `GREEDY_BELOW`); > 0 divides
-            the logits.
+            the logits. The default is 0, unlike vLLM's ``SamplingParams`` (1.0), so that ``kvdiet.LLM`` and
+            ``kvdiet generate`` runs are reproducible without a seed; the HTTP server keeps OpenAI's 1.0.
         top_k: keep the k most likely tokens; 0 or -1 = all (vLLM's convention: -1 is stored as 0).
         top_p: keep the smallest set whose probability reaches p (1.0 = all).
         stop_token_ids: generation ends after emitting one of these (the token is kept in the output).

@@ -168,3 +168,9 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
             fmt_ratio("persistent_bounded_replay_vs_boundary_snapshot"),
         )
     console.print(t)
+    ca, cb = a["capacity"], b["capacity"]  # the same devices and context; the weights are each config's
+    console.print(
+        f"Capacity of both: {ca['num_gpus']:,} × {ca['gpu']} ({ca['gpu_mem_gb']:,g} GB), sessions of "
+        f"{format_count(ca['context'])} tokens, after the weights: {a['config']} {ca['weights_gb']:,.2f} GB "
+        f"({ca['weights_source']}), {b['config']} {cb['weights_gb']:,.2f} GB ({cb['weights_source']})"
+    )

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from kvdiet.engine.loop import EngineLoop
-from kvdiet.engine.prepared import InvalidRequestError, PreparedRequest
+from kvdiet.engine.prepared import ContextLengthError, InvalidRequestError, PreparedRequest
 from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.server.chat_template import render_chat
@@ -31,6 +31,7 @@ from kvdiet.server.streaming import final_output, sse_response, usage_body
 __all__ = ["ServerContext", "router"]
 
 _COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
+_DEFAULT_ORIGIN = "the default when a completion gives none"  # named in a length refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
     except ValueError as exc:
         raise ApiError(str(exc), param="prompt") from None
     params = _sampling(body, body.max_tokens if body.max_tokens is not None else _COMPLETIONS_MAX_TOKENS)
-    prepared = _prepare(ctx, prompt, params)
+    sent = body.max_tokens is not None and "max_tokens" in body.model_fields_set
+    prepared = _prepare(ctx, prompt, params, max_tokens_origin="" if sent else _DEFAULT_ORIGIN)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     # a model without a tokenizer has no text to give (vLLM's skip_tokenizer_init leaves it empty): its ids
@@ -160,7 +162,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
         else max(1, min(ctx.default_max_tokens, engine.max_model_len - len(prompt_ids)))
     )
     params = _sampling(body, max_tokens)
-    prepared = _prepare(ctx, prompt_ids, params)
+    prepared = _prepare(ctx, prompt_ids, params, field="messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     first = [True]
@@ -247,10 +249,22 @@ def _check_common(ctx: ServerContext, body: _Common) -> None:
         raise ApiError("the engine is not running", status=503, kind="service_unavailable")
 
 
-def _prepare(ctx: ServerContext, prompt: str | list[int], params: SamplingParams) -> PreparedRequest:
-    """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 naming the field."""
+def _prepare(
+    ctx: ServerContext,
+    prompt: str | list[int],
+    params: SamplingParams,
+    *,
+    field: str = "prompt",
+    max_tokens_origin: str = "",
+) -> PreparedRequest:
+    """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 naming the field. A length refusal
+    (`ContextLengthError`) names ``field`` (the request's ``prompt`` or ``messages``) and, beside a max_tokens
+    the client did not send, ``max_tokens_origin``."""
     try:
         return ctx.loop.engine.prepare(prompt, params)
+    except ContextLengthError as exc:
+        message = str(exc.with_origin(max_tokens_origin) if max_tokens_origin else exc)
+        raise ApiError(message, param=field) from None
     except InvalidRequestError as exc:
         # stop strings on a model without a tokenizer have always been reported against the prompt
         raise ApiError(str(exc), param="prompt" if exc.param == "stop" else exc.param) from None
@@ -259,8 +273,10 @@ def _prepare(ctx: ServerContext, prompt: str | list[int], params: SamplingParams
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens)
-    except ValueError as exc:
-        raise ApiError(str(exc)) from None
+    except (
+        ValueError
+    ) as exc:  # a logit_bias key that is not a token id, or a combination SamplingParams refuses
+        raise ApiError(str(exc), param="logit_bias" if str(exc).startswith("logit_bias") else None) from None
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
