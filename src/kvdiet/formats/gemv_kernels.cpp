@@ -17,6 +17,9 @@
 //   rows of w are scored against the rows of x four at a time, so each w row is read from memory once; for one
 //   row of x, sixteen rows of w at a time, whose 16 outputs fold side by side (fold_lanes16) rather than one by
 //   one (a fold alone is some 15 dependent adds and their shuffles: at K = 128 about as many steps as the row).
+//   While a block is scored, the next block of w's rows is read ahead (one software prefetch per row per step of
+//   16 values, where that block lies in w): a decode step's weights come cold from DRAM, a few hundred KB per
+//   call, too short a run for the hardware prefetchers to reach the read bandwidth on their own.
 
 namespace {
 
@@ -62,7 +65,10 @@ inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, in
                       float* y, int64_t n) {
   const int64_t full = k / 16;
   Lanes16 acc[R][G] = {};
+  const float* next = w + (j0 + R) * k;  // the next block's R rows, read ahead a line per row each step
+  const bool ahead = j0 + 2 * R <= n;     // (where it is one of w's)
   for (int64_t c = 0; c < full; ++c) {
+    for (int r = 0; ahead && r < R; ++r) __builtin_prefetch(next + (c * R + r) * 16);
     Lanes16 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load_lanes(w + (j0 + r) * k + c * 16);
     for (int g = 0; g < G; ++g) {
