@@ -338,7 +338,8 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, mes
 def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> None:
     """A prompt too long for max_model_len 4096 is refused in `LLM.generate`'s words, ``param`` the request's
     own field; a completion that sent no max_tokens is told the 16 is the default (OpenAI's), one that sent 16
-    is not; a logit_bias key that is no token id names logit_bias."""
+    is not; a chat that sent max_completion_tokens is told so; a logit_bias key that is no token id names
+    logit_bias, an empty stop string names stop."""
     base, loop = mini
     ids = [5] * 4090
     cases = (
@@ -356,13 +357,22 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
             "messages",
             "+ max_tokens (9999) = ",
         ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9999},
+            "messages",
+            "+ max_tokens (9999, sent as max_completion_tokens) = ",
+        ),
         ("/v1/completions", {"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be"),
+        ("/v1/completions", {"prompt": [1], "stop": ""}, "stop", "stop strings must be non-empty"),
+        ("/v1/completions", {"prompt": [1], "stop": ["a", ""]}, "stop", "stop strings must be non-empty"),
     )
     for path, body, param, message in cases:
         status, err = _post(base, path, body)
         assert status == 400 and err["error"]["param"] == param, (body, err)
         assert message in err["error"]["message"], err
-        assert "shorten the prompt or lower max_tokens" in err["error"]["message"] or param == "logit_bias"
+        length = "shorten the prompt or lower max_tokens" in err["error"]["message"]
+        assert length == (param in ("prompt", "messages")), err
     assert not loop.engine.requests
 
 

@@ -162,7 +162,8 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
         else max(1, min(ctx.default_max_tokens, engine.max_model_len - len(prompt_ids)))
     )
     params = _sampling(body, max_tokens)
-    prepared = _prepare(ctx, prompt_ids, params, field="messages")
+    origin = "sent as max_completion_tokens" if body.max_completion_tokens is not None else ""
+    prepared = _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     first = [True]
@@ -259,7 +260,8 @@ def _prepare(
 ) -> PreparedRequest:
     """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 naming the field. A length refusal
     (`ContextLengthError`) names ``field`` (the request's ``prompt`` or ``messages``) and, beside a max_tokens
-    the client did not send, ``max_tokens_origin``."""
+    the client did not send as ``max_tokens`` (a default, or a chat's ``max_completion_tokens``),
+    ``max_tokens_origin``."""
     try:
         return ctx.loop.engine.prepare(prompt, params)
     except ContextLengthError as exc:
@@ -271,12 +273,13 @@ def _prepare(
 
 
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
+    """The body's `SamplingParams`; a refusal is a 400 naming the body field its message starts with."""
     try:
         return body.sampling_params(max_tokens)
-    except (
-        ValueError
-    ) as exc:  # a logit_bias key that is not a token id, or a combination SamplingParams refuses
-        raise ApiError(str(exc), param="logit_bias" if str(exc).startswith("logit_bias") else None) from None
+    except ValueError as exc:
+        # a logit_bias key that is not a token id, an empty stop string: the message starts with the field
+        field = str(exc).split(" ", 1)[0]
+        raise ApiError(str(exc), param=field if field in type(body).model_fields else None) from None
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
