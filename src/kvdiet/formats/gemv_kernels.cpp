@@ -17,9 +17,11 @@
 //   rows of w are scored against the rows of x four at a time, so each w row is read from memory once; for one
 //   row of x, sixteen rows of w at a time, whose 16 outputs fold side by side (fold_lanes16) rather than one by
 //   one (a fold alone is some 15 dependent adds and their shuffles: at K = 128 about as many steps as the row).
-//   While a block is scored, the next block of w's rows is read ahead (one software prefetch per row per step of
-//   16 values, where that block lies in w): a decode step's weights come cold from DRAM, a few hundred KB per
-//   call, too short a run for the hardware prefetchers to reach the read bandwidth on their own.
+//   While a block is scored, the next block of w's rows is read ahead where it lies in w: its R rows are R·K
+//   contiguous floats, and each step of 16 values prefetches the next R of their 64-byte lines in order, so the
+//   whole block (less a K % 16 tail) is asked for by the time this one is done: a decode step's weights come cold
+//   from DRAM, a few hundred KB per call, too short a run for the hardware prefetchers to reach the read
+//   bandwidth on their own.
 
 namespace {
 
@@ -65,8 +67,8 @@ inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, in
                       float* y, int64_t n) {
   const int64_t full = k / 16;
   Lanes16 acc[R][G] = {};
-  const float* next = w + (j0 + R) * k;  // the next block's R rows, read ahead a line per row each step
-  const bool ahead = j0 + 2 * R <= n;     // (where it is one of w's)
+  const float* next = w + (j0 + R) * k;  // the next block's R rows, contiguous: R lines of it a step, in order
+  const bool ahead = j0 + 2 * R <= n;     // only where that block is all w's (prefetches stay inside w)
   for (int64_t c = 0; c < full; ++c) {
     for (int r = 0; ahead && r < R; ++r) __builtin_prefetch(next + (c * R + r) * 16);
     Lanes16 wv[R];
