@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kvdiet.cache.plan import WindowSource
 from kvdiet.engine.args import KV_CACHE_DTYPES, EngineArgs
+from kvdiet.engine.prepared import ContextLengthError
 from kvdiet.units import comma_items
 
 __all__ = ["add_generate_parser", "run_generate"]
@@ -188,7 +189,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         # once, before any pool is allocated
         request = check_request(model, ids, params, max_model_len=engine_args.max_model_len)
     except ValueError as exc:
-        if "max_tokens" in str(exc):  # the context limit names the prompt and --max-tokens already
+        if isinstance(exc, ContextLengthError):  # it names the prompt and max_tokens already
             raise
         flag = (
             "--prompt-ids"

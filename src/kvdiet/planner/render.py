@@ -168,9 +168,9 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
             fmt_ratio("persistent_bounded_replay_vs_boundary_snapshot"),
         )
     console.print(t)
-    ca, cb = a["capacity"], b["capacity"]  # the same devices and context; the weights are each config's
+    cap_a, cap_b = a["capacity"], b["capacity"]  # the same devices and context; the weights are each config's
     console.print(
-        f"Capacity of both: {ca['num_gpus']:,} × {ca['gpu']} ({ca['gpu_mem_gb']:,g} GB), sessions of "
-        f"{format_count(ca['context'])} tokens, after the weights: {a['config']} {ca['weights_gb']:,.2f} GB "
-        f"({ca['weights_source']}), {b['config']} {cb['weights_gb']:,.2f} GB ({cb['weights_source']})"
+        f"Capacity of both: {cap_a['num_gpus']:,} × {cap_a['gpu']} ({cap_a['gpu_mem_gb']:,g} GB), sessions of "
+        f"{format_count(cap_a['context'])} tokens, after the weights: {a['config']} {cap_a['weights_gb']:,.2f} GB "
+        f"({cap_a['weights_source']}), {b['config']} {cap_b['weights_gb']:,.2f} GB ({cap_b['weights_source']})"
     )
