@@ -58,7 +58,11 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--kv-cache-memory", "10B", "below one block"),
         ("--block-size", "3", "multiple of every compress ratio"),
         ("--block-size", "0", "multiple of every compress ratio [1, 2]"),
-        ("--max-tokens", "1000000000", "> max_position_embeddings 256"),  # checked before any allocation
+        (
+            "--max-tokens",
+            "1000000000",
+            "max_tokens (1000000000, --max-tokens) = 1000000003 tokens > max_position_embeddings 256",
+        ),  # checked before any allocation
         (  # one 4-token block: the pool runs out while decoding
             "--kv-cache-memory",
             "500",
@@ -75,7 +79,11 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         ("--chunk-size", "0", "--chunk-size must be >= 1"),
         ("--top-k", "-2", "--top-k: top_k must be >= 1, or 0 or -1 for all tokens"),
         ("--max-model-len", "1000", "--max-model-len must be in [1, 256] (max_position_embeddings)"),
-        ("--max-model-len", "8", "prompt (3 tokens) + max_tokens (16) = 19 tokens > max_model_len 8"),
+        (
+            "--max-model-len",
+            "8",
+            "prompt (3 tokens) + max_tokens (16, --max-tokens' default) = 19 tokens > max_model_len 8",
+        ),
         ("--max-model-len", "1x", "--max-model-len: cannot parse token count"),
     ],
 )

@@ -26,7 +26,14 @@ def test_invalid(kwargs: dict, needle: str) -> None:
     ("kwargs", "needle"),
     [({"max_tokens": "2"}, "max_tokens must be an int, got '2'"), ({"max_tokens": 2.0}, "max_tokens must be an int"),
      ({"top_k": True}, "top_k must be an int, got True"), ({"temperature": "1"}, "temperature must be a number"),
-     ({"top_p": None}, "top_p must be a number"), ({"seed": 1.5}, "seed must be an int or None, got 1.5")],
+     ({"top_p": None}, "top_p must be a number"), ({"seed": 1.5}, "seed must be an int or None, got 1.5"),
+     ({"stop": ["a", 5]}, "stop must be a string or a sequence of strings, got an item 5"),
+     ({"stop_token_ids": (1, True)}, "stop_token_ids must be ints, got True"),
+     ({"logit_bias": {63.0: 100}}, r"logit_bias keys must be token ids \(ints\), got 63\.0"),
+     ({"logit_bias": {True: 100}}, r"logit_bias keys must be token ids \(ints\), got True"),
+     ({"logit_bias": {"5": 1}}, r"logit_bias keys must be token ids \(ints\), got '5'"),
+     ({"logit_bias": {5: "1"}}, "logit_bias of token 5 must be a number, got '1'"),
+     ({"logit_bias": [(5, 1)]}, "logit_bias must be a mapping of token id to bias")],
 )  # fmt: skip
 def test_wrong_types_are_named(kwargs: dict, needle: str) -> None:
     """A value of the wrong type is named (not Python's '<' TypeError from the range checks)."""
@@ -46,6 +53,25 @@ def test_numpy_scalars_are_numbers() -> None:
     assert type(params.top_k) is int and type(params.temperature) is float
     with pytest.raises(TypeError, match=r"max_tokens must be an int, got np\.True_"):
         SamplingParams(max_tokens=np.bool_(True))
+
+
+def test_collections_are_normalised_as_vllm_reads_them() -> None:
+    """One stop string is one stop (not its characters); ``logit_bias=None`` is no bias; numpy ids and biases
+    are kept as Python's int and float; a list of stop ids becomes a tuple (the params stay hashable)."""
+    params = SamplingParams(
+        stop=".\x01", stop_token_ids=[np.int64(7)], logit_bias={np.int32(5): np.float32(2)}
+    )
+    assert (
+        params.stop == (".\x01",) and params.stop_token_ids == (7,) and type(params.stop_token_ids[0]) is int
+    )
+    assert params.logit_bias == {5: 2.0} and [type(k) for k in params.logit_bias] == [int]
+    assert type(params.logit_bias[5]) is float
+    assert SamplingParams(logit_bias=None).logit_bias == {} and SamplingParams(stop=["a", "b"]).stop == (
+        "a",
+        "b",
+    )
+    logits = torch.zeros(8)
+    assert sample(logits, SamplingParams(logit_bias={np.int64(3): 50.0})) == 3
 
 
 def test_stop_token_outside_vocab() -> None:

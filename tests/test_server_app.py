@@ -364,6 +364,10 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
             "+ max_tokens (9999, sent as max_completion_tokens) = ",
         ),
         ("/v1/completions", {"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be"),
+        *(
+            ("/v1/completions", {"prompt": [1], "logit_bias": {key: 1}}, "logit_bias", f"got {key!r}")
+            for key in ("+63", "063", "6_3", " 63", "\u0666\u0663", "-1")
+        ),
         ("/v1/completions", {"prompt": [1], "stop": ""}, "stop", "stop strings must be non-empty"),
         ("/v1/completions", {"prompt": [1], "stop": ["a", ""]}, "stop", "stop strings must be non-empty"),
     )
@@ -373,6 +377,24 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
         assert message in err["error"]["message"], err
         length = "shorten the prompt or lower max_tokens" in err["error"]["message"]
         assert length == (param in ("prompt", "messages")), err
+    assert not loop.engine.requests
+
+
+def test_json_types_are_strict_where_a_number_means_a_count(mini) -> None:
+    """max_tokens is a JSON integer ("16" and true are refused, as stop_token_ids' items are); a NaN or
+    infinite logit_bias is named as not finite, as temperature's is."""
+    base, loop = mini
+    for body, needle in (
+        ({"prompt": [1], "max_tokens": "2"}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": [1], "max_tokens": True}, "max_tokens: Input should be a valid integer"),
+        (b'{"prompt": [1], "max_tokens": 1, "logit_bias": {"5": NaN}}', "finite number"),
+        (b'{"prompt": [1], "max_tokens": 1, "logit_bias": {"5": -Infinity}}', "finite number"),
+    ):
+        status, err = _post(base, "/v1/completions", body)
+        assert status == 400 and needle in err["error"]["message"], (body, err)
+    status, err = _post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                       "max_completion_tokens": "3"})  # fmt: skip
+    assert status == 400 and "max_completion_tokens" in err["error"]["message"], err
     assert not loop.engine.requests
 
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvdiet import units
-from kvdiet.units import format_bytes, parse_bytes, parse_count
+from kvdiet.units import format_bytes, format_tokens, parse_bytes, parse_count
 
 
 def test_parse() -> None:
@@ -31,6 +31,15 @@ def test_parse() -> None:
 def test_parse_rejects(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_count(bad)
+
+
+def test_format_tokens_counts_one_token_as_one() -> None:
+    assert [format_tokens(n) for n in (0, 1, 2, 131072)] == [
+        "0 tokens",
+        "1 token",
+        "2 tokens",
+        "131,072 tokens",
+    ]
 
 
 def test_format_duration_uses_human_units() -> None:

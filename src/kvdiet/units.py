@@ -20,6 +20,7 @@ __all__ = [
     "format_bytes",
     "format_count",
     "format_duration",
+    "format_tokens",
     "parse_bytes",
     "parse_count",
     "parse_duration",
@@ -181,6 +182,11 @@ def _short(value: float) -> str:
 def format_count(num: int) -> str:
     """``131072`` → ``'131,072'``."""
     return f"{num:,}"
+
+
+def format_tokens(num: int) -> str:
+    """``1`` → ``'1 token'``, ``131072`` → ``'131,072 tokens'``."""
+    return f"{num:,} token{'' if num == 1 else 's'}"
 
 
 _T = TypeVar("_T")

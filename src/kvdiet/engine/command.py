@@ -45,7 +45,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file whose text is the prompt")
     source.add_argument("--prompt-ids", help="comma-separated token ids (for models without a tokenizer)")
-    gen.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    gen.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default 16)")
     gen.add_argument("--chunk-size", type=int, default=512, help="prefill chunk in tokens (default 512)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
@@ -142,7 +142,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
     try:
         params = SamplingParams(
-            max_tokens=args.max_tokens,
+            max_tokens=16 if args.max_tokens is None else args.max_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
@@ -189,8 +189,10 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         # once, before any pool is allocated
         request = check_request(model, ids, params, max_model_len=engine_args.max_model_len)
     except ValueError as exc:
-        if isinstance(exc, ContextLengthError):  # it names the prompt and max_tokens already
-            raise
+        if isinstance(exc, ContextLengthError):  # it names the prompt and max_tokens already, and whence
+            raise exc.with_origin(
+                "--max-tokens" if args.max_tokens is not None else "--max-tokens' default"
+            ) from None
         flag = (
             "--prompt-ids"
             if args.prompt_ids is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvdiet.engine.sampling import SamplingParams
+from kvdiet.units import format_tokens
 
 __all__ = [
     "ContextLengthError",
@@ -65,7 +66,7 @@ class ContextLengthError(InvalidRequestError):
         origin = f", {max_tokens_origin}" if max_tokens_origin else ""
         total = prompt_tokens + max_tokens
         super().__init__(
-            f"prompt ({prompt_tokens} token{'' if prompt_tokens == 1 else 's'}) + max_tokens ({max_tokens}{origin})"
+            f"prompt ({format_tokens(prompt_tokens)}) + max_tokens ({max_tokens}{origin})"
             f" = {total} tokens > {limit_name} {limit}; shorten the prompt or lower max_tokens",
             param="prompt",
         )

@@ -37,7 +37,9 @@ class SamplingParams:
             engine, 0 in `generate`).
     Raises:
         TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
-            too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; named.
+            too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; a
+            ``stop`` item not a string, a stop token id or logit-bias key not an int, a bias not a number;
+            named. One ``stop`` string is one stop string; ``logit_bias=None`` is no bias.
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -68,6 +70,7 @@ class SamplingParams:
                 )
             if type(value) not in (int, float):
                 object.__setattr__(self, name, operator.index(value) if kinds is Integral else float(value))
+        self._normalize_collections()
         if self.seed is not None:
             if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -89,6 +92,35 @@ class SamplingParams:
         for t, b in self.logit_bias.items():
             if not -100.0 <= b <= 100.0:  # also rejects NaN
                 raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}")
+
+    def _normalize_collections(self) -> None:
+        """``stop`` as a tuple of strings (one string is one stop string, as in vLLM), ``stop_token_ids`` as a
+        tuple of Python ints, ``logit_bias`` as a dict of Python int → float (None: no bias, vLLM's default).
+
+        Raises:
+            TypeError: a stop that is not a string, a stop token id or logit-bias key that is not an int
+                (`numbers.Integral`; bools refused), a bias that is not a number, or a logit_bias that is not a
+                mapping; named.
+        """
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for s in stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
+        ids = tuple(self.stop_token_ids)
+        for t in ids:
+            if not isinstance(t, Integral) or isinstance(t, bool):
+                raise TypeError(f"stop_token_ids must be ints, got {t!r}")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        for t, b in bias.items():
+            if not isinstance(t, Integral) or isinstance(t, bool):
+                raise TypeError(f"logit_bias keys must be token ids (ints), got {t!r}")
+            if not isinstance(b, Real) or isinstance(b, bool):
+                raise TypeError(f"logit_bias of token {t} must be a number, got {b!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
+        object.__setattr__(self, "logit_bias", {operator.index(t): float(b) for t, b in bias.items()})
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming a stop or logit-bias token id outside ``[0, vocab_size)`` (case B27)."""

@@ -36,15 +36,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="layer plan, KV bytes per token, window state, SWA-policy storage and capacity of a config",
         description="Print the layer plan of a config and what its caches cost: global KV bytes per token "
         "by component and layer, the fixed window state per request, totals at context lengths, persistent "
-        "bytes per SWA policy, and how many sessions fit on a set of GPUs after the weights.",
+        "bytes per SWA policy, and how many sessions fit on a set of GPUs after the weights (an upper bound: "
+        "every byte past the weights holds KV, none is kept for activations).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
         "config",
         nargs="?",
-        default="deepseek-v4.1-flash",
-        help="a preset name or a HF config.json path (default: deepseek-v4.1-flash)",
+        help="a preset name or a HF config.json path (default: deepseek-v4.1-flash; not with --compare)",
     )
     plan.add_argument("--json", action="store_true", help="print the report as one JSON object")
     plan.add_argument(
@@ -75,7 +75,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="devices holding weights and cache; their bytes in all must be a finite float64 (default 8)",
     )
     plan.add_argument(
-        "--weights-gb", type=float, help="device weight bytes in GB (default: estimated from the config)"
+        "--weights-gb",
+        type=float,
+        help="device weight bytes in GB (default: estimated from each config; with --compare, both configs')",
     )
     plan.add_argument(
         "--tokens-per-boundary",
@@ -129,6 +131,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
     from kvdiet.planner.chart import check_plot_path
     from kvdiet.planner.render import render_compare, render_report
 
+    if args.compare and args.config is not None:
+        raise ValueError(f"give one config or --compare A B, not both (got {args.config!r} and --compare)")
     if args.plot:
         check_plot_path(args.plot)  # before any work
     options = _plan_options(args)
@@ -140,7 +144,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
         else:
             render_compare(result, console)
     else:
-        reports = [plan_report(load_config(args.config), options)]
+        reports = [plan_report(load_config(args.config or "deepseek-v4.1-flash"), options)]
         if args.json:
             print(json.dumps(reports[0]))
         else:

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.units import format_bytes, format_count
+from kvdiet.units import format_bytes, format_count, format_tokens
 
 __all__ = ["render_compare", "render_report"]
 
@@ -115,7 +115,7 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     console.print(
         f"Capacity: {c['num_gpus']:,} × {c['gpu']} ({c['gpu_mem_gb']:,g} GB) − weights {c['weights_gb']:,.2f} GB "
         f"({c['weights_source']}) = {c['kv_budget_gb']:,.2f} GB for KV → [bold]{format_count(c['sessions'])}[/bold] "
-        f"sessions of {format_count(c['context'])} tokens ({format_bytes(c['bytes_per_session'])} each)"
+        f"sessions of {format_tokens(c['context'])} ({format_bytes(c['bytes_per_session'])} each)"
     )
     if c["warning"]:
         console.print(f"[bold yellow]warning:[/bold yellow] {c['warning']}", highlight=False)
@@ -171,6 +171,6 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     cap_a, cap_b = a["capacity"], b["capacity"]  # the same devices and context; the weights are each config's
     console.print(
         f"Capacity of both: {cap_a['num_gpus']:,} × {cap_a['gpu']} ({cap_a['gpu_mem_gb']:,g} GB), sessions of "
-        f"{format_count(cap_a['context'])} tokens, after the weights: {a['config']} {cap_a['weights_gb']:,.2f} GB "
+        f"{format_tokens(cap_a['context'])}, after the weights: {a['config']} {cap_a['weights_gb']:,.2f} GB "
         f"({cap_a['weights_source']}), {b['config']} {cap_b['weights_gb']:,.2f} GB ({cap_b['weights_source']})"
     )

@@ -1,13 +1,14 @@
 """OpenAI request bodies (pydantic) and their mapping to `SamplingParams`; OpenAI-style error bodies.
 
-Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1,
-``n`` = 1 (one choice per request here), ``logit_bias`` values in [-100, 100]. vLLM's extensions that mean
-the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids`` (each
-choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response ``prompt_token_ids``; always so
-for completions of a model without a tokenizer, whose ``text`` is empty), ``chat_template_kwargs``.
-Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``, ``echo``,
-``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their default,
-and so are unknown fields — never silently ignored.
+Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1 (a JSON
+integer: ``"16"`` and ``true`` are refused), ``n`` = 1 (one choice per request here), ``logit_bias`` values finite
+in [-100, 100], its keys token ids written as JSON writes integers (``"63"``; not ``"+63"``, ``"063"`` or
+``"6_3"``). vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``return_token_ids`` (each choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
+``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
+``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
+``echo``, ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their
+default, and so are unknown fields — never silently ignored.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all (as `SamplingParams`)
@@ -110,7 +111,7 @@ class _Common(BaseModel):
     stop_token_ids: list[StrictInt] | None = None  # "5" is not a token id (LLM.generate's rule)
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries token ids
     user: str | None = None
@@ -135,10 +136,11 @@ class _Common(BaseModel):
         """
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            # a token id written as JSON writes an integer: ASCII digits, no sign, spaces, '_' or leading zero
+            # (int() would also take "+63", " 63", "6_3", "٦٣" and "063", two of which could name one token)
+            if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
@@ -162,7 +164,7 @@ class CompletionRequest(_Common):
         _one_of("a string, a list of token ids (integers), or a one-element list of either"),
         BeforeValidator(_integer_token_ids),  # runs first (pydantic: last before/wrap validator outermost)
     ]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # the OpenAI default for completions
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request.
@@ -193,7 +195,7 @@ class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
