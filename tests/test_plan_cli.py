@@ -103,6 +103,10 @@ def test_compare(capsys) -> None:
     out = _run_json(capsys, "--compare", "deepseek-v4.1-flash", "deepseek-v4-flash")
     assert out["ratios"]["global_bytes_per_token"] == pytest.approx(890 / 3514.25)
     assert out["a"]["config"] == "deepseek-v4.1-flash" and out["b"]["config"] == "deepseek-v4-flash"
+    # the per-request state besides the window, which the "request at N" rows include
+    tails = out["ratios"]["compressor_tail_bytes_per_request"]
+    a_tail, b_tail = (out[k]["compressor_tail_bytes_per_request"] for k in "ab")
+    assert b_tail == 12_206_080 and tails == pytest.approx(a_tail / b_tail)
     # bounded-replay V4.1 vs boundary-snapshot V4 at 1024 tokens per boundary: ≈ 1/7.5
     r = out["ratios"]["persistent_bounded_replay_vs_boundary_snapshot"]
     assert r == pytest.approx(890 / (3514.25 + 43 * 128 * 584 / 1024))

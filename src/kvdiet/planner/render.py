@@ -146,6 +146,12 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
         format_count(b["window"]["bytes_per_request"]),
         fmt_ratio("window_bytes_per_request"),
     )
+    t.add_row(
+        "compressor tails/request",
+        format_count(a["compressor_tail_bytes_per_request"]),
+        format_count(b["compressor_tail_bytes_per_request"]),
+        fmt_ratio("compressor_tail_bytes_per_request"),
+    )
     for ca, cb in zip(a["contexts"], b["contexts"], strict=True):
         key = f"request_bytes@{ca['tokens']}"
         t.add_row(

@@ -181,6 +181,9 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     ratios["window_bytes_per_request"] = ratio(
         a["window"]["bytes_per_request"], b["window"]["bytes_per_request"]
     )
+    ratios["compressor_tail_bytes_per_request"] = ratio(
+        a["compressor_tail_bytes_per_request"], b["compressor_tail_bytes_per_request"]
+    )
     ratios["sessions"] = ratio(a["capacity"]["sessions"], b["capacity"]["sessions"])
     for ca, cb in zip(a["contexts"], b["contexts"], strict=True):
         ratios[f"request_bytes@{ca['tokens']}"] = ratio(ca["request_bytes"], cb["request_bytes"])
