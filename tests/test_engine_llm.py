@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from kvdiet import LLM, SamplingParams
@@ -25,6 +28,19 @@ def test_outputs_come_back_in_prompt_order_and_equal_solo_runs(llm) -> None:
     (single,) = llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=3))  # a list of ints is one prompt
     assert single.output_ids == outs[0].output_ids
     assert single.cached_tokens == 4  # the first block, from the device pool
+
+
+def test_numpy_token_ids_are_ints(llm) -> None:
+    """numpy's integers are token ids (as in `SamplingParams`), in one prompt or a list of prompts, with the
+    outputs of the same Python ints; numpy's bools and floats are not."""
+    params = SamplingParams(max_tokens=2)
+    (plain,) = llm.generate([5, 6, 7], params)
+    (arr,) = llm.generate(list(np.array([5, 6, 7], dtype=np.int64)), params)
+    (_, listed) = llm.generate([[4], [np.int32(5), np.uint8(6), 7]], [params, params])
+    assert arr.output_ids == plain.output_ids == listed.output_ids
+    for bad in ([np.True_, 5], [np.float32(5.0), 6]):
+        with pytest.raises(ValueError, match=re.escape(f"token id {bad[0]!r} at index 0 is not an integer")):
+            llm.generate(bad, params)
 
 
 def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:

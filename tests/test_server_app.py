@@ -363,6 +363,12 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
             "messages",
             "+ max_tokens (9999, sent as max_completion_tokens) = ",
         ),
+        (  # a chat that fills the context unasked: the one token any reply takes, in the same words
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "tok " * 5000}]},
+            "messages",
+            "+ max_tokens (1, the least a reply takes) = ",
+        ),
         ("/v1/completions", {"prompt": [1], "logit_bias": {"x": 1}}, "logit_bias", "logit_bias keys must be"),
         *(
             ("/v1/completions", {"prompt": [1], "logit_bias": {key: 1}}, "logit_bias", f"got {key!r}")

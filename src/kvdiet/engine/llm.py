@@ -10,7 +10,9 @@ All prompts go into one engine and run with continuous batching, exactly as in t
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -124,7 +126,8 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """``prompts`` as a list of prompts: a text, or a list of token ids (ints, not bools), is one.
+    """``prompts`` as a list of prompts: a text, or a list of token ids (ints, numpy's too; not bools), is one.
+    Token ids come back as Python ints.
 
     Raises:
         ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
@@ -138,18 +141,20 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         raise ValueError(
             "no prompt: give a text, a list of token ids, or a list of prompts (not an empty list)"
         )
-    if any(isinstance(t, int | float) for t in items):  # token ids (bool is an int: refused)
-        _check_ints(items, "")
-        return [items]
-    for p, item in enumerate(items):  # a list of prompts: each token-id prompt by the same rule
-        if not isinstance(item, str):
-            _check_ints(list(item), f" of prompt {p}")
-    return items
+    if any(not isinstance(t, str | Sequence) for t in items):  # token ids: scalars (bools refused as ids)
+        return [_check_ints(items, "")]
+    # a list of prompts: each token-id prompt by the same rule
+    return [
+        item if isinstance(item, str) else _check_ints(list(item), f" of prompt {p}")
+        for p, item in enumerate(items)
+    ]
 
 
-def _check_ints(ids: list, where: str) -> None:
-    """Refuse a token-id list item that is not an int (bools and floats included), named by its index in
-    the words of `kvdiet.model.token_ids.check_token_ids` and of the server (``... is not an integer``)."""
+def _check_ints(ids: list, where: str) -> list[int]:
+    """``ids`` as Python ints; refuse an item that is not an int (`numbers.Integral`: numpy's too; bools and
+    floats refused), named by its index in the words of `kvdiet.model.token_ids.check_token_ids` and of the
+    server (``... is not an integer``)."""
     for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool):
+        if not isinstance(t, Integral) or isinstance(t, bool):
             raise ValueError(f"token id {t!r} at index {i}{where} is not an integer")
+    return [operator.index(t) for t in ids]

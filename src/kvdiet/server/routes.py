@@ -150,19 +150,18 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     except ValueError as exc:
         raise ApiError(str(exc), param="messages") from None
     wanted = body.max_completion_tokens or body.max_tokens
-    if wanted is None and len(prompt_ids) >= engine.max_model_len:
-        raise ApiError(
-            f"the prompt ({len(prompt_ids)} tokens) leaves no room for output: max_model_len is "
-            f"{engine.max_model_len}",
-            param="messages",
-        )
-    max_tokens = (
-        wanted
-        if wanted is not None
-        else max(1, min(ctx.default_max_tokens, engine.max_model_len - len(prompt_ids)))
-    )
+    room = engine.max_model_len - len(prompt_ids)
+    # unasked, the reply takes the context left, at most --default-max-tokens; a prompt that fills the context
+    # is refused for the one token any reply takes, in the words of every other length refusal
+    max_tokens = wanted if wanted is not None else max(1, min(ctx.default_max_tokens, room))
     params = _sampling(body, max_tokens)
-    origin = "sent as max_completion_tokens" if body.max_completion_tokens is not None else ""
+    origin = (
+        "sent as max_completion_tokens"
+        if body.max_completion_tokens is not None
+        else "the least a reply takes"
+        if wanted is None
+        else ""
+    )
     prepared = _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
