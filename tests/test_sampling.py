@@ -33,7 +33,10 @@ def test_invalid(kwargs: dict, needle: str) -> None:
      ({"logit_bias": {True: 100}}, r"logit_bias keys must be token ids \(ints\), got True"),
      ({"logit_bias": {"5": 1}}, r"logit_bias keys must be token ids \(ints\), got '5'"),
      ({"logit_bias": {5: "1"}}, "logit_bias of token 5 must be a number, got '1'"),
-     ({"logit_bias": [(5, 1)]}, "logit_bias must be a mapping of token id to bias")],
+     ({"logit_bias": [(5, 1)]}, "logit_bias must be a mapping of token id to bias"),
+     ({"stop": 5}, "stop must be a string or a sequence of strings, got 5"),
+     ({"stop": b"ab"}, "stop must be a string or a sequence of strings, got b'ab'"),
+     ({"stop_token_ids": 7}, "stop_token_ids must be a sequence of ints, got 7")],
 )  # fmt: skip
 def test_wrong_types_are_named(kwargs: dict, needle: str) -> None:
     """A value of the wrong type is named (not Python's '<' TypeError from the range checks)."""
@@ -57,7 +60,8 @@ def test_numpy_scalars_are_numbers() -> None:
 
 def test_collections_are_normalised_as_vllm_reads_them() -> None:
     """One stop string is one stop (not its characters); ``logit_bias=None`` is no bias; numpy ids and biases
-    are kept as Python's int and float; a list of stop ids becomes a tuple (the params stay hashable)."""
+    are kept as Python's int and float; a list of stop ids becomes a tuple; ``stop=None`` and
+    ``stop_token_ids=None`` are none (vLLM's defaults)."""
     params = SamplingParams(
         stop=".\x01", stop_token_ids=[np.int64(7)], logit_bias={np.int32(5): np.float32(2)}
     )
@@ -70,8 +74,15 @@ def test_collections_are_normalised_as_vllm_reads_them() -> None:
         "a",
         "b",
     )
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams(stop=(), stop_token_ids=())
     logits = torch.zeros(8)
     assert sample(logits, SamplingParams(logit_bias={np.int64(3): 50.0})) == 3
+
+
+def test_a_bias_past_floats_range_is_out_of_range() -> None:
+    """An int bias too large for a float is a bias outside [-100, 100] (a ValueError, not an OverflowError)."""
+    with pytest.raises(ValueError, match=r"logit_bias of token 1 must be in \[-100, 100\], got -1000"):
+        SamplingParams(logit_bias={1: -(10**400)})
 
 
 def test_stop_token_outside_vocab() -> None:

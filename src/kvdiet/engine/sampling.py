@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -39,7 +39,8 @@ class SamplingParams:
         TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
             too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; a
             ``stop`` item not a string, a stop token id or logit-bias key not an int, a bias not a number;
-            named. One ``stop`` string is one stop string; ``logit_bias=None`` is no bias.
+            named. One ``stop`` string is one stop string; ``None`` for ``stop``, ``stop_token_ids`` or
+            ``logit_bias`` is none.
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -95,18 +96,25 @@ class SamplingParams:
 
     def _normalize_collections(self) -> None:
         """``stop`` as a tuple of strings (one string is one stop string, as in vLLM), ``stop_token_ids`` as a
-        tuple of Python ints, ``logit_bias`` as a dict of Python int → float (None: no bias, vLLM's default).
+        tuple of Python ints, ``logit_bias`` as a dict of Python int → float (None for any of them: none, vLLM's
+        default).
 
         Raises:
-            TypeError: a stop that is not a string, a stop token id or logit-bias key that is not an int
+            TypeError: a stop that is not a string or an iterable of strings (bytes refused), stop token ids
+                not an iterable of ints, a stop token id or logit-bias key that is not an int
                 (`numbers.Integral`; bools refused), a bias that is not a number, or a logit_bias that is not a
                 mapping; named.
+            ValueError: an int bias past float's range (so outside [-100, 100]), named as the range check does.
         """
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop is not None and (isinstance(self.stop, bytes) or not isinstance(self.stop, Iterable)):
+            raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         for s in stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
-        ids = tuple(self.stop_token_ids)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+        ids = tuple(self.stop_token_ids or ())
         for t in ids:
             if not isinstance(t, Integral) or isinstance(t, bool):
                 raise TypeError(f"stop_token_ids must be ints, got {t!r}")
@@ -120,7 +128,12 @@ class SamplingParams:
                 raise TypeError(f"logit_bias of token {t} must be a number, got {b!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
-        object.__setattr__(self, "logit_bias", {operator.index(t): float(b) for t, b in bias.items()})
+        try:
+            floats = {operator.index(t): float(b) for t, b in bias.items()}
+        except OverflowError:  # an int past float's range, so past [-100, 100] too: the range check's words
+            t, b = next((t, b) for t, b in bias.items() if not -100 <= b <= 100)
+            raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}") from None
+        object.__setattr__(self, "logit_bias", floats)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming a stop or logit-bias token id outside ``[0, vocab_size)`` (case B27)."""
