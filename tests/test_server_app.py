@@ -373,6 +373,12 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
         *(
             ("/v1/completions", {"prompt": [1], "logit_bias": {key: 1}}, "logit_bias", f"got {key!r}")
             for key in ("+63", "063", "6_3", " 63", "\u0666\u0663", "-1")
+        ),  # a key past int()'s 4,300 digits is named as any other, not with Python's own ValueError
+        (
+            "/v1/completions",
+            {"prompt": [1], "logit_bias": {"1" * 4301: 1}},
+            "logit_bias",
+            "keys must be token ids",
         ),
         ("/v1/completions", {"prompt": [1], "stop": ""}, "stop", "stop strings must be non-empty"),
         ("/v1/completions", {"prompt": [1], "stop": ["a", ""]}, "stop", "stop strings must be non-empty"),

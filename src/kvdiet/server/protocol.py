@@ -138,17 +138,17 @@ class _Common(BaseModel):
         for key, value in (self.logit_bias or {}).items():
             # a token id written as JSON writes an integer: ASCII digits, no sign, spaces, '_' or leading zero
             # (int() would also take "+63", " 63", "6_3", "٦٣" and "063", two of which could name one token)
-            if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+            # (and int() refuses more than 4,300 digits with its own words)
+            if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and len(key) <= 4300):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            stop=stop,
+            stop_token_ids=self.stop_token_ids,  # SamplingParams reads None as none and one stop string as one
+            stop=self.stop,
             ignore_eos=self.ignore_eos,
             logit_bias=bias,
             seed=self.seed,
