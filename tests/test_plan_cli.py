@@ -141,6 +141,7 @@ def test_plot(tmp_path: Path, capsys) -> None:
     ("argv", "needle"),
     [
         (["nope"], "neither a preset"),
+        ([""], "'' is neither a preset"),  # an empty name is not the default preset
         (["v4.1-mini", "--compare", "a", "b"], "give one config or --compare A B, not both (got 'v4.1-mini'"),
         (["--contexts", "4K,abc"], "--contexts: cannot parse token count"),
         (["--contexts", "0,5"], "--contexts must be positive token counts, got [0, 5]"),

@@ -144,7 +144,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
         else:
             render_compare(result, console)
     else:
-        reports = [plan_report(load_config(args.config or "deepseek-v4.1-flash"), options)]
+        reports = [
+            plan_report(load_config("deepseek-v4.1-flash" if args.config is None else args.config), options)
+        ]
         if args.json:
             print(json.dumps(reports[0]))
         else:
