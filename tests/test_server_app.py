@@ -393,12 +393,23 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
 
 
 def test_json_types_are_strict_where_a_number_means_a_count(mini) -> None:
-    """max_tokens is a JSON integer ("16" and true are refused, as stop_token_ids' items are); a NaN or
-    infinite logit_bias is named as not finite, as temperature's is."""
+    """Every count is a JSON integer and every other number a JSON number, as OpenAI types them ("16", "0.5"
+    and true are refused; 1 is a number); a NaN or infinite logit_bias is named as not finite, as temperature's
+    is."""
     base, loop = mini
     for body, needle in (
         ({"prompt": [1], "max_tokens": "2"}, "max_tokens: Input should be a valid integer"),
         ({"prompt": [1], "max_tokens": True}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": [1], "max_tokens": 1, "top_k": "3"}, "top_k: Input should be a valid integer"),
+        ({"prompt": [1], "max_tokens": 1, "seed": "1"}, "seed: Input should be a valid integer"),
+        ({"prompt": [1], "max_tokens": 1, "n": True}, "n: Input should be a valid integer"),
+        (
+            {"prompt": [1], "max_tokens": 1, "temperature": "0.5"},
+            "temperature: Input should be a valid number",
+        ),
+        ({"prompt": [1], "max_tokens": 1, "top_p": True}, "top_p: Input should be a valid number"),
+        ({"prompt": [1], "max_tokens": 1, "logit_bias": {"5": "7"}}, "Input should be a valid number"),
+        ({"prompt": [1], "max_tokens": 1, "logit_bias": {"5": True}}, "Input should be a valid number"),
         (b'{"prompt": [1], "max_tokens": 1, "logit_bias": {"5": NaN}}', "finite number"),
         (b'{"prompt": [1], "max_tokens": 1, "logit_bias": {"5": -Infinity}}', "finite number"),
     ):
@@ -407,6 +418,10 @@ def test_json_types_are_strict_where_a_number_means_a_count(mini) -> None:
     status, err = _post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                        "max_completion_tokens": "3"})  # fmt: skip
     assert status == 400 and "max_completion_tokens" in err["error"]["message"], err
+    status, ok = _post(
+        base, "/v1/completions", {"prompt": [1], "max_tokens": 1, "temperature": 1, "top_p": 1}
+    )
+    assert status == 200 and ok["usage"]["completion_tokens"] == 1, ok
     assert not loop.engine.requests
 
 

@@ -1,9 +1,10 @@
 """OpenAI request bodies (pydantic) and their mapping to `SamplingParams`; OpenAI-style error bodies.
 
-Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1 (a JSON
-integer: ``"16"`` and ``true`` are refused), ``n`` = 1 (one choice per request here), ``logit_bias`` values finite
-in [-100, 100], its keys token ids written as JSON writes integers (``"63"``; not ``"+63"``, ``"063"`` or
-``"6_3"``). vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1, ``n`` =
+1 (one choice per request here), ``logit_bias`` values finite in [-100, 100]; counts are JSON integers and the other
+numbers JSON numbers, as OpenAI types them (``"16"``, ``"0.5"`` and ``true`` are refused, ``1`` is a number);
+``logit_bias`` keys are token ids written as JSON writes integers (``"63"``; not ``"+63"``, ``"063"`` or ``"6_3"``).
+vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
 ``return_token_ids`` (each choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
 ``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
 ``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
@@ -16,7 +17,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, WrapValidator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    WrapValidator,
+)
 from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.sampling import SamplingParams
@@ -96,10 +106,10 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all (as `SamplingParams`)
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all (as `SamplingParams`)
+    n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[
@@ -109,9 +119,9 @@ class _Common(BaseModel):
         _one_of("a string of at most 1,024 characters or a list of at most 16 such strings"),
     ] = None
     stop_token_ids: list[StrictInt] | None = None  # "5" is not a token id (LLM.generate's rule)
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries token ids
     user: str | None = None
