@@ -15,6 +15,7 @@ default, and so are unknown fields — never silently ignored.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Any
 
 from pydantic import (
@@ -146,10 +147,10 @@ class _Common(BaseModel):
         """
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            # a token id written as JSON writes an integer: ASCII digits, no sign, spaces, '_' or leading zero
-            # (int() would also take "+63", " 63", "6_3", "٦٣" and "063", two of which could name one token)
-            # (and int() refuses more than 4,300 digits with its own words)
-            if not (key.isascii() and key.isdigit() and (key == "0" or key[0] != "0") and len(key) <= 4300):
+            # an integer as JSON writes one (int() also takes "+63", " 63", "6_3", "٦٣", "063", and refuses
+            # more than sys.get_int_max_str_digits() digits in its own words)
+            canonical = key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")
+            if not canonical or len(key) > sys.get_int_max_str_digits() > 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return SamplingParams(

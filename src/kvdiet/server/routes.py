@@ -155,13 +155,11 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     # is refused for the one token any reply takes, in the words of every other length refusal
     max_tokens = wanted if wanted is not None else max(1, min(ctx.default_max_tokens, room))
     params = _sampling(body, max_tokens)
-    origin = (
-        "sent as max_completion_tokens"
-        if body.max_completion_tokens is not None
-        else "the least a reply takes"
-        if wanted is None
-        else ""
-    )
+    origin = ""  # a length refusal names a max_tokens the client did not send as such
+    if body.max_completion_tokens is not None:
+        origin = "sent as max_completion_tokens"
+    elif wanted is None:
+        origin = "the least a reply takes"
     prepared = _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
