@@ -11,7 +11,7 @@ import torch
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
 from kvdiet.engine.engine import LLMEngine
-from kvdiet.engine.generate import generate
+from kvdiet.engine.generate import check_request, generate
 from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams
@@ -271,6 +271,23 @@ def test_b28_prompt_at_the_context_limit(micro: Transformer) -> None:
     assert score.output_ids == () and score.finish_reason == "length"
     with pytest.raises(ValueError, match=r"= 33 tokens > max_model_len 32"):
         engine.add_request(_ids(33, seed=3), SamplingParams(max_tokens=0))
+
+
+def test_max_tokens_none_takes_the_context_left(micro: Transformer) -> None:
+    """vLLM's max_tokens=None: generate until the context is full; the offline edge resolves it the same."""
+    engine = _engine(micro, max_model_len=32)
+    prepared = engine.prepare(_ids(20, seed=4), SamplingParams(max_tokens=None, ignore_eos=True))
+    assert prepared.params.max_tokens == 12  # 32 - 20, an int below the edge
+    (out,) = _run(engine, [_ids(20, seed=4)], SamplingParams(max_tokens=None))
+    assert len(out.output_ids) == 12 and out.finish_reason == "length"
+    assert out.output_ids == tuple(_solo(micro, _ids(20, seed=4), SamplingParams(max_tokens=12)))
+    with pytest.raises(
+        ValueError,
+        match=r"prompt \(32 tokens\) \+ max_tokens \(1, None: the context left, at least 1\) = 33 tokens",
+    ):
+        engine.prepare(_ids(32, seed=2), SamplingParams(max_tokens=None))
+    offline = check_request(micro, _ids(20, seed=4), SamplingParams(max_tokens=None), max_model_len=30)
+    assert offline.params.max_tokens == 10
 
 
 def test_max_model_len_tokens_fit_in_ceil_n_over_block_size_blocks(micro: Transformer) -> None:

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from kvdiet import LLM, SamplingParams
 from kvdiet.engine.generate import generate
@@ -31,8 +32,8 @@ def test_outputs_come_back_in_prompt_order_and_equal_solo_runs(llm) -> None:
 
 
 def test_numpy_token_ids_are_ints(llm) -> None:
-    """numpy's integers are token ids (as in `SamplingParams`), in one prompt or a list of prompts, with the
-    outputs of the same Python ints; numpy's bools and floats are not."""
+    """numpy's integers and int arrays (numpy or torch) are token ids (as in `SamplingParams`), in one prompt or
+    a list of prompts, with the outputs of the same Python ints; numpy's bools and floats are not."""
     params = SamplingParams(max_tokens=2)
     (plain,) = llm.generate([5, 6, 7], params)
     (arr,) = llm.generate(list(np.array([5, 6, 7], dtype=np.int64)), params)
@@ -41,6 +42,13 @@ def test_numpy_token_ids_are_ints(llm) -> None:
     for bad in ([np.True_, 5], [np.float32(5.0), 6]):
         with pytest.raises(ValueError, match=re.escape(f"token id {bad[0]!r} at index 0 is not an integer")):
             llm.generate(bad, params)
+    # arrays: a 1-D numpy array or torch tensor is one prompt, a list of them or a 2-D one a list of prompts
+    (one,) = llm.generate(np.array([5, 6, 7], dtype=np.int32), params)
+    (_, two) = llm.generate([np.array([4]), torch.tensor([5, 6, 7])], [params, params])
+    (_, rows) = llm.generate(torch.tensor([[4, 4, 4], [5, 6, 7]]), [params, params])
+    assert one.output_ids == two.output_ids == rows.output_ids == plain.output_ids
+    with pytest.raises(ValueError, match=re.escape("token id 5.0 at index 0 of prompt 1 is not an integer")):
+        llm.generate([np.array([4]), np.array([5.0, 6.0])], params)
 
 
 def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:

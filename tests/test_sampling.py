@@ -24,7 +24,8 @@ def test_invalid(kwargs: dict, needle: str) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
-    [({"max_tokens": "2"}, "max_tokens must be an int, got '2'"), ({"max_tokens": 2.0}, "max_tokens must be an int"),
+    [({"max_tokens": "2"}, "max_tokens must be an int or None, got '2'"),
+     ({"max_tokens": 2.0}, "max_tokens must be an int or None, got 2.0"),
      ({"top_k": True}, "top_k must be an int, got True"), ({"temperature": "1"}, "temperature must be a number"),
      ({"top_p": None}, "top_p must be a number"), ({"seed": 1.5}, "seed must be an int or None, got 1.5"),
      ({"stop": ["a", 5]}, "stop must be a string or a sequence of strings, got an item 5"),
@@ -54,7 +55,7 @@ def test_numpy_scalars_are_numbers() -> None:
     assert (params.max_tokens, params.top_k, params.temperature, params.top_p) == (3, 5, 0.5, 0.25)
     assert params.seed == 2**64 - 1 and type(params.seed) is int and type(params.max_tokens) is int
     assert type(params.top_k) is int and type(params.temperature) is float
-    with pytest.raises(TypeError, match=r"max_tokens must be an int, got np\.True_"):
+    with pytest.raises(TypeError, match=r"max_tokens must be an int or None, got np\.True_"):
         SamplingParams(max_tokens=np.bool_(True))
 
 

@@ -35,8 +35,8 @@ from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_le
 from kvdiet.engine.prepared import (
     InvalidRequestError,
     PreparedRequest,
-    check_context_length,
     check_sampling_ids,
+    fit_context_length,
 )
 from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvdiet.engine.runner import ModelRunner
@@ -173,7 +173,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop"
             )
-        check_context_length(len(ids), params.max_tokens, self.max_model_len, "max_model_len")
+        params = fit_context_length(len(ids), params, self.max_model_len, "max_model_len")
         return PreparedRequest(tuple(ids), params)
 
     def add_request(

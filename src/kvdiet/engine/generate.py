@@ -18,8 +18,8 @@ from kvdiet.cache.plan import Provenance
 from kvdiet.engine.prepared import (
     InvalidRequestError,
     PreparedRequest,
-    check_context_length,
     check_sampling_ids,
+    fit_context_length,
 )
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, StepProgress
 from kvdiet.engine.runner import CacheOptions, ModelRunner
@@ -87,8 +87,7 @@ def check_request(
         if max_model_len is None
         else (max_model_len, "max_model_len")
     )
-    check_context_length(len(ids), params.max_tokens, limit, name)
-    return PreparedRequest(tuple(ids), params)
+    return PreparedRequest(tuple(ids), fit_context_length(len(ids), params, limit, name))
 
 
 def private_runner(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> ModelRunner:

@@ -127,7 +127,8 @@ class LLM:
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """``prompts`` as a list of prompts: a text, or a list of token ids (ints, numpy's too; not bools), is one.
-    Token ids come back as Python ints.
+    A 1-D numpy array or torch tensor is a list of token ids, a 2-D one a list of such prompts. Token ids come
+    back as Python ints.
 
     Raises:
         ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
@@ -136,18 +137,29 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items = _listed(prompts)
     if not items:
         raise ValueError(
             "no prompt: give a text, a list of token ids, or a list of prompts (not an empty list)"
         )
-    if any(not isinstance(t, str | Sequence) for t in items):  # token ids: scalars (bools refused as ids)
+    if any(not _is_prompt(t) for t in items):  # token ids: scalars (bools refused as ids)
         return [_check_ints(items, "")]
     # a list of prompts: each token-id prompt by the same rule
     return [
-        item if isinstance(item, str) else _check_ints(list(item), f" of prompt {p}")
+        item if isinstance(item, str) else _check_ints(_listed(item), f" of prompt {p}")
         for p, item in enumerate(items)
     ]
+
+
+def _is_prompt(item: object) -> bool:
+    """Whether a list item is a prompt (a text, a sequence, or an array of at least one dimension) rather than a
+    token id."""
+    return isinstance(item, str | Sequence) or getattr(item, "ndim", 0) >= 1
+
+
+def _listed(items: object) -> list:
+    """``items`` as a list: an array (numpy or torch) by its ``tolist`` (Python scalars, nested by dimension)."""
+    return items.tolist() if getattr(items, "ndim", 0) >= 1 else list(items)
 
 
 def _check_ints(ids: list, where: str) -> list[int]:

@@ -7,7 +7,8 @@ parameters once, before any state changes, and either raises `InvalidRequestErro
 `ModelRunner.start`, the model's prefill) takes such a request as checked and does not check it again:
 
 - ``prompt_ids`` is non-empty and every id is an ``int`` in ``[0, vocab_size)`` of the model's config;
-- ``len(prompt_ids) + params.max_tokens`` is at most the context limit of the edge (the engine's
+- ``params.max_tokens`` is an int (None, "the context left", resolved at the edge) and
+  ``len(prompt_ids) + params.max_tokens`` is at most the context limit of the edge (the engine's
   ``max_model_len``, itself at most the config's ``max_position_embeddings``; offline, the latter), so
   every later `ModelRunner.start` of the prompt plus the outputs so far (a resumption after preemption) stays
   within it too;
@@ -17,6 +18,7 @@ parameters once, before any state changes, and either raises `InvalidRequestErro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvdiet.engine.sampling import SamplingParams
@@ -26,8 +28,8 @@ __all__ = [
     "ContextLengthError",
     "InvalidRequestError",
     "PreparedRequest",
-    "check_context_length",
     "check_sampling_ids",
+    "fit_context_length",
 ]
 
 
@@ -82,15 +84,25 @@ class ContextLengthError(InvalidRequestError):
         )
 
 
-def check_context_length(prompt_tokens: int, max_tokens: int, limit: int, limit_name: str) -> None:
-    """Refuse a prompt of ``prompt_tokens`` plus ``max_tokens`` output tokens past ``limit`` tokens.
+def fit_context_length(
+    prompt_tokens: int, params: SamplingParams, limit: int, limit_name: str
+) -> SamplingParams:
+    """``params`` for a prompt of ``prompt_tokens`` within ``limit`` tokens: ``max_tokens`` None (vLLM's "as
+    many as the context leaves") becomes ``limit - prompt_tokens``; an int is kept and checked.
 
     Raises:
-        ContextLengthError: ``prompt_tokens + max_tokens > limit`` (an `InvalidRequestError`, ``param``
-            ``"prompt"``).
+        ContextLengthError: ``prompt_tokens + max_tokens > limit``, or with None a prompt that leaves no room
+            for the one token a reply takes (an `InvalidRequestError`, ``param`` ``"prompt"``).
     """
-    if prompt_tokens + max_tokens > limit:
-        raise ContextLengthError(prompt_tokens, max_tokens, limit, limit_name)
+    if params.max_tokens is None:
+        if prompt_tokens >= limit:
+            raise ContextLengthError(
+                prompt_tokens, 1, limit, limit_name, max_tokens_origin="None: the context left, at least 1"
+            )
+        return dataclasses.replace(params, max_tokens=limit - prompt_tokens)
+    if prompt_tokens + params.max_tokens > limit:
+        raise ContextLengthError(prompt_tokens, params.max_tokens, limit, limit_name)
+    return params
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,9 @@ class SamplingParams:
     """How to pick output tokens.
 
     Attributes:
-        max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only).
+        max_tokens: tokens to generate at most (≥ 0; 0 = score the prompt only; None = as many as the context
+            leaves, vLLM's None: the edge that checks the prompt, `LLMEngine.prepare` or `check_request`, sets it
+            to the context limit minus the prompt's tokens).
         temperature: 0 = greedy (argmax, lowest id on ties; so is anything below `GREEDY_BELOW`); > 0 divides
             the logits. The default is 0, unlike vLLM's ``SamplingParams`` (1.0), so that ``kvdiet.LLM`` and
             ``kvdiet generate`` runs are reproducible without a seed; the HTTP server keeps OpenAI's 1.0.
@@ -36,7 +38,7 @@ class SamplingParams:
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
     Raises:
-        TypeError: ``max_tokens`` or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
+        TypeError: ``max_tokens`` (or None) or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
             too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; a
             ``stop`` item not a string, a stop token id or logit-bias key not an int, a bias not a number;
             named. One ``stop`` string is one stop string; ``None`` for ``stop``, ``stop_token_ids`` or
@@ -44,7 +46,7 @@ class SamplingParams:
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -58,17 +60,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # ints as `operator.index` takes them (numpy's too), numbers as `numbers.Real`; bools are neither here.
         # Kept as Python's int and float (the same values) from here on.
-        for name, kinds in (
-            ("max_tokens", Integral),
-            ("top_k", Integral),
-            ("temperature", Real),
-            ("top_p", Real),
+        for name, kinds, what in (
+            ("max_tokens", Integral, "an int or None"),
+            ("top_k", Integral, "an int"),
+            ("temperature", Real, "a number"),
+            ("top_p", Real, "a number"),
         ):
             value = getattr(self, name)
+            if name == "max_tokens" and value is None:
+                continue
             if not isinstance(value, kinds) or isinstance(value, bool):
-                raise TypeError(
-                    f"{name} must be {'an int' if kinds is Integral else 'a number'}, got {value!r}"
-                )
+                raise TypeError(f"{name} must be {what}, got {value!r}")
             if type(value) not in (int, float):
                 object.__setattr__(self, name, operator.index(value) if kinds is Integral else float(value))
         self._normalize_collections()
@@ -76,7 +78,7 @@ class SamplingParams:
             if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             object.__setattr__(self, "seed", operator.index(self.seed))
-        if self.max_tokens < 0:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
