@@ -49,6 +49,11 @@ def test_numpy_token_ids_are_ints(llm) -> None:
     assert one.output_ids == two.output_ids == rows.output_ids == plain.output_ids
     with pytest.raises(ValueError, match=re.escape("token id 5.0 at index 0 of prompt 1 is not an integer")):
         llm.generate([np.array([4]), np.array([5.0, 6.0])], params)
+    for bare in (5, np.array(5)):
+        with pytest.raises(
+            TypeError, match="prompts must be a text, a list of token ids or a list of prompts"
+        ):
+            llm.generate(bare, params)
 
 
 def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:

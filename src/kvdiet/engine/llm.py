@@ -11,7 +11,7 @@ All prompts go into one engine and run with continuous batching, exactly as in t
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -82,6 +82,7 @@ class LLM:
         Raises:
             ValueError: an invalid prompt or parameters (checked for all prompts before any runs), or as many
                 parameters as prompts were not given.
+            TypeError: ``prompts`` neither a text nor a list or array (a bare int).
         """
         batch = _as_batch(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -158,8 +159,17 @@ def _is_prompt(item: object) -> bool:
 
 
 def _listed(items: object) -> list:
-    """``items`` as a list: an array (numpy or torch) by its ``tolist`` (Python scalars, nested by dimension)."""
-    return items.tolist() if getattr(items, "ndim", 0) >= 1 else list(items)
+    """``items`` as a list: an array (numpy or torch) by its ``tolist`` (Python scalars, nested by dimension).
+
+    Raises:
+        TypeError: ``items`` is neither an array of at least one dimension nor an iterable (a bare int, a 0-d
+            array), named.
+    """
+    if getattr(items, "ndim", 1) >= 1 and hasattr(items, "tolist"):
+        return items.tolist()
+    if getattr(items, "ndim", 1) == 0 or not isinstance(items, Iterable):
+        raise TypeError(f"prompts must be a text, a list of token ids or a list of prompts, got {items!r}")
+    return list(items)
 
 
 def _check_ints(ids: list, where: str) -> list[int]:
