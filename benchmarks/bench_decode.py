@@ -3,7 +3,8 @@
 Caches are filled directly (random entries encoded in the real packed formats, tiled to the context
 length) rather than by prefill, so a 1M-token context is ready in seconds. For each context the script
 times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
-swa-only / full / reindex / reuse layers, and the MoE FFNs), and sets the bytes one step must read against
+swa-only / full / reindex / reuse layers, and the MoE FFNs) and, in as many more steps, into the compiled kernels
+and the rest (Python and torch's ops between them: "in kernels"), and sets the bytes one step must read against
 this machine's measured read bandwidth (the floor a bandwidth-bound step could reach): the packed cache bytes
 (KV floor), and those plus the weights a one-request step reads (step floor: at short contexts the weights
 dominate).
@@ -28,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.device import add_device_arg, check_device, seconds
+from kvdiet.formats import native
 from kvdiet.model.build import load_model
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import RequestState
@@ -35,6 +37,7 @@ from kvdiet.model.transformer import Transformer
 from kvdiet.units import count_list, positive_count, positive_int
 
 SEED = 0
+_FP4_KERNELS = native.fp4_kernels
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
@@ -148,6 +151,49 @@ def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[fl
     return statistics.median(times), {k: v / steps for k, v in sorted(spent.items())}
 
 
+class _TimedKernels:
+    """The compiled kernels module with every call's wall time added to ``seconds`` (about a microsecond more a
+    call: the split it gives is a close estimate, the step it runs a little slower than an untimed one)."""
+
+    def __init__(self, module: object) -> None:
+        self._module, self.seconds = module, 0.0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._module, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def kernel_split(model: Transformer, state: RequestState, steps: int) -> tuple[float, float] | None:
+    """Mean seconds per decode step spent inside the compiled kernels (`kvdiet.formats.native.fp4_kernels`), and
+    the mean step in the same ``steps`` timed steps; the rest of a step is Python and torch's own ops between
+    the kernels. None where the step runs no compiled kernels (the pure-torch path, a GPU)."""
+    module = native.fp4_kernels()
+    if module is None or model.device.type != "cpu":
+        return None
+    proxy = _TimedKernels(module)
+    native.fp4_kernels = lambda: proxy  # every caller asks native.fp4_kernels() at the call
+    try:
+        model.decode([state], [5])  # warm-up
+        proxy.seconds = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            model.decode([state], [5])
+        step = (time.perf_counter() - start) / steps
+    finally:
+        native.fp4_kernels = _FP4_KERNELS
+    return proxy.seconds / steps, step
+
+
 def time_prefill(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
     """Prefill tokens per second of ``tokens`` in chunks of ``chunk``."""
     state = model.new_state()
@@ -198,11 +244,14 @@ def main() -> None:
     for context in (min(c, room) for c in args.contexts):
         state = fill_state(model, context, gen)
         step_s, roles = time_decode(model, state, args.steps)
+        split = kernel_split(model, state, args.steps)
         kv = step_bytes(model, context)
         rows.append({"context": context, "step_seconds": step_s, "roles": roles, "kv_bytes_read": kv,
                      "weight_bytes_read": weights, "kv_floor_seconds": kv / bandwidth,
                      "floor_seconds": (kv + weights) / bandwidth,
-                     "global_bytes": state.cache_bytes().global_bytes})  # fmt: skip
+                     "global_bytes": state.cache_bytes().global_bytes,
+                     "kernel_seconds": None if split is None else split[0],
+                     "timed_step_seconds": None if split is None else split[1]})  # fmt: skip
         del state
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prefill_tokens,), generator=gen)
     prefill = {c: time_prefill(model, prompt, c) for c in args.chunks}
@@ -230,6 +279,7 @@ def main() -> None:
             "floor ms",
             "step/floor",
             "step/KV floor",
+            "in kernels",
             "slowest roles (ms)",
         ):
             table.add_column(col, justify="right")
@@ -239,6 +289,8 @@ def main() -> None:
                           f"{r['kv_bytes_read'] / 1e6:,.1f} MB", f"{r['weight_bytes_read'] / 1e6:,.1f} MB",
                           f"{r['floor_seconds'] * 1e3:,.2f}", f"{r['step_seconds'] / r['floor_seconds']:,.1f}×",
                           f"{r['step_seconds'] / r['kv_floor_seconds']:,.1f}×",
+                          "—" if r["kernel_seconds"] is None else
+                          f"{r['kernel_seconds'] * 1e3:,.0f} ms ({r['kernel_seconds'] / r['timed_step_seconds']:.0%})",
                           ", ".join(f"{k} {v * 1e3:.0f}" for k, v in top))  # fmt: skip
         console.print(table)
         pt = Table(title=f"prefill of {prompt.numel():,} tokens (decoder-side replay on)")
