@@ -2,8 +2,8 @@
 
 Caches are filled directly (random entries encoded in the real packed formats, tiled to the context
 length) rather than by prefill, so a 1M-token context is ready in seconds. For each context the script
-times decode steps (warm-up excluded, median of --steps), splits the time by layer role (attention of
-swa-only / full / reindex / reuse layers, and the MoE FFNs) and, in as many more steps, into the compiled kernels
+times decode steps (warm-up excluded, median of --steps), then, in as many more steps each, splits a step by
+layer role (attention of swa-only / full / reindex / reuse layers, and the MoE FFNs) and into the compiled kernels
 and the rest (Python and torch's ops between them: "in kernels"), and sets the bytes one step must read against
 this machine's measured read bandwidth (the floor a bandwidth-bound step could reach): the packed cache bytes
 (KV floor), and those plus the weights a one-request step reads (step floor: at short contexts the weights
@@ -123,7 +123,11 @@ def weight_bytes(model: Transformer) -> int:
 
 
 def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[float, dict[str, float]]:
-    """Median step seconds and mean seconds per layer role (attention by role, ``moe`` for the FFNs)."""
+    """Median step seconds, then mean seconds per layer role (attention by role, ``moe`` for the FFNs) in as
+    many more steps timed by forward hooks. The step's own time is taken without hooks: a hooked MoE takes its
+    module path (`kvdiet.model.ffn_row`), so the roles' split is of a slightly slower step."""
+    model.decode([state], [5])  # warm-up
+    times = [seconds(lambda: model.decode([state], [5]), model.device) for _ in range(steps)]
     spent: dict[str, float] = defaultdict(float)
     starts: dict[int, float] = {}
 
@@ -142,9 +146,8 @@ def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[fl
             hooks.append(module.register_forward_pre_hook(before))
             hooks.append(module.register_forward_hook(after(label)))
     try:
-        model.decode([state], [5])  # warm-up
-        spent.clear()
-        times = [seconds(lambda: model.decode([state], [5]), model.device) for _ in range(steps)]
+        for _ in range(steps):
+            seconds(lambda: model.decode([state], [5]), model.device)
     finally:
         for h in hooks:
             h.remove()
@@ -240,7 +243,7 @@ def main() -> None:
     bandwidth = read_bandwidth(device=args.device)
     weights = weight_bytes(model)
     rows = []
-    room = model.cfg.max_position_embeddings - (args.steps + 1)  # the timed steps must still fit
+    room = model.cfg.max_position_embeddings - (3 * args.steps + 2)  # every step below must still fit
     for context in (min(c, room) for c in args.contexts):
         state = fill_state(model, context, gen)
         step_s, roles = time_decode(model, state, args.steps)

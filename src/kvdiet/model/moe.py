@@ -268,7 +268,7 @@ class MoE(nn.Module):
                 return self._one_row(x, weights, ids, id_list)
         return self._routed_grouped(x, weights, ids, padded=padded)
 
-    def _fetch(self, ids: list[int]) -> list[Expert]:
+    def fetch(self, ids: list[int]) -> list[Expert]:
         """Experts ``ids`` (each in [0, n_routed_experts)), each fetched once: a lazily read one is loaded here;
         resident ones straight from the ModuleList's own dict (its ``__getitem__`` costs about a microsecond)."""
         if self.routed is not None:
@@ -288,7 +288,7 @@ class MoE(nn.Module):
         """
         id_list = ids[0].tolist() if id_list is None else id_list
         k = len(id_list)
-        chosen = self._fetch(id_list)
+        chosen = self.fetch(id_list)
         by_id = dict(zip(id_list, chosen, strict=True))
         used = sorted(by_id)
         shared_expert = self._modules["shared_experts"]
@@ -319,7 +319,7 @@ class MoE(nn.Module):
                 order = torch.argsort(flat_ids, stable=True)
                 return self._routed_padded(x, weights, order, counts, stacked) + self.shared_experts(x)
         used_ids = [e for e, n in enumerate(counts) if n]
-        used = self._fetch(used_ids)
+        used = self.fetch(used_ids)
         if decode_rows:
             grouped = expert_groups(x, weights, ids, used_ids, used, self.shared_experts)
             if grouped is not None:

@@ -1,0 +1,92 @@
+"""The FFN half of a one-request decode step as its four compiled calls, with no Python layer between them.
+
+`Block.ffn_half` on one row goes through some 95 Python calls a layer (the mHC entry and exit wrappers,
+``nn.Module.__call__`` of the MoE and its gate, `MoE.forward`, the one-row expert path and its wrapper), each
+checking what the one before already knew: measured on v4.1-mini, 35–50 µs a layer on warm caches against the
+~60 µs of its kernels, so a decode step of one request spent more than a millisecond on the checks alone.
+`decode_row_ffn` checks once what all four kernels need, then calls ``hc_enter``, ``route_rows``,
+``expert_groups`` and ``hc_expand_rows`` (``formats/hc_kernels.cpp``, ``router_kernels.cpp``,
+``expert_kernels.cpp``) with the arguments the module path gives them, in its order: the same bits. Where a check
+fails or a kernel declines (returns None), it returns None before anything changes and the module path runs
+(its kernels are pure: nothing is lost but the time).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as nn_module
+
+from kvdiet.model import gemv
+from kvdiet.model.hc import entry_kernels, sublayer_weights
+from kvdiet.model.member import member
+
+__all__ = ["decode_row_ffn"]
+
+
+def decode_row_ffn(
+    block: nn.Module, h: torch.Tensor, attn_pre: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Block.ffn_half` of one decode row through the compiled kernels alone, or None where it does not apply.
+
+    Args:
+        block: a `kvdiet.model.block.Block`.
+        h: the streams fp32 [1, hc, hidden] on the CPU; attn_pre: the attention sublayer's pre-mix [1, hc].
+    Returns:
+        ``(new streams fp32 [1, hc, hidden], this FFN's pre [1, hc])``, the bits of the module path; None with
+        autograd on, other shapes, dtypes or devices, no compiled kernels, a hash-routed gate, 16 or more experts
+        a token, experts not stored dense, a forward hook on the MoE or its gate (the module path runs them), or
+        a kernel that declines (a NaN in its output among them).
+    """
+    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
+        return None
+    kernels, mix = entry_kernels()
+    moe = block._modules["ffn"]
+    gate = moe._modules["gate"]
+    if kernels is None or mix is None or _hooked(moe) or _hooked(gate):
+        return None
+    gate_weight, gate_bias = member(gate, "weight"), member(gate, "bias")
+    if member(gate, "tid2eid") is not None or gate_bias is None or not 1 <= gate.topk < 16:
+        return None
+    cfg, norm = block.cfg, block._modules["ffn_norm"]
+    hc = sublayer_weights(block, cfg, h, "ffn")
+    if hc.dtype != torch.float32:
+        return None
+    entered = kernels.hc_enter(
+        h, hc.fn_t, hc.scale, hc.base, attn_pre, member(norm, "weight"), norm.eps, cfg.rms_norm_eps, cfg.hc_eps,
+        cfg.hc_sinkhorn_iters, mix, any_rows=False,
+    )  # fmt: skip
+    if entered is None:
+        return None
+    x, pre, post, comb = entered
+    if not gemv.applies(x, gate_weight):  # the gate's own condition for its kernel
+        return None
+    routed = kernels.route_rows(
+        x, gate_weight, gate_bias, gate.topk, gate.norm_topk_prob, gate.routed_scaling_factor
+    )
+    if routed is None:
+        return None
+    weights, ids = routed
+    used = sorted(ids.tolist()[0])
+    if len(set(used)) != len(used):  # `MoE.forward` sends only distinct experts to `MoE._one_row`
+        return None
+    group = [*moe.fetch(used), moe._modules["shared_experts"]]
+    dense = [expert.dense_weights() for expert in group]
+    if None in dense:
+        return None
+    w1s, w3s, w2s = map(list, zip(*dense, strict=True))
+    out = kernels.expert_groups(x, ids, weights, used, w1s, w3s, w2s, [e.swiglu_limit for e in group])
+    if out is None:
+        return None
+    streams = kernels.hc_expand_rows(out, h, post, comb, any_rows=True, chain=False)
+    return None if streams is None else (streams, pre)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run a forward hook (its own, or one registered for every module)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+    )
