@@ -125,7 +125,7 @@ def weight_bytes(model: Transformer) -> int:
 def time_decode(model: Transformer, state: RequestState, steps: int) -> tuple[float, dict[str, float]]:
     """Median step seconds, then mean seconds per layer role (attention by role, ``moe`` for the FFNs) in as
     many more steps timed by forward hooks. The step's own time is taken without hooks: a hooked MoE takes its
-    module path (`kvdiet.model.ffn_row`), so the roles' split is of a slightly slower step."""
+    module path (`kvdiet.model.decode_ffn`), so the roles' split is of a slightly slower step."""
     model.decode([state], [5])  # warm-up
     times = [seconds(lambda: model.decode([state], [5]), model.device) for _ in range(steps)]
     spent: dict[str, float] = defaultdict(float)

@@ -15,8 +15,8 @@ from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo
 from kvdiet.model.attention import Attention
+from kvdiet.model.decode_ffn import decode_ffn
 from kvdiet.model.engram import Engram
-from kvdiet.model.ffn_row import decode_row_ffn
 from kvdiet.model.hc import add_sublayer_hc, hc_expand, sublayer_coefficients, sublayer_entry
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.moe import MoE
@@ -53,10 +53,10 @@ class Block(nn.Module):
         self, h: torch.Tensor, attn_pre: torch.Tensor, *, decode_step: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FFN sublayer: returns ``(new streams, this FFN's pre)``. ``decode_step``: the rows are a batched
-        decode step's, one per request (the MoE may pad its groups: `MoE.forward`); one request's row runs as
-        four compiled calls where they apply (`kvdiet.model.ffn_row.decode_row_ffn`: the same bits)."""
+        decode step's, one per request (the MoE may pad its groups: `MoE.forward`); up to 16 of them run as
+        four compiled calls where they apply (`kvdiet.model.decode_ffn.decode_ffn`: the same bits)."""
         if decode_step:
-            done = decode_row_ffn(self, h, attn_pre)
+            done = decode_ffn(self, h, attn_pre)
             if done is not None:
                 return done
         x, pre, post, comb = self.entry(h, "ffn", attn_pre)

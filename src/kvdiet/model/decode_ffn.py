@@ -1,10 +1,11 @@
-"""The FFN half of a one-request decode step as its four compiled calls, with no Python layer between them.
+"""A decode step's FFN half (one row per request, up to 16) as its four compiled calls, with no Python layer
+between them.
 
-`Block.ffn_half` on one row goes through some 95 Python calls a layer (the mHC entry and exit wrappers,
-``nn.Module.__call__`` of the MoE and its gate, `MoE.forward`, the one-row expert path and its wrapper), each
+`Block.ffn_half` on a decode step's rows goes through some 95 Python calls a layer (the mHC entry and exit
+wrappers, ``nn.Module.__call__`` of the MoE and its gate, `MoE.forward`, the expert path and its wrapper), each
 checking what the one before already knew: measured on v4.1-mini, 35–50 µs a layer on warm caches against the
-~60 µs of its kernels, so a decode step of one request spent more than a millisecond on the checks alone.
-`decode_row_ffn` checks once what all four kernels need, then calls ``hc_enter``, ``route_rows``,
+~60 µs of one request's kernels, so a decode step spent more than a millisecond on the checks alone.
+`decode_ffn` checks once what all four kernels need, then calls ``hc_enter``, ``route_rows``,
 ``expert_groups`` and ``hc_expand_rows`` (``formats/hc_kernels.cpp``, ``router_kernels.cpp``,
 ``expert_kernels.cpp``) with the arguments the module path gives them, in its order: the same bits. Where a check
 fails or a kernel declines (returns None), it returns None before anything changes and the module path runs
@@ -21,24 +22,28 @@ from kvdiet.model import gemv
 from kvdiet.model.hc import entry_kernels, sublayer_weights
 from kvdiet.model.member import member
 
-__all__ = ["decode_row_ffn"]
+__all__ = ["decode_ffn"]
 
 
-def decode_row_ffn(
+def decode_ffn(
     block: nn.Module, h: torch.Tensor, attn_pre: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`Block.ffn_half` of one decode row through the compiled kernels alone, or None where it does not apply.
+    """`Block.ffn_half` of a decode step's rows through the compiled kernels alone, or None where it does not
+    apply.
 
     Args:
         block: a `kvdiet.model.block.Block`.
-        h: the streams fp32 [1, hc, hidden] on the CPU; attn_pre: the attention sublayer's pre-mix [1, hc].
+        h: the streams fp32 [B, hc, hidden] on the CPU, B = 1..16 (one row per request); attn_pre: the attention
+            sublayer's pre-mix [B, hc].
     Returns:
-        ``(new streams fp32 [1, hc, hidden], this FFN's pre [1, hc])``, the bits of the module path; None with
+        ``(new streams fp32 [B, hc, hidden], this FFN's pre [B, hc])``, the bits of the module path; None with
         autograd on, other shapes, dtypes or devices, no compiled kernels, a hash-routed gate, 16 or more experts
         a token, experts not stored dense, a forward hook on the MoE or its gate (the module path runs them), or
         a kernel that declines (a NaN in its output among them).
     """
-    if torch.is_grad_enabled() or h.dim() != 3 or h.shape[0] != 1 or h.dtype != torch.float32 or not h.is_cpu:
+    if torch.is_grad_enabled() or h.dim() != 3 or not 1 <= h.shape[0] <= gemv.ROWS_MAX:
+        return None
+    if h.dtype != torch.float32 or not h.is_cpu:
         return None
     kernels, mix = entry_kernels()
     moe = block._modules["ffn"]
@@ -67,9 +72,9 @@ def decode_row_ffn(
     if routed is None:
         return None
     weights, ids = routed
-    used = sorted(ids.tolist()[0])
-    if len(set(used)) != len(used):  # `MoE.forward` sends only distinct experts to `MoE._one_row`
-        return None
+    # the experts named, increasing: `MoE._one_row`'s and `MoE._routed_grouped`'s ``used`` (each names at most
+    # one pair a row, so at most 16 pairs: decode rows)
+    used = sorted({e for row in ids.tolist() for e in row})
     group = [*moe.fetch(used), moe._modules["shared_experts"]]
     dense = [expert.dense_weights() for expert in group]
     if None in dense:

@@ -1,0 +1,90 @@
+"""`decode_ffn`: a decode step's FFN half (one row per request) as four compiled calls, the module path's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdiet.config import load_config
+from kvdiet.formats import native
+from kvdiet.model import moe as moe_module
+from kvdiet.model.decode_ffn import decode_ffn
+from kvdiet.model.transformer import Transformer
+
+TOKENS = [5, 9, 11, 40, 3]
+
+
+@pytest.fixture(scope="module")
+def micro() -> Transformer:
+    return Transformer.from_config(load_config("v4.1-micro"), seed=5)
+
+
+def _steps(model: Transformer, batch: int) -> torch.Tensor:
+    """Logits of a prefill of 40 tokens (each request its own) then one decode step per token of `TOKENS`."""
+    states = [model.new_state() for _ in range(batch)]
+    for i, state in enumerate(states):
+        model.prefill(state, torch.arange(2, 42) + i)
+    return torch.cat([model.decode(states, [t + b for b in range(batch)]) for t in TOKENS])
+
+
+def _count_moe_forward(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    forward = moe_module.MoE.forward
+    monkeypatch.setattr(
+        moe_module.MoE, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_decode_steps_run_the_four_kernels_with_the_module_paths_bits(micro, monkeypatch, batch) -> None:
+    """A decode step of 1..16 requests never enters `MoE.forward`; a forward hook on every MoE (which
+    `decode_ffn` leaves to the module path) gives the same logits, bit for bit, through it."""
+    if native.fp4_kernels() is None:
+        pytest.fail("the compiled kernels did not build")
+    calls = _count_moe_forward(monkeypatch)
+    flat = _steps(micro, batch)
+    prefill_calls = len(calls)
+    assert prefill_calls > 0  # the prefills' rows take the module path
+    hooks = [block.ffn.register_forward_pre_hook(lambda module, args: None) for block in micro.layers]
+    try:
+        calls.clear()
+        hooked = _steps(micro, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(calls) == prefill_calls + len(TOKENS) * len(
+        micro.layers
+    )  # each decode layer through the module
+    assert torch.equal(flat, hooked)
+
+
+def test_it_declines_where_the_module_path_must_run(micro, monkeypatch) -> None:
+    """17 rows, autograd, fp64, the pure-torch path, a kernel that declines: None, and the module path's bits
+    where it applies (rows of random streams)."""
+    if native.fp4_kernels() is None:
+        pytest.fail("the compiled kernels did not build")
+    block = micro.layers[3]
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(4, micro.cfg.hc_mult, micro.cfg.hidden_size, generator=gen)
+    pre = torch.rand(4, micro.cfg.hc_mult, generator=gen)
+    with torch.no_grad():
+        done = decode_ffn(block, h, pre)
+        module = block.ffn_half(h, pre)  # decode_step False: the module path
+        assert done is not None and torch.equal(done[0], module[0]) and torch.equal(done[1], module[1])
+        many = h[:1].expand(17, -1, -1).contiguous()
+        assert decode_ffn(block, many, pre[:1].expand(17, -1)) is None
+        assert decode_ffn(block, h.double(), pre.double()) is None
+    assert decode_ffn(block, h, pre) is None  # autograd on
+    with torch.no_grad():
+        kernels = native.fp4_kernels()
+
+        class Declining:  # the expert kernel declines (as on a NaN output): the module path runs instead
+            def __getattr__(self, name):
+                return (lambda *a, **k: None) if name == "expert_groups" else getattr(kernels, name)
+
+        monkeypatch.setattr(native, "fp4_kernels", lambda: Declining())
+        assert decode_ffn(block, h, pre) is None
+        monkeypatch.undo()
+        monkeypatch.setenv(native.ENV, "0")
+        assert decode_ffn(block, h, pre) is None
