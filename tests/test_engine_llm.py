@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvdiet import LLM, SamplingParams
+from kvdiet.engine.args import EngineArgs
 from kvdiet.engine.generate import generate
 from kvdiet.engine.runner import CacheOptions
 
@@ -74,3 +75,41 @@ def test_bad_batches_are_rejected_before_any_request_runs(llm) -> None:
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer")
     assert not llm.engine.requests and llm.engine.runner.pool.blocks.num_free == free
+
+
+def test_vllm_prompt_dicts_and_what_is_no_prompt(llm) -> None:
+    """vLLM's ``{"prompt_token_ids": ids}`` is those ids (``{"prompt": text}`` that text); bytes, a set (no
+    order), a dict with other keys, and parameters that are not `SamplingParams` are TypeErrors, before any
+    request runs."""
+    free = llm.engine.runner.pool.blocks.num_free
+    params = SamplingParams(max_tokens=2)
+    (plain,) = llm.generate([5, 6, 7], params)
+    (one,) = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    (_, listed) = llm.generate([{"prompt_token_ids": np.array([4])}, {"prompt_token_ids": (5, 6, 7)}], params)
+    assert one.output_ids == listed.output_ids == plain.output_ids
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate({"prompt": "a text prompt"})  # a text, as vLLM reads it: this model has no tokenizer
+    with pytest.raises(ValueError, match=re.escape("token id 2.5 at index 1 of prompt 0 is not an integer")):
+        llm.generate([{"prompt_token_ids": [1, 2.5]}])
+    with pytest.raises(TypeError, match="a prompt dict takes one key"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}})
+    for bad in (b"\x05\x06", {5, 6, 7}):
+        with pytest.raises(
+            TypeError, match="prompts must be a text, a list of token ids or a list of prompts"
+        ):
+            llm.generate(bad, params)
+    for bad_params in ({"max_tokens": 2}, 3, [params, "greedy"]):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them"):
+            llm.generate([[5], [6]], bad_params)
+    assert not llm.engine.requests and llm.engine.runner.pool.blocks.num_free == free
+
+
+def test_the_weights_seed_is_an_int_or_none() -> None:
+    """`EngineArgs.seed` (``LLM(seed=...)``, ``--seed``): an int in [0, 2**64), numpy's too, or None for 0."""
+    assert EngineArgs(seed=None).seed == 0 and EngineArgs(seed=np.uint64(2**64 - 1)).seed == 2**64 - 1
+    for bad in ("1", 1.5, True):
+        with pytest.raises(TypeError, match=re.escape(f"seed must be an int or None, got {bad!r}")):
+            EngineArgs(seed=bad)
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match=re.escape(f"seed must be in [0, 2**64), got {bad}")):
+            EngineArgs(seed=bad)

@@ -37,7 +37,9 @@ def test_invalid(kwargs: dict, needle: str) -> None:
      ({"logit_bias": [(5, 1)]}, "logit_bias must be a mapping of token id to bias"),
      ({"stop": 5}, "stop must be a string or a sequence of strings, got 5"),
      ({"stop": b"ab"}, "stop must be a string or a sequence of strings, got b'ab'"),
-     ({"stop_token_ids": 7}, "stop_token_ids must be a sequence of ints, got 7")],
+     ({"stop_token_ids": 7}, "stop_token_ids must be a sequence of ints, got 7"),
+     ({"ignore_eos": "no"}, "ignore_eos must be a bool, got 'no'"), ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+     ({"skip_special_tokens": None}, "skip_special_tokens must be a bool, got None")],
 )  # fmt: skip
 def test_wrong_types_are_named(kwargs: dict, needle: str) -> None:
     """A value of the wrong type is named (not Python's '<' TypeError from the range checks)."""
@@ -57,6 +59,8 @@ def test_numpy_scalars_are_numbers() -> None:
     assert type(params.top_k) is int and type(params.temperature) is float
     with pytest.raises(TypeError, match=r"max_tokens must be an int or None, got np\.True_"):
         SamplingParams(max_tokens=np.bool_(True))
+    ids = SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids  # no array truth test
+    assert ids == (3, 4) and all(type(t) is int for t in ids)
 
 
 def test_collections_are_normalised_as_vllm_reads_them() -> None:

@@ -11,7 +11,9 @@ builds its parser from it); the model and the engine are imported when an engine
 from __future__ import annotations
 
 import argparse
+import operator
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +47,8 @@ class EngineArgs:
     Attributes:
         model: preset name or V4.1 / V4-Flash config path (``v4.1-mini``: real cache geometry, real tokenizer); None
             with ``weights``: the checkpoint's ``config.json``.
-        seed: seed of the random weights (ignored with ``weights``).
+        seed: seed of the random weights (ignored with ``weights``): an int in [0, 2**64) (numpy's too), or None
+            for the default 0.
         weights: a checkpoint (folder or safetensors file, `kvdiet.model.loader.load_checkpoint`), or None
             for seeded random weights.
         numerics: ``auto``, ``fp8`` or ``bf16``: how FP8/FP4-stored weights compute (`kvdiet.model.loader`).
@@ -57,11 +60,12 @@ class EngineArgs:
         device: where the model, its device pool and request state live: ``cpu``, ``cuda`` or ``cuda:N``
             (`kvdiet.device`).
     Raises:
-        ValueError: an unknown ``kv_cache_dtype``.
+        ValueError: an unknown ``kv_cache_dtype``, a ``seed`` outside [0, 2**64).
+        TypeError: a ``seed`` that is not an int (bools, floats and strings too) or None.
     """
 
     model: str | None = "v4.1-mini"
-    seed: int = 0
+    seed: int | None = 0
     weights: str | Path | None = None
     numerics: str = "auto"
     expert_cache_bytes: int | None = None
@@ -72,6 +76,12 @@ class EngineArgs:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        seed = 0 if self.seed is None else self.seed
+        if not isinstance(seed, Integral) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if not 0 <= seed < 2**64:  # torch.manual_seed's range of non-negative seeds
+            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        object.__setattr__(self, "seed", operator.index(seed))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"

@@ -11,7 +11,8 @@ All prompts go into one engine and run with continuous batching, exactly as in t
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from numbers import Integral
 from typing import Any
 
@@ -82,11 +83,15 @@ class LLM:
         Raises:
             ValueError: an invalid prompt or parameters (checked for all prompts before any runs), or as many
                 parameters as prompts were not given.
-            TypeError: ``prompts`` neither a text nor a list or array (a bare int).
+            TypeError: ``prompts`` neither a text, a prompt dict, nor a list or array (a bare int, bytes, a set),
+                or ``sampling_params`` not `SamplingParams`.
         """
         batch = _as_batch(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        per = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        one = isinstance(params, SamplingParams) or not isinstance(params, Iterable)
+        per = [params] * len(batch) if one else list(params)
+        if any(not isinstance(p, SamplingParams) for p in per):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
         if len(per) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(per)} sampling parameters")
         prepared = [self.engine.prepare(p, sp) for p, sp in zip(batch, per, strict=True)]
@@ -127,17 +132,18 @@ class LLM:
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """``prompts`` as a list of prompts: a text, or a list of token ids (ints, numpy's too; not bools), is one.
-    A 1-D numpy array or torch tensor is a list of token ids, a 2-D one a list of such prompts. Token ids come
-    back as Python ints.
+    """``prompts`` as a list of prompts: a text, a list of token ids (ints, numpy's too; not bools) or a vLLM
+    prompt dict (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``) is one. A 1-D numpy array or torch
+    tensor is a list of token ids, a 2-D one a list of such prompts. Token ids come back as Python ints.
 
     Raises:
         ValueError: an empty list (no prompt; an empty token-id prompt is refused too, case B26), or a token-id
             list (the prompt, or one of a list of prompts) with an item that is not an integer (named with its
             index; the engine's and the server's words).
+        TypeError: a bare int, bytes, a set (no order), or a prompt dict with other keys; named.
     """
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str | Mapping):
+        return [_one_prompt(prompts, "")]
     items = _listed(prompts)
     if not items:
         raise ValueError(
@@ -145,29 +151,47 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         )
     if any(not _is_prompt(t) for t in items):  # token ids: scalars (bools refused as ids)
         return [_check_ints(items, "")]
-    # a list of prompts: each token-id prompt by the same rule
-    return [
-        item if isinstance(item, str) else _check_ints(_listed(item), f" of prompt {p}")
-        for p, item in enumerate(items)
-    ]
+    # a list of prompts: each by the same rules
+    return [_one_prompt(item, f" of prompt {p}") for p, item in enumerate(items)]
+
+
+def _one_prompt(item: object, where: str) -> Prompt:
+    """One prompt: a text, a vLLM prompt dict (``TextPrompt`` / ``TokensPrompt`` with that one key), or token
+    ids (``where``: its place in a list, for the messages)."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, Mapping):
+        if set(item) == {"prompt"} and isinstance(item["prompt"], str):
+            return item["prompt"]
+        if set(item) == {"prompt_token_ids"}:
+            return _check_ints(_listed(item["prompt_token_ids"]), where)
+        raise TypeError(
+            "a prompt dict takes one key, 'prompt' (a text) or 'prompt_token_ids' (token ids), "
+            f"got {dict(item)!r}{where}"
+        )
+    return _check_ints(_listed(item), where)
 
 
 def _is_prompt(item: object) -> bool:
-    """Whether a list item is a prompt (a text, a sequence, or an array of at least one dimension) rather than a
-    token id."""
-    return isinstance(item, str | Sequence) or getattr(item, "ndim", 0) >= 1
+    """Whether a list item is a prompt (a text, a sequence, a prompt dict, or an array of at least one
+    dimension) rather than a token id."""
+    return isinstance(item, str | Sequence | Mapping) or getattr(item, "ndim", 0) >= 1
 
 
 def _listed(items: object) -> list:
     """``items`` as a list: an array (numpy or torch) by its ``tolist`` (Python scalars, nested by dimension).
 
     Raises:
-        TypeError: ``items`` is neither an array of at least one dimension nor an iterable (a bare int, a 0-d
-            array), named.
+        TypeError: ``items`` is neither an array of at least one dimension nor an ordered iterable (a bare int,
+            a 0-d array, bytes, a set), named.
     """
     if getattr(items, "ndim", 1) >= 1 and hasattr(items, "tolist"):
         return items.tolist()
-    if getattr(items, "ndim", 1) == 0 or not isinstance(items, Iterable):
+    if (
+        getattr(items, "ndim", 1) == 0
+        or not isinstance(items, Iterable)
+        or isinstance(items, bytes | bytearray | AbstractSet)
+    ):
         raise TypeError(f"prompts must be a text, a list of token ids or a list of prompts, got {items!r}")
     return list(items)
 

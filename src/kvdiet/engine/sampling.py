@@ -38,11 +38,11 @@ class SamplingParams:
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
     Raises:
-        TypeError: ``max_tokens`` (or None) or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`: numpy's ints
-            too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused as both; a
-            ``stop`` item not a string, a stop token id or logit-bias key not an int, a bias not a number;
-            named. One ``stop`` string is one stop string; ``None`` for ``stop``, ``stop_token_ids`` or
-            ``logit_bias`` is none.
+        TypeError: ``max_tokens`` (or None) or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`:
+            numpy's ints too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused
+            as both; ``ignore_eos`` or ``skip_special_tokens`` not a bool; a ``stop`` item not a string, a stop
+            token id or logit-bias key not an int, a bias not a number; named. One ``stop`` string is one stop
+            string; ``None`` for ``stop``, ``stop_token_ids`` or ``logit_bias`` is none.
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -73,6 +73,9 @@ class SamplingParams:
                 raise TypeError(f"{name} must be {what}, got {value!r}")
             if type(value) not in (int, float):
                 object.__setattr__(self, name, operator.index(value) if kinds is Integral else float(value))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # "no" would be truthy
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._normalize_collections()
         if self.seed is not None:
             if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
@@ -110,13 +113,13 @@ class SamplingParams:
         """
         if self.stop is not None and (isinstance(self.stop, bytes) or not isinstance(self.stop, Iterable)):
             raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else tuple(self.stop)
         for s in stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
-        ids = tuple(self.stop_token_ids or ())
+        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)  # an array's truth is no test
         for t in ids:
             if not isinstance(t, Integral) or isinstance(t, bool):
                 raise TypeError(f"stop_token_ids must be ints, got {t!r}")
