@@ -425,6 +425,46 @@ def test_json_types_are_strict_where_a_number_means_a_count(mini) -> None:
     assert not loop.engine.requests
 
 
+def test_switches_are_json_booleans_and_null_is_the_default(mini) -> None:
+    """A switch is a JSON boolean ("yes", 1 and "true" refused, as OpenAI types them); null for a nullable
+    field (OpenAI's temperature, top_p, n, stream, stream_options.include_usage; vLLM's top_k,
+    return_token_ids) runs as its default does; an unknown or unsupported field is the error's param."""
+    base, loop = mini
+    for body in (
+        {"stream": "yes"},
+        {"stream": 1},
+        {"ignore_eos": "true"},
+        {"skip_special_tokens": 0},
+        {"return_token_ids": "no"},
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        {"ignore_eos": None},  # not nullable in vLLM either
+    ):
+        status, err = _post(base, "/v1/completions", {"prompt": [1], "max_tokens": 1, **body})
+        assert status == 400 and "Input should be a valid boolean" in err["error"]["message"], (body, err)
+    nulls = {
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "n": None,
+        "stream": None,
+        "return_token_ids": None,
+    }
+    status, with_nulls = _post(
+        base, "/v1/completions", {"prompt": [3, 4], "max_tokens": 3, "seed": 7, **nulls}
+    )
+    status_plain, plain = _post(base, "/v1/completions", {"prompt": [3, 4], "max_tokens": 3, "seed": 7})
+    assert status == status_plain == 200, with_nulls
+    assert with_nulls["choices"][0]["text"] == plain["choices"][0]["text"]  # temperature 1, seed 7
+    for body, param in (
+        ({"foo": 1, "bar": 2}, "bar"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"echo": True}, "echo"),
+    ):
+        status, err = _post(base, "/v1/completions", {"prompt": [1], "max_tokens": 1, **body})
+        assert (status, err["error"]["param"]) == (400, param), err
+    assert not loop.engine.requests
+
+
 def test_prompt_token_id_errors_read_as_llm_generate_words_them(mini) -> None:
     """The same fault, the same message as `LLM.generate` (test_engine_llm): no ``prompt:`` prefix on one
     kind and not the other; ``param`` names the field."""

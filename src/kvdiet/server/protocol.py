@@ -2,7 +2,10 @@
 
 Ranges follow the OpenAI API reference: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens`` ≥ 1, ``n`` =
 1 (one choice per request here), ``logit_bias`` values finite in [-100, 100]; counts are JSON integers and the other
-numbers JSON numbers, as OpenAI types them (``"16"``, ``"0.5"`` and ``true`` are refused, ``1`` is a number);
+numbers JSON numbers and switches JSON booleans, as OpenAI types them (``"16"``, ``"0.5"``, ``"true"`` and ``1`` as
+a switch are refused, ``1`` is a number); null for a field OpenAI or vLLM makes nullable (``temperature``,
+``top_p``, ``top_k``, ``n``, ``stream``, ``stream_options`` and its ``include_usage``, ``return_token_ids``, ``stop``,
+``stop_token_ids``, ``seed``, ``logit_bias``, ``max_tokens``) is its default;
 ``logit_bias`` keys are token ids written as JSON writes integers (``"63"``; not ``"+63"``, ``"063"`` or ``"6_3"``).
 vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
 ``return_token_ids`` (each choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
@@ -23,10 +26,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     ValidationError,
     WrapValidator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -96,10 +101,23 @@ def _integer_token_ids(value: Any) -> Any:
     return value
 
 
+def _drop_nulls(data: Any, names: tuple[str, ...]) -> Any:
+    """A request body without the fields ``names`` sent as JSON null, so they take their defaults: OpenAI's
+    nullable fields (and vLLM's) mean "the default" by null."""
+    if isinstance(data, dict) and any(data.get(name, 0) is None for name in names):
+        return {k: v for k, v in data.items() if not (k in names and v is None)}
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(data, ("include_usage",))
 
 
 class _Common(BaseModel):
@@ -111,7 +129,7 @@ class _Common(BaseModel):
     top_p: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] = 0  # vLLM: -1 or 0 = all (as `SamplingParams`)
     n: Annotated[StrictInt, Field(ge=1, le=1)] = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[
         Annotated[str, Field(max_length=1024)]
@@ -121,22 +139,28 @@ class _Common(BaseModel):
     ] = None
     stop_token_ids: list[StrictInt] | None = None  # "5" is not a token id (LLM.generate's rule)
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range
-    skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
+    skip_special_tokens: StrictBool = True  # vLLM's extension: leave special tokens out of the text
     logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) also carries token ids
+    ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False  # vLLM's extension: each choice (and chunk) also carries token ids
     user: str | None = None
 
-    def unsupported(self) -> str | None:
-        """Why this body cannot be served as asked: a set field kvdiet does not implement, or fields it does
-        not know (never silently ignored); None when all is well."""
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(data, ("temperature", "top_p", "top_k", "n", "stream", "return_token_ids"))
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """Why this body cannot be served as asked, and the field (the error's ``param``): a set field kvdiet
+        does not implement, or fields it does not know (never silently ignored; the first by name is the
+        param); None when all is well."""
         extra = dict(self.model_extra or {})
         for name, defaults in _UNSUPPORTED.items():
             value = extra.pop(name, None)
             if not any(type(value) is type(d) and value == d for d in defaults):  # 0 is not False here
-                return f"{name} is not supported by kvdiet"
+                return f"{name} is not supported by kvdiet", name
         if extra:
-            return f"unknown field(s): {', '.join(sorted(extra))}"
+            return f"unknown field(s): {', '.join(sorted(extra))}", min(extra)
         return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:

@@ -240,7 +240,7 @@ def _check_common(ctx: ServerContext, body: _Common) -> None:
         )
     problem = body.unsupported()
     if problem is not None:
-        raise ApiError(problem)
+        raise ApiError(problem[0], param=problem[1])
     if body.stream_options is not None and not body.stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
     if not ctx.loop.healthy:
