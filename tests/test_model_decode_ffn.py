@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from kvdiet.config import load_config
 from kvdiet.formats import native
 from kvdiet.model import moe as moe_module
 from kvdiet.model.decode_ffn import decode_ffn
+from kvdiet.model.linear import quantize_fp8_weight
 from kvdiet.model.transformer import Transformer
 
 TOKENS = [5, 9, 11, 40, 3]
@@ -88,3 +91,66 @@ def test_it_declines_where_the_module_path_must_run(micro, monkeypatch) -> None:
         monkeypatch.undo()
         monkeypatch.setenv(native.ENV, "0")
         assert decode_ffn(block, h, pre) is None
+
+
+def test_quantised_experts_decline_before_any_kernel_or_fetch(micro, monkeypatch) -> None:
+    """Experts stored FP8 (the released checkpoint's format, every decode step's): `decode_ffn` declines
+    before it runs a kernel or fetches an expert, so the module path's ``hc_enter``, ``route_rows`` and
+    expert-cache reads are not done twice."""
+    if native.fp4_kernels() is None:
+        pytest.fail("the compiled kernels did not build")
+    block = copy.deepcopy(micro.layers[3])
+    shared = block.ffn.shared_experts
+    for lin in (shared.w1, shared.w2, shared.w3):
+        weight, scale = quantize_fp8_weight(lin.weight.data, block=32)
+        lin.set_weight(weight, scale, block=32)
+    kernels, called = native.fp4_kernels(), []
+
+    class Counting:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(kernels, name)
+
+    fetched: list[list[int]] = []
+    fetch = block.ffn.fetch
+    monkeypatch.setattr(block.ffn, "fetch", lambda ids: fetched.append(ids) or fetch(ids))
+    monkeypatch.setattr(native, "fp4_kernels", lambda: Counting())
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, micro.cfg.hc_mult, micro.cfg.hidden_size, generator=gen)
+    with torch.no_grad():
+        assert decode_ffn(block, h, torch.rand(2, micro.cfg.hc_mult, generator=gen)) is None
+    assert not {"hc_enter", "route_rows", "expert_groups", "hc_expand_rows"} & set(called)
+    assert fetched == []
+
+
+def test_a_replaced_or_overridden_moe_takes_the_module_path(micro) -> None:
+    """A block whose ``ffn`` is another module (a wrapper), an `MoE` subclass or an MoE whose ``forward`` is
+    replaced on the instance: `decode_ffn` declines (no KeyError, no override skipped)."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+            return self.inner(x, **kwargs)
+
+    class Scaled(moe_module.MoE):
+        def forward(self, x: torch.Tensor, token_ids=None, *, padded: bool = False) -> torch.Tensor:
+            return 2 * super().forward(x, token_ids, padded=padded)
+
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(2, micro.cfg.hc_mult, micro.cfg.hidden_size, generator=gen)
+    pre = torch.rand(2, micro.cfg.hc_mult, generator=gen)
+    for change in ("wrapper", "subclass", "instance", "gate"):
+        block = copy.deepcopy(micro.layers[3])
+        if change == "wrapper":
+            block.ffn = Wrapper(block.ffn)
+        elif change == "subclass":
+            block.ffn.__class__ = Scaled
+        elif change == "instance":
+            block.ffn.forward = lambda x, token_ids=None, padded=False: torch.zeros_like(x)
+        else:
+            block.ffn.gate.forward = lambda x, token_ids=None: (torch.zeros_like(x[:, :1]), x[:, :1].long())
+        with torch.no_grad():
+            assert decode_ffn(block, h, pre) is None, change

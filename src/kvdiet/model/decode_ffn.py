@@ -8,8 +8,9 @@ checking what the one before already knew: measured on v4.1-mini, 35–50 µs a 
 `decode_ffn` checks once what all four kernels need, then calls ``hc_enter``, ``route_rows``,
 ``expert_groups`` and ``hc_expand_rows`` (``formats/hc_kernels.cpp``, ``router_kernels.cpp``,
 ``expert_kernels.cpp``) with the arguments the module path gives them, in its order: the same bits. Where a check
-fails or a kernel declines (returns None), it returns None before anything changes and the module path runs
-(its kernels are pure: nothing is lost but the time).
+fails or a kernel declines (returns None), it returns None and the module path runs (its kernels are pure:
+nothing is lost but the time; a routed expert found quantised after routing has been fetched, so an expert
+cache counts that fetch too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.nn.modules import module as nn_module
 from kvdiet.model import gemv
 from kvdiet.model.hc import entry_kernels, sublayer_weights
 from kvdiet.model.member import member
+from kvdiet.model.moe import Gate, MoE
 
 __all__ = ["decode_ffn"]
 
@@ -38,17 +40,28 @@ def decode_ffn(
     Returns:
         ``(new streams fp32 [B, hc, hidden], this FFN's pre [B, hc])``, the bits of the module path; None with
         autograd on, other shapes, dtypes or devices, no compiled kernels, a hash-routed gate, 16 or more experts
-        a token, experts not stored dense, a forward hook on the MoE or its gate (the module path runs them), or
-        a kernel that declines (a NaN in its output among them).
+        a token, experts not stored dense (a quantised shared expert before any kernel runs; a routed one after
+        routing, its experts fetched), ``ffn`` or its gate not exactly `MoE` / `Gate` or given a forward hook or
+        an instance ``forward`` (the module path runs them), or a kernel that declines (a NaN in its output
+        among them).
     """
     if torch.is_grad_enabled() or h.dim() != 3 or not 1 <= h.shape[0] <= gemv.ROWS_MAX:
         return None
     if h.dtype != torch.float32 or not h.is_cpu:
         return None
-    kernels, mix = entry_kernels()
     moe = block._modules["ffn"]
-    gate = moe._modules["gate"]
-    if kernels is None or mix is None or _hooked(moe) or _hooked(gate):
+    gate = moe._modules.get("gate")
+    # the module path calls ``moe`` and its gate: another module there, a subclass or a forward set on the
+    # instance runs its own code, and a hook runs
+    if type(moe) is not MoE or type(gate) is not Gate or _overridden(moe) or _overridden(gate):
+        return None
+    shared = moe._modules["shared_experts"]
+    # quantised experts (the released checkpoint's) never run here: decline before any kernel runs or any
+    # expert is fetched (the module path would do both again)
+    if shared.dense_weights() is None:
+        return None
+    kernels, mix = entry_kernels()
+    if kernels is None or mix is None:
         return None
     gate_weight, gate_bias = member(gate, "weight"), member(gate, "bias")
     if member(gate, "tid2eid") is not None or gate_bias is None or not 1 <= gate.topk < 16:
@@ -75,7 +88,7 @@ def decode_ffn(
     # the experts named, increasing: `MoE._one_row`'s and `MoE._routed_grouped`'s ``used`` (each names at most
     # one pair a row, so at most 16 pairs: decode rows)
     used = sorted({e for row in ids.tolist() for e in row})
-    group = [*moe.fetch(used), moe._modules["shared_experts"]]
+    group = [*moe.fetch(used), shared]
     dense = [expert.dense_weights() for expert in group]
     if None in dense:
         return None
@@ -87,10 +100,12 @@ def decode_ffn(
     return None if streams is None else (streams, pre)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run a forward hook (its own, or one registered for every module)."""
+def _overridden(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run more than its class's ``forward``: a ``forward`` set on the instance,
+    or a forward hook (its own, or one registered for every module)."""
     return bool(
-        module._forward_hooks
+        "forward" in module.__dict__
+        or module._forward_hooks
         or module._forward_pre_hooks
         or nn_module._global_forward_hooks
         or nn_module._global_forward_pre_hooks
