@@ -105,11 +105,13 @@ def test_vllm_prompt_dicts_and_what_is_no_prompt(llm) -> None:
 
 
 def test_the_weights_seed_is_an_int_or_none() -> None:
-    """`EngineArgs.seed` (``LLM(seed=...)``, ``--seed``): an int in [0, 2**64), numpy's too, or None for 0."""
+    """`EngineArgs.seed` (``LLM(seed=...)``, ``--seed``): an int in [-2**63, 2**64) (torch's range), numpy's
+    too, or None for 0."""
     assert EngineArgs(seed=None).seed == 0 and EngineArgs(seed=np.uint64(2**64 - 1)).seed == 2**64 - 1
+    assert EngineArgs(seed=-(2**63)).seed == -(2**63)
     for bad in ("1", 1.5, True):
         with pytest.raises(TypeError, match=re.escape(f"seed must be an int or None, got {bad!r}")):
             EngineArgs(seed=bad)
-    for bad in (-1, 2**64):
-        with pytest.raises(ValueError, match=re.escape(f"seed must be in [0, 2**64), got {bad}")):
+    for bad in (-(2**63) - 1, 2**64):
+        with pytest.raises(ValueError, match=re.escape(f"seed must be in [-2**63, 2**64), got {bad}")):
             EngineArgs(seed=bad)

@@ -42,24 +42,33 @@ def _count_moe_forward(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_decode_steps_run_the_four_kernels_with_the_module_paths_bits(micro, monkeypatch, batch) -> None:
     """A decode step of 1..16 requests never enters `MoE.forward`; a forward hook on every MoE (which
-    `decode_ffn` leaves to the module path) gives the same logits, bit for bit, through it."""
+    `decode_ffn` leaves to the module path) gives the same logits, bit for bit, through it, and the experts are
+    fetched in the same order (an expert cache's reads: routing order for one row, increasing for more)."""
     if native.fp4_kernels() is None:
         pytest.fail("the compiled kernels did not build")
     calls = _count_moe_forward(monkeypatch)
+    fetched: list[list[int]] = []
+    fetch = moe_module.MoE.fetch
+    monkeypatch.setattr(
+        moe_module.MoE, "fetch", lambda self, ids: fetched.append(list(ids)) or fetch(self, ids)
+    )
     flat = _steps(micro, batch)
-    prefill_calls = len(calls)
+    prefill_calls, flat_fetches = len(calls), list(fetched)
     assert prefill_calls > 0  # the prefills' rows take the module path
     hooks = [block.ffn.register_forward_pre_hook(lambda module, args: None) for block in micro.layers]
     try:
         calls.clear()
+        fetched.clear()
         hooked = _steps(micro, batch)
     finally:
         for hook in hooks:
             hook.remove()
-    assert len(calls) == prefill_calls + len(TOKENS) * len(
-        micro.layers
-    )  # each decode layer through the module
+    decode_layers = len(TOKENS) * len(micro.layers)
+    assert len(calls) == prefill_calls + decode_layers  # each decode layer through the module
     assert torch.equal(flat, hooked)
+    assert flat_fetches == fetched
+    if batch == 1:
+        assert any(ids != sorted(ids) for ids in fetched[-decode_layers:])  # routing order, not increasing
 
 
 def test_it_declines_where_the_module_path_must_run(micro, monkeypatch) -> None:

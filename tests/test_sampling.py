@@ -61,6 +61,7 @@ def test_numpy_scalars_are_numbers() -> None:
         SamplingParams(max_tokens=np.bool_(True))
     ids = SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids  # no array truth test
     assert ids == (3, 4) and all(type(t) is int for t in ids)
+    assert SamplingParams(stop_token_ids=torch.tensor([5, 6])).stop_token_ids == (5, 6)
 
 
 def test_collections_are_normalised_as_vllm_reads_them() -> None:

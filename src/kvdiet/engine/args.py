@@ -47,8 +47,8 @@ class EngineArgs:
     Attributes:
         model: preset name or V4.1 / V4-Flash config path (``v4.1-mini``: real cache geometry, real tokenizer); None
             with ``weights``: the checkpoint's ``config.json``.
-        seed: seed of the random weights (ignored with ``weights``): an int in [0, 2**64) (numpy's too), or None
-            for the default 0.
+        seed: seed of the random weights (ignored with ``weights``): an int in [-2**63, 2**64) (numpy's too), or
+            None for the default 0.
         weights: a checkpoint (folder or safetensors file, `kvdiet.model.loader.load_checkpoint`), or None
             for seeded random weights.
         numerics: ``auto``, ``fp8`` or ``bf16``: how FP8/FP4-stored weights compute (`kvdiet.model.loader`).
@@ -60,7 +60,7 @@ class EngineArgs:
         device: where the model, its device pool and request state live: ``cpu``, ``cuda`` or ``cuda:N``
             (`kvdiet.device`).
     Raises:
-        ValueError: an unknown ``kv_cache_dtype``, a ``seed`` outside [0, 2**64).
+        ValueError: an unknown ``kv_cache_dtype``, a ``seed`` outside [-2**63, 2**64).
         TypeError: a ``seed`` that is not an int (bools, floats and strings too) or None.
     """
 
@@ -79,8 +79,8 @@ class EngineArgs:
         seed = 0 if self.seed is None else self.seed
         if not isinstance(seed, Integral) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        if not 0 <= seed < 2**64:  # torch.manual_seed's range of non-negative seeds
-            raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
         object.__setattr__(self, "seed", operator.index(seed))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

@@ -119,7 +119,9 @@ class SamplingParams:
                 raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
-        ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)  # an array's truth is no test
+        ids = self.stop_token_ids
+        # an array (numpy or torch) by its values as Python scalars; its truth is no test of emptiness
+        ids = () if ids is None else tuple(ids.tolist() if getattr(ids, "ndim", 0) >= 1 else ids)
         for t in ids:
             if not isinstance(t, Integral) or isinstance(t, bool):
                 raise TypeError(f"stop_token_ids must be ints, got {t!r}")

@@ -36,7 +36,7 @@ def decode_ffn(
     Args:
         block: a `kvdiet.model.block.Block`.
         h: the streams fp32 [B, hc, hidden] on the CPU, B = 1..16 (one row per request); attn_pre: the attention
-            sublayer's pre-mix [B, hc].
+            sublayer's pre-mix fp32 [B, hc].
     Returns:
         ``(new streams fp32 [B, hc, hidden], this FFN's pre [B, hc])``, the bits of the module path; None with
         autograd on, other shapes, dtypes or devices, no compiled kernels, a hash-routed gate, 16 or more experts
@@ -85,10 +85,14 @@ def decode_ffn(
     if routed is None:
         return None
     weights, ids = routed
-    # the experts named, increasing: `MoE._one_row`'s and `MoE._routed_grouped`'s ``used`` (each names at most
-    # one pair a row, so at most 16 pairs: decode rows)
-    used = sorted({e for row in ids.tolist() for e in row})
-    group = [*moe.fetch(used), shared]
+    # the experts named, fetched in the module path's order (one row: `MoE._one_row`'s routing order; more:
+    # `MoE._routed_grouped`'s increasing ids), so an expert cache sees the same reads; then increasing, its
+    # ``used`` (each row names an expert at most once, so at most 16 pairs each: decode rows)
+    rows = ids.tolist()
+    named = rows[0] if len(rows) == 1 else sorted({e for row in rows for e in row})
+    by_id = dict(zip(named, moe.fetch(named), strict=True))
+    used = sorted(by_id)
+    group = [*(by_id[e] for e in used), shared]
     dense = [expert.dense_weights() for expert in group]
     if None in dense:
         return None
