@@ -37,7 +37,6 @@ from kvdiet.model.transformer import Transformer
 from kvdiet.units import count_list, positive_count, positive_int
 
 SEED = 0
-_FP4_KERNELS = native.fp4_kernels
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, device: str = "cpu") -> float:
@@ -180,7 +179,8 @@ def kernel_split(model: Transformer, state: RequestState, steps: int) -> tuple[f
     """Mean seconds per decode step spent inside the compiled kernels (`kvdiet.formats.native.fp4_kernels`), and
     the mean step in the same ``steps`` timed steps; the rest of a step is Python and torch's own ops between
     the kernels. None where the step runs no compiled kernels (the pure-torch path, a GPU)."""
-    module = native.fp4_kernels()
+    original = native.fp4_kernels
+    module = original()
     if module is None or model.device.type != "cpu":
         return None
     proxy = _TimedKernels(module)
@@ -193,7 +193,7 @@ def kernel_split(model: Transformer, state: RequestState, steps: int) -> tuple[f
             model.decode([state], [5])
         step = (time.perf_counter() - start) / steps
     finally:
-        native.fp4_kernels = _FP4_KERNELS
+        native.fp4_kernels = original
     return proxy.seconds / steps, step
 
 

@@ -40,7 +40,7 @@ def decode_ffn(
     Returns:
         ``(new streams fp32 [B, hc, hidden], this FFN's pre [B, hc])``, the bits of the module path; None with
         autograd on, other shapes, dtypes or devices, no compiled kernels, a hash-routed gate, 16 or more experts
-        a token, experts not stored dense (a quantised shared expert before any kernel runs; a routed one after
+        per token, experts not stored dense (a quantised shared expert before any kernel runs; a routed one after
         routing, its experts fetched), ``ffn`` or its gate not exactly `MoE` / `Gate` or given a forward hook or
         an instance ``forward`` (the module path runs them), or a kernel that declines (a NaN in its output
         among them).
