@@ -117,6 +117,7 @@ class StreamOptions(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def null_is_default(cls, data: Any) -> Any:
+        """``include_usage: null`` is its default (`_drop_nulls`)."""
         return _drop_nulls(data, ("include_usage",))
 
 
@@ -148,6 +149,8 @@ class _Common(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def null_is_default(cls, data: Any) -> Any:
+        """Null for a nullable field with a default here is that default (`_drop_nulls`; the fields whose
+        default is None take null as they are)."""
         return _drop_nulls(data, ("temperature", "top_p", "top_k", "n", "stream", "return_token_ids"))
 
     def unsupported(self) -> tuple[str, str] | None:
