@@ -77,7 +77,9 @@ class LLM:
         """Generate for every prompt (text, or a list of token ids) and return the final outputs in order.
 
         Args:
-            prompts: one prompt or a list; a list of ints is one token-id prompt.
+            prompts: one prompt or a list; a prompt is a text, token ids (a list of ints, or a 1-D numpy array
+                or torch tensor: a 2-D one is a list of prompts) or a vLLM prompt dict (``{"prompt": text}``,
+                ``{"prompt_token_ids": ids}``).
             sampling_params: one for all, or one per prompt (default `SamplingParams()`).
             progress: show a progress bar of finished requests.
         Raises:
