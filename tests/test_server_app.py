@@ -517,6 +517,10 @@ def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
         status, err = _post(base, "/v1/completions", body)
         assert status == 401 and err["error"]["type"] == "authentication_error"
         assert _post(base, "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
+        for header in ("Basic s3cret", "Bearers3cret", "Bearer s3cret2", "s3cret"):
+            assert _post(base, "/v1/completions", body, {"Authorization": header})[0] == 401, header
+        for header in ("bearer s3cret", "BEARER  s3cret"):  # the scheme is case-insensitive (RFC 9110)
+            assert _post(base, "/v1/completions", body, {"Authorization": header})[0] == 200, header
         status, ok = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
         assert status == 200 and ok["usage"]["completion_tokens"] == 2
         assert _get(base, "/health")[0] == 200 and _get(base, "/metrics")[0] == 200  # not behind the key

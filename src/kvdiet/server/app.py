@@ -31,15 +31,17 @@ __all__ = ["build_app"]
 
 class _ApiKeyMiddleware:
     """Answers 401 on ``/v1/*`` without ``Authorization: Bearer <key>`` (plain ASGI, so streaming responses
-    and disconnect detection pass through untouched)."""
+    and disconnect detection pass through untouched). The scheme is case-insensitive and one or more spaces
+    may follow it (RFC 9110 §11.1, §11.4); the key is compared in constant time."""
 
     def __init__(self, app: Callable, *, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer"
+            if not (secrets.compare_digest(token.lstrip(b" "), self.expected) and bearer):
                 body = error_body("invalid or missing API key", status=401, kind="authentication_error")
                 await AsciiJSONResponse(body, 401)(scope, receive, send)
                 return
