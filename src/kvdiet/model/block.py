@@ -53,8 +53,8 @@ class Block(nn.Module):
         self, h: torch.Tensor, attn_pre: torch.Tensor, *, decode_step: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FFN sublayer: returns ``(new streams, this FFN's pre)``. ``decode_step``: the rows are a batched
-        decode step's, one per request (the MoE may pad its groups: `MoE.forward`); up to 16 of them run as
-        four compiled calls where they apply (`kvdiet.model.decode_ffn.decode_ffn`: the same bits)."""
+        decode step's, one per request (the MoE may pad its groups: `MoE.forward`); up to 16 of them run
+        without the MoE's module layers where they may (`kvdiet.model.decode_ffn.decode_ffn`: the same bits)."""
         if decode_step:
             done = decode_ffn(self, h, attn_pre)
             if done is not None:

@@ -31,7 +31,6 @@ __all__ = [
     "KERNEL_ROWS",
     "HcWeights",
     "add_sublayer_hc",
-    "entry_kernels",
     "hc_coefficients",
     "hc_collapse",
     "hc_expand",
@@ -39,7 +38,6 @@ __all__ = [
     "hc_initial_pre",
     "sublayer_coefficients",
     "sublayer_entry",
-    "sublayer_weights",
 ]
 
 
@@ -75,7 +73,7 @@ def sublayer_coefficients(
     ``.data``) are not seen. Parameters that are inference tensors (made under ``torch.inference_mode``) are
     laid out on every call, not cached.
     """
-    return sublayer_weights(block, cfg, h, part).coefficients(
+    return _sublayer_weights(block, cfg, h, part).coefficients(
         h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
     )
 
@@ -95,14 +93,14 @@ def sublayer_entry(
     Returns:
         (x fp32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]).
     """
-    weights = sublayer_weights(block, cfg, h, part)
+    weights = _sublayer_weights(block, cfg, h, part)
     if (
         not torch.is_grad_enabled()
         and h.dtype == torch.float32
         and h.dim() == 3
         and h.shape[0] <= MAX_MIX_ROWS
     ):
-        kernels, mix = entry_kernels()
+        kernels, mix = _entry_kernels()
         entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
@@ -116,7 +114,7 @@ def sublayer_entry(
     )
 
 
-def entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
+def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
     """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, the norm
     kernel's bits checked), else (None, None)."""
     kernels = native.fp4_kernels()
@@ -125,7 +123,7 @@ def entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
     return kernels, hc_mix_address()
 
 
-def sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
+def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
     """The `HcWeights` of ``block``'s ``part`` sublayer for streams ``h``, kept as `sublayer_coefficients` says."""
     fn_name, scale_name, base_name = _NAMES[part]
     fn, scale, base = member(block, fn_name), member(block, scale_name), member(block, base_name)
