@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
+from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.hc import hc_expand
@@ -38,14 +39,15 @@ def decode_ffn(
             sublayer's pre-mix fp32 [B, hc].
     Returns:
         ``(new streams fp32 [B, hc, hidden], this FFN's pre [B, hc])``, the bits of the module path; None with
-        autograd on, other shapes, dtypes or devices, a hash-routed gate, a shared expert not stored dense (the
-        released checkpoint's FP8 experts: nothing is computed then), or ``ffn`` or its gate not exactly `MoE` /
-        `Gate` or given a forward hook or an instance ``forward`` (the module path runs those).
+        autograd on, other shapes, dtypes or devices, no compiled kernels (the pure-torch path), a hash-routed
+        gate, a shared expert not stored dense (the released checkpoint's FP8 experts: nothing is computed then),
+        or ``ffn`` or its gate not exactly `MoE` / `Gate` or given a forward hook or an instance ``forward`` (the
+        module path runs those).
     """
     if torch.is_grad_enabled() or h.dim() != 3 or not 1 <= h.shape[0] <= gemv.ROWS_MAX:
         return None
-    if h.dtype != torch.float32 or not h.is_cpu:
-        return None
+    if h.dtype != torch.float32 or not h.is_cpu or native.fp4_kernels() is None:
+        return None  # without the compiled kernels the experts' call always declines: the module path
     moe = block._modules["ffn"]
     gate = moe._modules.get("gate")
     # the module path calls ``moe`` and its gate: another module there, a subclass or a forward set on the
