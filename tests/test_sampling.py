@@ -143,3 +143,26 @@ def test_top_k_minus_one_means_all_tokens_as_over_http() -> None:
     gen = torch.Generator().manual_seed(0)
     picks = {sample(logits, SamplingParams(temperature=1.0, top_k=-1), gen) for _ in range(200)}
     assert picks == {0, 1, 2, 3}
+
+
+def test_vllm_only_arguments_are_taken_at_their_defaults_and_named_otherwise() -> None:
+    """vLLM's arguments kvdiet does not implement: spelled out at the value that changes nothing they are
+    no-ops (the same parameters as without them); at any other value a TypeError (what an unknown keyword
+    was) names the argument and says kvdiet does not support it; other unknown keywords stay Python's."""
+    plain = SamplingParams(max_tokens=3, temperature=0.5)
+    spelled = SamplingParams(
+        max_tokens=3, temperature=0.5, n=1, best_of=None, presence_penalty=0.0, frequency_penalty=0.0,
+        repetition_penalty=1.0, min_p=0.0, min_tokens=0, logprobs=None, prompt_logprobs=None,
+    )  # fmt: skip
+    assert spelled == plain and repr(spelled) == repr(plain)
+    assert SamplingParams(best_of=1, presence_penalty=0, repetition_penalty=1) == SamplingParams()
+    for name, value in (
+        ("n", 2), ("best_of", 2), ("presence_penalty", 0.5), ("frequency_penalty", -0.1),
+        ("repetition_penalty", 1.2), ("min_p", 0.05), ("min_tokens", 4), ("logprobs", 0), ("logprobs", 5),
+        ("prompt_logprobs", 1), ("n", True), ("min_tokens", False), ("repetition_penalty", float("nan")),
+    ):  # fmt: skip
+        with pytest.raises(TypeError, match=rf"^{name}={value!r} is not supported by kvdiet: SamplingParams "
+                           rf"accepts vLLM's {name} only as {name}="):  # fmt: skip
+            SamplingParams(**{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'use_beam_search'"):
+        SamplingParams(use_beam_search=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from numbers import Integral, Real
 
 import torch
@@ -13,6 +13,18 @@ __all__ = ["GREEDY_BELOW", "SamplingParams", "sample"]
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
+
+_VLLM_ONLY = {  # vLLM's `SamplingParams` arguments kvdiet does not implement → the values that change nothing
+    "n": (1,),
+    "best_of": (None, 1),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logprobs": (None,),
+    "prompt_logprobs": (None,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +49,21 @@ class SamplingParams:
         logit_bias: token id → value added to its logit before sampling (OpenAI ``logit_bias``, -100…100).
         seed: seed of the per-request sampling generator (None: a fresh random seed per request in the
             engine, 0 in `generate`).
+
+    vLLM's arguments that kvdiet does not implement are taken only at the values that change nothing, so code
+    written for vLLM that spells its defaults out runs unchanged: ``n=1``, ``best_of`` None or 1,
+    ``presence_penalty=0``, ``frequency_penalty=0``, ``repetition_penalty=1``, ``min_p=0``, ``min_tokens=0``,
+    ``logprobs=None``, ``prompt_logprobs=None`` (init-only: not stored, not in the repr). Any other vLLM
+    argument is Python's own unexpected-keyword TypeError.
     Raises:
         TypeError: ``max_tokens`` (or None) or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`:
             numpy's ints too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused
             as both; ``ignore_eos`` or ``skip_special_tokens`` not a bool; a ``stop`` item not a string, a stop
             token id or logit-bias key not an int, a bias not a number; named. One ``stop`` string is one stop
             string; ``None`` for ``stop``, ``stop_token_ids`` or ``logit_bias`` is none.
+        TypeError: one of vLLM's arguments above at another value (``n=2``, ``presence_penalty=0.5``), named
+            with the words "not supported by kvdiet" (a TypeError, as the unknown keyword it was before; a bool
+            is never a default here).
         ValueError: any value out of range (named), checked at construction — before any state changes.
     """
 
@@ -56,8 +77,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
+    n: InitVar[int] = 1
+    best_of: InitVar[int | None] = None
+    presence_penalty: InitVar[float] = 0.0
+    frequency_penalty: InitVar[float] = 0.0
+    repetition_penalty: InitVar[float] = 1.0
+    min_p: InitVar[float] = 0.0
+    min_tokens: InitVar[int] = 0
+    logprobs: InitVar[int | None] = None
+    prompt_logprobs: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *vllm_only: object) -> None:
+        for (name, defaults), value in zip(_VLLM_ONLY.items(), vllm_only, strict=True):
+            if isinstance(value, bool) or not any(
+                value is d or (d is not None and value == d) for d in defaults
+            ):
+                accepted = " or ".join(f"{name}={d!r}" for d in defaults)
+                raise TypeError(
+                    f"{name}={value!r} is not supported by kvdiet: SamplingParams accepts vLLM's {name} only "
+                    f"as {accepted}, which changes nothing"
+                )
         # ints as `operator.index` takes them (numpy's too), numbers as `numbers.Real`; bools are neither here.
         # Kept as Python's int and float (the same values) from here on.
         for name, kinds, what in (
