@@ -215,3 +215,62 @@ def test_the_snapshot_is_an_immutable_copy_of_the_engine_figures(loop: EngineLoo
     after = _wait_snapshot(loop, lambda s: s.generation_tokens == 6)
     assert after is not before and after.device.hit_tokens > 0 and after.device.query_tokens > queried
     assert before.device.query_tokens == queried and before.device.hit_tokens == 0  # the old one never moves
+
+
+def test_a_caller_never_sees_its_finished_request_counted_as_running() -> None:
+    """The snapshot a metrics scrape reads is taken again before a final output is handed over — finished
+    by length, aborted mid-run, or aborted by `close` — so at the moment the caller gets it (read here inside
+    the delivery itself, on the engine thread: no timing involved) the request is neither running nor
+    waiting and its blocks are back; the snapshot from the step before still counted it."""
+    loop = EngineLoop(ARGS.create_engine(), refresh_s=0.0).start()  # a full refresh after every step
+    seen: dict[str, list] = {"length": [], "abort": [], "close": []}
+
+    def deliver(rid: str):
+        def record(out) -> None:
+            s = loop.snapshot
+            seen[rid].append((out.finished, s.num_running, s.num_waiting, s.num_used_blocks))
+
+        return record
+
+    def wait(done) -> None:
+        end = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < end, seen
+            time.sleep(0.01)
+
+    ids = list(range(1, 30))
+    loop.submit(loop.engine.prepare(ids, SamplingParams(max_tokens=3)), deliver("length"), "length")
+    loop.submit(loop.engine.prepare(ids[:9], SamplingParams(max_tokens=200)), deliver("abort"), "abort")
+    wait(lambda: seen["length"] and seen["length"][-1][0] and len(seen["abort"]) >= 2)
+    loop.abort("abort")
+    wait(lambda: seen["abort"][-1][0])
+    loop.submit(loop.engine.prepare(ids[:5], SamplingParams(max_tokens=200)), deliver("close"), "close")
+    wait(lambda: len(seen["close"]) >= 2)
+    loop.close()
+    for rid, outs in seen.items():
+        assert [f for f, *_ in outs] == [False] * (len(outs) - 1) + [True], (rid, outs)
+        assert outs[-2][1] >= 1, (rid, outs)  # counted as running when its previous output came out
+    assert seen["length"][-1][1:3] == (1, 0)  # only "abort" runs on
+    assert seen["abort"][-1][1:] == (0, 0, 0) and seen["close"][-1][1:] == (0, 0, 0)
+
+
+def test_a_snapshot_can_keep_the_resident_figures_of_an_earlier_one(loop: EngineLoop) -> None:
+    """`EngineSnapshot.take` with ``resident`` keeps that snapshot's tier-resident bytes and entries (a query
+    of the tier each) and reads everything else now."""
+    import dataclasses
+
+    asyncio.run(_collect(loop, list(range(1, 30)), SamplingParams(max_tokens=2)))
+    _wait_idle(loop)
+    fresh = EngineSnapshot.take(loop.engine)
+    old = dataclasses.replace(
+        fresh, num_running=7, generation_tokens=0, swa_pool_entries=12345, swa_pool_bytes=678,
+        persistent_bytes=9, persistent_entries=10,
+    )  # fmt: skip
+    kept = EngineSnapshot.take(loop.engine, resident=old)
+    assert (kept.swa_pool_entries, kept.swa_pool_bytes, kept.persistent_bytes, kept.persistent_entries) == (
+        12345, 678, 9, 10,
+    )  # fmt: skip
+    assert kept == dataclasses.replace(
+        fresh, swa_pool_entries=12345, swa_pool_bytes=678, persistent_bytes=9, persistent_entries=10
+    )
+    assert fresh.generation_tokens == 2 and fresh.swa_pool_entries != 12345

@@ -73,11 +73,23 @@ class EngineSnapshot:
         return self.num_used_blocks / self.num_blocks
 
     @classmethod
-    def take(cls, engine: LLMEngine) -> EngineSnapshot:
-        """Read ``engine`` and its cache now. Call it on the thread that drives the engine."""
+    def take(cls, engine: LLMEngine, *, resident: EngineSnapshot | None = None) -> EngineSnapshot:
+        """Read ``engine`` and its cache now. Call it on the thread that drives the engine.
+
+        Args:
+            resident: an earlier snapshot whose tier-resident figures (``persistent_bytes``,
+                ``persistent_entries``, ``swa_pool_bytes``, ``swa_pool_entries``: a query of the tier each, a
+                table scan or a network call) are kept instead of read again; None reads them.
+        """
         cache = engine.runner
         blocks, stats, pool = cache.pool.blocks, cache.stats, cache.swa_pool
         persistent = cache.persistent if cache.persistent is not None and cache.persistent.enabled else None
+        if resident is not None:
+            kept = (resident.persistent_bytes, resident.persistent_entries)
+            kept += (resident.swa_pool_bytes, resident.swa_pool_entries)
+        else:
+            kept = (persistent.nbytes, len(persistent)) if persistent is not None else (0, 0)
+            kept += (pool.nbytes, len(pool))
         return cls(
             num_running=engine.num_running,
             num_waiting=engine.num_waiting,
@@ -96,8 +108,8 @@ class EngineSnapshot:
             computed_tokens=stats.computed_tokens,
             snapshot_restores=stats.snapshot_restores,
             snapshots_stored=stats.snapshots_stored,
-            persistent_bytes=persistent.nbytes if persistent is not None else 0,
-            persistent_entries=len(persistent) if persistent is not None else 0,
-            swa_pool_bytes=pool.nbytes,
-            swa_pool_entries=len(pool),
+            persistent_bytes=kept[0],
+            persistent_entries=kept[1],
+            swa_pool_bytes=kept[2],
+            swa_pool_entries=kept[3],
         )

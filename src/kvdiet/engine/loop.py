@@ -8,9 +8,10 @@ leaving it early (a client disconnect cancels it) aborts the request, so its blo
 the next step boundary.
 
 The loop also keeps `snapshot`, an immutable `EngineSnapshot` of engine and cache figures taken on the
-engine thread (at most every ``refresh_s`` seconds), so metrics scrapes never touch the engine or its tiers
-from another thread. If a step raises, the loop stops serving (`healthy` turns False; pending requests get the
-error) rather than continue on a state it cannot trust.
+engine thread (at most every ``refresh_s`` seconds, and before a request's final output is handed over, so a
+caller that has its final output never finds it counted as running or waiting), so metrics scrapes never
+touch the engine or its tiers from another thread. If a step raises, the loop stops serving (`healthy`
+turns False; pending requests get the error) rather than continue on a state it cannot trust.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class EngineLoop:
         refresh_s: minimum seconds between two `snapshot` refreshes.
     Attributes:
         snapshot: the latest `EngineSnapshot` (None before `start`); replaced whole, never mutated, so any
-            thread may read it.
+            thread may read it. Taken again before any final output is delivered (a finished or aborted
+            request is out of its request and block figures by then; the tiers' resident bytes and entries
+            are kept from the last full refresh).
         error: the exception that stopped the engine thread, or None.
     """
 
@@ -84,8 +87,10 @@ class EngineLoop:
             self._thread.join()
             self._thread = None
         self._refuse_queued(EngineDeadError("the engine loop is closed"))
-        for rid in list(self.engine.requests):
-            out = self.engine.abort_request(rid)
+        aborted = [(rid, self.engine.abort_request(rid)) for rid in list(self.engine.requests)]
+        if aborted:
+            self._take_finished()
+        for rid, out in aborted:
             deliver = self._deliver.pop(rid, None)
             if deliver is not None and out is not None:
                 _delivered(deliver, out)
@@ -158,7 +163,10 @@ class EngineLoop:
                 if self._stop.is_set():
                     break
                 if engine.has_unfinished:
-                    for out in engine.step():
+                    outputs = engine.step()
+                    if any(out.finished for out in outputs):
+                        self._take_finished()
+                    for out in outputs:
                         self._send(out)
                 self._refresh()
         except BaseException as exc:  # a failed step leaves state we cannot trust: stop serving
@@ -212,6 +220,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         if out is not None:
+            self._take_finished()
             self._send(out)
 
     def _send(self, out: RequestOutput) -> None:
@@ -220,6 +229,11 @@ class EngineLoop:
         if deliver is not None and not _delivered(deliver, out):
             self._deliver.pop(rid, None)  # nobody listens any more (its event loop closed)
             self.engine.abort_request(rid)
+
+    def _take_finished(self) -> None:
+        """A snapshot without the requests that just finished, before their callers hear of it (the tiers'
+        resident figures, a query each, come from the last full refresh; the ``refresh_s`` clock runs on)."""
+        self.snapshot = EngineSnapshot.take(self.engine, resident=self.snapshot)
 
     def _refresh(self, *, force: bool = False) -> None:
         now = time.monotonic()
