@@ -4,6 +4,8 @@ stop conditions, and the input cases B26–B29."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -405,3 +407,51 @@ def test_a_step_that_raises_leaves_nothing_held_after_abort(micro: Transformer) 
     assert engine.requests[a].finished and engine.requests[a].session is not None
     assert engine.abort_request(a) is None and engine.abort_request(b).finish_reason == "abort"
     _assert_clean(engine, free)
+
+
+def test_window_state_kept_in_a_missing_persistent_tier_is_one_warning_naming_the_flag(
+    micro: Transformer, tmp_path, caplog
+) -> None:
+    """A policy that keeps window state in the persistent tier (boundary-snapshot, checkpoint:K, full-store)
+    with none and prefix caching on: one warning at engine construction, naming --persistent-dir and the
+    tokens every hit recomputes (W + (L−1)(W−1) = 8 + 8·7 = 64 on micro). It tells the truth: a 41-token
+    prompt run twice reuses nothing without the tier and 40 tokens with it. No warning otherwise."""
+    prompt = _ids(41, seed=5)
+    for policy, persistent, prefix, warns in (
+        ("boundary-snapshot", None, True, True),
+        ("checkpoint:8", None, True, True),
+        ("full-store", None, True, True),
+        ("boundary-snapshot", tmp_path / "kv", True, False),
+        ("boundary-snapshot", None, False, False),
+        ("bounded-replay", None, True, False),
+        ("exact-recompute", None, True, False),
+    ):
+        opts = CacheOptions(
+            kv_cache_memory=300 * micro.new_pool(1, block_size=BS).block_bytes,
+            block_size=BS,
+            policy=parse_policy(policy),
+            persistent_dir=persistent,
+            prefix_caching=prefix,
+        )
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvdiet.engine"):
+            engine = LLMEngine(micro, ModelRunner(micro, opts).open(), max_model_len=128)
+        messages = [r.getMessage() for r in caplog.records if r.name == "kvdiet.engine"]
+        if warns:
+            assert messages == [
+                f"--swa-policy {policy} keeps window state in the persistent tier, but there is none "
+                "(--persistent-dir none; CacheOptions(persistent_dir=None)): every prefix hit recomputes the 64 "
+                "tokens below it, so no prefix of up to 64 tokens is reused and longer ones save only the "
+                "tokens past that; give --persistent-dir DIR (CacheOptions(persistent_dir=DIR)) to reuse prefixes"
+            ], messages
+        else:
+            assert messages == [], (policy, messages)
+        if policy == "boundary-snapshot" and prefix:
+            cached = []
+            for _ in range(2):
+                engine.add_request(prompt, SamplingParams(max_tokens=1))
+                outs: list[RequestOutput] = []
+                engine.run_to_completion(outs.append)
+                cached.append(outs[-1].cached_tokens)
+            assert cached == [0, 0 if warns else 40], (persistent, cached)
+        engine.runner.close()

@@ -21,6 +21,7 @@ tokenizer and may be called from any thread. `add_prepared` and everything below
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import secrets
 import time
@@ -46,6 +47,8 @@ from kvdiet.model.transformer import Transformer
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["EngineObserver", "EngineStats", "LLMEngine", "check_max_model_len"]
+
+log = logging.getLogger("kvdiet.engine")
 
 
 class EngineObserver(Protocol):
@@ -107,6 +110,9 @@ class LLMEngine:
         max_model_len: longest prompt + output (tokens); default the config's ``max_position_embeddings``.
         scheduler: batching limits.
         observer: optional timing observer (metrics).
+
+    Logs one warning (logger ``kvdiet.engine``) when ``runner`` reuses no short prefix for want of a
+    persistent tier (`ModelRunner.unstored_window_warning`).
     Raises:
         ValueError: ``max_model_len`` out of range, or one request of ``max_model_len`` tokens would not fit
             the device pool (the message gives both sizes, like vLLM's start-up check).
@@ -135,6 +141,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if (warning := runner.unstored_window_warning()) is not None:
+            log.warning(warning)
 
     # --- requests in ---
 

@@ -139,6 +139,24 @@ class ModelRunner:
         self.stats = self.control.stats
         self._opened = False
 
+    def unstored_window_warning(self) -> str | None:
+        """Why prefix reuse is mostly lost, or None: the policy keeps window state in the persistent tier
+        (``boundary-snapshot``, ``checkpoint:K``, ``full-store``), there is none, and prefix caching is on.
+        Every hit then recomputes the ``W + (L−1)(W−1)`` tokens below it (`exact_recompute_start`), so no
+        prefix of up to that many tokens is ever reused."""
+        stored_there = self.options.policy.store in (WindowSource.PERSISTENT, WindowSource.WINDOW_BLOCKS)
+        if not stored_there or self.persistent is not None or not self.options.prefix_caching:
+            return None
+        g = self.control.geometry
+        span = g.window + (g.num_layers - 1) * (g.window - 1)
+        return (
+            f"--swa-policy {self.options.policy} keeps window state in the persistent tier, but there is none "
+            f"(--persistent-dir none; CacheOptions(persistent_dir=None)): every prefix hit recomputes the "
+            f"{span:,} tokens below it, so no prefix of up to {span:,} tokens is reused and longer ones save "
+            f"only the tokens past that; give --persistent-dir DIR (CacheOptions(persistent_dir=DIR)) to reuse "
+            f"prefixes"
+        )
+
     # --- lifecycle of the tiers ---
 
     def open(self) -> ModelRunner:
