@@ -175,6 +175,79 @@ def test_a_wrong_type_in_a_union_field_is_one_sentence(
     assert status == 400 and out["error"]["message"] == message, out
 
 
+_USER = {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            "messages.0.content.0.text",
+            "messages.0.content.0.text: Input should be a valid string",
+        ),
+        (
+            [
+                _USER,
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None}]},
+            ],
+            "messages.1.content.1.text",
+            "messages.1.content.1.text: Input should be a valid string",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            "messages.0.content.0",
+            'messages.0.content.0: only text parts are supported (got type "image_url")',
+        ),
+        ([{"role": "user"}], "messages.0.content", "messages.0.content: Field required"),
+        ([{"role": "system"}, _USER], "messages.0.content", "messages.0.content: Field required"),
+        ([_USER, {"role": "assistant"}, _USER], "messages.1.content", "messages.1.content: Field required"),
+        (
+            [{"role": "user", "content": None}],
+            "messages.0.content",
+            "messages.0.content: must be a string or a list of content parts (objects) (got null)",
+        ),
+        (
+            [{"role": "user", "content": "x", "foo": 1}],
+            "messages.0.foo",
+            "messages.0.foo: Extra inputs are not permitted",
+        ),
+        (
+            [{"role": "assistant", "content": "a", "tool_calls": []}, _USER],
+            "messages.0.tool_calls",
+            "messages.0.tool_calls: Extra inputs are not permitted",
+        ),
+        (
+            [{"role": "tool", "content": "x"}],
+            "messages.0.role",
+            "messages.0.role: role 'tool' is not supported (system, developer, user, assistant)",
+        ),
+    ],
+)
+def test_a_bad_chat_message_is_a_400_naming_its_path(
+    base_url: str, messages: list, param: str, message: str
+) -> None:
+    """Every chat message has a role and a content (a string or text parts: OpenAI's rule without
+    tool_calls) and no other key but ``name``; a fault is a 400 whose ``param`` is its path, as any other
+    schema error's is (``messages.0.content.0.text``), and whose message starts with that path."""
+    body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
+    status, out = _post(base_url, "/v1/chat/completions", body)
+    assert status == 400, out
+    assert (out["error"]["param"], out["error"]["message"]) == (param, message), out
+
+
+def test_a_chat_message_may_name_its_participant(base_url: str) -> None:
+    """``name`` is accepted, as OpenAI's chat API takes it on every message; DeepSeek's template has no place
+    for it, so the prompt and the greedy reply are those without it."""
+    outs = []
+    for extra in ({}, {"name": "ada"}):
+        body = {"messages": [{"role": "user", "content": "The KV cache", **extra}], "max_tokens": 2}
+        status, out = _post(base_url, "/v1/chat/completions", json.dumps(body | {"temperature": 0}).encode())
+        assert status == 200, out
+        outs.append((out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]))
+    assert outs[0] == outs[1] and outs[0][0] > 3
+
+
 def test_the_server_still_serves_after_the_fuzzing(base_url: str) -> None:
     status, out = _post(base_url, "/v1/completions", b'{"prompt": "The KV cache", "max_tokens": 2}')
     assert status == 200 and out["usage"]["completion_tokens"] == 2, out

@@ -12,16 +12,19 @@ vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_
 ``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
 ``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
 ``echo``, ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their
-default, and so are unknown fields — never silently ignored.
+default, and so are unknown fields — never silently ignored. A chat message (`ChatMessage`) is checked key by
+key: a known ``role``, a ``content`` (required: a string or a list of text parts), an optional ``name``, nothing
+else; a fault's error names its path, as every schema error's does (``messages.0.content.1.text``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,7 +32,9 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StrictStr,
     ValidationError,
+    WithJsonSchema,
     WrapValidator,
     model_validator,
 )
@@ -220,13 +225,74 @@ class CompletionRequest(_Common):
         raise ValueError(f"one prompt per request is supported, got {len(p)}")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+_ROLES = ("system", "developer", "user", "assistant")
 
-    role: str
+
+class TextPart(BaseModel):
+    """A content part: ``{"type": "text", "text": ...}``, the only kind the chat template takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: StrictStr
+
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data: Any) -> Any:
+        """Anything but an object with ``type`` "text" is one error at the part itself (not one per key)."""
+        if not isinstance(data, dict):
+            raise PydanticCustomError(
+                "content_part", "must be a content part (an object), got {got}", {"got": _json_type(data)}
+            )
+        if data.get("type") != "text":
+            raise PydanticCustomError(
+                "content_part",
+                "only text parts are supported (got type {got})",
+                {"got": json.dumps(data.get("type"))},
+            )
+        return data
+
+
+def _content_parts(value: Any) -> Any:
+    """Message content as its parts: a string is one text part; a list is validated part by part (so an
+    error names its path, ``messages.0.content.1.text``); anything else, null included, is refused whole."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if isinstance(value, list):
+        return value
+    raise PydanticCustomError(
+        "union_type",
+        "must be a string or a list of content parts (objects) (got {got})",
+        {"got": _json_type(value)},
+    )
+
+
+def _known_role(role: str) -> str:
+    if role not in _ROLES:
+        raise PydanticCustomError(
+            "role", "role {role} is not supported ({roles})", {"role": repr(role), "roles": ", ".join(_ROLES)}
+        )
+    return role
+
+
+_PART_SCHEMA = TextPart.model_json_schema()
+
+
+class ChatMessage(BaseModel):
+    """One message, as OpenAI's chat API takes it: ``role``, ``content`` (required: a string or a list of text
+    parts; OpenAI lets an assistant message omit it only beside ``tool_calls``, which kvdiet does not take)
+    and the optional participant ``name`` (accepted; DeepSeek's template has no place for it). Any other key
+    is refused, named by its path (``messages.0.tool_calls``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Annotated[StrictStr, AfterValidator(_known_role)]
     content: Annotated[
-        str | list[dict[str, Any]] | None, _one_of("a string or a list of content parts (objects)")
-    ] = None
+        list[TextPart],
+        BeforeValidator(_content_parts),
+        WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART_SCHEMA}]}),
+    ]
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(_Common):
