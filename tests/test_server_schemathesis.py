@@ -213,9 +213,14 @@ _USER = {"role": "user", "content": "x"}
             "messages.0.foo: Extra inputs are not permitted",
         ),
         (
-            [{"role": "assistant", "content": "a", "tool_calls": []}, _USER],
+            [{"role": "assistant", "content": "a", "tool_calls": [{"id": "c", "type": "function"}]}, _USER],
             "messages.0.tool_calls",
-            "messages.0.tool_calls: Extra inputs are not permitted",
+            "messages.0.tool_calls: tool calls are not supported by kvdiet (only null or [] is taken)",
+        ),
+        (
+            [{"role": "assistant", "content": "a", "refusal": "no"}, _USER],
+            "messages.0.refusal",
+            "messages.0.refusal: refusals are not supported by kvdiet (only null or [] is taken)",
         ),
         (
             [{"role": "tool", "content": "x"}],
@@ -228,8 +233,9 @@ def test_a_bad_chat_message_is_a_400_naming_its_path(
     base_url: str, messages: list, param: str, message: str
 ) -> None:
     """Every chat message has a role and a content (a string or text parts: OpenAI's rule without
-    tool_calls) and no other key but ``name``; a fault is a 400 whose ``param`` is its path, as any other
-    schema error's is (``messages.0.content.0.text``), and whose message starts with that path."""
+    tool_calls) and no other key but ``name`` and OpenAI's assistant keys left empty; a fault is a 400 whose
+    ``param`` is its path, as any other schema error's is (``messages.0.content.0.text``), and whose message
+    starts with that path."""
     body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
     status, out = _post(base_url, "/v1/chat/completions", body)
     assert status == 400, out
@@ -246,6 +252,22 @@ def test_a_chat_message_may_name_its_participant(base_url: str) -> None:
         assert status == 200, out
         outs.append((out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]))
     assert outs[0] == outs[1] and outs[0][0] > 3
+
+
+def test_a_reply_sent_back_as_the_openai_sdk_dumps_it_is_taken(base_url: str) -> None:
+    """The OpenAI SDK's ``message.model_dump()`` of a reply carries its unused keys as null (``refusal``,
+    ``tool_calls``, ``function_call``, ``audio``, ``annotations``); a conversation that sends it back gets the
+    same prompt and greedy reply as one that sends only role and content."""
+    reply = {"role": "assistant", "content": "fine"}
+    dumped = reply | dict.fromkeys(("refusal", "tool_calls", "function_call", "audio", "annotations"))
+    outs = []
+    for sent in (reply, dumped, reply | {"tool_calls": [], "annotations": []}):
+        messages = [{"role": "user", "content": "The KV cache"}, sent, _USER]
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+        status, out = _post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200, out
+        outs.append((out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]))
+    assert outs[0] == outs[1] == outs[2] and outs[0][0] > 5
 
 
 def test_the_server_still_serves_after_the_fuzzing(base_url: str) -> None:

@@ -275,14 +275,31 @@ def _known_role(role: str) -> str:
     return role
 
 
+def _empty_only(what: str) -> BeforeValidator:
+    """A key of OpenAI's assistant message that kvdiet does not implement: null or an empty list is taken (a
+    client that sends a reply's message back, as the OpenAI SDK's ``message.model_dump()`` gives it, sends
+    ``"refusal": null``, ``"tool_calls": null``), anything else is refused at the key's path."""
+
+    def check(value: Any) -> None:
+        if value is None or (isinstance(value, list) and not value):
+            return None
+        raise PydanticCustomError(
+            "unsupported", "{what} are not supported by kvdiet (only null or [] is taken)", {"what": what}
+        )
+
+    return BeforeValidator(check)
+
+
 _PART_SCHEMA = TextPart.model_json_schema()
 
 
 class ChatMessage(BaseModel):
     """One message, as OpenAI's chat API takes it: ``role``, ``content`` (required: a string or a list of text
     parts; OpenAI lets an assistant message omit it only beside ``tool_calls``, which kvdiet does not take)
-    and the optional participant ``name`` (accepted; DeepSeek's template has no place for it). Any other key
-    is refused, named by its path (``messages.0.tool_calls``)."""
+    and the optional participant ``name`` (accepted; DeepSeek's template has no place for it). The keys of
+    OpenAI's assistant message for features kvdiet lacks (``refusal``, ``tool_calls``, ``function_call``,
+    ``audio``, ``annotations``) are taken only as null or [], so a reply's message can be sent back; any other
+    value, and any other key, is refused, named by its path (``messages.0.tool_calls``, ``messages.0.foo``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -293,6 +310,12 @@ class ChatMessage(BaseModel):
         WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART_SCHEMA}]}),
     ]
     name: StrictStr | None = None
+    # OpenAI's assistant-message keys for features kvdiet does not have, taken only empty (a reply sent back)
+    refusal: Annotated[None, _empty_only("refusals")] = None
+    tool_calls: Annotated[None, _empty_only("tool calls")] = None
+    function_call: Annotated[None, _empty_only("function calls")] = None
+    audio: Annotated[None, _empty_only("audio replies")] = None
+    annotations: Annotated[None, _empty_only("annotations")] = None
 
 
 class ChatCompletionRequest(_Common):
