@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from kvdiet.config import load_config
 from kvdiet.model.checkpoint import Checkpoint
-from kvdiet.model.export import save_checkpoint
+from kvdiet.model.export import save_checkpoint, write_random_checkpoint
 from kvdiet.model.loader import WeightsError, load_checkpoint, load_weights, save_weights
 from kvdiet.model.memory import InsufficientMemoryError, check_fits
 from kvdiet.model.transformer import Transformer
@@ -281,3 +281,11 @@ def test_building_on_meta_imports_no_compiler_stack() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert run.stdout.strip() == "False"
+
+
+def test_random_checkpoint_refuses_experts_too_narrow_for_fp4(tmp_path: Path) -> None:
+    cfg = load_config("v4.1-micro")
+    for field, value in (("hidden_size", 80), ("moe_intermediate_size", 48)):
+        with pytest.raises(ValueError, match=f"{field} {value} is not a multiple of 32"):
+            write_random_checkpoint(cfg.replace(**{field: value}), tmp_path / field)
+        assert not (tmp_path / field).exists()  # nothing written

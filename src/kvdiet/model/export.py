@@ -30,10 +30,10 @@ from safetensors.torch import save_file
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.engram import Fp8Embedding
-from kvdiet.model.linear import Linear, quantize_fp4_weight, quantize_fp8_weight
+from kvdiet.model.linear import FP4_BLOCK, Linear, quantize_fp4_weight, quantize_fp8_weight
 from kvdiet.model.transformer import Transformer
 
-__all__ = ["save_checkpoint", "stored_tensors", "write_random_checkpoint"]
+__all__ = ["check_fp4_experts", "save_checkpoint", "stored_tensors", "write_random_checkpoint"]
 
 _FP8 = re.compile(
     r"(attn\.(wq_a|wq_b|wkv|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]|engram\.wkv)$"
@@ -81,8 +81,10 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, shard_bytes: i
     """Write ``model`` as a released checkpoint (quantised as the module docstring says) into ``directory``.
 
     Raises:
-        ValueError: a tensor is not resident (a model whose experts are read on first use).
+        ValueError: a tensor is not resident (a model whose experts are read on first use), or routed experts
+            too narrow for FP4 (`check_fp4_experts`).
     """
+    check_fp4_experts(model.cfg)
     ratios = {f"layers.{b.info.layer_id}.": b.info.compress_ratio for b in model.layers}
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,13 +103,15 @@ def write_random_checkpoint(
     """Seeded random weights for ``cfg`` in the released layout, written shard by shard (peak memory about
     one shard plus the largest tensor): matrices N(0, 0.02²) quantised as stored, routed experts as random
     FP4 codes with unit scales, norms 1, biases and sinks 0, Engram tables random FP8 rows.
+
+    Raises:
+        ValueError: routed experts too narrow for FP4 (`check_fp4_experts`); nothing is written then.
     """
+    check_fp4_experts(cfg)
     meta = Transformer(
         cfg,
         meta=True,
-        token_map=torch.zeros(cfg.vocab_size, dtype=torch.int64)
-        if cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size
-        else None,
+        token_map=_placeholder_token_map(cfg),
     )
     ratios = {f"layers.{b.info.layer_id}.": b.info.compress_ratio for b in meta.layers}
     gen = torch.Generator().manual_seed(seed)
@@ -155,6 +159,33 @@ def write_random_checkpoint(
                     yield full, value.to(torch.float32 if _F32.search(full) else torch.bfloat16)
 
     return _write(cfg, Path(directory), tensors(), shard_bytes)
+
+
+def check_fp4_experts(cfg: ModelConfig) -> None:
+    """The release stores routed experts as FP4 with one scale per `FP4_BLOCK` (32) inputs (v41-spec §10): their
+    inputs, ``hidden_size`` (w1, w3) and ``moe_intermediate_size`` (w2), must be whole blocks.
+
+    Raises:
+        ValueError: naming the field and its value.
+    """
+    for name in ("hidden_size", "moe_intermediate_size"):
+        value = getattr(cfg, name)
+        if cfg.n_routed_experts and value % FP4_BLOCK:
+            raise ValueError(
+                f"{name} {value} is not a multiple of {FP4_BLOCK}: the released format's FP4 routed experts "
+                f"take whole blocks of {FP4_BLOCK} inputs"
+            )
+
+
+def _placeholder_token_map(cfg: ModelConfig) -> torch.Tensor | None:
+    """An Engram compressed-token map using all ``engram_compressed_vocab_size`` ids (token i → i·C // V), or
+    None where none is needed: the stored weights do not depend on the map, but the model is built with one
+    (`kvdiet.model.engram_hash` checks that it names every compressed id)."""
+    if not cfg.engram_layer_ids or cfg.engram_compressed_vocab_size == cfg.vocab_size:
+        return None
+    return (
+        torch.arange(cfg.vocab_size, dtype=torch.int64) * cfg.engram_compressed_vocab_size // cfg.vocab_size
+    )
 
 
 def _write(
