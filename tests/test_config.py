@@ -127,6 +127,11 @@ def _mutated(v41_json: dict, **changes) -> dict:
         ({"hidden_size": 5120.5}, "hidden_size must be an integer, got 5120.5"),
         ({"sliding_window": None}, "missing required field 'sliding_window'"),
         ({"head_dim": 0}, "head_dim must be > 0, got 0"),
+        ({"index_head_dim": 48}, "index_head_dim must be a multiple of 32"),  # MXFP4 blocks of 32
+        (
+            {"head_dim": 256, "qk_rope_head_dim": 64, "index_head_dim": 32},  # RoPE needs 64 index dims
+            "at least qk_rope_head_dim=64 (RoPE turns its last dims), got 32",
+        ),
     ],
 )
 def test_validation_names_field_and_value(v41_json: dict, write_config, changes: dict, needle: str) -> None:

@@ -2,9 +2,10 @@
 config readers (`kvdiet.config`) raise.
 
 `validate_model_config` checks the fields the layer plan, the caches and the formats depend on
-(v41-spec §1.2): positive sizes, an even RoPE dim below the head dim, head and expert counts that divide,
-one compress ratio per layer, and for V4.1 the KV and index sources (sorted, compressed, each KV source its
-own index source, every compressed layer reading a KV source of its own ratio) and the candidate source.
+(v41-spec §1.2): positive sizes, an even RoPE dim below the head dim, an index head dim of whole MXFP4
+blocks holding the RoPE dims, head and expert counts that divide, one compress ratio per layer, and for
+V4.1 the KV and index sources (sorted, compressed, each KV source its own index source, every compressed
+layer reading a KV source of its own ratio) and the candidate source.
 Every error names the field and the bad value. Not known here: JSON, presets, roles (`kvdiet.layer_plan`).
 """
 
@@ -53,6 +54,11 @@ def validate_model_config(cfg: ModelConfig) -> None:
     if not 0 < cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
         raise ConfigError(
             f"qk_rope_head_dim must be even and in (0, head_dim={cfg.head_dim}), got {cfg.qk_rope_head_dim}"
+        )
+    if cfg.index_head_dim % 32 or cfg.index_head_dim < cfg.qk_rope_head_dim:
+        raise ConfigError(
+            f"index_head_dim must be a multiple of 32 (the MXFP4 index keys' scale block, v41-spec §5) and at "
+            f"least qk_rope_head_dim={cfg.qk_rope_head_dim} (RoPE turns its last dims), got {cfg.index_head_dim}"
         )
     if cfg.num_attention_heads % cfg.o_groups:
         raise ConfigError(
