@@ -251,3 +251,13 @@ def test_stored_scale_bytes_are_checked_with_one_host_read():
     for bad, byte in ((good.clone().fill_(0x7F), 127), (torch.zeros(2, 2, dtype=torch.uint8), 0)):
         with pytest.raises(ValueError, match=f"stored scale byte {byte} is outside"):
             scales.check_scale_bytes(bad, (0x01, 0x7E), name="t")
+
+
+def test_packed_cache_codecs_take_whole_blocks_of_head_dim() -> None:
+    from kvdiet.formats.codec import CacheCodecs
+
+    assert CacheCodecs.for_dims(96, 32).window.width == 96 + 96 // 32  # E4M3 bytes + one UE8M0 per 32
+    for dim in (80, 72):  # MXFP8 window blocks of 32; 72 is not even whole FP4 blocks of 16
+        with pytest.raises(ValueError, match=f"head_dim {dim} is not a multiple of 32"):
+            CacheCodecs.for_dims(dim, 32)
+        assert CacheCodecs.for_dims(dim, 32, exact=True).window.dim == dim  # fp32 caches take any width

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvdiet.config import load_config
+from kvdiet.config import ConfigError, load_config
 from kvdiet.model.checkpoint import Checkpoint
 from kvdiet.model.export import save_checkpoint, write_random_checkpoint
 from kvdiet.model.loader import WeightsError, load_checkpoint, load_weights, save_weights
@@ -289,3 +289,19 @@ def test_random_checkpoint_refuses_experts_too_narrow_for_fp4(tmp_path: Path) ->
         with pytest.raises(ValueError, match=f"{field} {value} is not a multiple of 32"):
             write_random_checkpoint(cfg.replace(**{field: value}), tmp_path / field)
         assert not (tmp_path / field).exists()  # nothing written
+
+
+def test_fp8_numerics_refuse_a_quantised_linear_of_partial_activation_blocks(tmp_path: Path) -> None:
+    # wq_b takes q_lora_rank inputs; FP8 activations come in blocks of 32. Refused at load (fp8 numerics from the
+    # quantization_config), not in the middle of the first forward.
+    cfg = load_config("v4.1-micro").replace(q_lora_rank=48)
+    write_random_checkpoint(cfg, tmp_path, seed=0)
+    with pytest.raises(
+        ConfigError, match=r"layers\.0\.attn\.wq_b\.weight takes 48 inputs, not a multiple of 32"
+    ):
+        load_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="takes 48 inputs"):
+        load_weights(Transformer.from_config(cfg, seed=0), tmp_path)
+    model, report = load_checkpoint(tmp_path, numerics="bf16")  # dequantised weights take any width
+    logits = model.prefill(model.new_state(), [3, 4, 5])
+    assert report.numerics == "bf16" and logits.shape == (64,) and bool(torch.isfinite(logits).all())

@@ -203,7 +203,17 @@ class CacheCodecs:
 
     @classmethod
     def for_dims(cls, head_dim: int, index_head_dim: int, *, exact: bool = False) -> CacheCodecs:
-        """Codecs for KV vectors of ``head_dim`` and index keys of ``index_head_dim``; ``exact`` → fp32."""
+        """Codecs for KV vectors of ``head_dim`` and index keys of ``index_head_dim``; ``exact`` → fp32.
+
+        Raises:
+            ValueError: packed codecs for a ``head_dim`` that is not a multiple of 32 (the window's MXFP8 scale
+                block; the main KV's FP4 block is 16), naming it.
+        """
+        if not exact and head_dim % 32:
+            raise ValueError(
+                f"head_dim {head_dim} is not a multiple of 32: the packed window entries (MXFP8) and main KV (FP4) "
+                f"take whole scale blocks (v41-spec §5); use exact (fp32) caches"
+            )
         if exact:
             return cls(exact_codec(head_dim), exact_codec(index_head_dim), exact_codec(head_dim))
         return cls(

@@ -39,6 +39,7 @@ from kvdiet.model.gemv import linear
 from kvdiet.model.layers import as_dtype, widen
 
 __all__ = [
+    "ACT_BLOCK",
     "FP4_BLOCK",
     "Linear",
     "dequantize_fp4_weight",
@@ -51,7 +52,8 @@ __all__ = [
 
 FP4_BLOCK = 32
 """Weights per UE8M0 scale along the input dim of an FP4 (MXFP4) weight (v41-spec §8.2)."""
-_ACT_BLOCK = 32  # values per activation scale (reference ``act_quant(x, 32, ...)``)
+ACT_BLOCK = 32
+"""Values per FP8 activation scale along a quantised linear's input (reference ``act_quant(x, 32, ...)``)."""
 _STORAGES = ("dense", "fp8", "fp4")
 
 

@@ -42,8 +42,8 @@ from torch import nn
 from kvdiet.config import NUMERICS, ConfigError, ModelConfig, load_config
 from kvdiet.model.checkpoint import ROUTED_EXPERT, Checkpoint, WeightsError
 from kvdiet.model.expert_cache import ExpertCache
-from kvdiet.model.linear import Linear
-from kvdiet.model.load_plan import TableStep, match_tensors, read_linear, storage_of, tile_edge
+from kvdiet.model.linear import ACT_BLOCK, Linear
+from kvdiet.model.load_plan import LinearStep, TableStep, match_tensors, read_linear, storage_of, tile_edge
 from kvdiet.model.memory import available_memory_bytes, check_fits, checkpoint_footprint
 from kvdiet.model.moe import Expert
 from kvdiet.model.transformer import Transformer
@@ -127,6 +127,7 @@ def load_weights(model: Transformer, path: str | Path, *, numerics: str = "auto"
     chosen = resolve_numerics(numerics, _quantization_config(ckpt), has_quantized=_has_quantized(ckpt))
     plan = match_tensors(model, ckpt, block=_block(ckpt), lazy_experts=False)
     staged = [(step, step.read(ckpt, chosen)) for step in plan]  # read everything before touching the model
+    _check_activation_blocks(model.cfg, ckpt, plan, chosen)
     for step, values in staged:
         step.apply(values)
     return LoadReport(chosen, _count_linears(model), len(ckpt.skipped), False, (), ckpt.nbytes)
@@ -175,6 +176,7 @@ def load_checkpoint(
     model = Transformer(config, exact=exact, token_map=token_map, meta=True)
     block = _block(ckpt)
     plan = match_tensors(model, ckpt, block=block, lazy_experts=True)
+    _check_activation_blocks(config, ckpt, plan, chosen)
     row_tables = []
     for step in plan:
         if (
@@ -222,6 +224,32 @@ def _expert_builder(
         return module.eval(), nbytes
 
     return build
+
+
+def _check_activation_blocks(cfg: ModelConfig, ckpt: Checkpoint, plan: list, numerics: str) -> None:
+    """Under fp8 numerics every FP8/FP4 linear quantises its input in blocks of `ACT_BLOCK` (the reference's
+    ``act_quant``, which asserts whole blocks): each such linear's ``in_features`` must be a multiple of it.
+
+    Raises:
+        ConfigError: naming the first linear that is not, its width and the way out (bf16 numerics).
+    """
+    if numerics != "fp8":
+        return
+    widths = [
+        (step.weight.name, step.module.in_features)
+        for step in plan
+        if isinstance(step, LinearStep) and storage_of(step.weight) != "dense"
+    ]
+    expert_in = {"w1": cfg.hidden_size, "w3": cfg.hidden_size, "w2": cfg.moe_intermediate_size}
+    for name, info in ckpt.tensors.items():
+        if name.endswith(".weight") and ROUTED_EXPERT.match(name) and storage_of(info) != "dense":
+            widths.append((name, expert_in[name.split(".")[-2]]))
+    for name, width in widths:
+        if width % ACT_BLOCK:
+            raise ConfigError(
+                f"{name} takes {width} inputs, not a multiple of {ACT_BLOCK}: fp8 numerics quantise a quantised "
+                f"linear's input in blocks of {ACT_BLOCK}; load with numerics='bf16' or use whole blocks"
+            )
 
 
 def _count_linears(model: nn.Module) -> dict[str, int]:
