@@ -126,6 +126,29 @@ def test_each_query_scoring_every_entry_equals_named_entries_0_to_c(both):
     assert compiled[3, :25].isfinite().all() and compiled[2, :9].isfinite().all()
 
 
+def test_host_limits_and_one_query_score_as_without_them(both):
+    """``host_limit`` (the limits as host ints) leaves the scores as they are: a limit within [0, N] is not
+    clamped again, one past N or below 0 still is; one query scores as its row of a batch; host limits of
+    another length raise."""
+    queries, w, _, _ = _case(9, 3, 4, 64, 1)
+    keys = [_paged(_case(60 + t, 1, 4, 64, 20 + 9 * t)[2], 8, t) for t in range(3)]
+    entries = torch.randint(-1, 40, (3, 24), generator=torch.Generator().manual_seed(9))
+    limit = torch.tensor([-2, 15, 99])  # below 0, inside, past the request's 38 entries
+    for ids in (entries, None):
+        want = index_scores_each(queries, w, keys, ids, limit)
+        compiled, pure = both(index_scores_each, queries, w, keys, ids, limit, host_limit=limit.tolist())
+        assert torch.equal(compiled, want) and torch.equal(pure, want)
+        assert want[1].isfinite().any() and not want[0].isfinite().any()
+        for t in range(3):
+            one = None if ids is None else ids[t : t + 1]
+            row = (queries[t : t + 1], w[t : t + 1], keys[t : t + 1], one, limit[t : t + 1])
+            alone = index_scores_each(*row, host_limit=[int(limit[t])])
+            assert torch.equal(alone, want[t : t + 1, : alone.shape[1]]), t
+            assert (want[t, alone.shape[1] :] == NEG).all()
+    with pytest.raises(ValueError, match="host_limit"):
+        index_scores_each(queries, w, keys, entries, limit, host_limit=[1, 2])
+
+
 def test_selection_over_a_candidate_pool_equals_the_masked_dense_one():
     queries, w, packed, limit = _case(11, 64, 4, 32, 96)
     keys = StoredKeys.contiguous(packed)

@@ -364,6 +364,30 @@ def test_decode_plan_shares_one_rotation_per_table_and_reads_each_ring_slot(micr
     assert plan.window_slots.tolist() == [[p % w for p in range(4 - w, 3)], [p % w for p in range(13, 20)]]
 
 
+def test_decode_plan_closes_each_ratios_groups_once_from_host_positions(micro_exact: Transformer) -> None:
+    """`DecodePlan.closing_groups`: at ratio r the requests whose row t closes a group (t % r == r − 1) and the
+    rotation at their groups' first positions t − r + 1, made once per step; every request and the step's own
+    rotation at ratio 1; no rotation where no group closes."""
+    from kvdiet.model.attention import Segment
+    from kvdiet.model.decode_step import DecodePlan
+
+    m = micro_exact
+    states = [m.new_state() for _ in range(3)]
+    for s, n in zip(states, (3, 20, 7), strict=True):
+        m.prefill(s, _tokens(n, seed=n))
+    segs = [Segment(s, torch.tensor([s.num_tokens])) for s in states]
+    plan = DecodePlan.for_segments(segs)
+    rope = m.layers[m.plan.kv_sources[0]].attn.rope
+    done, rot = plan.closing_groups(rope, 2, segs)
+    assert done == [0, 2] and torch.equal(rot.cis, rope.at(torch.tensor([2, 6])).cis)
+    assert plan.closing_groups(rope, 2, segs)[1] is rot  # once per step
+    done4, rot4 = plan.closing_groups(rope, 4, segs)  # 3 % 4 == 3 and 7 % 4 == 3 close; 20 does not
+    assert done4 == [0, 2] and torch.equal(rot4.cis, rope.at(torch.tensor([0, 4])).cis)
+    assert plan.closing_groups(rope, 1, segs) == ([0, 1, 2], plan.rotation(rope))
+    one = DecodePlan.for_segments(segs[1:2])
+    assert one.closing_groups(rope, 2, segs[1:2]) == ([], None)
+
+
 @pytest.mark.parametrize("floor", [0, 15])
 def test_decode_window_reads_the_ring_in_position_order_then_the_new_entry(
     micro: Transformer, floor: int

@@ -176,3 +176,55 @@ def test_index_queries_decline_a_codec_of_another_width(indexed):
         )  # of 64: would write past them
         half = (qr, idx.wq_b.weight, idx.n_heads, idx.index_head_dim // 2, *args[4:])
         assert kernels.index_query_rows(*half, *tail, codec.width // 2) is None  # wq_b is not H × d
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("specials", [False, True])
+def test_index_keys_equal_the_module_path_bit_for_bit(indexed, monkeypatch, rows, specials):
+    """`Indexer.keys` of a decode step's groups runs in one ``project_rows`` call (where no output is NaN) with
+    the bits of ``rot.apply(k_norm(wk(latent)))``."""
+    from kvdiet.model import indexer as indexer_module
+
+    attn, _ = indexed
+    idx = attn.indexer
+    gen = torch.Generator().manual_seed(70 + rows + 100 * specials)
+    latent = _rows(rows, idx.wk.in_features, gen, specials=specials)
+    rot = attn.rope.at(torch.randint(0, 1 << 20, (rows,), generator=gen))
+    calls = []
+    fused = fused_rows.project_rows
+    monkeypatch.setattr(indexer_module, "project_rows", lambda *a: calls.append(a) or fused(*a))
+    with torch.no_grad():
+        got = idx.keys(latent, rot)
+        want = rot.apply(idx.k_norm(idx.wk(latent)))
+        ran = len(calls) == 1 and fused(*calls[0]) is not None  # the compiled call gave the result
+    assert ran or want.isnan().any()
+    assert ran or specials
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_index_keys_run_the_modules_hooks(indexed):
+    """A forward hook on ``wk`` (or one on every module) is honoured: the keys are the hooked module path's."""
+    from torch.nn.modules import module as nn_module
+
+    attn, _ = indexed
+    idx = attn.indexer
+    latent = torch.randn(2, idx.wk.in_features, generator=torch.Generator().manual_seed(3))
+    rot = attn.rope.at(torch.tensor([4, 9]))
+    with torch.no_grad():
+        plain = idx.keys(latent, rot)
+        handle = idx.wk.register_forward_hook(lambda module, args, out: out + 1)
+        try:
+            hooked = idx.keys(latent, rot)
+            want = rot.apply(idx.k_norm(idx.wk(latent)))
+        finally:
+            handle.remove()
+        handle = nn_module.register_module_forward_pre_hook(lambda module, args: (args[0] + 1,))
+        try:
+            every = idx.keys(latent, rot)
+            want_every = rot.apply(idx.k_norm(idx.wk(latent)))
+        finally:
+            handle.remove()
+    assert torch.equal(hooked, want) and not torch.equal(hooked, plain)
+    assert torch.equal(every, want_every) and not torch.equal(every, plain)
+    assert torch.equal(idx.keys(latent, rot), plain)

@@ -111,6 +111,8 @@ class CompressorTail:
         group_score = [torch.cat([t.score[: t.count], score[b : b + 1]]) for b, t in enumerate(tails)]
         for t in tails:  # every group built first: a failed concatenation clears no tail
             t.clear()
+        if len(tails) == 1:  # its own concatenation (a new tensor) is the result
+            return group_kv[0], group_score[0]
         return torch.cat(group_kv), torch.cat(group_score)
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as nn_module
 
 from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.hc import hc_expand
-from kvdiet.model.member import member
+from kvdiet.model.member import member, overridden
 from kvdiet.model.moe import Gate, MoE
 
 __all__ = ["decode_ffn"]
@@ -52,7 +51,7 @@ def decode_ffn(
     gate = moe._modules.get("gate")
     # the module path calls ``moe`` and its gate: another module there, a subclass or a forward set on the
     # instance runs its own code, and a hook runs
-    if type(moe) is not MoE or type(gate) is not Gate or _overridden(moe) or _overridden(gate):
+    if type(moe) is not MoE or type(gate) is not Gate or overridden(moe) or overridden(gate):
         return None
     shared = moe._modules["shared_experts"]
     # quantised experts (the released checkpoint's) never take the experts' one call: decline before anything
@@ -72,15 +71,3 @@ def decode_ffn(
     if out is None:  # the experts' call declined: the module's own path over the same rows (its bits)
         out = moe(x, padded=True)
     return hc_expand(out, h, post, comb), pre
-
-
-def _overridden(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run more than its class's ``forward``: a ``forward`` set on the instance,
-    or a forward hook (its own, or one registered for every module)."""
-    return bool(
-        "forward" in module.__dict__
-        or module._forward_hooks
-        or module._forward_pre_hooks
-        or nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-    )

@@ -71,6 +71,8 @@ class DecodePlan:
             new entry, always).
         tables: the batch's block tables (`BatchTables`).
         rows: the step's `RowTables`: each RoPE table's ``Rope.at(positions)``, made by its first layer.
+        groups: per compressor ratio r > 1, `closing_groups`' requests, their groups' first positions int64 [M]
+            and the rotations there (`RowTables`), made by the ratio's first layer.
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
@@ -92,6 +94,7 @@ class DecodePlan:
     window_mask: tuple[torch.Tensor, ...]
     tables: BatchTables
     rows: RowTables = field(default_factory=RowTables)
+    groups: dict[int, tuple[list[int], torch.Tensor, RowTables]] = field(default_factory=dict)
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
     gathered: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -135,6 +138,22 @@ class DecodePlan:
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
         return self.rows.rotation(rope, self.positions)
+
+    def closing_groups(self, rope: Rope, r: int, segs: list[Segment]) -> tuple[list[int], Rotation | None]:
+        """The requests (increasing) whose compressor group of r rows closes with this step's row (``t % r == r −
+        1``, t its state's ``num_tokens``; all at r = 1) and ``rope.at`` their groups' first positions ``t − r +
+        1`` (None when there are none), once per step for the layers of that ratio and RoPE table, from host
+        ints (no division on the device)."""
+        if r == 1:
+            return list(range(len(segs))), self.rotation(rope)
+        got = self.groups.get(r)
+        if got is None:
+            steps = [seg.state.num_tokens for seg in segs]
+            done = [b for b, t in enumerate(steps) if t % r == r - 1]
+            firsts = torch.tensor([steps[b] - r + 1 for b in done], device=self.positions.device)
+            got = self.groups[r] = (done, firsts, RowTables())
+        done, firsts, rows = got
+        return done, rows.rotation(rope, firsts) if done else None
 
     def check_pending(self) -> None:
         """Read the ``pending`` checks (one host read, none when there are none) and clear them.
@@ -241,10 +260,9 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
             entry would leave a gap.
     """
     plan.check_pending()
-    pos = plan.positions
     comp, layer, r = attn.compressor, attn.info.layer_id, attn.info.compress_ratio
     kv = as_dtype(comp.wkv(x), torch.float32)  # ``.float()`` without its dispatch when it is fp32 already
-    done = list(range(len(segs)))
+    done, rot = plan.closing_groups(attn.rope, r, segs)  # rot: at each closing group's first position
     if r > 1:
         score = as_dtype(comp.wgate(x), torch.float32)
         tails = [seg.state.tails[layer] for seg in segs]
@@ -252,9 +270,8 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
             t = seg.state.num_tokens  # the new row's position
             if tail.count != t % r:
                 raise ValueError(f"compressor tail holds {tail.count} rows but position {t} needs {t % r}")
-        done = [b for b, tail in enumerate(tails) if tail.count + 1 == r]
-        if len(done) < len(segs):  # the open groups take their rows
-            rest = [b for b, tail in enumerate(tails) if tail.count + 1 < r]
+        if len(done) < len(segs):  # the open groups take their rows (their tails hold t % r < r − 1 rows)
+            rest = [b for b in range(len(segs)) if b not in done]
             CompressorTail.push_each([tails[b] for b in rest], _rows(kv, rest), _rows(score, rest))
         if not done:
             return
@@ -263,8 +280,6 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
         )
         kv = pool_groups(group_kv, group_score, r)
     latent = comp.norm(kv)
-    gids = torch.div(_rows(pos, done), r, rounding_mode="floor")
-    rot = attn.rope.at(gids * r)  # each group's first position
     keys = attn.codecs.index_key.encode_deferred(attn.indexer.keys(latent, rot), plan.pending)
     main = attn.codecs.main.encode_deferred(attn.compressed_entries(latent, rot), plan.pending)
     plan.check_pending()  # before any entry is written
@@ -324,7 +339,7 @@ def _select(
             q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off, pending=pending
         )
     else:
-        scores = index_scores_each(q_idx, w, keys, entries, limit, pending=pending)
+        scores = index_scores_each(q_idx, w, keys, entries, limit, host_limit=host_limit, pending=pending)
     plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
 
 

@@ -252,35 +252,34 @@ def index_scores_each(
     ``entries`` None scores every entry as `index_scores` does, with no per-entry ids: row t holds entries
     0 … C − 1 of ``keys[t]`` with C the most entries any of them holds, −inf at or past ``limit[t]`` (and past
     its own N). That is `index_scores_at` of ``arange(C)`` per query, bit for bit, without that [Q, C] int64
-    tensor (8 MB per request at 1M tokens and ratio 1). ``host_limit`` (used where ``entries`` is None) and
-    ``pending``: as `index_scores`.
+    tensor (8 MB per request at 1M tokens and ratio 1). ``host_limit``: None, or ``limit``'s Q values as host
+    ints (the caller's own, equal to them): a limit they place in [0, N] is not clamped again on the device, and
+    where ``entries`` is None they serve as in `index_scores`. ``pending``: as `index_scores`.
 
     Raises:
-        ValueError: as `index_scores_at`; not one `StoredKeys` per query.
+        ValueError: as `index_scores_at`; not one `StoredKeys` per query; ``host_limit`` not Q values.
     """
     _check_inputs(q, w, limit, keys, entries)
     if len(keys) != q.shape[0]:
         raise ValueError(f"index_scores_each takes one StoredKeys per query: {q.shape[0]}, got {len(keys)}")
+    if host_limit is not None and len(host_limit) != q.shape[0]:  # host ints: free to check
+        raise ValueError(f"index scores: host_limit holds {len(host_limit)} values for {q.shape[0]} queries")
     width = max((k.num_entries for k in keys), default=0) if entries is None else entries.shape[1]
     out = torch.empty(q.shape[0], width, device=q.device)
+    whole = len(keys) == 1  # one query: its tensors as they are, no views of them
     for t, k in enumerate(keys):
         one = slice(t, t + 1)
-        lim = limit[one].clamp(0, k.num_entries)
-        ids = None if entries is None else entries[one]
-        if _native(q[one], w[one], k, lim, ids, width, out=out[one], pending=pending) is not None:
+        qt, wt, lt, ot = (q, w, limit, out) if whole else (q[one], w[one], limit[one], out[one])
+        ids = entries if whole or entries is None else entries[one]
+        ht = None if host_limit is None else host_limit[one]
+        lim = lt if ht is not None and 0 <= ht[0] <= k.num_entries else lt.clamp(0, k.num_entries)
+        if _native(qt, wt, k, lim, ids, width, out=ot, pending=pending) is not None:
             continue
         if ids is not None:
-            out[one] = index_scores_at(q[one], w[one], k, ids, limit[one], pending=pending)
+            ot[:] = index_scores_at(qt, wt, k, ids, lt, pending=pending)
         else:
-            out[one, k.num_entries :] = float("-inf")
-            out[one, : k.num_entries] = index_scores(
-                q[one],
-                w[one],
-                k,
-                limit[one],
-                host_limit=None if host_limit is None else host_limit[one],
-                pending=pending,
-            )
+            ot[:, k.num_entries :] = float("-inf")
+            ot[:, : k.num_entries] = index_scores(qt, wt, k, lt, host_limit=ht, pending=pending)
     return out
 
 

@@ -20,10 +20,10 @@ from torch import nn
 from kvdiet.formats.codec import Codec
 from kvdiet.formats.mxfp4 import INDEX_KEY, decode_index_key, encode_index_key
 from kvdiet.formats.scales import PendingCheck
-from kvdiet.model.fused_rows import fused_kernels
+from kvdiet.model.fused_rows import fused_kernels, project_rows
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
-from kvdiet.model.member import member
+from kvdiet.model.member import member, overridden
 
 __all__ = ["Indexer"]
 
@@ -53,9 +53,18 @@ class Indexer(nn.Module):
 
     def keys(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:
         """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim]; ``rot``: the
-        layer's ``rope.at(group_pos [M])``, each group's first position."""
-        k = self.k_norm(self.wk(latent))
-        return rot.apply(k)
+        layer's ``rope.at(group_pos [M])``, each group's first position.
+
+        A decode step's groups (1..16 rows) run in one compiled call where `project_rows` applies and calling
+        ``wk`` and ``k_norm`` would run only their ``forward`` (`overridden`): the same kernel calls in the same
+        order, so the same bits."""
+        mods = self._modules  # no nn.Module attribute fallback (about a microsecond a lookup)
+        wk, k_norm = mods["wk"], mods["k_norm"]
+        if not (overridden(wk) or overridden(k_norm)):
+            fused = project_rows(latent, wk, k_norm, None, 1, self.index_head_dim, rot)
+            if fused is not None:
+                return fused[1]
+        return rot.apply(k_norm(wk(latent)))
 
     def queries(
         self,

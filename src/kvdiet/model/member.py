@@ -1,4 +1,6 @@
-"""`member`: a module's parameter or buffer, read without nn.Module's attribute fallback where it can be.
+"""`member`: a module's parameter or buffer, read without nn.Module's attribute fallback where it can be; and
+`overridden`: whether a call of a module runs more than its class's ``forward`` (the rule by which the decode
+step's compiled paths may stand in for a module call).
 
 The decode step reads some 260 weights a step; ``module.weight`` goes through ``nn.Module.__getattr__`` (about a
 microsecond each), the module's own dicts take a tenth of that."""
@@ -7,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
-__all__ = ["member"]
+__all__ = ["member", "overridden"]
 
 
 def member(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -27,3 +30,15 @@ def member(module: nn.Module, name: str) -> torch.Tensor | None:
     if name in buffers:
         return buffers[name]
     return getattr(module, name)
+
+
+def overridden(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run more than its class's ``forward``: a ``forward`` set on the instance,
+    or a forward hook (its own, or one registered for every module)."""
+    return bool(
+        "forward" in module.__dict__
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+    )

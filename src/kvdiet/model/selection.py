@@ -166,9 +166,10 @@ def select_topk_at(
     kk = min(k, num_entries)
     if c and kk:
         pos, ok = select_topk(scores, k)
-        if pos.shape[1] >= kk:  # no column left to fill: the chosen ones as they are
-            pos, ok = pos[:, :kk], ok[:, :kk].contiguous()
-            return entries.gather(1, pos).masked_fill_(~ok, 0), ok
+        if pos.shape[1] >= kk:  # no column left to fill: the chosen ones as they are (their first kk)
+            if pos.shape[1] > kk:
+                pos, ok = pos[:, :kk], ok[:, :kk].contiguous()
+            return torch.where(ok, entries.gather(1, pos), 0), ok
     idx = torch.zeros(q, kk, dtype=torch.int64, device=scores.device)
     valid = torch.zeros(q, kk, dtype=torch.bool, device=scores.device)
     if c and kk:
