@@ -546,3 +546,48 @@ def test_a_decode_step_reads_parametrized_weights_as_the_modules_do() -> None:
         "Linear.weight",
     } <= names
     assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+def test_forward_hooks_see_the_same_calls_on_the_compiled_and_torch_paths(micro_exact: Transformer) -> None:
+    """A forward hook on any module runs on every call the module path would make: with a counting hook on every
+    module, a prefill and batched decode steps call each module as often with the compiled kernels as on the
+    pure-torch path (``KVDIET_NATIVE_KERNELS=0``), and the logits are those of the unhooked compiled run, bit
+    for bit (the hooks return None)."""
+    from torch.nn.modules import module as nn_module
+
+    from kvdiet.formats import native
+
+    assert native.fp4_kernels() is not None, "the compiled kernels did not build"
+
+    def run() -> torch.Tensor:
+        states = [micro_exact.new_state() for _ in range(3)]
+        for i, state in enumerate(states):
+            micro_exact.prefill(state, _tokens(20 + i, seed=i))
+        return torch.cat([micro_exact.decode(states, [t, t + 1, t + 2]) for t in (4, 7, 9)])
+
+    with torch.no_grad():
+        plain = run()
+        counts: dict[str, dict[int, int]] = {"compiled": {}, "torch": {}}
+        for path in counts:
+            seen = counts[path]
+            handle = nn_module.register_module_forward_hook(
+                lambda module, args, out, seen=seen: seen.__setitem__(id(module), seen.get(id(module), 0) + 1)
+            )
+            try:
+                with pytest.MonkeyPatch.context() as mp:
+                    if path == "torch":
+                        mp.setenv(native.ENV, "0")
+                    logits = run()
+            finally:
+                handle.remove()
+            if path == "compiled":
+                assert torch.equal(logits, plain)
+    names = {id(m): n for n, m in micro_exact.named_modules()}
+    differ = {names.get(k, k): (counts["compiled"].get(k), counts["torch"].get(k)) for k in counts["torch"]}
+    differ = {n: c for n, c in differ.items() if c[0] != c[1]}
+    assert not differ, differ
+    projections = ("attn.wq_a", "attn.wkv", "attn.wo_b", "attn.indexer.wk", "attn.indexer.wq_b", "attn_norm")
+    for name in projections:
+        assert any(names[k].endswith(name) and n > 0 for k, n in counts["compiled"].items() if k in names), (
+            name
+        )

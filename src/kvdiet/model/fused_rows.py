@@ -1,9 +1,9 @@
 """A decode step's rows through a group of modules in one compiled call each, with the module path's bits.
 
-On the CPU, for 1..16 fp32 rows with no autograd and dense fp32 weights, the calls here run what several module
-calls would (`Linear`, `RMSNorm`, `Rotation.apply`, the MoE's experts): the same kernel and torch calls in the same
-order, so the same values bit for bit. Each returns None where it does not apply (or a kernel declines, e.g. a
-NaN whose payload torch's own loop decides), and the caller runs the modules. Kernels:
+On the CPU, for 1..16 fp32 rows with no autograd, dense fp32 weights and no hooked module, the calls here run what
+several module calls would (`Linear`, `RMSNorm`, `Rotation.apply`, the MoE's experts): the same kernel and torch
+calls in the same order, so the same values bit for bit. Each returns None where it does not apply (or a kernel
+declines, e.g. a NaN whose payload torch's own loop decides), and the caller runs the modules. Kernels:
 ``formats/projection_kernels.cpp`` (``project_rows``, ``project_out_rows``) and ``formats/expert_kernels.cpp``
 (``expert_groups``).
 """
@@ -19,7 +19,7 @@ import torch
 from kvdiet.formats import native
 from kvdiet.model import gemv
 from kvdiet.model.layers import kernels_agree, rope_kernels
-from kvdiet.model.member import member
+from kvdiet.model.member import member, overridden
 
 if TYPE_CHECKING:
     from kvdiet.model.layers import RMSNorm, Rotation
@@ -29,10 +29,14 @@ if TYPE_CHECKING:
 __all__ = ["expert_groups", "fused_kernels", "project_out_rows", "project_rows"]
 
 
-def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: int) -> ModuleType | None:
-    """The compiled kernels where a projection of ``x`` through ``w_a`` (and ``w_b``) that rotates ``rope_dim``
-    dims may run in them: 1..16 fp32 CPU rows, no autograd, dense weights, the kernels built and the rotation
-    kernel checked for that ``rope_dim`` (`kvdiet.model.layers.rope_kernels`); else None."""
+def fused_kernels(
+    x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: int, norm: RMSNorm | None = None
+) -> ModuleType | None:
+    """The compiled kernels where a projection of ``x`` through ``w_a`` (``norm``, ``w_b``) that rotates
+    ``rope_dim`` dims may run in them: 1..16 fp32 CPU rows, no autograd, dense weights, no module that a call
+    would run more than its class's ``forward`` of (`kvdiet.model.member.overridden`: a hook is honoured by the
+    module path), the kernels built and the rotation kernel checked for that ``rope_dim``
+    (`kvdiet.model.layers.rope_kernels`); else None."""
     if (
         torch.is_grad_enabled()
         or x.dtype != torch.float32
@@ -41,6 +45,8 @@ def fused_kernels(x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: in
     ):
         return None
     if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
+        return None
+    if any(m is not None and overridden(m) for m in (w_a, w_b, norm)):
         return None
     return rope_kernels(rope_dim)
 
@@ -51,7 +57,7 @@ def project_rows(
     """`Attention.project_q` (with ``w_b``: ``(qr [T, R], q [T, heads, head_dim])``) or `project_window_kv`'s
     ``(normed, rotated)`` for rows ``x`` fp32 [T, hidden] in one ``project_rows`` call; None where it does not
     apply (see the module docstring; the norm kernel checked too)."""
-    kernels = fused_kernels(x, w_a, w_b, rot.rope_dim)
+    kernels = fused_kernels(x, w_a, w_b, rot.rope_dim, norm)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None
     b_weight = None if w_b is None else member(w_b, "weight")

@@ -24,7 +24,7 @@ from kvdiet.config import ModelConfig
 from kvdiet.formats import native
 from kvdiet.model.chain_products import chain_fits
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
-from kvdiet.model.member import member
+from kvdiet.model.member import member, overridden
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
 
 __all__ = [
@@ -99,6 +99,7 @@ def sublayer_entry(
         and h.dtype == torch.float32
         and h.dim() == 3
         and h.shape[0] <= MAX_MIX_ROWS
+        and not overridden(norm)  # a hook on the norm runs on the module path
     ):
         kernels, mix = _entry_kernels()
         entered = None

@@ -23,7 +23,7 @@ from kvdiet.formats.scales import PendingCheck
 from kvdiet.model.fused_rows import fused_kernels, project_rows
 from kvdiet.model.layers import RMSNorm, Rotation, as_dtype
 from kvdiet.model.linear import Linear
-from kvdiet.model.member import member, overridden
+from kvdiet.model.member import member
 
 __all__ = ["Indexer"]
 
@@ -55,16 +55,13 @@ class Indexer(nn.Module):
         """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim]; ``rot``: the
         layer's ``rope.at(group_pos [M])``, each group's first position.
 
-        A decode step's groups (1..16 rows) run in one compiled call where `project_rows` applies and calling
-        ``wk`` and ``k_norm`` would run only their ``forward`` (`overridden`): the same kernel calls in the same
-        order, so the same bits."""
+        A decode step's groups (1..16 rows) run in one compiled call where `project_rows` applies (no hook on
+        ``wk`` or ``k_norm``: `fused_rows.fused_kernels`): the same kernel calls in the same order, so the same
+        bits."""
         mods = self._modules  # no nn.Module attribute fallback (about a microsecond a lookup)
         wk, k_norm = mods["wk"], mods["k_norm"]
-        if not (overridden(wk) or overridden(k_norm)):
-            fused = project_rows(latent, wk, k_norm, None, 1, self.index_head_dim, rot)
-            if fused is not None:
-                return fused[1]
-        return rot.apply(k_norm(wk(latent)))
+        fused = project_rows(latent, wk, k_norm, None, 1, self.index_head_dim, rot)
+        return rot.apply(k_norm(wk(latent))) if fused is None else fused[1]
 
     def queries(
         self,
