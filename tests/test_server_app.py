@@ -165,6 +165,33 @@ def test_chat_completion_and_stream(mini, client) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_reply_from_the_sdks_stream_helper_can_be_sent_back(mini, client) -> None:
+    """The OpenAI SDK's ``chat.completions.stream`` helper gives its final reply as a
+    `ParsedChatCompletionMessage`, whose ``parsed`` key (null without a response_format) travels with it when
+    the message object, or its ``model_dump()``, is sent back in the next request, as the SDK's docs do: taken,
+    with the prompt of the same conversation sent as role and content only."""
+    first = [{"role": "user", "content": "What is a KV cache?"}]
+    # the helper refuses a reply cut by length: it ends on its first token, named a stop token
+    greedy = client.chat.completions.create(
+        model="v4.1-mini", messages=first, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+    )
+    stop = {"stop_token_ids": greedy.choices[0].model_extra["token_ids"]}
+    with client.chat.completions.stream(
+        model="v4.1-mini", messages=first, max_tokens=4, temperature=0, extra_body=stop
+    ) as s:
+        reply = s.get_final_completion().choices[0].message
+    assert "parsed" in reply.model_dump()
+    then = {"role": "user", "content": "Shorter."}
+    plain = [*first, {"role": "assistant", "content": reply.content}, then]
+    want = client.chat.completions.create(model="v4.1-mini", messages=plain, max_tokens=2, temperature=0)
+    for sent in (reply, reply.model_dump()):
+        r = client.chat.completions.create(
+            model="v4.1-mini", messages=[*first, sent, then], max_tokens=2, temperature=0
+        )
+        assert r.usage.prompt_tokens == want.usage.prompt_tokens
+        assert r.choices[0].message.content == want.choices[0].message.content
+
+
 def test_stream_ends_with_done_on_the_wire(mini) -> None:
     base, _ = mini
     host, port = base.removeprefix("http://").split(":")

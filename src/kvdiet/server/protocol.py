@@ -298,8 +298,9 @@ class ChatMessage(BaseModel):
     parts; OpenAI lets an assistant message omit it only beside ``tool_calls``, which kvdiet does not take)
     and the optional participant ``name`` (accepted; DeepSeek's template has no place for it). The keys of
     OpenAI's assistant message for features kvdiet lacks (``refusal``, ``tool_calls``, ``function_call``,
-    ``audio``, ``annotations``) are taken only as null or [], so a reply's message can be sent back; any other
-    value, and any other key, is refused, named by its path (``messages.0.tool_calls``, ``messages.0.foo``)."""
+    ``audio``, ``annotations``) and the OpenAI SDK's ``parsed`` (its stream and parse helpers' replies) are taken
+    only as null or [], so a reply's message can be sent back; any other value, and any other key, is refused,
+    named by its path (``messages.0.tool_calls``, ``messages.0.foo``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -316,6 +317,9 @@ class ChatMessage(BaseModel):
     function_call: Annotated[None, _empty_only("function calls")] = None
     audio: Annotated[None, _empty_only("audio replies")] = None
     annotations: Annotated[None, _empty_only("annotations")] = None
+    # the OpenAI SDK's own key on a reply from its ``chat.completions.stream`` / ``parse`` helpers
+    # (`ParsedChatCompletionMessage`), sent back with the message: null without a response_format
+    parsed: Annotated[None, _empty_only("parsed structured outputs")] = None
 
 
 class ChatCompletionRequest(_Common):
