@@ -256,7 +256,7 @@ def test_a_caller_never_sees_its_finished_request_counted_as_running() -> None:
 
 def test_a_snapshot_can_keep_the_resident_figures_of_an_earlier_one(loop: EngineLoop) -> None:
     """`EngineSnapshot.take` with ``resident`` keeps that snapshot's tier-resident bytes and entries (a query
-    of the tier each) and reads everything else now."""
+    of the tier each) and cached-block count (a pass over the pool's hashes) and reads everything else now."""
     import dataclasses
 
     asyncio.run(_collect(loop, list(range(1, 30)), SamplingParams(max_tokens=2)))
@@ -264,13 +264,14 @@ def test_a_snapshot_can_keep_the_resident_figures_of_an_earlier_one(loop: Engine
     fresh = EngineSnapshot.take(loop.engine)
     old = dataclasses.replace(
         fresh, num_running=7, generation_tokens=0, swa_pool_entries=12345, swa_pool_bytes=678,
-        persistent_bytes=9, persistent_entries=10,
+        persistent_bytes=9, persistent_entries=10, num_cached_blocks=fresh.num_cached_blocks + 11,
     )  # fmt: skip
     kept = EngineSnapshot.take(loop.engine, resident=old)
     assert (kept.swa_pool_entries, kept.swa_pool_bytes, kept.persistent_bytes, kept.persistent_entries) == (
         12345, 678, 9, 10,
     )  # fmt: skip
     assert kept == dataclasses.replace(
-        fresh, swa_pool_entries=12345, swa_pool_bytes=678, persistent_bytes=9, persistent_entries=10
-    )
+        fresh, swa_pool_entries=12345, swa_pool_bytes=678, persistent_bytes=9, persistent_entries=10,
+        num_cached_blocks=fresh.num_cached_blocks + 11,
+    )  # fmt: skip
     assert fresh.generation_tokens == 2 and fresh.swa_pool_entries != 12345

@@ -77,9 +77,10 @@ class EngineSnapshot:
         """Read ``engine`` and its cache now. Call it on the thread that drives the engine.
 
         Args:
-            resident: an earlier snapshot whose tier-resident figures (``persistent_bytes``,
-                ``persistent_entries``, ``swa_pool_bytes``, ``swa_pool_entries``: a query of the tier each, a
-                table scan or a network call) are kept instead of read again; None reads them.
+            resident: an earlier snapshot whose figures that cost a scan are kept instead of read again: the
+                tier-resident ones (``persistent_bytes``, ``persistent_entries``, ``swa_pool_bytes``,
+                ``swa_pool_entries``: a query of the tier each, a table scan or a network call) and
+                ``num_cached_blocks`` (a pass over every hashed block: 8 ms at 240,000 blocks); None reads them.
         """
         cache = engine.runner
         blocks, stats, pool = cache.pool.blocks, cache.stats, cache.swa_pool
@@ -96,7 +97,7 @@ class EngineSnapshot:
             num_blocks=blocks.num_blocks,
             num_used_blocks=blocks.num_used,
             num_free_blocks=blocks.num_free,
-            num_cached_blocks=blocks.num_cached,
+            num_cached_blocks=blocks.num_cached if resident is None else resident.num_cached_blocks,
             num_preemptions=engine.scheduler.num_preemptions,
             prompt_tokens=engine.stats.prompt_tokens,
             generation_tokens=engine.stats.generation_tokens,

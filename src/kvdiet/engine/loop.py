@@ -49,7 +49,7 @@ class EngineLoop:
         snapshot: the latest `EngineSnapshot` (None before `start`); replaced whole, never mutated, so any
             thread may read it. Taken again before any final output is delivered (a finished or aborted
             request is out of its request and block figures by then; the tiers' resident bytes and entries
-            are kept from the last full refresh).
+            and the cached-block count are kept from the last full refresh).
         error: the exception that stopped the engine thread, or None.
     """
 
@@ -231,8 +231,9 @@ class EngineLoop:
             self.engine.abort_request(rid)
 
     def _take_finished(self) -> None:
-        """A snapshot without the requests that just finished, before their callers hear of it (the tiers'
-        resident figures, a query each, come from the last full refresh; the ``refresh_s`` clock runs on)."""
+        """A snapshot without the requests that just finished, before their callers hear of it (the figures
+        that cost a scan, the tiers' resident ones and the cached-block count, come from the last full refresh;
+        the ``refresh_s`` clock runs on)."""
         self.snapshot = EngineSnapshot.take(self.engine, resident=self.snapshot)
 
     def _refresh(self, *, force: bool = False) -> None:
