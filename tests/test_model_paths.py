@@ -591,3 +591,46 @@ def test_forward_hooks_see_the_same_calls_on_the_compiled_and_torch_paths(micro_
         assert any(names[k].endswith(name) and n > 0 for k, n in counts["compiled"].items() if k in names), (
             name
         )
+
+
+def test_a_subclassed_projection_runs_its_own_forward_on_decode_steps() -> None:
+    """A module replaced by a subclass with its own ``forward`` (a wrapper, e.g. LoRA or a probe) runs it on a
+    decode step: the compiled paths stand in only for exactly `Linear` / `RMSNorm`. Here the wrappers of one
+    layer's ``wq_a`` and ``kv_norm`` count their calls and change nothing, so the logits are unchanged."""
+    from kvdiet.formats import native
+    from kvdiet.model.layers import RMSNorm
+    from kvdiet.model.linear import Linear
+
+    assert native.fp4_kernels() is not None, "the compiled kernels did not build"
+    calls: list[str] = []
+
+    class CountedLinear(Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append("wq_a")
+            return super().forward(x)
+
+    class CountedNorm(RMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append("kv_norm")
+            return super().forward(x)
+
+    model = Transformer.from_config(load_config("v4.1-micro"), seed=0, exact=True)
+
+    def steps() -> torch.Tensor:
+        state = model.new_state()
+        model.prefill(state, _tokens(20))
+        return torch.cat([model.decode([state], [t]) for t in (3, 8)])
+
+    with torch.no_grad():
+        plain = steps()
+        attn = model.layers[3].attn
+        for name, cls in (("wq_a", CountedLinear), ("kv_norm", CountedNorm)):
+            module = attn._modules[name]
+            module.__class__ = cls  # the same weights, the subclass's forward
+        calls.clear()
+        state = model.new_state()
+        model.prefill(state, _tokens(20))
+        prefill_calls = len(calls)
+        wrapped = torch.cat([model.decode([state], [t]) for t in (3, 8)])
+    assert calls[prefill_calls:] == ["wq_a", "kv_norm"] * 2, calls
+    assert torch.equal(wrapped, plain)

@@ -182,7 +182,7 @@ def test_index_queries_decline_a_codec_of_another_width(indexed):
 @pytest.mark.parametrize("specials", [False, True])
 def test_index_keys_equal_the_module_path_bit_for_bit(indexed, monkeypatch, rows, specials):
     """`Indexer.keys` of a decode step's groups runs in one ``project_rows`` call (where no output is NaN) with
-    the bits of ``rot.apply(k_norm(wk(latent)))``."""
+    the bits of ``rot.apply(k_norm(wk(latent)))``; other calls (prefill, the reference) run the modules."""
     from kvdiet.model import indexer as indexer_module
 
     attn, _ = indexed
@@ -194,7 +194,9 @@ def test_index_keys_equal_the_module_path_bit_for_bit(indexed, monkeypatch, rows
     fused = fused_rows.project_rows
     monkeypatch.setattr(indexer_module, "project_rows", lambda *a: calls.append(a) or fused(*a))
     with torch.no_grad():
-        got = idx.keys(latent, rot)
+        assert torch.equal(_bits(idx.keys(latent, rot)), _bits(rot.apply(idx.k_norm(idx.wk(latent)))))
+        assert not calls  # prefill and the reference take the modules
+        got = idx.keys(latent, rot, decode_step=True)
         want = rot.apply(idx.k_norm(idx.wk(latent)))
         ran = len(calls) == 1 and fused(*calls[0]) is not None  # the compiled call gave the result
     assert ran or want.isnan().any()
@@ -212,19 +214,19 @@ def test_index_keys_run_the_modules_hooks(indexed):
     latent = torch.randn(2, idx.wk.in_features, generator=torch.Generator().manual_seed(3))
     rot = attn.rope.at(torch.tensor([4, 9]))
     with torch.no_grad():
-        plain = idx.keys(latent, rot)
+        plain = idx.keys(latent, rot, decode_step=True)
         handle = idx.wk.register_forward_hook(lambda module, args, out: out + 1)
         try:
-            hooked = idx.keys(latent, rot)
+            hooked = idx.keys(latent, rot, decode_step=True)
             want = rot.apply(idx.k_norm(idx.wk(latent)))
         finally:
             handle.remove()
         handle = nn_module.register_module_forward_pre_hook(lambda module, args: (args[0] + 1,))
         try:
-            every = idx.keys(latent, rot)
+            every = idx.keys(latent, rot, decode_step=True)
             want_every = rot.apply(idx.k_norm(idx.wk(latent)))
         finally:
             handle.remove()
     assert torch.equal(hooked, want) and not torch.equal(hooked, plain)
     assert torch.equal(every, want_every) and not torch.equal(every, plain)
-    assert torch.equal(idx.keys(latent, rot), plain)
+    assert torch.equal(idx.keys(latent, rot, decode_step=True), plain)

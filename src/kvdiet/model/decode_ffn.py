@@ -51,7 +51,7 @@ def decode_ffn(
     gate = moe._modules.get("gate")
     # the module path calls ``moe`` and its gate: another module there, a subclass or a forward set on the
     # instance runs its own code, and a hook runs
-    if type(moe) is not MoE or type(gate) is not Gate or overridden(moe) or overridden(gate):
+    if overridden(moe, MoE) or overridden(gate, Gate):
         return None
     shared = moe._modules["shared_experts"]
     # quantised experts (the released checkpoint's) never take the experts' one call: decline before anything

@@ -280,7 +280,9 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
         )
         kv = pool_groups(group_kv, group_score, r)
     latent = comp.norm(kv)
-    keys = attn.codecs.index_key.encode_deferred(attn.indexer.keys(latent, rot), plan.pending)
+    keys = attn.codecs.index_key.encode_deferred(
+        attn.indexer.keys(latent, rot, decode_step=True), plan.pending
+    )
     main = attn.codecs.main.encode_deferred(attn.compressed_entries(latent, rot), plan.pending)
     plan.check_pending()  # before any entry is written
     # a replay never rewrites held entries; the new ones go in one copy per kind

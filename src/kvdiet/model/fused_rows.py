@@ -18,12 +18,12 @@ import torch
 
 from kvdiet.formats import native
 from kvdiet.model import gemv
-from kvdiet.model.layers import kernels_agree, rope_kernels
+from kvdiet.model.layers import RMSNorm, kernels_agree, rope_kernels
+from kvdiet.model.linear import Linear
 from kvdiet.model.member import member, overridden
 
 if TYPE_CHECKING:
-    from kvdiet.model.layers import RMSNorm, Rotation
-    from kvdiet.model.linear import Linear
+    from kvdiet.model.layers import Rotation
     from kvdiet.model.moe import Expert
 
 __all__ = ["expert_groups", "fused_kernels", "project_out_rows", "project_rows"]
@@ -33,10 +33,10 @@ def fused_kernels(
     x: torch.Tensor, w_a: Linear, w_b: Linear | None, rope_dim: int, norm: RMSNorm | None = None
 ) -> ModuleType | None:
     """The compiled kernels where a projection of ``x`` through ``w_a`` (``norm``, ``w_b``) that rotates
-    ``rope_dim`` dims may run in them: 1..16 fp32 CPU rows, no autograd, dense weights, no module that a call
-    would run more than its class's ``forward`` of (`kvdiet.model.member.overridden`: a hook is honoured by the
-    module path), the kernels built and the rotation kernel checked for that ``rope_dim``
-    (`kvdiet.model.layers.rope_kernels`); else None."""
+    ``rope_dim`` dims may run in them: 1..16 fp32 CPU rows, no autograd, dense weights, each module exactly a
+    `Linear` / `RMSNorm` with no hook and no ``forward`` of its own (`kvdiet.model.member.overridden`: a
+    subclass's or a hook's code runs on the module path), the kernels built and the rotation kernel checked for
+    that ``rope_dim`` (`kvdiet.model.layers.rope_kernels`); else None."""
     if (
         torch.is_grad_enabled()
         or x.dtype != torch.float32
@@ -44,9 +44,11 @@ def fused_kernels(
         or not 1 <= x.shape[0] <= gemv.ROWS_MAX
     ):
         return None
-    if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
+    if overridden(w_a, Linear) or (w_b is not None and overridden(w_b, Linear)):
         return None
-    if any(m is not None and overridden(m) for m in (w_a, w_b, norm)):
+    if norm is not None and overridden(norm, RMSNorm):
+        return None
+    if w_a.storage != "dense" or (w_b is not None and w_b.storage != "dense"):
         return None
     return rope_kernels(rope_dim)
 

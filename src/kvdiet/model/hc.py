@@ -99,7 +99,7 @@ def sublayer_entry(
         and h.dtype == torch.float32
         and h.dim() == 3
         and h.shape[0] <= MAX_MIX_ROWS
-        and not overridden(norm)  # a hook on the norm runs on the module path
+        and not overridden(norm, RMSNorm)  # a hook or wrapper on the norm runs on the module path
     ):
         kernels, mix = _entry_kernels()
         entered = None

@@ -51,16 +51,17 @@ class Indexer(nn.Module):
         self.k_norm = RMSNorm(index_head_dim, eps) if owns_keys else None
         self.softmax_scale = (index_head_dim**-0.5) * (n_heads**-0.5)
 
-    def keys(self, latent: torch.Tensor, rot: Rotation) -> torch.Tensor:
+    def keys(self, latent: torch.Tensor, rot: Rotation, *, decode_step: bool = False) -> torch.Tensor:
         """Index keys fp32 [M, d] (after RoPE, before storage) of pre-RoPE ``latent`` [M, head_dim]; ``rot``: the
         layer's ``rope.at(group_pos [M])``, each group's first position.
 
-        A decode step's groups (1..16 rows) run in one compiled call where `project_rows` applies (no hook on
-        ``wk`` or ``k_norm``: `fused_rows.fused_kernels`): the same kernel calls in the same order, so the same
-        bits."""
+        ``decode_step``: the groups a batched decode step closes (1..16 rows); they run in one compiled call
+        where `project_rows` applies (no hook on ``wk`` or ``k_norm``: `fused_rows.fused_kernels`), the same
+        kernel calls in the same order, so the same bits. Prefill and the reference (`kvdiet.model.reference`)
+        take the modules, so the reference stays independent of that kernel."""
         mods = self._modules  # no nn.Module attribute fallback (about a microsecond a lookup)
         wk, k_norm = mods["wk"], mods["k_norm"]
-        fused = project_rows(latent, wk, k_norm, None, 1, self.index_head_dim, rot)
+        fused = project_rows(latent, wk, k_norm, None, 1, self.index_head_dim, rot) if decode_step else None
         return rot.apply(k_norm(wk(latent))) if fused is None else fused[1]
 
     def queries(

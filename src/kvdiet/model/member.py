@@ -1,6 +1,6 @@
 """`member`: a module's parameter or buffer, read without nn.Module's attribute fallback where it can be; and
-`overridden`: whether a call of a module runs more than its class's ``forward`` (the rule by which the decode
-step's compiled paths may stand in for a module call).
+`overridden`: whether a call of a module runs more than a given class's ``forward`` (the rule by which the
+decode step's compiled paths may stand in for a module call).
 
 The decode step reads some 260 weights a step; ``module.weight`` goes through ``nn.Module.__getattr__`` (about a
 microsecond each), the module's own dicts take a tenth of that."""
@@ -32,11 +32,13 @@ def member(module: nn.Module, name: str) -> torch.Tensor | None:
     return getattr(module, name)
 
 
-def overridden(module: nn.Module) -> bool:
-    """Whether calling ``module`` would run more than its class's ``forward``: a ``forward`` set on the instance,
-    or a forward hook (its own, or one registered for every module)."""
+def overridden(module: nn.Module, cls: type[nn.Module]) -> bool:
+    """Whether calling ``module`` would run more than ``cls.forward``, the code a compiled path stands in for:
+    ``module`` of another class (a subclass, e.g. a wrapper, has its own ``forward``), a ``forward`` set on the
+    instance, or a forward hook (its own, or one registered for every module)."""
     return bool(
-        "forward" in module.__dict__
+        type(module) is not cls
+        or "forward" in module.__dict__
         or module._forward_hooks
         or module._forward_pre_hooks
         or nn_module._global_forward_hooks
