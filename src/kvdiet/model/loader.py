@@ -126,8 +126,8 @@ def load_weights(model: Transformer, path: str | Path, *, numerics: str = "auto"
     ckpt = Checkpoint.open(path)
     chosen = resolve_numerics(numerics, _quantization_config(ckpt), has_quantized=_has_quantized(ckpt))
     plan = match_tensors(model, ckpt, block=_block(ckpt), lazy_experts=False)
+    _check_activation_blocks(model.cfg, ckpt, plan, chosen)  # before reading any tensor
     staged = [(step, step.read(ckpt, chosen)) for step in plan]  # read everything before touching the model
-    _check_activation_blocks(model.cfg, ckpt, plan, chosen)
     for step, values in staged:
         step.apply(values)
     return LoadReport(chosen, _count_linears(model), len(ckpt.skipped), False, (), ckpt.nbytes)
