@@ -279,11 +279,9 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
             [tails[b] for b in done], _rows(kv, done), _rows(score, done)
         )
         kv = pool_groups(group_kv, group_score, r)
-    latent = comp.norm(kv)
-    keys = attn.codecs.index_key.encode_deferred(
-        attn.indexer.keys(latent, rot, decode_step=True), plan.pending
-    )
-    main = attn.codecs.main.encode_deferred(attn.compressed_entries(latent, rot), plan.pending)
+    latent, codecs = comp.norm(kv), attn.codecs
+    keys = codecs.index_key.encode_deferred(attn.indexer.keys(latent, rot, decode_step=True), plan.pending)
+    main = codecs.main.encode_deferred(attn.compressed_entries(latent, rot), plan.pending)
     plan.check_pending()  # before any entry is written
     # a replay never rewrites held entries; the new ones go in one copy per kind
     new = [m for m, b in enumerate(done) if segs[b].state.main[layer].is_next(segs[b].state.num_tokens // r)]
