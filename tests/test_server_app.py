@@ -362,6 +362,40 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, mes
     assert status == 200 and ok["usage"]["completion_tokens"] == 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": [0, 129280]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["x", ""]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [200000]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"+1": 5}}, "logit_bias"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+        ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "min_p"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": [], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9999},
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [200000]},
+            "stop_token_ids",
+        ),
+    ],
+)
+def test_request_refusals_name_the_field_that_caused_them(mini, path, body, param) -> None:
+    """Each refusal at the request's level (past the body schema) has the faulty field as its ``param``."""
+    status, err = _post(mini[0], path, body)
+    assert (status, err["error"]["param"]) == (400, param), err
+
+
 def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> None:
     """A prompt too long for max_model_len 4096 is refused in `LLM.generate`'s words, ``param`` the request's
     own field; a completion that sent no max_tokens is told the 16 is the default (OpenAI's), one that sent 16
@@ -581,6 +615,21 @@ def test_a_model_without_a_tokenizer_returns_token_ids_unasked() -> None:
         )
         assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == want
         assert not any("prompt_token_ids" in ch.model_extra for ch in chunks)  # unstreamed only (README)
+
+
+def test_a_model_without_a_tokenizer_refuses_stop_strings_and_chat_by_field() -> None:
+    """v4.1-micro has no tokenizer: stop strings are refused against ``stop`` (the prompt is fine), and chat,
+    which has no template without one, names no field (none of the body's would fix it)."""
+    args = EngineArgs(model="v4.1-micro", cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20))
+    with running_server(args, "micro") as (base, loop):
+        status, err = _post(base, "/v1/completions", {"prompt": [1, 2, 3], "stop": ["x"]})
+        assert (status, err["error"]["param"]) == (400, "stop"), err
+        assert err["error"]["message"].startswith("stop strings need a tokenizer")
+        status, err = _post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        assert (status, err["error"]["param"]) == (400, None), err
+        assert "no tokenizer" in err["error"]["message"]
+        status, ok = _post(base, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0})
+        assert status == 200 and ok["choices"][0]["token_ids"] == _solo(loop, [1, 2, 3], 1)
 
 
 def test_metrics_export_the_global_pool_as_its_own_tier() -> None:

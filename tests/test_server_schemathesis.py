@@ -176,6 +176,7 @@ def test_a_wrong_type_in_a_union_field_is_one_sentence(
 
 
 _USER = {"role": "user", "content": "x"}
+_TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
 @pytest.mark.parametrize(
@@ -216,6 +217,22 @@ _USER = {"role": "user", "content": "x"}
             [{"role": "assistant", "content": "a", "tool_calls": [{"id": "c", "type": "function"}]}, _USER],
             "messages.0.tool_calls",
             "messages.0.tool_calls: tool calls are not supported by kvdiet (only null or [] is taken)",
+        ),
+        (  # the OpenAI SDK's tool-call turn sent back: null content is OpenAI's rule beside tool_calls
+            [_USER, {"role": "assistant", "content": None, "tool_calls": [_TOOL_CALL]}, _USER],
+            "messages.1.tool_calls",
+            "messages.1.tool_calls: tool calls are not supported by kvdiet (only null or [] is taken)",
+        ),
+        (
+            [_USER, {"role": "assistant", "function_call": _TOOL_CALL["function"]}, _USER],
+            "messages.1.function_call",
+            "messages.1.function_call: function calls are not supported by kvdiet (only null or [] is taken)",
+        ),
+        (  # a content bad in itself is named too, after the tool key
+            [{"role": "assistant", "content": 5, "tool_calls": [_TOOL_CALL]}, _USER],
+            "messages.0.tool_calls",
+            "messages.0.tool_calls: tool calls are not supported by kvdiet (only null or [] is taken); "
+            "messages.0.content: must be a string or a list of content parts (objects) (got a number)",
         ),
         (
             [{"role": "assistant", "content": "a", "refusal": "no"}, _USER],

@@ -275,13 +275,18 @@ def _known_role(role: str) -> str:
     return role
 
 
+def _empty(value: Any) -> bool:
+    """Whether an unimplemented assistant key's value is one kvdiet takes: null or an empty list."""
+    return value is None or (isinstance(value, list) and not value)
+
+
 def _empty_only(what: str) -> BeforeValidator:
     """A key of OpenAI's assistant message that kvdiet does not implement: null or an empty list is taken (a
     client that sends a reply's message back, as the OpenAI SDK's ``message.model_dump()`` gives it, sends
     ``"refusal": null``, ``"tool_calls": null``), anything else is refused at the key's path."""
 
     def check(value: Any) -> None:
-        if value is None or (isinstance(value, list) and not value):
+        if _empty(value):
             return None
         raise PydanticCustomError(
             "unsupported", "{what} are not supported by kvdiet (only null or [] is taken)", {"what": what}
@@ -295,31 +300,48 @@ _PART_SCHEMA = TextPart.model_json_schema()
 
 class ChatMessage(BaseModel):
     """One message, as OpenAI's chat API takes it: ``role``, ``content`` (required: a string or a list of text
-    parts; OpenAI lets an assistant message omit it only beside ``tool_calls``, which kvdiet does not take)
-    and the optional participant ``name`` (accepted; DeepSeek's template has no place for it). The keys of
-    OpenAI's assistant message for features kvdiet lacks (``refusal``, ``tool_calls``, ``function_call``,
-    ``audio``, ``annotations``) and the OpenAI SDK's ``parsed`` (its stream and parse helpers' replies) are taken
-    only as null or [], so a reply's message can be sent back; any other value, and any other key, is refused,
-    named by its path (``messages.0.tool_calls``, ``messages.0.foo``)."""
+    parts; OpenAI lets an assistant message give it null or omit it only beside ``tool_calls``, which kvdiet
+    does not take: such a message is refused for its ``tool_calls``) and the optional participant ``name``
+    (accepted; DeepSeek's template has no place for it). The keys of OpenAI's assistant message for features
+    kvdiet lacks (``refusal``, ``tool_calls``, ``function_call``, ``audio``, ``annotations``) and the OpenAI
+    SDK's ``parsed`` (its stream and parse helpers' replies) are taken only as null or [], so a reply's message
+    can be sent back; any other value, and any other key, is refused, named by its path
+    (``messages.0.tool_calls``, ``messages.0.foo``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Annotated[StrictStr, AfterValidator(_known_role)]
+    # OpenAI's assistant-message keys for features kvdiet does not have, taken only empty (a reply sent back);
+    # the tool keys are validated before content, so their refusal is the error's first (its param)
+    tool_calls: Annotated[None, _empty_only("tool calls")] = None
+    function_call: Annotated[None, _empty_only("function calls")] = None
     content: Annotated[
         list[TextPart],
         BeforeValidator(_content_parts),
         WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART_SCHEMA}]}),
     ]
     name: StrictStr | None = None
-    # OpenAI's assistant-message keys for features kvdiet does not have, taken only empty (a reply sent back)
     refusal: Annotated[None, _empty_only("refusals")] = None
-    tool_calls: Annotated[None, _empty_only("tool calls")] = None
-    function_call: Annotated[None, _empty_only("function calls")] = None
     audio: Annotated[None, _empty_only("audio replies")] = None
     annotations: Annotated[None, _empty_only("annotations")] = None
     # the OpenAI SDK's own key on a reply from its ``chat.completions.stream`` / ``parse`` helpers
     # (`ParsedChatCompletionMessage`), sent back with the message: null without a response_format
     parsed: Annotated[None, _empty_only("parsed structured outputs")] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def tool_calls_excuse_content(cls, data: Any) -> Any:
+        """A message with a non-empty ``tool_calls`` or ``function_call`` is refused for that key alone: OpenAI
+        lets such a message give ``content`` null or leave it out, so its content is not the fault (the
+        empty content put in its place is never used: the tool key's refusal fails the message)."""
+        tools = ("tool_calls", "function_call")
+        if (
+            isinstance(data, dict)
+            and data.get("content") is None
+            and not all(_empty(data.get(k)) for k in tools)
+        ):
+            return data | {"content": ""}
+        return data
 
 
 class ChatCompletionRequest(_Common):

@@ -255,18 +255,18 @@ def _prepare(
     field: str = "prompt",
     max_tokens_origin: str = "",
 ) -> PreparedRequest:
-    """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 naming the field. A length refusal
-    (`ContextLengthError`) names ``field`` (the request's ``prompt`` or ``messages``) and, beside a max_tokens
-    the client did not send as ``max_tokens`` (a default, or a chat's ``max_completion_tokens``),
-    ``max_tokens_origin``."""
+    """Validate the request once (`LLMEngine.prepare`); a refusal is a 400 whose ``param`` is the field that
+    caused it (`InvalidRequestError.param`: ``stop``, ``stop_token_ids``, ``logit_bias``), with the prompt's
+    faults (length included) named as ``field`` (the request's ``prompt`` or ``messages``). A length refusal
+    (`ContextLengthError`) also names, beside a max_tokens the client did not send as ``max_tokens`` (a
+    default, or a chat's ``max_completion_tokens``), ``max_tokens_origin``."""
     try:
         return ctx.loop.engine.prepare(prompt, params)
     except ContextLengthError as exc:
         message = str(exc.with_origin(max_tokens_origin) if max_tokens_origin else exc)
         raise ApiError(message, param=field) from None
     except InvalidRequestError as exc:
-        # stop strings on a model without a tokenizer have always been reported against the prompt
-        raise ApiError(str(exc), param="prompt" if exc.param == "stop" else exc.param) from None
+        raise ApiError(str(exc), param=field if exc.param == "prompt" else exc.param) from None
 
 
 def _sampling(body: _Common, max_tokens: int) -> SamplingParams:
