@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,9 @@ def test_the_server_start_up_log_says_which_numerics_run(released: Path) -> None
     model, _ = load_model(None, weights=released, expert_cache_bytes=10_000)
     line = weights_line(model)
     assert "fp8 numerics (FP8 activations before every FP8/FP4 linear" in line
-    assert "linears 22 dense, 69 fp8, 108 fp4" in line and "cache 0.00 GB" in line
+    assert "linears 22 dense, 69 fp8, 108 fp4" in line and line.endswith("cache 10.00 KB")  # not "0.00 GB"
+    size = sum(f.stat().st_size for f in released.glob("*.safetensors"))  # and headers (5% of it here)
+    shown = re.match(r"weights: (\d+\.\d\d) MB checkpoint; ", line)
+    assert shown and 0.9 * size < float(shown[1]) * 1e6 <= size, (line, size)
     model, _ = load_model(None, weights=released, numerics="bf16")
     assert "bf16 numerics (weights dequantised, plain fp32 matmuls)" in weights_line(model)

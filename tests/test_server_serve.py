@@ -158,3 +158,21 @@ def test_a_bad_block_size_fails_before_the_model_loads() -> None:
     assert proc.returncode == 2
     assert "--block-size: block size 3 must be a positive multiple of every compress ratio" in proc.stderr
     assert "loading" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        (["--weights", "ckpt/DeepSeek-V4.1-Flash"], "ckpt/DeepSeek-V4.1-Flash"),  # the path as given, as vLLM
+        (["--weights", "ckpt/w", "--model", "v4.1-micro"], "v4.1-micro"),
+        (["--weights", "ckpt/w", "--served-model-name", "flash"], "flash"),
+        ([], None),  # the default model's own name, once it is chosen
+    ],
+)
+def test_a_checkpoint_is_served_under_its_path_as_given(flags: list[str], name: str | None) -> None:
+    """``serve --weights DIR`` names the model ``DIR`` (vLLM serves a path under the path given), not the
+    ``DIR/config.json`` its config is read from."""
+    from kvdiet.cli import _build_parser
+    from kvdiet.server.serve import served_model_name
+
+    assert served_model_name(_build_parser().parse_args(["serve", *flags])) == name

@@ -25,7 +25,7 @@ from kvdiet.units import format_bytes
 if TYPE_CHECKING:
     from kvdiet.engine.loop import EngineLoop
 
-__all__ = ["add_serve_parser", "default_persistent_dir", "run_serve"]
+__all__ = ["add_serve_parser", "default_persistent_dir", "run_serve", "served_model_name"]
 
 log = logging.getLogger("kvdiet.serve")
 
@@ -63,7 +63,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         help="preset or V4.1 / V4-Flash config path (default: the config.json beside --weights, else v4.1-mini)",
     )
-    p.add_argument("--served-model-name", help="name clients use in 'model' (default: --model)")
+    p.add_argument(
+        "--served-model-name",
+        help="name clients use in 'model' (default: --model as given, else the --weights path as given, as vLLM "
+        "names a model by the path it serves)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -112,11 +116,12 @@ def run_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    name = served_model_name(args)  # before --model is filled in from --weights' config.json
     engine_args = EngineArgs.from_cli_args(
         args, scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
     )
     engine_args.validate()  # every flag is checked before the port is bound
-    name = args.served_model_name or args.model
+    name = name or args.model  # no model named: the default one
     sock = _bind(args.host, args.port)  # a busy port or a bad host fails now, before the model loads
     log.info(
         "loading %s (seed %d%s)", args.model, args.seed, f", weights {args.weights}" if args.weights else ""
@@ -170,6 +175,14 @@ class _AbortingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def served_model_name(args: argparse.Namespace) -> str | None:
+    """The name clients use in ``model``: ``--served-model-name``, else ``--model`` as given, else the
+    ``--weights`` path as given (vLLM's default: the model argument, a checkpoint's folder); None when none of
+    them is given (the default model's name is then the name). Read before ``--model`` is filled in from the
+    folder's ``config.json`` (`kvdiet.engine.args.resolve_model`)."""
+    return args.served_model_name or args.model or (str(args.weights) if args.weights else None)
+
+
 def startup_report(engine: object) -> list[str]:
     """The start-up lines: KV-cache budget (blocks, tokens, bytes), maximum concurrency at max_model_len,
     the tiers and the policy."""
@@ -221,9 +234,9 @@ def weights_line(model: object) -> str:
         else "weights dequantised, plain fp32 matmuls"
     )
     line = (
-        f"weights: {report.checkpoint_bytes / 1e9:,.2f} GB checkpoint; {report.numerics} numerics ({what}); "
+        f"weights: {format_bytes(report.checkpoint_bytes)} checkpoint; {report.numerics} numerics ({what}); "
         f"linears {linears}"
     )
     if report.expert_cache is not None:
-        line += f"; routed experts read on first use, cache {report.expert_cache.budget_bytes / 1e9:,.2f} GB"
+        line += f"; routed experts read on first use, cache {format_bytes(report.expert_cache.budget_bytes)}"
     return line
