@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,29 @@ def test_fp8_numerics_refuse_a_quantised_linear_of_partial_activation_blocks(tmp
     model, report = load_checkpoint(tmp_path, numerics="bf16")  # dequantised weights take any width
     logits = model.prefill(model.new_state(), [3, 4, 5])
     assert report.numerics == "bf16" and logits.shape == (64,) and bool(torch.isfinite(logits).all())
+
+
+def test_random_checkpoint_of_any_head_dim_runs_with_the_caches_that_take_it(tmp_path: Path) -> None:
+    """A checkpoint does not depend on the cache format: head_dim 48 is written, then runs with exact (fp32)
+    caches and is refused only by the packed ones (whole 32-value scale blocks), when they are built."""
+    cfg = load_config("v4.1-micro").replace(head_dim=48)
+    write_random_checkpoint(cfg, tmp_path, seed=0)
+    model, _ = load_checkpoint(tmp_path, exact=True, numerics="bf16")
+    logits = model.prefill(model.new_state(), [3, 4, 5])
+    assert logits.shape == (64,) and bool(torch.isfinite(logits).all())
+    with pytest.raises(ValueError, match="head_dim 48 is not a multiple of 32"):
+        load_checkpoint(tmp_path)
+
+
+def test_random_checkpoint_files_follow_the_umask(tmp_path: Path) -> None:
+    """Every file the writer creates gets 0666 less the umask, as ``open`` gives (safetensors writes a
+    0600 temporary file and renames it)."""
+    cfg = load_config("v4.1-micro").replace(engram_compressed_vocab_size=40)  # also writes the token map
+    old = os.umask(0o027)
+    try:
+        write_random_checkpoint(cfg, tmp_path, seed=0, shard_bytes=200_000)
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in tmp_path.iterdir()}
+    assert len(modes) > 4 and "engram_token_map.safetensors" in modes  # several shards, index, config, map
+    assert set(modes.values()) == {0o640}, modes

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.device import check_device
+from kvdiet.model.checkpoint_token_map import TOKEN_MAP_FILE, find_token_map, placeholder_token_map
 from kvdiet.model.engram_hash import compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
@@ -41,11 +44,12 @@ def load_model(
     as ``model.load_report``. The model is built on the host and placed on ``device`` (``cpu``, ``cuda``,
     ``cuda:N``; `kvdiet.model.placement.place`). The tokenizer is the checkpoint's ``tokenizer.json`` when it
     has one, else the real DeepSeek tokenizer for configs of its vocabulary size (129,280); smaller test
-    configs get none (prompts are then token ids).
+    configs get none (prompts are then token ids). An Engram config's compressed-token map comes from the
+    checkpoint folder or the tokenizer (`_engram_token_map`; `kvdiet.model.checkpoint_token_map`).
 
     Raises:
-        ConfigError: not a DeepSeek-V4-family config, no config at all, or V4-Flash with ``weights`` (its
-            released checkpoint does not load yet).
+        ConfigError: not a DeepSeek-V4-family config, no config at all, V4-Flash with ``weights`` (its
+            released checkpoint does not load yet), or a checkpoint whose Engram map is nowhere to be found.
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
         ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`).
@@ -69,14 +73,7 @@ def load_model(
             )
         model = V4Transformer.from_config(cfg, seed=seed, exact=exact)
         return place(model, device), tokenizer
-    token_map = None
-    if tokenizer is not None and cfg.engram_layer_ids:
-        token_map, _ = compressed_token_map(tokenizer)
-    elif weights is not None and cfg.engram_layer_ids and cfg.engram_compressed_vocab_size != cfg.vocab_size:
-        raise ConfigError(
-            f"{weights}: Engram needs the compressed-token map of the tokenizer, and no tokenizer.json is "
-            f"beside the weights (vocabulary {cfg.vocab_size:,}, not DeepSeek's)"
-        )
+    token_map = _engram_token_map(cfg, weights, tokenizer) if cfg.engram_layer_ids else None
     if weights is None:
         model = Transformer.from_config(cfg, seed=seed, exact=exact, token_map=token_map)
         model.load_report = None
@@ -93,9 +90,44 @@ def load_model(
     return place(model, device), tokenizer
 
 
+def _folder(weights: str | Path | None) -> Path | None:
+    """The checkpoint folder of ``weights`` (a folder, or a file in one)."""
+    return None if weights is None else (Path(weights) if Path(weights).is_dir() else Path(weights).parent)
+
+
 def _tokenizer_for(cfg: ModelConfig, weights: str | Path | None) -> Tokenizer | None:
     """The checkpoint's own ``tokenizer.json`` when it has one, else DeepSeek's for its vocabulary size."""
-    folder = None if weights is None else (Path(weights) if Path(weights).is_dir() else Path(weights).parent)
+    folder = _folder(weights)
     if folder is not None and (folder / "tokenizer.json").is_file():
         return Tokenizer(folder / "tokenizer.json")
     return Tokenizer.deepseek() if cfg.vocab_size == 129_280 else None
+
+
+def _engram_token_map(
+    cfg: ModelConfig, weights: str | Path | None, tokenizer: Tokenizer | None
+) -> torch.Tensor | None:
+    """The Engram compressed-token map (int64 [vocab_size]) in `kvdiet.model.checkpoint_token_map`'s order:
+    the checkpoint's ``tokenizer.json``, its stored map, then DeepSeek's tokenizer for its vocabulary; random
+    weights without a tokenizer take the placeholder `write_random_checkpoint` writes; None where the config
+    needs no map (``engram_compressed_vocab_size`` = ``vocab_size``: the identity).
+
+    Raises:
+        ConfigError: a checkpoint needing a map, with no tokenizer and no stored map (what to add is named).
+        ValueError: a damaged ``engram_token_map.safetensors``.
+    """
+    folder = _folder(weights)
+    own_tokenizer = folder is not None and (folder / "tokenizer.json").is_file()
+    if not own_tokenizer and folder is not None and (found := find_token_map(folder)) is not None:
+        return found[0]
+    if tokenizer is not None:
+        return compressed_token_map(tokenizer)[0]
+    if weights is None:
+        return placeholder_token_map(cfg)
+    if cfg.engram_compressed_vocab_size == cfg.vocab_size:
+        return None
+    raise ConfigError(
+        f"{weights}: Engram needs a compressed-token map (engram_compressed_vocab_size "
+        f"{cfg.engram_compressed_vocab_size:,} != vocab_size {cfg.vocab_size:,}, not DeepSeek's vocabulary) and "
+        f"the folder has none: add the model's tokenizer.json, or the map as {TOKEN_MAP_FILE} (tensor "
+        f"engram.token_map, int64 [{cfg.vocab_size}]; kvdiet.model.checkpoint_token_map.save_token_map)"
+    )

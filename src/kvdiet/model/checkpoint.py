@@ -2,7 +2,8 @@
 
 Layouts: one ``.safetensors`` file; a folder with shards listed in ``model.safetensors.index.json`` (the
 Hugging Face layout DeepSeek releases); a folder with ``model.safetensors`` (other files beside it, such as
-reference outputs, are not weights); or a folder of ``*.safetensors`` files. ``config.json`` sits beside. The format is
+reference outputs, are not weights); or a folder of ``*.safetensors`` files (but the reference outputs and
+the Engram token map, `kvdiet.model.checkpoint_token_map`). ``config.json`` sits beside. The format is
 an 8-byte little-endian header length, a JSON header (``{name: {dtype, shape, data_offsets}}``) and the raw
 bytes (safetensors specification). Headers are parsed once; a tensor is read with positioned reads
 (``os.preadv``) straight into a fresh tensor, so what stays in this process is what the caller keeps — the
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvdiet.model.checkpoint_token_map import REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE
 
 __all__ = ["ROUTED_EXPERT", "Checkpoint", "TensorInfo", "WeightsError", "reference_name"]
 
@@ -194,7 +197,9 @@ def _shard_files(path: Path) -> list[Path]:
         return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    shards = sorted(path.glob("*.safetensors"))
+    shards = sorted(
+        f for f in path.glob("*.safetensors") if f.name not in (REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE)
+    )
     if not shards:
         raise FileNotFoundError(f"no safetensors checkpoint at {path}")
     return shards

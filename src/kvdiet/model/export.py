@@ -14,12 +14,17 @@ Storage by tensor (v41-spec §10; the census of ``shared/golden/tiny-fp8``); eve
 
 `save_checkpoint` writes a model; `write_random_checkpoint` writes seeded random weights for any config one
 shard at a time, without building the model (a checkpoint larger than memory, for loader tests and
-benchmarks). The loader (`kvdiet.model.loader`) reads both back.
+benchmarks). The loader (`kvdiet.model.loader`) reads both back. Where the config's Engram needs a
+compressed-token map (``engram_compressed_vocab_size`` ≠ ``vocab_size``) the map the weights were made with
+(the model's, or the random weights' placeholder) is written beside them as ``engram_token_map.safetensors``
+(`kvdiet.model.checkpoint_token_map`), so the folder loads without a tokenizer. Every file is created with the
+process's umask, as ``open`` creates files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvdiet.config import ModelConfig
+from kvdiet.model.checkpoint_token_map import TOKEN_MAP_FILE, placeholder_token_map, save_token_map
 from kvdiet.model.engram import Fp8Embedding
 from kvdiet.model.linear import FP4_BLOCK, Linear, quantize_fp4_weight, quantize_fp8_weight
 from kvdiet.model.transformer import Transformer
@@ -86,6 +92,7 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, shard_bytes: i
     """
     check_fp4_experts(model.cfg)
     ratios = {f"layers.{b.info.layer_id}.": b.info.compress_ratio for b in model.layers}
+    token_map = model.hasher.token_map if placeholder_token_map(model.cfg) is not None else None
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for prefix, module in model.named_modules():
@@ -94,7 +101,7 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, shard_bytes: i
             ratio = next((r for p, r in ratios.items() if prefix.startswith(p)), 0)
             yield from stored_tensors(prefix, module, ratio=ratio)
 
-    return _write(model.cfg, Path(directory), tensors(), shard_bytes)
+    return _write(model.cfg, Path(directory), tensors(), shard_bytes, token_map=token_map)
 
 
 def write_random_checkpoint(
@@ -102,17 +109,19 @@ def write_random_checkpoint(
 ) -> Path:
     """Seeded random weights for ``cfg`` in the released layout, written shard by shard (peak memory about
     one shard plus the largest tensor): matrices N(0, 0.02²) quantised as stored, routed experts as random
-    FP4 codes with unit scales, norms 1, biases and sinks 0, Engram tables random FP8 rows.
+    FP4 codes with unit scales, norms 1, biases and sinks 0, Engram tables random FP8 rows; the Engram token
+    map, where one is needed, the placeholder (`placeholder_token_map`), stored beside them.
 
     Raises:
-        ValueError: routed experts too narrow for FP4 (`check_fp4_experts`); nothing is written then.
+        ValueError: routed experts too narrow for FP4 (`check_fp4_experts`); nothing is written then. Nothing
+            else is refused here: what the cache formats need (``head_dim`` a multiple of 32 for packed
+            caches) is checked when a model is run, with the caches it runs with.
     """
     check_fp4_experts(cfg)
-    meta = Transformer(
-        cfg,
-        meta=True,
-        token_map=_placeholder_token_map(cfg),
-    )
+    token_map = placeholder_token_map(cfg)
+    # the model is built (on meta) only for its tensors' names and shapes; they depend on neither the cache
+    # format (fp32 caches take any head_dim) nor the Engram token map
+    meta = Transformer(cfg, meta=True, exact=True, token_map=token_map)
     ratios = {f"layers.{b.info.layer_id}.": b.info.compress_ratio for b in meta.layers}
     gen = torch.Generator().manual_seed(seed)
     byte_gen = np.random.default_rng(seed)  # random FP4 codes: the bulk of the bytes, fast
@@ -158,7 +167,7 @@ def write_random_checkpoint(
                         value = torch.ones(p.shape)
                     yield full, value.to(torch.float32 if _F32.search(full) else torch.bfloat16)
 
-    return _write(cfg, Path(directory), tensors(), shard_bytes)
+    return _write(cfg, Path(directory), tensors(), shard_bytes, token_map=token_map)
 
 
 def check_fp4_experts(cfg: ModelConfig) -> None:
@@ -177,22 +186,19 @@ def check_fp4_experts(cfg: ModelConfig) -> None:
             )
 
 
-def _placeholder_token_map(cfg: ModelConfig) -> torch.Tensor | None:
-    """An Engram compressed-token map using all ``engram_compressed_vocab_size`` ids (token i → i·C // V), or
-    None where none is needed: the stored weights do not depend on the map, but the model is built with one
-    (`kvdiet.model.engram_hash` checks that it names every compressed id)."""
-    if not cfg.engram_layer_ids or cfg.engram_compressed_vocab_size == cfg.vocab_size:
-        return None
-    return (
-        torch.arange(cfg.vocab_size, dtype=torch.int64) * cfg.engram_compressed_vocab_size // cfg.vocab_size
-    )
-
-
 def _write(
-    cfg: ModelConfig, out: Path, tensors: Iterator[tuple[str, torch.Tensor]], shard_bytes: int
+    cfg: ModelConfig,
+    out: Path,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shard_bytes: int,
+    *,
+    token_map: torch.Tensor | None,
 ) -> Path:
-    """Shards of at most ``shard_bytes`` (a larger tensor gets its own), the index and ``config.json``."""
+    """Shards of at most ``shard_bytes`` (a larger tensor gets its own), the index, ``config.json`` and, when
+    given, the Engram ``token_map``. safetensors' ``save_file`` writes a private temporary file (mode 0600)
+    and renames it; each such file gets the mode ``open`` would have given it (0666 less the umask)."""
     out.mkdir(parents=True, exist_ok=True)
+    mode = 0o666 & ~_umask()
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors:
@@ -209,6 +215,7 @@ def _write(
     for i, group in enumerate(groups, start=1):
         shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         (out / f"part-{i:05d}").replace(out / shard)
+        (out / shard).chmod(mode)
         weight_map.update(dict.fromkeys(group, shard))
     index = {"metadata": {"writer": "kvdiet"}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
@@ -221,4 +228,15 @@ def _write(
         "expert_dtype": "fp4",
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    if token_map is not None:
+        save_token_map(out, token_map).chmod(mode)
+    else:  # a map left by an earlier write into this folder is not these weights'
+        (out / TOKEN_MAP_FILE).unlink(missing_ok=True)
     return out
+
+
+def _umask() -> int:
+    """The process's file-mode creation mask (POSIX has no call that only reads it: set and restore)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -11,7 +11,7 @@ computed from it (DeepSeek's reference for ``tiny-fp8``):
 | ``decode_tokens`` | int [N] | greedy continuation; the first is the argmax of the last prompt row |
 | ``decode_logits`` | fp32 [N, V] | after feeding ``decode_tokens[i]`` at position T+i |
 | ``select.L{l}.compress_topk`` | int [T, k] | entries row t attends at layer l, −1 = none (optional) |
-| ``engram.token_map`` | int [V] | the Engram compressed-token map used (optional) |
+| ``engram.token_map`` | int [V] | the Engram compressed-token map used (optional; else the checkpoint's) |
 | ``cache.L{l}.window_kv`` / ``compress_kv`` / ``index_k`` | fp32 | caches after the prompt, as values (opt.) |
 
 kvdiet runs the same prompt in one chunk (no decoder-side replay: the reference has none), then feeds the
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvdiet.model.checkpoint_token_map import REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE, find_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
 from kvdiet.model.rounding_ties import Tie, find_ties, flip
@@ -40,7 +41,7 @@ from kvdiet.model.transformer import Transformer
 
 __all__ = ["GoldenReport", "compare_golden", "run_golden_command"]
 
-OUTPUTS_FILE = "reference_outputs.safetensors"
+OUTPUTS_FILE = REFERENCE_OUTPUTS_FILE
 DEFAULT_TOL = 1e-3  # shared/golden/README.md
 
 
@@ -111,10 +112,13 @@ def compare_golden(
     outputs = directory / OUTPUTS_FILE
     if not outputs.is_file():
         raise FileNotFoundError(f"no {OUTPUTS_FILE} in {directory}")
-    if not any(f.name != OUTPUTS_FILE for f in directory.glob("*.safetensors")):
+    if not any(f.name not in (OUTPUTS_FILE, TOKEN_MAP_FILE) for f in directory.glob("*.safetensors")):
         raise FileNotFoundError(f"no checkpoint (safetensors weights besides {OUTPUTS_FILE}) in {directory}")
     ref = _read_outputs(outputs)
-    model, report = load_checkpoint(directory, token_map=ref.get("engram.token_map"), numerics=numerics)
+    token_map = ref.get("engram.token_map")  # the reference's own map, else the checkpoint's
+    if token_map is None and (found := find_token_map(directory)) is not None:
+        token_map = found[0]
+    model, report = load_checkpoint(directory, token_map=token_map, numerics=numerics)
     model = place(model, device)
     ref = {name: t.to(model.device) for name, t in ref.items()}
     prompt = ref["prompt_tokens"].long()
