@@ -58,7 +58,7 @@ def save_token_map(folder: str | Path, token_map: torch.Tensor) -> Path:
     if token_map.ndim != 1 or token_map.dtype.is_floating_point or token_map.dtype == torch.bool:
         raise ValueError(f"a token map is 1-D integers, got {token_map.dtype} {tuple(token_map.shape)}")
     path = Path(folder) / TOKEN_MAP_FILE
-    save_file({TOKEN_MAP_TENSOR: token_map.to(torch.int64).contiguous()}, str(path))
+    save_file({TOKEN_MAP_TENSOR: token_map.to("cpu", torch.int64).contiguous()}, str(path))
     return path
 
 
