@@ -11,6 +11,7 @@ import torch
 from kvdiet import LLM, SamplingParams
 from kvdiet.engine.args import EngineArgs
 from kvdiet.engine.generate import generate
+from kvdiet.engine.prepared import ContextLengthError
 from kvdiet.engine.runner import CacheOptions
 
 
@@ -115,3 +116,24 @@ def test_the_weights_seed_is_an_int_or_none() -> None:
     for bad in (-(2**63) - 1, 2**64):
         with pytest.raises(ValueError, match=re.escape(f"seed must be in [-2**63, 2**64), got {bad}")):
             EngineArgs(seed=bad)
+
+
+@pytest.mark.parametrize("n", [256, 257, 400])
+def test_every_prompt_that_does_not_fit_gets_the_context_length_error(llm, n) -> None:
+    """A prompt past ``max_position_embeddings`` too (257 ids on v4.1-micro, limit 256) gets the documented
+    `ContextLengthError`, not the model's position check, and before any state changes."""
+    free = llm.engine.runner.pool.blocks.num_free
+    with pytest.raises(ContextLengthError) as info:
+        llm.generate([[5] * n, [6, 7]], SamplingParams(max_tokens=1))
+    assert str(info.value) == (
+        f"prompt ({n} tokens) + max_tokens (1) = {n + 1} tokens > max_model_len 256; shorten the prompt or lower "
+        "max_tokens"
+    )
+    assert (info.value.prompt_tokens, info.value.limit, info.value.param) == (n, 256, "prompt")
+    assert not llm.engine.requests and llm.engine.runner.pool.blocks.num_free == free
+    with pytest.raises(
+        ContextLengthError, match=rf"^prompt \({n} tokens\) \+ max_tokens \(1, None: the context"
+    ):
+        llm.generate([5] * n, SamplingParams(max_tokens=None))
+    with pytest.raises(ValueError, match=rf"token id 64 at index {n} is outside the vocabulary \[0, 64\)"):
+        llm.generate([5] * n + [64])  # a bad id is still named first, as vLLM does

@@ -11,6 +11,7 @@ import torch
 from kvdiet.engine.request import Request
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import Scheduler, SchedulerConfig
+from kvdiet.setting_error import SettingError
 
 BS = 4
 
@@ -109,9 +110,15 @@ def test_an_older_request_preempts_newer_ones_until_it_fits() -> None:
     assert cache.preempted == ["b"] and [r.request_id for r in step.decodes] == ["a"]
 
 
-def test_config_errors() -> None:
-    with pytest.raises(ValueError, match="--max-num-seqs must be >= 1"):
+def test_config_errors_name_the_keyword_in_python_and_the_flag_on_the_command_line() -> None:
+    with pytest.raises(SettingError) as info:
         SchedulerConfig(max_num_seqs=0)
+    assert str(info.value) == "max_num_seqs must be >= 1, got 0"
+    assert info.value.as_flags() == "--max-num-seqs must be >= 1, got 0"
+    with pytest.raises(SettingError) as info:
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4)
+    assert str(info.value).startswith("max_num_batched_tokens (4) must be >= max_num_seqs (16) so that")
+    assert info.value.as_flags().startswith("--max-num-batched-tokens (4) must be >= --max-num-seqs (16) so")
 
 
 class DroppedHitCache(FakeCache):

@@ -85,6 +85,11 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
             "prompt (3 tokens) + max_tokens (16, --max-tokens' default) = 19 tokens > max_model_len 8",
         ),
         ("--max-model-len", "1x", "--max-model-len: cannot parse token count"),
+        (  # past max_position_embeddings too: the same refusal, not the model's position check
+            "--prompt-ids",
+            ",".join(["1"] * 257),
+            "prompt (257 tokens) + max_tokens (16, --max-tokens' default) = 273 tokens > max_position_embeddings 256",
+        ),
     ],
 )
 def test_bad_cache_flags_exit_2_with_one_line(capsys, tmp_path, flag, value, needle) -> None:

@@ -299,8 +299,10 @@ def test_fp8_numerics_refuse_a_quantised_linear_of_partial_activation_blocks(tmp
     write_random_checkpoint(cfg, tmp_path, seed=0)
     with pytest.raises(
         ConfigError, match=r"layers\.0\.attn\.wq_b\.weight takes 48 inputs, not a multiple of 32"
-    ):
+    ) as info:
         load_checkpoint(tmp_path)
+    assert str(info.value).endswith("load with numerics='bf16' or use whole blocks")  # Python's spelling
+    assert info.value.as_flags().endswith("load with --numerics bf16 or use whole blocks")  # the CLI's
     with pytest.raises(ConfigError, match="takes 48 inputs"):
         load_weights(Transformer.from_config(cfg, seed=0), tmp_path)
     model, report = load_checkpoint(tmp_path, numerics="bf16")  # dequantised weights take any width

@@ -1,17 +1,28 @@
 """kvdiet: the KV-cache system of DeepSeek-V4.1-Flash, with DeepSeek-V4-Flash as the baseline.
 
-``from kvdiet import LLM, SamplingParams`` gives the offline API (imported on first use, so the planner
-and the config tools do not load torch). ``KVDIET_SIMCORE=1`` loads the compiled simulator core
+``from kvdiet import LLM, SamplingParams`` gives the offline API, with `EngineArgs`, `CacheOptions` and
+`parse_policy` for its settings (each imported on first use, so the planner and the config tools do not load
+torch). ``KVDIET_SIMCORE=1`` loads the compiled simulator core
 (`kvdiet.sim.simcore`) before anything imports the modules it replaces.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CacheOptions", "EngineArgs", "SamplingParams", "__version__", "parse_policy"]
+
+_LAZY = {
+    "LLM": "kvdiet.engine.llm",
+    "SamplingParams": "kvdiet.engine.sampling",
+    "EngineArgs": "kvdiet.engine.args",
+    "CacheOptions": "kvdiet.cache.options",
+    "parse_policy": "kvdiet.cache.policies",
+}
+"""Public name → the module that defines it, imported on first use (`__getattr__`)."""
 
 if os.environ.get("KVDIET_SIMCORE") == "1":
     from kvdiet.sim.simcore import activate
@@ -20,12 +31,6 @@ if os.environ.get("KVDIET_SIMCORE") == "1":
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from kvdiet.engine.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from kvdiet.engine.sampling import SamplingParams
-
-        return SamplingParams
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kvdiet' has no attribute {name!r}")

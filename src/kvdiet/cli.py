@@ -25,6 +25,7 @@ from kvdiet.engine.command import add_generate_parser, run_generate
 from kvdiet.fidelity.command import add_fidelity_parser, run_fidelity
 from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve
+from kvdiet.setting_error import SettingError
 from kvdiet.sim.command import add_replay_parser, run_replay
 from kvdiet.threads import add_threads_arg, bound_spinning, check_threads, set_threads
 
@@ -147,7 +148,8 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         hint = (
             " (the KV cache is full: raise --kv-cache-memory)" if isinstance(exc, NoFreeBlocksError) else ""
         )
-        print(f"kvdiet {args.command}: error: {exc}{hint}", file=sys.stderr)
+        said = exc.as_flags() if isinstance(exc, SettingError) else exc  # flags, not keywords
+        print(f"kvdiet {args.command}: error: {said}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl+C: one line and the shell's status for SIGINT, no traceback
         print(f"kvdiet {args.command}: interrupted", file=sys.stderr)

@@ -4,11 +4,12 @@ command line can build and check them without loading the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiet.cache.policies import BoundedReplay, SwaPolicy
-from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
+from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, SwaPolicy, parse_policy
+from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -40,7 +41,8 @@ class CacheOptions:
 
     Attributes:
         kv_cache_memory: device-pool budget in bytes; the pool holds ``budget // block_bytes`` blocks.
-        block_size: tokens per block (a multiple of every compress ratio).
+        block_size: tokens per block (a multiple of every compress ratio); None: the model's default
+            (`for_model`: 64 for V4.1, 128 for V4-Flash).
         persistent_dir: directory of the persistent tier (None: no persistent tier).
         persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
         swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default), Redis URLs, one or
@@ -52,15 +54,21 @@ class CacheOptions:
             device pool and before the persistent tier, written through like it (None: none).
         global_pool_size / global_pool_ttl_s: the segment this process gives the global pool in bytes (None:
             10% of host RAM; 0: none) and its TTL in seconds.
-        policy: the SWA policy (DESIGN.md §5).
+        policy: the SWA policy (DESIGN.md §5): a `SwaPolicy`, or its ``--swa-policy`` name as a string
+            (``"full-store"``, ``"checkpoint:1024"``; parsed by `kvdiet.cache.policies.parse_policy`, whose
+            ValueError it raises); None: the model's default (`for_model`: bounded-replay for V4.1,
+            boundary-snapshot for V4-Flash).
         decoder_replay: run decoder layers only on each prefill chunk's last W rows (v41-spec §7.1);
             forced off under ``full-store``, which keeps every token's window entries.
         prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
         cache_salt: optional salt mixed into every block hash (tenant isolation).
+    Raises:
+        ValueError: a policy string `parse_policy` refuses. TypeError: a policy neither a `SwaPolicy`, a
+            string nor None.
     """
 
     kv_cache_memory: int = 1 << 30
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     persistent_dir: str | Path | None = None
     persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
     persistent_size: int | None = None
@@ -70,7 +78,30 @@ class CacheOptions:
     global_pool: str | None = None
     global_pool_size: int | None = None
     global_pool_ttl_s: float = DEFAULT_GLOBAL_POOL_TTL_S
-    policy: SwaPolicy = field(default_factory=BoundedReplay)
+    policy: SwaPolicy | str | None = None
     decoder_replay: bool = True
     prefix_caching: bool = True
     cache_salt: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):
+            object.__setattr__(self, "policy", parse_policy(self.policy))
+        elif self.policy is not None and not isinstance(self.policy, SwaPolicy):
+            raise TypeError(
+                f"policy must be a SwaPolicy, its name (e.g. 'full-store', parsed by parse_policy) or None, "
+                f"got {self.policy!r}"
+            )
+
+    def for_model(self, *, v4_flash: bool) -> CacheOptions:
+        """These options with ``block_size`` and ``policy`` left None set to the model's defaults, the ones
+        ``kvdiet generate``, ``kvdiet serve`` and `kvdiet.LLM` all apply: V4.1 blocks of `DEFAULT_BLOCK_SIZE`
+        (64) tokens and bounded replay; V4-Flash (``v4_flash``) blocks of `V4_BLOCK_SIZE` (128: its HCA entries
+        span 128 tokens) and boundary snapshots, as its deployments keep window state. A given value is kept.
+        """
+        block_size = V4_BLOCK_SIZE if v4_flash else DEFAULT_BLOCK_SIZE
+        policy = BoundarySnapshot() if v4_flash else BoundedReplay()
+        return dataclasses.replace(
+            self,
+            block_size=block_size if self.block_size is None else self.block_size,
+            policy=policy if self.policy is None else self.policy,
+        )

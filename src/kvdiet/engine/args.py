@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
-from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
+from kvdiet.layer_plan import LayerPlan
+from kvdiet.setting_error import SettingError
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
 from kvdiet.units import parse_bytes, parse_count, parse_duration, parse_flag
@@ -54,13 +55,15 @@ class EngineArgs:
         numerics: ``auto``, ``fp8`` or ``bf16``: how FP8/FP4-stored weights compute (`kvdiet.model.loader`).
         expert_cache_bytes: routed-expert bytes kept in memory with ``weights`` (None: automatic).
         kv_cache_dtype: ``auto``/``fp4`` (packed formats) or ``fp32`` (unquantised).
-        cache: device pool, prefix cache, tiers and SWA policy.
+        cache: device pool, prefix cache, tiers and SWA policy; a block size or policy left None is the model's
+            default (`CacheOptions.for_model`, applied by `validate` and `create_engine`, as on the command line).
         max_model_len: longest prompt + output in tokens (None: the config's ``max_position_embeddings``).
         scheduler: batching limits.
         device: where the model, its device pool and request state live: ``cpu``, ``cuda`` or ``cuda:N``
             (`kvdiet.device`).
     Raises:
-        ValueError: an unknown ``kv_cache_dtype``, a ``seed`` outside [-2**63, 2**64).
+        ValueError: an unknown ``kv_cache_dtype`` (a `SettingError`: keywords in ``str()``, flags in
+            ``as_flags()``), a ``seed`` outside [-2**63, 2**64).
         TypeError: a ``seed`` that is not an int (bools, floats and strings too) or None.
     """
 
@@ -83,8 +86,8 @@ class EngineArgs:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
         object.__setattr__(self, "seed", operator.index(seed))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            raise SettingError(
+                f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
 
     @staticmethod
@@ -142,22 +145,23 @@ class EngineArgs:
         binds its port, so a bad flag is reported as itself even when the port is busy.
 
         Raises:
-            ConfigError: a bad model. ValueError: a bad setting (one line, named by its flag).
+            ConfigError: a bad model. SettingError (a ValueError): a bad setting, one line, named as its keyword
+                (``str()``) or its flag (``as_flags()``, which the command line prints).
         """
         from kvdiet.engine.engine import check_max_model_len
         from kvdiet.engine.runner import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
         from kvdiet.model.paged_pool import DevicePool
 
-        name = self.model if self.model is not None else model_config_path(self.weights)
-        cfg = load_config(str(name) if name is not None else "v4.1-mini")
+        cfg = self._config()
         if not isinstance(cfg, ModelConfig):
             return  # create_engine refuses it with the model's own message
-        plan, bs = LayerPlan.from_config(cfg), self.cache.block_size
+        cache = self.cache.for_model(v4_flash=not cfg.is_v41)
+        plan, bs = LayerPlan.from_config(cfg), cache.block_size
         try:
             plan.check_block_size(bs)
         except ValueError as exc:
-            raise ValueError(f"--block-size: {exc}") from None
+            raise SettingError(f"{{block_size}}: {exc}") from None
         exact = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if cfg.is_v41:
             codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
@@ -170,14 +174,15 @@ class EngineArgs:
             self.max_model_len,
             limit=cfg.max_position_embeddings,
             block_size=bs,
-            num_blocks=pool_num_blocks(self.cache, block_bytes),
+            num_blocks=pool_num_blocks(cache, block_bytes),
         )
 
     def create_engine(
         self, *, observer: EngineObserver | None = None, swa_pool: SwaPool | None = None
     ) -> LLMEngine:
         """Load the model and tokenizer, open the cache system (persistent tier, SWA pool) and build the
-        engine. The caller closes it with ``engine.runner.close()``.
+        engine, after `validate` (so a bad setting is refused before the model loads). The caller closes it
+        with ``engine.runner.close()``.
 
         Raises:
             ConfigError, WeightsError, ValueError: a bad model, weights or setting (nothing left open).
@@ -186,6 +191,7 @@ class EngineArgs:
         from kvdiet.engine.runner import ModelRunner
         from kvdiet.model.build import load_model
 
+        self.validate()
         model, tokenizer = load_model(
             self.model,
             seed=self.seed,
@@ -208,6 +214,11 @@ class EngineArgs:
         )
         cache.open()
         return engine
+
+    def _config(self) -> object:
+        """The model's config (`load_config`): ``model``'s, else the one beside ``weights``, else v4.1-mini's."""
+        name = self.model if self.model is not None else model_config_path(self.weights)
+        return load_config(str(name) if name is not None else "v4.1-mini")
 
 
 def _default_scheduler() -> SchedulerConfig:
@@ -335,12 +346,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     by its flag, and ConfigError on a bad model (from the config alone: before the model loads and before
     anything is opened or connected)."""
     cfg = load_config(args.model)
-    v4 = isinstance(cfg, ModelConfig) and not cfg.is_v41
-    if args.block_size is None:
-        args.block_size = V4_BLOCK_SIZE if v4 else DEFAULT_BLOCK_SIZE
-    if args.swa_policy is None:
-        args.swa_policy = "boundary-snapshot" if v4 else "bounded-replay"
-    if isinstance(cfg, ModelConfig):  # before the model loads (seconds to minutes)
+    if isinstance(cfg, ModelConfig) and args.block_size is not None:  # before the model loads (seconds+)
         parse_flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
     if args.global_pool is None:
         given = [
@@ -355,7 +361,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
             raise ValueError(f"{given[0]}: no --global-pool is given (mooncake://HOST[:PORT])")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
-        block_size=args.block_size,
+        block_size=args.block_size,  # None: the model's (for_model)
         persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
         persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
         persistent_size=parse_flag("--persistent-size", _bytes_or_none, args.persistent_size),
@@ -367,10 +373,10 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         else check_mooncake_spec(args.global_pool, flag="--global-pool"),
         global_pool_size=parse_flag("--global-pool-size", _bytes_or_none, args.global_pool_size),
         global_pool_ttl_s=parse_flag("--global-pool-ttl", parse_duration, args.global_pool_ttl or "1h"),
-        policy=parse_flag("--swa-policy", parse_policy, args.swa_policy),
+        policy=None if args.swa_policy is None else parse_flag("--swa-policy", parse_policy, args.swa_policy),
         decoder_replay=not args.no_decoder_replay,
         prefix_caching=args.enable_prefix_caching,
-    )
+    ).for_model(v4_flash=isinstance(cfg, ModelConfig) and not cfg.is_v41)
 
 
 def _bytes_or_none(value: str | None) -> int | None:

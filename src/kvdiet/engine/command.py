@@ -230,7 +230,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         "compressor_tail_bytes": cache.tail_bytes,
         "total_cache_bytes": cache.total_bytes,
         "decoder_replay": runner.decoder_replay,
-        "swa_policy": args.swa_policy,
+        "swa_policy": str(engine_args.cache.policy),
         "kv_cache_dtype": engine_args.kv_cache_dtype,
         **_weights_summary(model, args),
         "provenance": result.provenance.as_dict(),

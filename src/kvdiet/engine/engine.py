@@ -43,7 +43,9 @@ from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestS
 from kvdiet.engine.runner import ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from kvdiet.model.token_ids import check_vocab_ids
 from kvdiet.model.transformer import Transformer
+from kvdiet.setting_error import SettingError
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["EngineObserver", "EngineStats", "LLMEngine", "check_max_model_len"]
@@ -80,22 +82,23 @@ def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: in
     its prompt with ``max_tokens`` 0).
 
     Raises:
-        ValueError: out of ``[1, limit]``, or one request would not fit in the pool (one line, named by flag).
+        SettingError (a ValueError): out of ``[1, limit]``, or one request would not fit in the pool (one line,
+            named as a keyword; as a flag in `SettingError.as_flags`).
     """
     n = limit if max_model_len is None else max_model_len
     if not isinstance(n, Integral) or isinstance(n, bool):  # 8.5 or "8": one line, not a TypeError from <=
-        raise ValueError(f"--max-model-len must be a whole number of tokens, got {max_model_len!r}")
+        raise SettingError(f"{{max_model_len}} must be a whole number of tokens, got {max_model_len!r}")
     n = operator.index(n)  # numpy's ints too, kept as Python's int
     if not 1 <= n <= limit:
-        raise ValueError(
-            f"--max-model-len must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
+        raise SettingError(
+            f"{{max_model_len}} must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
         )
     need = -(-n // block_size)
     if need > num_blocks:
-        raise ValueError(
-            f"one request of --max-model-len {n} tokens needs {need} blocks of {block_size} "
+        raise SettingError(
+            f"one request of {{max_model_len}} {n} tokens needs {need} blocks of {block_size} "
             f"tokens, but the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens): raise "
-            f"--kv-cache-memory or lower --max-model-len"
+            f"{{kv_cache_memory}} or lower {{max_model_len}}"
         )
     return n
 
@@ -154,9 +157,9 @@ class LLMEngine:
         Raises:
             InvalidRequestError (a ValueError; ``param`` names the field), in this order: stop or logit-bias
                 ids outside the vocabulary; empty prompt; text without a tokenizer; text that is not valid
-                Unicode; a token id outside the vocabulary (index and size named); a prompt past
-                ``max_position_embeddings``; stop strings without a tokenizer; prompt + max_tokens >
-                max_model_len (`ContextLengthError`: its numbers as attributes and in the message).
+                Unicode; a token id outside the vocabulary (index and size named); stop strings without a
+                tokenizer; prompt + max_tokens > max_model_len, a prompt past ``max_position_embeddings`` too
+                (`ContextLengthError`: its numbers as attributes and in the message).
         """
         check_sampling_ids(params, self.model.cfg.vocab_size)
         if isinstance(prompt, str):
@@ -174,7 +177,7 @@ class LLMEngine:
                 raise InvalidRequestError(str(exc), param="prompt") from None
         else:
             try:
-                ids = self.model.check_tokens(list(prompt)).tolist()
+                ids = check_vocab_ids(self.model.cfg, list(prompt)).tolist()  # the length: below
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), param="prompt") from None
         if params.stop and self.tokenizer is None:

@@ -25,6 +25,7 @@ from kvdiet.engine.progress import DEFAULT_INTERVAL_S, StepProgress
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.state import CacheBytes
+from kvdiet.model.token_ids import check_vocab_ids
 from kvdiet.model.transformer import Transformer
 
 __all__ = ["GenerateResult", "check_request", "generate", "generate_prepared", "private_runner"]
@@ -74,12 +75,12 @@ def check_request(
 
     Raises:
         InvalidRequestError (a ValueError): stop ids outside the vocabulary, bad token ids (see
-            `Transformer.check_tokens`), or a prompt plus ``max_tokens`` beyond the limit (the real numbers
-            and the limit's name in the message).
+            `kvdiet.model.token_ids.check_vocab_ids`), or a prompt plus ``max_tokens`` beyond the limit
+            (`ContextLengthError`: the real numbers and the limit's name in the message).
     """
     check_sampling_ids(params, model.cfg.vocab_size)
     try:
-        ids = model.check_tokens(prompt_ids).tolist()
+        ids = check_vocab_ids(model.cfg, prompt_ids).tolist()  # the length: fit_context_length
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="prompt") from None
     limit, name = (
@@ -92,7 +93,7 @@ def check_request(
 
 def private_runner(model: Transformer, num_tokens: int, options: CacheOptions | None = None) -> ModelRunner:
     """A `ModelRunner` with a device pool just large enough for one request of ``num_tokens`` tokens."""
-    opts = options or CacheOptions()
+    opts = (options or CacheOptions()).for_model(v4_flash=not model.cfg.is_v41)
     probe = model.new_pool(1, block_size=opts.block_size)
     blocks = -(-num_tokens // opts.block_size) + 1
     return ModelRunner(model, dataclasses.replace(opts, kv_cache_memory=blocks * probe.block_bytes))

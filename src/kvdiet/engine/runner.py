@@ -40,6 +40,7 @@ from kvdiet.model.checksum import weights_checksum
 from kvdiet.model.snapshot import SnapshotError, restore_snapshot, snapshot_bytes
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
+from kvdiet.setting_error import SettingError
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import StoreIdentity
 from kvdiet.storage.swa_pool import SwaPool
@@ -51,15 +52,16 @@ def pool_num_blocks(options: CacheOptions, block_bytes: int) -> int:
     """Blocks of ``block_bytes`` bytes that ``options.kv_cache_memory`` holds.
 
     Raises:
-        ValueError: fewer than one, or a checkpoint period that is not a multiple of the block size.
+        SettingError (a ValueError): fewer than one, or a checkpoint period that is not a multiple of the block
+            size (named as keywords; as flags in `SettingError.as_flags`).
     """
     k, bs = options.policy.checkpoint_every, options.block_size
     if k is not None and k % bs:
-        raise ValueError(f"--swa-policy: checkpoint period {k} must be a multiple of the block size {bs}")
+        raise SettingError(f"{{policy}}: checkpoint period {k} must be a multiple of the block size {bs}")
     num_blocks = options.kv_cache_memory // block_bytes
     if num_blocks < 1:
-        raise ValueError(
-            f"--kv-cache-memory {options.kv_cache_memory} B is below one block ({block_bytes} B)"
+        raise SettingError(
+            f"{{kv_cache_memory}} {options.kv_cache_memory} B is below one block ({block_bytes} B)"
         )
     return num_blocks
 
@@ -69,7 +71,8 @@ class ModelRunner:
 
     Args:
         model: the V4.1 model.
-        options: sizes, TTLs, policy.
+        options: sizes, TTLs, policy; a block size or policy left None is the model's (`CacheOptions.for_model`),
+            and ``self.options`` holds the result.
         tokenizer_id: identity of the tokenizer (part of the fingerprint), e.g. a vocabulary checksum.
         swa_pool: an SWA-pool backend, opened and closed by its owner (default: the one ``options.swa_pool``
             names, with ``options``' size and TTL, namespaced by this model's fingerprint; this cache opens
@@ -90,7 +93,9 @@ class ModelRunner:
         swa_pool: SwaPool | None = None,
         clock: Clock | None = None,
     ) -> None:
-        opts = options or CacheOptions()
+        opts = (options or CacheOptions()).for_model(
+            v4_flash=not model.cfg.is_v41
+        )  # None: the model's default
         self.model, self.options = model, opts
         cfg, bs = model.cfg, opts.block_size
         ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvdiet.engine.request import Request, RequestStatus
+from kvdiet.setting_error import SettingError
 
 __all__ = ["BlockOracle", "ScheduledStep", "Scheduler", "SchedulerConfig"]
 
@@ -42,7 +43,8 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens processed per step, prefill and decode together (≥ max_num_seqs, so
             every running request can decode in every step).
     Raises:
-        ValueError: a limit below 1, or a token budget below ``max_num_seqs``.
+        SettingError (a ValueError): a limit below 1, or a token budget below ``max_num_seqs``; named as
+            keywords (the command line's flags in `SettingError.as_flags`).
     """
 
     max_num_seqs: int = 16
@@ -50,10 +52,10 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+            raise SettingError(f"{{max_num_seqs}} must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+            raise SettingError(
+                f"{{max_num_batched_tokens}} ({self.max_num_batched_tokens}) must be >= {{max_num_seqs}} "
                 f"({self.max_num_seqs}) so that every running request can decode each step"
             )
 

@@ -47,6 +47,7 @@ from kvdiet.model.load_plan import LinearStep, TableStep, match_tensors, read_li
 from kvdiet.model.memory import available_memory_bytes, check_fits, checkpoint_footprint
 from kvdiet.model.moe import Expert
 from kvdiet.model.transformer import Transformer
+from kvdiet.setting_error import ConfigSettingError
 
 __all__ = [
     "NUMERICS",
@@ -231,7 +232,8 @@ def _check_activation_blocks(cfg: ModelConfig, ckpt: Checkpoint, plan: list, num
     ``act_quant``, which asserts whole blocks): each such linear's ``in_features`` must be a multiple of it.
 
     Raises:
-        ConfigError: naming the first linear that is not, its width and the way out (bf16 numerics).
+        ConfigSettingError (a ConfigError): naming the first linear that is not, its width and the way out
+            (bf16 numerics, spelled as the caller's keyword or flag: `kvdiet.setting_error`).
     """
     if numerics != "fp8":
         return
@@ -246,9 +248,9 @@ def _check_activation_blocks(cfg: ModelConfig, ckpt: Checkpoint, plan: list, num
             widths.append((name, expert_in[name.split(".")[-2]]))
     for name, width in widths:
         if width % ACT_BLOCK:
-            raise ConfigError(
+            raise ConfigSettingError(
                 f"{name} takes {width} inputs, not a multiple of {ACT_BLOCK}: fp8 numerics quantise a quantised "
-                f"linear's input in blocks of {ACT_BLOCK}; load with numerics='bf16' or use whole blocks"
+                f"linear's input in blocks of {ACT_BLOCK}; load with {{numerics=bf16}} or use whole blocks"
             )
 
 

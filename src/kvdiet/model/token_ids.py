@@ -12,7 +12,7 @@ import torch
 
 from kvdiet.config import ModelConfig
 
-__all__ = ["check_token_ids", "decode_token_ids"]
+__all__ = ["check_token_ids", "check_vocab_ids", "decode_token_ids"]
 
 
 class _HasLength(Protocol):
@@ -25,8 +25,24 @@ def check_token_ids(
     """Validate a chunk whose first token sits at position ``start``; returns int64 [T].
 
     Raises:
-        ValueError: empty chunk, an id that is not an integer (a float) or is outside [0, vocab_size) (named), or
-            the request would pass ``max_position_embeddings``.
+        ValueError: as `check_vocab_ids`, or the request would pass ``max_position_embeddings``.
+    """
+    ids = check_vocab_ids(cfg, tokens)
+    end = start + ids.numel()
+    if end > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{start} cached + {ids.numel()} new tokens = {end} > "
+            f"max_position_embeddings {cfg.max_position_embeddings}"
+        )
+    return ids
+
+
+def check_vocab_ids(cfg: ModelConfig, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Validate token ids against the vocabulary alone (no position limit: a request edge checks its length
+    against its context limit itself, `kvdiet.engine.prepared.fit_context_length`); returns int64 [T].
+
+    Raises:
+        ValueError: no ids, or an id that is not an integer (a float) or is outside [0, vocab_size) (named).
     """
     v = cfg.vocab_size
     try:
@@ -46,12 +62,6 @@ def check_token_ids(
     if bad.numel():
         i = int(bad[0])
         raise ValueError(f"token id {int(ids[i])} at index {i} is outside the vocabulary [0, {v})")
-    end = start + ids.numel()
-    if end > cfg.max_position_embeddings:
-        raise ValueError(
-            f"{start} cached + {ids.numel()} new tokens = {end} > "
-            f"max_position_embeddings {cfg.max_position_embeddings}"
-        )
     return ids
 
 

@@ -1,0 +1,152 @@
+"""Engine settings from Python: the model's defaults as on the command line, policy names, the exports of
+``kvdiet``, and errors that name each setting the way its caller spelled it (keyword or flag)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import kvdiet
+from kvdiet import LLM, CacheOptions, EngineArgs, parse_policy
+from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, Checkpoint, FullStore
+from kvdiet.cli import main
+from kvdiet.setting_error import SettingError
+from redis_helpers import free_port  # serve is refused before binding; a free port all the same
+
+
+def _no_load(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the model was loaded before the setting was refused")
+
+
+def test_llm_applies_the_v4_flash_defaults_of_the_command_line() -> None:
+    """``v4-mini`` (V4-Flash) gets blocks of 128 tokens and boundary snapshots when the caller leaves them unset,
+    as ``kvdiet generate`` / ``serve`` do; a given policy wins over the default."""
+    with LLM("v4-mini", max_model_len=2048) as llm:
+        opts = llm.engine.runner.options
+        assert opts.block_size == 128 and isinstance(opts.policy, BoundarySnapshot)
+    with LLM("v4-mini", max_model_len=2048, cache=CacheOptions(policy="bounded-replay")) as llm:
+        opts = llm.engine.runner.options
+        assert opts.block_size == 128 and isinstance(opts.policy, BoundedReplay)
+
+
+def test_the_defaults_live_in_one_place_for_the_cli_and_python() -> None:
+    for model, bs, policy in (("v4-mini", 128, BoundarySnapshot), ("v4.1-micro", 64, BoundedReplay)):
+        cli = EngineArgs.from_cli_args(_parse(["--model", model, "--prompt", "x"])).cache
+        assert (cli.block_size, type(cli.policy)) == (bs, policy)
+        resolved = CacheOptions().for_model(v4_flash=model == "v4-mini")
+        assert resolved == cli
+    given = CacheOptions(block_size=256, policy=FullStore()).for_model(v4_flash=True)
+    assert given.block_size == 256 and isinstance(given.policy, FullStore)  # a given value is kept
+
+
+def _parse(argv: list[str]):
+    from kvdiet.cli import _build_parser
+
+    return _build_parser().parse_args(["generate", *argv])
+
+
+def test_an_invalid_block_size_is_refused_before_the_model_loads(monkeypatch) -> None:
+    monkeypatch.setattr("kvdiet.model.build.load_model", _no_load)
+    with pytest.raises(SettingError) as info:
+        LLM("v4-mini", max_model_len=2048, cache=CacheOptions(block_size=64))
+    assert (
+        str(info.value)
+        == "block_size: block size 64 must be a positive multiple of every compress ratio [4, 128]"
+    )
+    assert info.value.as_flags().startswith("--block-size: block size 64 must be")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "python", "flags"),
+    [
+        (
+            {"max_model_len": 300},
+            "max_model_len must be in [1, 256] (max_position_embeddings), got 300",
+            "--max-model-len must be in [1, 256] (max_position_embeddings), got 300",
+        ),
+        (
+            {"max_num_batched_tokens": 4},
+            "max_num_batched_tokens (4) must be >= max_num_seqs (16) so that every running request can decode "
+            "each step",
+            "--max-num-batched-tokens (4) must be >= --max-num-seqs (16) so that every running request can "
+            "decode each step",
+        ),
+        (
+            {"kv_cache_dtype": "fp16"},
+            "kv_cache_dtype must be one of auto, fp4, fp32, got 'fp16'",
+            "--kv-cache-dtype must be one of auto, fp4, fp32, got 'fp16'",
+        ),
+        (
+            {"cache": CacheOptions(kv_cache_memory=100)},
+            "kv_cache_memory 100 B is below one block",
+            "--kv-cache-memory 100 B is below one block",
+        ),
+        (
+            {"cache": CacheOptions(policy="checkpoint:100")},
+            "policy: checkpoint period 100 must be a multiple of the block size 64",
+            "--swa-policy: checkpoint period 100 must be a multiple of the block size 64",
+        ),
+    ],
+)
+def test_python_errors_name_keywords_and_the_cli_names_flags(monkeypatch, kwargs, python, flags) -> None:
+    monkeypatch.setattr("kvdiet.model.build.load_model", _no_load)
+    with pytest.raises(SettingError) as info:
+        LLM("v4.1-micro", **kwargs)
+    assert str(info.value).startswith(python) and "--" not in str(info.value)
+    assert info.value.as_flags().startswith(flags)
+
+
+def test_the_cli_still_names_its_flags(capsys) -> None:
+    argv = ["serve", "--model", "v4.1-micro", "--port", str(free_port())]
+    argv += ["--max-num-seqs", "8", "--max-num-batched-tokens", "4"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvdiet serve: error: --max-num-batched-tokens (4) must be >= --max-num-seqs (8)")
+    assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1", "--max-model-len", "300"]) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet generate: error: --max-model-len must be in [1, 256] (max_position_embeddings), got 300\n"
+    )
+
+
+def test_a_setting_with_a_value_is_spelled_per_caller() -> None:
+    exc = SettingError("load with {numerics=bf16} or lower {max_model_len}")
+    assert str(exc) == "load with numerics='bf16' or lower max_model_len"
+    assert exc.as_flags() == "load with --numerics bf16 or lower --max-model-len"
+    assert SettingError("[4, 128] {not a field}").as_flags() == "[4, 128] {not a field}"
+
+
+def test_cache_options_takes_a_policy_name() -> None:
+    assert isinstance(CacheOptions(policy="full-store").policy, FullStore)
+    ck = CacheOptions(policy="checkpoint:1024").policy
+    assert isinstance(ck, Checkpoint) and ck.checkpoint_every == 1024
+    assert CacheOptions(policy="full-store") == CacheOptions(policy=parse_policy("full-store"))
+    with pytest.raises(ValueError, match="unknown SWA policy 'fullstore'; choose one of"):
+        CacheOptions(policy="fullstore")
+    with pytest.raises(TypeError, match=r"policy must be a SwaPolicy, its name .* got 3"):
+        CacheOptions(policy=3)
+
+
+def test_kvdiet_exports_the_settings_lazily() -> None:
+    from kvdiet.cache.options import CacheOptions as Options
+    from kvdiet.cache.policies import parse_policy as parse
+    from kvdiet.engine.args import EngineArgs as Args
+
+    assert (kvdiet.CacheOptions, kvdiet.EngineArgs, kvdiet.parse_policy) == (Options, Args, parse)
+    assert {"CacheOptions", "EngineArgs", "parse_policy"} <= set(kvdiet.__all__)
+    code = "import sys, kvdiet; print('torch' in sys.modules, 'kvdiet.engine.args' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.split() == ["False", "False"]  # the package import stays light
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        kvdiet.Nope  # noqa: B018
+
+
+def test_the_numerics_refusal_names_the_flag_on_the_command_line(capsys, tmp_path) -> None:
+    from kvdiet.config import load_config
+    from kvdiet.model.export import write_random_checkpoint
+
+    write_random_checkpoint(load_config("v4.1-micro").replace(q_lora_rank=48), tmp_path, seed=0)
+    assert main(["generate", "--weights", str(tmp_path), "--prompt-ids", "3,4", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("load with --numerics bf16 or use whole blocks\n") and "numerics='bf16'" not in err
