@@ -102,6 +102,7 @@ def test_a_binding_pool_ttl_and_a_small_device_pool_agree_too() -> None:
     assert (res.requests[2].device_tokens, res.requests[2].persistent_tokens) == (0, 32)
     big = run_engine_mode(trace, EngineModeConfig(model="v4.1-micro", max_requests=3))
     assert big.requests == big.model_free and big.requests[2].device_tokens == 32
+    assert big.summary()["policy"] == "bounded-replay"  # left unset: the model's, in both modes
 
 
 @pytest.mark.slow

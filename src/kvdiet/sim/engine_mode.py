@@ -225,6 +225,7 @@ def run_engine_mode(
         cache = ModelRunner(
             model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock
         )
+        opts = cache.options  # a policy left None: the model's (`CacheOptions.for_model`)
         cache.open()
         try:
             longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
@@ -265,6 +266,7 @@ def run_engine_mode(
             output_tok_s=1e12,
         ),
     )
+    config = replace(config, cache=replace(config.cache, policy=opts.policy))  # the policy that ran
     return EngineModeResult(config, scaled, results, ttft, wall, sim.requests, written, sim.summary)
 
 
