@@ -150,3 +150,11 @@ def test_the_numerics_refusal_names_the_flag_on_the_command_line(capsys, tmp_pat
     assert main(["generate", "--weights", str(tmp_path), "--prompt-ids", "3,4", "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert err.endswith("load with --numerics bf16 or use whole blocks\n") and "numerics='bf16'" not in err
+
+
+def test_device_and_a_missing_config_are_named_as_keywords(tmp_path) -> None:
+    with pytest.raises(SettingError, match=r"^device must be cpu, cuda or cuda:N, got 'tpu'$") as info:
+        LLM("v4.1-micro", device="tpu")
+    assert info.value.as_flags() == "--device must be cpu, cuda or cuda:N, got 'tpu'"
+    with pytest.raises(ValueError, match=r"no config.json beside the weights .*; give the config as model$"):
+        LLM(None, weights=tmp_path)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from kvdiet.setting_error import SettingError
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,21 +41,22 @@ DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def check_device(name: str) -> None:
-    """Raises ValueError (one line naming ``--device``) unless ``name`` is ``cpu``, or ``cuda``/``cuda:N`` on
-    a machine where torch sees that CUDA device. Imports torch only for a CUDA name."""
+    """Raises `SettingError` (a ValueError, one line naming ``device``, or ``--device`` on the command line)
+    unless ``name`` is ``cpu``, or ``cuda``/``cuda:N`` on a machine where torch sees that CUDA device. Imports
+    torch only for a CUDA name."""
     if not DEVICE_PATTERN.fullmatch(name):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+        raise SettingError(f"{{device}} must be cpu, cuda or cuda:N, got {name!r}")
     if name == "cpu":
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {name}: torch sees no CUDA device here (torch.cuda.is_available() is False)"
+        raise SettingError(
+            f"{{device={name}}}: torch sees no CUDA device here (torch.cuda.is_available() is False)"
         )
     index = int(name.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        raise SettingError(f"{{device={name}}}: torch sees {torch.cuda.device_count()} CUDA device(s)")
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:

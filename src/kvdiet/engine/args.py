@@ -216,8 +216,11 @@ class EngineArgs:
         return engine
 
     def _config(self) -> object:
-        """The model's config (`load_config`): ``model``'s, else the one beside ``weights``, else v4.1-mini's."""
+        """The model's config (`load_config`): ``model``'s, else the one beside ``weights``, else v4.1-mini's;
+        None for ``weights`` without one (`load_model` refuses them, naming ``model``)."""
         name = self.model if self.model is not None else model_config_path(self.weights)
+        if name is None and self.weights is not None:
+            return None
         return load_config(str(name) if name is not None else "v4.1-mini")
 
 

@@ -20,6 +20,7 @@ from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
 from kvdiet.model.v4 import V4Transformer
+from kvdiet.setting_error import ConfigSettingError
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["load_model"]
@@ -58,7 +59,9 @@ def load_model(
     if name_or_path is None:
         found = model_config_path(weights)
         if found is None:
-            raise ConfigError(f"no config.json beside the weights {weights}; give --model")
+            raise ConfigSettingError(
+                f"no config.json beside the weights {weights}; give the config as {{model}}"
+            )
         name_or_path = str(found)
     cfg = load_config(name_or_path)
     if not isinstance(cfg, ModelConfig):
