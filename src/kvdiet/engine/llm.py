@@ -38,10 +38,13 @@ class LLM:
         model: preset or V4.1 / V4-Flash config path (default ``v4.1-mini``).
         args: full `EngineArgs` (then the keywords below must be left out).
         seed, weights, kv_cache_dtype, max_model_len: see `EngineArgs`.
-        cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy).
+        cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy); a block size or policy left
+            unset is the model's default, as in ``kvdiet generate`` (`CacheOptions.for_model`: V4-Flash blocks of
+            128 tokens and boundary-snapshot).
         max_num_seqs, max_num_batched_tokens: see `SchedulerConfig` (None: its defaults).
     Raises:
-        ValueError, ConfigError: bad settings (see `EngineArgs.create_engine`).
+        ValueError, ConfigError: bad settings, refused before the model loads (`EngineArgs.create_engine`); a
+            `kvdiet.setting_error.SettingError` names the setting by its keyword (``max_model_len``).
     """
 
     def __init__(
