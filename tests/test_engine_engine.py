@@ -14,6 +14,7 @@ from kvdiet.cache.policies import parse_policy
 from kvdiet.config import load_config
 from kvdiet.engine.engine import LLMEngine
 from kvdiet.engine.generate import check_request, generate
+from kvdiet.engine.prepared import ContextLengthError
 from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams
@@ -453,3 +454,17 @@ def test_window_state_kept_in_a_missing_persistent_tier_is_one_warning_naming_th
                 cached.append(outs[-1].cached_tokens)
             assert cached == [0, 0 if warns else 40], (persistent, cached)
         engine.runner.close()
+
+
+def test_the_offline_edge_keeps_max_position_embeddings_above_a_larger_max_model_len(
+    micro: Transformer,
+) -> None:
+    """`check_request` with a ``max_model_len`` past the config's limit (256) still refuses a prompt past that
+    limit at the edge, as the model's own check did there, rather than in the prefill after 256 tokens."""
+    with pytest.raises(ContextLengthError, match=r"= 301 tokens > max_position_embeddings 256") as info:
+        check_request(micro, _ids(300, seed=9), SamplingParams(max_tokens=1), max_model_len=1000)
+    assert (info.value.limit, info.value.limit_name) == (256, "max_position_embeddings")
+    ok = check_request(micro, _ids(250, seed=9), SamplingParams(max_tokens=None), max_model_len=1000)
+    assert ok.params.max_tokens == 6  # the context left below 256
+    at = check_request(micro, _ids(250, seed=9), SamplingParams(max_tokens=None), max_model_len=256)
+    assert at.params.max_tokens == 6

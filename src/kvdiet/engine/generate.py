@@ -70,8 +70,8 @@ def check_request(
     model: Transformer, prompt_ids: Sequence[int], params: SamplingParams, *, max_model_len: int | None = None
 ) -> PreparedRequest:
     """Validate a prompt and its sampling parameters for ``model``, once (the offline edge; the contract is
-    in `kvdiet.engine.prepared`). ``max_model_len``: the longest prompt + output in tokens (None: the config's
-    ``max_position_embeddings``; the caller keeps it within that, `EngineArgs.validate`).
+    in `kvdiet.engine.prepared`). ``max_model_len``: the longest prompt + output in tokens (None, or more than
+    the config's ``max_position_embeddings``: that limit, named).
 
     Raises:
         InvalidRequestError (a ValueError): stop ids outside the vocabulary, bad token ids (see
@@ -83,9 +83,10 @@ def check_request(
         ids = check_vocab_ids(model.cfg, prompt_ids).tolist()  # the length: fit_context_length
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="prompt") from None
+    most = model.cfg.max_position_embeddings  # a larger max_model_len does not lift it
     limit, name = (
-        (model.cfg.max_position_embeddings, "max_position_embeddings")
-        if max_model_len is None
+        (most, "max_position_embeddings")
+        if max_model_len is None or max_model_len > most
         else (max_model_len, "max_model_len")
     )
     return PreparedRequest(tuple(ids), fit_context_length(len(ids), params, limit, name))
