@@ -93,3 +93,26 @@ def test_rewriting_a_folder_for_a_config_without_a_map_drops_the_old_map(tmp_pat
     write_random_checkpoint(cfg, tmp_path, seed=1)
     write_random_checkpoint(load_config("v4.1-micro"), tmp_path, seed=1)
     assert not (tmp_path / TOKEN_MAP_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("stored", "fault"),
+    [
+        (torch.arange(65) * 40 // 65, r"token map has shape \(65,\), expected \(64,\)"),  # another vocabulary
+        ((torch.arange(64) * 40 // 64).view(8, 8), r"token map has shape \(8, 8\)"),
+        (torch.arange(64) % 50, "token map has 50 compressed ids but engram_compressed_vocab_size is 40"),
+        (torch.arange(64) * 40 // 64 - 1, "token map has a negative compressed id -1"),
+        (torch.arange(64).float() * 40 / 64, "token map has dtype torch.float32, expected integers"),
+    ],
+)
+def test_a_stored_map_that_does_not_fit_is_refused_naming_its_file(
+    tmp_path: Path, cfg, stored, fault
+) -> None:
+    """A stale map (from weights of another config) or a hand-written one is refused at load, the file and
+    the way out named; a float map is not truncated into ids."""
+    write_random_checkpoint(cfg, tmp_path, seed=1)
+    save_file({"engram.token_map": stored}, str(tmp_path / TOKEN_MAP_FILE))
+    with pytest.raises(ConfigError, match=fault) as err:
+        load_model(None, weights=tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / TOKEN_MAP_FILE}: ")
+    assert "the stored Engram map is not this config's" in str(err.value)

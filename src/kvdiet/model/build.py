@@ -15,7 +15,7 @@ import torch
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.device import check_device
 from kvdiet.model.checkpoint_token_map import TOKEN_MAP_FILE, find_token_map, placeholder_token_map
-from kvdiet.model.engram_hash import compressed_token_map
+from kvdiet.model.engram_hash import check_token_map, compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
@@ -50,7 +50,8 @@ def load_model(
 
     Raises:
         ConfigError: not a DeepSeek-V4-family config, no config at all, V4-Flash with ``weights`` (its
-            released checkpoint does not load yet), or a checkpoint whose Engram map is nowhere to be found.
+            released checkpoint does not load yet), or a checkpoint whose Engram map is nowhere to be found or
+            whose stored map does not fit the config (the file named).
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
         ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`).
@@ -115,13 +116,22 @@ def _engram_token_map(
     needs no map (``engram_compressed_vocab_size`` = ``vocab_size``: the identity).
 
     Raises:
-        ConfigError: a checkpoint needing a map, with no tokenizer and no stored map (what to add is named).
+        ConfigError: a checkpoint needing a map, with no tokenizer and no stored map (what to add is named), or
+            a stored map that does not fit the config (`check_token_map`; the file named).
         ValueError: a damaged ``engram_token_map.safetensors``.
     """
     folder = _folder(weights)
     own_tokenizer = folder is not None and (folder / "tokenizer.json").is_file()
     if not own_tokenizer and folder is not None and (found := find_token_map(folder)) is not None:
-        return found[0]
+        token_map, path = found
+        try:
+            return check_token_map(cfg, token_map)
+        except ValueError as exc:  # a map left from other weights, or written by hand
+            raise ConfigError(
+                f"{path}: {exc}: the stored Engram map is not this config's (engram_compressed_vocab_size "
+                f"{cfg.engram_compressed_vocab_size:,}, vocab_size {cfg.vocab_size:,}); write the model's map with "
+                f"kvdiet.model.checkpoint_token_map.save_token_map, or add its tokenizer.json"
+            ) from None
     if tokenizer is not None:
         return compressed_token_map(tokenizer)[0]
     if weights is None:

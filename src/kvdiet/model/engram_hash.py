@@ -22,7 +22,7 @@ import torch
 from kvdiet.config import ModelConfig
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["EngramHasher", "compressed_token_map"]
+__all__ = ["EngramHasher", "check_token_map", "compressed_token_map"]
 
 _MULTIPLIER_SEED = 10007  # per-layer seed factor of the hash multipliers
 
@@ -149,7 +149,7 @@ class EngramHasher:
         self.n_cols: int = (self.max_ngram - 1) * self.n_heads
         self.history_len: int = self.max_ngram - 1
         self.compressed_vocab_size: int = cfg.engram_compressed_vocab_size
-        self.token_map = _check_token_map(cfg, token_map)
+        self.token_map = check_token_map(cfg, token_map)
         self.pad_id: int = int(self.token_map[cfg.engram_pad_token_id])
 
         primes = _bucket_primes(len(self.layer_ids), self.max_ngram, self.n_heads, cfg.engram_vocab_size)
@@ -288,7 +288,15 @@ class EngramHasher:
         return layer_id
 
 
-def _check_token_map(cfg: ModelConfig, token_map: torch.Tensor | None) -> torch.Tensor:
+def check_token_map(cfg: ModelConfig, token_map: torch.Tensor | None) -> torch.Tensor:
+    """``token_map`` as int64 [vocab_size] (None: the identity, where ``engram_compressed_vocab_size`` equals
+    ``vocab_size``), checked against ``cfg``: an integer tensor of ``vocab_size`` ids whose compressed ids are
+    ``[0, engram_compressed_vocab_size)``, the largest used.
+
+    Raises:
+        ValueError: None where the config needs a map; a float, bool or complex tensor (ids are integers);
+            another shape; a negative id, or a largest id other than ``engram_compressed_vocab_size − 1``.
+    """
     compressed = cfg.engram_compressed_vocab_size
     if token_map is None:
         if compressed != cfg.vocab_size:
@@ -298,11 +306,15 @@ def _check_token_map(cfg: ModelConfig, token_map: torch.Tensor | None) -> torch.
                 f"compressed_token_map(Tokenizer.deepseek())"
             )
         return torch.arange(cfg.vocab_size, dtype=torch.int64)
-    token_map = token_map.to(torch.int64)
+    if token_map.dtype.is_floating_point or token_map.dtype.is_complex or token_map.dtype == torch.bool:
+        raise ValueError(f"token map has dtype {token_map.dtype}, expected integers (int64)")
     if token_map.ndim != 1 or token_map.numel() != cfg.vocab_size:
         raise ValueError(f"token map has shape {tuple(token_map.shape)}, expected ({cfg.vocab_size},)")
+    token_map = token_map.to(torch.int64)
+    if int(token_map.min()) < 0:
+        raise ValueError(f"token map has a negative compressed id {int(token_map.min())}")
     count = int(token_map.max()) + 1
-    if count != compressed or int(token_map.min()) < 0:
+    if count != compressed:
         raise ValueError(
             f"token map has {count} compressed ids but engram_compressed_vocab_size is {compressed}"
         )
