@@ -158,3 +158,20 @@ def test_device_and_a_missing_config_are_named_as_keywords(tmp_path) -> None:
     assert info.value.as_flags() == "--device must be cpu, cuda or cuda:N, got 'tpu'"
     with pytest.raises(ValueError, match=r"no config.json beside the weights .*; give the config as model$"):
         LLM(None, weights=tmp_path)
+
+
+def test_the_v4_flash_device_refusal_is_spelled_per_caller(monkeypatch) -> None:
+    """V4-Flash runs on the CPU only: ``LLM("v4-mini", device="cuda")`` is told ``device='cuda'`` and
+    ``kvdiet generate --device cuda`` ``--device cuda`` (the device check itself passes, as on a CUDA host)."""
+    from kvdiet.config import load_config
+    from kvdiet.model.placement import place
+    from kvdiet.model.v4 import V4Transformer
+
+    model = V4Transformer.from_config(load_config("v4-mini"), seed=0)
+    with pytest.raises(SettingError) as info:
+        place(model, "cuda")
+    assert str(info.value) == "device='cuda': the V4-Flash baseline model runs on the CPU only"
+    assert info.value.as_flags() == "--device cuda: the V4-Flash baseline model runs on the CPU only"
+    monkeypatch.setattr("kvdiet.model.build.check_device", lambda name: None)
+    with pytest.raises(SettingError, match=r"^device='cuda:0': the V4-Flash"):
+        LLM("v4-mini", max_model_len=2048, device="cuda:0")

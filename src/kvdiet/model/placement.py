@@ -23,6 +23,7 @@ from torch import nn
 from kvdiet.model.layers import Rope
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
+from kvdiet.setting_error import SettingError
 
 __all__ = ["place", "tensors_off_device"]
 
@@ -32,12 +33,14 @@ def place(model: nn.Module, device: torch.device | str) -> nn.Module:
     returns it. Call before any pool or state is made (those are allocated on ``model.device``).
 
     Raises:
-        ValueError: ``model`` is a V4-Flash baseline and ``device`` is not the CPU (its caches are host-only).
+        SettingError (a ValueError): ``model`` is a V4-Flash baseline and ``device`` is not the CPU (its caches
+            are host-only); named as the keyword ``device='cuda'``, or the flag ``--device cuda`` in
+            `SettingError.as_flags`.
     """
     device = torch.device(device)
     if not isinstance(model, Transformer):
         if device.type != "cpu":
-            raise ValueError(f"--device {device}: the V4-Flash baseline model runs on the CPU only")
+            raise SettingError(f"{{device={device}}}: the V4-Flash baseline model runs on the CPU only")
         return model
     if device == model.device:
         return model
