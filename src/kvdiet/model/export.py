@@ -236,7 +236,16 @@ def _write(
 
 
 def _umask() -> int:
-    """The process's file-mode creation mask (POSIX has no call that only reads it: set and restore)."""
+    """The process's file-mode creation mask: Linux's ``Umask:`` line of ``/proc/self/status`` (a read; no other
+    thread's file can be created under a changed mask), else set and restore (POSIX has no call that only reads
+    it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
