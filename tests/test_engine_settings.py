@@ -175,3 +175,47 @@ def test_the_v4_flash_device_refusal_is_spelled_per_caller(monkeypatch) -> None:
     monkeypatch.setattr("kvdiet.model.build.check_device", lambda name: None)
     with pytest.raises(SettingError, match=r"^device='cuda:0': the V4-Flash"):
         LLM("v4-mini", max_model_len=2048, device="cuda:0")
+
+
+def test_cache_options_take_sizes_and_ttls_as_the_flags_do_and_refuse_bad_ones() -> None:
+    """Byte strings and durations are parsed as the flags parse them; a bad size, TTL or folder is refused when
+    the options are made (named by keyword, and by flag on the command line), not deep in a pool or tier; an
+    empty ``persistent_dir`` is refused (it put the persistent tier in the working directory)."""
+    from kvdiet.engine.scheduler import SchedulerConfig
+
+    opts = CacheOptions(kv_cache_memory="1GB", persistent_size="2MB", swa_pool_ttl_s="5m", persistent_ttl_s=7)
+    assert (opts.kv_cache_memory, opts.persistent_size, opts.swa_pool_ttl_s) == (10**9, 2 * 10**6, 300.0)
+    refused = {
+        "kv_cache_memory": ({"kv_cache_memory": 0}, "--kv-cache-memory must be >= 1, got 0"),
+        "swa_pool_size": ({"swa_pool_size": -1}, "--swa-pool-size must be >= 0, got -1"),
+        "persistent_ttl_s": ({"persistent_ttl_s": 0}, "--persistent-ttl must be > 0 seconds, got 0"),
+        "global_pool_ttl_s": ({"global_pool_ttl_s": "soon"}, "--global-pool-ttl: "),
+        "persistent_dir": ({"persistent_dir": " "}, "--persistent-dir must name a folder"),
+        "block_size": ({"block_size": 0}, "--block-size must be >= 1, got 0"),
+    }
+    for name, (kwargs, flags) in refused.items():
+        with pytest.raises(SettingError) as info:
+            CacheOptions(**kwargs)
+        assert str(info.value).startswith(name) and info.value.as_flags().startswith(flags), info.value
+    for kwargs in (
+        {"block_size": "64"},
+        {"kv_cache_memory": True},
+        {"persistent_dir": 5},
+        {"swa_pool_ttl_s": None},
+    ):
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            CacheOptions(**kwargs)
+    with pytest.raises(TypeError, match=r"max_num_seqs must be an int, got 2\.5"):
+        SchedulerConfig(max_num_seqs=2.5)
+    with pytest.raises(SettingError, match="numerics must be one of auto, fp8, bf16, got 'int8'"):
+        EngineArgs(model="v4.1-micro", numerics="int8")  # random weights too: a typo is not ignored
+    with pytest.raises(SettingError) as info:
+        EngineArgs(model="v4.1-micro", expert_cache_bytes=-5)
+    assert info.value.as_flags() == "--expert-cache-size must be >= 0 bytes, got -5"
+
+
+def test_an_empty_persistent_dir_is_refused_on_the_command_line(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir", ""]) == 2
+    assert capsys.readouterr().err.startswith("kvdiet generate: error: --persistent-dir must name a folder")
+    assert list(tmp_path.iterdir()) == []  # nothing written where the process runs

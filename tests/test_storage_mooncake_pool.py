@@ -319,9 +319,9 @@ def test_killed_mid_run_then_restarted_on_the_same_port(tmp_path: Path, caplog) 
             with caplog.at_level(logging.WARNING, logger=LOGGER):
                 t0 = time.monotonic()
                 assert pool.get(b"k") is None  # a lost connection: a miss, not an exception
-                assert (
-                    time.monotonic() - t0 < 6.0
-                )  # at once, or when Mooncake's own ~4.5 s reconnect gives up
+                # at once, or when Mooncake's own reconnect gives up (~4.5 s idle, 8.8 s seen on a loaded 2-core
+                # machine): bounded, not a hang; the back-off's speed is held by the 1 s bound below
+                assert time.monotonic() - t0 < 30.0
                 t1 = time.monotonic()
                 assert pool.put(b"j", b"w") is False  # inside the back-off now
                 time.sleep(0.35)

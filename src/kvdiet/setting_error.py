@@ -17,8 +17,15 @@ __all__ = ["ConfigSettingError", "SettingError", "flag_name"]
 
 _FIELD = re.compile(r"\{([a-z][a-z0-9_]*)(?:=([^{}]*))?\}")
 
-_FLAGS = {"policy": "--swa-policy"}
-"""Fields whose flag is not ``--`` and the field with dashes (`CacheOptions.policy` is ``--swa-policy``)."""
+_FLAGS = {
+    "policy": "--swa-policy",
+    "persistent_ttl_s": "--persistent-ttl",
+    "swa_pool_ttl_s": "--swa-pool-ttl",
+    "global_pool_ttl_s": "--global-pool-ttl",
+    "expert_cache_bytes": "--expert-cache-size",
+}
+"""Fields whose flag is not ``--`` and the field with dashes (`CacheOptions.policy` is ``--swa-policy``; the TTLs'
+flags take durations, so they drop the ``_s``)."""
 
 
 def flag_name(field: str) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, SwaPolicy, parse_policy
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE
+from kvdiet.setting_error import SettingError
+from kvdiet.units import parse_bytes, parse_duration
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -62,9 +64,13 @@ class CacheOptions:
             forced off under ``full-store``, which keeps every token's window entries.
         prefix_caching: look prompts up at all (False: every request is cold; blocks are still written).
         cache_salt: optional salt mixed into every block hash (tenant isolation).
+    Sizes may be given as byte strings (``"1GB"``, `kvdiet.units.parse_bytes`) and TTLs as durations (``"5m"``,
+    `kvdiet.units.parse_duration`), as the flags take them.
+
     Raises:
-        ValueError: a policy string `parse_policy` refuses. TypeError: a policy neither a `SwaPolicy`, a
-            string nor None.
+        SettingError: a size, block size or TTL out of range, or an empty ``persistent_dir`` (named by keyword;
+            the command line names the flag). ValueError: a policy string `parse_policy` refuses.
+        TypeError: a setting of the wrong type, or a policy neither a `SwaPolicy`, a string nor None.
     """
 
     kv_cache_memory: int = 1 << 30
@@ -84,6 +90,7 @@ class CacheOptions:
     cache_salt: bytes | None = None
 
     def __post_init__(self) -> None:
+        _check_sizes_and_ttls(self)
         if isinstance(self.policy, str):
             object.__setattr__(self, "policy", parse_policy(self.policy))
         elif self.policy is not None and not isinstance(self.policy, SwaPolicy):
@@ -104,4 +111,48 @@ class CacheOptions:
             self,
             block_size=block_size if self.block_size is None else self.block_size,
             policy=policy if self.policy is None else self.policy,
+        )
+
+
+def _check_sizes_and_ttls(opts: CacheOptions) -> None:
+    """Check (and normalise: byte and duration strings become numbers) the sizes, block size, TTLs and folder
+    of ``opts`` before anything uses them (a string budget failed deep in the pool; an empty folder put the
+    persistent tier in the working directory). Raises as `CacheOptions` says."""
+
+    def whole(name: str, value: object, low: int) -> None:
+        if isinstance(value, str) and name != "block_size":
+            try:
+                value = parse_bytes(value)
+            except ValueError as exc:
+                raise SettingError(f"{{{name}}}: {exc}") from None
+            object.__setattr__(opts, name, value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            kind = "an int (tokens)" if name == "block_size" else "an int (bytes) or a byte string like '1GB'"
+            raise TypeError(f"{name} must be {kind}, got {value!r}")
+        if value < low:
+            raise SettingError(f"{{{name}}} must be >= {low}, got {value}")
+
+    whole("kv_cache_memory", opts.kv_cache_memory, 1)
+    for name in ("block_size", "persistent_size", "swa_pool_size", "global_pool_size"):
+        value = getattr(opts, name)
+        if value is not None:
+            whole(name, value, 1 if name == "block_size" else 0)
+    for name in ("persistent_ttl_s", "swa_pool_ttl_s", "global_pool_ttl_s"):
+        value = getattr(opts, name)
+        if isinstance(value, str):
+            try:
+                object.__setattr__(opts, name, parse_duration(value))
+            except ValueError as exc:
+                raise SettingError(f"{{{name}}}: {exc}") from None
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be seconds (a number) or a duration like '5m', got {value!r}")
+        elif not value > 0:
+            raise SettingError(f"{{{name}}} must be > 0 seconds, got {value}")
+    folder = opts.persistent_dir
+    if folder is not None and not isinstance(folder, str | Path):
+        raise TypeError(f"persistent_dir must be a str or Path folder, or None, got {folder!r}")
+    if folder is not None and not str(folder).strip():
+        raise SettingError(
+            f"{{persistent_dir}} must name a folder (no persistent tier: None from Python, none on the command "
+            f"line), got {folder!r}"
         )

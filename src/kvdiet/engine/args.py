@@ -89,6 +89,13 @@ class EngineArgs:
             raise SettingError(
                 f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        if self.numerics not in NUMERICS:  # checked with or without weights (random ones ignore it)
+            raise SettingError(f"{{numerics}} must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        size = self.expert_cache_bytes
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise TypeError(f"expert_cache_bytes must be an int (bytes) or None, got {size!r}")
+        if size is not None and size < 0:
+            raise SettingError(f"{{expert_cache_bytes}} must be >= 0 bytes, got {size}")
 
     @staticmethod
     def add_cli_args(

@@ -51,6 +51,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         if self.max_num_seqs < 1:
             raise SettingError(f"{{max_num_seqs}} must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
