@@ -219,3 +219,20 @@ def test_an_empty_persistent_dir_is_refused_on_the_command_line(capsys, tmp_path
     assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir", ""]) == 2
     assert capsys.readouterr().err.startswith("kvdiet generate: error: --persistent-dir must name a folder")
     assert list(tmp_path.iterdir()) == []  # nothing written where the process runs
+
+
+def test_a_checkpoint_folder_loads_as_the_model_or_as_the_weights(tmp_path) -> None:
+    """``LLM(DIR)`` (vLLM's form) and ``LLM(weights=DIR)`` both take the config beside the weights (here
+    v4.1-micro's, vocabulary 64: v4.1-mini's default config would not fit them) and give the same greedy ids."""
+    from kvdiet import SamplingParams
+    from kvdiet.config import load_config
+    from kvdiet.model.export import write_random_checkpoint
+
+    folder = write_random_checkpoint(load_config("v4.1-micro"), tmp_path / "ckpt", seed=3)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    outs = []
+    for llm_args in ((str(folder),), ()):
+        with LLM(*llm_args, **({} if llm_args else {"weights": folder})) as llm:
+            assert llm.engine.model.cfg.vocab_size == 64
+            outs.append(llm.generate([[3, 9, 11]], params)[0].output_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 4

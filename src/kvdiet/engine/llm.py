@@ -14,6 +14,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from numbers import Integral
+from pathlib import Path
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,12 +31,25 @@ __all__ = ["LLM"]
 Prompt = str | Sequence[int]
 
 
+def _model_and_weights(model: str | None, kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """``LLM``'s ``model`` and ``weights`` as `EngineArgs` takes them: a checkpoint folder given as ``model`` (with
+    no ``weights``) becomes the weights, its config read beside them; no model and no weights is v4.1-mini."""
+    weights = kwargs.get("weights")
+    if weights is None and model is not None and Path(model).is_dir():
+        return None, {**kwargs, "weights": model}
+    if model is None and weights is None:
+        return "v4.1-mini", kwargs
+    return model, kwargs
+
+
 class LLM:
     """An engine for scripts. Loads the model and opens the cache system on construction; `close` (or a
     ``with`` block) closes the tiers.
 
     Args:
-        model: preset or V4.1 / V4-Flash config path (default ``v4.1-mini``).
+        model: preset, V4.1 / V4-Flash config path, or a checkpoint folder in the released format (as vLLM's
+            ``LLM("/path/to/model")``: its weights, with the ``config.json`` beside them); None: the config beside
+            ``weights`` when they are given, else ``v4.1-mini`` (the default).
         args: full `EngineArgs` (then the keywords below must be left out).
         seed, weights, kv_cache_dtype, max_model_len: see `EngineArgs`.
         cache: `CacheOptions` (device pool, persistent tier, SWA pool, policy); a block size or policy left
@@ -49,7 +63,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = "v4.1-mini",
+        model: str | None = None,
         *,
         args: EngineArgs | None = None,
         cache: CacheOptions | None = None,
@@ -65,6 +79,7 @@ class LLM:
         if args is not None and (cache is not None or kwargs or limits):
             raise ValueError("give either args= or individual settings, not both")
         if args is None:
+            model, kwargs = _model_and_weights(model, kwargs)
             args = EngineArgs(
                 model=model, cache=cache or CacheOptions(), scheduler=SchedulerConfig(**limits), **kwargs
             )
