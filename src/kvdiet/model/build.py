@@ -49,7 +49,8 @@ def load_model(
     checkpoint folder or the tokenizer (`_engram_token_map`; `kvdiet.model.checkpoint_token_map`).
 
     Raises:
-        ConfigError: not a DeepSeek-V4-family config, no config at all, V4-Flash with ``weights`` (its
+        ConfigError: not a DeepSeek-V4-family config, no config at all, a given config whose widths differ
+            from the ``config.json`` beside the weights (both named), V4-Flash with ``weights`` (its
             released checkpoint does not load yet), or a checkpoint whose Engram map is nowhere to be found or
             whose stored map does not fit the config (the file named).
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
@@ -69,6 +70,7 @@ def load_model(
         raise ConfigError(
             f"{name_or_path!r} is not a DeepSeek-V4-family config (a dense baseline has no model)"
         )
+    _check_beside(cfg, name_or_path, weights)
     tokenizer = _tokenizer_for(cfg, weights)
     if not cfg.is_v41:
         if weights is not None:
@@ -144,3 +146,26 @@ def _engram_token_map(
         f"the folder has none: add the model's tokenizer.json, or the map as {TOKEN_MAP_FILE} (tensor "
         f"engram.token_map, int64 [{cfg.vocab_size}]; kvdiet.model.checkpoint_token_map.save_token_map)"
     )
+
+
+def _check_beside(cfg: ModelConfig, name: str, weights: str | Path | None) -> None:
+    """A config given with ``weights`` must have the widths of the ``config.json`` beside them, where there is
+    one: else every tensor, or the Engram map, would be refused one by one in terms of the wrong config.
+
+    Raises:
+        ConfigSettingError: the first differing field, both values, naming the setting (``model`` / ``--model``).
+    """
+    beside = model_config_path(weights) if weights is not None else None
+    if beside is None or Path(name).resolve() == Path(beside).resolve():
+        return
+    theirs = load_config(str(beside))
+    if not isinstance(theirs, ModelConfig):
+        return  # the loader refuses it in its own words
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+    for field in fields:
+        mine, got = getattr(cfg, field), getattr(theirs, field)
+        if mine != got:
+            raise ConfigSettingError(
+                f"{{model}} {name!r} has {field} {mine} but the checkpoint's {beside} has {got}: leave {{model}} "
+                f"out to run the checkpoint's own config"
+            )
