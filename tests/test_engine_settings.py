@@ -236,3 +236,21 @@ def test_a_checkpoint_folder_loads_as_the_model_or_as_the_weights(tmp_path) -> N
             assert llm.engine.model.cfg.vocab_size == 64
             outs.append(llm.generate([[3, 9, 11]], params)[0].output_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 4
+
+
+def test_cache_options_name_their_pool_backends_per_caller() -> None:
+    """A bad ``swa_pool`` or ``global_pool`` is refused when the engine's settings are made (before the model
+    loads), named as the keyword from Python and as the flag on the command line."""
+    for kwargs, python, flags in (
+        ({"swa_pool": "foo://x"}, "swa_pool: 'foo://x' is not a Redis URL", "--swa-pool: 'foo://x' is not"),
+        (
+            {"global_pool": "redis://x"},
+            "global_pool: 'redis://x' is not a Mooncake URL",
+            "--global-pool: 'redis",
+        ),
+    ):
+        with pytest.raises(SettingError) as info:
+            LLM("v4.1-micro", cache=CacheOptions(**kwargs))
+        assert str(info.value).startswith(python) and info.value.as_flags().startswith(flags)
+    with pytest.raises(TypeError, match="swa_pool must be a str"):
+        EngineArgs(model="v4.1-micro", cache=CacheOptions(swa_pool=None))

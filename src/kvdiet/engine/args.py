@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
+from kvdiet.engine.pool_specs import check_pool_specs
 from kvdiet.layer_plan import LayerPlan
 from kvdiet.setting_error import SettingError
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
@@ -89,6 +90,7 @@ class EngineArgs:
             raise SettingError(
                 f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
+        check_pool_specs(self.cache)
         if self.numerics not in NUMERICS:  # checked with or without weights (random ones ignore it)
             raise SettingError(f"{{numerics}} must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         size = self.expert_cache_bytes
