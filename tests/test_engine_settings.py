@@ -254,3 +254,30 @@ def test_cache_options_name_their_pool_backends_per_caller() -> None:
         assert str(info.value).startswith(python) and info.value.as_flags().startswith(flags)
     with pytest.raises(TypeError, match="swa_pool must be a str"):
         EngineArgs(model="v4.1-micro", cache=CacheOptions(swa_pool=None))
+
+
+def test_llm_takes_vllms_arguments_at_the_values_that_change_nothing(capsys) -> None:
+    """``LLM(..., tensor_parallel_size=1, trust_remote_code=True, enforce_eager=True, dtype="auto")`` runs as
+    without them (code written for vLLM spells them out); another value, and ``gpu_memory_utilization`` (the
+    KV cache is sized in bytes here), is a TypeError naming it; ``use_tqdm`` is vLLM's name for ``progress``."""
+    from kvdiet import SamplingParams
+
+    vllm = {"tensor_parallel_size": 1, "trust_remote_code": True, "enforce_eager": False, "dtype": "float32"}
+    params = SamplingParams(max_tokens=3, temperature=0)
+    outs = []
+    for extra in ({}, vllm):
+        with LLM("v4.1-micro", **extra) as llm:
+            outs.append(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].output_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 3
+    refused = {
+        "tensor_parallel_size": (2, "LLM accepts vLLM's tensor_parallel_size only as tensor_parallel_size=1"),
+        "dtype": ("bfloat16", "LLM accepts vLLM's dtype only as dtype='auto' or dtype='float32'"),
+        "trust_remote_code": (1, "trust_remote_code=False or trust_remote_code=True"),
+        "gpu_memory_utilization": (0.9, "LLM does not take vLLM's gpu_memory_utilization"),
+    }
+    for name, (value, words) in refused.items():
+        with pytest.raises(TypeError, match="not supported by kvdiet") as info:
+            LLM("v4.1-micro", **{name: value})
+        assert f"{name}={value!r}" in str(info.value) and words in str(info.value)
+    with LLM("v4.1-micro") as llm, pytest.raises(TypeError, match="use_tqdm must be a bool or None"):
+        llm.generate([[5]], params, use_tqdm="yes")

@@ -25,10 +25,20 @@ from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
+from kvdiet.engine.vllm_args import check_vllm_only
 
 __all__ = ["LLM"]
 
 Prompt = str | Sequence[int]
+
+_VLLM_ONLY = {  # vLLM's `LLM` arguments kvdiet does not implement → the values that change nothing
+    "tensor_parallel_size": (1,),
+    "pipeline_parallel_size": (1,),
+    "trust_remote_code": (False, True),  # kvdiet runs no code from a checkpoint either way
+    "enforce_eager": (False, True),  # no CUDA graphs yet: every step runs eagerly
+    "dtype": ("auto", "float32"),  # activations are fp32 (weights keep their stored formats)
+    "gpu_memory_utilization": (),  # the KV cache is sized in bytes: cache=CacheOptions(kv_cache_memory=...)
+}
 
 
 def _model_and_weights(model: str | None, kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -56,9 +66,14 @@ class LLM:
             unset is the model's default, as in ``kvdiet generate`` (`CacheOptions.for_model`: V4-Flash blocks of
             128 tokens and boundary-snapshot).
         max_num_seqs, max_num_batched_tokens: see `SchedulerConfig` (None: its defaults).
+        tensor_parallel_size, pipeline_parallel_size, trust_remote_code, enforce_eager, dtype: vLLM's, taken at
+            the values that change nothing here (1, 1, either bool, either bool, ``"auto"``/``"float32"``;
+            `kvdiet.engine.vllm_args.check_vllm_only`); ``gpu_memory_utilization`` is refused: the KV cache is
+            sized in bytes (``cache=CacheOptions(kv_cache_memory="8GB")``).
     Raises:
         ValueError, ConfigError: bad settings, refused before the model loads (`EngineArgs.create_engine`); a
             `kvdiet.setting_error.SettingError` names the setting by its keyword (``max_model_len``).
+        TypeError: one of vLLM's arguments above at another value, named; an unknown keyword.
     """
 
     def __init__(
@@ -78,6 +93,8 @@ class LLM:
         }
         if args is not None and (cache is not None or kwargs or limits):
             raise ValueError("give either args= or individual settings, not both")
+        vllm_only = {k: kwargs.pop(k) for k in list(kwargs) if k in _VLLM_ONLY}
+        check_vllm_only("LLM", _VLLM_ONLY, vllm_only)
         if args is None:
             model, kwargs = _model_and_weights(model, kwargs)
             args = EngineArgs(
@@ -91,6 +108,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = False,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids) and return the final outputs in order.
 
@@ -100,12 +118,17 @@ class LLM:
                 ``{"prompt_token_ids": ids}``).
             sampling_params: one for all, or one per prompt (default `SamplingParams()`).
             progress: show a progress bar of finished requests.
+            use_tqdm: vLLM's name for ``progress`` (a bool; None: ``progress`` decides).
         Raises:
             ValueError: an invalid prompt or parameters (checked for all prompts before any runs), or as many
                 parameters as prompts were not given.
             TypeError: ``prompts`` neither a text, a prompt dict, nor a list or array (a bare int, bytes, a set),
                 or ``sampling_params`` not `SamplingParams`.
         """
+        if use_tqdm is not None:
+            if not isinstance(use_tqdm, bool):
+                raise TypeError(f"use_tqdm must be a bool or None, got {use_tqdm!r}")
+            progress = use_tqdm
         batch = _as_batch(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         one = isinstance(params, SamplingParams) or not isinstance(params, Iterable)

@@ -9,6 +9,8 @@ from numbers import Integral, Real
 
 import torch
 
+from kvdiet.engine.vllm_args import check_vllm_only
+
 __all__ = ["GREEDY_BELOW", "SamplingParams", "sample"]
 
 GREEDY_BELOW = 1e-5
@@ -88,15 +90,7 @@ class SamplingParams:
     prompt_logprobs: InitVar[int | None] = None
 
     def __post_init__(self, *vllm_only: object) -> None:
-        for (name, defaults), value in zip(_VLLM_ONLY.items(), vllm_only, strict=True):
-            if isinstance(value, bool) or not any(
-                value is d or (d is not None and value == d) for d in defaults
-            ):
-                accepted = " or ".join(f"{name}={d!r}" for d in defaults)
-                raise TypeError(
-                    f"{name}={value!r} is not supported by kvdiet: SamplingParams accepts vLLM's {name} only "
-                    f"as {accepted}, which changes nothing"
-                )
+        check_vllm_only("SamplingParams", _VLLM_ONLY, dict(zip(_VLLM_ONLY, vllm_only, strict=True)))
         # ints as `operator.index` takes them (numpy's too), numbers as `numbers.Real`; bools are neither here.
         # Kept as Python's int and float (the same values) from here on.
         for name, kinds, what in (
