@@ -258,6 +258,10 @@ def test_packed_cache_codecs_take_whole_blocks_of_head_dim() -> None:
 
     assert CacheCodecs.for_dims(96, 32).window.width == 96 + 96 // 32  # E4M3 bytes + one UE8M0 per 32
     for dim in (80, 72):  # MXFP8 window blocks of 32; 72 is not even whole FP4 blocks of 16
-        with pytest.raises(ValueError, match=f"head_dim {dim} is not a multiple of 32"):
+        with pytest.raises(ValueError, match=f"head_dim {dim} is not a multiple of 32") as info:
             CacheCodecs.for_dims(dim, 32)
+        assert str(info.value).endswith("use exact caches, kv_cache_dtype='fp32'")  # the keyword from Python
+        assert info.value.as_flags().endswith(
+            "use exact caches, --kv-cache-dtype fp32"
+        )  # the flag on the CLI
         assert CacheCodecs.for_dims(dim, 32, exact=True).window.dim == dim  # fp32 caches take any width

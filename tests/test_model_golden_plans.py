@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from kvdiet.config import load_config
+from kvdiet.model.checkpoint_token_map import REFERENCE_OUTPUTS_FILE
 from kvdiet.model.export import write_random_checkpoint
-from kvdiet.model.golden import OUTPUTS_FILE, compare_golden
+from kvdiet.model.golden import compare_golden
 from kvdiet.model.loader import load_checkpoint
 
 PLAN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "bench-40layer-tiny" / "config.json"
@@ -71,7 +72,7 @@ def plan_dir(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 @pytest.mark.slow
 def test_golden_takes_the_40_layer_plan_and_names_a_changed_token_or_row(plan_dir) -> None:
     directory, outputs = plan_dir
-    save_file(outputs, str(directory / OUTPUTS_FILE))
+    save_file(outputs, str(directory / REFERENCE_OUTPUTS_FILE))
     r = compare_golden(directory)
     assert r.numerics == "fp8" and r.rows == r.rows_within_tol == r.argmax_equal == PROMPT
     assert set(r.topk_rows_equal) == set(range(2, 40))  # every compressed layer of the plan, Reuse included
@@ -83,7 +84,7 @@ def test_golden_takes_the_40_layer_plan_and_names_a_changed_token_or_row(plan_di
     changed = dict(outputs)
     changed["decode_tokens"] = outputs["decode_tokens"].clone()
     changed["decode_tokens"][1] = (changed["decode_tokens"][1] + 1) % 1024
-    save_file(changed, str(directory / OUTPUTS_FILE))
+    save_file(changed, str(directory / REFERENCE_OUTPUTS_FILE))
     r = compare_golden(directory)
     assert not r.accepted and r.decode_tokens_equal == DECODE - 1 and r.first_diverging_decode_step == 1
 
@@ -91,7 +92,7 @@ def test_golden_takes_the_40_layer_plan_and_names_a_changed_token_or_row(plan_di
     rows = outputs["select.L30.compress_topk"].clone()
     rows[PROMPT - 1, 0] = -1  # the last row loses its first entry
     changed["select.L30.compress_topk"] = rows
-    save_file(changed, str(directory / OUTPUTS_FILE))
+    save_file(changed, str(directory / REFERENCE_OUTPUTS_FILE))
     r = compare_golden(directory)
     assert not r.accepted and r.topk_rows_equal[30] == PROMPT - 1
     assert r.first_diverging_topk == (PROMPT - 1, 30)

@@ -24,6 +24,7 @@ from kvdiet.formats.layout import (
     window_format,
 )
 from kvdiet.formats.scales import PendingCheck
+from kvdiet.setting_error import SettingError
 
 __all__ = ["CacheCodecs", "Codec", "WindowRead", "exact_codec", "packed_codec"]
 
@@ -206,13 +207,14 @@ class CacheCodecs:
         """Codecs for KV vectors of ``head_dim`` and index keys of ``index_head_dim``; ``exact`` → fp32.
 
         Raises:
-            ValueError: packed codecs for a ``head_dim`` that is not a multiple of 32 (the window's MXFP8 scale
-                block; the main KV's FP4 block is 16), naming it.
+            SettingError (a ValueError): packed codecs for a ``head_dim`` that is not a multiple of 32 (the
+                window's MXFP8 scale block; the main KV's FP4 block is 16), naming it and the way out
+                (``kv_cache_dtype='fp32'``, or ``--kv-cache-dtype fp32`` on the command line).
         """
         if not exact and head_dim % 32:
-            raise ValueError(
+            raise SettingError(
                 f"head_dim {head_dim} is not a multiple of 32: the packed window entries (MXFP8) and main KV (FP4) "
-                f"take whole scale blocks (v41-spec §5); use exact (fp32) caches"
+                f"take whole scale blocks (v41-spec §5); use exact caches, {{kv_cache_dtype=fp32}}"
             )
         if exact:
             return cls(exact_codec(head_dim), exact_codec(index_head_dim), exact_codec(head_dim))

@@ -14,7 +14,12 @@ import torch
 
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.device import check_device
-from kvdiet.model.checkpoint_token_map import TOKEN_MAP_FILE, find_token_map, placeholder_token_map
+from kvdiet.model.checkpoint_token_map import (
+    TOKEN_MAP_FILE,
+    find_token_map,
+    needs_token_map,
+    placeholder_token_map,
+)
 from kvdiet.model.engram_hash import check_token_map, compressed_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
@@ -138,7 +143,7 @@ def _engram_token_map(
         return compressed_token_map(tokenizer)[0]
     if weights is None:
         return placeholder_token_map(cfg)
-    if cfg.engram_compressed_vocab_size == cfg.vocab_size:
+    if not needs_token_map(cfg):
         return None
     raise ConfigError(
         f"{weights}: Engram needs a compressed-token map (engram_compressed_vocab_size "

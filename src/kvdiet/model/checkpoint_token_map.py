@@ -28,6 +28,7 @@ __all__ = [
     "TOKEN_MAP_FILE",
     "TOKEN_MAP_TENSOR",
     "find_token_map",
+    "needs_token_map",
     "placeholder_token_map",
     "save_token_map",
 ]
@@ -37,11 +38,16 @@ TOKEN_MAP_TENSOR = "engram.token_map"
 REFERENCE_OUTPUTS_FILE = "reference_outputs.safetensors"  # kvdiet.model.golden's reference dump
 
 
+def needs_token_map(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` runs only with a compressed-token map: it has Engram layers and its
+    ``engram_compressed_vocab_size`` is not its ``vocab_size`` (equal sizes take the identity)."""
+    return bool(cfg.engram_layer_ids) and cfg.engram_compressed_vocab_size != cfg.vocab_size
+
+
 def placeholder_token_map(cfg: ModelConfig) -> torch.Tensor | None:
     """A map using every one of the ``engram_compressed_vocab_size`` (C) ids, token i → i·C // V (int64 [V]),
-    for weights made without a tokenizer (random ones); None where the config needs none (no Engram, or
-    C == V: the identity)."""
-    if not cfg.engram_layer_ids or cfg.engram_compressed_vocab_size == cfg.vocab_size:
+    for weights made without a tokenizer (random ones); None where the config needs none (`needs_token_map`)."""
+    if not needs_token_map(cfg):
         return None
     return (
         torch.arange(cfg.vocab_size, dtype=torch.int64) * cfg.engram_compressed_vocab_size // cfg.vocab_size

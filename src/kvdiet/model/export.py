@@ -34,7 +34,12 @@ import torch
 from safetensors.torch import save_file
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.checkpoint_token_map import TOKEN_MAP_FILE, placeholder_token_map, save_token_map
+from kvdiet.model.checkpoint_token_map import (
+    TOKEN_MAP_FILE,
+    needs_token_map,
+    placeholder_token_map,
+    save_token_map,
+)
 from kvdiet.model.engram import Fp8Embedding
 from kvdiet.model.linear import FP4_BLOCK, Linear, quantize_fp4_weight, quantize_fp8_weight
 from kvdiet.model.transformer import Transformer
@@ -92,7 +97,7 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, shard_bytes: i
     """
     check_fp4_experts(model.cfg)
     ratios = {f"layers.{b.info.layer_id}.": b.info.compress_ratio for b in model.layers}
-    token_map = model.hasher.token_map if placeholder_token_map(model.cfg) is not None else None
+    token_map = model.hasher.token_map if needs_token_map(model.cfg) else None
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for prefix, module in model.named_modules():

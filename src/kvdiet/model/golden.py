@@ -41,7 +41,6 @@ from kvdiet.model.transformer import Transformer
 
 __all__ = ["GoldenReport", "compare_golden", "run_golden_command"]
 
-OUTPUTS_FILE = REFERENCE_OUTPUTS_FILE
 DEFAULT_TOL = 1e-3  # shared/golden/README.md
 
 
@@ -109,11 +108,15 @@ def compare_golden(
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"no such folder: {directory}")
-    outputs = directory / OUTPUTS_FILE
+    outputs = directory / REFERENCE_OUTPUTS_FILE
     if not outputs.is_file():
-        raise FileNotFoundError(f"no {OUTPUTS_FILE} in {directory}")
-    if not any(f.name not in (OUTPUTS_FILE, TOKEN_MAP_FILE) for f in directory.glob("*.safetensors")):
-        raise FileNotFoundError(f"no checkpoint (safetensors weights besides {OUTPUTS_FILE}) in {directory}")
+        raise FileNotFoundError(f"no {REFERENCE_OUTPUTS_FILE} in {directory}")
+    if not any(
+        f.name not in (REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE) for f in directory.glob("*.safetensors")
+    ):
+        raise FileNotFoundError(
+            f"no checkpoint (safetensors weights besides {REFERENCE_OUTPUTS_FILE}) in {directory}"
+        )
     ref = _read_outputs(outputs)
     token_map = ref.get("engram.token_map")  # the reference's own map, else the checkpoint's
     if token_map is None and (found := find_token_map(directory)) is not None:
