@@ -12,7 +12,7 @@ import kvdiet
 from kvdiet import LLM, CacheOptions, EngineArgs, parse_policy
 from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, Checkpoint, FullStore
 from kvdiet.cli import main
-from kvdiet.setting_error import SettingError
+from kvdiet.setting_error import SettingError, flag_name
 from redis_helpers import free_port  # serve is refused before binding; a free port all the same
 
 
@@ -281,3 +281,58 @@ def test_llm_takes_vllms_arguments_at_the_values_that_change_nothing(capsys) -> 
         assert f"{name}={value!r}" in str(info.value) and words in str(info.value)
     with LLM("v4.1-micro") as llm, pytest.raises(TypeError, match="use_tqdm must be a bool or None"):
         llm.generate([[5]], params, use_tqdm="yes")
+
+
+def test_a_value_that_looks_like_a_setting_is_echoed_verbatim() -> None:
+    """Only the template's own braces name settings: a value (a byte string, a pool URL, a dtype, a device)
+    holding ``{max_model_len}`` comes back as it was, from Python and on the command line."""
+    exc = SettingError(
+        "{persistent_dir=}: got {got}", persistent_dir="/tmp/{block_size}", got="'{max_model_len}'"
+    )
+    assert str(exc) == "persistent_dir='/tmp/{block_size}': got '{max_model_len}'"
+    assert exc.as_flags() == "--persistent-dir /tmp/{block_size}: got '{max_model_len}'"
+    cases = (
+        (lambda: CacheOptions(kv_cache_memory="{max_model_len}GB"), "kv_cache_memory", "'{max_model_len}GB'"),
+        (lambda: CacheOptions(persistent_ttl_s="{block_size}m"), "persistent_ttl_s", "'{block_size}m'"),
+        (lambda: EngineArgs(model="v4.1-micro", numerics="{max_model_len}"), "numerics", "'{max_model_len}'"),
+        (
+            lambda: EngineArgs(model="v4.1-micro", kv_cache_dtype="{numerics=x}"),
+            "kv_cache_dtype",
+            "'{numerics=x}'",
+        ),
+        (
+            lambda: EngineArgs(model="v4.1-micro", cache=CacheOptions(swa_pool="foo://{max_model_len}")),
+            "swa_pool",
+            "'foo://{max_model_len}'",
+        ),
+    )
+    for make, name, echoed in cases:
+        with pytest.raises(SettingError) as info:
+            make()
+        said, flags = str(info.value), info.value.as_flags()
+        assert said.startswith(name) and echoed in said, said
+        assert flags.startswith(flag_name(name)) and echoed in flags, flags
+
+
+def test_a_request_too_long_for_the_pool_names_both_ways_out_with_their_numbers(monkeypatch) -> None:
+    """``LLM("v4-mini")`` without ``max_model_len`` (1,048,576 tokens) does not fit the default 1 GiB pool: the
+    refusal gives the ``kv_cache_memory`` that fits it and the ``max_model_len`` the pool fits, and both
+    numbers are exact (the one below each is refused, each itself passes)."""
+    monkeypatch.setattr("kvdiet.model.build.load_model", _no_load)
+    with pytest.raises(SettingError) as info:
+        LLM("v4-mini")
+    said = str(info.value)
+    memory = int(said.split("raise kv_cache_memory to at least ")[1].split(" ")[0])
+    most = int(said.rsplit(" ", 1)[1])
+    assert "max_model_len 1048576 tokens (the default, max_position_embeddings 1048576) needs 8192" in said
+    assert said.endswith(f"or set max_model_len to at most {most}") and most == 305536  # 2387 blocks of 128
+    assert info.value.as_flags().endswith(f"or set --max-model-len to at most {most}")
+    assert f"raise --kv-cache-memory to at least {memory} bytes" in info.value.as_flags()
+    EngineArgs(model="v4-mini", cache=CacheOptions(kv_cache_memory=memory)).validate()
+    EngineArgs(model="v4-mini", max_model_len=most).validate()
+    for args in (
+        EngineArgs(model="v4-mini", cache=CacheOptions(kv_cache_memory=memory - 1)),
+        EngineArgs(model="v4-mini", max_model_len=most + 1),
+    ):
+        with pytest.raises(SettingError, match="needs"):
+            args.validate()

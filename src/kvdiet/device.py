@@ -45,18 +45,18 @@ def check_device(name: str) -> None:
     unless ``name`` is ``cpu``, or ``cuda``/``cuda:N`` on a machine where torch sees that CUDA device. Imports
     torch only for a CUDA name."""
     if not DEVICE_PATTERN.fullmatch(name):
-        raise SettingError(f"{{device}} must be cpu, cuda or cuda:N, got {name!r}")
+        raise SettingError("{device} must be cpu, cuda or cuda:N, got {got}", got=repr(name))
     if name == "cpu":
         return
     import torch
 
     if not torch.cuda.is_available():
         raise SettingError(
-            f"{{device={name}}}: torch sees no CUDA device here (torch.cuda.is_available() is False)"
+            "{device=}: torch sees no CUDA device here (torch.cuda.is_available() is False)", device=name
         )
     index = int(name.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise SettingError(f"{{device={name}}}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        raise SettingError(f"{{device=}}: torch sees {torch.cuda.device_count()} CUDA device(s)", device=name)
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:

@@ -124,7 +124,7 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
             try:
                 value = parse_bytes(value)
             except ValueError as exc:
-                raise SettingError(f"{{{name}}}: {exc}") from None
+                raise SettingError(f"{{{name}}}: {{reason}}", reason=exc) from None
             object.__setattr__(opts, name, value)
         if isinstance(value, bool) or not isinstance(value, int):
             kind = "an int (tokens)" if name == "block_size" else "an int (bytes) or a byte string like '1GB'"
@@ -143,7 +143,7 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
             try:
                 object.__setattr__(opts, name, parse_duration(value))
             except ValueError as exc:
-                raise SettingError(f"{{{name}}}: {exc}") from None
+                raise SettingError(f"{{{name}}}: {{reason}}", reason=exc) from None
         elif isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{name} must be seconds (a number) or a duration like '5m', got {value!r}")
         elif not value > 0:
@@ -153,6 +153,7 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
         raise TypeError(f"persistent_dir must be a str or Path folder, or None, got {folder!r}")
     if folder is not None and not str(folder).strip():
         raise SettingError(
-            f"{{persistent_dir}} must name a folder (no persistent tier: None from Python, none on the command "
-            f"line), got {folder!r}"
+            "{persistent_dir} must name a folder (no persistent tier: None from Python, none on the command "
+            "line), got {got}",
+            got=repr(folder),
         )

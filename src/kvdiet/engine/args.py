@@ -86,13 +86,13 @@ class EngineArgs:
         if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range
             raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
         object.__setattr__(self, "seed", operator.index(seed))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise SettingError(
-                f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
+        # numerics is checked with or without weights (random ones ignore it)
+        for name, known in (("kv_cache_dtype", KV_CACHE_DTYPES), ("numerics", NUMERICS)):
+            if (value := getattr(self, name)) not in known:
+                raise SettingError(
+                    f"{{{name}}} must be one of {', '.join(known)}, got {{got}}", got=repr(value)
+                )
         check_pool_specs(self.cache)
-        if self.numerics not in NUMERICS:  # checked with or without weights (random ones ignore it)
-            raise SettingError(f"{{numerics}} must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         size = self.expert_cache_bytes
         if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
             raise TypeError(f"expert_cache_bytes must be an int (bytes) or None, got {size!r}")
@@ -157,7 +157,7 @@ class EngineArgs:
             ConfigError: a bad model. SettingError (a ValueError): a bad setting, one line, named as its keyword
                 (``str()``) or its flag (``as_flags()``, which the command line prints).
         """
-        from kvdiet.engine.engine import check_max_model_len
+        from kvdiet.engine.max_model_len import check_max_model_len
         from kvdiet.engine.runner import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
         from kvdiet.model.paged_pool import DevicePool
@@ -170,7 +170,7 @@ class EngineArgs:
         try:
             plan.check_block_size(bs)
         except ValueError as exc:
-            raise SettingError(f"{{block_size}}: {exc}") from None
+            raise SettingError("{block_size}: {reason}", reason=exc) from None
         exact = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if cfg.is_v41:
             codecs = CacheCodecs.for_dims(cfg.head_dim, cfg.index_head_dim, exact=exact)
@@ -184,6 +184,7 @@ class EngineArgs:
             limit=cfg.max_position_embeddings,
             block_size=bs,
             num_blocks=pool_num_blocks(cache, block_bytes),
+            block_bytes=block_bytes,
         )
 
     def create_engine(

@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Protocol
 
 import torch
 
 from kvdiet.engine.detokenizer import IncrementalDetokenizer, find_stop, safe_length
+from kvdiet.engine.max_model_len import check_max_model_len
 from kvdiet.engine.prepared import (
     InvalidRequestError,
     PreparedRequest,
@@ -45,10 +44,9 @@ from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvdiet.model.token_ids import check_vocab_ids
 from kvdiet.model.transformer import Transformer
-from kvdiet.setting_error import SettingError
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["EngineObserver", "EngineStats", "LLMEngine", "check_max_model_len"]
+__all__ = ["EngineObserver", "EngineStats", "LLMEngine"]
 
 log = logging.getLogger("kvdiet.engine")
 
@@ -71,36 +69,6 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in FinishReason})
     steps: int = 0
-
-
-def check_max_model_len(max_model_len: int | None, *, limit: int, block_size: int, num_blocks: int) -> int:
-    """The longest prompt + output in tokens (``limit``, the config's ``max_position_embeddings``, when None),
-    checked against ``limit`` and against a pool of ``num_blocks`` blocks of ``block_size`` tokens: one request
-    of that length must fit, in ``ceil(max_model_len / block_size)`` blocks (vLLM's meaning). A request never
-    holds the KV of more tokens than that: a decode step writes the KV of the token sampled before it, and
-    the last sampled token is never fed back (a request of N tokens holds N - 1, or N when it only scores
-    its prompt with ``max_tokens`` 0).
-
-    Raises:
-        SettingError (a ValueError): out of ``[1, limit]``, or one request would not fit in the pool (one line,
-            named as a keyword; as a flag in `SettingError.as_flags`).
-    """
-    n = limit if max_model_len is None else max_model_len
-    if not isinstance(n, Integral) or isinstance(n, bool):  # 8.5 or "8": one line, not a TypeError from <=
-        raise SettingError(f"{{max_model_len}} must be a whole number of tokens, got {max_model_len!r}")
-    n = operator.index(n)  # numpy's ints too, kept as Python's int
-    if not 1 <= n <= limit:
-        raise SettingError(
-            f"{{max_model_len}} must be in [1, {limit}] (max_position_embeddings), got {max_model_len}"
-        )
-    need = -(-n // block_size)
-    if need > num_blocks:
-        raise SettingError(
-            f"one request of {{max_model_len}} {n} tokens needs {need} blocks of {block_size} "
-            f"tokens, but the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens): raise "
-            f"{{kv_cache_memory}} or lower {{max_model_len}}"
-        )
-    return n
 
 
 class LLMEngine:
@@ -136,6 +104,7 @@ class LLMEngine:
             limit=model.cfg.max_position_embeddings,
             block_size=runner.options.block_size,
             num_blocks=runner.pool.blocks.num_blocks,
+            block_bytes=runner.pool.block_bytes,
         )
         self.model, self.runner, self.tokenizer = model, runner, tokenizer
         self.observer = observer

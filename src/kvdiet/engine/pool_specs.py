@@ -34,5 +34,5 @@ def check_pool_specs(opts: CacheOptions) -> None:
             check(spec)
         except ValueError as exc:
             text = str(exc)
-            raise SettingError(f"{{{name}}}{text.removeprefix(flag)}" if text.startswith(f"{flag}:") else
-                               f"{{{name}}}: {text}") from None  # fmt: skip
+            said = text.removeprefix(flag) if text.startswith(f"{flag}:") else f": {text}"
+            raise SettingError(f"{{{name}}}{{said}}", said=said) from None
