@@ -35,6 +35,13 @@ def test_find_stop_takes_the_earliest_stop() -> None:
     assert find_stop("abcabc", ["abc"], start=1) == 3
 
 
+def test_find_stop_with_include_ends_after_the_stop_string() -> None:
+    assert find_stop("hello world", ["world", "lo"], include=True) == 5  # "lo" begins first
+    assert find_stop("xabcd", ["abc", "ab"], include=True) == 3  # same start: the shorter appeared first
+    assert find_stop("xabcd", ["abc", "ab"]) == 1
+    assert find_stop("hello", ["xyz"], include=True) is None
+
+
 def test_safe_length_holds_a_possible_stop_prefix() -> None:
     assert safe_length("hello wo", ["world"]) == 6
     assert safe_length("hello", ["world"]) == 5

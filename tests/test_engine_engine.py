@@ -207,6 +207,49 @@ def test_stop_strings_cut_the_text_and_never_stream_a_part_of_one(micro: Transfo
     assert list(final.output_ids) == ref[: len(final.output_ids)]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(micro: Transformer) -> None:
+    """vLLM's ``include_stop_str_in_output=True``: the text runs to the end of the stop string that ended it,
+    and the stream (nothing held back: the stop string is kept) adds up to it."""
+    tok = LetterTokenizer()
+    engine = _engine(micro, tokenizer=tok)
+    prompt = "helloworld"
+    ref = _solo(micro, [tok.bos_token_id, *tok.encode(prompt)], SamplingParams(max_tokens=10))
+    ref_text = tok.decode(ref)
+    stop = ref_text[4:6]
+    end = ref_text.find(stop) + len(stop)
+    params = SamplingParams(max_tokens=10, stop=(stop,), ignore_eos=True, include_stop_str_in_output=True)
+    rid = engine.add_request(prompt, params)
+    deltas, final = [], None
+    while engine.has_unfinished:
+        for o in engine.step():
+            assert o.request_id == rid
+            deltas.append(o.new_text)
+            final = o
+    assert final.finish_reason == "stop" and final.text == ref_text[:end] and final.text.endswith(stop)
+    assert "".join(deltas) == final.text and list(final.output_ids) == ref[:end]
+
+
+def test_detokenize_false_gives_token_ids_and_no_text(micro: Transformer) -> None:
+    """vLLM's ``detokenize=False``: the same tokens, EOS still stops, the text stays empty; stop strings with
+    it are refused in vLLM's words."""
+    tok = LetterTokenizer()
+    p = _ids(12, seed=4)
+    ref = _solo(micro, p, SamplingParams(max_tokens=6))
+    engine = _engine(micro, tokenizer=tok)
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6, detokenize=False))
+    assert list(out.output_ids) == ref and out.text == "" and out.finish_reason == "length"
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6))
+    assert out.text == tok.decode(ref)  # detokenize=True (the default) as before
+    tok.eos_token_id = ref[2]
+    (out,) = _run(_engine(micro, tokenizer=tok), [p], SamplingParams(max_tokens=6, detokenize=False))
+    assert list(out.output_ids) == ref[: ref.index(ref[2]) + 1] and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(stop="ab", detokenize=False)
+    for name in ("detokenize", "include_stop_str_in_output"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool"):
+            SamplingParams(**{name: 1})
+
+
 def test_eos_stops_unless_ignored(micro: Transformer) -> None:
     tok = LetterTokenizer()
     p = _ids(12, seed=4)

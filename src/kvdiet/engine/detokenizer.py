@@ -5,9 +5,9 @@ its parts, except where a multi-byte UTF-8 character is split across tokens: suc
 U+FFFD. The detokenizer therefore decodes only the ids not yet committed and holds them back while their
 text ends in U+FFFD (at most four tokens: one UTF-8 character has at most four bytes).
 
-Stop strings (`find_stop`): the output ends before the first stop string that appears; text that could
-still be the start of a stop string is not reported yet (`safe_length`), so a stream never shows a
-stop string or a part of one.
+Stop strings (`find_stop`): the output ends before the first stop string that appears (after it, with
+vLLM's ``include_stop_str_in_output``); text that could still be the start of a stop string is not reported
+yet (`safe_length`), so a stream never shows a stop string or a part of one (unless it is to be kept).
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ class IncrementalDetokenizer:
         return piece
 
 
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Index in ``text`` where the earliest stop string begins, searching from ``start`` (chars), or None."""
-    hits = [i for s in stops if (i := text.find(s, start)) != -1]
-    return min(hits) if hits else None
+def find_stop(text: str, stops: Sequence[str], start: int = 0, *, include: bool = False) -> int | None:
+    """Where the output in ``text`` ends on a stop string, searching from ``start`` (chars), or None when no stop
+    string is there: the index where the earliest stop string begins, or with ``include`` (vLLM's
+    ``include_stop_str_in_output``) where it ends (of stop strings that begin there, the shortest: it
+    appeared first)."""
+    hits = [(i, len(s)) for s in stops if (i := text.find(s, start)) != -1]
+    if not hits:
+        return None
+    begin, length = min(hits)
+    return begin + length if include else begin
 
 
 def safe_length(text: str, stops: Sequence[str]) -> int:

@@ -185,7 +185,7 @@ class LLMEngine:
             time.monotonic(),
             torch.Generator().manual_seed(seed),
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-            if self.tokenizer is not None
+            if self.tokenizer is not None and params.detokenize
             else None,
         )
         self.requests[rid] = req
@@ -276,7 +276,8 @@ class LLMEngine:
         if req.detokenizer is not None and not stop_token:  # a stop token's own text is left out
             req.detokenizer.add(token)
             text = req.detokenizer.text
-            cut = find_stop(text, p.stop, max(0, req.emitted_text - max(map(len, p.stop), default=0)))
+            start = max(0, req.emitted_text - max(map(len, p.stop), default=0))
+            cut = find_stop(text, p.stop, start, include=p.include_stop_str_in_output)
             if cut is not None:
                 req.text = text[:cut]
                 self._end(req, FinishReason.STOP, flush=False)  # held-back ids lie past the cut
@@ -301,7 +302,7 @@ class LLMEngine:
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
-        stops = req.params.stop
+        stops = () if req.params.include_stop_str_in_output else req.params.stop  # kept: nothing to hold back
         upto = len(req.text) if req.finished else safe_length(req.text, stops)
         upto = max(upto, req.emitted_text)
         new_text = req.text[req.emitted_text : upto]

@@ -48,7 +48,7 @@ class Request:
         params: sampling parameters.
         arrival_time: `time.monotonic()` seconds when it was added.
         generator: its sampling RNG (seeded from ``params.seed``; kept across preemptions).
-        detokenizer: its incremental detokenizer (None without a tokenizer).
+        detokenizer: its incremental detokenizer (None without a tokenizer, or with ``params.detokenize`` False).
         output_ids: tokens generated so far.
         status / finish_reason: where it is; why it ended.
         session: its cache session while RUNNING (holds device blocks), else None.

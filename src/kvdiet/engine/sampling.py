@@ -44,7 +44,12 @@ class SamplingParams:
         top_p: keep the smallest set whose probability reaches p (1.0 = all).
         stop_token_ids: generation ends after emitting one of these (the token is kept in the output).
         stop: generation ends when the output text contains one of these strings; the text is cut before
-            it (needs a tokenizer).
+            it (needs a tokenizer and ``detokenize``).
+        include_stop_str_in_output: keep the stop string that ended the output in its text (vLLM's; default
+            False: cut before it). The text ends where that string ends (the earliest to begin; of two that
+            begin there, the shorter); text a token brought past it is dropped, as vLLM drops it.
+        detokenize: give the output as text (vLLM's; default True). False: ``text`` stays empty and the
+            output is its token ids only (no stop strings then: they are looked for in the text).
         ignore_eos: keep generating after the tokenizer's EOS token (it is a stop token otherwise).
         skip_special_tokens: leave special tokens (BOS, EOS, placeholders, chat markers) out of the output
             text (vLLM's default); the token ids keep them.
@@ -60,13 +65,15 @@ class SamplingParams:
     Raises:
         TypeError: ``max_tokens`` (or None) or ``top_k`` (or a ``seed``) not an int (`numbers.Integral`:
             numpy's ints too), ``temperature`` or ``top_p`` not a real number (`numbers.Real`); bools refused
-            as both; ``ignore_eos`` or ``skip_special_tokens`` not a bool; a ``stop`` item not a string, a stop
+            as both; ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output`` or ``detokenize``
+            not a bool; a ``stop`` item not a string, a stop
             token id or logit-bias key not an int, a bias not a number; named. One ``stop`` string is one stop
             string; ``None`` for ``stop``, ``stop_token_ids`` or ``logit_bias`` is none.
         TypeError: one of vLLM's arguments above at another value (``n=2``, ``presence_penalty=0.5``), named
             with the words "not supported by kvdiet" (a TypeError, as the unknown keyword it was before; a bool
             is never a default here).
-        ValueError: any value out of range (named), checked at construction — before any state changes.
+        ValueError: any value out of range (named), or ``stop`` strings with ``detokenize=False``; checked at
+            construction — before any state changes.
     """
 
     max_tokens: int | None = 16
@@ -79,6 +86,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
     n: InitVar[int] = 1
     best_of: InitVar[int | None] = None
     presence_penalty: InitVar[float] = 0.0
@@ -106,7 +115,7 @@ class SamplingParams:
                 raise TypeError(f"{name} must be {what}, got {value!r}")
             if type(value) not in (int, float):
                 object.__setattr__(self, name, operator.index(value) if kinds is Integral else float(value))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # "no" would be truthy
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._normalize_collections()
@@ -128,6 +137,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:  # vLLM refuses it in the same words
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
         for t, b in self.logit_bias.items():
             if not -100.0 <= b <= 100.0:  # also rejects NaN
                 raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {b}")
