@@ -23,13 +23,13 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.chat_template import render_chat
 from kvdiet.engine.generate import generate
 from kvdiet.engine.loop import EngineLoop
 from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 from kvdiet.server.app import build_app
-from kvdiet.server.chat_template import render_chat
 from kvdiet.server.metrics import ServerMetrics
 
 pytestmark = pytest.mark.slow

@@ -201,6 +201,42 @@ _TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arg
             'messages.0.content.0: only text parts are supported (got type "image_url")',
         ),
         ([{"role": "user"}], "messages.0.content", "messages.0.content: Field required"),
+        (  # OpenAI's schema: minItems 1 (a string, even empty, is the way to send no text)
+            [_USER, {"role": "user", "content": []}],
+            "messages.1.content",
+            "messages.1.content: must not be an empty array: give a string or at least one content part",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a", "prompt_cache_breakpoint": {}}]}],
+            "messages.0.content.0.prompt_cache_breakpoint.mode",
+            "messages.0.content.0.prompt_cache_breakpoint.mode: Field required",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "text",
+                            "text": "a",
+                            "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "1h"},
+                        }
+                    ],
+                }
+            ],
+            "messages.0.content.0.prompt_cache_breakpoint.ttl",
+            "messages.0.content.0.prompt_cache_breakpoint.ttl: Input should be '30m' or '12h'",
+        ),
+        (
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a", "cache_control": {"type": "ephemeral"}}],
+                }
+            ],
+            "messages.0.content.0.cache_control",
+            "messages.0.content.0.cache_control: Extra inputs are not permitted",
+        ),
         ([{"role": "system"}, _USER], "messages.0.content", "messages.0.content: Field required"),
         ([_USER, {"role": "assistant"}, _USER], "messages.1.content", "messages.1.content: Field required"),
         (
@@ -269,6 +305,46 @@ def test_a_chat_message_may_name_its_participant(base_url: str) -> None:
         assert status == 200, out
         outs.append((out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]))
     assert outs[0] == outs[1] and outs[0][0] > 3
+
+
+def test_a_text_part_may_carry_the_sdks_optional_keys(base_url: str) -> None:
+    """Every key the installed OpenAI SDK lets a text part carry is taken (``prompt_cache_breakpoint``, a
+    prefix-cache hint: kvdiet caches every prompt's whole blocks anyway), and the prompt and greedy reply are
+    those without it; an image part is still refused by its path."""
+    from openai.types.chat import ChatCompletionContentPartText, ChatCompletionContentPartTextParam
+
+    from kvdiet.engine.chat_messages import TextPart
+
+    sdk_keys = (
+        ChatCompletionContentPartTextParam.__required_keys__
+        | ChatCompletionContentPartTextParam.__optional_keys__
+    )
+    assert sdk_keys == set(TextPart.model_fields) == {"type", "text", "prompt_cache_breakpoint"}
+    plain = {"type": "text", "text": "The KV cache"}
+    returned = ChatCompletionContentPartText(
+        type="text", text="The KV cache"
+    ).model_dump()  # breakpoint: null
+    outs = []
+    for part in (
+        plain,
+        returned,
+        plain | {"prompt_cache_breakpoint": {"mode": "explicit"}},
+        plain | {"prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}},
+        plain | {"prompt_cache_breakpoint": {"mode": "explicit", "ttl": None}},
+    ):
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2, "temperature": 0}
+        status, out = _post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+        assert status == 200, (part, out)
+        outs.append((out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]))
+    assert len(set(outs)) == 1 and outs[0][0] > 3
+    image = {"type": "image_url", "image_url": {"url": "x"}, "prompt_cache_breakpoint": {"mode": "explicit"}}
+    body = {"messages": [{"role": "user", "content": [plain, image]}], "max_tokens": 1}
+    status, out = _post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+    assert (status, out["error"]["param"]) == (400, "messages.0.content.1"), out
+    assert (
+        out["error"]["message"]
+        == 'messages.0.content.1: only text parts are supported (got type "image_url")'
+    )
 
 
 def test_a_reply_sent_back_as_the_openai_sdk_dumps_it_is_taken(base_url: str) -> None:

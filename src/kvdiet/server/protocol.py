@@ -12,19 +12,18 @@ vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_
 ``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
 ``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
 ``echo``, ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their
-default, and so are unknown fields — never silently ignored. A chat message (`ChatMessage`) is checked key by
-key: a known ``role``, a ``content`` (required: a string or a list of text parts), an optional ``name``, nothing
-else; a fault's error names its path, as every schema error's does (``messages.0.content.1.text``).
+default, and so are unknown fields — never silently ignored. A chat message is checked key by key
+(`kvdiet.engine.chat_messages.ChatMessage`, which `kvdiet.LLM.chat` shares); a fault's error names its path, as
+every schema error's does (``messages.0.content.1.text``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -32,14 +31,13 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    StrictStr,
     ValidationError,
-    WithJsonSchema,
     WrapValidator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from kvdiet.engine.chat_messages import ChatMessage, json_type
 from kvdiet.engine.sampling import SamplingParams
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
@@ -61,17 +59,6 @@ _UNSUPPORTED = {
 }
 
 
-def _json_type(value: object) -> str:
-    """The JSON type of a parsed value, with its article (for error messages)."""
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return f"a string of {len(value):,} characters"
-    if isinstance(value, list):
-        return f"an array of {len(value):,} items"
-    return "a boolean" if isinstance(value, bool) else "an object" if isinstance(value, dict) else "a number"
-
-
 def _one_of(expected: str) -> WrapValidator:
     """Validation of a union field whose failure is one sentence, ``must be {expected} (got an object)``,
     instead of pydantic's one error per union branch (``prompt.str: …; prompt.list[int]: …``). The field's
@@ -84,7 +71,7 @@ def _one_of(expected: str) -> WrapValidator:
             raise PydanticCustomError(
                 "union_type",
                 "must be {expected} (got {got})",
-                {"expected": expected, "got": _json_type(value)},
+                {"expected": expected, "got": json_type(value)},
             ) from None
 
     return WrapValidator(validate)
@@ -223,125 +210,6 @@ class CompletionRequest(_Common):
         if not p:
             raise ValueError("empty prompt: give at least one character or token id")
         raise ValueError(f"one prompt per request is supported, got {len(p)}")
-
-
-_ROLES = ("system", "developer", "user", "assistant")
-
-
-class TextPart(BaseModel):
-    """A content part: ``{"type": "text", "text": ...}``, the only kind the chat template takes."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
-    text: StrictStr
-
-    @model_validator(mode="before")
-    @classmethod
-    def text_only(cls, data: Any) -> Any:
-        """Anything but an object with ``type`` "text" is one error at the part itself (not one per key)."""
-        if not isinstance(data, dict):
-            raise PydanticCustomError(
-                "content_part", "must be a content part (an object), got {got}", {"got": _json_type(data)}
-            )
-        if data.get("type") != "text":
-            raise PydanticCustomError(
-                "content_part",
-                "only text parts are supported (got type {got})",
-                {"got": json.dumps(data.get("type"))},
-            )
-        return data
-
-
-def _content_parts(value: Any) -> Any:
-    """Message content as its parts: a string is one text part; a list is validated part by part (so an
-    error names its path, ``messages.0.content.1.text``); anything else, null included, is refused whole."""
-    if isinstance(value, str):
-        return [{"type": "text", "text": value}]
-    if isinstance(value, list):
-        return value
-    raise PydanticCustomError(
-        "union_type",
-        "must be a string or a list of content parts (objects) (got {got})",
-        {"got": _json_type(value)},
-    )
-
-
-def _known_role(role: str) -> str:
-    if role not in _ROLES:
-        raise PydanticCustomError(
-            "role", "role {role} is not supported ({roles})", {"role": repr(role), "roles": ", ".join(_ROLES)}
-        )
-    return role
-
-
-def _empty(value: Any) -> bool:
-    """Whether an unimplemented assistant key's value is one kvdiet takes: null or an empty list."""
-    return value is None or (isinstance(value, list) and not value)
-
-
-def _empty_only(what: str) -> BeforeValidator:
-    """A key of OpenAI's assistant message that kvdiet does not implement: null or an empty list is taken (a
-    client that sends a reply's message back, as the OpenAI SDK's ``message.model_dump()`` gives it, sends
-    ``"refusal": null``, ``"tool_calls": null``), anything else is refused at the key's path."""
-
-    def check(value: Any) -> None:
-        if _empty(value):
-            return None
-        raise PydanticCustomError(
-            "unsupported", "{what} are not supported by kvdiet (only null or [] is taken)", {"what": what}
-        )
-
-    return BeforeValidator(check)
-
-
-_PART_SCHEMA = TextPart.model_json_schema()
-
-
-class ChatMessage(BaseModel):
-    """One message, as OpenAI's chat API takes it: ``role``, ``content`` (required: a string or a list of text
-    parts; OpenAI lets an assistant message give it null or omit it only beside ``tool_calls``, which kvdiet
-    does not take: such a message is refused for its ``tool_calls``) and the optional participant ``name``
-    (accepted; DeepSeek's template has no place for it). The keys of OpenAI's assistant message for features
-    kvdiet lacks (``refusal``, ``tool_calls``, ``function_call``, ``audio``, ``annotations``) and the OpenAI
-    SDK's ``parsed`` (its stream and parse helpers' replies) are taken only as null or [], so a reply's message
-    can be sent back; any other value, and any other key, is refused, named by its path
-    (``messages.0.tool_calls``, ``messages.0.foo``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: Annotated[StrictStr, AfterValidator(_known_role)]
-    # OpenAI's assistant-message keys for features kvdiet does not have, taken only empty (a reply sent back);
-    # the tool keys are validated before content, so their refusal is the error's first (its param)
-    tool_calls: Annotated[None, _empty_only("tool calls")] = None
-    function_call: Annotated[None, _empty_only("function calls")] = None
-    content: Annotated[
-        list[TextPart],
-        BeforeValidator(_content_parts),
-        WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART_SCHEMA}]}),
-    ]
-    name: StrictStr | None = None
-    refusal: Annotated[None, _empty_only("refusals")] = None
-    audio: Annotated[None, _empty_only("audio replies")] = None
-    annotations: Annotated[None, _empty_only("annotations")] = None
-    # the OpenAI SDK's own key on a reply from its ``chat.completions.stream`` / ``parse`` helpers
-    # (`ParsedChatCompletionMessage`), sent back with the message: null without a response_format
-    parsed: Annotated[None, _empty_only("parsed structured outputs")] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def tool_calls_excuse_content(cls, data: Any) -> Any:
-        """A message with a non-empty ``tool_calls`` or ``function_call`` is refused for that key alone: OpenAI
-        lets such a message give ``content`` null or leave it out, so its content is not the fault (the
-        empty content put in its place is never used: the tool key's refusal fails the message)."""
-        tools = ("tool_calls", "function_call")
-        if (
-            isinstance(data, dict)
-            and data.get("content") is None
-            and not all(_empty(data.get(k)) for k in tools)
-        ):
-            return data | {"content": ""}
-        return data
 
 
 class ChatCompletionRequest(_Common):

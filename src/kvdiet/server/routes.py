@@ -18,11 +18,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from kvdiet.engine.chat_template import chat_prompt_ids, chat_thinking
 from kvdiet.engine.loop import EngineLoop
 from kvdiet.engine.prepared import ContextLengthError, InvalidRequestError, PreparedRequest
 from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.sampling import SamplingParams
-from kvdiet.server.chat_template import render_chat
 from kvdiet.server.errors import ApiError, AsciiJSONResponse
 from kvdiet.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvdiet.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body
@@ -135,20 +135,12 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     engine = ctx.loop.engine
     if engine.tokenizer is None:
         raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-    kwargs = dict(body.chat_template_kwargs or {})
-    thinking = kwargs.pop("thinking", False)
-    if not isinstance(thinking, bool) or kwargs:
-        raise ApiError(
-            "chat_template_kwargs takes only 'thinking' (true or false)", param="chat_template_kwargs"
-        )
     try:
-        text = render_chat([m.model_dump() for m in body.messages], thinking=thinking)
-    except ValueError as exc:
-        raise ApiError(str(exc), param="messages") from None
-    try:
-        prompt_ids = engine.tokenizer.encode(text)
-    except ValueError as exc:
-        raise ApiError(str(exc), param="messages") from None
+        thinking = chat_thinking(body.chat_template_kwargs)
+        messages = [m.model_dump() for m in body.messages]
+        prompt_ids = chat_prompt_ids(engine.tokenizer, messages, thinking=thinking)
+    except InvalidRequestError as exc:
+        raise ApiError(str(exc), param=exc.param) from None
     wanted = body.max_completion_tokens or body.max_tokens
     room = engine.max_model_len - len(prompt_ids)
     # unasked, the reply takes the context left, at most --default-max-tokens; a prompt that fills the context

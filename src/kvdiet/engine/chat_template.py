@@ -12,15 +12,21 @@ tokens, and DeepSeek's ``encoding_dsv32.py`` renders it the same way):
   (``chat_template_kwargs: {"thinking": true}``).
 
 Content is a string or a list of ``{"type": "text", "text": ...}`` parts. The last message must be a user
-message. The special-token strings are encoded as their single ids by the tokenizer.
+message. The special-token strings are encoded as their single ids by the tokenizer (`chat_prompt_ids`).
+The server's ``/v1/chat/completions`` and `kvdiet.LLM.chat` both render with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["render_chat"]
+from kvdiet.engine.prepared import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvdiet.tokenizer import Tokenizer
+
+__all__ = ["chat_prompt_ids", "chat_thinking", "render_chat"]
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -51,6 +57,37 @@ def render_chat(messages: Sequence[Mapping[str, Any]], *, thinking: bool = False
     if messages[-1].get("role") != "user":
         raise ValueError("the last message must be a user message")
     return BOS + "".join(system) + "".join(turns) + ASSISTANT + (THINK if thinking else END_THINK)
+
+
+def chat_thinking(chat_template_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether the prompt opens thinking: ``chat_template_kwargs`` takes only ``thinking`` (a bool; None or
+    left out: False, DeepSeek's non-thinking mode).
+
+    Raises:
+        InvalidRequestError (``param`` ``"chat_template_kwargs"``): another key, or a ``thinking`` not a bool.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    thinking = kwargs.pop("thinking", False)
+    if not isinstance(thinking, bool) or kwargs:
+        raise InvalidRequestError(
+            "chat_template_kwargs takes only 'thinking' (true or false)", param="chat_template_kwargs"
+        )
+    return thinking
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, thinking: bool
+) -> list[int]:
+    """The prompt's token ids: `render_chat`, encoded (BOS is in the text, so none is added).
+
+    Raises:
+        InvalidRequestError (``param`` ``"messages"``): as `render_chat`, or text the tokenizer refuses (an
+            unpaired surrogate).
+    """
+    try:
+        return tokenizer.encode(render_chat(messages, thinking=thinking))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from None
 
 
 def _text(content: Any, i: int) -> str:

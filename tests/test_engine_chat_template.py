@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiet.server.chat_template import render_chat
+from kvdiet.engine.chat_template import render_chat
 from kvdiet.tokenizer import Tokenizer
 
 
