@@ -137,3 +137,73 @@ def test_every_prompt_that_does_not_fit_gets_the_context_length_error(llm, n) ->
         llm.generate([5] * n, SamplingParams(max_tokens=None))
     with pytest.raises(ValueError, match=rf"token id 64 at index {n} is outside the vocabulary \[0, 64\)"):
         llm.generate([5] * n + [64])  # a bad id is still named first, as vLLM does
+
+
+@pytest.fixture(scope="module")
+def chat_llm():
+    """v4.1-mini: the DeepSeek tokenizer, so chat runs through the real template."""
+    with LLM("v4.1-mini", max_model_len=512, cache=CacheOptions(kv_cache_memory=16 << 20)) as llm:
+        yield llm
+
+
+def test_chat_renders_the_servers_template_and_generates(chat_llm) -> None:
+    """``LLM.chat`` (vLLM's): one conversation or a list of them, each rendered with the chat template the
+    server's ``/v1/chat/completions`` uses and generated as its token ids are by ``generate``, in order."""
+    from kvdiet.engine.chat_template import render_chat
+
+    tok = chat_llm.engine.tokenizer
+    params = SamplingParams(max_tokens=3)
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    second = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Bounded "}, {"type": "text", "text": "replay"}],
+        }
+    ]
+    want = [chat_llm.generate([tok.encode(render_chat(c))], params)[0] for c in (first, second)]
+    assert want[0].prompt_tokens == len(
+        tok.encode("<｜begin▁of▁sentence｜>Be brief.<｜User｜>What is a KV cache?<｜Assistant｜></think>")
+    )
+    (one,) = chat_llm.chat(first, params, use_tqdm=False)
+    both = chat_llm.chat([first, second], [params, params])
+    for got, expected in zip([one, *both], [want[0], *want], strict=True):
+        assert (got.prompt_tokens, got.output_ids) == (expected.prompt_tokens, expected.output_ids)
+    (thinking,) = chat_llm.chat(second, params, chat_template_kwargs={"thinking": True})
+    (think_ref,) = chat_llm.generate([tok.encode(render_chat(second, thinking=True))], params)
+    assert thinking.output_ids == think_ref.output_ids and thinking.prompt_tokens == want[1].prompt_tokens
+    (vllm,) = chat_llm.chat(first, params, add_generation_prompt=True, chat_template=None, tools=None)
+    assert vllm.output_ids == one.output_ids
+
+
+def test_chat_refuses_what_the_server_refuses_naming_the_message(chat_llm, llm) -> None:
+    """The server's message checks, in its words, with the message's index (and the conversation's, for a
+    list of them); nothing runs before every conversation is checked."""
+    from kvdiet.engine.prepared import InvalidRequestError
+
+    user = {"role": "user", "content": "hi"}
+    for messages, said in (
+        ([user, {"role": "user", "content": []}], "messages.1.content: must not be an empty array"),
+        ([{"role": "tool", "content": "x"}], "messages.0.role: role 'tool' is not supported"),
+        ([{"role": "user", "content": "x", "foo": 1}], "messages.0.foo: Extra inputs are not permitted"),
+        ([user, {"role": "assistant", "content": "x"}], "the last message must be a user message"),
+        ([], "messages must contain at least one message"),
+        (
+            [[user], [{"role": "user", "content": None}]],
+            "conversation 1: messages.0.content: must be a string",
+        ),
+        ([[user], [user, {"role": "assistant", "content": "a"}]], "conversation 1: the last message must be"),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            chat_llm.chat(messages, SamplingParams(max_tokens=1))
+        assert str(info.value).startswith(said) and info.value.param == "messages", info.value
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs takes only 'thinking'"):
+        chat_llm.chat([user], chat_template_kwargs={"thinking": "yes"})
+    with pytest.raises(TypeError, match="add_generation_prompt=False is not supported by kvdiet"):
+        chat_llm.chat([user], add_generation_prompt=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+        chat_llm.chat([user], temperature=0)
+    with pytest.raises(TypeError, match="messages must be a list of messages"):
+        chat_llm.chat("hi")
+    with pytest.raises(InvalidRequestError, match="no tokenizer, so no chat template"):
+        llm.chat([user])
+    assert not chat_llm.engine.requests and not chat_llm.engine.has_unfinished

@@ -5,7 +5,8 @@
         outs = llm.generate(["The KV cache", "Bounded replay"], SamplingParams(max_tokens=8))
         print(outs[0].text, outs[0].provenance)
 
-All prompts go into one engine and run with continuous batching, exactly as in the server.
+All prompts go into one engine and run with continuous batching, exactly as in the server. `LLM.chat` takes
+OpenAI-style conversations, checked and rendered as the server's ``/v1/chat/completions`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvdiet.engine.args import EngineArgs
+from kvdiet.engine.chat_messages import check_conversation
+from kvdiet.engine.chat_template import chat_prompt_ids, chat_thinking
 from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.prepared import InvalidRequestError
 from kvdiet.engine.request import RequestOutput
 from kvdiet.engine.runner import CacheOptions
 from kvdiet.engine.sampling import SamplingParams
@@ -38,6 +42,16 @@ _VLLM_ONLY = {  # vLLM's `LLM` arguments kvdiet does not implement → the value
     "enforce_eager": (False, True),  # no CUDA graphs yet: every step runs eagerly
     "dtype": ("auto", "float32"),  # activations are fp32 (weights keep their stored formats)
     "gpu_memory_utilization": (),  # the KV cache is sized in bytes: cache=CacheOptions(kv_cache_memory=...)
+}
+
+_VLLM_CHAT_ONLY = {  # vLLM's `LLM.chat` arguments kvdiet does not implement → the values that change nothing
+    "lora_request": (None,),
+    "chat_template": (None,),  # DeepSeek's template is built in (kvdiet.engine.chat_template)
+    "chat_template_content_format": ("auto", "string", "openai"),  # text parts are joined either way
+    "add_generation_prompt": (True,),  # the prompt always ends with the assistant's turn
+    "continue_final_message": (False,),  # the last message must be the user's
+    "tools": (None,),
+    "mm_processor_kwargs": (None,),
 }
 
 
@@ -160,6 +174,64 @@ class LLM:
                     self.engine.abort_request(rid)
                 raise
         return [final[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+        use_tqdm: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **vllm_only: Any,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation or to each of a list of them (vLLM's ``LLM.chat``), one output per
+        conversation in order: each is checked as the server checks a ``/v1/chat/completions`` body's
+        ``messages`` (`kvdiet.engine.chat_messages.check_conversation`), rendered with its chat template
+        (`kvdiet.engine.chat_template.chat_prompt_ids`) and generated as `generate` does.
+
+        Args:
+            messages: one conversation, a list of OpenAI messages (``{"role": "user", "content": "hi"}``;
+                content a string or a list of text parts), or a list of such lists.
+            sampling_params, progress, use_tqdm: as `generate` (one per conversation, or one for all).
+            chat_template_kwargs: ``{"thinking": True}`` opens the reply with ``<think>`` (the server's).
+            vllm_only: vLLM's ``lora_request``, ``chat_template``, ``chat_template_content_format``,
+                ``add_generation_prompt``, ``continue_final_message``, ``tools``, ``mm_processor_kwargs``, taken
+                at the values that change nothing (None, None, any of its three, True, False, None, None).
+        Raises:
+            InvalidRequestError (a ValueError): a message the server would refuse, named by its path and index
+                (``messages.0.content: must not be an empty array ...``; ``conversation 1: `` before it for a
+                list of conversations), a bad ``chat_template_kwargs``, or a model without a tokenizer; any
+                prompt `generate` refuses (checked for every conversation before any runs).
+            TypeError: ``messages`` not a list; one of vLLM's arguments above at another value, or an unknown
+                keyword.
+        """
+        unknown = sorted(set(vllm_only) - set(_VLLM_CHAT_ONLY))
+        if unknown:
+            raise TypeError(f"LLM.chat() got an unexpected keyword argument {unknown[0]!r}")
+        check_vllm_only("LLM.chat", _VLLM_CHAT_ONLY, vllm_only)
+        if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+            raise TypeError(
+                f"messages must be a list of messages (dicts) or a list of such lists, got {messages!r}"
+            )
+        many = bool(messages) and all(isinstance(c, Sequence) and not isinstance(c, str) for c in messages)
+        conversations = list(messages) if many else [messages]
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer, so no chat template: give token ids to generate",
+                param="messages",
+            )
+        thinking = chat_thinking(chat_template_kwargs)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                checked = check_conversation(conversation)
+                prompts.append(chat_prompt_ids(tokenizer, checked, thinking=thinking))
+            except InvalidRequestError as exc:
+                said = f"conversation {i}: {exc}" if many else str(exc)
+                raise InvalidRequestError(said, param=exc.param) from None
+        return self.generate(prompts, sampling_params, progress=progress, use_tqdm=use_tqdm)
 
     def close(self) -> None:
         """Abort what is left and close the cache tiers."""
