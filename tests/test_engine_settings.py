@@ -158,6 +158,12 @@ def test_device_and_a_missing_config_are_named_as_keywords(tmp_path) -> None:
     assert info.value.as_flags() == "--device must be cpu, cuda or cuda:N, got 'tpu'"
     with pytest.raises(ValueError, match=r"no config.json beside the weights .*; give the config as model$"):
         LLM(None, weights=tmp_path)
+    braced = tmp_path / "{max_model_len}"  # a folder name is echoed as it is, never read as a setting
+    braced.mkdir()
+    with pytest.raises(SettingError) as info:
+        LLM(None, weights=braced)
+    assert str(info.value) == f"no config.json beside the weights {braced}; give the config as model"
+    assert info.value.as_flags() == f"no config.json beside the weights {braced}; give the config as --model"
 
 
 def test_the_v4_flash_device_refusal_is_spelled_per_caller(monkeypatch) -> None:

@@ -67,7 +67,7 @@ def load_model(
         found = model_config_path(weights)
         if found is None:
             raise ConfigSettingError(
-                f"no config.json beside the weights {weights}; give the config as {{model}}"
+                "no config.json beside the weights {weights}; give the config as {model}", weights=weights
             )
         name_or_path = str(found)
     cfg = load_config(name_or_path)
@@ -171,6 +171,11 @@ def _check_beside(cfg: ModelConfig, name: str, weights: str | Path | None) -> No
         mine, got = getattr(cfg, field), getattr(theirs, field)
         if mine != got:
             raise ConfigSettingError(
-                f"{{model}} {name!r} has {field} {mine} but the checkpoint's {beside} has {got}: leave {{model}} "
-                f"out to run the checkpoint's own config"
+                "{model} {name} has {field} {mine} but the checkpoint's {beside} has {got}: leave {model} "
+                "out to run the checkpoint's own config",
+                name=repr(name),
+                field=field,
+                mine=mine,
+                beside=beside,
+                got=got,
             )

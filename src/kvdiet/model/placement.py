@@ -40,7 +40,7 @@ def place(model: nn.Module, device: torch.device | str) -> nn.Module:
     device = torch.device(device)
     if not isinstance(model, Transformer):
         if device.type != "cpu":
-            raise SettingError(f"{{device={device}}}: the V4-Flash baseline model runs on the CPU only")
+            raise SettingError("{device=}: the V4-Flash baseline model runs on the CPU only", device=device)
         return model
     if device == model.device:
         return model
