@@ -142,6 +142,21 @@ def test_completion_and_stream_with_the_openai_client(mini, client) -> None:
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0  # 7 tokens: no full block to share
 
 
+def test_a_stop_string_is_cut_or_kept_as_include_stop_str_in_output_says(mini, client) -> None:
+    """vLLM's ``include_stop_str_in_output`` over HTTP: without it the text ends before the first stop string,
+    with it just after; a stream adds up to the same text."""
+    ask = {"model": "v4.1-mini", "prompt": "Bounded replay rebuilds", "max_tokens": 8, "temperature": 0}
+    full = client.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(full[i : i + 2] for i in range(len(full) // 3, len(full) - 1) if full[i : i + 2].strip())
+    begin = full.find(stop)
+    for include, want in ((False, full[:begin]), (True, full[: begin + len(stop)])):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+        r = client.completions.create(**ask, stop=[stop], extra_body=extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop"), (full, stop, include)
+        chunks = client.completions.create(**ask, stop=[stop], stream=True, extra_body=extra)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
 def test_chat_completion_and_stream(mini, client) -> None:
     _, loop = mini
     messages = [

@@ -8,7 +8,8 @@ a switch are refused, ``1`` is a number); null for a field OpenAI or vLLM makes 
 ``stop_token_ids``, ``seed``, ``logit_bias``, ``max_tokens``) is its default;
 ``logit_bias`` keys are token ids written as JSON writes integers (``"63"``; not ``"+63"``, ``"063"`` or ``"6_3"``).
 vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``return_token_ids`` (each choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
+``include_stop_str_in_output`` (the text keeps the stop string that ended it), ``return_token_ids`` (each
+choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
 ``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
 ``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
 ``echo``, ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their
@@ -135,6 +136,7 @@ class _Common(BaseModel):
     skip_special_tokens: StrictBool = True  # vLLM's extension: leave special tokens out of the text
     logit_bias: dict[str, Annotated[StrictFloat, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False  # vLLM: keep the stop string that ended the text
     return_token_ids: StrictBool = False  # vLLM's extension: each choice (and chunk) also carries token ids
     user: str | None = None
 
@@ -180,6 +182,7 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids,  # SamplingParams reads None as none and one stop string as one
             stop=self.stop,
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=bias,
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
