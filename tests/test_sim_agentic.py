@@ -102,13 +102,13 @@ def test_sub_agent_times_nest_and_ids_are_shared_within_a_file(tmp_path: Path) -
     trace = read_sessions(_folder(tmp_path))
     got = [(r.arrival_s, r.session, r.agent, r.kind, r.hash_ids) for r in trace.requests]
     assert got == [
-        (0.0, "A", "main", "agent", (0, 1)),
-        (0.0, "B", "main", "agent", (5, 6)),  # B's local 0, 1 are new content: fresh ids 5, 6
-        (2.0, "B", "main", "agent", (5, 6, 7)),
+        (0.0, "A", "main", "agent", (0, 1)),  # ids renumbered as chains in arrival order
+        (0.0, "B", "main", "agent", (2, 3)),  # B's local 0, 1 are new content: fresh ids 2, 3
+        (2.0, "B", "main", "agent", (2, 3, 4)),
         (4.0, "A", "sub-1", "subagent", (0, 1)),
         (5.5, "A", "sub-2", "subagent", (0,)),
-        (7.0, "A", "sub-1", "subagent", (0, 1, 2)),
-        (10.0, "A", "main", "agent", (0, 1, 3, 4)),
+        (7.0, "A", "sub-1", "subagent", (0, 1, 5)),
+        (10.0, "A", "main", "agent", (0, 1, 6, 7)),
     ]
     # line: the request's place in its file, depth-first
     assert [r.line for r in trace.requests if r.session == "A"] == [1, 2, 3, 4, 5]

@@ -32,9 +32,9 @@ def test_mooncake_lines_are_read_in_arrival_order_with_the_hit_ratio_by_hand(tmp
     trace = read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE))
     assert trace.block_size == 512 and not trace.errors
     assert [(r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids, r.line) for r in trace.requests] == [
-        (0.0, 1024, 5, (1, 2), 1),
-        (0.5, 600, 1, (1, 4), 3),
-        (1.0, 1500, 7, (1, 2, 3), 2),
+        (0.0, 1024, 5, (0, 1), 1),  # the ids renumbered as chains (kvdiet.sim.chains): 1 → 0, 1·2 → 1, ...
+        (0.5, 600, 1, (0, 2), 3),
+        (1.0, 1500, 7, (0, 1, 3), 2),
     ]
     # 0 of 2, then 1 of 2 (block 1; 4 is new), then 2 of 3 (blocks 1, 2; 3 is new): 3 of 7 blocks.
     assert infinite_cache_hit_ratio(trace) == pytest.approx(3 / 7)
@@ -198,8 +198,9 @@ def test_one_id_per_full_block_is_read_and_the_partial_block_never_hits(tmp_path
     ]
     trace = read_trace(_generic(tmp_path, rows))
     assert trace.full_blocks_only is True and not trace.errors
-    # each partial last block gets a fresh id above the trace's largest (9): 10, then 11
-    assert [r.hash_ids for r in trace.requests] == [(7, 8, 10), (7, 8, 9, 11), (7, 8, 9)]
+    # each partial last block gets a fresh id above the trace's largest (9): 10, then 11; then the ids are
+    # renumbered as chains in arrival order (7 → 0, 7·8 → 1, 7·8·10 → 2, 7·8·9 → 3, 7·8·9·11 → 4)
+    assert [r.hash_ids for r in trace.requests] == [(0, 1, 2), (0, 1, 3, 4), (0, 1, 3)]
     # by hand: blocks 3 + 4 + 3 = 10; hits 0, then 7 and 8 (2), then 7, 8, 9 (3): 5 of 10
     assert infinite_cache_hit_ratio(trace) == pytest.approx(5 / 10)
     # a later line that names its partial block breaks the trace's convention: skipped, naming line 2
@@ -277,3 +278,29 @@ def test_the_shape_of_the_first_record_names_the_expected_format(tmp_path: Path)
     # named explicitly as Mooncake, each line says which fields a Mooncake line has
     with pytest.raises(TraceError, match=r"no timestamp .a Mooncake line has timestamp, input_length"):
         read_trace(tmp_path / "a.jsonl", format="mooncake", strict=True)
+
+
+def test_ids_that_name_a_blocks_content_only_match_only_after_the_same_prefix(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 60000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 3, 4, 5]},  # 2 dropped
+        {"timestamp": 120000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 1, 1, 1]},
+        {"timestamp": 180000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 1, 1, 1]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "content.jsonl", rows))
+    # by hand: 1 then 3 ≠ 2: 1 block; [1, 1, 1, 1]: only its first 1 was seen at the root: 1 block; the
+    # same prompt again: all 4 blocks (the 3 usable before the prompt's last token in the simulator)
+    assert infinite_cache_hit_ratio(trace) == pytest.approx((0 + 1 + 1 + 4) / 16)
+    s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
+    assert s["device_hit_tokens"] + s["persistent_hit_tokens"] == 512 + 512 + 3 * 512  # was 4,608
+
+
+def test_negative_ids_never_meet_the_simulators_ids_for_unnamed_blocks(tmp_path: Path) -> None:
+    rows = [  # request 1's partial block (tokens 512–999) is one the simulator names itself: -1 before
+        {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 60000, "input_length": 1536, "output_length": 1, "hash_ids": [5, -1, 9]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "signed.jsonl", rows))
+    assert all(h >= 0 for r in trace.requests for h in r.hash_ids)
+    s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
+    assert s["device_hit_tokens"] + s["persistent_hit_tokens"] == 512  # block 5 only (was 0)

@@ -14,7 +14,8 @@ The schema (``../shared/traces/agentic-sample/``; one JSON object per session fi
   the sub-agent's start, which is ``t`` after its parent's start; sub-agents may nest.
 
 Ids are made unique across files: each (file, local id) pair — (None, id) under ``"global"`` — gets a fresh
-integer from 0 up in reading order (files by name, then depth-first), so a run is deterministic. Sessions
+integer from 0 up in reading order (files by name, then depth-first), so a run is deterministic; then they are
+chained (`kvdiet.sim.chains`: a block matches only after the same prefix). Sessions
 have no absolute start; `SessionStart` places them on one clock. Each request keeps its session (``id``), its
 agent (``"main"`` or the sub-agent's ``agent_id``) and its kind (``"agent"`` / ``"subagent"``).
 
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdiet.sim.chains import chain_ids
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
 __all__ = ["SessionStart", "parse_session_start", "read_sessions", "session_reader"]
@@ -171,7 +173,7 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
         errors += reader.errors
         found += [(r.arrival_s, k, r.line, r) for r in reader.requests]
     found.sort(key=lambda item: item[:3])
-    return Trace([r for *_, r in found], block_size or SESSION_BLOCK_SIZE, errors)
+    return Trace(chain_ids([r for *_, r in found]), block_size or SESSION_BLOCK_SIZE, errors)
 
 
 # --- reading one file ---

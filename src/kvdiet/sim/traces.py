@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvdiet.sim.chains import chain_ids
+
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
     "Trace",
@@ -64,7 +66,8 @@ class TraceRequest:
         arrival_s: seconds since the trace's first request.
         input_tokens / output_tokens: prompt and output lengths (tokens).
         hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them; a partial last block the
-            trace left unnamed has a fresh id), or None (unique prompt).
+            trace left unnamed has a fresh id), or None (unique prompt); chained and >= 0 as the readers
+            return them (`kvdiet.sim.chains`).
         line: the line it came from (1-based; in a session file, the request's place in it).
         session / agent / kind: for traffic that carries them (agentic session files, `kvdiet.sim.agentic`;
             generic lines with those columns), the session's id, the agent that sent the request (``"main"``
@@ -127,7 +130,8 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
     requests, errors, late = _collect(path, map(ids.check, items), strict)
     if requests and requests[0].arrival_s < 0:  # an Azure file whose first row is not its earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
-    return Trace(_name_partial_blocks(requests, block_size), block_size, errors, ids.full_only, late)
+    requests = chain_ids(_name_partial_blocks(requests, block_size))
+    return Trace(requests, block_size, errors, ids.full_only, late)
 
 
 # --- readers ---
