@@ -345,3 +345,10 @@ def test_kvdiet_replay_on_the_sample(tmp_path: Path, capsys) -> None:
     split = run["summary"]
     assert set(split["by_session"]) == {"sample-1", "sample-2", "sample-3"}
     assert split["by_kind"]["agent"]["requests"] + split["by_kind"]["subagent"]["requests"] == 49
+
+
+def test_a_session_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = _session(tmp_path / "s.json", "A", B)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # was "not JSON: Unexpected UTF-8 BOM"
+    trace = read_sessions(path, strict=True)
+    assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 130), (2.0, 190)]

@@ -304,3 +304,30 @@ def test_negative_ids_never_meet_the_simulators_ids_for_unnamed_blocks(tmp_path:
     assert all(h >= 0 for r in trace.requests for h in r.hash_ids)
     s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
     assert s["device_hit_tokens"] + s["persistent_hit_tokens"] == 512  # block 5 only (was 0)
+
+
+def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(tmp_path: Path) -> None:
+    import gzip
+
+    plain = _write_jsonl(tmp_path / "t.jsonl", MOONCAKE)
+    want = [(r.arrival_s, r.input_tokens, r.hash_ids) for r in read_trace(plain).requests]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())  # the first line was skipped as "Unexpected BOM"
+    packed = tmp_path / "t.log"  # gzip by its magic bytes, whatever the name
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (bom, packed):
+        trace = read_trace(path)
+        assert (
+            not trace.errors and [(r.arrival_s, r.input_tokens, r.hash_ids) for r in trace.requests] == want
+        )
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(plain.read_bytes() * 50)[:-12])
+    with pytest.raises(TraceError, match=r"cut\.jsonl\.gz: a gzip file cut short"):
+        read_trace(cut)
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\r\n\r\n"
+    rows += "2023-11-16 18:15:47.6805900,3\xe974,44\r\n2023-11-16 18:15:48.6805900,396,109\r\n"
+    azure = tmp_path / "azure.csv.gz"  # a BOM (refused the whole file), a blank row, a latin-1 byte
+    azure.write_bytes(gzip.compress(b"\xef\xbb\xbf" + rows.encode("latin-1")))
+    trace = read_trace(azure)
+    assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 374), (2.0, 396)]
+    assert len(trace.errors) == 1 and trace.errors[0].startswith(f"{azure}:4: ")  # the bad byte's row only

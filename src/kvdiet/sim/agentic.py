@@ -183,7 +183,7 @@ def _top(file: Path) -> dict:
     """The checked top level of a session file: ``id`` (as a string), ``block_size``, ``hash_id_scope``,
     ``requests``."""
     try:
-        with file.open(encoding="utf-8") as f:
+        with file.open(encoding="utf-8-sig") as f:  # a byte-order mark is dropped
             top = json.load(f)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
+from kvdiet.sim.trace_file import open_text
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -114,20 +115,24 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
             a malformed line or a timestamp going backwards; more lines malformed than read (a summary of
             the first reasons with their line numbers).
         OSError: the file cannot be read.
+
+    A gzip file is read decompressed and a UTF-8 byte-order mark dropped (`kvdiet.sim.trace_file`).
     """
     path = Path(path)
     if format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; choose one of {', '.join(FORMATS)}")
-    if format == "auto":
-        format = _detect(path)
-    if format == "azure":
-        block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
-    else:
-        generic = format == "jsonl"
-        block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
-        items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
-    ids = _IdConvention(path, block_size)
-    requests, errors, late = _collect(path, map(ids.check, items), strict)
+    try:
+        format = _detect(path) if format == "auto" else format
+        if format == "azure":
+            block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
+        else:
+            generic = format == "jsonl"
+            block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
+            items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
+        ids = _IdConvention(path, block_size)
+        requests, errors, late = _collect(path, map(ids.check, items), strict)
+    except EOFError:  # gzip's, read lazily: the stream stops before its end marker
+        raise TraceError(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
     if requests and requests[0].arrival_s < 0:  # an Azure file whose first row is not its earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
     requests = chain_ids(_name_partial_blocks(requests, block_size))
@@ -144,9 +149,9 @@ def _detect(path: Path) -> str:
         TraceError: a first record that is a generic trace line without its header, an agentic session
             file, or an object with none of the fields of a known trace.
     """
-    if path.suffix.lower() == ".csv":
+    if path.name.lower().removesuffix(".gz").endswith(".csv"):
         return "azure"
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
@@ -180,7 +185,7 @@ def _header_block_size(path: Path) -> int:
         TraceError: no header line, another version than 1, or a block size that is not an integer >= 1.
     """
     expected = '{"format": "kvdiet-trace", "version": 1, "block_size": B}'
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
@@ -201,7 +206,7 @@ def _header_block_size(path: Path) -> int:
 
 
 def _lines(path: Path, *, skip_header: bool) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         lines = ((n, text) for n, text in enumerate(f, 1) if text.strip())
         if skip_header:
             next(lines, None)
@@ -244,7 +249,7 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
 
 
 def _azure(path: Path):
-    with path.open(encoding="utf-8", newline="") as f:
+    with open_text(path, newline="") as f:
         rows = csv.reader(f)
         header = next(rows, None)
         if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
@@ -254,6 +259,8 @@ def _azure(path: Path):
             return
         start = None
         for n, row in enumerate(rows, 2):
+            if not "".join(row).strip():  # a blank line, as the JSONL readers skip them
+                continue
             try:
                 if len(row) != 3:
                     raise ValueError(f"expected 3 fields, got {len(row)}")
