@@ -269,3 +269,6 @@ def test_report_tables_escape_a_pipe_in_a_label() -> None:
 
     row = _table([{"kind": "chat|tools", "requests": 3}]).splitlines()[2]
     assert row == "| chat\\|tools | 3 |"
+    # a session id with a line break (a session file's id is any string) split the row in two
+    lines = _table([{"session": "a\nb\tc ✓", "requests": 3}]).splitlines()
+    assert len(lines) == 3 and lines[2] == "| a\\nb\\tc ✓ | 3 |"
