@@ -257,6 +257,21 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str]
     assert err.startswith("kvdiet replay: error: ") and message in err
 
 
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        ("device-size=8GB,0", "--sweep 'device-size=8GB,0': device-size must be > 0 bytes, got '0'"),
+        ("swa-pool-size=0", "--sweep 'swa-pool-size=0': swa-pool-size must be > 0 bytes, got '0'"),
+        ("swa-pool-ttl=5m,300s", "--sweep 'swa-pool-ttl=5m,300s': '300s' is '5m' again"),
+    ],
+)
+def test_a_bad_sweep_value_is_refused_before_the_trace_is_read(capsys, sweep: str, message: str) -> None:
+    # a missing trace: the sweep's error comes first (a size of 0 was refused after the trace was read, in
+    # words naming no flag; a value given twice ran the same point twice)
+    assert main(["replay", "no-such-trace.jsonl", "--sweep", sweep]) == 2
+    assert capsys.readouterr().err.strip() == f"kvdiet replay: error: --sweep: {message}"
+
+
 def test_a_missing_trace_is_one_line(capsys) -> None:
     assert main(["replay", "no-such-trace.jsonl"]) == 2
     assert capsys.readouterr().err.strip() == (
