@@ -352,3 +352,33 @@ def test_a_session_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # was "not JSON: Unexpected UTF-8 BOM"
     trace = read_sessions(path, strict=True)
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 130), (2.0, 190)]
+
+
+@needs_sample
+def test_the_readmes_agentic_sample_table_is_what_the_study_gives() -> None:
+    from kvdiet.sim.study import DEFAULT_RUNS, parse_run
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    head = readme.index(
+        "kvdiet replay ../shared/traces/agentic-sample --format agentic-sessions --report out/"
+    )
+    lines = readme[head:].split("\n\n")[1].splitlines()  # the table after the command's paragraph
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in lines[2:]]
+    trace = read_sessions(SAMPLE)
+    base = SimConfig(model="deepseek-v4.1-flash")
+    units = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
+    assert len(rows) == len(DEFAULT_RUNS)
+    for row, run in zip(rows, DEFAULT_RUNS, strict=True):
+        s = simulate(trace, parse_run(run, base)).summary
+        cell = dict(zip(cols, row, strict=True))
+        value, unit = cell["persistent peak"].split()
+        # the V4-Flash boundary-snapshot peak read 943.6 MB, from snapshots counted as window entries only
+        assert s["persistent_bytes_peak"] / units[unit] == pytest.approx(
+            float(value), abs=0.051 * (unit != "GB") + 0.0051
+        )
+        share = cell["window at peak"]
+        assert s["persistent_window_share_at_peak"] == pytest.approx(
+            float(share.rstrip("%") or 0) / 100, abs=5.1e-4
+        )
+        assert s["replayed_tokens"] == int(cell["replayed tokens"].replace(",", ""))
