@@ -287,3 +287,20 @@ def test_report_tables_escape_a_pipe_in_a_label() -> None:
     # a session id with a line break (a session file's id is any string) split the row in two
     lines = _table([{"session": "a\nb\tc ✓", "requests": 3}]).splitlines()
     assert len(lines) == 3 and lines[2] == "| a\\nb\\tc ✓ | 3 |"
+
+
+def test_requests_past_the_models_context_are_simulated_with_one_warning(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "long.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,1048000,1000\n"  # 1,049,000 tokens: past 1,048,576 (2**20)
+        "2023-11-16 18:15:50.9951690,1048000,576\n"  # exactly 2**20: fits
+    )
+    assert main(["replay", str(path), "--runs", "bounded-replay", "--sweep", "none", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["runs"][0]["summary"]["requests"] == 2  # simulated all the same
+    assert err.strip() == (  # was silent: a trace of another model's contexts read as this one's
+        "kvdiet replay: warning: 1 of 2 requests (the longest 1,049,000 tokens, prompt and output) run past "
+        "deepseek-v4.1-flash's max_position_embeddings 1,048,576: simulated all the same, the bytes "
+        "extrapolated; the model serves no context that long"
+    )
