@@ -382,3 +382,20 @@ def test_the_readmes_agentic_sample_table_is_what_the_study_gives() -> None:
             float(share.rstrip("%") or 0) / 100, abs=5.1e-4
         )
         assert s["replayed_tokens"] == int(cell["replayed tokens"].replace(",", ""))
+
+
+def test_times_going_backwards_in_a_list_are_counted_and_refused_under_strict(tmp_path: Path) -> None:
+    sub = {
+        "t": 5.0,
+        "type": "subagent",
+        "agent_id": "s",
+        "requests": [_req(2.0, 64, [0]), _req(1.0, 64, [0])],
+    }
+    path = _session(
+        tmp_path / "a.json", "A", [_req(0.0, 64, [0]), _req(9.0, 128, [0, 1]), sub, _req(8.0, 64, [0])]
+    )
+    trace = read_sessions(path)  # the sub-agent's start (5 s) and its second request (6 s) go back, and 8 s
+    assert trace.out_of_order == 3 and not trace.errors  # was 0: re-sorted without a word
+    assert [r.arrival_s for r in trace.requests] == [0.0, 6.0, 7.0, 8.0, 9.0]
+    with pytest.raises(TraceError, match=r"a\.json: requests\[2\]\.t: 5 s is before requests\[1\]'s 9 s"):
+        read_sessions(path, strict=True)

@@ -21,8 +21,11 @@ agent (``"main"`` or the sub-agent's ``agent_id``) and its kind (``"agent"`` / `
 
 A malformed file (bad JSON: ``file:line:column``) or request (named by its JSON path, e.g.
 ``session_0001.json: requests[5].requests[2].t: ...``) raises `TraceError` under ``strict``; otherwise it is
-skipped, counted in `Trace.errors` (a bad sub-agent entry skips its requests), and reading goes on. This
-module knows nothing of models or caches; a run's figures per session and kind are `kvdiet.sim.breakdown`'s.
+skipped, counted in `Trace.errors` (a bad sub-agent entry skips its requests), and reading goes on. An entry
+whose ``t`` is before an earlier entry's of its list (an agent's requests and sub-agent starts are in time
+order) is counted in `Trace.out_of_order` and re-sorted, or refused under ``strict``, as a JSONL line whose
+timestamp goes backwards. This module knows nothing of models or caches; a run's figures per session and kind
+are `kvdiet.sim.breakdown`'s.
 """
 
 from __future__ import annotations
@@ -135,8 +138,9 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
         start: where each session starts (default: all together at 0).
         strict: raise at the first malformed file or request instead of skipping it.
     Raises:
-        TraceError: ``strict`` and a malformed file or request; a folder without ``.json`` files; files
-            whose ``block_size`` differ; two files with the same session ``id``.
+        TraceError: ``strict`` and a malformed file or request, or one whose ``t`` is before an earlier
+            entry's of its list (without ``strict`` counted in `Trace.out_of_order`); a folder without
+            ``.json`` files; files whose ``block_size`` differ; two files with the same session ``id``.
         OSError: a file cannot be read.
     """
     path = Path(path)
@@ -149,6 +153,7 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
     sessions: dict[str, Path] = {}
     found: list[tuple[float, int, int, TraceRequest]] = []
     errors: list[str] = []
+    late = 0
     for k, (file, offset) in enumerate(zip(files, offsets, strict=True)):
         try:
             top = _top(file)
@@ -166,14 +171,17 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
         block_size = top["block_size"]
         sessions[top["id"]] = file
         scope = k if top["hash_id_scope"] == "local" else None
-        reader = _Session(file, top["id"], block_size, lambda h, s=scope: ids.setdefault((s, h), len(ids)))
+        fresh = lambda h, s=scope: ids.setdefault((s, h), len(ids))  # noqa: E731
+        reader = _Session(file, top["id"], block_size, fresh, strict=strict)
         reader.walk(top["requests"], "requests", offset, "main", "agent")
         if strict and reader.errors:
             raise TraceError(reader.errors[0])
         errors += reader.errors
+        late += reader.late
         found += [(r.arrival_s, k, r.line, r) for r in reader.requests]
     found.sort(key=lambda item: item[:3])
-    return Trace(chain_ids([r for *_, r in found]), block_size or SESSION_BLOCK_SIZE, errors)
+    requests = chain_ids([r for *_, r in found])
+    return Trace(requests, block_size or SESSION_BLOCK_SIZE, errors, out_of_order=late)
 
 
 # --- reading one file ---
@@ -209,19 +217,30 @@ def _top(file: Path) -> dict:
 class _Session:
     """Flattens one file's requests (depth-first) into `TraceRequest`s with absolute times."""
 
-    def __init__(self, file: Path, session: str, block_size: int, fresh) -> None:
-        self.file, self.session, self.bs, self.fresh = file, session, block_size, fresh
+    def __init__(self, file: Path, session: str, block_size: int, fresh, *, strict: bool) -> None:
+        self.file, self.session, self.bs, self.fresh, self.strict = file, session, block_size, fresh, strict
         self.requests: list[TraceRequest] = []
         self.errors: list[str] = []
+        self.late = 0  # entries before an earlier entry of their list (times going backwards)
 
     def walk(self, items: list, where: str, start: float, agent: str, kind: str) -> None:
-        """Read ``items`` (the requests of an agent that started at ``start`` seconds on the trace clock)."""
+        """Read ``items`` (the requests of an agent that started at ``start`` seconds on the trace clock); an
+        entry before an earlier one of ``items`` is counted in ``late`` (an error under ``strict``)."""
+        latest: tuple[float, str] | None = None
         for i, item in enumerate(items):
             at = f"{where}[{i}]"
             try:
                 if not isinstance(item, dict):
                     raise ValueError(f"{at}: expected an object, got {type(item).__name__}")
                 t = start + _time(item, at)
+                if latest is not None and t < latest[0]:
+                    if self.strict:
+                        raise ValueError(
+                            f"{at}.t: {t - start:g} s is before {latest[1]}'s {latest[0] - start:g} s"
+                        )
+                    self.late += 1
+                else:
+                    latest = (t, at)
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
