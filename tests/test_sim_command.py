@@ -272,6 +272,15 @@ def test_a_bad_sweep_value_is_refused_before_the_trace_is_read(capsys, sweep: st
     assert capsys.readouterr().err.strip() == f"kvdiet replay: error: --sweep: {message}"
 
 
+def test_one_run_spelled_two_ways_is_refused_as_a_run_given_twice(capsys) -> None:
+    # the default model named or not: the same run, which was replayed and listed twice
+    runs = "bounded-replay@deepseek-v4.1-flash,full-store,bounded-replay"
+    assert main(["replay", "no-such-trace.jsonl", "--runs", runs]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvdiet replay: error: --runs: bounded-replay is bounded-replay@deepseek-v4.1-flash again"
+    )
+
+
 def test_a_missing_trace_is_one_line(capsys) -> None:
     assert main(["replay", "no-such-trace.jsonl"]) == 2
     assert capsys.readouterr().err.strip() == (
