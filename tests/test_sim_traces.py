@@ -73,7 +73,8 @@ def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
         {"arrival_s": 1.5, "input_length": 32, "output_length": 2, "hash_ids": [7, 8]},
     ]
     trace = read_trace(_write_jsonl(tmp_path / "g.jsonl", rows))
-    assert trace.block_size == 16 and [r.arrival_s for r in trace.requests] == [0.25, 1.5]
+    # times count from the trace's first request (TraceRequest.arrival_s)
+    assert trace.block_size == 16 and [r.arrival_s for r in trace.requests] == [0.0, 1.25]
     assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 5)
     with pytest.raises(TraceError, match="starts with"):
         read_trace(_write_jsonl(tmp_path / "nohead.jsonl", rows[1:]), format="jsonl")
@@ -331,3 +332,13 @@ def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(
     trace = read_trace(azure)
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 374), (2.0, 396)]
     assert len(trace.errors) == 1 and trace.errors[0].startswith(f"{azure}:4: ")  # the bad byte's row only
+
+
+def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:
+    epoch = [dict(r, timestamp=r["timestamp"] + 1_733_000_000_000) for r in MOONCAKE]  # ms since 1970
+    trace = read_trace(_write_jsonl(tmp_path / "epoch.jsonl", epoch))
+    assert [r.arrival_s for r in trace.requests] == [0.0, 0.5, 1.0]  # was 1,733,000,000.0, ...
+    config = SimConfig(model="deepseek-v4.1-flash")
+    got = simulate(trace, config)
+    want = simulate(read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE)), config)
+    assert got.series["t_s"][0] == 0.0 and got.series == want.series and got.summary == want.summary

@@ -19,7 +19,8 @@ Both id conventions are read: one id per block, the partial last block included 
 one id per *full* block (``input_length // B``; the partial last block has none), decided per trace by its
 first request with a partial block; the reader gives each unnamed partial block a fresh id (never seen
 elsewhere in the trace, so it never hits), so every `TraceRequest` holds ``ceil`` ids. Lengths may be
-integral floats (``99266.0``); times must be finite.
+integral floats (``99266.0``); times must be finite, and are counted from the trace's first request
+(epoch timestamps too).
 
 A malformed line is reported with its line number: ``strict=True`` raises `TraceError` at the first one;
 otherwise it is skipped, counted in `Trace.errors`, and reading goes on — unless most lines are skipped,
@@ -133,7 +134,7 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
         requests, errors, late = _collect(path, map(ids.check, items), strict)
     except EOFError:  # gzip's, read lazily: the stream stops before its end marker
         raise TraceError(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
-    if requests and requests[0].arrival_s < 0:  # an Azure file whose first row is not its earliest
+    if requests and requests[0].arrival_s != 0:  # epoch times; an Azure file whose first row is not earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
     requests = chain_ids(_name_partial_blocks(requests, block_size))
     return Trace(requests, block_size, errors, ids.full_only, late)
