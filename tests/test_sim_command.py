@@ -313,3 +313,15 @@ def test_requests_past_the_models_context_are_simulated_with_one_warning(tmp_pat
         "deepseek-v4.1-flash's max_position_embeddings 1,048,576: simulated all the same, the bytes "
         "extrapolated; the model serves no context that long"
     )
+
+
+def test_a_report_of_requests_that_store_nothing_draws_its_plots_without_a_warning(
+    tmp_path: Path, capsys, recwarn
+) -> None:
+    path = tmp_path / "empty.jsonl"  # empty prompts: nothing is ever stored, every bytes line is 0
+    path.write_text('{"timestamp": 0, "input_length": 0, "output_length": 0, "hash_ids": []}\n' * 2)
+    flags = ["--runs", "bounded-replay", "--sweep", "none", "--report", str(tmp_path / "out"), "--json"]
+    assert main(["replay", str(path), *flags]) == 0
+    assert (tmp_path / "out" / "persistent_bytes.png").stat().st_size > 0
+    # was matplotlib's "Data has no positive values, and therefore cannot be log-scaled" on stderr
+    assert not [w for w in recwarn if "log-scaled" in str(w.message)]
