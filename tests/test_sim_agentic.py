@@ -399,3 +399,16 @@ def test_times_going_backwards_in_a_list_are_counted_and_refused_under_strict(tm
     assert [r.arrival_s for r in trace.requests] == [0.0, 6.0, 7.0, 8.0, 9.0]
     with pytest.raises(TraceError, match=r"a\.json: requests\[2\]\.t: 5 s is before requests\[1\]'s 9 s"):
         read_sessions(path, strict=True)
+
+
+def test_the_block_hit_ratio_counts_a_sessions_unnamed_partial_blocks_as_a_jsonl_trace_does(
+    tmp_path: Path,
+) -> None:
+    from kvdiet.sim.trace_stats import hit_ratio_variants, infinite_cache_hit_ratio, trace_stats
+
+    trace = read_sessions(
+        _session(tmp_path / "a.json", "A", [_req(0.0, 150, [0, 1]), _req(1.0, 200, [0, 1, 2])])
+    )
+    # by hand: 3 blocks (2 full, 1 partial without an id), then 4 (3 full, 1 partial); hits 0, then 0 and 1
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 7)  # was 2 / 5: the partial blocks left out
+    assert trace_stats(trace)["infinite_cache_block_hit_ratio"] == hit_ratio_variants(trace)["blocks"]
