@@ -342,3 +342,15 @@ def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:
     got = simulate(trace, config)
     want = simulate(read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE)), config)
     assert got.series["t_s"][0] == 0.0 and got.series == want.series and got.summary == want.summary
+
+
+def test_a_wrong_csv_header_is_named_in_one_short_line(tmp_path: Path) -> None:
+    path = _write_jsonl(
+        tmp_path / "t.jsonl", [dict(MOONCAKE[0], hash_ids=list(range(5000)), input_length=5000 * 512)]
+    )
+    with pytest.raises(TraceError) as exc:
+        read_trace(path, format="azure")
+    # was the whole first line as a list of its 5,004 comma-separated fields (~40 kB)
+    message = str(exc.value)
+    assert len(message) < 300 + len(str(path))
+    assert message.endswith("""got '{"timestamp": 0, "input_length": 2560000, "output_length": 5'...""")

@@ -254,8 +254,10 @@ def _azure(path: Path):
         rows = csv.reader(f)
         header = next(rows, None)
         if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+            got = ",".join(header or [])  # shortened: a JSONL line read as CSV can be megabytes
+            shown = repr(got[:60]) + ("..." if len(got) > 60 else "")
             yield TraceError(
-                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {header}"
+                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {shown}"
             )
             return
         start = None
