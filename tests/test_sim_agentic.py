@@ -412,3 +412,18 @@ def test_the_block_hit_ratio_counts_a_sessions_unnamed_partial_blocks_as_a_jsonl
     # by hand: 3 blocks (2 full, 1 partial without an id), then 4 (3 full, 1 partial); hits 0, then 0 and 1
     assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 7)  # was 2 / 5: the partial blocks left out
     assert trace_stats(trace)["infinite_cache_block_hit_ratio"] == hit_ratio_variants(trace)["blocks"]
+
+
+def test_a_wrong_value_is_named_in_a_short_line(tmp_path: Path) -> None:
+    wrong = {
+        "t": 1.0,
+        "type": "subagent",
+        "agent_id": "s",
+        "requests": {str(i): _req(0.0, 64, [0]) for i in range(500)},
+    }
+    path = _session(tmp_path / "a.json", "A", [_req(0.0, 64, [0]), wrong])
+    trace = read_sessions(path)
+    # was the whole dict of 500 requests (~50 kB) in the one line
+    assert trace.errors == [
+        f"{path}: requests[1].requests: expected a list, got " + repr(wrong["requests"])[:60] + "..."
+    ]

@@ -201,16 +201,16 @@ def _top(file: Path) -> dict:
         raise TraceError(f"{file}: a session file is one JSON object, got {type(top).__name__}")
     session = top.get("id")
     if not isinstance(session, str | int) or isinstance(session, bool) or session == "":
-        raise TraceError(f"{file}: id must be a non-empty string, got {session!r}")
+        raise TraceError(f"{file}: id must be a non-empty string, got {_short(session)}")
     bs = top.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise TraceError(f"{file}: block_size must be an integer >= 1, got {bs!r}")
+        raise TraceError(f"{file}: block_size must be an integer >= 1, got {_short(bs)}")
     if top.get("hash_id_scope") not in ("local", "global"):
         raise TraceError(
-            f'{file}: hash_id_scope must be "local" or "global", got {top.get("hash_id_scope")!r}'
+            f'{file}: hash_id_scope must be "local" or "global", got {_short(top.get("hash_id_scope"))}'
         )
     if not isinstance(top.get("requests"), list):
-        raise TraceError(f"{file}: requests must be a list, got {top.get('requests')!r}")
+        raise TraceError(f"{file}: requests must be a list, got {_short(top.get('requests'))}")
     return top | {"id": str(session)}
 
 
@@ -244,13 +244,15 @@ class _Session:
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
-                        raise ValueError(f"{at}.agent_id: expected a string, got {sub!r}")
+                        raise ValueError(f"{at}.agent_id: expected a string, got {_short(sub)}")
                     if not isinstance(subs, list):
-                        raise ValueError(f"{at}.requests: expected a list, got {subs!r}")
+                        raise ValueError(f"{at}.requests: expected a list, got {_short(subs)}")
                     self.walk(subs, f"{at}.requests", t, str(sub), "subagent")
                     continue
                 if item.get("type") not in ("s", "n"):
-                    raise ValueError(f'{at}.type: expected "s", "n" or "subagent", got {item.get("type")!r}')
+                    raise ValueError(
+                        f'{at}.type: expected "s", "n" or "subagent", got {_short(item.get("type"))}'
+                    )
                 self.requests.append(self._request(item, at, t, agent, kind))
             except ValueError as exc:
                 self.errors.append(f"{self.file}: {exc}")
@@ -276,7 +278,7 @@ def _time(item: dict, at: str) -> float:
     if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e300:
         t = math.inf  # past a float's range
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {t!r}")
+        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {_short(t)}")
     return float(t)
 
 
@@ -286,5 +288,11 @@ def _tokens(item: dict, key: str, at: str) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {v!r}")
+        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {_short(v)}")
     return v
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to 60 characters: a wrong value may be a whole list of requests."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
