@@ -102,13 +102,13 @@ def test_sub_agent_times_nest_and_ids_are_shared_within_a_file(tmp_path: Path) -
     trace = read_sessions(_folder(tmp_path))
     got = [(r.arrival_s, r.session, r.agent, r.kind, r.hash_ids) for r in trace.requests]
     assert got == [
-        (0.0, "A", "main", "agent", (0, 1)),
-        (0.0, "B", "main", "agent", (5, 6)),  # B's local 0, 1 are new content: fresh ids 5, 6
-        (2.0, "B", "main", "agent", (5, 6, 7)),
+        (0.0, "A", "main", "agent", (0, 1)),  # ids renumbered as chains in arrival order
+        (0.0, "B", "main", "agent", (2, 3)),  # B's local 0, 1 are new content: fresh ids 2, 3
+        (2.0, "B", "main", "agent", (2, 3, 4)),
         (4.0, "A", "sub-1", "subagent", (0, 1)),
         (5.5, "A", "sub-2", "subagent", (0,)),
-        (7.0, "A", "sub-1", "subagent", (0, 1, 2)),
-        (10.0, "A", "main", "agent", (0, 1, 3, 4)),
+        (7.0, "A", "sub-1", "subagent", (0, 1, 5)),
+        (10.0, "A", "main", "agent", (0, 1, 6, 7)),
     ]
     # line: the request's place in its file, depth-first
     assert [r.line for r in trace.requests if r.session == "A"] == [1, 2, 3, 4, 5]
@@ -345,3 +345,85 @@ def test_kvdiet_replay_on_the_sample(tmp_path: Path, capsys) -> None:
     split = run["summary"]
     assert set(split["by_session"]) == {"sample-1", "sample-2", "sample-3"}
     assert split["by_kind"]["agent"]["requests"] + split["by_kind"]["subagent"]["requests"] == 49
+
+
+def test_a_session_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    path = _session(tmp_path / "s.json", "A", B)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # was "not JSON: Unexpected UTF-8 BOM"
+    trace = read_sessions(path, strict=True)
+    assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 130), (2.0, 190)]
+
+
+@needs_sample
+def test_the_readmes_agentic_sample_table_is_what_the_study_gives() -> None:
+    from kvdiet.sim.study import DEFAULT_RUNS, parse_run
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    head = readme.index(
+        "kvdiet replay ../shared/traces/agentic-sample --format agentic-sessions --report out/"
+    )
+    lines = readme[head:].split("\n\n")[1].splitlines()  # the table after the command's paragraph
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip().strip("*") for c in line.strip("|").split("|")] for line in lines[2:]]
+    trace = read_sessions(SAMPLE)
+    base = SimConfig(model="deepseek-v4.1-flash")
+    units = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
+    assert len(rows) == len(DEFAULT_RUNS)
+    for row, run in zip(rows, DEFAULT_RUNS, strict=True):
+        s = simulate(trace, parse_run(run, base)).summary
+        cell = dict(zip(cols, row, strict=True))
+        value, unit = cell["persistent peak"].split()
+        # the V4-Flash boundary-snapshot peak read 943.6 MB, from snapshots counted as window entries only
+        assert s["persistent_bytes_peak"] / units[unit] == pytest.approx(
+            float(value), abs=0.051 * (unit != "GB") + 0.0051
+        )
+        share = cell["window at peak"]
+        assert s["persistent_window_share_at_peak"] == pytest.approx(
+            float(share.rstrip("%") or 0) / 100, abs=5.1e-4
+        )
+        assert s["replayed_tokens"] == int(cell["replayed tokens"].replace(",", ""))
+
+
+def test_times_going_backwards_in_a_list_are_counted_and_refused_under_strict(tmp_path: Path) -> None:
+    sub = {
+        "t": 5.0,
+        "type": "subagent",
+        "agent_id": "s",
+        "requests": [_req(2.0, 64, [0]), _req(1.0, 64, [0])],
+    }
+    path = _session(
+        tmp_path / "a.json", "A", [_req(0.0, 64, [0]), _req(9.0, 128, [0, 1]), sub, _req(8.0, 64, [0])]
+    )
+    trace = read_sessions(path)  # the sub-agent's start (5 s) and its second request (6 s) go back, and 8 s
+    assert trace.out_of_order == 3 and not trace.errors  # was 0: re-sorted without a word
+    assert [r.arrival_s for r in trace.requests] == [0.0, 6.0, 7.0, 8.0, 9.0]
+    with pytest.raises(TraceError, match=r"a\.json: requests\[2\]\.t: 5 s is before requests\[1\]'s 9 s"):
+        read_sessions(path, strict=True)
+
+
+def test_the_block_hit_ratio_counts_a_sessions_unnamed_partial_blocks_as_a_jsonl_trace_does(
+    tmp_path: Path,
+) -> None:
+    from kvdiet.sim.trace_stats import hit_ratio_variants, infinite_cache_hit_ratio, trace_stats
+
+    trace = read_sessions(
+        _session(tmp_path / "a.json", "A", [_req(0.0, 150, [0, 1]), _req(1.0, 200, [0, 1, 2])])
+    )
+    # by hand: 3 blocks (2 full, 1 partial without an id), then 4 (3 full, 1 partial); hits 0, then 0 and 1
+    assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 7)  # was 2 / 5: the partial blocks left out
+    assert trace_stats(trace)["infinite_cache_block_hit_ratio"] == hit_ratio_variants(trace)["blocks"]
+
+
+def test_a_wrong_value_is_named_in_a_short_line(tmp_path: Path) -> None:
+    wrong = {
+        "t": 1.0,
+        "type": "subagent",
+        "agent_id": "s",
+        "requests": {str(i): _req(0.0, 64, [0]) for i in range(500)},
+    }
+    path = _session(tmp_path / "a.json", "A", [_req(0.0, 64, [0]), wrong])
+    trace = read_sessions(path)
+    # was the whole dict of 500 requests (~50 kB) in the one line
+    assert trace.errors == [
+        f"{path}: requests[1].requests: expected a list, got " + repr(wrong["requests"])[:60] + "..."
+    ]

@@ -257,6 +257,30 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str]
     assert err.startswith("kvdiet replay: error: ") and message in err
 
 
+@pytest.mark.parametrize(
+    ("sweep", "message"),
+    [
+        ("device-size=8GB,0", "--sweep 'device-size=8GB,0': device-size must be > 0 bytes, got '0'"),
+        ("swa-pool-size=0", "--sweep 'swa-pool-size=0': swa-pool-size must be > 0 bytes, got '0'"),
+        ("swa-pool-ttl=5m,300s", "--sweep 'swa-pool-ttl=5m,300s': '300s' is '5m' again"),
+    ],
+)
+def test_a_bad_sweep_value_is_refused_before_the_trace_is_read(capsys, sweep: str, message: str) -> None:
+    # a missing trace: the sweep's error comes first (a size of 0 was refused after the trace was read, in
+    # words naming no flag; a value given twice ran the same point twice)
+    assert main(["replay", "no-such-trace.jsonl", "--sweep", sweep]) == 2
+    assert capsys.readouterr().err.strip() == f"kvdiet replay: error: --sweep: {message}"
+
+
+def test_one_run_spelled_two_ways_is_refused_as_a_run_given_twice(capsys) -> None:
+    # the default model named or not: the same run, which was replayed and listed twice
+    runs = "bounded-replay@deepseek-v4.1-flash,full-store,bounded-replay"
+    assert main(["replay", "no-such-trace.jsonl", "--runs", runs]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvdiet replay: error: --runs: bounded-replay is bounded-replay@deepseek-v4.1-flash again"
+    )
+
+
 def test_a_missing_trace_is_one_line(capsys) -> None:
     assert main(["replay", "no-such-trace.jsonl"]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -269,3 +293,35 @@ def test_report_tables_escape_a_pipe_in_a_label() -> None:
 
     row = _table([{"kind": "chat|tools", "requests": 3}]).splitlines()[2]
     assert row == "| chat\\|tools | 3 |"
+    # a session id with a line break (a session file's id is any string) split the row in two
+    lines = _table([{"session": "a\nb\tc ✓", "requests": 3}]).splitlines()
+    assert len(lines) == 3 and lines[2] == "| a\\nb\\tc ✓ | 3 |"
+
+
+def test_requests_past_the_models_context_are_simulated_with_one_warning(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "long.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,1048000,1000\n"  # 1,049,000 tokens: past 1,048,576 (2**20)
+        "2023-11-16 18:15:50.9951690,1048000,576\n"  # exactly 2**20: fits
+    )
+    assert main(["replay", str(path), "--runs", "bounded-replay", "--sweep", "none", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["runs"][0]["summary"]["requests"] == 2  # simulated all the same
+    assert err.strip() == (  # was silent: a trace of another model's contexts read as this one's
+        "kvdiet replay: warning: 1 of 2 requests (the longest 1,049,000 tokens, prompt and output) run past "
+        "deepseek-v4.1-flash's max_position_embeddings 1,048,576: simulated all the same, the bytes "
+        "extrapolated; the model serves no context that long"
+    )
+
+
+def test_a_report_of_requests_that_store_nothing_draws_its_plots_without_a_warning(
+    tmp_path: Path, capsys, recwarn
+) -> None:
+    path = tmp_path / "empty.jsonl"  # empty prompts: nothing is ever stored, every bytes line is 0
+    path.write_text('{"timestamp": 0, "input_length": 0, "output_length": 0, "hash_ids": []}\n' * 2)
+    flags = ["--runs", "bounded-replay", "--sweep", "none", "--report", str(tmp_path / "out"), "--json"]
+    assert main(["replay", str(path), *flags]) == 0
+    assert (tmp_path / "out" / "persistent_bytes.png").stat().st_size > 0
+    # was matplotlib's "Data has no positive values, and therefore cannot be log-scaled" on stderr
+    assert not [w for w in recwarn if "log-scaled" in str(w.message)]

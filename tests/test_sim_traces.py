@@ -32,9 +32,9 @@ def test_mooncake_lines_are_read_in_arrival_order_with_the_hit_ratio_by_hand(tmp
     trace = read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE))
     assert trace.block_size == 512 and not trace.errors
     assert [(r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids, r.line) for r in trace.requests] == [
-        (0.0, 1024, 5, (1, 2), 1),
-        (0.5, 600, 1, (1, 4), 3),
-        (1.0, 1500, 7, (1, 2, 3), 2),
+        (0.0, 1024, 5, (0, 1), 1),  # the ids renumbered as chains (kvdiet.sim.chains): 1 → 0, 1·2 → 1, ...
+        (0.5, 600, 1, (0, 2), 3),
+        (1.0, 1500, 7, (0, 1, 3), 2),
     ]
     # 0 of 2, then 1 of 2 (block 1; 4 is new), then 2 of 3 (blocks 1, 2; 3 is new): 3 of 7 blocks.
     assert infinite_cache_hit_ratio(trace) == pytest.approx(3 / 7)
@@ -73,7 +73,8 @@ def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
         {"arrival_s": 1.5, "input_length": 32, "output_length": 2, "hash_ids": [7, 8]},
     ]
     trace = read_trace(_write_jsonl(tmp_path / "g.jsonl", rows))
-    assert trace.block_size == 16 and [r.arrival_s for r in trace.requests] == [0.25, 1.5]
+    # times count from the trace's first request (TraceRequest.arrival_s)
+    assert trace.block_size == 16 and [r.arrival_s for r in trace.requests] == [0.0, 1.25]
     assert infinite_cache_hit_ratio(trace) == pytest.approx(2 / 5)
     with pytest.raises(TraceError, match="starts with"):
         read_trace(_write_jsonl(tmp_path / "nohead.jsonl", rows[1:]), format="jsonl")
@@ -198,8 +199,9 @@ def test_one_id_per_full_block_is_read_and_the_partial_block_never_hits(tmp_path
     ]
     trace = read_trace(_generic(tmp_path, rows))
     assert trace.full_blocks_only is True and not trace.errors
-    # each partial last block gets a fresh id above the trace's largest (9): 10, then 11
-    assert [r.hash_ids for r in trace.requests] == [(7, 8, 10), (7, 8, 9, 11), (7, 8, 9)]
+    # each partial last block gets a fresh id above the trace's largest (9): 10, then 11; then the ids are
+    # renumbered as chains in arrival order (7 → 0, 7·8 → 1, 7·8·10 → 2, 7·8·9 → 3, 7·8·9·11 → 4)
+    assert [r.hash_ids for r in trace.requests] == [(0, 1, 2), (0, 1, 3, 4), (0, 1, 3)]
     # by hand: blocks 3 + 4 + 3 = 10; hits 0, then 7 and 8 (2), then 7, 8, 9 (3): 5 of 10
     assert infinite_cache_hit_ratio(trace) == pytest.approx(5 / 10)
     # a later line that names its partial block breaks the trace's convention: skipped, naming line 2
@@ -277,3 +279,78 @@ def test_the_shape_of_the_first_record_names_the_expected_format(tmp_path: Path)
     # named explicitly as Mooncake, each line says which fields a Mooncake line has
     with pytest.raises(TraceError, match=r"no timestamp .a Mooncake line has timestamp, input_length"):
         read_trace(tmp_path / "a.jsonl", format="mooncake", strict=True)
+
+
+def test_ids_that_name_a_blocks_content_only_match_only_after_the_same_prefix(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": [1, 2, 3, 4]},
+        {"timestamp": 60000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 3, 4, 5]},  # 2 dropped
+        {"timestamp": 120000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 1, 1, 1]},
+        {"timestamp": 180000, "input_length": 2048, "output_length": 1, "hash_ids": [1, 1, 1, 1]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "content.jsonl", rows))
+    # by hand: 1 then 3 ≠ 2: 1 block; [1, 1, 1, 1]: only its first 1 was seen at the root: 1 block; the
+    # same prompt again: all 4 blocks (the 3 usable before the prompt's last token in the simulator)
+    assert infinite_cache_hit_ratio(trace) == pytest.approx((0 + 1 + 1 + 4) / 16)
+    s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
+    assert s["device_hit_tokens"] + s["persistent_hit_tokens"] == 512 + 512 + 3 * 512  # was 4,608
+
+
+def test_negative_ids_never_meet_the_simulators_ids_for_unnamed_blocks(tmp_path: Path) -> None:
+    rows = [  # request 1's partial block (tokens 512–999) is one the simulator names itself: -1 before
+        {"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [5, 6]},
+        {"timestamp": 60000, "input_length": 1536, "output_length": 1, "hash_ids": [5, -1, 9]},
+    ]
+    trace = read_trace(_write_jsonl(tmp_path / "signed.jsonl", rows))
+    assert all(h >= 0 for r in trace.requests for h in r.hash_ids)
+    s = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary
+    assert s["device_hit_tokens"] + s["persistent_hit_tokens"] == 512  # block 5 only (was 0)
+
+
+def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(tmp_path: Path) -> None:
+    import gzip
+
+    plain = _write_jsonl(tmp_path / "t.jsonl", MOONCAKE)
+    want = [(r.arrival_s, r.input_tokens, r.hash_ids) for r in read_trace(plain).requests]
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())  # the first line was skipped as "Unexpected BOM"
+    packed = tmp_path / "t.log"  # gzip by its magic bytes, whatever the name
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (bom, packed):
+        trace = read_trace(path)
+        assert (
+            not trace.errors and [(r.arrival_s, r.input_tokens, r.hash_ids) for r in trace.requests] == want
+        )
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(plain.read_bytes() * 50)[:-12])
+    with pytest.raises(TraceError, match=r"cut\.jsonl\.gz: a gzip file cut short"):
+        read_trace(cut)
+    rows = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\r\n\r\n"
+    rows += "2023-11-16 18:15:47.6805900,3\xe974,44\r\n2023-11-16 18:15:48.6805900,396,109\r\n"
+    azure = tmp_path / "azure.csv.gz"  # a BOM (refused the whole file), a blank row, a latin-1 byte
+    azure.write_bytes(gzip.compress(b"\xef\xbb\xbf" + rows.encode("latin-1")))
+    trace = read_trace(azure)
+    assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 374), (2.0, 396)]
+    assert len(trace.errors) == 1 and trace.errors[0].startswith(f"{azure}:4: ")  # the bad byte's row only
+
+
+def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:
+    epoch = [dict(r, timestamp=r["timestamp"] + 1_733_000_000_000) for r in MOONCAKE]  # ms since 1970
+    trace = read_trace(_write_jsonl(tmp_path / "epoch.jsonl", epoch))
+    assert [r.arrival_s for r in trace.requests] == [0.0, 0.5, 1.0]  # was 1,733,000,000.0, ...
+    config = SimConfig(model="deepseek-v4.1-flash")
+    got = simulate(trace, config)
+    want = simulate(read_trace(_write_jsonl(tmp_path / "t.jsonl", MOONCAKE)), config)
+    assert got.series["t_s"][0] == 0.0 and got.series == want.series and got.summary == want.summary
+
+
+def test_a_wrong_csv_header_is_named_in_one_short_line(tmp_path: Path) -> None:
+    path = _write_jsonl(
+        tmp_path / "t.jsonl", [dict(MOONCAKE[0], hash_ids=list(range(5000)), input_length=5000 * 512)]
+    )
+    with pytest.raises(TraceError) as exc:
+        read_trace(path, format="azure")
+    # was the whole first line as a list of its 5,004 comma-separated fields (~40 kB)
+    message = str(exc.value)
+    assert len(message) < 300 + len(str(path))
+    assert message.endswith("""got '{"timestamp": 0, "input_length": 2560000, "output_length": 5'...""")

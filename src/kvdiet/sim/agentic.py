@@ -14,14 +14,18 @@ The schema (``../shared/traces/agentic-sample/``; one JSON object per session fi
   the sub-agent's start, which is ``t`` after its parent's start; sub-agents may nest.
 
 Ids are made unique across files: each (file, local id) pair — (None, id) under ``"global"`` — gets a fresh
-integer from 0 up in reading order (files by name, then depth-first), so a run is deterministic. Sessions
+integer from 0 up in reading order (files by name, then depth-first), so a run is deterministic; then they are
+chained (`kvdiet.sim.chains`: a block matches only after the same prefix). Sessions
 have no absolute start; `SessionStart` places them on one clock. Each request keeps its session (``id``), its
 agent (``"main"`` or the sub-agent's ``agent_id``) and its kind (``"agent"`` / ``"subagent"``).
 
 A malformed file (bad JSON: ``file:line:column``) or request (named by its JSON path, e.g.
 ``session_0001.json: requests[5].requests[2].t: ...``) raises `TraceError` under ``strict``; otherwise it is
-skipped, counted in `Trace.errors` (a bad sub-agent entry skips its requests), and reading goes on. This
-module knows nothing of models or caches; a run's figures per session and kind are `kvdiet.sim.breakdown`'s.
+skipped, counted in `Trace.errors` (a bad sub-agent entry skips its requests), and reading goes on. An entry
+whose ``t`` is before an earlier entry's of its list (an agent's requests and sub-agent starts are in time
+order) is counted in `Trace.out_of_order` and re-sorted, or refused under ``strict``, as a JSONL line whose
+timestamp goes backwards. This module knows nothing of models or caches; a run's figures per session and kind
+are `kvdiet.sim.breakdown`'s.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdiet.sim.chains import chain_ids
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
 __all__ = ["SessionStart", "parse_session_start", "read_sessions", "session_reader"]
@@ -133,8 +138,9 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
         start: where each session starts (default: all together at 0).
         strict: raise at the first malformed file or request instead of skipping it.
     Raises:
-        TraceError: ``strict`` and a malformed file or request; a folder without ``.json`` files; files
-            whose ``block_size`` differ; two files with the same session ``id``.
+        TraceError: ``strict`` and a malformed file or request, or one whose ``t`` is before an earlier
+            entry's of its list (without ``strict`` counted in `Trace.out_of_order`); a folder without
+            ``.json`` files; files whose ``block_size`` differ; two files with the same session ``id``.
         OSError: a file cannot be read.
     """
     path = Path(path)
@@ -147,6 +153,7 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
     sessions: dict[str, Path] = {}
     found: list[tuple[float, int, int, TraceRequest]] = []
     errors: list[str] = []
+    late = 0
     for k, (file, offset) in enumerate(zip(files, offsets, strict=True)):
         try:
             top = _top(file)
@@ -164,14 +171,17 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
         block_size = top["block_size"]
         sessions[top["id"]] = file
         scope = k if top["hash_id_scope"] == "local" else None
-        reader = _Session(file, top["id"], block_size, lambda h, s=scope: ids.setdefault((s, h), len(ids)))
+        fresh = lambda h, s=scope: ids.setdefault((s, h), len(ids))  # noqa: E731
+        reader = _Session(file, top["id"], block_size, fresh, strict=strict)
         reader.walk(top["requests"], "requests", offset, "main", "agent")
         if strict and reader.errors:
             raise TraceError(reader.errors[0])
         errors += reader.errors
+        late += reader.late
         found += [(r.arrival_s, k, r.line, r) for r in reader.requests]
     found.sort(key=lambda item: item[:3])
-    return Trace([r for *_, r in found], block_size or SESSION_BLOCK_SIZE, errors)
+    requests = chain_ids([r for *_, r in found])
+    return Trace(requests, block_size or SESSION_BLOCK_SIZE, errors, out_of_order=late)
 
 
 # --- reading one file ---
@@ -181,7 +191,7 @@ def _top(file: Path) -> dict:
     """The checked top level of a session file: ``id`` (as a string), ``block_size``, ``hash_id_scope``,
     ``requests``."""
     try:
-        with file.open(encoding="utf-8") as f:
+        with file.open(encoding="utf-8-sig") as f:  # a byte-order mark is dropped
             top = json.load(f)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
@@ -191,45 +201,58 @@ def _top(file: Path) -> dict:
         raise TraceError(f"{file}: a session file is one JSON object, got {type(top).__name__}")
     session = top.get("id")
     if not isinstance(session, str | int) or isinstance(session, bool) or session == "":
-        raise TraceError(f"{file}: id must be a non-empty string, got {session!r}")
+        raise TraceError(f"{file}: id must be a non-empty string, got {_short(session)}")
     bs = top.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise TraceError(f"{file}: block_size must be an integer >= 1, got {bs!r}")
+        raise TraceError(f"{file}: block_size must be an integer >= 1, got {_short(bs)}")
     if top.get("hash_id_scope") not in ("local", "global"):
         raise TraceError(
-            f'{file}: hash_id_scope must be "local" or "global", got {top.get("hash_id_scope")!r}'
+            f'{file}: hash_id_scope must be "local" or "global", got {_short(top.get("hash_id_scope"))}'
         )
     if not isinstance(top.get("requests"), list):
-        raise TraceError(f"{file}: requests must be a list, got {top.get('requests')!r}")
+        raise TraceError(f"{file}: requests must be a list, got {_short(top.get('requests'))}")
     return top | {"id": str(session)}
 
 
 class _Session:
     """Flattens one file's requests (depth-first) into `TraceRequest`s with absolute times."""
 
-    def __init__(self, file: Path, session: str, block_size: int, fresh) -> None:
-        self.file, self.session, self.bs, self.fresh = file, session, block_size, fresh
+    def __init__(self, file: Path, session: str, block_size: int, fresh, *, strict: bool) -> None:
+        self.file, self.session, self.bs, self.fresh, self.strict = file, session, block_size, fresh, strict
         self.requests: list[TraceRequest] = []
         self.errors: list[str] = []
+        self.late = 0  # entries before an earlier entry of their list (times going backwards)
 
     def walk(self, items: list, where: str, start: float, agent: str, kind: str) -> None:
-        """Read ``items`` (the requests of an agent that started at ``start`` seconds on the trace clock)."""
+        """Read ``items`` (the requests of an agent that started at ``start`` seconds on the trace clock); an
+        entry before an earlier one of ``items`` is counted in ``late`` (an error under ``strict``)."""
+        latest: tuple[float, str] | None = None
         for i, item in enumerate(items):
             at = f"{where}[{i}]"
             try:
                 if not isinstance(item, dict):
                     raise ValueError(f"{at}: expected an object, got {type(item).__name__}")
                 t = start + _time(item, at)
+                if latest is not None and t < latest[0]:
+                    if self.strict:
+                        raise ValueError(
+                            f"{at}.t: {t - start:g} s is before {latest[1]}'s {latest[0] - start:g} s"
+                        )
+                    self.late += 1
+                else:
+                    latest = (t, at)
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
-                        raise ValueError(f"{at}.agent_id: expected a string, got {sub!r}")
+                        raise ValueError(f"{at}.agent_id: expected a string, got {_short(sub)}")
                     if not isinstance(subs, list):
-                        raise ValueError(f"{at}.requests: expected a list, got {subs!r}")
+                        raise ValueError(f"{at}.requests: expected a list, got {_short(subs)}")
                     self.walk(subs, f"{at}.requests", t, str(sub), "subagent")
                     continue
                 if item.get("type") not in ("s", "n"):
-                    raise ValueError(f'{at}.type: expected "s", "n" or "subagent", got {item.get("type")!r}')
+                    raise ValueError(
+                        f'{at}.type: expected "s", "n" or "subagent", got {_short(item.get("type"))}'
+                    )
                 self.requests.append(self._request(item, at, t, agent, kind))
             except ValueError as exc:
                 self.errors.append(f"{self.file}: {exc}")
@@ -255,7 +278,7 @@ def _time(item: dict, at: str) -> float:
     if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e300:
         t = math.inf  # past a float's range
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {t!r}")
+        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {_short(t)}")
     return float(t)
 
 
@@ -265,5 +288,11 @@ def _tokens(item: dict, key: str, at: str) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {v!r}")
+        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {_short(v)}")
     return v
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to 60 characters: a wrong value may be a whole list of requests."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."

@@ -267,12 +267,28 @@ def _model_free(trace, plan, args, err: Console):
     from kvdiet.sim.study import findings, run_study
 
     runs, sweeps = plan
-    for cfg in [*runs, *(base for _, base in sweeps)]:
-        cfg.check(trace.block_size)  # before the progress bar: errors stay one clean line
+    limits = {}
+    for cfg in [*runs, *(base for _, base in sweeps)]:  # before the progress bar: errors stay one clean line
+        limits[cfg.model] = cfg.check(trace.block_size).max_position_embeddings
+    _warn_past_context(trace, limits)
     total = len(set(runs) | {cfg for s, base in sweeps for _, cfg in s.configs(base)})
     with _progress(err, total, f"replaying {len(trace):,} requests", "runs", args.progress_interval) as bar:
         study = run_study(trace, runs, sweeps, jobs=args.jobs, progress=_counter(bar))
     return study, findings(study)
+
+
+def _warn_past_context(trace, limits: dict[str, int]) -> None:
+    """One stderr line per model whose ``max_position_embeddings`` some requests' prompt and output pass (the
+    study simulates them all the same, as `kvdiet plan` extrapolates such contexts)."""
+    lengths = [r.input_tokens + r.output_tokens for r in trace.requests]
+    for model, limit in limits.items():
+        if past := [n for n in lengths if n > limit]:
+            print(
+                f"kvdiet replay: warning: {len(past):,} of {len(lengths):,} requests (the longest {max(past):,} "
+                f"tokens, prompt and output) run past {model}'s max_position_embeddings {limit:,}: simulated "
+                "all the same, the bytes extrapolated; the model serves no context that long",
+                file=sys.stderr,
+            )
 
 
 def _engine(trace, configs, args, err: Console):

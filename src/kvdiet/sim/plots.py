@@ -95,9 +95,11 @@ def persistent_lines(runs: list[SimResult]) -> list[tuple[list[str], list[float]
 def plot_persistent(runs: list[SimResult], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
     t = [x / 60 for x in runs[0].series["t_s"]]
-    for labels, values in persistent_lines(runs):
+    lines = persistent_lines(runs)
+    for labels, values in lines:
         ax.plot(t, [b / 1e9 for b in values], label=_same_label(labels))
-    ax.set_yscale("log")
+    if any(b > 0 for _, values in lines for b in values):  # else nothing to put on a log axis (a warning)
+        ax.set_yscale("log")
     ax.set_xlabel("trace time (min)")
     ax.set_ylabel("persistent bytes resident (GB)")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)

@@ -138,6 +138,9 @@ def plan_runs(args: argparse.Namespace):
     except ValueError as exc:
         raise ValueError(f"{'--mfu' if base.gpu in GPU_FP8_FLOPS else '--gpu'}: {exc}") from None
     runs = [parse_flag("--runs", lambda n: parse_run(n, base), n) for n in names]
+    for i, (cfg, name) in enumerate(zip(runs, names, strict=True)):  # one run spelled two ways runs once
+        if cfg in runs[:i]:
+            raise ValueError(f"--runs: {name} is {names[runs.index(cfg)]} again")
     texts = args.sweep if args.sweep is not None else [DEFAULT_TTL_SWEEP, DEFAULT_SUPERSEDE_SWEEP]
     if "none" in texts and len(texts) > 1:
         raise ValueError("--sweep none runs no sweep: it cannot be combined with another --sweep")

@@ -147,7 +147,9 @@ def _cell(value: object) -> str:
         return str(value).lower() if value is not None else "-"
     if isinstance(value, int | float):
         return f"{value:,}"
-    return str(value).replace("\\", "\\\\").replace("|", "\\|")  # a label's "|" must not split the row
+    text = str(value).replace("\\", "\\\\").replace("|", "\\|")  # a label's "|" must not split the row
+    # nor a line break (a session file's id is any string) end it: non-printables as escapes (\n, \x1b)
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _table(rows: list[dict[str, object]]) -> str:

@@ -75,6 +75,8 @@ SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
     "global-pool-size": ("global_pool_bytes", parse_bytes),
     "global-pool-ttl": ("global_pool_ttl_s", parse_duration),
 }
+POSITIVE_SIZE_AXES = ("swa-pool-size", "persistent-size", "device-size")
+"""Sweep axes whose sizes must be > 0 (``global-pool-size`` takes 0: no global pool)."""
 UNBOUNDED_TTL_S = 1e12
 
 
@@ -118,19 +120,26 @@ def parse_sweep(text: str) -> Sweep:
     """``AXIS=V1,V2,...`` (durations like ``30s``/``5m``/``72h``, sizes like ``32GB``).
 
     Raises:
-        ValueError: unknown axis, no values, or a value that does not parse.
+        ValueError: unknown axis, no values, a value that does not parse, a size of 0 where the axis needs
+            one (`POSITIVE_SIZE_AXES`), or one value given twice (``5m,300s``).
     """
-    axis, sep, values = text.partition("=")
+    axis, sep, items = text.partition("=")
     axis = axis.strip()
     if axis not in SWEEP_AXES or not sep:
         raise ValueError(
             f"--sweep {text!r}: expected AXIS=V1,V2,... with AXIS one of {', '.join(SWEEP_AXES)}"
         )
-    labels = tuple(v.strip() for v in values.split(",") if v.strip())
+    labels = tuple(v.strip() for v in items.split(",") if v.strip())
     if not labels:
         raise ValueError(f"--sweep {text!r}: no values")
     _, parse = SWEEP_AXES[axis]
-    return Sweep(axis, tuple(float(parse(v)) for v in labels), labels)
+    values = tuple(float(parse(v)) for v in labels)
+    for i, (label, value) in enumerate(zip(labels, values, strict=True)):
+        if axis in POSITIVE_SIZE_AXES and value <= 0:
+            raise ValueError(f"--sweep {text!r}: {axis} must be > 0 bytes, got {label!r}")
+        if value in values[:i]:
+            raise ValueError(f"--sweep {text!r}: {label!r} is {labels[values.index(value)]!r} again")
+    return Sweep(axis, values, labels)
 
 
 @dataclass

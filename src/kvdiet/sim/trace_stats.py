@@ -13,14 +13,15 @@ __all__ = ["hit_ratio_variants", "infinite_cache_hit_ratio", "trace_stats"]
 def infinite_cache_hit_ratio(trace: Trace) -> float:
     """Share of all ``hash_ids`` blocks found by contiguous-prefix matching in a cache that never forgets:
     each request hits its leading blocks up to the first one no earlier request had (chained ids make
-    "seen before" mean "same prefix"). Requests without ``hash_ids`` count their blocks as misses."""
+    "seen before" mean "same prefix"). Every request counts ``ceil(input_tokens / block_size)`` blocks: one
+    without ``hash_ids`` misses them all, and an agentic session's partial last block, which its file names
+    no id for (`kvdiet.sim.agentic`), is a miss, as a JSONL trace's is (`hit_ratio_variants`' ``blocks``)."""
     seen: set[int] = set()
     hits = total = 0
     for r in trace.requests:
+        total += -(-r.input_tokens // trace.block_size)
         if r.hash_ids is None:
-            total += -(-r.input_tokens // trace.block_size)
             continue
-        total += len(r.hash_ids)
         matching = True
         for h in r.hash_ids:
             if matching and h in seen:

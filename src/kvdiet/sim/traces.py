@@ -19,7 +19,8 @@ Both id conventions are read: one id per block, the partial last block included 
 one id per *full* block (``input_length // B``; the partial last block has none), decided per trace by its
 first request with a partial block; the reader gives each unnamed partial block a fresh id (never seen
 elsewhere in the trace, so it never hits), so every `TraceRequest` holds ``ceil`` ids. Lengths may be
-integral floats (``99266.0``); times must be finite.
+integral floats (``99266.0``); times must be finite, and are counted from the trace's first request
+(epoch timestamps too).
 
 A malformed line is reported with its line number: ``strict=True`` raises `TraceError` at the first one;
 otherwise it is skipped, counted in `Trace.errors`, and reading goes on — unless most lines are skipped,
@@ -37,6 +38,9 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from kvdiet.sim.chains import chain_ids
+from kvdiet.sim.trace_file import open_text
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -64,7 +68,8 @@ class TraceRequest:
         arrival_s: seconds since the trace's first request.
         input_tokens / output_tokens: prompt and output lengths (tokens).
         hash_ids: prefix-block ids (``ceil(input_tokens / block_size)`` of them; a partial last block the
-            trace left unnamed has a fresh id), or None (unique prompt).
+            trace left unnamed has a fresh id), or None (unique prompt); chained and >= 0 as the readers
+            return them (`kvdiet.sim.chains`).
         line: the line it came from (1-based; in a session file, the request's place in it).
         session / agent / kind: for traffic that carries them (agentic session files, `kvdiet.sim.agentic`;
             generic lines with those columns), the session's id, the agent that sent the request (``"main"``
@@ -111,23 +116,28 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
             a malformed line or a timestamp going backwards; more lines malformed than read (a summary of
             the first reasons with their line numbers).
         OSError: the file cannot be read.
+
+    A gzip file is read decompressed and a UTF-8 byte-order mark dropped (`kvdiet.sim.trace_file`).
     """
     path = Path(path)
     if format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; choose one of {', '.join(FORMATS)}")
-    if format == "auto":
-        format = _detect(path)
-    if format == "azure":
-        block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
-    else:
-        generic = format == "jsonl"
-        block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
-        items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
-    ids = _IdConvention(path, block_size)
-    requests, errors, late = _collect(path, map(ids.check, items), strict)
-    if requests and requests[0].arrival_s < 0:  # an Azure file whose first row is not its earliest
+    try:
+        format = _detect(path) if format == "auto" else format
+        if format == "azure":
+            block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
+        else:
+            generic = format == "jsonl"
+            block_size = _header_block_size(path) if generic else MOONCAKE_BLOCK_SIZE
+            items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
+        ids = _IdConvention(path, block_size)
+        requests, errors, late = _collect(path, map(ids.check, items), strict)
+    except EOFError:  # gzip's, read lazily: the stream stops before its end marker
+        raise TraceError(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
+    if requests and requests[0].arrival_s != 0:  # epoch times; an Azure file whose first row is not earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
-    return Trace(_name_partial_blocks(requests, block_size), block_size, errors, ids.full_only, late)
+    requests = chain_ids(_name_partial_blocks(requests, block_size))
+    return Trace(requests, block_size, errors, ids.full_only, late)
 
 
 # --- readers ---
@@ -140,9 +150,9 @@ def _detect(path: Path) -> str:
         TraceError: a first record that is a generic trace line without its header, an agentic session
             file, or an object with none of the fields of a known trace.
     """
-    if path.suffix.lower() == ".csv":
+    if path.name.lower().removesuffix(".gz").endswith(".csv"):
         return "azure"
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
@@ -176,7 +186,7 @@ def _header_block_size(path: Path) -> int:
         TraceError: no header line, another version than 1, or a block size that is not an integer >= 1.
     """
     expected = '{"format": "kvdiet-trace", "version": 1, "block_size": B}'
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         first = next((text for text in f if text.strip()), "")
     try:
         head = json.loads(first)
@@ -197,7 +207,7 @@ def _header_block_size(path: Path) -> int:
 
 
 def _lines(path: Path, *, skip_header: bool) -> Iterator[tuple[int, str]]:
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         lines = ((n, text) for n, text in enumerate(f, 1) if text.strip())
         if skip_header:
             next(lines, None)
@@ -240,16 +250,20 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
 
 
 def _azure(path: Path):
-    with path.open(encoding="utf-8", newline="") as f:
+    with open_text(path, newline="") as f:
         rows = csv.reader(f)
         header = next(rows, None)
         if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+            got = ",".join(header or [])  # shortened: a JSONL line read as CSV can be megabytes
+            shown = repr(got[:60]) + ("..." if len(got) > 60 else "")
             yield TraceError(
-                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {header}"
+                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {shown}"
             )
             return
         start = None
         for n, row in enumerate(rows, 2):
+            if not "".join(row).strip():  # a blank line, as the JSONL readers skip them
+                continue
             try:
                 if len(row) != 3:
                     raise ValueError(f"expected 3 fields, got {len(row)}")

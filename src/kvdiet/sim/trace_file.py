@@ -1,0 +1,33 @@
+"""Opening a trace file as text, as real trace dumps come: UTF-8 with or without a byte-order mark (what
+Windows tools and spreadsheets write first), gzip-compressed or not.
+
+A file whose first two bytes are gzip's magic number (``1f 8b``) is read decompressed, whatever its name. A
+byte that is not UTF-8 becomes U+FFFD: the reader then reports the line it is on as malformed (by number)
+and reads on, where a decoding error would have stopped the whole trace with no file or line named. This
+module knows nothing of trace formats (`kvdiet.sim.traces`, `kvdiet.sim.agentic`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+from pathlib import Path
+
+__all__ = ["GZIP_MAGIC", "open_text"]
+
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first two bytes of a gzip stream (RFC 1952 §2.3.1)."""
+
+
+def open_text(path: Path, *, newline: str | None = None) -> io.TextIOWrapper:
+    """``path`` opened for reading text: gzip decompressed when it starts with `GZIP_MAGIC`, decoded as UTF-8
+    with a leading byte-order mark dropped and undecodable bytes replaced by U+FFFD. The caller closes it
+    (a context manager). ``newline``: as `open`'s (``""`` for the csv module).
+
+    Raises:
+        OSError: the file cannot be read, or a gzip stream is corrupt (when read).
+    """
+    with path.open("rb") as f:
+        compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    raw = gzip.open(path, "rb") if compressed else path.open("rb")  # noqa: SIM115 (the wrapper owns it)
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline=newline)
