@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdiet.cache.spec import CacheSpec
 from kvdiet.cli import main
 from kvdiet.config import load_config
 from kvdiet.planner.report import PlanOptions, plan_report
@@ -66,7 +67,24 @@ def test_plan_json_real_v41(capsys, v41_path: Path) -> None:
     }
     assert policies["bounded-replay"]["amortised_bytes_per_token"] == 890.0
     assert policies["full-store"]["amortised_bytes_per_token"] == 890.0 + 40 * 528
-    assert policies["boundary-snapshot"]["amortised_bytes_per_token"] == pytest.approx(890 + 2_703_360 / 1024)
+    # a snapshot as the engine writes it at an even position (`CacheSpec.snapshot_bytes`): rings and their
+    # positions, the tails' counts (their open rows are empty), 3 Engram ids, the frame
+    snapshot = 2_703_360 + 40 * 128 * 8 + 3 * 8 + 3 * 8 + 16
+    assert policies["boundary-snapshot"]["amortised_bytes_per_token"] == pytest.approx(890 + snapshot / 1024)
+    assert policies["checkpoint:4096"]["amortised_bytes_per_token"] == pytest.approx(890 + snapshot / 4096)
+
+
+def test_planner_takes_each_boundary_snapshot_at_its_position() -> None:
+    """64 segments of 1,001 tokens: the ends at odd positions (1,001, 3,003, ...) hold each ratio-2 tail's open
+    row (2 × 512 fp32, kv and score), the even ones none; ``checkpoint:1001`` stores at the same positions."""
+    cfg = load_config("deepseek-v4.1-flash")
+    report = plan_report(cfg, PlanOptions(tokens_per_boundary=1001, checkpoint_every=1001))
+    policies = {row["policy"]: row for row in report["swa_policies"]}
+    even = 2_703_360 + 40 * 128 * 8 + 3 * 8 + 3 * 8 + 16
+    tokens = 64 * 1001
+    stored = CacheSpec.from_config(cfg).global_bytes(tokens) + 64 * even + 32 * 3 * 2 * 512 * 4
+    for name in ("boundary-snapshot", "checkpoint:1001"):
+        assert policies[name]["amortised_bytes_per_token"] == pytest.approx(stored / tokens, rel=1e-15), name
 
 
 def test_capacity_arithmetic(capsys) -> None:
@@ -107,9 +125,18 @@ def test_compare(capsys) -> None:
     tails = out["ratios"]["compressor_tail_bytes_per_request"]
     a_tail, b_tail = (out[k]["compressor_tail_bytes_per_request"] for k in "ab")
     assert b_tail == 12_206_080 and tails == pytest.approx(a_tail / b_tail)
-    # bounded-replay V4.1 vs boundary-snapshot V4 at 1024 tokens per boundary: ≈ 1/7.5
+    # bounded-replay V4.1 vs boundary-snapshot V4 at 1024 tokens per boundary: ≈ 1/8.5, a V4-Flash snapshot
+    # counted as the engine writes it at a multiple of 128 tokens (`CacheSpec.snapshot_bytes`, as the trace
+    # study counts it): 43 rings with int64 positions, 41 tails' counts, the 21 CSA layers' last complete
+    # windows (4 rows of kv and score, 2 × (512 + 128) fp32 wide) and the frame
+    snapshot = 43 * 128 * (584 + 8) + 41 * 8 + 21 * 2 * 4 * 2 * (512 + 128) * 4 + 16
+    assert snapshot == 4_118_872
     r = out["ratios"]["persistent_bounded_replay_vs_boundary_snapshot"]
-    assert r == pytest.approx(890 / (3514.25 + 43 * 128 * 584 / 1024))
+    assert r == pytest.approx(890 / (3514.25 + snapshot / 1024))
+    assert round(r, 3) == 0.118
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"| persistent, V4.1 bounded-replay vs V4 boundary-snapshot | {r:.3f} (" in readme
+    assert f"the planner gives {r:.3f}" in readme  # the study's section
 
 
 def test_compare_text_states_its_capacity_assumptions(capsys, monkeypatch) -> None:

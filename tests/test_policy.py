@@ -33,13 +33,37 @@ def test_parse() -> None:
 
 
 def test_persistent_bytes(spec: CacheSpec) -> None:
+    """A persisted snapshot counts what the engine writes (`CacheSpec.snapshot_bytes`): V4.1-Flash's rings
+    (2,703,360 B) with their int64 positions (40 × 128 × 8), its three ratio-2 tails (two u32 counts each, plus
+    the open row at an odd position: 2 × 512 × 4 B), 3 Engram ids and the 16-byte frame."""
     n = 10_000
     glob = spec.global_bytes(n)
-    assert parse_policy("bounded-replay").persistent_bytes(spec, n, boundaries=3) == glob
-    assert parse_policy("exact-recompute").persistent_bytes(spec, n, boundaries=3) == glob
-    assert parse_policy("boundary-snapshot").persistent_bytes(spec, n, boundaries=3) == glob + 3 * 2_703_360
-    assert parse_policy("full-store").persistent_bytes(spec, n, boundaries=3) == glob + n * 40 * 528
-    assert parse_policy("checkpoint:4096").persistent_bytes(spec, n, boundaries=3) == glob + 2 * 2_703_360
+    even = 2_703_360 + 40 * 128 * 8 + 3 * 8 + 3 * 8 + 16
+    assert spec.snapshot_bytes(4096) == spec.snapshot_bytes(1000) == even == 2_744_384
+    assert spec.snapshot_bytes(1001) == even + 3 * 2 * 512 * 4
+    ends = (1000, 1001, 4096)
+    assert parse_policy("bounded-replay").persistent_bytes(spec, n, boundaries=ends) == glob
+    assert parse_policy("exact-recompute").persistent_bytes(spec, n, boundaries=ends) == glob
+    snaps = 3 * even + 3 * 2 * 512 * 4  # each end at its own position
+    assert parse_policy("boundary-snapshot").persistent_bytes(spec, n, boundaries=ends) == glob + snaps
+    assert parse_policy("full-store").persistent_bytes(spec, n, boundaries=ends) == glob + n * 40 * 528
+    assert parse_policy("checkpoint:4096").persistent_bytes(spec, n, boundaries=ends) == glob + 2 * even
+    four_095 = parse_policy("checkpoint:4095")  # at 4095 (odd: the open rows) and 8190
+    assert four_095.persistent_bytes(spec, n, boundaries=ends) == glob + 2 * even + 3 * 2 * 512 * 4
+
+
+def test_snapshot_sums_over_a_range_equal_the_term_by_term_sum() -> None:
+    """`CacheSpec.snapshots_bytes` sums a range over one cycle of residues: the same as snapshot by snapshot,
+    for strides sharing any factor with V4-Flash's 128-token period, offsets, partial cycles and lists."""
+    v4 = CacheSpec.from_config(load_config("deepseek-v4-flash"))
+    for positions in (range(1, 1000), range(64, 5000, 64), range(7, 3001, 13), range(1024, 65537, 1024)):
+        assert v4.snapshots_bytes(positions) == sum(map(v4.snapshot_bytes, positions)), positions
+    assert v4.snapshots_bytes(range(0, 300, 100)) == sum(map(v4.snapshot_bytes, (0, 100, 200)))
+    assert v4.snapshots_bytes([128, 64, 64]) == v4.snapshot_bytes(128) + 2 * v4.snapshot_bytes(64)
+    assert v4.snapshots_bytes(range(0)) == 0
+    big = range(1, 10**9 + 1)  # checkpoint:1 over a billion tokens, summed without a billion calls
+    cycle, rest = sum(map(v4.snapshot_bytes, range(1, 129))), range(1, 10**9 % 128 + 1)
+    assert v4.snapshots_bytes(big) == (10**9 // 128) * cycle + sum(map(v4.snapshot_bytes, rest))
 
 
 def test_recompute_tokens(spec: CacheSpec) -> None:

@@ -1,5 +1,6 @@
-"""The byte accounting's window snapshot (`CacheSpec.snapshot_bytes`, what the trace study stores) against
-the bytes the model's snapshot writer produces, V4.1 and V4-Flash, at positions across every tail's cycle."""
+"""The byte accounting's window snapshot (`CacheSpec.snapshot_bytes`, what the trace study stores and what the
+planner's snapshot policies persist) against the bytes the model's snapshot writer produces, V4.1 and V4-Flash,
+at positions across every tail's cycle."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from kvdiet.cache.policies import BoundarySnapshot, Checkpoint
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import load_config
 from kvdiet.model.snapshot import snapshot_bytes
@@ -15,7 +17,7 @@ from kvdiet.model.transformer import Transformer
 from kvdiet.model.v4 import V4Transformer
 from v4_helpers import tiny_v4_config
 
-POSITIONS = (1, 2, 3, 5, 8, 9, 63, 64, 65, 127, 128, 129, 130, 200, 256, 290)
+POSITIONS = (1, 2, 3, 5, 8, 9, 63, 64, 65, 127, 128, 129, 130, 192, 200, 256, 290)
 
 
 def _written(state, fingerprint: bytes = b"kvdiet") -> tuple[int, int]:
@@ -42,15 +44,24 @@ def test_spec_snapshot_bytes_are_what_the_model_writes(name) -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (positions[-1],), generator=gen).tolist()
     state, done = model.new_state(), 0
-    seen = set()
+    written = {}
     for pos in positions:
         model.prefill(state, ids[done:pos])
         done = pos
         total, payload = _written(state)
         assert payload == spec.snapshot_bytes(pos) == sizes(pos), pos
         assert total - payload < 1024  # the JSON header, not counted
-        seen.add(payload)
-    assert len(seen) > 1  # the rows the tails hold change with the position
+        # the planner's per-snapshot bytes: one boundary, one checkpoint, at this position
+        assert BoundarySnapshot().persistent_window_bytes(spec, pos, boundaries=[pos]) == payload, pos
+        assert Checkpoint(pos).persistent_window_bytes(spec, pos, boundaries=()) == payload, pos
+        written[pos] = payload
+    assert len(set(written.values())) > 1  # the rows the tails hold change with the position
+    # a session's snapshots, each at its own position
+    end = positions[-1]
+    session = BoundarySnapshot().persistent_window_bytes(spec, end, boundaries=positions)
+    assert session == sum(written.values())
+    every = [p for p in (64, 128, 192, 256) if p <= end]
+    assert Checkpoint(64).persistent_window_bytes(spec, end, boundaries=()) == sum(written[p] for p in every)
     if name == "v4-tiny":  # a CSA layer's last complete window is kept at a block boundary
         assert spec.snapshot_bytes(256) > spec.snapshot_bytes(0) + 8 * len(spec.tails)
 

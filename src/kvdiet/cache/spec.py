@@ -17,7 +17,7 @@ Kinds (v41-spec §5, §3):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvdiet.config import DenseConfig, ModelConfig
@@ -295,9 +295,29 @@ class CacheSpec:
         From the first token on, a snapshot's size depends only on the position modulo the least common
         multiple of the tails' ratios.
         """
-        period = math.lcm(*(t.rows // 2 if t.overlap else t.rows for t in self.tails))
+        period = self.snapshot_period
         table = [self.snapshot_bytes(period + r) for r in range(period)]
         return lambda n: table[n % period] if n > 0 else self.snapshot_bytes(0)
+
+    @property
+    def snapshot_period(self) -> int:
+        """Tokens after which `snapshot_bytes` repeats from the first token on: the least common multiple of
+        the tails' ratios (V4.1-Flash 2, V4-Flash 128; 1 without tails)."""
+        return math.lcm(*(t.rows // 2 if t.overlap else t.rows for t in self.tails))
+
+    def snapshots_bytes(self, positions: Sequence[int]) -> int:
+        """Σ `snapshot_bytes` over ``positions`` (tokens): one snapshot at each, as a policy persists them.
+
+        A ``range`` of positive positions is summed over one cycle of its residues modulo `snapshot_period`
+        (the same sum, in time independent of its length: ``checkpoint:1`` over a million tokens); anything
+        else term by term.
+        """
+        if not isinstance(positions, range) or not positions or min(positions) <= 0:
+            return sum(map(self.snapshot_bytes, positions))
+        cycle = self.snapshot_period // math.gcd(positions.step, self.snapshot_period)
+        whole, rest = divmod(len(positions), cycle)
+        head = [self.snapshot_bytes(p) for p in positions[:cycle]]
+        return whole * sum(head) + sum(head[:rest])
 
     @property
     def window_entry_bytes_per_token(self) -> int:

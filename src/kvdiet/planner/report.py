@@ -231,9 +231,10 @@ def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
         "exact-recompute",
     ):
         policy = parse_policy(text)
-        # Amortise over a long session made of 64 segments of `tokens_per_boundary` tokens.
+        # Amortise over a long session made of 64 segments of `tokens_per_boundary` tokens, a prompt/output
+        # end after each: snapshots at n, 2n, ..., 64n, each at its position's bytes.
         tokens = 64 * n
-        stored = policy.persistent_bytes(spec, tokens, boundaries=64)
+        stored = policy.persistent_bytes(spec, tokens, boundaries=range(n, tokens + 1, n))
         rows.append(
             {
                 "policy": str(policy),

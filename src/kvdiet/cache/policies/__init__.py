@@ -13,8 +13,10 @@ registry: it maps a ``--swa-policy`` name to its class and nothing else; nothing
 | ``checkpoint:K`` | one window snapshot every K tokens | restore latest checkpoint ≤ H, recompute from it |
 | ``exact-recompute`` | nothing | recompute the whole dependency window |
 
-Snapshot bytes here are the window rings (what DeepSeek and vLLM call the SWA cache); compressor-tail
-rows are reported separately by `kvdiet.cache.spec.CacheSpec.tail_bytes_per_request`.
+A persisted snapshot counts the bytes the engine writes at its position (`SwaPolicy.persistent_window_bytes`
+over `SwaPolicy.persisted_snapshots`, each `kvdiet.cache.spec.CacheSpec.snapshot_bytes`): the window rings
+(what DeepSeek and vLLM call the SWA cache) with their positions, the compressor tails' held rows, the Engram
+history and the frame — what the trace study counts too.
 """
 
 from __future__ import annotations

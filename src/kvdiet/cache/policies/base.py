@@ -8,7 +8,7 @@ driven by `kvdiet.cache.control.ControlPlane` from these answers for the engine 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from kvdiet.cache.plan import COLD, RestorePlan, WindowSource, exact_recompute_start
@@ -104,14 +104,20 @@ class SwaPolicy:
             return RestorePlan(h, h, self.store, h)
         return recompute_plan(h, window, num_layers, align)
 
-    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
-        """Window bytes kept in the persistent tier for a session of ``num_tokens`` tokens with
-        ``boundaries`` prompt/output ends (the default: none)."""
-        return 0
+    def persisted_snapshots(self, num_tokens: int, *, boundaries: Sequence[int]) -> Sequence[int]:
+        """Positions (tokens) of the window snapshots kept in the persistent tier for a session of
+        ``num_tokens`` tokens whose prompt/output ends are at ``boundaries`` (the default: none)."""
+        return ()
 
-    def persistent_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
-        """Bytes kept in the persistent tier for a session of ``num_tokens`` tokens with ``boundaries``
-        prompt/output ends (global KV plus what the policy keeps of the window)."""
+    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: Sequence[int]) -> int:
+        """Window bytes kept in the persistent tier for a session of ``num_tokens`` tokens whose prompt/output
+        ends are at ``boundaries`` (tokens): each snapshot of `persisted_snapshots` at the bytes the engine
+        writes at its position (`CacheSpec.snapshots_bytes`, what the trace study counts too)."""
+        return spec.snapshots_bytes(self.persisted_snapshots(num_tokens, boundaries=boundaries))
+
+    def persistent_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: Sequence[int]) -> int:
+        """Bytes kept in the persistent tier for a session of ``num_tokens`` tokens whose prompt/output ends
+        are at ``boundaries`` (tokens): global KV plus what the policy keeps of the window."""
         return spec.global_bytes(num_tokens) + self.persistent_window_bytes(
             spec, num_tokens, boundaries=boundaries
         )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies.base import BoundaryCapture
-from kvdiet.cache.spec import CacheSpec
 
 __all__ = ["BoundarySnapshot"]
 
@@ -16,8 +17,8 @@ class BoundarySnapshot(BoundaryCapture):
     name = "boundary-snapshot"
     store = WindowSource.PERSISTENT
 
-    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
-        return boundaries * spec.window_bytes_per_request
+    def persisted_snapshots(self, num_tokens: int, *, boundaries: Sequence[int]) -> Sequence[int]:
+        return boundaries
 
     def worst_recompute(self, window: int, num_layers: int) -> int:
         return 0

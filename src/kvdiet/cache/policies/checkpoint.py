@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from kvdiet.cache.plan import COLD, RestorePlan, WindowSource, exact_recompute_start
 from kvdiet.cache.policies.base import Capture, SwaPolicy, recompute_plan
-from kvdiet.cache.spec import CacheSpec
 
 __all__ = ["Checkpoint"]
 
@@ -66,8 +65,8 @@ class Checkpoint(SwaPolicy):
             return RestorePlan(h, c, WindowSource.PERSISTENT, c)
         return recompute_plan(h, window, num_layers, align)  # replaying from the later start costs less
 
-    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
-        return (num_tokens // self.checkpoint_every) * spec.window_bytes_per_request
+    def persisted_snapshots(self, num_tokens: int, *, boundaries: Sequence[int]) -> Sequence[int]:
+        return self.checkpoints(num_tokens)
 
     def worst_recompute(self, window: int, num_layers: int) -> int:
         return min(self.checkpoint_every - 1, SwaPolicy.worst_recompute(self, window, num_layers))

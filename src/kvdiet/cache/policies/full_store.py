@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies.base import SwaPolicy
 from kvdiet.cache.spec import CacheSpec
@@ -18,7 +20,7 @@ class FullStore(SwaPolicy):
     store = WindowSource.WINDOW_BLOCKS
     decoder_replay = False
 
-    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: int) -> int:
+    def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: Sequence[int]) -> int:
         return num_tokens * spec.window_entry_bytes_per_token
 
     def worst_recompute(self, window: int, num_layers: int) -> int:
