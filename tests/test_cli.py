@@ -73,6 +73,21 @@ def test_a_negative_value_gets_the_flags_own_error(capsys, argv: list[str], mess
     assert message in err and "expected one argument" not in err and err.count("\n") == 1
 
 
+def test_a_ttl_flag_takes_its_unit_in_any_case_but_refuses_a_capital_m(capsys) -> None:
+    """``--persistent-ttl 72H`` is 72 hours, as ``--kv-cache-memory 8gb`` is 8 GB; ``72M`` (minutes or
+    months?) is refused by the flag, in one line, before anything runs."""
+    from kvdiet.cache.options import CacheOptions
+
+    opts = CacheOptions(persistent_ttl_s="72H", swa_pool_ttl_s="5MIN", global_pool_ttl_s="1D")
+    ttls = (opts.persistent_ttl_s, opts.swa_pool_ttl_s, opts.global_pool_ttl_s)
+    assert ttls == (259_200.0, 300.0, 86_400.0)
+    base = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir", "none"]
+    assert main([*base, "--persistent-ttl", "72M"]) == 2
+    err = capsys.readouterr().err
+    assert "--persistent-ttl: duration '72M': 'M' is ambiguous (minutes or months?)" in err
+    assert err.count("\n") == 1
+
+
 def test_every_flag_has_help() -> None:
     for name, parser in _all_parsers().items():
         for action in parser._actions:

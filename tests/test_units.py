@@ -42,6 +42,27 @@ def test_format_tokens_counts_one_token_as_one() -> None:
     ]
 
 
+def test_durations_are_case_insensitive_but_a_capital_m_is_refused() -> None:
+    """Units in any case, as byte sizes take them (``8gb``); a bare ``M`` could be months as well as minutes, so
+    it is refused with a message naming the minute units rather than taken as 60 s."""
+    from kvdiet.units import parse_bytes, parse_duration
+
+    assert parse_bytes("8gb") == parse_bytes("8GB") == 8 * 10**9
+    same = {
+        259_200.0: ("72h", "72H", "3d", "3D", "4320m", "4320min", "4320MIN", "4320Min"),
+        0.25: ("250ms", "250MS", "250Ms", "250mS", "0.25s", "0.25S"),
+        300.0: ("5m", "5 min", "300S", "300"),
+    }
+    for seconds, texts in same.items():
+        assert [parse_duration(t) for t in texts] == [seconds] * len(texts), texts
+    for text in ("1M", "5 M", " 72M "):
+        with pytest.raises(ValueError, match=r"'M' is ambiguous \(minutes or months\?\); write 'm' or 'min'"):
+            parse_duration(text)
+    for text in ("5mo", "5MO", "1y", "1W", "INF", "inf", "5x"):
+        with pytest.raises(ValueError, match="cannot parse duration"):
+            parse_duration(text)
+
+
 def test_format_duration_uses_human_units() -> None:
     from kvdiet.units import format_duration
 

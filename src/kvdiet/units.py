@@ -2,7 +2,8 @@
 
 SI suffixes are decimal (``128K`` = 128,000 tokens, ``1GB`` = 10⁹ bytes); ``Ki``/``Mi``/``Gi`` suffixes
 are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prints bytes in decimal units
-(GB = 10⁹ B), as GPU memory is quoted (H200 141 GB).
+(GB = 10⁹ B), as GPU memory is quoted (H200 141 GB). Suffixes and duration units take any case, except a
+duration's bare ``M`` (minutes or months?), which is refused.
 """
 
 from __future__ import annotations
@@ -119,14 +120,24 @@ _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 8640
 def parse_duration(text: str | float) -> float:
     """Parse a duration such as ``72h``, ``5m``, ``30s``, ``250ms``, ``1.5d`` or ``90`` (seconds) → seconds.
 
+    Units are case-insensitive (``72H``, ``5MIN``, ``250MS``, ``1D``), as byte sizes are, with one exception: a
+    bare capital ``M`` is refused, since it reads as months (ISO 8601's ``P1M``) as easily as minutes, and a
+    month's TTL taken as a minute would be wrong silently; ``m`` and ``min`` (any case) are minutes. kvdiet has
+    no month unit.
+
     Raises:
-        ValueError: not a positive number with an optional unit (ms, s, m/min, h, d).
+        ValueError: not a positive finite number with an optional unit (ms, s, m/min, h, d), or the
+            ambiguous ``M``.
     """
     raw = str(text).strip()
-    num = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    num = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = raw[len(num) :] or "s"
+    if unit == "M":
+        raise ValueError(
+            f"duration {raw!r}: 'M' is ambiguous (minutes or months?); write 'm' or 'min' for minutes"
+        )
     try:
-        value = float(num) * _SECONDS[unit]
+        value = float(num) * _SECONDS[unit.lower()]
     except (KeyError, ValueError):
         raise ValueError(f"cannot parse duration {raw!r} (examples: 72h, 5m, 30s, 250ms, 90)") from None
     if not value > 0 or value == float("inf"):
