@@ -1,8 +1,9 @@
 """The decode step's compiled gather of selected FP4 main-KV entries (``fp4.gather_main_kv``, ``gather_kernels.cpp``)
 against its pure-torch twin (`BatchTables.gather` with ``KVDIET_NATIVE_KERNELS=0``: slots, index_select, decode)
 and against its definition, bit for bit: every code under the scale bytes at both ends of the range, repeated and
-block-edge entries, counts of 0, partial, full and past K, strided pool rows, 1 and 2 threads; the input it
-declines (the torch path then raises or defers the error); a bad stored scale byte deferred as the torch path does.
+block-edge entries, counts of 0, partial, full and past K, strided pool rows, 1 and 2 threads, the AVX2 and
+scalar builds (`check_gather`, run by test_formats_native's build test: slow); the input it declines (the torch
+path then raises or defers the error); a bad stored scale byte deferred as the torch path does.
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def test_gather_equals_its_definition_and_the_torch_path(both, threads, batch, k
     for got in (compiled, pure):
         assert got.shape == (batch, k, DIM) and torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert bool(want[0].abs().max() > 0) == bool(counts[0])  # not a zero result passing for a gather
+
+
+def check_gather() -> None:
+    """The compiled gather against its definition at B = 1 and 3, full and partial counts (every code read); run in
+    the AVX2 and scalar builds too (``test_formats_native.test_fp8_decode_and_window_read_of_other_isa_builds``)."""
+    for batch, k, counts in ((1, 40, [40]), (3, 24, [24, 0, 9])):
+        rows, table, idx = _inputs(batch, k)
+        got = fp4.gather_main_kv(rows, table, idx, counts, PER_BLOCK)
+        assert got is not None
+        assert torch.equal(got.view(torch.int32), _definition(rows, table, idx, counts).view(torch.int32))
 
 
 def test_gather_reads_strided_pool_rows() -> None:
