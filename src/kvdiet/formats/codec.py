@@ -26,13 +26,16 @@ from kvdiet.formats.layout import (
 from kvdiet.formats.scales import PendingCheck
 from kvdiet.setting_error import SettingError
 
-__all__ = ["CacheCodecs", "Codec", "WindowRead", "exact_codec", "packed_codec"]
+__all__ = ["CacheCodecs", "Codec", "FusedGather", "WindowRead", "exact_codec", "packed_codec"]
 
 WindowRead = Callable[
     [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor] | None,
 ]
 """A fused `Codec.read_window`: ``(kv, rings, slots, held)`` → its result, or None to run the torch path."""
+FusedGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int], torch.Tensor | None]
+"""A decode step's read of selected entries through block tables in one call, ``(rows, table, idx, counts,
+per_block)`` → the decoded entries, or None to run the torch path (``fp4.gather_main_kv``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class Codec:
         decode: rows ``[..., width]`` → fp32 ``[..., dim]``.
         fused_read: `read_window` in one call (``fp8.read_window``), or None where it returns None (then, and
             for codecs without one, `read_window` runs ``encode`` / ``decode`` and torch ops).
+        fused_gather: a decode step's gather and ``decode`` of selected rows in one call (`FusedGather`,
+            ``fp4.gather_main_kv``), or None (then, and where it returns None, `BatchTables.gather` runs torch ops).
         defers: ``encode`` and ``decode`` take ``pending=``, a list to append their value checks to as
             `PendingCheck` instead of reading them (the packed codecs of `CacheCodecs.for_dims`:
             ``fp8.encode_window``, ``fp4.encode_main_kv``, ``mxfp4.encode_index_key`` and their decodes);
@@ -61,6 +66,7 @@ class Codec:
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
     fused_read: WindowRead | None = None
+    fused_gather: FusedGather | None = None
     defers: bool = False
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,10 +183,12 @@ def packed_codec(
     suffix: str,
     *,
     fused_read: WindowRead | None = None,
+    fused_gather: FusedGather | None = None,
     defers: bool = False,
 ) -> Codec:
     """The packed codec of ``fmt``, from ``module``'s fused ``encode_{suffix}`` / ``decode_{suffix}`` (and
-    ``fused_read``, `Codec.read_window` in one call; ``defers``: they take ``pending=``, `Codec.defers`)."""
+    ``fused_read``, `Codec.read_window` in one call; ``fused_gather``, `Codec.fused_gather`; ``defers``: they take
+    ``pending=``, `Codec.defers`)."""
     return Codec(
         fmt.name,
         fmt.dim,
@@ -189,6 +197,7 @@ def packed_codec(
         getattr(module, f"encode_{suffix}"),
         getattr(module, f"decode_{suffix}"),
         fused_read=fused_read,
+        fused_gather=fused_gather,
         defers=defers,
     )
 
@@ -219,7 +228,9 @@ class CacheCodecs:
         if exact:
             return cls(exact_codec(head_dim), exact_codec(index_head_dim), exact_codec(head_dim))
         return cls(
-            packed_codec(main_kv_format(head_dim), fp4, "main_kv", defers=True),
+            packed_codec(
+                main_kv_format(head_dim), fp4, "main_kv", fused_gather=fp4.gather_main_kv, defers=True
+            ),
             packed_codec(index_key_format(index_head_dim), mxfp4, "index_key", defers=True),
             packed_codec(window_format(head_dim), fp8, "window", fused_read=fp8.read_window, defers=True),
         )

@@ -69,6 +69,7 @@ __all__ = [
     "dequantize_main_kv",
     "encode_main_kv",
     "fake_quant_main_kv",
+    "gather_main_kv",
     "pack_main_kv",
     "quantize_main_kv",
     "unpack_main_kv",
@@ -309,6 +310,39 @@ def decode_main_kv(
     """Fused unpack + dequantise (the cache read): entries → ``[..., dim]`` in ``dtype`` (``pending``:
     `decode_fp4`)."""
     return decode_fp4(packed, recipe=MAIN_KV, dtype=dtype, pending=pending)
+
+
+def gather_main_kv(
+    rows: Tensor, table: Tensor, idx: Tensor, counts: list[int], per_block: int
+) -> Tensor | None:
+    """A decode step's read of its selected main-KV entries through the block tables, in one compiled call
+    (``gather_kernels.cpp``), or None where the torch path runs (`BatchTables.gather`).
+
+    Request b's entry ``idx[b, j]`` (j < ``counts[b]``; e = ``idx[b, j]``) is pool row ``table[b, e //
+    per_block]·per_block + e % per_block`` of ``rows``; the result, fp32 ``[B, K, dim]``, holds
+    ``decode_main_kv`` of that row (the same bits), and +0 for j ≥ ``counts[b]``.
+
+    Args:
+        rows: uint8 [N, 9·dim/16], a layer's pool rows (row stride free, unit element stride).
+        table: int64 [B, T] contiguous, each request's block ids (`BatchTables.table`).
+        idx: int64 [B, K] contiguous, each request's entries; only the first ``counts[b]`` are read.
+        counts: B ints, how many of ``idx[b]`` request b reads (at most K are).
+        per_block: entries per block of the layer (`DevicePool.entries_per_block`).
+
+    None (nothing raised) when the kernels are not built (``native``) or the input is not what the kernel takes:
+    another dtype, device or layout, an entry whose block lies outside its table or whose row lies outside
+    ``rows``, a read entry with a scale byte outside ``MAIN_KV.scale_bytes``; the torch path then gives the same
+    result or raises (or defers) the error.
+    """
+    kernels = native.fp4_kernels()
+    if kernels is None or rows.dim() != 2 or idx.dim() != 2 or not (rows.is_cpu and idx.is_cpu):
+        return None
+    dim = rows.shape[1] * 16 // 9
+    out = torch.empty(*idx.shape, dim, dtype=torch.float32)
+    lo, hi = MAIN_KV.scale_bytes
+    if kernels.gather_fp4(rows, table, idx, counts, per_block, MAIN_KV.kernel, lo, hi, out):
+        return out
+    return None
 
 
 def fake_quant_main_kv(x: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:

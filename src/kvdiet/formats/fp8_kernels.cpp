@@ -199,6 +199,7 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_fp4", &encode_fp4, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp4", &decode_fp4, py::call_guard<py::gil_scoped_release>());
+  m.def("gather_fp4", &gather_fp4, py::call_guard<py::gil_scoped_release>());
   m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
   m.def("index_integer_path", &index_integer_path);
   m.def("index_integer_groups", &index_integer_groups);

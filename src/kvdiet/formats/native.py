@@ -1,7 +1,7 @@
-"""Compiled block codecs: ``fp4_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``, ``gemv_kernels.cpp``,
-``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``chain_kernels.cpp``, ``hc_kernels.cpp``,
-``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``, ``softmax_kernels.cpp`` then
-``fp8_kernels.cpp`` (one module), built once per machine at first use.
+"""Compiled block codecs: ``fp4_kernels.cpp``, ``gather_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``,
+``gemv_kernels.cpp``, ``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``chain_kernels.cpp``,
+``hc_kernels.cpp``, ``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``,
+``softmax_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -25,8 +25,9 @@ scores, called by `kvdiet.model.selection`, and ``row_products``, the decode row
 called by `kvdiet.model.gemv`, ``expert_rows``, a decode step's SwiGLU experts in one call, called by
 `kvdiet.model.moe`, ``rms_norm`` / ``rope_rotate``, RMSNorm and RoPE of decode rows with the torch formulas'
 bits, called by `kvdiet.model.layers`, ``attend_rows``, a decode step's attention of one layer in one call in a
-fixed order, called by `kvdiet.model.decode_attend`, and ``read_fp8_window``, a decode step's window read,
-called by `kvdiet.formats.fp8.read_window`.
+fixed order, called by `kvdiet.model.decode_attend`, ``read_fp8_window``, a decode step's window read, called by
+`kvdiet.formats.fp8.read_window`, and ``gather_fp4``, a decode step's read of its selected FP4 entries through the
+block tables, called by `kvdiet.formats.fp4.gather_main_kv`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "fp4_kernels.cpp",
+        "gather_kernels.cpp",
         "index_kernels.cpp",
         "topk_kernels.cpp",
         "gemv_kernels.cpp",
@@ -78,10 +80,10 @@ _log = logging.getLogger(__name__)
 
 
 def fp4_kernels() -> ModuleType | None:
-    """The built kernels (``encode_fp4``, ``decode_fp4``, ``index_scores`` with ``index_integer_path`` and
-    ``index_integer_groups`` (whether its integer path runs on this CPU, and how often it ran), ``select_topk``,
-    ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``, ``rms_norm``,
-    ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
+    """The built kernels (``encode_fp4``, ``decode_fp4``, ``gather_fp4``, ``index_scores`` with
+    ``index_integer_path`` and ``index_integer_groups`` (whether its integer path runs on this CPU, and how often it
+    ran), ``select_topk``, ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``,
+    ``rms_norm``, ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
     ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
     ``attend_rows``, ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads
     they run on), or None for the pure-torch path.

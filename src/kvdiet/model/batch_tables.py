@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdiet.formats.codec import Codec
+from kvdiet.formats.scales import PendingCheck
 from kvdiet.model.attention import Segment
 from kvdiet.model.index_scores import StoredKeys
 from kvdiet.model.paged_pool import DevicePool
@@ -64,3 +66,42 @@ class BatchTables:
         """int64 [B]: request b's entry j of ``layer`` is entry ``offsets[b] + j`` of `keys`."""
         b, width = self.table.shape
         return torch.arange(b, device=self.table.device) * (width * self.pools[0].entries_per_block(layer))
+
+    def gather(
+        self, layer: int, idx: torch.Tensor, counts: list[int], codec: Codec, pending: list[PendingCheck]
+    ) -> torch.Tensor:
+        """Request b's main-KV entries ``idx[b, :counts[b]]`` of ``layer`` (int64 [B, K], each of those in [0,
+        held)), decoded by ``codec``: fp32 [B, K, dim], zeros past ``counts[b]`` (host ints: no host read).
+
+        One compiled call where the codec has one and the requests share a pool (`Codec.fused_gather`); else the
+        rows' slots, one ``index_select`` (per request when their pools differ) and one decode, whose stored
+        bytes' check joins ``pending`` (`Codec.decode_deferred`; the fused call's failing input runs this path).
+        When every count is K (one request, or all past ``index_topk`` entries) the decoded rows are the
+        result, with no zero-fill and scatter.
+        """
+        b, width = idx.shape
+        counts = [min(k, width) for k in counts]
+        full = all(k == width for k in counts)
+        if not full and not any(counts):
+            return torch.zeros(b, width, codec.dim, device=idx.device)
+        if self.shared is not None and codec.fused_gather is not None:
+            per_block = self.shared.entries_per_block(layer)
+            out = codec.fused_gather(self.shared.rows(layer, "main"), self.table, idx, counts, per_block)
+            if out is not None:
+                return out
+        at = None  # the flat positions of each request's own columns, from host ints (no host read)
+        if not full:
+            ranges = [torch.arange(i * width, i * width + k) for i, k in enumerate(counts)]
+            at = torch.cat(ranges).to(idx.device)
+        slots = self.slots(layer, idx)
+        if self.shared is not None:
+            flat = slots.flatten() if at is None else slots.flatten().index_select(0, at)
+            raw = self.shared.rows(layer, "main").index_select(0, flat)
+        else:
+            rows = [p.rows(layer, "main") for p in self.pools]
+            raw = torch.cat([r.index_select(0, slots[i, : counts[i]]) for i, r in enumerate(rows)])
+        if at is None:
+            return codec.decode_deferred(raw, pending).view(b, width, codec.dim)
+        out = torch.zeros(b * width, codec.dim, device=idx.device)
+        out[at] = codec.decode_deferred(raw, pending)
+        return out.view(b, width, codec.dim)

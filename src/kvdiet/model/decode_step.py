@@ -364,37 +364,11 @@ def _visible(
 
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's selected main-KV entries of ``kv_src``, decoded together: ``(fp32 [B, K, D], valid)``
-    (zeros past a request's own k, where the top-k is invalid). When every request's k is K (one request, or
-    all past ``index_topk`` entries) the decoded rows are the result, with no zero-fill and scatter."""
-    info, codec = attn.info, attn.codecs.main
+    """Each request's selected main-KV entries of ``kv_src``, decoded together (`BatchTables.gather`): ``(fp32
+    [B, K, D], valid)`` (zeros past a request's own k, where the top-k is invalid); the stored bytes' check joins
+    the step's pending ones (run before any write)."""
+    info = attn.info
     idx, valid = plan.topk[info.idx_src]
-    b, width, dev = *idx.shape, idx.device
-    stores = [seg.state.main[info.kv_src] for seg in segs]
-    ks = [min(attn.index_topk, len(s)) for s in stores]  # request b's own top-k: its first ks[b] columns
-    full = all(k == width for k in ks)
-    if not full and not any(ks):
-        return torch.zeros(b, width, codec.dim, device=dev), valid
-    # the flat positions of each request's own columns, from host ints (no host read)
-    at = None
-    if not full:
-        at = torch.cat([torch.arange(i * width, i * width + min(k, width)) for i, k in enumerate(ks)]).to(dev)
-    slots = plan.tables.slots(info.kv_src, idx)
-    if plan.tables.shared is not None:
-        flat = slots.flatten()
-        raw = plan.tables.shared.rows(info.kv_src, "main").index_select(
-            0, flat if at is None else flat.index_select(0, at)
-        )
-    else:
-        raw = torch.cat(
-            [
-                p.rows(info.kv_src, "main").index_select(0, slots[i, : ks[i]])
-                for i, p in enumerate(plan.tables.pools)
-            ]
-        )
-    # the stored bytes' check joins the step's pending ones (run before any write)
-    if at is None:
-        return codec.decode_deferred(raw, plan.pending).view(b, width, codec.dim), valid
-    out = torch.zeros(b * width, codec.dim, device=dev)
-    out[at] = codec.decode_deferred(raw, plan.pending)
-    return out.view(b, width, codec.dim), valid
+    # request b's own top-k: its first ks[b] columns
+    ks = [min(attn.index_topk, len(seg.state.main[info.kv_src])) for seg in segs]
+    return plan.tables.gather(info.kv_src, idx, ks, attn.codecs.main, plan.pending), valid
