@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiet.engine.chat_template import render_chat
+from kvdiet.engine.chat_template import chat_thinking, render_chat
+from kvdiet.engine.prepared import InvalidRequestError
 from kvdiet.tokenizer import Tokenizer
 
 
@@ -47,3 +48,14 @@ def test_special_tokens_encode_to_single_ids() -> None:
 def test_bad_conversations_are_rejected(messages, message) -> None:
     with pytest.raises(ValueError, match=message):
         render_chat(messages)
+
+
+def test_chat_template_kwargs_take_only_a_mapping_with_a_boolean_thinking() -> None:
+    """From `LLM.chat` any Python value comes: one that is no mapping is the same one-line refusal (``"yes"``
+    was dict()'s 'dictionary update sequence' ValueError, ``True`` a TypeError, a list of pairs taken)."""
+    assert chat_thinking(None) is False and chat_thinking({}) is False
+    assert chat_thinking({"thinking": True}) is True
+    for bad in ("yes", True, 1, [("thinking", True)], {"thinking": "yes"}, {"thinking": True, "x": 1}):
+        with pytest.raises(InvalidRequestError, match="chat_template_kwargs takes only 'thinking'") as info:
+            chat_thinking(bad)
+        assert info.value.param == "chat_template_kwargs"

@@ -40,6 +40,10 @@ def test_find_stop_with_include_ends_after_the_stop_string() -> None:
     assert find_stop("xabcd", ["abc", "ab"], include=True) == 3  # same start: the shorter appeared first
     assert find_stop("xabcd", ["abc", "ab"]) == 1
     assert find_stop("hello", ["xyz"], include=True) is None
+    # one token "xabc" or four: the output is the same, "xab" ("b" is complete before "abc" is)
+    assert find_stop("xabc", ["abc", "b"], include=True) == 3
+    assert find_stop("xab", ["abc", "b"], include=True) == 3
+    assert find_stop("xabcd", ["abcd", "c"], include=True) == 4
 
 
 def test_safe_length_holds_a_possible_stop_prefix() -> None:

@@ -401,6 +401,17 @@ def test_times_going_backwards_in_a_list_are_counted_and_refused_under_strict(tm
         read_sessions(path, strict=True)
 
 
+def test_a_skipped_entry_is_not_counted_as_going_backwards_nor_moves_the_clock(tmp_path: Path) -> None:
+    """Only entries read count: a malformed one (skipped) at 9 s makes the 5 s request after it no later than
+    the 0 s one, and a malformed one at 2 s after it is no request that goes backwards ("1 of 0" requests)."""
+    bad_late, bad_early = _req(9.0, 64, [0]) | {"in": None}, _req(2.0, 64, [0]) | {"in": None}
+    trace = read_sessions(
+        _session(tmp_path / "a.json", "A", [_req(0.0, 64, [0]), bad_late, _req(5.0, 64, [0]), bad_early])
+    )
+    assert len(trace.errors) == 2 and trace.out_of_order == 0
+    assert [r.arrival_s for r in trace.requests] == [0.0, 5.0]
+
+
 def test_the_block_hit_ratio_counts_a_sessions_unnamed_partial_blocks_as_a_jsonl_trace_does(
     tmp_path: Path,
 ) -> None:

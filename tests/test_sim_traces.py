@@ -325,6 +325,13 @@ def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(
     cut.write_bytes(gzip.compress(plain.read_bytes() * 50)[:-12])
     with pytest.raises(TraceError, match=r"cut\.jsonl\.gz: a gzip file cut short"):
         read_trace(cut)
+    # a bad CRC, data that does not inflate: one error naming the file, no traceback
+    for name, at in (("crc.jsonl.gz", -6), ("inflate.jsonl.gz", 30)):
+        broken = bytearray(gzip.compress(plain.read_bytes() * 50))
+        broken[at] ^= 0xFF
+        (tmp_path / name).write_bytes(bytes(broken))
+        with pytest.raises(TraceError, match=rf"{name.replace('.', '[.]')}: a corrupt gzip file"):
+            read_trace(tmp_path / name)
     rows = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\r\n\r\n"
     rows += "2023-11-16 18:15:47.6805900,3\xe974,44\r\n2023-11-16 18:15:48.6805900,396,109\r\n"
     azure = tmp_path / "azure.csv.gz"  # a BOM (refused the whole file), a blank row, a latin-1 byte

@@ -34,14 +34,19 @@ _ROLES = ("system", "developer", "user", "assistant")
 
 
 def json_type(value: object) -> str:
-    """The JSON type of a parsed value, with its article (for error messages)."""
+    """The JSON type of a parsed value, with its article (for error messages); a Python value JSON has no
+    type for (`kvdiet.LLM.chat` takes Python's) is named by its class (``a tuple``)."""
     if value is None:
         return "null"
     if isinstance(value, str):
         return f"a string of {len(value):,} characters"
     if isinstance(value, list):
         return f"an array of {len(value):,} items"
-    return "a boolean" if isinstance(value, bool) else "an object" if isinstance(value, dict) else "a number"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, dict):
+        return "an object"
+    return "a number" if isinstance(value, int | float) else f"a {type(value).__name__}"
 
 
 class PromptCacheBreakpoint(BaseModel):

@@ -64,10 +64,13 @@ def chat_thinking(chat_template_kwargs: Mapping[str, Any] | None) -> bool:
     left out: False, DeepSeek's non-thinking mode).
 
     Raises:
-        InvalidRequestError (``param`` ``"chat_template_kwargs"``): another key, or a ``thinking`` not a bool.
+        InvalidRequestError (``param`` ``"chat_template_kwargs"``): not a mapping (from `kvdiet.LLM.chat`:
+            ``"yes"``, ``True``, a list of pairs), another key, or a ``thinking`` not a bool.
     """
-    kwargs = dict(chat_template_kwargs or {})
-    thinking = kwargs.pop("thinking", False)
+    if chat_template_kwargs is None:
+        return False
+    kwargs = dict(chat_template_kwargs) if isinstance(chat_template_kwargs, Mapping) else None
+    thinking = kwargs.pop("thinking", False) if kwargs is not None else None
     if not isinstance(thinking, bool) or kwargs:
         raise InvalidRequestError(
             "chat_template_kwargs takes only 'thinking' (true or false)", param="chat_template_kwargs"

@@ -64,13 +64,13 @@ class IncrementalDetokenizer:
 def find_stop(text: str, stops: Sequence[str], start: int = 0, *, include: bool = False) -> int | None:
     """Where the output in ``text`` ends on a stop string, searching from ``start`` (chars), or None when no stop
     string is there: the index where the earliest stop string begins, or with ``include`` (vLLM's
-    ``include_stop_str_in_output``) where it ends (of stop strings that begin there, the shortest: it
-    appeared first)."""
-    hits = [(i, len(s)) for s in stops if (i := text.find(s, start)) != -1]
+    ``include_stop_str_in_output``) where the first stop string to be complete ends (the earliest end: text
+    past it would have been generated after the output stopped, so the result does not depend on how the
+    text was split into tokens; of stop strings that begin at one place, the shortest)."""
+    hits = [(i, i + len(s)) for s in stops if (i := text.find(s, start)) != -1]
     if not hits:
         return None
-    begin, length = min(hits)
-    return begin + length if include else begin
+    return min(end for _, end in hits) if include else min(hits)[0]
 
 
 def safe_length(text: str, stops: Sequence[str]) -> int:

@@ -46,8 +46,8 @@ class SamplingParams:
         stop: generation ends when the output text contains one of these strings; the text is cut before
             it (needs a tokenizer and ``detokenize``).
         include_stop_str_in_output: keep the stop string that ended the output in its text (vLLM's; default
-            False: cut before it). The text ends where that string ends (the earliest to begin; of two that
-            begin there, the shorter); text a token brought past it is dropped, as vLLM drops it.
+            False: cut before it). The text ends where the first stop string to be complete ends (the earliest
+            end, however the text splits into tokens); text a token brought past it is dropped, as vLLM drops it.
         detokenize: give the output as text (vLLM's; default True). False: ``text`` stays empty and the
             output is its token ids only (no stop strings then: they are looked for in the text).
         ignore_eos: keep generating after the tokenizer's EOS token (it is a stop token otherwise).

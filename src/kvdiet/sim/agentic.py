@@ -22,7 +22,7 @@ agent (``"main"`` or the sub-agent's ``agent_id``) and its kind (``"agent"`` / `
 A malformed file (bad JSON: ``file:line:column``) or request (named by its JSON path, e.g.
 ``session_0001.json: requests[5].requests[2].t: ...``) raises `TraceError` under ``strict``; otherwise it is
 skipped, counted in `Trace.errors` (a bad sub-agent entry skips its requests), and reading goes on. An entry
-whose ``t`` is before an earlier entry's of its list (an agent's requests and sub-agent starts are in time
+read whose ``t`` is before an earlier one read of its list (an agent's requests and sub-agent starts are in time
 order) is counted in `Trace.out_of_order` and re-sorted, or refused under ``strict``, as a JSONL line whose
 timestamp goes backwards. This module knows nothing of models or caches; a run's figures per session and kind
 are `kvdiet.sim.breakdown`'s.
@@ -225,22 +225,20 @@ class _Session:
 
     def walk(self, items: list, where: str, start: float, agent: str, kind: str) -> None:
         """Read ``items`` (the requests of an agent that started at ``start`` seconds on the trace clock); an
-        entry before an earlier one of ``items`` is counted in ``late`` (an error under ``strict``)."""
-        latest: tuple[float, str] | None = None
+        entry read (a skipped one is not) before an earlier one read of ``items`` is counted in ``late`` (an
+        error under ``strict``)."""
+        latest: tuple[float, str] | None = None  # the latest entry read so far: its time and path
         for i, item in enumerate(items):
             at = f"{where}[{i}]"
             try:
                 if not isinstance(item, dict):
                     raise ValueError(f"{at}: expected an object, got {type(item).__name__}")
                 t = start + _time(item, at)
-                if latest is not None and t < latest[0]:
-                    if self.strict:
-                        raise ValueError(
-                            f"{at}.t: {t - start:g} s is before {latest[1]}'s {latest[0] - start:g} s"
-                        )
-                    self.late += 1
-                else:
-                    latest = (t, at)
+                backwards = latest is not None and t < latest[0]
+                if backwards and self.strict:
+                    raise ValueError(
+                        f"{at}.t: {t - start:g} s is before {latest[1]}'s {latest[0] - start:g} s"
+                    )
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
@@ -248,14 +246,17 @@ class _Session:
                     if not isinstance(subs, list):
                         raise ValueError(f"{at}.requests: expected a list, got {_short(subs)}")
                     self.walk(subs, f"{at}.requests", t, str(sub), "subagent")
-                    continue
-                if item.get("type") not in ("s", "n"):
+                elif item.get("type") not in ("s", "n"):
                     raise ValueError(
                         f'{at}.type: expected "s", "n" or "subagent", got {_short(item.get("type"))}'
                     )
-                self.requests.append(self._request(item, at, t, agent, kind))
+                else:
+                    self.requests.append(self._request(item, at, t, agent, kind))
             except ValueError as exc:
                 self.errors.append(f"{self.file}: {exc}")
+                continue
+            self.late += backwards
+            latest = latest if backwards else (t, at)
 
     def _request(self, item: dict, at: str, t: float, agent: str, kind: str) -> TraceRequest:
         n, out = _tokens(item, "in", at), _tokens(item, "out", at)

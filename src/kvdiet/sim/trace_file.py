@@ -25,7 +25,8 @@ def open_text(path: Path, *, newline: str | None = None) -> io.TextIOWrapper:
     (a context manager). ``newline``: as `open`'s (``""`` for the csv module).
 
     Raises:
-        OSError: the file cannot be read, or a gzip stream is corrupt (when read).
+        OSError: the file cannot be read, or a gzip stream is corrupt (when read: `gzip.BadGzipFile`; data
+            that does not inflate raises `zlib.error`; one cut short, EOFError).
     """
     with path.open("rb") as f:
         compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import gzip
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -114,7 +116,7 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
         TraceError: an unknown format; a first record of another shape than the format's (a generic line
             without its header, an agentic session file); a generic file without its header; ``strict`` and
             a malformed line or a timestamp going backwards; more lines malformed than read (a summary of
-            the first reasons with their line numbers).
+            the first reasons with their line numbers); a gzip file cut short or corrupt (named).
         OSError: the file cannot be read.
 
     A gzip file is read decompressed and a UTF-8 byte-order mark dropped (`kvdiet.sim.trace_file`).
@@ -134,6 +136,8 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
         requests, errors, late = _collect(path, map(ids.check, items), strict)
     except EOFError:  # gzip's, read lazily: the stream stops before its end marker
         raise TraceError(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:  # a bad header or CRC; deflate data that does not inflate
+        raise TraceError(f"{path}: a corrupt gzip file ({exc})") from None
     if requests and requests[0].arrival_s != 0:  # epoch times; an Azure file whose first row is not earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
     requests = chain_ids(_name_partial_blocks(requests, block_size))
