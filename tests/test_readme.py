@@ -155,3 +155,17 @@ def test_the_layout_tree_lists_every_source_file_once() -> None:
     listed = _readme_tree("src/kvdiet/")
     assert "model/paged_pool.py" in listed and "storage/persistent_index.py" in listed
     assert sorted(files - listed) == [] and sorted(listed - files) == []
+
+
+def test_the_layout_tree_lists_every_test_file_once() -> None:
+    """One line per file under ``tests/`` (modules, helpers, scripts): a test file added or removed updates it."""
+    tests = ROOT / "tests"
+    files = {
+        p.relative_to(tests).as_posix()
+        for p in tests.rglob("*")
+        if p.is_file()
+        and not any(part == "__pycache__" or part.startswith(".") for part in p.relative_to(tests).parts)
+    }
+    listed = _readme_tree("tests/")
+    assert "conftest.py" in listed and "system-deps.sh" in listed
+    assert sorted(files - listed) == [] and sorted(listed - files) == []
