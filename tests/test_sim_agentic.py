@@ -354,6 +354,29 @@ def test_a_session_file_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 130), (2.0, 190)]
 
 
+def test_gzip_session_files_are_read_as_plain_ones_and_a_corrupt_one_is_named(tmp_path: Path) -> None:
+    import gzip
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _session(plain / "a.json", "A", B)
+    _session(plain / "b.json", "B", B)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for name in ("a", "b"):
+        (packed / f"{name}.json.gz").write_bytes(gzip.compress((plain / f"{name}.json").read_bytes()))
+
+    def seen(path: Path) -> list[tuple]:
+        return [(r.arrival_s, r.input_tokens, r.hash_ids) for r in read_sessions(path, strict=True).requests]
+
+    assert seen(packed) == seen(plain) and len(seen(plain)) == 4  # a folder of them: was "no session files"
+    assert seen(packed / "a.json.gz") == seen(plain / "a.json")
+    assert session_reader(packed / "a.json.gz", format="auto", start=None) is not None
+    (packed / "c.json.gz").write_bytes(gzip.compress(b'{"id": "C"')[:-6])  # cut short
+    with pytest.raises(TraceError, match=r"c\.json\.gz: a gzip file cut short"):
+        read_sessions(packed, strict=True)
+
+
 @needs_sample
 def test_the_readmes_agentic_sample_table_is_what_the_study_gives() -> None:
     from kvdiet.sim.study import DEFAULT_RUNS, parse_run

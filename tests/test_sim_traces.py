@@ -333,12 +333,13 @@ def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(
         with pytest.raises(TraceError, match=rf"{name.replace('.', '[.]')}: a corrupt gzip file"):
             read_trace(tmp_path / name)
     rows = "TIMESTAMP,ContextTokens,GeneratedTokens\r\n2023-11-16 18:15:46.6805900,374,44\r\n\r\n"
-    rows += "2023-11-16 18:15:47.6805900,3\xe974,44\r\n2023-11-16 18:15:48.6805900,396,109\r\n"
+    rows += "2023-11-16 18:15:47.6805900,3\xe974,44\r\n2023-11-16 18:15:48.6805900,396,109\r\n,,\r\n"
     azure = tmp_path / "azure.csv.gz"  # a BOM (refused the whole file), a blank row, a latin-1 byte
     azure.write_bytes(gzip.compress(b"\xef\xbb\xbf" + rows.encode("latin-1")))
     trace = read_trace(azure)
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 374), (2.0, 396)]
-    assert len(trace.errors) == 1 and trace.errors[0].startswith(f"{azure}:4: ")  # the bad byte's row only
+    # the bad byte's row, and a row of empty fields (not blank: three fields, none a value)
+    assert [e.split(": ")[0] for e in trace.errors] == [f"{azure}:4", f"{azure}:6"]
 
 
 def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:

@@ -30,14 +30,17 @@ are `kvdiet.sim.breakdown`'s.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
+from kvdiet.sim.trace_file import SESSION_SUFFIXES, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
 __all__ = ["SessionStart", "parse_session_start", "read_sessions", "session_reader"]
@@ -112,7 +115,8 @@ def session_reader(
     path: str | Path, *, format: str, start: str | None, strict: bool = False
 ) -> Callable[[], Trace] | None:
     """`read_sessions` of ``path`` as a call without arguments when ``format`` is ``agentic-sessions``, or
-    ``auto`` and ``path`` is a folder or a ``.json`` file (not ``.jsonl``); None for the other formats. The
+    ``auto`` and ``path`` is a folder or a ``.json`` or ``.json.gz`` file (not ``.jsonl``); None for the other
+    formats. The
     ``--session-start`` text ``start`` (None: together) is checked now, before any reading.
 
     Raises:
@@ -120,7 +124,7 @@ def session_reader(
     """
     path = Path(path)
     if format == "agentic-sessions" or (
-        format == "auto" and (path.is_dir() or path.suffix.lower() == ".json")
+        format == "auto" and (path.is_dir() or path.name.lower().endswith(SESSION_SUFFIXES))
     ):
         when = parse_session_start("together" if start is None else start)
         return lambda: read_sessions(path, start=when, strict=strict)
@@ -130,7 +134,8 @@ def session_reader(
 
 
 def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict: bool = False) -> Trace:
-    """Read one session file, or every ``*.json`` file of a folder (by name), into a `Trace` whose requests
+    """Read one session file, or every ``*.json`` and ``*.json.gz`` file of a folder (by name), into a `Trace`
+    whose requests
     are in arrival order (ties: file order, then order in the file) and carry session, agent and kind.
 
     Args:
@@ -140,13 +145,17 @@ def read_sessions(path: str | Path, *, start: SessionStart | None = None, strict
     Raises:
         TraceError: ``strict`` and a malformed file or request, or one whose ``t`` is before an earlier
             entry's of its list (without ``strict`` counted in `Trace.out_of_order`); a folder without
-            ``.json`` files; files whose ``block_size`` differ; two files with the same session ``id``.
+            session files; files whose ``block_size`` differ; two files with the same session ``id``; a
+            corrupt or cut-short gzip file (named).
         OSError: a file cannot be read.
     """
     path = Path(path)
-    files = sorted(p for p in path.glob("*.json") if p.is_file()) if path.is_dir() else [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(SESSION_SUFFIXES))
+    else:
+        files = [path]
     if not files:
-        raise TraceError(f"{path}: no session files (*.json)")
+        raise TraceError(f"{path}: no session files (*.json, *.json.gz)")
     offsets = (start or SessionStart()).offsets(len(files))
     ids: dict[tuple[int | None, int], int] = {}
     block_size: int | None = None
@@ -191,8 +200,12 @@ def _top(file: Path) -> dict:
     """The checked top level of a session file: ``id`` (as a string), ``block_size``, ``hash_id_scope``,
     ``requests``."""
     try:
-        with file.open(encoding="utf-8-sig") as f:  # a byte-order mark is dropped
+        with open_text(file, errors="strict") as f:  # gzip read decompressed, a byte-order mark dropped
             top = json.load(f)
+    except EOFError:
+        raise TraceError(f"{file}: a gzip file cut short (it ends before the stream's end)") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:
+        raise TraceError(f"{file}: a corrupt gzip file ({exc})") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
     except UnicodeDecodeError as exc:
@@ -201,16 +214,16 @@ def _top(file: Path) -> dict:
         raise TraceError(f"{file}: a session file is one JSON object, got {type(top).__name__}")
     session = top.get("id")
     if not isinstance(session, str | int) or isinstance(session, bool) or session == "":
-        raise TraceError(f"{file}: id must be a non-empty string, got {_short(session)}")
+        raise TraceError(f"{file}: id must be a non-empty string, got {shorten(session)}")
     bs = top.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise TraceError(f"{file}: block_size must be an integer >= 1, got {_short(bs)}")
+        raise TraceError(f"{file}: block_size must be an integer >= 1, got {shorten(bs)}")
     if top.get("hash_id_scope") not in ("local", "global"):
         raise TraceError(
-            f'{file}: hash_id_scope must be "local" or "global", got {_short(top.get("hash_id_scope"))}'
+            f'{file}: hash_id_scope must be "local" or "global", got {shorten(top.get("hash_id_scope"))}'
         )
     if not isinstance(top.get("requests"), list):
-        raise TraceError(f"{file}: requests must be a list, got {_short(top.get('requests'))}")
+        raise TraceError(f"{file}: requests must be a list, got {shorten(top.get('requests'))}")
     return top | {"id": str(session)}
 
 
@@ -242,13 +255,13 @@ class _Session:
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
-                        raise ValueError(f"{at}.agent_id: expected a string, got {_short(sub)}")
+                        raise ValueError(f"{at}.agent_id: expected a string, got {shorten(sub)}")
                     if not isinstance(subs, list):
-                        raise ValueError(f"{at}.requests: expected a list, got {_short(subs)}")
+                        raise ValueError(f"{at}.requests: expected a list, got {shorten(subs)}")
                     self.walk(subs, f"{at}.requests", t, str(sub), "subagent")
                 elif item.get("type") not in ("s", "n"):
                     raise ValueError(
-                        f'{at}.type: expected "s", "n" or "subagent", got {_short(item.get("type"))}'
+                        f'{at}.type: expected "s", "n" or "subagent", got {shorten(item.get("type"))}'
                     )
                 else:
                     self.requests.append(self._request(item, at, t, agent, kind))
@@ -279,7 +292,7 @@ def _time(item: dict, at: str) -> float:
     if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e300:
         t = math.inf  # past a float's range
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {_short(t)}")
+        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {shorten(t)}")
     return float(t)
 
 
@@ -289,11 +302,5 @@ def _tokens(item: dict, key: str, at: str) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {_short(v)}")
+        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {shorten(v)}")
     return v
-
-
-def _short(value: object) -> str:
-    """``repr(value)`` cut to 60 characters: a wrong value may be a whole list of requests."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."

@@ -13,16 +13,19 @@ import gzip
 import io
 from pathlib import Path
 
-__all__ = ["GZIP_MAGIC", "open_text"]
+__all__ = ["GZIP_MAGIC", "SESSION_SUFFIXES", "open_text", "shorten"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 """The first two bytes of a gzip stream (RFC 1952 §2.3.1)."""
+SESSION_SUFFIXES = (".json", ".json.gz")
+"""The names of session files (`kvdiet.sim.agentic`), plain or gzip-compressed."""
 
 
-def open_text(path: Path, *, newline: str | None = None) -> io.TextIOWrapper:
+def open_text(path: Path, *, newline: str | None = None, errors: str = "replace") -> io.TextIOWrapper:
     """``path`` opened for reading text: gzip decompressed when it starts with `GZIP_MAGIC`, decoded as UTF-8
-    with a leading byte-order mark dropped and undecodable bytes replaced by U+FFFD. The caller closes it
-    (a context manager). ``newline``: as `open`'s (``""`` for the csv module).
+    with a leading byte-order mark dropped and undecodable bytes replaced by U+FFFD (``errors="strict"``:
+    a UnicodeDecodeError instead, for a file read whole). The caller closes it (a context manager).
+    ``newline``: as `open`'s (``""`` for the csv module).
 
     Raises:
         OSError: the file cannot be read, or a gzip stream is corrupt (when read: `gzip.BadGzipFile`; data
@@ -31,4 +34,14 @@ def open_text(path: Path, *, newline: str | None = None) -> io.TextIOWrapper:
     with path.open("rb") as f:
         compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     raw = gzip.open(path, "rb") if compressed else path.open("rb")  # noqa: SIM115 (the wrapper owns it)
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline=newline)
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors=errors, newline=newline)
+
+
+def shorten(value: object) -> str:
+    """``repr(value)`` cut to about 60 characters, for an error line: a wrong value may be a whole list of
+    requests, or a JSONL line read as a CSV header (megabytes). A string keeps its quotes: its first 60
+    characters' repr, then ``...``."""
+    text = repr(value)
+    if len(text) <= 60:
+        return text
+    return (repr(value[:60]) if isinstance(value, str) else text[:60]) + "..."

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_file import open_text
+from kvdiet.sim.trace_file import open_text, shorten
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -258,15 +258,14 @@ def _azure(path: Path):
         rows = csv.reader(f)
         header = next(rows, None)
         if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
-            got = ",".join(header or [])  # shortened: a JSONL line read as CSV can be megabytes
-            shown = repr(got[:60]) + ("..." if len(got) > 60 else "")
+            got = shorten(",".join(header or []))  # a JSONL line read as CSV can be megabytes
             yield TraceError(
-                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {shown}"
+                f"{path}:1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got {got}"
             )
             return
         start = None
         for n, row in enumerate(rows, 2):
-            if not "".join(row).strip():  # a blank line, as the JSONL readers skip them
+            if len(row) <= 1 and not "".join(row).strip():  # a blank line, as the JSONL readers skip them
                 continue
             try:
                 if len(row) != 3:
