@@ -106,8 +106,9 @@ class SwaPolicy:
 
     def persisted_snapshots(self, num_tokens: int, *, boundaries: Sequence[int]) -> Sequence[int]:
         """Positions (tokens) of the window snapshots kept in the persistent tier for a session of
-        ``num_tokens`` tokens whose prompt/output ends are at ``boundaries`` (the default: none)."""
-        return ()
+        ``num_tokens`` tokens whose prompt/output ends are at ``boundaries`` (the default: its `checkpoints`,
+        none but ``checkpoint:K``'s)."""
+        return self.checkpoints(num_tokens)
 
     def persistent_window_bytes(self, spec: CacheSpec, num_tokens: int, *, boundaries: Sequence[int]) -> int:
         """Window bytes kept in the persistent tier for a session of ``num_tokens`` tokens whose prompt/output

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -64,9 +64,6 @@ class Checkpoint(SwaPolicy):
         if c > exact_recompute_start(h, window, num_layers, align) and has_snapshot(c):
             return RestorePlan(h, c, WindowSource.PERSISTENT, c)
         return recompute_plan(h, window, num_layers, align)  # replaying from the later start costs less
-
-    def persisted_snapshots(self, num_tokens: int, *, boundaries: Sequence[int]) -> Sequence[int]:
-        return self.checkpoints(num_tokens)
 
     def worst_recompute(self, window: int, num_layers: int) -> int:
         return min(self.checkpoint_every - 1, SwaPolicy.worst_recompute(self, window, num_layers))
