@@ -74,17 +74,62 @@ def test_plan_json_real_v41(capsys, v41_path: Path) -> None:
     assert policies["checkpoint:4096"]["amortised_bytes_per_token"] == pytest.approx(890 + snapshot / 4096)
 
 
-def test_planner_takes_each_boundary_snapshot_at_its_position() -> None:
-    """64 segments of 1,001 tokens: the ends at odd positions (1,001, 3,003, ...) hold each ratio-2 tail's open
-    row (2 × 512 fp32, kv and score), the even ones none; ``checkpoint:1001`` stores at the same positions."""
+def test_planner_takes_each_snapshot_at_its_position() -> None:
+    """64 segments of 1,001 tokens: ``checkpoint:1001`` stores at 1,001, 2,002, ..., whose odd positions hold
+    each ratio-2 tail's open row (2 × 512 fp32, kv and score), the even ones none; ``boundary-snapshot`` at the
+    64-token block boundary at or before each end (the engine's V4.1 block size), all even."""
     cfg = load_config("deepseek-v4.1-flash")
     report = plan_report(cfg, PlanOptions(tokens_per_boundary=1001, checkpoint_every=1001))
     policies = {row["policy"]: row for row in report["swa_policies"]}
     even = 2_703_360 + 40 * 128 * 8 + 3 * 8 + 3 * 8 + 16
     tokens = 64 * 1001
-    stored = CacheSpec.from_config(cfg).global_bytes(tokens) + 64 * even + 32 * 3 * 2 * 512 * 4
-    for name in ("boundary-snapshot", "checkpoint:1001"):
+    kv = CacheSpec.from_config(cfg).global_bytes(tokens)
+    odd_rows = 32 * 3 * 2 * 512 * 4
+    for name, stored in (
+        ("boundary-snapshot", kv + 64 * even),
+        ("checkpoint:1001", kv + 64 * even + odd_rows),
+    ):
         assert policies[name]["amortised_bytes_per_token"] == pytest.approx(stored / tokens, rel=1e-15), name
+    assert policies["boundary-snapshot"]["block_size"] == 64
+    assert policies["boundary-snapshot"]["tokens_per_boundary"] == 1001
+
+
+@pytest.mark.parametrize("tokens", [512, 1000, 1024, 1100, 1500])
+def test_planner_v4_flash_snapshots_at_its_128_token_blocks(tokens: int) -> None:
+    """V4-Flash's engine runs 128-token blocks only, so each snapshot is one taken at a block boundary
+    (4,118,872 B, never the 9.36 MB of a position between two HCA groups): its amortised bytes are the global
+    KV plus 64 such snapshots (one per end, each at the boundary at or before it)."""
+    cfg = load_config("deepseek-v4-flash")
+    spec = CacheSpec.from_config(cfg)
+    report = plan_report(cfg, PlanOptions(tokens_per_boundary=tokens))
+    row = next(r for r in report["swa_policies"] if r["policy"] == "boundary-snapshot")
+    assert spec.snapshot_bytes(128) == 4_118_872
+    stored = spec.global_bytes(64 * tokens) + 64 * 4_118_872
+    assert row["amortised_bytes_per_token"] == pytest.approx(stored / (64 * tokens), rel=1e-15)
+    assert (row["block_size"], row["tokens_per_boundary"]) == (128, tokens)
+
+
+def test_compare_ratio_is_monotone_in_tokens_per_boundary(capsys) -> None:
+    """The V4.1 / V4 persistent ratio grows steadily with the tokens between ends (V4's snapshots amortised
+    over more tokens): 1,000 and 1,024 differ by little, not 0.071 against 0.118 as when 1,000-token ends were
+    charged 9.36 MB snapshots; the JSON names the tokens per boundary it used."""
+    ratios = []
+    for x, used in (
+        ("512", 512),
+        ("1000", 1000),
+        ("1K", 1000),
+        ("1Ki", 1024),
+        ("1100", 1100),
+        ("1.5K", 1500),
+    ):
+        out = _run_json(
+            capsys, "--compare", "deepseek-v4.1-flash", "deepseek-v4-flash", "--tokens-per-boundary", x
+        )
+        ratios.append(out["ratios"]["persistent_bounded_replay_vs_boundary_snapshot"])
+        assert out["tokens_per_boundary"] == used
+    assert ratios == sorted(ratios) and ratios[1] == ratios[2] and len(set(ratios)) == 5
+    assert ratios[3] - ratios[2] < 0.002  # 0.1166 and 0.1181
+    assert round(ratios[3], 3) == 0.118
 
 
 def test_capacity_arithmetic(capsys) -> None:

@@ -325,3 +325,35 @@ def test_a_report_of_requests_that_store_nothing_draws_its_plots_without_a_warni
     assert (tmp_path / "out" / "persistent_bytes.png").stat().st_size > 0
     # was matplotlib's "Data has no positive values, and therefore cannot be log-scaled" on stderr
     assert not [w for w in recwarn if "log-scaled" in str(w.message)]
+
+
+@pytest.mark.parametrize(("block", "note"), [(64, True), (100, True), (512, False)])
+def test_a_model_run_at_other_blocks_than_the_traces_says_so_in_one_line(
+    tmp_path: Path, capsys, block: int, note: bool
+) -> None:
+    """V4-Flash runs at multiples of 128 tokens: a 64-token trace at 128, a 100-token one at 3,200 (was 100:
+    10.0-MB snapshots between HCA groups, silently); Mooncake's 512 as they are. One line per model."""
+    path = tmp_path / "g.jsonl"
+    head = {"format": "kvdiet-trace", "version": 1, "block_size": block}
+    rows = [
+        {"arrival_s": t, "input_length": 4000, "output_length": 9, "hash_ids": list(range(-(-4000 // block)))}
+        for t in (0.0, 5.0)
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in [head, *rows]) + "\n")
+    runs = "boundary-snapshot@deepseek-v4-flash,full-store@deepseek-v4-flash,bounded-replay"
+    assert main(["replay", str(path), "--runs", runs, "--sweep", "none", "--json"]) == 0
+    out, err = capsys.readouterr()
+    at = {64: 128, 100: 3200, 512: 512}[block]
+    lines = [line for line in err.splitlines() if "runs at" in line]
+    assert lines == (
+        [
+            f"kvdiet replay: deepseek-v4-flash runs at {at}-token blocks (the trace's {block}-token blocks, "
+            f"{at // block} to a block)"
+        ]
+        if note
+        else []
+    )
+    summaries = [r["summary"] for r in json.loads(out)["runs"]]
+    assert [s["block_size"] for s in summaries] == [at, at, block]
+    v4 = summaries[0]
+    assert v4["persistent_window_bytes_written"] == v4["snapshots_stored"] * 4_118_872 > 0

@@ -255,18 +255,53 @@ def test_the_window_share_is_read_at_the_persistent_peak() -> None:
     assert s["persistent_window_bytes_written"] == 3 * snap and s["persistent_kv_bytes_written"] == 6 * block
 
 
-def test_v4_flash_runs_at_64_token_blocks_with_hca_entries_spanning_two_blocks() -> None:
+def test_v4_flash_runs_a_64_token_trace_at_its_engines_128_token_blocks() -> None:
     cfg = load_config("deepseek-v4-flash")
     spec = CacheSpec.from_config(cfg)
     g = Geometry.from_config(cfg, 64)
     assert g.block_cycle == (spec.global_bytes(64), spec.global_bytes(128) - spec.global_bytes(64))
     assert g.block_cycle[1] > g.block_cycle[0]  # the ratio-128 entries complete in every second block
     assert Geometry.from_config(load_config("deepseek-v4.1-flash"), 64).block_cycle == ()
-    trace = Trace([req(0, 200, (1, 2, 3)), req(30, 200, (1, 2, 3))], 64)
+    trace = Trace([req(0, 200, (1, 2, 3, 4)), req(30, 200, (1, 2, 3, 4))], 64)
     res = simulate(trace, SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot")))
-    # 3 full blocks written once: block 0 and 2 hold no HCA entry, block 1 holds one
-    assert res.summary["persistent_kv_bytes_written"] == spec.global_bytes(192)
-    assert res.requests[1].hit_tokens == 192 and res.requests[1].window_source == "persistent"
+    # the engine's blocks are 128 tokens: one full block written (was 3 of 64, a hit of 192 tokens)
+    assert res.summary["block_size"] == 128
+    assert res.summary["persistent_kv_bytes_written"] == spec.global_bytes(128)
+    assert res.requests[1].hit_tokens == 128 and res.requests[1].window_source == "persistent"
+    v41 = simulate(trace, SimConfig(model="deepseek-v4.1-flash")).summary  # its compress ratios divide 64
+    assert v41["block_size"] == 64 and v41["persistent_kv_bytes_written"] == CacheSpec.from_config(
+        load_config("deepseek-v4.1-flash")
+    ).global_bytes(192)
+
+
+def _sessions(block: int, first: int) -> Trace:
+    """Three sessions of growing prompts (each turn its previous prompt and output plus 300–2,900 new tokens,
+    outputs 1–700), written at ``block``-token blocks with chained ids (session s, block i: a number of its
+    own from ``first`` on), interleaved in time."""
+    rng, reqs = random.Random(7), []
+    for s in range(3):
+        n, t = 0, 17.0 * s
+        for _ in range(8):
+            n += rng.randrange(300, 2900)
+            out = rng.randrange(1, 700)
+            ids = tuple(first + s * 10_000 + i for i in range(-(-n // block)))
+            reqs.append(TraceRequest(t, n, out, ids, 0))
+            n, t = n + out, t + rng.randrange(5, 200)
+    reqs.sort(key=lambda r: r.arrival_s)
+    return Trace(reqs, block)
+
+
+def test_a_64_token_trace_run_as_v4_flash_is_the_same_trace_written_at_128_token_blocks() -> None:
+    """V4-Flash's engine snapshots only at multiples of 128 tokens: every snapshot a 64-token trace stores is
+    4,118,872 B (was a mix with 9,361,752-B ones between HCA groups, which the engine never writes), and every
+    figure equals the one of the same sessions written at 128-token blocks."""
+    v4 = SimConfig(model="deepseek-v4-flash", policy=parse_policy("boundary-snapshot"))
+    at64, at128 = (simulate(_sessions(b, f), v4).summary for b, f in ((64, 0), (128, 500_000)))
+    assert at64["snapshots_stored"] > 20
+    assert at64["persistent_window_bytes_written"] == at64["snapshots_stored"] * 4_118_872
+    assert at64 == at128
+    study = run_study(_sessions(64, 0), [v4, SimConfig()], jobs=2)  # forked, once per block size
+    assert study.runs[0].summary == at64 and study.runs[1].summary["block_size"] == 64
 
 
 def test_figures_split_by_context_regime_add_up_by_hand() -> None:
@@ -387,5 +422,5 @@ def test_study_findings_are_ratios_of_the_runs() -> None:
         parse_sweep("pool=1")
     with pytest.raises(ValueError, match="unknown SWA policy"):
         parse_run("lru@deepseek-v4.1-flash", base)
-    with pytest.raises(ValueError, match="multiple of the trace's block size"):
+    with pytest.raises(ValueError, match="multiple of the block size 512 it runs at"):
         simulate(trace, SimConfig(policy=parse_policy("checkpoint:1000")))

@@ -2,7 +2,10 @@
 re-recorded once when snapshots began to be counted at the bytes the engine writes — `CacheSpec.snapshot_bytes`,
 tested against the writer in tests/test_spec_snapshot.py): the default runs and sweeps, plus capacity sweeps,
 on a generated agentic-like trace — every number of every run (summary, time series, per-request provenance,
-snapshot ages) and the findings, as one digest."""
+snapshot ages) and the findings, as one digest. Re-recorded once more when each model began to run at its
+engine's block size (`kvdiet.sim.reblock`: V4-Flash at 128 tokens on this 64-token trace): the V4.1 runs'
+figures were unchanged but for the summary's new ``block_size``, only V4-Flash's two runs and the findings
+of them moved (V4.1 / V4 persistent peak 0.0898 → 0.1207)."""
 
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ from kvdiet.sim.study import (
 )
 from kvdiet.sim.traces import Trace, TraceRequest
 
-RECORDED = "1fb1de7d4db43d46f5a0c069d2fb8530bc1112f14a24ab76b4648ac987bce06e"
+RECORDED = "55c1111b439ba5712d672fc1d14ea31fbecdf26ef5ea7ae3da9592f9f8483418"
 """sha256 of `_figures` as the simulator computed them at 5ee9bbd, with snapshots sized as the engine writes
-them (the only change since: speed work keeps this digest)."""
+them and each model at its engine's block size (speed work keeps this digest)."""
 
 
 def _trace(requests: int = 360, seed: int = 7) -> Trace:
@@ -65,7 +68,7 @@ def _recorded(p: Provenance) -> dict[str, object]:
 
 
 def _figures() -> str:
-    base = SimConfig(device_bytes=150 * 10**6)  # V4-Flash holds 667 blocks of 64 tokens, V4.1 2,633
+    base = SimConfig(device_bytes=150 * 10**6)  # V4-Flash holds 333 blocks of 128 tokens, V4.1 2,633 of 64
     sweeps = [
         (parse_sweep(text), parse_run("bounded-replay", base))
         for text in (

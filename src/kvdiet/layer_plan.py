@@ -22,6 +22,7 @@ role here.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -137,10 +138,16 @@ class LayerPlan:
         every KV-source layer (a block holds whole compressed entries of each; the device pool's rule, checked
         here from the config alone, before a model is built)."""
         ratios = sorted({self.layers[s].compress_ratio for s in self.kv_sources})
-        if block_size < 1 or any(block_size % r for r in ratios):
+        if block_size < 1 or block_size % self.block_unit:
             raise ValueError(
                 f"block size {block_size} must be a positive multiple of every compress ratio {ratios}"
             )
+
+    @property
+    def block_unit(self) -> int:
+        """The smallest block size (tokens) `check_block_size` accepts, which every accepted one is a multiple
+        of: the least common multiple of the KV-source layers' compress ratios (V4.1-Flash 2, V4-Flash 128)."""
+        return math.lcm(*(self.layers[s].compress_ratio for s in self.kv_sources))
 
     @property
     def encoder_layers(self) -> list[int]:

@@ -168,7 +168,7 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     )
     if "persistent_bounded_replay_vs_boundary_snapshot" in ratios:
         t.add_row(
-            "persistent (a replay / b snapshot)",
+            f"persistent (a replay / b snapshot, {format_count(result['tokens_per_boundary'])} tokens per boundary)",
             "",
             "",
             fmt_ratio("persistent_bounded_replay_vs_boundary_snapshot"),

@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import DenseConfig, ModelConfig
@@ -145,7 +146,8 @@ def plan_report(cfg: ModelConfig | DenseConfig, options: PlanOptions | None = No
         for n in opts.contexts
     ]
     if spec.windows:
-        report["swa_policies"] = _policies(spec, opts)
+        v4_flash = isinstance(cfg, ModelConfig) and not cfg.is_v41
+        report["swa_policies"] = _policies(spec, opts, CacheOptions().for_model(v4_flash=v4_flash).block_size)
     report["capacity"] = _capacity(cfg, spec, opts)
     report["context_warning"] = _context_warning(cfg, opts)
     return report
@@ -171,7 +173,8 @@ def _context_warning(cfg: ModelConfig | DenseConfig, opts: PlanOptions) -> str |
 
 
 def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two reports side by side with ``a / b`` ratios of the headline figures."""
+    """Two reports side by side with ``a / b`` ratios of the headline figures (and, with the persistent
+    ratio, the ``tokens_per_boundary`` it was amortised over)."""
 
     def ratio(x: float, y: float) -> float | None:
         return x / y if y else None
@@ -189,13 +192,15 @@ def compare_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         ratios[f"request_bytes@{ca['tokens']}"] = ratio(ca["request_bytes"], cb["request_bytes"])
     pa = {p["policy"]: p for p in a.get("swa_policies", [])}
     pb = {p["policy"]: p for p in b.get("swa_policies", [])}
+    used: dict[str, int] = {}
     # The seeds' "persistent cache 1/8 of V4": A's default against B's boundary snapshots.
     if "bounded-replay" in pa and "boundary-snapshot" in pb:
         ratios["persistent_bounded_replay_vs_boundary_snapshot"] = ratio(
             pa["bounded-replay"]["amortised_bytes_per_token"],
             pb["boundary-snapshot"]["amortised_bytes_per_token"],
         )
-    return {"a": a, "b": b, "ratios": ratios}
+        used = {"tokens_per_boundary": pb["boundary-snapshot"]["tokens_per_boundary"]}
+    return {"a": a, "b": b, "ratios": ratios, **used}
 
 
 def _layer_plan(cfg: ModelConfig) -> dict[str, Any]:
@@ -220,8 +225,15 @@ def _layer_plan(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
+def _policies(spec: CacheSpec, opts: PlanOptions, block_size: int) -> list[dict[str, Any]]:
+    """Each policy's persistent bytes over a session with a prompt/output end every ``tokens_per_boundary``
+    tokens, snapshots taken where the engine takes them: at the last boundary of a ``block_size``-token block
+    at or before each end (`kvdiet.cache.policies.base.BoundaryCapture.capture_candidates`; the engine's
+    block size, `CacheOptions.for_model`: V4-Flash 128), one per block boundary."""
     n, every = opts.tokens_per_boundary, opts.checkpoint_every
+    tokens = 64 * n
+    ends = range(n, tokens + 1, n)
+    snapshots = ends if n % block_size == 0 else sorted({e // block_size * block_size for e in ends} - {0})
     rows = []
     for text in (
         "bounded-replay",
@@ -232,9 +244,8 @@ def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
     ):
         policy = parse_policy(text)
         # Amortise over a long session made of 64 segments of `tokens_per_boundary` tokens, a prompt/output
-        # end after each: snapshots at n, 2n, ..., 64n, each at its position's bytes.
-        tokens = 64 * n
-        stored = policy.persistent_bytes(spec, tokens, boundaries=range(n, tokens + 1, n))
+        # end after each: snapshots at the block boundaries at or before n, 2n, ..., 64n, each at its bytes.
+        stored = policy.persistent_bytes(spec, tokens, boundaries=snapshots)
         rows.append(
             {
                 "policy": str(policy),
@@ -243,6 +254,8 @@ def _policies(spec: CacheSpec, opts: PlanOptions) -> list[dict[str, Any]]:
                 "amortised_bytes_per_token": stored / tokens,
                 "ratio_to_global": stored / tokens / spec.global_bytes_per_token,
                 "recompute_tokens_on_hit": policy.recompute_tokens(spec, 10**9),
+                "tokens_per_boundary": n,
+                "block_size": block_size,
             }
         )
     return rows

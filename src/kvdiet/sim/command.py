@@ -264,13 +264,17 @@ def _counter(bar: StepProgress) -> Callable[[int], None]:
 
 
 def _model_free(trace, plan, args, err: Console):
+    from kvdiet.sim.reblock import engine_block_size, reblock_note
     from kvdiet.sim.study import findings, run_study
 
     runs, sweeps = plan
-    limits = {}
+    models = {}
     for cfg in [*runs, *(base for _, base in sweeps)]:  # before the progress bar: errors stay one clean line
-        limits[cfg.model] = cfg.check(trace.block_size).max_position_embeddings
-    _warn_past_context(trace, limits)
+        models[cfg.model] = cfg.check(trace.block_size)
+    _warn_past_context(trace, {model: cfg.max_position_embeddings for model, cfg in models.items()})
+    for model, cfg in models.items():
+        if (bs := engine_block_size(cfg, trace.block_size)) != trace.block_size:
+            print(f"kvdiet replay: {reblock_note(model, bs, trace.block_size)}", file=sys.stderr)
     total = len(set(runs) | {cfg for s, base in sweeps for _, cfg in s.configs(base)})
     with _progress(err, total, f"replaying {len(trace):,} requests", "runs", args.progress_interval) as bar:
         study = run_study(trace, runs, sweeps, jobs=args.jobs, progress=_counter(bar))

@@ -40,6 +40,7 @@ from kvdiet.config import ModelConfig
 from kvdiet.sim.breakdown import Breakdown, GroupFigures
 from kvdiet.sim.cost import CostModel
 from kvdiet.sim.device_tree import DeviceTree
+from kvdiet.sim.reblock import engine_block_size, reblock
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.size_tier import SizeTier, TraceClock, class_bytes, tier_bytes
 from kvdiet.sim.traces import Trace
@@ -57,14 +58,14 @@ def simulate(
     """Replay ``trace`` through the tiers of ``config`` (see the module docstring).
 
     Args:
-        trace: requests in arrival order.
+        trace: requests in arrival order, run at the model's engine's block size (`kvdiet.sim.reblock`).
         config: sizes, TTLs, policy, cost model.
         progress: called with the number of requests done, every 1,000 and at the end.
-        blocks: `request_blocks` of ``trace`` when the caller has them (a study: once for all its runs).
-    Raises:
-        ValueError: from `SimConfig.check`.
+        blocks: `request_blocks` of ``trace`` at that block size when the caller has them (a study).
+    Raises ValueError: from `SimConfig.check`; ``blocks`` with a trace not at that block size.
     """
     cfg = config.check(trace.block_size)
+    trace = trace if blocks is not None else reblock(trace, engine_block_size(cfg, trace.block_size))
     collecting = gc.isenabled()
     gc.disable()  # millions of small, acyclic entries: cycle collection would rescan them all, for nothing
     run = _Run(trace, config, cfg, progress, blocks)
@@ -84,8 +85,7 @@ def request_blocks(trace: Trace) -> list[tuple[int, ...]]:
     the trace. The same for every run of a trace."""
     out, unique, bs = [], -1, trace.block_size
     for req in trace.requests:
-        n = req.input_tokens
-        named = req.hash_ids[: n // bs] if req.hash_ids is not None else ()
+        named = (req.hash_ids or ())[: (n := req.input_tokens) // bs]
         fresh = -(-(n + max(req.output_tokens, 1) - 1) // bs) - len(named)  # to the cache's last token
         out.append(named + tuple(range(unique, unique - fresh, -1)))
         unique -= fresh
@@ -114,6 +114,8 @@ def simulate_then_exit(
 
 class _Run:
     def __init__(self, trace: Trace, sc: SimConfig, cfg: ModelConfig, progress, blocks) -> None:
+        if (bs := engine_block_size(cfg, trace.block_size)) != trace.block_size:  # a caller's blocks
+            raise ValueError(f"{sc.model} runs at {bs}-token blocks, not the trace's {trace.block_size}")
         self.trace, self.sc, self.progress = trace, sc, progress
         self.blocks = request_blocks(trace) if blocks is None else blocks
         self.geo = g = Geometry.from_config(cfg, trace.block_size)
@@ -190,8 +192,7 @@ class _Run:
         return SimResult(self.sc, self._summary(), series, self.results, self.ages)
 
     def close(self) -> None:
-        """Drop the tiers' entries and the references back to this run (the control plane's callback), so
-        nothing of the run is left in a reference cycle."""
+        """Drop the tiers' entries and the control plane's callback: nothing of the run left in a cycle."""
         self.device.clear()
         self.persistent.close()
         self.swa.close()
@@ -361,6 +362,7 @@ class _Run:
                 **tier_bytes(self.swa, "swa_pool", span),
                 "span_s": round(span, 3),
                 "device_blocks": self.device.capacity // g.block_bytes,  # mean size
+                "block_size": g.block_size,
                 "block_bytes": g.block_bytes,
                 "cost_formula": self.cost.formula,
                 **self.breakdown.as_dict(),

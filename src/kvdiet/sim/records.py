@@ -12,6 +12,7 @@ from kvdiet.cache.plan import Provenance
 from kvdiet.cache.policies import BoundedReplay, SwaPolicy
 from kvdiet.config import ModelConfig, load_config
 from kvdiet.sim.cost import check_gpu
+from kvdiet.sim.reblock import engine_block_size
 
 __all__ = ["DEFAULT_DEVICE_BYTES", "DEFAULT_SWA_POOL_BYTES", "SimConfig", "SimResult"]
 
@@ -63,9 +64,8 @@ class SimConfig:
 
         Raises:
             ValueError: a non-positive size or TTL (a negative global-pool size), a checkpoint period that
-                is not a multiple of the block size, or a dense config. A block size a compress ratio does
-                not divide is fine here: an entry spanning two blocks counts in the block where its group
-                completes (`kvdiet.cache.control.Geometry.from_config`).
+                is not a multiple of the block size the model runs at (`kvdiet.sim.reblock.engine_block_size`),
+                or a dense config.
         """
         if self.device_bytes <= 0 or self.swa_pool_bytes <= 0:
             raise ValueError("device and SWA-pool sizes must be > 0 bytes")
@@ -81,11 +81,11 @@ class SimConfig:
         cfg = load_config(self.model)
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"{self.model}: the trace study needs a V4-family config (window and tiers)")
-        k = self.policy.checkpoint_every
-        if k is not None and k % block_size:
+        k, bs = self.policy.checkpoint_every, engine_block_size(cfg, block_size)
+        if k is not None and k % bs:
             raise ValueError(
-                f"run {self.policy}@{self.model}: checkpoint period {k} must be a multiple of the trace's "
-                f"block size {block_size} (e.g. checkpoint:{max(1, round(k / block_size)) * block_size})"
+                f"run {self.policy}@{self.model}: checkpoint period {k} must be a multiple of the block size "
+                f"{bs} it runs at (e.g. checkpoint:{max(1, round(k / bs)) * bs})"
             )
         return cfg
 

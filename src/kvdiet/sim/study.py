@@ -26,6 +26,7 @@ from multiprocessing.connection import wait
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies import parse_policy
 from kvdiet.sim.model_free import request_blocks, simulate, simulate_then_exit
+from kvdiet.sim.reblock import engine_block_size, reblock
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
 from kvdiet.units import parse_bytes, parse_duration
@@ -151,18 +152,18 @@ class Study:
 
 
 def _run_forked(
-    trace: Trace,
-    blocks: list[tuple[int, ...]],
+    inputs: dict[SimConfig, tuple[Trace, list[tuple[int, ...]]]],
     configs: Sequence[SimConfig],
     jobs: int,
     finished: Callable[[SimConfig, SimResult], None],
 ) -> None:
     """Simulate each config in a process of its own forked from this one, ``jobs`` at a time, in order;
-    ``finished(config, result)`` as each ends. A forked process inherits the trace and its ``blocks``
-    (`request_blocks`; nothing pickled: a large agentic trace takes seconds to unpickle), sends its result
-    back and exits without freeing its run (`simulate_then_exit`). The first failure stops the others and is
-    raised here (RuntimeError when a process died without a word). Garbage collection is off meanwhile:
-    results arrive as many small acyclic objects, which cycle collection would rescan for nothing."""
+    ``finished(config, result)`` as each ends. A forked process inherits its config's trace and blocks
+    (``inputs``: the trace at the config's block size and its `request_blocks`; nothing pickled: a large
+    agentic trace takes seconds to unpickle), sends its result back and exits without freeing its run
+    (`simulate_then_exit`). The first failure stops the others and is raised here (RuntimeError when a
+    process died without a word). Garbage collection is off meanwhile: results arrive as many small acyclic
+    objects, which cycle collection would rescan for nothing."""
     context = multiprocessing.get_context("fork")
     todo, running = list(reversed(configs)), {}
     collecting = gc.isenabled()
@@ -172,7 +173,7 @@ def _run_forked(
             while todo and len(running) < jobs:
                 config = todo.pop()
                 receive, send = context.Pipe(duplex=False)
-                args = (trace, config, send.send, blocks)
+                args = (inputs[config][0], config, send.send, inputs[config][1])
                 proc = context.Process(target=simulate_then_exit, args=args, daemon=True)
                 proc.start()
                 send.close()  # this end is the child's: its exit closes the pipe
@@ -210,10 +211,10 @@ def run_study(
     """Simulate every run and every sweep point (`simulate`), ``jobs`` at a time (default: CPU count).
 
     ``progress`` is called with the number of simulations finished (identical configs run once). Every
-    config is checked first, so a bad one raises ValueError before any work.
+    config is checked first, so a bad one raises ValueError before any work. Each model runs at the block size
+    its engine runs at (`kvdiet.sim.reblock`): the trace is re-blocked once per block size.
     """
-    for cfg in [*runs, *(base for _, base in sweeps)]:
-        cfg.check(trace.block_size)
+    models = {cfg.model: cfg.check(trace.block_size) for cfg in [*runs, *(base for _, base in sweeps)]}
     todo: list[SimConfig] = list(runs)
     points: list[tuple[str, str]] = []
     for sweep, base in sweeps:
@@ -229,12 +230,16 @@ def run_study(
         if progress is not None:
             progress(len(done))
 
-    blocks = request_blocks(trace)  # the same for every run: once
+    at: dict[int, tuple[Trace, list[tuple[int, ...]]]] = {}  # per block size, once
+    for cfg in models.values():
+        if (bs := engine_block_size(cfg, trace.block_size)) not in at:
+            at[bs] = (t := reblock(trace, bs)), request_blocks(t)
+    inputs = {cfg: at[engine_block_size(models[cfg.model], trace.block_size)] for cfg in unique}
     if jobs > 1 and "fork" in multiprocessing.get_all_start_methods():
-        _run_forked(trace, blocks, unique, jobs, finished)
+        _run_forked(inputs, unique, jobs, finished)
     else:  # one job, or a platform that cannot fork: one run after another, here
         for cfg in unique:
-            finished(cfg, simulate(trace, cfg, blocks=blocks))
+            finished(cfg, simulate(inputs[cfg][0], cfg, blocks=inputs[cfg][1]))
     results = [done[cfg] for cfg in todo]
     out = Study(results[: len(runs)], {})
     for (axis, label), res in zip(points, results[len(runs) :], strict=True):
