@@ -151,6 +151,8 @@ def test_the_engine_table_keeps_its_chosen_columns() -> None:
         "1.20 MB",
     ]
     assert len(ENGINE_COLUMNS) == 12
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "engine-mode table keeps twelve columns (run," in readme  # the README counts them as the code does
 
 
 def test_empty_hit_windows_are_gaps_and_identical_lines_are_grouped() -> None:
@@ -325,3 +327,82 @@ def test_a_report_of_requests_that_store_nothing_draws_its_plots_without_a_warni
     assert (tmp_path / "out" / "persistent_bytes.png").stat().st_size > 0
     # was matplotlib's "Data has no positive values, and therefore cannot be log-scaled" on stderr
     assert not [w for w in recwarn if "log-scaled" in str(w.message)]
+
+
+def _whole_tables(text: str, headers: list[str]) -> None:
+    """Every box-drawn row of ``text`` ends in its closing border (not cropped) and every header is whole
+    on one line (not wrapped)."""
+    closing = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘"}
+    rows = [line for line in text.splitlines() if line[:1] in closing]
+    assert rows and all(line.endswith(closing[line[0]]) for line in rows), rows
+    head = [line for line in rows if line.startswith("┃")]
+    for name in headers:
+        assert any(f" {name} " in line for line in head), name
+
+
+def test_off_a_terminal_every_table_prints_whole_whatever_columns_says(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from kvdiet.sim import engine_mode
+    from kvdiet.sim.report import ENGINE_COLUMNS
+
+    summary = {
+        "model": "v4.1-mini",
+        "policy": "bounded-replay",
+        "requests": 4,
+        "device_hit_ratio": 0.25,
+        "persistent_hit_ratio": 0.5,
+        "window_sources": {"swa-pool": 1, "none": 3},
+        "replayed_tokens": 1280,
+        "computed_tokens": 40,
+        "ttft_p50_s": 1.23456,
+        "ttft_p90_s": 20.5,
+        "model_free_agreeing": 4,
+        "persistent_bytes_written": 1_234_567,
+        "model_free_persistent_bytes_written": 1_200_000,
+    }
+
+    class _Run:
+        ttft_s = (1.0,)
+
+        def summary(self) -> dict[str, object]:
+            return summary
+
+    monkeypatch.setattr(engine_mode, "run_engine_mode", lambda trace, cfg, progress: _Run())
+    trace = _trace(tmp_path / "t.jsonl", n=40)
+    for columns in ("60", "400"):
+        monkeypatch.setenv("COLUMNS", columns)
+        argv = [
+            "replay",
+            str(trace),
+            "--mode",
+            "engine",
+            "--max-requests",
+            "4",
+            "--runs",
+            "bounded-replay@v4.1-mini",
+        ]
+        assert main(argv) == 0
+        _whole_tables(capsys.readouterr().out, list(ENGINE_COLUMNS))
+        assert main(["replay", str(trace), "--runs", "bounded-replay", "--sweep", "swa-pool-ttl=30s,1m"]) == 0
+        out = capsys.readouterr().out
+        _whole_tables(
+            out, ["run", "persistent peak", "window at peak", "recomputed", "GPU-s", "window restored"]
+        )
+        assert main(["replay", str(trace), "--mode", "stats"]) == 0
+        stats = capsys.readouterr().out.splitlines()
+        assert any(
+            line.startswith("infinite_cache_hit_ratio_variants") and "mean_per_request" in line
+            for line in stats
+        )
+        assert main(["plan"]) == 0
+        plan = capsys.readouterr().out
+        _whole_tables(plan, ["recompute on hit (tokens)", "bytes/token", "+ window + tails"])
+        assert any(
+            line.startswith("Window state per request") and "compressor tails" in line
+            for line in plan.splitlines()
+        )
+        assert main(["plan", "--compare", "deepseek-v4.1-flash", "deepseek-v4-flash"]) == 0
+        _whole_tables(
+            capsys.readouterr().out, ["figure", "deepseek-v4.1-flash", "deepseek-v4-flash", "a / b"]
+        )

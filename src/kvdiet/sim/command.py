@@ -309,8 +309,6 @@ def _sweeps_json(study) -> dict[str, list[dict[str, object]]]:
 
 
 def _print(out: dict, study, engine, console: Console) -> None:
-    if not console.is_terminal:  # a pipe or a file: no terminal width to respect, keep every column whole
-        console = Console(width=180, no_color=True)
     stats = out["trace"]
     for key, value in stats.items():
         if isinstance(value, dict):
