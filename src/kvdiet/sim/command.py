@@ -136,7 +136,12 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(default 0: none)",
     )
     t.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
-    t.add_argument("--gpu", default="h200", help="GPU of the compute cost model: h100, h200, b200")
+    t.add_argument(
+        "--gpu",
+        type=str.lower,
+        default="h200",
+        help="GPU of the compute cost model: h100, h200, b200 (any case)",
+    )
     t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
     t.add_argument(
         "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
