@@ -265,13 +265,48 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str]
         ("device-size=8GB,0", "--sweep 'device-size=8GB,0': device-size must be > 0 bytes, got '0'"),
         ("swa-pool-size=0", "--sweep 'swa-pool-size=0': swa-pool-size must be > 0 bytes, got '0'"),
         ("swa-pool-ttl=5m,300s", "--sweep 'swa-pool-ttl=5m,300s': '300s' is '5m' again"),
+        ("device-size=8GB,unbounded", "byte size 'unbounded': this one needs a bound (examples: 4GiB"),
+        ("persistent-ttl=unbounded", "duration 'unbounded': this one needs a bound (examples: 72h"),
     ],
 )
 def test_a_bad_sweep_value_is_refused_before_the_trace_is_read(capsys, sweep: str, message: str) -> None:
     # a missing trace: the sweep's error comes first (a size of 0 was refused after the trace was read, in
     # words naming no flag; a value given twice ran the same point twice)
     assert main(["replay", "no-such-trace.jsonl", "--sweep", sweep]) == 2
-    assert capsys.readouterr().err.strip() == f"kvdiet replay: error: --sweep: {message}"
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvdiet replay: error: --sweep: {message}" or (
+        "unbounded" in sweep and err.startswith("kvdiet replay: error: ") and message in err
+    ), err
+
+
+def test_unbounded_is_the_default_where_the_default_is_unbounded(tmp_path: Path, capsys) -> None:
+    """``--persistent-size unbounded`` and ``--sweep swa-pool-ttl=30s,unbounded`` were "cannot parse"; the word
+    (any case) is exactly the default: the persistent tier without a size, the TTL sweep's own last point."""
+    trace = _trace(tmp_path / "t.jsonl", n=40)
+    argv = ["replay", str(trace), "--runs", "bounded-replay", "--json", "--jobs", "1"]
+    assert main([*argv, "--sweep", "none"]) == 0
+    default = json.loads(capsys.readouterr().out)["runs"]
+    assert main([*argv, "--sweep", "none", "--persistent-size", "Unbounded"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == default
+    assert default[0]["config"]["persistent_bytes"] is None
+    assert main([*argv, "--sweep", "swa-pool-ttl=30s,1m"]) == 0
+    plain = json.loads(capsys.readouterr().out)["sweeps"]["swa-pool-ttl"]
+    assert [p["value"] for p in plain] == ["30s", "1m", "unbounded"]
+    for spelled in ("30s,1m,unbounded", "UNBOUNDED,30s,1m"):  # the unbounded point is last, once
+        assert main([*argv, "--sweep", f"swa-pool-ttl={spelled}"]) == 0
+        assert json.loads(capsys.readouterr().out)["sweeps"]["swa-pool-ttl"] == plain
+    assert main([*argv, "--sweep", "persistent-size=1MB,unbounded"]) == 0
+    points = json.loads(capsys.readouterr().out)["sweeps"]["persistent-size"]
+    assert [(p["value"], p["config"]["persistent_bytes"]) for p in points] == [
+        ("1MB", 10**6),
+        ("unbounded", None),
+    ]
+    assert points[1]["summary"] == default[0]["summary"]
+    assert main([*argv, "--sweep", "none", "--swa-pool-ttl", "unbounded"]) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet replay: error: --swa-pool-ttl: duration 'unbounded': this one needs a bound (examples: 72h, 5m, "
+        "30s, 250ms, 90); 'unbounded' is taken only where it is the default\n"
+    )
 
 
 def test_one_run_spelled_two_ways_is_refused_as_a_run_given_twice(capsys) -> None:

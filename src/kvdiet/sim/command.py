@@ -120,7 +120,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     t = rep.add_argument_group("tiers (model-free)")
     t.add_argument("--device-size", default="32GB", help="device-pool budget for global KV (default 32GB)")
-    t.add_argument("--persistent-size", help="persistent-tier budget, LRU beyond it (default unbounded)")
+    t.add_argument(
+        "--persistent-size",
+        help="persistent-tier budget, LRU beyond it (default unbounded; 'unbounded' says so)",
+    )
     t.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
     t.add_argument("--swa-pool-size", default="200GB", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
     t.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
