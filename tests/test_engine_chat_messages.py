@@ -21,3 +21,32 @@ def test_a_python_value_json_has_no_type_for_is_named_by_its_class(content, said
     with pytest.raises(InvalidRequestError) as info:
         check_conversation([{"role": "user", "content": content}])
     assert said in str(info.value) and info.value.param == "messages"
+
+
+def test_a_message_object_is_taken_as_its_model_dump_and_anything_else_is_named_in_user_terms() -> None:
+    """The OpenAI SDK's messages are pydantic models (a reply's ``ChatCompletionMessage``): `LLM.chat` takes one
+    as its ``model_dump()``, the dict the server gets over JSON; a value that is neither was refused naming
+    kvdiet's internal class ("instance of ChatMessage")."""
+    from openai.types.chat import ChatCompletionMessage, ParsedChatCompletionMessage
+
+    reply = ChatCompletionMessage(role="assistant", content="Hello.")
+    got = check_conversation([{"role": "user", "content": "hi"}, reply, {"role": "user", "content": "again"}])
+    assert got == check_conversation(
+        [{"role": "user", "content": "hi"}, reply.model_dump(), {"role": "user", "content": "again"}]
+    )
+    assert got[1]["role"] == "assistant" and got[1]["content"] == [
+        {"type": "text", "text": "Hello.", "prompt_cache_breakpoint": None}
+    ]
+    parsed = ParsedChatCompletionMessage(role="assistant", content="Hello.")  # the SDK's stream/parse helpers
+    assert check_conversation([parsed, {"role": "user", "content": "again"}])[0] == got[1]
+    refused = ChatCompletionMessage(role="assistant", content="x", refusal="no")
+    with pytest.raises(InvalidRequestError, match=r"^messages\.0\.refusal: refusals are not supported"):
+        check_conversation([refused])
+    for value, kind in ((5, "a number"), ("hi", "a string of 2 characters"), (("user", "hi"), "a tuple")):
+        with pytest.raises(InvalidRequestError) as info:
+            check_conversation([{"role": "user", "content": "hi"}, value])
+        said = str(info.value)
+        assert said == (
+            "messages.1: must be a message: an object with role and content (from Python a dict, or an object "
+            f"whose model_dump() gives one, as the OpenAI SDK's messages do), got {kind}"
+        ), said

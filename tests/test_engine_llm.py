@@ -139,6 +139,17 @@ def test_every_prompt_that_does_not_fit_gets_the_context_length_error(llm, n) ->
         llm.generate([5] * n + [64])  # a bad id is still named first, as vLLM does
 
 
+def test_the_length_refusal_writes_every_count_in_one_format() -> None:
+    """Each count with thousands separators: the prompt's was ``1,024`` beside ``1025`` and ``1024``."""
+    said = str(ContextLengthError(1024, 4096, 1024, "max_model_len", max_tokens_origin="sent as max_tokens"))
+    assert said == (
+        "prompt (1,024 tokens) + max_tokens (4,096, sent as max_tokens) = 5,120 tokens > max_model_len 1,024; "
+        "shorten the prompt or lower max_tokens"
+    )
+    said = str(ContextLengthError(1, 1, 1, "max_position_embeddings"))
+    assert said.startswith("prompt (1 token) + max_tokens (1) = 2 tokens > max_position_embeddings 1;")
+
+
 @pytest.fixture(scope="module")
 def chat_llm():
     """v4.1-mini: the DeepSeek tokenizer, so chat runs through the real template."""

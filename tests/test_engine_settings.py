@@ -220,6 +220,27 @@ def test_cache_options_take_sizes_and_ttls_as_the_flags_do_and_refuse_bad_ones()
     assert info.value.as_flags() == "--expert-cache-size must be >= 0 bytes, got -5"
 
 
+def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) -> None:
+    """``--persistent-size`` (default unbounded) takes ``unbounded`` in any case as its default; a TTL needs a
+    bound and says so."""
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parser.add_argument("--model", default="v4.1-micro")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    for spelled, want in (("UNBOUNDED", None), ("unbounded", None), ("2MB", 2 * 10**6)):
+        args = parser.parse_args(["--persistent-size", spelled])
+        assert EngineArgs.from_cli_args(args).cache.persistent_size == want
+    assert EngineArgs.from_cli_args(parser.parse_args([])).cache.persistent_size is None
+    assert (
+        main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1", "--swa-pool-ttl", "unbounded"]) == 2
+    )
+    assert capsys.readouterr().err.startswith(
+        "kvdiet generate: error: --swa-pool-ttl: duration 'unbounded': this one needs a bound (examples: 72h"
+    )
+
+
 def test_an_empty_persistent_dir_is_refused_on_the_command_line(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir", ""]) == 2

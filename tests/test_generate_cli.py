@@ -61,7 +61,7 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
         (
             "--max-tokens",
             "1000000000",
-            "max_tokens (1000000000, --max-tokens) = 1000000003 tokens > max_position_embeddings 256",
+            "max_tokens (1,000,000,000, --max-tokens) = 1,000,000,003 tokens > max_position_embeddings 256",
         ),  # checked before any allocation
         (  # one 4-token block: the pool runs out while decoding
             "--kv-cache-memory",

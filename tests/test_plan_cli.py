@@ -302,6 +302,18 @@ def test_plan_and_replay_name_the_same_gpus(capsys) -> None:
     assert (cap["gpu"], cap["gpu_mem_gb"]) == ("h100", 80.0)
 
 
+def test_gpu_names_are_case_insensitive_in_plan_and_replay(tmp_path: Path, capsys) -> None:
+    """``--gpu H200`` was refused (argparse's choices are lower case) while ``h200`` worked."""
+    cap = _run_json(capsys, "--gpu", "H100")["capacity"]
+    assert (cap["gpu"], cap["gpu_mem_gb"]) == ("h100", 80.0)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    argv = ["replay", str(trace), "--runs", "bounded-replay", "--sweep", "none", "--json", "--jobs", "1"]
+    assert main([*argv, "--gpu", "B200"]) == 0
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert run["config"]["gpu"] == "b200" and "B200" in run["summary"]["cost_formula"]
+
+
 def test_a_context_past_max_position_embeddings_warns_but_runs(capsys) -> None:
     """Issue ux41.6: a warning on stderr and a ``context_warning`` field in --json, exit 0; none within it."""
     assert main(["plan", "--context", "2M", "--contexts", "4K,3M", "--json"]) == 0

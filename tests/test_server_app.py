@@ -300,7 +300,7 @@ def test_models_health_and_metrics(mini, client) -> None:
         (
             "/v1/completions",
             {"prompt": "hi", "max_tokens": 5000},
-            "max_tokens (5000) = 5002 tokens > max_model_len 4096",
+            "max_tokens (5,000) = 5,002 tokens > max_model_len 4,096",
         ),
         (
             "/v1/completions",
@@ -361,8 +361,34 @@ def test_models_health_and_metrics(mini, client) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "role 'tool'"),
         (
             "/v1/chat/completions",
+            {"messages": [1]},
+            "messages.0: must be a message: an object with role and content",
+        ),
+        ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop: item 0 must be a string (got a number)"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": ["x", None]},
+            "stop: item 1 must be a string (got null)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": ["x", "y" * 1025]},
+            "stop: item 1 must be at most 1,024 characters (got a string of 1,025 characters)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": ["x"] * 17},
+            "stop: must be at most 16 stop strings (got an array of 17 items)",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": 5},
+            "stop: must be a string of at most 1,024 characters or a list",
+        ),
+        (
+            "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9999},
-            "> max_model_len 4096",
+            "> max_model_len 4,096",
         ),
     ],
 )
@@ -385,6 +411,7 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(mini, path, body, mes
         ("/v1/completions", {"prompt": [0, 129280]}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stop": ["x", ""]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [200000]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 5}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"+1": 5}}, "logit_bias"),
@@ -425,19 +452,19 @@ def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> N
             "prompt",
             "max_tokens (16, the default when a completion gives none)",
         ),
-        ("/v1/completions", {"prompt": ids, "max_tokens": 16}, "prompt", "max_tokens (16) = 4106 tokens"),
+        ("/v1/completions", {"prompt": ids, "max_tokens": 16}, "prompt", "max_tokens (16) = 4,106 tokens"),
         ("/v1/completions", {"prompt": ids, "max_tokens": None}, "prompt", "max_tokens (16, the default"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9999},
             "messages",
-            "+ max_tokens (9999) = ",
+            "+ max_tokens (9,999) = ",
         ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9999},
             "messages",
-            "+ max_tokens (9999, sent as max_completion_tokens) = ",
+            "+ max_tokens (9,999, sent as max_completion_tokens) = ",
         ),
         (  # a chat that fills the context unasked: the one token any reply takes, in the same words
             "/v1/chat/completions",
@@ -555,7 +582,7 @@ def test_prompt_token_id_errors_read_as_llm_generate_words_them(mini) -> None:
 
 
 def test_the_openai_client_sees_a_bad_request_error(client) -> None:
-    with pytest.raises(openai.BadRequestError, match="max_model_len 4096"):
+    with pytest.raises(openai.BadRequestError, match="max_model_len 4,096"):
         client.completions.create(model="v4.1-mini", prompt="x", max_tokens=4095)
 
 

@@ -151,6 +151,8 @@ def test_the_engine_table_keeps_its_chosen_columns() -> None:
         "1.20 MB",
     ]
     assert len(ENGINE_COLUMNS) == 12
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "engine-mode table keeps twelve columns (run," in readme  # the README counts them as the code does
 
 
 def test_empty_hit_windows_are_gaps_and_identical_lines_are_grouped() -> None:
@@ -263,13 +265,48 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path, capsys, flags: list[str]
         ("device-size=8GB,0", "--sweep 'device-size=8GB,0': device-size must be > 0 bytes, got '0'"),
         ("swa-pool-size=0", "--sweep 'swa-pool-size=0': swa-pool-size must be > 0 bytes, got '0'"),
         ("swa-pool-ttl=5m,300s", "--sweep 'swa-pool-ttl=5m,300s': '300s' is '5m' again"),
+        ("device-size=8GB,unbounded", "byte size 'unbounded': this one needs a bound (examples: 4GiB"),
+        ("persistent-ttl=unbounded", "duration 'unbounded': this one needs a bound (examples: 72h"),
     ],
 )
 def test_a_bad_sweep_value_is_refused_before_the_trace_is_read(capsys, sweep: str, message: str) -> None:
     # a missing trace: the sweep's error comes first (a size of 0 was refused after the trace was read, in
     # words naming no flag; a value given twice ran the same point twice)
     assert main(["replay", "no-such-trace.jsonl", "--sweep", sweep]) == 2
-    assert capsys.readouterr().err.strip() == f"kvdiet replay: error: --sweep: {message}"
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvdiet replay: error: --sweep: {message}" or (
+        "unbounded" in sweep and err.startswith("kvdiet replay: error: ") and message in err
+    ), err
+
+
+def test_unbounded_is_the_default_where_the_default_is_unbounded(tmp_path: Path, capsys) -> None:
+    """``--persistent-size unbounded`` and ``--sweep swa-pool-ttl=30s,unbounded`` were "cannot parse"; the word
+    (any case) is exactly the default: the persistent tier without a size, the TTL sweep's own last point."""
+    trace = _trace(tmp_path / "t.jsonl", n=40)
+    argv = ["replay", str(trace), "--runs", "bounded-replay", "--json", "--jobs", "1"]
+    assert main([*argv, "--sweep", "none"]) == 0
+    default = json.loads(capsys.readouterr().out)["runs"]
+    assert main([*argv, "--sweep", "none", "--persistent-size", "Unbounded"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == default
+    assert default[0]["config"]["persistent_bytes"] is None
+    assert main([*argv, "--sweep", "swa-pool-ttl=30s,1m"]) == 0
+    plain = json.loads(capsys.readouterr().out)["sweeps"]["swa-pool-ttl"]
+    assert [p["value"] for p in plain] == ["30s", "1m", "unbounded"]
+    for spelled in ("30s,1m,unbounded", "UNBOUNDED,30s,1m"):  # the unbounded point is last, once
+        assert main([*argv, "--sweep", f"swa-pool-ttl={spelled}"]) == 0
+        assert json.loads(capsys.readouterr().out)["sweeps"]["swa-pool-ttl"] == plain
+    assert main([*argv, "--sweep", "persistent-size=1MB,unbounded"]) == 0
+    points = json.loads(capsys.readouterr().out)["sweeps"]["persistent-size"]
+    assert [(p["value"], p["config"]["persistent_bytes"]) for p in points] == [
+        ("1MB", 10**6),
+        ("unbounded", None),
+    ]
+    assert points[1]["summary"] == default[0]["summary"]
+    assert main([*argv, "--sweep", "none", "--swa-pool-ttl", "unbounded"]) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet replay: error: --swa-pool-ttl: duration 'unbounded': this one needs a bound (examples: 72h, 5m, "
+        "30s, 250ms, 90); 'unbounded' is taken only where it is the default\n"
+    )
 
 
 def test_one_run_spelled_two_ways_is_refused_as_a_run_given_twice(capsys) -> None:
@@ -357,3 +394,82 @@ def test_a_model_run_at_other_blocks_than_the_traces_says_so_in_one_line(
     assert [s["block_size"] for s in summaries] == [at, at, block]
     v4 = summaries[0]
     assert v4["persistent_window_bytes_written"] == v4["snapshots_stored"] * 4_118_872 > 0
+
+
+def _whole_tables(text: str, headers: list[str]) -> None:
+    """Every box-drawn row of ``text`` ends in its closing border (not cropped) and every header is whole
+    on one line (not wrapped)."""
+    closing = {"┏": "┓", "┃": "┃", "┡": "┩", "│": "│", "└": "┘"}
+    rows = [line for line in text.splitlines() if line[:1] in closing]
+    assert rows and all(line.endswith(closing[line[0]]) for line in rows), rows
+    head = [line for line in rows if line.startswith("┃")]
+    for name in headers:
+        assert any(f" {name} " in line for line in head), name
+
+
+def test_off_a_terminal_every_table_prints_whole_whatever_columns_says(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from kvdiet.sim import engine_mode
+    from kvdiet.sim.report import ENGINE_COLUMNS
+
+    summary = {
+        "model": "v4.1-mini",
+        "policy": "bounded-replay",
+        "requests": 4,
+        "device_hit_ratio": 0.25,
+        "persistent_hit_ratio": 0.5,
+        "window_sources": {"swa-pool": 1, "none": 3},
+        "replayed_tokens": 1280,
+        "computed_tokens": 40,
+        "ttft_p50_s": 1.23456,
+        "ttft_p90_s": 20.5,
+        "model_free_agreeing": 4,
+        "persistent_bytes_written": 1_234_567,
+        "model_free_persistent_bytes_written": 1_200_000,
+    }
+
+    class _Run:
+        ttft_s = (1.0,)
+
+        def summary(self) -> dict[str, object]:
+            return summary
+
+    monkeypatch.setattr(engine_mode, "run_engine_mode", lambda trace, cfg, progress: _Run())
+    trace = _trace(tmp_path / "t.jsonl", n=40)
+    for columns in ("60", "400"):
+        monkeypatch.setenv("COLUMNS", columns)
+        argv = [
+            "replay",
+            str(trace),
+            "--mode",
+            "engine",
+            "--max-requests",
+            "4",
+            "--runs",
+            "bounded-replay@v4.1-mini",
+        ]
+        assert main(argv) == 0
+        _whole_tables(capsys.readouterr().out, list(ENGINE_COLUMNS))
+        assert main(["replay", str(trace), "--runs", "bounded-replay", "--sweep", "swa-pool-ttl=30s,1m"]) == 0
+        out = capsys.readouterr().out
+        _whole_tables(
+            out, ["run", "persistent peak", "window at peak", "recomputed", "GPU-s", "window restored"]
+        )
+        assert main(["replay", str(trace), "--mode", "stats"]) == 0
+        stats = capsys.readouterr().out.splitlines()
+        assert any(
+            line.startswith("infinite_cache_hit_ratio_variants") and "mean_per_request" in line
+            for line in stats
+        )
+        assert main(["plan"]) == 0
+        plan = capsys.readouterr().out
+        _whole_tables(plan, ["recompute on hit (tokens)", "bytes/token", "+ window + tails"])
+        assert any(
+            line.startswith("Window state per request") and "compressor tails" in line
+            for line in plan.splitlines()
+        )
+        assert main(["plan", "--compare", "deepseek-v4.1-flash", "deepseek-v4-flash"]) == 0
+        _whole_tables(
+            capsys.readouterr().out, ["figure", "deepseek-v4.1-flash", "deepseek-v4-flash", "a / b"]
+        )

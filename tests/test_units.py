@@ -99,3 +99,32 @@ def test_comma_items_strip_and_refuse_an_empty_item() -> None:
     assert comma_items("--x", " 4K, 8K ", "counts") == ["4K", "8K"]
     with pytest.raises(ValueError, match=r"^--x: item 3 is empty \(ids are comma-separated\)$"):
         comma_items("--x", "1,2, ,4", "ids")
+
+
+def test_unbounded_is_taken_only_where_it_is_the_default() -> None:
+    """``--persistent-size unbounded`` (its --help's "default unbounded") was "cannot parse byte size"; a size or
+    TTL that needs a bound now names that, not a parse failure."""
+    assert [
+        units.parse_bytes_or_unbounded(t) for t in ("unbounded", " UNBOUNDED ", "Unbounded", None, "2MB")
+    ] == [
+        None,
+        None,
+        None,
+        None,
+        2 * 10**6,
+    ]
+    assert (
+        units.is_unbounded("UnBounded") and not units.is_unbounded("unbound") and not units.is_unbounded(None)
+    )
+    with pytest.raises(ValueError) as info:
+        units.parse_duration("Unbounded")
+    assert str(info.value) == (
+        "duration 'Unbounded': this one needs a bound (examples: 72h, 5m, 30s, 250ms, 90); 'unbounded' is taken "
+        "only where it is the default"
+    )
+    with pytest.raises(ValueError, match=r"^byte size 'unbounded': this one needs a bound \(examples: 4GiB"):
+        parse_bytes("unbounded")
+    with pytest.raises(
+        ValueError, match=r"^token count 'unbounded': this one needs a bound \(examples: 4096"
+    ):
+        parse_count("unbounded")

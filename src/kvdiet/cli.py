@@ -101,6 +101,18 @@ def _add_golden_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+OFF_TERMINAL_WIDTH = 100_000
+"""Columns of the console when stdout is a pipe or a file: wider than any table kvdiet prints, so rich
+neither wraps nor crops one (a terminal's own width, or COLUMNS, would cut rows short)."""
+
+
+def _stdout_console() -> Console:
+    """The console the commands print to: rich's own on a terminal; off one (a pipe, a file) plain text of
+    `OFF_TERMINAL_WIDTH` columns, so every table prints whole."""
+    console = Console()
+    return console if console.is_terminal else Console(width=OFF_TERMINAL_WIDTH, no_color=True)
+
+
 def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
     """Run one ``kvdiet`` command (``argv``: its arguments, default ``sys.argv[1:]``); returns the exit status
     (2 on bad input). ``own_process``: this process exists for the command (`entry`), so it may re-execute
@@ -117,7 +129,7 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.own_process = own_process
-    console = Console()
+    console = _stdout_console()
     try:
         if hasattr(args, "threads"):
             check_threads(args.threads)  # in every mode, used or not

@@ -3,7 +3,8 @@
 SI suffixes are decimal (``128K`` = 128,000 tokens, ``1GB`` = 10⁹ bytes); ``Ki``/``Mi``/``Gi`` suffixes
 are binary (``4GiB`` = 4·2³⁰ bytes, ``1Mi`` = 1,048,576 tokens). kvdiet prints bytes in decimal units
 (GB = 10⁹ B), as GPU memory is quoted (H200 141 GB). Suffixes and duration units take any case, except a
-duration's bare ``M`` (minutes or months?), which is refused.
+duration's bare ``M`` (minutes or months?), which is refused. ``unbounded`` (any case) is a value only where it
+is the default (`parse_bytes_or_unbounded`); a size or duration that needs a bound refuses it by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ __all__ = [
     "format_count",
     "format_duration",
     "format_tokens",
+    "is_unbounded",
     "parse_bytes",
+    "parse_bytes_or_unbounded",
     "parse_count",
     "parse_duration",
     "parse_flag",
@@ -109,9 +112,34 @@ def parse_bytes(text: str | int) -> int:
     """Parse a byte size such as ``4GiB``, ``141GB``, ``512MB`` or ``1000``.
 
     Raises:
-        ValueError: not a non-negative whole number of bytes with an optional suffix.
+        ValueError: not a non-negative whole number of bytes with an optional suffix; ``unbounded`` is named
+            as needing a bound (`parse_bytes_or_unbounded` takes it).
     """
     return _parse(text, what="byte size", strip_b=True)
+
+
+def is_unbounded(text: object) -> bool:
+    """Whether a flag's value is the word ``unbounded`` (any case, spaces around it ignored)."""
+    return isinstance(text, str) and text.strip().lower() == "unbounded"
+
+
+def parse_bytes_or_unbounded(text: str | int | None) -> int | None:
+    """A byte size whose default is no bound (``--persistent-size``): None for no value (None, ``""``) or
+    ``unbounded`` (any case: exactly the default), else `parse_bytes`.
+
+    Raises:
+        ValueError: as `parse_bytes`.
+    """
+    return None if text is None or text == "" or is_unbounded(text) else parse_bytes(text)
+
+
+def _bounded(raw: str, what: str, examples: str) -> None:
+    """Refuse ``unbounded`` for a size or duration that needs a bound, saying so (not "cannot parse")."""
+    if is_unbounded(raw):
+        raise ValueError(
+            f"{what} {raw.strip()!r}: this one needs a bound (examples: {examples}); 'unbounded' is taken only "
+            "where it is the default"
+        )
 
 
 _SECONDS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -126,10 +154,11 @@ def parse_duration(text: str | float) -> float:
     no month unit.
 
     Raises:
-        ValueError: not a positive finite number with an optional unit (ms, s, m/min, h, d), or the
-            ambiguous ``M``.
+        ValueError: not a positive finite number with an optional unit (ms, s, m/min, h, d), the ambiguous
+            ``M``, or ``unbounded`` (a TTL that needs a bound; named as such).
     """
     raw = str(text).strip()
+    _bounded(raw, "duration", "72h, 5m, 30s, 250ms, 90")
     num = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = raw[len(num) :] or "s"
     if unit == "M":
@@ -150,6 +179,7 @@ def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
         value = text
     else:
         raw = str(text)
+        _bounded(raw, what, "4GiB, 141GB, 512MB, 1000" if strip_b else "4096, 128K, 1Mi")
         body = raw[:-1] if strip_b and raw.strip().upper().endswith("B") else raw
         match = _PATTERN.match(body)
         if not match:

@@ -25,7 +25,7 @@ from kvdiet.layer_plan import LayerPlan
 from kvdiet.setting_error import SettingError
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
-from kvdiet.units import parse_bytes, parse_count, parse_duration, parse_flag
+from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_count, parse_duration, parse_flag
 
 if TYPE_CHECKING:
     from kvdiet.engine.engine import EngineObserver, LLMEngine
@@ -308,7 +308,8 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
     )
     group.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
     group.add_argument(
-        "--persistent-size", help="persistent-tier capacity, LRU beyond it (default unbounded)"
+        "--persistent-size",
+        help="persistent-tier capacity, LRU beyond it (default unbounded; 'unbounded' says so)",
     )
     group.add_argument(
         "--swa-policy",
@@ -377,7 +378,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
         block_size=args.block_size,  # None: the model's (for_model)
         persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
         persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
-        persistent_size=parse_flag("--persistent-size", _bytes_or_none, args.persistent_size),
+        persistent_size=parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size),
         swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
         swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),
@@ -393,4 +394,5 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
 
 
 def _bytes_or_none(value: str | None) -> int | None:
+    """A size whose default is computed (None: 10% of RAM), not unbounded: ``unbounded`` is refused."""
     return parse_bytes(value) if value else None

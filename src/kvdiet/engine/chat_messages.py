@@ -189,16 +189,23 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def tool_calls_excuse_content(cls, data: Any) -> Any:
-        """A message with a non-empty ``tool_calls`` or ``function_call`` is refused for that key alone: OpenAI
-        lets such a message give ``content`` null or leave it out, so its content is not the fault (the
-        empty content put in its place is never used: the tool key's refusal fails the message)."""
+    def as_message(cls, data: Any) -> Any:
+        """A message is a dict, or an object whose ``model_dump()`` gives one (the OpenAI SDK's messages, such
+        as a reply's ``ChatCompletionMessage``: the dict the server gets over JSON); anything else is one error
+        at the message. A message with a non-empty ``tool_calls`` or ``function_call`` is refused for that key
+        alone: OpenAI lets such a message give ``content`` null or leave it out, so its content is not the
+        fault (the empty content put in its place is never used: the tool key's refusal fails the message)."""
+        dump = getattr(data, "model_dump", None)
+        data = dump() if not isinstance(data, dict) and callable(dump) else data
+        if not isinstance(data, dict):
+            raise PydanticCustomError(
+                "message",
+                "must be a message: an object with role and content (from Python a dict, or an object whose "
+                "model_dump() gives one, as the OpenAI SDK's messages do), got {got}",
+                {"got": json_type(data)},
+            )
         tools = ("tool_calls", "function_call")
-        if (
-            isinstance(data, dict)
-            and data.get("content") is None
-            and not all(_empty(data.get(k)) for k in tools)
-        ):
+        if data.get("content") is None and not all(_empty(data.get(k)) for k in tools):
             return data | {"content": ""}
         return data
 
@@ -207,9 +214,9 @@ _CONVERSATION = TypeAdapter(list[ChatMessage])
 
 
 def check_conversation(messages: object) -> list[dict[str, Any]]:
-    """``messages`` (one conversation: a list of message dicts) checked as `ChatMessage` checks each message of a
-    ``/v1/chat/completions`` body, as plain dicts for `kvdiet.engine.chat_template.render_chat` (content as
-    its list of text parts).
+    """``messages`` (one conversation: a list of message dicts, or objects with ``model_dump()``) checked as
+    `ChatMessage` checks each message of a ``/v1/chat/completions`` body, as plain dicts for
+    `kvdiet.engine.chat_template.render_chat` (content as its list of text parts).
 
     Raises:
         InvalidRequestError (a ValueError, ``param`` ``"messages"``): every fault as the server words it,

@@ -192,7 +192,8 @@ class LLM:
 
         Args:
             messages: one conversation, a list of OpenAI messages (``{"role": "user", "content": "hi"}``;
-                content a string or a list of text parts), or a list of such lists.
+                content a string or a list of text parts; an object with ``model_dump()``, such as the OpenAI
+                SDK's ``ChatCompletionMessage`` from a reply, is taken as its dump), or a list of such lists.
             sampling_params, progress, use_tqdm: as `generate` (one per conversation, or one for all).
             chat_template_kwargs: ``{"thinking": True}`` opens the reply with ``<think>`` (the server's).
             vllm_only: vLLM's ``lora_request``, ``chat_template``, ``chat_template_content_format``,

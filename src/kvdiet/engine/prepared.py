@@ -52,8 +52,9 @@ class ContextLengthError(InvalidRequestError):
 
     One wording at every edge (the engine, ``kvdiet.LLM``, the server, offline ``kvdiet generate``):
     ``prompt (P tokens) + max_tokens (M) = T tokens > max_model_len L; shorten the prompt or lower
-    max_tokens``. ``max_tokens_origin``, when given, follows M in its parentheses, e.g. the server's
-    ``"the default when a completion gives none"`` for a value the client never sent.
+    max_tokens``, every count with thousands separators (``1,024``). ``max_tokens_origin``, when given, follows
+    M in its parentheses, e.g. the server's ``"the default when a completion gives none"`` for a value the
+    client never sent.
 
     Attributes:
         prompt_tokens, max_tokens, limit: the counts (tokens); limit_name: the limit's name
@@ -68,8 +69,8 @@ class ContextLengthError(InvalidRequestError):
         origin = f", {max_tokens_origin}" if max_tokens_origin else ""
         total = prompt_tokens + max_tokens
         super().__init__(
-            f"prompt ({format_tokens(prompt_tokens)}) + max_tokens ({max_tokens}{origin})"
-            f" = {total} tokens > {limit_name} {limit}; shorten the prompt or lower max_tokens",
+            f"prompt ({format_tokens(prompt_tokens)}) + max_tokens ({max_tokens:,}{origin})"
+            f" = {format_tokens(total)} > {limit_name} {limit:,}; shorten the prompt or lower max_tokens",
             param="prompt",
         )
 

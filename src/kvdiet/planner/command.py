@@ -61,6 +61,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--context", default="128K", help="context of one session for capacity (default 128K)")
     plan.add_argument(
         "--gpu",
+        type=str.lower,  # a GPU's name in any case: H200 is h200
         choices=sorted(GPUS),
         default="h200",
         help="named device: "

@@ -78,6 +78,31 @@ def _one_of(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
+def _stop_items(value: Any) -> Any:
+    """A ``stop`` list is refused for what is wrong with it, before the union's one sentence (which, for an
+    item that is not a string, blamed the count: ``a list of at most 16 such strings (got an array of 1
+    items)``): its first item that is not a string (``item 0 must be a string (got a number)``) or is longer
+    than 1,024 characters, then more than 16 items (OpenAI's limits on ``stop``). Any other value passes."""
+    if not isinstance(value, list):
+        return value
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise PydanticCustomError(
+                "stop_item", "item {i} must be a string (got {got})", {"i": i, "got": json_type(item)}
+            )
+        if len(item) > 1024:
+            raise PydanticCustomError(
+                "stop_item",
+                "item {i} must be at most 1,024 characters (got {got})",
+                {"i": i, "got": json_type(item)},
+            )
+    if len(value) > 16:
+        raise PydanticCustomError(
+            "stop_count", "must be at most 16 stop strings (got {got})", {"got": json_type(value)}
+        )
+    return value
+
+
 def _integer_token_ids(value: Any) -> Any:
     """A prompt list (or a one-element list of one) holding any number, with an item that is not a JSON
     integer (``1.5``, ``1.0``, ``true``, ``"1"``, ``null``, ``[2]``), is refused as such, as `LLM.generate`
@@ -130,6 +155,7 @@ class _Common(BaseModel):
         | Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=16)]
         | None,
         _one_of("a string of at most 1,024 characters or a list of at most 16 such strings"),
+        BeforeValidator(_stop_items),
     ] = None
     stop_token_ids: list[StrictInt] | None = None  # "5" is not a token id (LLM.generate's rule)
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None  # torch's seed range

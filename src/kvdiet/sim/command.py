@@ -120,7 +120,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     t = rep.add_argument_group("tiers (model-free)")
     t.add_argument("--device-size", default="32GB", help="device-pool budget for global KV (default 32GB)")
-    t.add_argument("--persistent-size", help="persistent-tier budget, LRU beyond it (default unbounded)")
+    t.add_argument(
+        "--persistent-size",
+        help="persistent-tier budget, LRU beyond it (default unbounded; 'unbounded' says so)",
+    )
     t.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
     t.add_argument("--swa-pool-size", default="200GB", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
     t.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
@@ -136,7 +139,12 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(default 0: none)",
     )
     t.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
-    t.add_argument("--gpu", default="h200", help="GPU of the compute cost model: h100, h200, b200")
+    t.add_argument(
+        "--gpu",
+        type=str.lower,
+        default="h200",
+        help="GPU of the compute cost model: h100, h200, b200 (any case)",
+    )
     t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
     t.add_argument(
         "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
@@ -313,8 +321,6 @@ def _sweeps_json(study) -> dict[str, list[dict[str, object]]]:
 
 
 def _print(out: dict, study, engine, console: Console) -> None:
-    if not console.is_terminal:  # a pipe or a file: no terminal width to respect, keep every column whole
-        console = Console(width=180, no_color=True)
     stats = out["trace"]
     for key, value in stats.items():
         if isinstance(value, dict):

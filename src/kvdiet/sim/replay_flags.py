@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from kvdiet.units import parse_bytes, parse_duration, parse_flag
+from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
 
 __all__ = ["DEFAULT_ENGINE_REQUESTS", "plan_runs"]
 
@@ -48,7 +48,12 @@ def plan_runs(args: argparse.Namespace):
             raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
     for flag in ("--device-size", "--swa-pool-size", "--persistent-size", "--kv-cache-memory"):
         text = getattr(args, flag[2:].replace("-", "_"))
-        if text is not None and parse_flag(flag, parse_bytes, text) <= 0:
+        if text is None:
+            continue
+        size = parse_flag(
+            flag, parse_bytes_or_unbounded if flag == "--persistent-size" else parse_bytes, text
+        )
+        if size is not None and size <= 0:
             raise ValueError(f"{flag} must be > 0 bytes, got {text!r}")
     if parse_flag("--global-pool-size", parse_bytes, args.global_pool_size) < 0:
         raise ValueError(f"--global-pool-size must be >= 0 bytes (0: none), got {args.global_pool_size!r}")
@@ -122,7 +127,7 @@ def plan_runs(args: argparse.Namespace):
     base = SimConfig(
         model=args.model,
         device_bytes=parse_bytes(args.device_size),
-        persistent_bytes=parse_bytes(args.persistent_size) if args.persistent_size else None,
+        persistent_bytes=parse_bytes_or_unbounded(args.persistent_size),
         persistent_ttl_s=parse_duration(args.persistent_ttl),
         swa_pool_bytes=parse_bytes(args.swa_pool_size),
         swa_pool_ttl_s=parse_duration(args.swa_pool_ttl),

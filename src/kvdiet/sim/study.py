@@ -29,7 +29,7 @@ from kvdiet.sim.model_free import request_blocks, simulate, simulate_then_exit
 from kvdiet.sim.reblock import engine_block_size, reblock
 from kvdiet.sim.records import SimConfig, SimResult
 from kvdiet.sim.traces import Trace
-from kvdiet.units import parse_bytes, parse_duration
+from kvdiet.units import is_unbounded, parse_bytes, parse_duration
 
 __all__ = [
     "CATCH_TARGET",
@@ -79,6 +79,9 @@ SWEEP_AXES: dict[str, tuple[str, Callable[[str], float]]] = {
 POSITIVE_SIZE_AXES = ("swa-pool-size", "persistent-size", "device-size")
 """Sweep axes whose sizes must be > 0 (``global-pool-size`` takes 0: no global pool)."""
 UNBOUNDED_TTL_S = 1e12
+UNBOUNDED_AXES = {"swa-pool-ttl": UNBOUNDED_TTL_S, "persistent-size": math.inf}
+"""The sweep axes whose value may be ``unbounded`` (any case), as the point it stands for: the SWA-pool TTL
+sweep's own last point, and the persistent tier's default (no size)."""
 
 
 def parse_run(text: str, base: SimConfig) -> SimConfig:
@@ -103,13 +106,16 @@ class Sweep:
         """``(label, config)`` per point: ``base`` with the axis set; the TTL axis ends with "unbounded"."""
         field_name, _ = SWEEP_AXES[self.axis]
         values, labels = list(self.values), list(self.labels)
-        if self.axis == "swa-pool-ttl":
-            values.append(UNBOUNDED_TTL_S)
-            labels.append("unbounded")
+        if self.axis == "swa-pool-ttl":  # "unbounded" given or not, it is the last point, once
+            kept = [(v, label) for v, label in zip(values, labels, strict=True) if v != UNBOUNDED_TTL_S]
+            values, labels = (
+                [v for v, _ in kept] + [UNBOUNDED_TTL_S],
+                [label for _, label in kept] + ["unbounded"],
+            )
 
-        def typed(v: float) -> float | int | bool:
+        def typed(v: float) -> float | int | bool | None:
             if field_name.endswith("bytes"):
-                return int(v)
+                return None if v == math.inf else int(v)  # persistent-size=unbounded: no size (the default)
             return bool(v) if field_name == "swa_pool_supersede" else v
 
         return [
@@ -118,10 +124,12 @@ class Sweep:
 
 
 def parse_sweep(text: str) -> Sweep:
-    """``AXIS=V1,V2,...`` (durations like ``30s``/``5m``/``72h``, sizes like ``32GB``).
+    """``AXIS=V1,V2,...`` (durations like ``30s``/``5m``/``72h``, sizes like ``32GB``; ``unbounded`` on the
+    `UNBOUNDED_AXES`).
 
     Raises:
-        ValueError: unknown axis, no values, a value that does not parse, a size of 0 where the axis needs
+        ValueError: unknown axis, no values, a value that does not parse (``unbounded`` on another axis named as
+            needing a bound), a size of 0 where the axis needs
             one (`POSITIVE_SIZE_AXES`), or one value given twice (``5m,300s``).
     """
     axis, sep, items = text.partition("=")
@@ -134,7 +142,10 @@ def parse_sweep(text: str) -> Sweep:
     if not labels:
         raise ValueError(f"--sweep {text!r}: no values")
     _, parse = SWEEP_AXES[axis]
-    values = tuple(float(parse(v)) for v in labels)
+    values = tuple(
+        UNBOUNDED_AXES[axis] if axis in UNBOUNDED_AXES and is_unbounded(v) else float(parse(v))
+        for v in labels
+    )
     for i, (label, value) in enumerate(zip(labels, values, strict=True)):
         if axis in POSITIVE_SIZE_AXES and value <= 0:
             raise ValueError(f"--sweep {text!r}: {axis} must be > 0 bytes, got {label!r}")
