@@ -241,6 +241,14 @@ def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) ->
     )
 
 
+def test_python_takes_unbounded_where_the_command_line_does() -> None:
+    """``persistent_size`` (default None: unbounded) takes ``unbounded`` as ``--persistent-size`` does; it was
+    refused as "needs a bound ... taken only where it is the default", its own default. Other sizes refuse it."""
+    assert CacheOptions(persistent_size=" Unbounded ").persistent_size is None
+    with pytest.raises(SettingError, match="swa_pool_size: byte size 'unbounded': this one needs a bound"):
+        CacheOptions(swa_pool_size="unbounded")
+
+
 def test_an_empty_persistent_dir_is_refused_on_the_command_line(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir", ""]) == 2

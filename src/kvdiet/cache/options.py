@@ -11,7 +11,7 @@ from pathlib import Path
 from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, SwaPolicy, parse_policy
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE
 from kvdiet.setting_error import SettingError
-from kvdiet.units import parse_bytes, parse_duration
+from kvdiet.units import is_unbounded, parse_bytes, parse_duration
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -46,7 +46,7 @@ class CacheOptions:
         block_size: tokens per block (a multiple of every compress ratio); None: the model's default
             (`for_model`: 64 for V4.1, 128 for V4-Flash).
         persistent_dir: directory of the persistent tier (None: no persistent tier).
-        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None: unbounded).
+        persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None or ``"unbounded"``: unbounded).
         swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default), Redis URLs, one or
             comma-separated, or ``mooncake://HOST:PORT`` (`kvdiet.storage.swa_pool_factory.create_swa_pool`).
         swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool's
@@ -132,6 +132,8 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
         if value < low:
             raise SettingError(f"{{{name}}} must be >= {low}, got {value}")
 
+    if is_unbounded(opts.persistent_size):  # exactly the default, as ``--persistent-size unbounded``
+        object.__setattr__(opts, "persistent_size", None)
     whole("kv_cache_memory", opts.kv_cache_memory, 1)
     for name in ("block_size", "persistent_size", "swa_pool_size", "global_pool_size"):
         value = getattr(opts, name)
