@@ -473,3 +473,36 @@ def test_off_a_terminal_every_table_prints_whole_whatever_columns_says(
         _whole_tables(
             capsys.readouterr().out, ["figure", "deepseek-v4.1-flash", "deepseek-v4-flash", "a / b"]
         )
+
+
+def test_the_report_says_which_model_ran_at_other_blocks_than_the_traces(tmp_path: Path, capsys) -> None:
+    """report.md's trace table reads 64-token blocks while V4-Flash ran (and hit) at 128: the stderr line was
+    the only word of it, and a report outlives the terminal."""
+    path = tmp_path / "g.jsonl"
+    head = {"format": "kvdiet-trace", "version": 1, "block_size": 64}
+    rows = [
+        {"arrival_s": t, "input_length": 4000, "output_length": 9, "hash_ids": list(range(63))}
+        for t in (0.0, 5.0)
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in [head, *rows]) + "\n")
+    runs = "boundary-snapshot@deepseek-v4-flash,bounded-replay"
+    argv = [
+        "replay",
+        str(path),
+        "--runs",
+        runs,
+        "--sweep",
+        "none",
+        "--jobs",
+        "1",
+        "--report",
+        str(tmp_path / "out"),
+    ]
+    assert main(argv) == 0
+    capsys.readouterr()
+    md = (tmp_path / "out" / "report.md").read_text()
+    said = [line for line in md.splitlines() if "runs at" in line]
+    assert said == [
+        "- deepseek-v4-flash runs at 128-token blocks (the trace's 64-token blocks, 2 to a block): its hits, "
+        "stores and snapshots are at its engine's block boundaries (`kvdiet.sim.reblock`)."
+    ], said

@@ -26,6 +26,7 @@ from kvdiet.sim.plots import (
     plot_ttft,
     plot_ttl,
 )
+from kvdiet.sim.reblock import reblock_note
 from kvdiet.sim.records import SimResult
 from kvdiet.sim.study import Study
 from kvdiet.units import format_bytes, format_duration
@@ -244,6 +245,7 @@ def write_report(
         "bytes are payloads (entry headers excluded).\n"
         "- Blocks pinned by running requests are not modelled (the device pool is an LRU of blocks).\n"
     )
+    md[-1] += "".join(f"- {line}\n" for line in _reblocked(study, stats))  # in the same list
     path = out / "report.md"
     path.write_text("\n".join(chunk.strip("\n") + "\n" for chunk in md))  # a blank line between blocks
     return path
@@ -262,6 +264,21 @@ def _tiers(r: SimResult) -> str:
         f"{format_duration(c.persistent_ttl_s)}, SWA pool {format_bytes(c.swa_pool_bytes)} TTL "
         f"{format_duration(c.swa_pool_ttl_s)}."
     )
+
+
+def _reblocked(study: Study | None, stats: dict[str, object]) -> list[str]:
+    """One line per model whose runs ran at other blocks than the trace's (`kvdiet.sim.reblock`)."""
+    trace_bs = stats.get("block_size")
+    results = (
+        [] if study is None else [*study.runs, *(r for points in study.sweeps.values() for _, r in points)]
+    )
+    seen = {r.config.model: r.summary["block_size"] for r in results}
+    return [
+        f"{reblock_note(model, bs, trace_bs)}: its hits, stores and snapshots are at its engine's block "
+        "boundaries (`kvdiet.sim.reblock`)."
+        for model, bs in seen.items()
+        if isinstance(trace_bs, int) and bs != trace_bs
+    ]
 
 
 def _sweep_row(r: SimResult, runs: list[SimResult]) -> dict[str, object]:
