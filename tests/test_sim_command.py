@@ -384,7 +384,7 @@ def test_a_model_run_at_other_blocks_than_the_traces_says_so_in_one_line(
     lines = [line for line in err.splitlines() if "runs at" in line]
     assert lines == (
         [
-            f"kvdiet replay: deepseek-v4-flash runs at {at}-token blocks (the trace's {block}-token blocks, "
+            f"kvdiet replay: deepseek-v4-flash runs at {at:,}-token blocks (the trace's {block}-token blocks, "
             f"{at // block} to a block)"
         ]
         if note

@@ -56,6 +56,6 @@ def reblock_note(model: str, block_size: int, trace_block_size: int) -> str:
     """The one line saying a model runs at blocks other than the trace's, e.g. ``deepseek-v4-flash runs at
     128-token blocks (the trace's 64-token blocks, 2 to a block)``."""
     return (
-        f"{model} runs at {block_size}-token blocks (the trace's {trace_block_size}-token blocks, "
-        f"{block_size // trace_block_size} to a block)"
+        f"{model} runs at {block_size:,}-token blocks (the trace's {trace_block_size:,}-token blocks, "
+        f"{block_size // trace_block_size:,} to a block)"
     )
