@@ -371,3 +371,22 @@ def test_a_request_too_long_for_the_pool_names_both_ways_out_with_their_numbers(
     ):
         with pytest.raises(SettingError, match="needs"):
             args.validate()
+
+
+def test_numpy_ints_are_taken_as_ints_as_sampling_params_and_max_model_len_take_them() -> None:
+    """A size or limit read from a numpy array (``np.int64``) was refused as "must be an int" by `CacheOptions`,
+    `SchedulerConfig` and `EngineArgs` (it ran before they checked types); it is kept as Python's int."""
+    import numpy as np
+
+    from kvdiet.engine.scheduler import SchedulerConfig
+
+    opts = CacheOptions(kv_cache_memory=np.int64(1 << 20), block_size=np.int64(64), swa_pool_size=np.int32(0))
+    got = (opts.kv_cache_memory, opts.block_size, opts.swa_pool_size)
+    assert got == (1 << 20, 64, 0) and all(type(v) is int for v in got)
+    limits = SchedulerConfig(np.int64(8), np.int64(64))
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (8, 64)
+    assert type(limits.max_num_seqs) is int
+    args = EngineArgs(model="v4.1-micro", expert_cache_bytes=np.int64(5))
+    assert args.expert_cache_bytes == 5 and type(args.expert_cache_bytes) is int
+    with pytest.raises(TypeError, match="max_num_seqs must be an int"):
+        SchedulerConfig(np.float64(8.0))

@@ -5,7 +5,9 @@ command line can build and check them without loading the model.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 from kvdiet.cache.policies import BoundarySnapshot, BoundedReplay, SwaPolicy, parse_policy
@@ -115,9 +117,9 @@ class CacheOptions:
 
 
 def _check_sizes_and_ttls(opts: CacheOptions) -> None:
-    """Check (and normalise: byte and duration strings become numbers) the sizes, block size, TTLs and folder
-    of ``opts`` before anything uses them (a string budget failed deep in the pool; an empty folder put the
-    persistent tier in the working directory). Raises as `CacheOptions` says."""
+    """Check (and normalise: byte and duration strings become numbers, numpy's ints Python's) the sizes, block
+    size, TTLs and folder of ``opts`` before anything uses them (a string budget failed deep in the pool; an
+    empty folder put the persistent tier in the working directory). Raises as `CacheOptions` says."""
 
     def whole(name: str, value: object, low: int) -> None:
         if isinstance(value, str) and name != "block_size":
@@ -125,10 +127,11 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
                 value = parse_bytes(value)
             except ValueError as exc:
                 raise SettingError(f"{{{name}}}: {{reason}}", reason=exc) from None
-            object.__setattr__(opts, name, value)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, Integral):  # numpy's ints too, kept as int
             kind = "an int (tokens)" if name == "block_size" else "an int (bytes) or a byte string like '1GB'"
             raise TypeError(f"{name} must be {kind}, got {value!r}")
+        value = operator.index(value)
+        object.__setattr__(opts, name, value)
         if value < low:
             raise SettingError(f"{{{name}}} must be >= {low}, got {value}")
 

@@ -93,11 +93,12 @@ class EngineArgs:
                     f"{{{name}}} must be one of {', '.join(known)}, got {{got}}", got=repr(value)
                 )
         check_pool_specs(self.cache)
-        size = self.expert_cache_bytes
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
-            raise TypeError(f"expert_cache_bytes must be an int (bytes) or None, got {size!r}")
-        if size is not None and size < 0:
-            raise SettingError(f"{{expert_cache_bytes}} must be >= 0 bytes, got {size}")
+        if (size := self.expert_cache_bytes) is not None:
+            if isinstance(size, bool) or not isinstance(size, Integral):
+                raise TypeError(f"expert_cache_bytes must be an int (bytes) or None, got {size!r}")
+            object.__setattr__(self, "expert_cache_bytes", operator.index(size))  # numpy's ints too, as int
+            if size < 0:
+                raise SettingError(f"{{expert_cache_bytes}} must be >= 0 bytes, got {size}")
 
     @staticmethod
     def add_cli_args(

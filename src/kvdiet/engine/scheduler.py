@@ -24,8 +24,10 @@ The scheduler deals only in requests, token counts and block counts; the cache s
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Protocol
 
 from kvdiet.engine.request import Request, RequestStatus
@@ -45,6 +47,8 @@ class SchedulerConfig:
     Raises:
         SettingError (a ValueError): a limit below 1, or a token budget below ``max_num_seqs``; named as
             keywords (the command line's flags in `SettingError.as_flags`).
+        TypeError: a limit not an int (`numbers.Integral`: numpy's ints too, kept as Python's int; bools
+            refused).
     """
 
     max_num_seqs: int = 16
@@ -53,8 +57,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, Integral):
                 raise TypeError(f"{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, operator.index(value))  # numpy's ints too, kept as int
         if self.max_num_seqs < 1:
             raise SettingError(f"{{max_num_seqs}} must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
