@@ -304,6 +304,9 @@ def test_llm_takes_vllms_arguments_at_the_values_that_change_nothing(capsys) -> 
         with LLM("v4.1-micro", **extra) as llm:
             outs.append(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].output_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 3
+    args = EngineArgs(model="v4.1-micro")
+    with LLM(args=args, tensor_parallel_size=1) as llm:  # a no-op value is not an individual setting
+        assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].output_ids == outs[0]
     refused = {
         "tensor_parallel_size": (2, "LLM accepts vLLM's tensor_parallel_size only as tensor_parallel_size=1"),
         "dtype": ("bfloat16", "LLM accepts vLLM's dtype only as dtype='auto' or dtype='float32'"),

@@ -105,10 +105,10 @@ class LLM:
             for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
             if v is not None
         }
-        if args is not None and (cache is not None or kwargs or limits):
-            raise ValueError("give either args= or individual settings, not both")
         vllm_only = {k: kwargs.pop(k) for k in list(kwargs) if k in _VLLM_ONLY}
         check_vllm_only("LLM", _VLLM_ONLY, vllm_only)
+        if args is not None and (cache is not None or kwargs or limits):
+            raise ValueError("give either args= or individual settings, not both")
         if args is None:
             model, kwargs = _model_and_weights(model, kwargs)
             args = EngineArgs(
