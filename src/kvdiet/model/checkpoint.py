@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kvdiet.model.checkpoint_token_map import REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE
+from kvdiet.model.checkpoint_token_map import NOT_WEIGHTS
 
 __all__ = ["ROUTED_EXPERT", "Checkpoint", "TensorInfo", "WeightsError", "reference_name"]
 
@@ -197,9 +197,7 @@ def _shard_files(path: Path) -> list[Path]:
         return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
-    shards = sorted(
-        f for f in path.glob("*.safetensors") if f.name not in (REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE)
-    )
+    shards = sorted(f for f in path.glob("*.safetensors") if f.name not in NOT_WEIGHTS)
     if not shards:
         raise FileNotFoundError(f"no safetensors checkpoint at {path}")
     return shards

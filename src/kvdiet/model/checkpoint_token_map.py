@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from kvdiet.config import ModelConfig
 
 __all__ = [
+    "NOT_WEIGHTS",
     "REFERENCE_OUTPUTS_FILE",
     "TOKEN_MAP_FILE",
     "TOKEN_MAP_TENSOR",
@@ -36,6 +37,8 @@ __all__ = [
 TOKEN_MAP_FILE = "engram_token_map.safetensors"
 TOKEN_MAP_TENSOR = "engram.token_map"
 REFERENCE_OUTPUTS_FILE = "reference_outputs.safetensors"  # kvdiet.model.golden's reference dump
+NOT_WEIGHTS = (REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE)
+"""The ``*.safetensors`` files of a checkpoint folder that are not weights (`kvdiet.model.checkpoint`)."""
 
 
 def needs_token_map(cfg: ModelConfig) -> bool:

@@ -57,8 +57,8 @@ def project_rows(
     x: torch.Tensor, w_a: Linear, norm: RMSNorm, w_b: Linear | None, heads: int, head_dim: int, rot: Rotation
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`Attention.project_q` (with ``w_b``: ``(qr [T, R], q [T, heads, head_dim])``) or `project_window_kv`'s
-    ``(normed, rotated)`` for rows ``x`` fp32 [T, hidden] in one ``project_rows`` call; None where it does not
-    apply (see the module docstring; the norm kernel checked too)."""
+    (and, with one head, `Indexer.keys`') ``(normed, rotated)`` for rows ``x`` fp32 [T, hidden] in one
+    ``project_rows`` call; None where it does not apply (see the module docstring; the norm kernel checked too)."""
     kernels = fused_kernels(x, w_a, w_b, rot.rope_dim, norm)
     if kernels is None or x.dim() != 2 or not kernels_agree("rms_norm"):
         return None

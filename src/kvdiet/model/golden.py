@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvdiet.model.checkpoint_token_map import REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE, find_token_map
+from kvdiet.model.checkpoint_token_map import NOT_WEIGHTS, REFERENCE_OUTPUTS_FILE, find_token_map
 from kvdiet.model.loader import load_checkpoint
 from kvdiet.model.placement import place
 from kvdiet.model.rounding_ties import Tie, find_ties, flip
@@ -111,11 +111,9 @@ def compare_golden(
     outputs = directory / REFERENCE_OUTPUTS_FILE
     if not outputs.is_file():
         raise FileNotFoundError(f"no {REFERENCE_OUTPUTS_FILE} in {directory}")
-    if not any(
-        f.name not in (REFERENCE_OUTPUTS_FILE, TOKEN_MAP_FILE) for f in directory.glob("*.safetensors")
-    ):
+    if not any(f.name not in NOT_WEIGHTS for f in directory.glob("*.safetensors")):
         raise FileNotFoundError(
-            f"no checkpoint (safetensors weights besides {REFERENCE_OUTPUTS_FILE}) in {directory}"
+            f"no checkpoint (safetensors weights besides {' and '.join(NOT_WEIGHTS)}) in {directory}"
         )
     ref = _read_outputs(outputs)
     token_map = ref.get("engram.token_map")  # the reference's own map, else the checkpoint's
