@@ -137,8 +137,8 @@ class LayerPlan:
         """Raises ValueError unless ``block_size`` (tokens) is a positive multiple of the compress ratio of
         every KV-source layer (a block holds whole compressed entries of each; the device pool's rule, checked
         here from the config alone, before a model is built)."""
-        ratios = sorted({self.layers[s].compress_ratio for s in self.kv_sources})
         if block_size < 1 or block_size % self.block_unit:
+            ratios = sorted({self.layers[s].compress_ratio for s in self.kv_sources})
             raise ValueError(
                 f"block size {block_size} must be a positive multiple of every compress ratio {ratios}"
             )

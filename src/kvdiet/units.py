@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import string
 from collections.abc import Callable
 from fractions import Fraction
 from typing import TypeVar
@@ -159,7 +160,7 @@ def parse_duration(text: str | float) -> float:
     """
     raw = str(text).strip()
     _bounded(raw, "duration", "72h, 5m, 30s, 250ms, 90")
-    num = raw.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    num = raw.rstrip(string.ascii_letters)
     unit = raw[len(num) :] or "s"
     if unit == "M":
         raise ValueError(

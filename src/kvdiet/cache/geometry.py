@@ -55,8 +55,7 @@ class Geometry:
         if block_size < 1:
             raise ValueError(f"block size must be >= 1 token, got {block_size}")
         spec, plan = CacheSpec.from_config(cfg), LayerPlan.from_config(cfg)
-        ratios = [plan[s].compress_ratio for s in plan.kv_sources]
-        period = math.lcm(block_size, *ratios) // block_size  # blocks after which the layout repeats
+        period = math.lcm(block_size, plan.block_unit) // block_size  # blocks after which the layout repeats
         sizes = tuple(
             spec.global_bytes((i + 1) * block_size) - spec.global_bytes(i * block_size) for i in range(period)
         )
@@ -64,7 +63,7 @@ class Geometry:
             block_size=block_size,
             window=cfg.sliding_window,
             num_layers=len(plan.layers),
-            align=math.lcm(*ratios),
+            align=plan.block_unit,
             block_bytes=round(sum(sizes) / period),
             window_block_bytes=block_size * spec.window_entry_bytes_per_token,
             block_cycle=sizes if len(set(sizes)) > 1 else (),

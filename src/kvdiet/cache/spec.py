@@ -312,7 +312,8 @@ class CacheSpec:
         (the same sum, in time independent of its length: ``checkpoint:1`` over a million tokens); anything
         else term by term.
         """
-        if not isinstance(positions, range) or not positions or min(positions) <= 0:
+        # a range's ends, not min(): min() walks the whole range (a billion positions: half a minute)
+        if not isinstance(positions, range) or not positions or min(positions[0], positions[-1]) <= 0:
             return sum(map(self.snapshot_bytes, positions))
         cycle = self.snapshot_period // math.gcd(positions.step, self.snapshot_period)
         whole, rest = divmod(len(positions), cycle)

@@ -232,8 +232,7 @@ def _policies(spec: CacheSpec, opts: PlanOptions, block_size: int) -> list[dict[
     block size, `CacheOptions.for_model`: V4-Flash 128), one per block boundary."""
     n, every = opts.tokens_per_boundary, opts.checkpoint_every
     tokens = 64 * n
-    ends = range(n, tokens + 1, n)
-    snapshots = ends if n % block_size == 0 else sorted({e // block_size * block_size for e in ends} - {0})
+    snapshots = sorted({e // block_size * block_size for e in range(n, tokens + 1, n)} - {0})  # 64 at most
     rows = []
     for text in (
         "bounded-replay",

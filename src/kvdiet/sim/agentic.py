@@ -30,17 +30,15 @@ are `kvdiet.sim.breakdown`'s.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import random
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_file import SESSION_SUFFIXES, open_text, shorten
+from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
 __all__ = ["SessionStart", "parse_session_start", "read_sessions", "session_reader"]
@@ -200,12 +198,8 @@ def _top(file: Path) -> dict:
     """The checked top level of a session file: ``id`` (as a string), ``block_size``, ``hash_id_scope``,
     ``requests``."""
     try:
-        with open_text(file, errors="strict") as f:  # gzip read decompressed, a byte-order mark dropped
+        with gzip_errors(file, TraceError), open_text(file, errors="strict") as f:
             top = json.load(f)
-    except EOFError:
-        raise TraceError(f"{file}: a gzip file cut short (it ends before the stream's end)") from None
-    except (gzip.BadGzipFile, zlib.error) as exc:
-        raise TraceError(f"{file}: a corrupt gzip file ({exc})") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
     except UnicodeDecodeError as exc:

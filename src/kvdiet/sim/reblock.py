@@ -47,7 +47,7 @@ def reblock(trace: Trace, block_size: int) -> Trace:
         ids = r.hash_ids
         if ids is not None:
             whole = r.input_tokens // block_size * f
-            ids = ids[f - 1 : whole : f] + ids[-1:] if len(ids) > whole else ids[f - 1 : whole : f]
+            ids = ids[f - 1 : whole : f] + (ids[-1:] if len(ids) > whole else ())
         requests.append(replace(r, hash_ids=ids))
     return replace(trace, requests=requests, block_size=block_size, errors=list(trace.errors))
 

@@ -105,22 +105,16 @@ class Sweep:
     def configs(self, base: SimConfig) -> list[tuple[str, SimConfig]]:
         """``(label, config)`` per point: ``base`` with the axis set; the TTL axis ends with "unbounded"."""
         field_name, _ = SWEEP_AXES[self.axis]
-        values, labels = list(self.values), list(self.labels)
+        points = list(zip(self.values, self.labels, strict=True))
         if self.axis == "swa-pool-ttl":  # "unbounded" given or not, it is the last point, once
-            kept = [(v, label) for v, label in zip(values, labels, strict=True) if v != UNBOUNDED_TTL_S]
-            values, labels = (
-                [v for v, _ in kept] + [UNBOUNDED_TTL_S],
-                [label for _, label in kept] + ["unbounded"],
-            )
+            points = [p for p in points if p[0] != UNBOUNDED_TTL_S] + [(UNBOUNDED_TTL_S, "unbounded")]
 
         def typed(v: float) -> float | int | bool | None:
             if field_name.endswith("bytes"):
                 return None if v == math.inf else int(v)  # persistent-size=unbounded: no size (the default)
             return bool(v) if field_name == "swa_pool_supersede" else v
 
-        return [
-            (label, replace(base, **{field_name: typed(v)})) for v, label in zip(values, labels, strict=True)
-        ]
+        return [(label, replace(base, **{field_name: typed(v)})) for v, label in points]
 
 
 def parse_sweep(text: str) -> Sweep:

@@ -9,11 +9,14 @@ module knows nothing of trace formats (`kvdiet.sim.traces`, `kvdiet.sim.agentic`
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["GZIP_MAGIC", "SESSION_SUFFIXES", "open_text", "shorten"]
+__all__ = ["GZIP_MAGIC", "SESSION_SUFFIXES", "gzip_errors", "open_text", "shorten"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 """The first two bytes of a gzip stream (RFC 1952 §2.3.1)."""
@@ -35,6 +38,18 @@ def open_text(path: Path, *, newline: str | None = None, errors: str = "replace"
         compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     raw = gzip.open(path, "rb") if compressed else path.open("rb")  # noqa: SIM115 (the wrapper owns it)
     return io.TextIOWrapper(raw, encoding="utf-8-sig", errors=errors, newline=newline)
+
+
+@contextlib.contextmanager
+def gzip_errors(path: Path, error: Callable[[str], Exception]) -> Iterator[None]:
+    """Inside it, a gzip stream of ``path`` that is cut short or corrupt (raised lazily, as it is read) is
+    raised again as ``error(message)``, the message naming ``path``; other exceptions pass through."""
+    try:
+        yield
+    except EOFError:  # the stream stops before its end marker
+        raise error(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
+    except (gzip.BadGzipFile, zlib.error) as exc:  # a bad header or CRC; deflate data that does not inflate
+        raise error(f"{path}: a corrupt gzip file ({exc})") from None
 
 
 def shorten(value: object) -> str:

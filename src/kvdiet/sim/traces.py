@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import gzip
 import itertools
 import json
 import math
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_file import open_text, shorten
+from kvdiet.sim.trace_file import gzip_errors, open_text, shorten
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -124,7 +122,7 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
     path = Path(path)
     if format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; choose one of {', '.join(FORMATS)}")
-    try:
+    with gzip_errors(path, TraceError):
         format = _detect(path) if format == "auto" else format
         if format == "azure":
             block_size, items = MOONCAKE_BLOCK_SIZE, _azure(path)
@@ -134,10 +132,6 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
             items = _jsonl(path, _lines(path, skip_header=generic), block_size, generic=generic)
         ids = _IdConvention(path, block_size)
         requests, errors, late = _collect(path, map(ids.check, items), strict)
-    except EOFError:  # gzip's, read lazily: the stream stops before its end marker
-        raise TraceError(f"{path}: a gzip file cut short (it ends before the stream's end)") from None
-    except (gzip.BadGzipFile, zlib.error) as exc:  # a bad header or CRC; deflate data that does not inflate
-        raise TraceError(f"{path}: a corrupt gzip file ({exc})") from None
     if requests and requests[0].arrival_s != 0:  # epoch times; an Azure file whose first row is not earliest
         requests = [replace(r, arrival_s=r.arrival_s - requests[0].arrival_s) for r in requests]
     requests = chain_ids(_name_partial_blocks(requests, block_size))
