@@ -146,7 +146,8 @@ class LayerPlan:
     @property
     def block_unit(self) -> int:
         """The smallest block size (tokens) `check_block_size` accepts, which every accepted one is a multiple
-        of: the least common multiple of the KV-source layers' compress ratios (V4.1-Flash 2, V4-Flash 128)."""
+        of: the least common multiple of the KV-source layers' compress ratios (V4.1-Flash 2, V4-Flash 128), where
+        every KV source's compression groups start together (a bounded replay's start is a multiple of it)."""
         return math.lcm(*(self.layers[s].compress_ratio for s in self.kv_sources))
 
     @property

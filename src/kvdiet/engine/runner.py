@@ -19,7 +19,6 @@ The model reads and writes global KV in place in the device pool through each re
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -93,13 +92,11 @@ class ModelRunner:
         swa_pool: SwaPool | None = None,
         clock: Clock | None = None,
     ) -> None:
-        opts = (options or CacheOptions()).for_model(
-            v4_flash=not model.cfg.is_v41
-        )  # None: the model's default
+        v4_flash = not model.cfg.is_v41
+        opts = (options or CacheOptions()).for_model(v4_flash=v4_flash)  # None: the model's default
         self.model, self.options = model, opts
         cfg, bs = model.cfg, opts.block_size
-        ratios = [model.plan[s].compress_ratio for s in model.plan.kv_sources]
-        self.align = math.lcm(*ratios)
+        self.align = model.plan.block_unit
         num_blocks = pool_num_blocks(opts, model.new_pool(1, block_size=bs).block_bytes)
         self.pool = model.new_pool(num_blocks, block_size=bs, blocks=BlockPool(num_blocks, bs))
         self.formats = (model.codecs.main.name, model.codecs.index_key.name, model.codecs.window.name)

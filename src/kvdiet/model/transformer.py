@@ -19,7 +19,6 @@ Bad input raises ``ValueError`` before any state changes.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -211,7 +210,7 @@ class Transformer(nn.Module):
         Raises:
             ValueError: ``start`` out of range or not aligned, too few ids (nothing changes then).
         """
-        align = math.lcm(*(self.plan[s].compress_ratio for s in self.plan.kv_sources))
+        align = self.plan.block_unit  # a replay starts where every KV source's groups do
         if not 0 <= start <= state.num_tokens or start % align:
             raise ValueError(
                 f"replay start {start} must be in [0, {state.num_tokens}] and a multiple of {align}"

@@ -22,7 +22,6 @@ Bad input raises ``ValueError`` before any state changes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -219,7 +218,7 @@ class V4Transformer(nn.Module):
         Raises:
             ValueError: ``start`` out of range or not aligned (nothing changes then).
         """
-        align = math.lcm(*(self.plan[s].compress_ratio for s in self.plan.kv_sources))
+        align = self.plan.block_unit  # a replay starts where every KV source's groups do
         if not 0 <= start <= state.num_tokens or start % align:
             raise ValueError(
                 f"replay start {start} must be in [0, {state.num_tokens}] and a multiple of {align}"
