@@ -2,12 +2,14 @@
 
 ``kvdiet generate`` (v4.1-mini, random weights, a fixed prompt of ``--tokens`` ids, no persistent tier) runs
 in a fresh process, first on an idle machine, then beside busy-looping processes, one per core this process
-may use (another job taking every core). Three OpenMP settings (`kvdiet.threads`): kvdiet's default
-(``GOMP_SPINCOUNT=50000``: spin briefly, then sleep), OpenMP's own default (what a plain ``import torch``
-gets: spin 300,000 iterations; run with an empty ``OMP_WAIT_POLICY``, which kvdiet keeps and libgomp
-ignores) and ``OMP_WAIT_POLICY=PASSIVE`` (never spin). Each figure is the best of ``--repeats`` runs. The
-goal (issue: a fast engine): loaded ≤ 3× idle, idle as fast as OpenMP's default. Prints a table, then one
-JSON line.
+may use (another job taking every core). Four settings (`kvdiet.threads`): kvdiet's default (its pool sized to
+the cores and halved while the model's thread waits for a CPU, `AdaptiveThreads`; ``GOMP_SPINCOUNT=50000``:
+spin briefly, then sleep), the same spin with a fixed pool (``--threads`` the cores: what the default was
+before the pool adapted), OpenMP's own default spin (what a plain ``import torch`` gets: 300,000 iterations;
+run with an empty ``OMP_WAIT_POLICY``, which kvdiet keeps and libgomp ignores) and ``OMP_WAIT_POLICY=PASSIVE``
+(never spin); ``--threads`` fixes every row's pool. Each figure is the best of ``--repeats`` runs. The goal
+(issue: a fast engine): loaded ≤ 3× idle, idle as fast as OpenMP's default. Prints a table, then one JSON
+line.
 
     python benchmarks/bench_contention.py                  # ~4 min on 2 cores
     python benchmarks/bench_contention.py --tokens 1024 --repeats 1
@@ -39,10 +41,11 @@ def _busy() -> None:
         pass
 
 
-SETTINGS = {  # name → environment (beside the caller's, without its OpenMP variables)
-    "kvdiet default (GOMP_SPINCOUNT=50000)": {},
-    "OpenMP default": {"OMP_WAIT_POLICY": ""},
-    "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+SETTINGS = {  # name → (environment beside the caller's, without its OpenMP variables; a fixed pool)
+    "kvdiet default (adaptive pool)": ({}, False),
+    "kvdiet spin, fixed pool": ({}, True),
+    "OpenMP default spin": ({"OMP_WAIT_POLICY": ""}, False),
+    "OMP_WAIT_POLICY=PASSIVE": ({"OMP_WAIT_POLICY": "PASSIVE"}, False),
 }
 
 
@@ -79,13 +82,14 @@ def main() -> None:
     args = parser.parse_args()
     cores = available_cores()
     rows = []
-    for name, setting in SETTINGS.items():
-        idle = min(prefill_seconds(args.tokens, setting, args.threads) for _ in range(args.repeats))
+    for name, (setting, fixed) in SETTINGS.items():
+        threads = args.threads if args.threads is not None or not fixed else cores
+        idle = min(prefill_seconds(args.tokens, setting, threads) for _ in range(args.repeats))
         load = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(cores)]
         for p in load:
             p.start()
         try:
-            loaded = min(prefill_seconds(args.tokens, setting, args.threads) for _ in range(args.repeats))
+            loaded = min(prefill_seconds(args.tokens, setting, threads) for _ in range(args.repeats))
         finally:
             for p in load:
                 p.terminate()
@@ -93,7 +97,7 @@ def main() -> None:
         done = math.isfinite(loaded)
         rows.append(
             {
-                "openmp": name,
+                "setting": name,
                 "idle_s": idle,
                 "loaded_s": loaded if done else None,
                 "ratio": round(loaded / idle, 2) if done else None,
@@ -101,15 +105,15 @@ def main() -> None:
         )
 
     table = Table(title=f"cold prefill of {args.tokens} tokens (v4.1-mini), idle vs {cores} busy processes")
-    for col in ("OpenMP", "idle s", "loaded s", "loaded / idle"):
-        table.add_column(col, justify="left" if col == "OpenMP" else "right")
+    for col in ("setting", "idle s", "loaded s", "loaded / idle"):
+        table.add_column(col, justify="left" if col == "setting" else "right")
     for r in rows:
         if r["loaded_s"] is None:
             table.add_row(
-                r["openmp"], f"{r['idle_s']:.2f}", f"> {LIMIT_S}", f"> {LIMIT_S / r['idle_s']:.0f}×"
+                r["setting"], f"{r['idle_s']:.2f}", f"> {LIMIT_S}", f"> {LIMIT_S / r['idle_s']:.0f}×"
             )
         else:
-            table.add_row(r["openmp"], f"{r['idle_s']:.2f}", f"{r['loaded_s']:.2f}", f"{r['ratio']:.2f}×")
+            table.add_row(r["setting"], f"{r['idle_s']:.2f}", f"{r['loaded_s']:.2f}", f"{r['ratio']:.2f}×")
     Console().print(table)
     print(
         json.dumps({"bench": "contention", "seed": SEED, "tokens": args.tokens, "cores": cores, "rows": rows})

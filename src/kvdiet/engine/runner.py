@@ -43,6 +43,7 @@ from kvdiet.setting_error import SettingError
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import StoreIdentity
 from kvdiet.storage.swa_pool import SwaPool
+from kvdiet.threads import adapt_threads
 
 __all__ = ["CacheOptions", "ModelRunner", "Session", "pool_num_blocks"]
 
@@ -307,6 +308,7 @@ class ModelRunner:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
             reserve_blocks([(state.table, end)])  # the model computes; the cache allocates
+            adapt_threads()  # fewer threads while the cores are taken (`kvdiet.threads`)
             self._start_log(session)
             try:
                 logits = self.model.prefill(
@@ -327,6 +329,7 @@ class ModelRunner:
         """
         reserve_blocks([(s.state.table, s.state.num_tokens + 1) for s in sessions])
         starts = [s.state.num_tokens for s in sessions]
+        adapt_threads()
         for s in sessions:
             self._start_log(s)
         try:
