@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,13 +16,14 @@ import torch
 from kvdiet.cli import main
 from kvdiet.threads import (
     CONTENDED_SHARE,
+    MIN_RUNNABLE_S,
     SPIN_COUNT,
     AdaptiveThreads,
-    adapt_threads,
+    adaptive_threads,
     available_cores,
     bound_spinning,
     max_threads,
-    run_queue_wait_ns,
+    schedstat,
     set_threads,
 )
 
@@ -87,56 +89,106 @@ def test_the_threads_flag_reaches_torch_and_a_bad_one_is_one_line(capsys) -> Non
         torch.set_num_threads(before)
 
 
-class _Clock:
-    """A clock and a run-queue wait the test moves by hand."""
+class _Thread:
+    """A clock and a thread's schedstat figures the test moves by hand."""
 
     def __init__(self) -> None:
-        self.now, self.wait = 0.0, 0
+        self.now, self.ran, self.waited = 0.0, 0, 0
 
-    def step(self, seconds: float, waited: float) -> None:
+    def step(self, seconds: float, ran: float, waited: float) -> None:
         self.now += seconds
-        self.wait += int(waited * 1e9)
+        self.ran += int(ran * 1e9)
+        self.waited += int(waited * 1e9)
+
+    def pool(self, threads: int, sizes: list[int], grow_after: int = 2) -> AdaptiveThreads:
+        return AdaptiveThreads(
+            threads,
+            clock=lambda: self.now,
+            read=lambda: (self.ran, self.waited),
+            interval=0.1,
+            grow_after=grow_after,
+            resize=sizes.append,
+        )
 
 
-def _adaptive(threads: int, clock: _Clock, sizes: list[int]) -> AdaptiveThreads:
-    return AdaptiveThreads(
-        threads, clock=lambda: clock.now, read_wait=lambda: clock.wait, interval=0.1, resize=sizes.append
-    )
-
-
-def test_the_pool_halves_while_the_model_waits_for_a_cpu_and_grows_back_when_it_does_not() -> None:
-    clock, sizes = _Clock(), []
-    pool = _adaptive(8, clock, sizes)
-    clock.step(0.5, 0.2)  # 40% of the time on a run queue
+def test_the_pool_halves_while_the_model_waits_for_a_cpu_and_grows_back_after_clear_looks() -> None:
+    t, sizes = _Thread(), []
+    pool = t.pool(8, sizes)
+    t.step(0.5, 0.3, 0.2)  # waited 40% of its runnable time
     assert pool.check() == 4 and sizes == [4]
-    clock.step(0.05, 0.05)  # asked again before the interval: no look
+    t.step(0.05, 0.03, 0.02)  # asked again before the interval: no look
     assert pool.check() == 4 and sizes == [4]
-    clock.step(0.1, 0.05)  # (0.05 + 0.05) / 0.15: still contended
+    t.step(0.1, 0.06, 0.03)  # (0.02 + 0.03) of 0.14 s: still contended
     assert pool.check() == 2
-    clock.step(0.2, 0.1)
+    t.step(0.2, 0.1, 0.1)
     assert pool.check() == 1
-    clock.step(0.2, 0.1)
+    t.step(0.2, 0.1, 0.1)
     assert pool.check() == 1 and sizes == [4, 2, 1]  # never below one
-    clock.step(0.2, 0.01)  # 5%: between the two shares, kept
+    t.step(0.2, 0.19, 0.01)  # 5%: between the two shares, kept
     assert pool.check() == 1
-    clock.step(0.2, 0.002)  # 1%: the cores are free again
+    t.step(0.2, 0.2, 0.001)  # clear once: not yet
+    assert pool.check() == 1
+    t.step(0.2, 0.2, 0.001)  # twice in a row: doubled
     assert pool.check() == 2
-    clock.step(0.2, 0.0)
-    assert pool.check() == 4
-    clock.step(0.2, 0.0)
-    assert pool.check() == 8
-    clock.step(0.2, 0.0)
-    assert pool.check() == 8 and sizes == [4, 2, 1, 2, 4, 8] and pool.resizes == 6  # never past the default
+    t.step(0.2, 0.2, 0.0)
+    assert pool.check() == 2
+    t.step(0.2, 0.2, 0.02)  # a look between the shares breaks the run of clear ones
+    assert pool.check() == 2
+    for _ in range(2):
+        t.step(0.2, 0.2, 0.0)
+        pool.check()
+    assert pool.current == 4
+    for _ in range(6):
+        t.step(0.2, 0.2, 0.0)
+        pool.check()
+    assert pool.current == 8 and sizes == [4, 2, 1, 2, 4, 8] and pool.resizes == 6  # never past the default
 
 
-def test_without_a_run_queue_wait_the_pool_keeps_its_size() -> None:
+def test_time_asleep_counts_for_nothing() -> None:
+    # an idle server's engine thread sleeps between requests: a long wall time with little runnable time must
+    # neither dilute a contended share nor count as a clear look
+    t, sizes = _Thread(), []
+    pool = t.pool(2, sizes, grow_after=1)
+    t.step(0.5, 0.3, 0.2)
+    assert pool.check() == 1
+    t.step(30.0, 0.005, 0.004)  # asleep but for 9 ms: no decision yet
+    assert pool.check() == 1 and sizes == [2 // 2]
+    t.step(0.2, 0.006, 0.006)  # 21 ms runnable since the last decision, 10 of them waiting: contended
+    assert pool.check() == 1 and sizes == [1]
+    t.step(0.2, MIN_RUNNABLE_S, 0.0)  # clear (grow_after 1)
+    assert pool.check() == 2
+
+
+def test_a_look_from_another_thread_starts_afresh() -> None:
+    # the command builds the pool on its main thread; a server's engine thread asks: its figures are its own
+    t, sizes = _Thread(), []
+    pool = t.pool(2, sizes)
+    t.step(1.0, 0.5, 0.5)
+    seen: list[int] = []
+    worker = threading.Thread(
+        target=lambda: seen.extend([pool.check(), t.step(0.2, 0.1, 0.1) or pool.check()])
+    )
+    worker.start()
+    worker.join()
+    assert seen == [2, 1] and sizes == [1]  # the first look there only takes its figures
+
+
+def test_without_schedstat_the_pool_keeps_its_size_and_bad_settings_are_refused() -> None:
+    ticks = iter(range(100))
+    figures = iter([(0, 0), None, (10**9, 10**9), (2 * 10**9, 2 * 10**9), None])
     sizes: list[int] = []
     pool = AdaptiveThreads(
-        4, clock=lambda: 10.0 * len(sizes) + time.monotonic(), read_wait=lambda: None, resize=sizes.append
+        2, clock=lambda: float(next(ticks)), read=lambda: next(figures), resize=sizes.append
     )
-    assert pool.check() == 4 and sizes == []
-    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
-        AdaptiveThreads(0, read_wait=lambda: 0, resize=sizes.append)
+    assert pool.check() == 2 and sizes == []  # None: no figures to compare
+    assert pool.check() == 2 and sizes == []  # figures again: taken as the start
+    assert pool.check() == 1 and sizes == [1]  # half the runnable time waiting
+    assert pool.check() == 1 and sizes == [1]  # None again: nothing decided
+    never = AdaptiveThreads(2, clock=lambda: float(next(ticks)), read=lambda: None, resize=sizes.append)
+    assert [never.check() for _ in range(3)] == [2, 2, 2] and sizes == [1]
+    for bad in ({"threads": 0}, {"threads": 2, "grow_after": 0}, {"threads": 2, "interval": 0.0}):
+        with pytest.raises(ValueError, match="threads and grow_after must be >= 1 and interval > 0"):
+            AdaptiveThreads(**bad, read=lambda: None, resize=sizes.append)
 
 
 def _busy() -> None:
@@ -144,42 +196,57 @@ def _busy() -> None:
         pass
 
 
-@pytest.mark.skipif(run_queue_wait_ns() is None, reason="no /proc/thread-self/schedstat")
-def test_the_run_queue_wait_grows_only_while_other_processes_take_the_cores() -> None:
-    def share() -> float:
-        start, wait = time.monotonic(), run_queue_wait_ns()
-        while time.monotonic() - start < 0.4:
-            pass
-        return (run_queue_wait_ns() - wait) / 1e9 / (time.monotonic() - start)
-
+@pytest.mark.skipif(schedstat() is None, reason="no run-queue accounting (/proc/thread-self/schedstat)")
+def test_the_waiting_share_is_high_while_other_processes_take_every_core() -> None:
     load = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(2 * available_cores())]
     for p in load:
         p.start()
     try:
-        loaded = share()
+        start, (ran, waited) = time.monotonic(), schedstat()
+        while time.monotonic() - start < 0.4:
+            pass
+        now_ran, now_waited = schedstat()
     finally:
         for p in load:
             p.terminate()
             p.join()
-    assert loaded > CONTENDED_SHARE  # two busy processes a core: this thread waits most of the time
-    assert share() < loaded / 2
+    share = (now_waited - waited) / (now_ran - ran + now_waited - waited)
+    assert (
+        share > CONTENDED_SHARE
+    )  # two busy processes a core: this thread waits about two thirds of the time
 
 
-def test_only_a_default_sized_pool_adapts() -> None:
-    before = torch.get_num_threads()
-    try:
-        set_threads(1)
-        assert adapt_threads() is None
-        set_threads(None)
-        assert adapt_threads() == available_cores()  # asked at once: no look yet, the default size
-    finally:
-        set_threads(1)  # no adaptive pool left behind for other tests
-        torch.set_num_threads(before)
+def test_only_a_default_sized_pool_on_the_cpu_adapts() -> None:
+    assert adaptive_threads(2, "cpu") is None and adaptive_threads(None, "cuda") is None
+    pool = adaptive_threads(None, "cpu")
+    assert pool is not None and pool.threads == pool.current == torch.get_num_threads()
+
+
+def test_the_runner_asks_the_pool_before_every_forward() -> None:
+    from kvdiet.engine.runner import CacheOptions, ModelRunner
+    from kvdiet.model.build import load_model
+
+    class Counting:
+        calls = 0
+
+        def check(self) -> int:
+            Counting.calls += 1
+            return 1
+
+    model, _ = load_model("v4.1-micro", seed=0)
+    with ModelRunner(model, CacheOptions(persistent_dir=None), threads=Counting()) as runner:
+        session = runner.start(list(range(1, 40)))
+        runner.prefill(session, chunk_size=16)  # three chunks
+        runner.decode([session], [5])
+        runner.decode([session], [6])
+        runner.finish(session)
+    assert Counting.calls == 3 + 2
 
 
 @pytest.mark.parametrize("model", ["v4.1-mini", "v4-mini"])
 def test_a_prefill_and_decode_steps_have_the_same_bits_at_one_and_two_threads(model: str) -> None:
-    """What lets the pool shrink under contention without changing a result: the same logits, bit for bit."""
+    """Why shrinking the pool from two threads to one changes no result: the same logits, bit for bit (on 3 or
+    more threads torch's own ops split by the thread count: `AdaptiveThreads`' notes)."""
     from kvdiet.model.build import load_model
 
     m, _ = load_model(model, seed=0)

@@ -27,7 +27,7 @@ from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve
 from kvdiet.setting_error import SettingError
 from kvdiet.sim.command import add_replay_parser, run_replay
-from kvdiet.threads import add_threads_arg, bound_spinning, check_threads, set_threads
+from kvdiet.threads import adaptive_threads, add_threads_arg, bound_spinning, check_threads, set_threads
 
 __all__ = ["main"]
 
@@ -137,6 +137,9 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             check_device(args.device)  # in every mode, before anything loads
             if args.command != "replay" or args.mode == "engine":
                 set_threads(args.threads)  # the commands that run the model
+            # generate's and serve's engine adapt a default-sized pool from here on (the model's load counts)
+            engine = args.command in ("generate", "serve")
+            args.thread_pool = adaptive_threads(args.threads, args.device) if engine else None
         if args.command == "plan":
             run_plan(args, console)
         elif args.command == "generate":

@@ -20,10 +20,9 @@ the machine. Two things go wrong when another process shares those cores:
   more loaded runs: a thread that waits at a barrier for a partner the scheduler has parked still burns its
   slice. With one thread there is no partner to wait for: 2.7-2.8 s loaded (1.76 s idle at one thread). So when
   the pool is sized by default, `AdaptiveThreads` halves it while the thread running the model waits for a CPU
-  (its run-queue wait, ``/proc/thread-self/schedstat``, over a tenth of the time since the last check) and
-  doubles it back, up to the default, once that wait is gone; the engine asks it before every forward
-  (`adapt_threads`). kvdiet's compiled kernels give the same bits at any thread count (their tests run 1 and 2
-  threads), and so did whole prefills and decode steps on the presets tried (``tests/test_threads.py``).
+  (its run-queue wait, ``/proc/thread-self/schedstat``, over a tenth of its runnable time) and doubles it back,
+  up to the default, once that wait is gone; the engine's runner asks it before every forward
+  (`adaptive_threads` makes one for ``generate`` and ``serve``). 1 and 2 threads give the same bits.
 
 Source for the spin counts: the libgomp manual, "GOMP_SPINCOUNT" (gcc.gnu.org/onlinedocs/libgomp). Source for
 the run-queue wait: the kernel's Documentation/scheduler/sched-stats.rst (``/proc/<pid>/schedstat``: time on the
@@ -36,6 +35,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -43,15 +43,17 @@ __all__ = [
     "CHECK_INTERVAL_S",
     "CLEAR_SHARE",
     "CONTENDED_SHARE",
+    "GROW_AFTER",
+    "MIN_RUNNABLE_S",
     "SPIN_COUNT",
     "AdaptiveThreads",
-    "adapt_threads",
+    "adaptive_threads",
     "add_threads_arg",
     "available_cores",
     "bound_spinning",
     "check_threads",
     "max_threads",
-    "run_queue_wait_ns",
+    "schedstat",
     "set_threads",
 ]
 
@@ -90,55 +92,72 @@ def check_threads(threads: int | None) -> None:
 
 
 def set_threads(threads: int | None) -> int:
-    """Size torch's CPU pool: ``threads``, or `available_cores` when None; returns the size. A pool sized by
-    default then adapts to CPU contention (`AdaptiveThreads`, asked by `adapt_threads`); a given size is kept.
+    """Size torch's CPU pool: ``threads``, or `available_cores` when None; returns the size (a pool sized by
+    default may then adapt to contention: `adaptive_threads`).
 
     Raises:
         ValueError: ``threads`` outside ``[1, max_threads()]``.
     """
-    global _adaptive
     check_threads(threads)
     import torch
 
     n = threads if threads is not None else available_cores()
     torch.set_num_threads(n)
-    _adaptive = AdaptiveThreads(n) if threads is None else None
     return n
 
 
 CONTENDED_SHARE = 0.10
-"""Run-queue wait, as a share of the time since the last check, above which the pool is halved."""
+"""Share of its runnable time the model's thread spent waiting for a CPU above which the pool is halved (tuned
+on `benchmarks/bench_contention.py`: a 2-thread pool beside 2 busy processes waits 30-40% of it, alone ~0%)."""
 CLEAR_SHARE = 0.02
-"""Run-queue wait share below which the pool is doubled back (up to its default size)."""
+"""Waiting share below which a look counts as clear; `GROW_AFTER` clear looks in a row double the pool back."""
+GROW_AFTER = 10
+"""Clear looks in a row (about a second of work) before the pool doubles: with one core free, one thread waits
+for nothing and two do, so a pool that grew at once would flip size every look."""
 CHECK_INTERVAL_S = 0.1
-"""Seconds between two looks at the run-queue wait (asked more often, `AdaptiveThreads.check` only returns)."""
+"""Seconds between two looks at the wait (asked more often, `AdaptiveThreads.check` only returns)."""
+MIN_RUNNABLE_S = 0.02
+"""Seconds the thread must have run or waited to run since the last decision before the next (time asleep, e.g.
+an idle server's, counts for nothing)."""
 
 
-def run_queue_wait_ns() -> int | None:
-    """Nanoseconds the calling thread has waited on a run queue (runnable, no CPU free) since it started: the
-    second field of ``/proc/thread-self/schedstat``; None where the system has no such file."""
+def schedstat() -> tuple[int, int] | None:
+    """``(ns on a CPU, ns waiting on a run queue)`` of the calling thread since it started: the first two fields
+    of ``/proc/thread-self/schedstat``; None where the system has no such file or keeps no such accounting (all
+    zeros)."""
     try:
         with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
+            run, wait = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
         return None
+    return None if run == wait == 0 else (run, wait)
 
 
 class AdaptiveThreads:
     """torch's CPU pool sized to what the cores give: halved while the thread running the model waits for a CPU,
-    doubled back once it no longer does (see the module's notes: a barrier's partner parked by the scheduler
-    costs a whole slice).
+    doubled back once it no longer does (the module's notes: a barrier's partner parked by the scheduler costs a
+    whole slice). The engine's `kvdiet.engine.runner.ModelRunner` calls `check` before each forward.
 
-    Each `check` (before a forward) that comes at least ``interval`` seconds after the last look reads the calling
-    thread's run-queue wait (``read_wait``, ns, cumulative) and divides its growth by the seconds passed: above
-    `CONTENDED_SHARE` the pool goes from n to max(1, n // 2) threads, below `CLEAR_SHARE` to min(``threads``,
-    2n); between the two it stays. The first look is over the time since construction (the model's load).
+    A `check` at least ``interval`` seconds after the last look reads the calling thread's `schedstat`; once
+    that thread has run or waited `MIN_RUNNABLE_S` since the last decision, the share of that time spent
+    waiting decides: above `CONTENDED_SHARE` the pool goes from n to max(1, n // 2) threads; below
+    `CLEAR_SHARE` the look is clear, and `GROW_AFTER` clear looks in a row take it to min(``threads``, 2n);
+    between the two nothing changes. The first look counts from construction (a command's model load) when the
+    same thread asks; a look from another thread (a server's engine thread) starts afresh there.
+
+    Bits: kvdiet's compiled kernels, and whole prefills and decode steps of the presets tested, give the same
+    bits on 1 and 2 threads. On 3 or more, torch's own ops split their loops by the thread count, so a result's
+    low bits follow the pool's size (as they follow the core count between machines: a v4.1-mini prefill of
+    1,000 tokens and three decode steps moved its logits by up to 0.004 between 1 and 3 threads); ``--threads
+    N`` fixes the pool where that matters.
 
     Args:
-        threads: the pool's default size (>= 1), the most it grows back to.
-        clock: seconds, monotonic. read_wait: the run-queue wait in ns, or None where unknown (never adapts).
-        interval: seconds between looks.
+        threads: the pool's default size, the most it grows back to.
+        clock: seconds, monotonic. read: `schedstat` of the calling thread, or None (never adapts).
+        interval: seconds between looks. grow_after: clear looks in a row before the pool grows.
         resize: sets the pool's size (torch.set_num_threads).
+    Raises:
+        ValueError: ``threads`` or ``grow_after`` below 1, or ``interval`` not positive.
     """
 
     def __init__(
@@ -146,50 +165,64 @@ class AdaptiveThreads:
         threads: int,
         *,
         clock: Callable[[], float] = time.monotonic,
-        read_wait: Callable[[], int | None] = run_queue_wait_ns,
+        read: Callable[[], tuple[int, int] | None] = schedstat,
         interval: float = CHECK_INTERVAL_S,
+        grow_after: int = GROW_AFTER,
         resize: Callable[[int], None] | None = None,
     ) -> None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+        if threads < 1 or grow_after < 1 or not interval > 0:
+            raise ValueError(
+                f"threads and grow_after must be >= 1 and interval > 0, got {threads}, {grow_after}, {interval}"
+            )
         if resize is None:
             import torch
 
             resize = torch.set_num_threads
         self.threads = self.current = threads
         self.resizes = 0  # times the pool changed size
-        self._clock, self._read_wait, self._interval, self._resize = clock, read_wait, interval, resize
-        self._since, self._wait = clock(), read_wait()
+        self._clock, self._read, self._interval, self._grow_after = clock, read, interval, grow_after
+        self._resize, self._clear = resize, 0
+        self._since, self._thread, self._base = clock(), threading.get_native_id(), read()
 
     def check(self) -> int:
-        """The pool's size for the next forward, after resizing it where the run-queue wait says so."""
+        """The pool's size for the next forward, after resizing it where the waiting share says so."""
         now = self._clock()
-        if self._wait is None or now - self._since < self._interval:
+        if now - self._since < self._interval:
             return self.current
-        wait = self._read_wait()
-        if wait is None:
+        self._since, thread, stats = now, threading.get_native_id(), self._read()
+        if stats is None or self._base is None or thread != self._thread:
+            self._thread, self._base, self._clear = thread, stats, 0  # no figures yet for this thread
             return self.current
-        share = (wait - self._wait) / 1e9 / (now - self._since)
-        self._since, self._wait = now, wait
-        size = self.current
+        ran, waited = stats[0] - self._base[0], stats[1] - self._base[1]
+        if ran + waited < MIN_RUNNABLE_S * 1e9:
+            return self.current  # mostly asleep since the last decision: wait for more
+        self._base, share, size = stats, waited / (ran + waited), self.current
         if share > CONTENDED_SHARE:
-            size = max(1, self.current // 2)
+            self._clear, size = 0, max(1, self.current // 2)
         elif share < CLEAR_SHARE:
-            size = min(self.threads, 2 * self.current)
+            self._clear += 1
+            if self._clear >= self._grow_after:
+                self._clear, size = 0, min(self.threads, 2 * self.current)
+        else:
+            self._clear = 0
         if size != self.current:
-            _log.debug("run-queue wait %.0f%% of the time: %d -> %d threads", 100 * share, self.current, size)
+            _log.debug(
+                "waited %.0f%% of its runnable time: %d -> %d threads", 100 * share, self.current, size
+            )
             self._resize(size)
             self.current, self.resizes = size, self.resizes + 1
         return self.current
 
 
-_adaptive: AdaptiveThreads | None = None
+def adaptive_threads(threads: int | None, device: str) -> AdaptiveThreads | None:
+    """The adaptive pool for a command's ``--threads`` (after `set_threads`): one sized as torch's pool is now
+    where the flag was left to its default and the model runs on the CPU, else None (a given size is kept; a
+    GPU's work does not run on the pool)."""
+    if threads is not None or device != "cpu":
+        return None
+    import torch
 
-
-def adapt_threads() -> int | None:
-    """`AdaptiveThreads.check` of the pool `set_threads` sized by default (the engine calls it before each
-    forward); None, and nothing done, where the pool's size was given or never set here."""
-    return None if _adaptive is None else _adaptive.check()
+    return AdaptiveThreads(torch.get_num_threads())
 
 
 def add_threads_arg(parser: argparse.ArgumentParser, *, note: str = "") -> None:

@@ -201,7 +201,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
             else "--prompt"
         )
         raise ValueError(f"{flag}: {exc}") from None
-    runner = ModelRunner(model, engine_args.cache, tokenizer_id=tokenizer.identity if tokenizer else "none")
+    identity = tokenizer.identity if tokenizer else "none"
+    runner = ModelRunner(model, engine_args.cache, tokenizer_id=identity, threads=args.thread_pool)
     with runner:
         result = generate_prepared(
             model,

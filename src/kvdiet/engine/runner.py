@@ -43,7 +43,7 @@ from kvdiet.setting_error import SettingError
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import StoreIdentity
 from kvdiet.storage.swa_pool import SwaPool
-from kvdiet.threads import adapt_threads
+from kvdiet.threads import AdaptiveThreads
 
 __all__ = ["CacheOptions", "ModelRunner", "Session", "pool_num_blocks"]
 
@@ -77,7 +77,7 @@ class ModelRunner:
         swa_pool: an SWA-pool backend, opened and closed by its owner (default: the one ``options.swa_pool``
             names, with ``options``' size and TTL, namespaced by this model's fingerprint; this cache opens
             and closes it).
-        clock: time source of the TTLs.
+        clock: time source of the TTLs. threads: torch's CPU pool, checked before each forward (None: fixed).
     Raises:
         ValueError: a budget below one block, a block size that splits a compression group, a checkpoint
             period that is not a multiple of the block size, or a bad ``options.swa_pool`` or
@@ -92,6 +92,7 @@ class ModelRunner:
         tokenizer_id: str = "none",
         swa_pool: SwaPool | None = None,
         clock: Clock | None = None,
+        threads: AdaptiveThreads | None = None,
     ) -> None:
         v4_flash = not model.cfg.is_v41
         opts = (options or CacheOptions()).for_model(v4_flash=v4_flash)  # None: the model's default
@@ -110,7 +111,7 @@ class ModelRunner:
                 "block_size": bs,
             }
         )
-        self.clock = clock or SystemClock()
+        self.clock, self.threads = clock or SystemClock(), threads
         identity = StoreIdentity(self.fingerprint.hex(), self.formats, bs)
         self.tiers = Tiers.build(opts, identity, swa_pool=swa_pool, clock=self.clock)
         self.persistent, self.swa_pool = self.tiers.persistent, self.tiers.swa_pool
@@ -253,10 +254,10 @@ class ModelRunner:
         return self.options.policy.store is WindowSource.WINDOW_BLOCKS and store is not None and store.enabled
 
     def admission_blocks(self, prompt_ids: Sequence[int], extra_tokens: int) -> int:
-        """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would
-        consume: all the blocks the tokens span, except leading prefix blocks other requests hold now
-        (shared, not consumed). Blocks cached but unreferenced count as consumed (they leave the free
-        queue); so do global-pool and persistent hits (loaded into fresh blocks). Changes nothing; counts nothing."""
+        """Free device blocks `start` + `prefill` of ``prompt_ids`` plus ``extra_tokens`` decode tokens would consume:
+        all the blocks the tokens span, except leading prefix blocks other requests hold now (shared). Blocks cached
+        but unreferenced count as consumed (they leave the free queue); so do global-pool and persistent hits
+        (loaded into fresh blocks). Changes nothing; counts nothing."""
         n, bs = len(prompt_ids), self.options.block_size
         total = -(-(n + extra_tokens) // bs)
         usable = self.control.usable_blocks(n)
@@ -308,7 +309,8 @@ class ModelRunner:
             start = state.num_tokens
             end = min(n, start + chunk_size, *(p for p in stops if p > start))
             reserve_blocks([(state.table, end)])  # the model computes; the cache allocates
-            adapt_threads()  # fewer threads while the cores are taken (`kvdiet.threads`)
+            if self.threads is not None:  # fewer threads while other work takes the cores
+                self.threads.check()
             self._start_log(session)
             try:
                 logits = self.model.prefill(
@@ -329,7 +331,8 @@ class ModelRunner:
         """
         reserve_blocks([(s.state.table, s.state.num_tokens + 1) for s in sessions])
         starts = [s.state.num_tokens for s in sessions]
-        adapt_threads()
+        if self.threads is not None:
+            self.threads.check()
         for s in sessions:
             self._start_log(s)
         try:
@@ -383,8 +386,7 @@ class ModelRunner:
     # --- end of a request ---
 
     def finish(self, session: Session) -> None:
-        """Store the window state held for the end (full blocks were written through as they filled) and
-        return the blocks. A second call (or a call after `abort`) does nothing."""
+        """Store the window state held for the end, return the blocks; again (or after `abort`): nothing."""
         if session.done:
             return
         self.control.finish(session.cache)

@@ -129,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> None:
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["loop"].snapshot, name)
     engine = engine_args.create_engine(observer=metrics)
+    engine.runner.threads = args.thread_pool  # a default-sized CPU pool adapts (`kvdiet.threads`)
     loop = holder["loop"] = EngineLoop(engine)
     for line in startup_report(engine):
         log.info(line)
