@@ -208,7 +208,8 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
     if trace.out_of_order:
         print(
             f"kvdiet replay: warning: timestamps go backwards: {trace.out_of_order:,} of {len(trace):,} "
-            "requests arrive before an earlier line's; re-sorted by arrival (--strict refuses)",
+            "requests arrive before one read earlier (a line above, or an earlier entry of its session's list); "
+            "re-sorted by arrival (--strict refuses)",
             file=sys.stderr,
         )
     if not trace.requests:

@@ -94,7 +94,8 @@ class Trace:
     Attributes:
         full_blocks_only: True when the file named full blocks only (the reader named each partial last
             block), False when it named partial blocks too, None when no request had a partial block.
-        out_of_order: requests that arrive before an earlier line's (re-sorted).
+        out_of_order: requests that arrive before one read earlier (a line above, or an earlier entry of their
+            session's list; re-sorted).
     """
 
     requests: list[TraceRequest]
