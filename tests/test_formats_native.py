@@ -451,3 +451,17 @@ def test_fp8_decode_keeps_e4m3_subnormal_codes_under_flush_denormal() -> None:
     codes = packed[:, :512].reshape(-1)
     subnormal = ((codes & 0x78) == 0) & ((codes & 0x07) != 0)  # exponent 0, mantissa not 0
     assert subnormal.any() and (compiled.reshape(-1)[subnormal] != 0).all()
+
+
+@pytest.mark.parametrize(("device", "loads"), [("cpu", True), ("cuda", False)])
+def test_a_cpu_model_loads_its_kernels_before_its_first_forward(monkeypatch, device, loads) -> None:
+    # a first `generate` otherwise counts the kernels' one-time build (about a minute) as prefill time
+    from kvdiet.model import build
+
+    calls = []
+    monkeypatch.setattr(native, "fp4_kernels", lambda: calls.append(1))
+    monkeypatch.setattr(build, "check_device", lambda d: None)  # no GPU here: stop before placing the model
+    monkeypatch.setattr(build, "load_config", lambda name: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        build.load_model("v4.1-micro", device=device)
+    assert bool(calls) == loads

@@ -134,29 +134,43 @@ def test_the_pool_halves_while_the_model_waits_for_a_cpu_and_grows_back_after_cl
     assert pool.check() == 2
     t.step(0.2, 0.2, 0.02)  # a look between the shares breaks the run of clear ones
     assert pool.check() == 2
-    for _ in range(2):
-        t.step(0.2, 0.2, 0.0)
-        pool.check()
-    assert pool.current == 4
+    t.step(0.2, 0.2, 0.0)  # so one clear look after it is not yet two in a row
+    assert pool.check() == 2
+    t.step(0.2, 0.2, 0.0)
+    assert pool.check() == 4
+    t.step(0.2, 0.2, 0.0)
+    t.step(0.0, 0.0, 0.0)
+    assert pool.check() == 4
+    t.step(0.2, 0.1, 0.1)  # a contended look breaks the run too (and halves)
+    assert pool.check() == 2
+    t.step(0.2, 0.2, 0.0)
+    assert pool.check() == 2
+    t.step(0.2, 0.2, 0.0)
+    assert pool.check() == 4
     for _ in range(6):
         t.step(0.2, 0.2, 0.0)
         pool.check()
-    assert pool.current == 8 and sizes == [4, 2, 1, 2, 4, 8] and pool.resizes == 6  # never past the default
+    assert (
+        pool.current == 8 and sizes == [4, 2, 1, 2, 4, 2, 4, 8] and pool.resizes == 8
+    )  # never past the default
 
 
 def test_time_asleep_counts_for_nothing() -> None:
-    # an idle server's engine thread sleeps between requests: a long wall time with little runnable time must
-    # neither dilute a contended share nor count as a clear look
+    # an idle server's engine thread sleeps between requests: a long wall time with little runnable time is no
+    # decision, clear or contended, and its figures add up with the next ones
     t, sizes = _Thread(), []
-    pool = t.pool(2, sizes, grow_after=1)
+    pool = t.pool(4, sizes, grow_after=1)
     t.step(0.5, 0.3, 0.2)
-    assert pool.check() == 1
-    t.step(30.0, 0.005, 0.004)  # asleep but for 9 ms: no decision yet
-    assert pool.check() == 1 and sizes == [2 // 2]
-    t.step(0.2, 0.006, 0.006)  # 21 ms runnable since the last decision, 10 of them waiting: contended
-    assert pool.check() == 1 and sizes == [1]
+    assert pool.check() == 2
+    t.step(30.0, 0.009, 0.0)  # asleep but for 9 ms: no decision (it would read clear and grow)
+    assert pool.check() == 2 and sizes == [2]
+    t.step(0.2, 0.006, 0.006)  # 21 ms runnable since the last decision, 6 of them waiting: contended
+    assert pool.check() == 1 and sizes == [2, 1]
     t.step(0.2, MIN_RUNNABLE_S, 0.0)  # clear (grow_after 1)
     assert pool.check() == 2
+    t.ran -= 10**9  # figures that went backwards (another thread under a reused id): start afresh
+    t.step(0.2, 0.1, 0.1)
+    assert pool.check() == 2 and sizes == [2, 1, 2]
 
 
 def test_a_look_from_another_thread_starts_afresh() -> None:
@@ -265,3 +279,26 @@ def test_a_prefill_and_decode_steps_have_the_same_bits_at_one_and_two_threads(mo
     finally:
         torch.set_num_threads(before)
     assert torch.equal(logits[1], logits[2])
+
+
+@pytest.mark.parametrize(("flags", "adapts"), [([], True), (["--threads", "1"], False)])
+def test_generate_gives_its_runner_an_adaptive_pool_only_for_a_default_thread_count(
+    monkeypatch, flags, adapts
+):
+    from kvdiet.engine import runner
+
+    seen = []
+
+    class Runner(runner.ModelRunner):
+        def __init__(self, *args, threads=None, **kwargs):
+            seen.append(threads)
+            super().__init__(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(runner, "ModelRunner", Runner)  # generate imports it when it runs
+    before = torch.get_num_threads()
+    try:
+        argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--max-tokens", "1"]
+        assert main([*argv, "--persistent-dir", "none", "--json", *flags]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 1 and isinstance(seen[0], AdaptiveThreads) == adapts and (seen[0] is None) != adapts

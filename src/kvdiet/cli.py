@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
             check_device(args.device)  # in every mode, before anything loads
             if args.command != "replay" or args.mode == "engine":
                 set_threads(args.threads)  # the commands that run the model
-            # generate's and serve's engine adapt a default-sized pool from here on (the model's load counts)
+            # generate's and serve's engine adapt a default-sized pool (generate's first look spans the model load)
             engine = args.command in ("generate", "serve")
             args.thread_pool = adaptive_threads(args.threads, args.device) if engine else None
         if args.command == "plan":

@@ -22,7 +22,8 @@ the machine. Two things go wrong when another process shares those cores:
   the pool is sized by default, `AdaptiveThreads` halves it while the thread running the model waits for a CPU
   (its run-queue wait, ``/proc/thread-self/schedstat``, over a tenth of its runnable time) and doubles it back,
   up to the default, once that wait is gone; the engine's runner asks it before every forward
-  (`adaptive_threads` makes one for ``generate`` and ``serve``). 1 and 2 threads give the same bits.
+  (`adaptive_threads` makes one for ``generate`` and ``serve``). 1 and 2 threads gave the same bits on the
+  presets tested (``tests/test_threads.py``).
 
 Source for the spin counts: the libgomp manual, "GOMP_SPINCOUNT" (gcc.gnu.org/onlinedocs/libgomp). Source for
 the run-queue wait: the kernel's Documentation/scheduler/sched-stats.rst (``/proc/<pid>/schedstat``: time on the
@@ -112,8 +113,8 @@ on `benchmarks/bench_contention.py`: a 2-thread pool beside 2 busy processes wai
 CLEAR_SHARE = 0.02
 """Waiting share below which a look counts as clear; `GROW_AFTER` clear looks in a row double the pool back."""
 GROW_AFTER = 10
-"""Clear looks in a row (about a second of work) before the pool doubles: with one core free, one thread waits
-for nothing and two do, so a pool that grew at once would flip size every look."""
+"""Clear looks in a row (at least a second apart from first to last) before the pool doubles: with one core free,
+one thread waits for nothing and two do, so a pool that grew at once would flip size every look."""
 CHECK_INTERVAL_S = 0.1
 """Seconds between two looks at the wait (asked more often, `AdaptiveThreads.check` only returns)."""
 MIN_RUNNABLE_S = 0.02
@@ -136,7 +137,8 @@ def schedstat() -> tuple[int, int] | None:
 class AdaptiveThreads:
     """torch's CPU pool sized to what the cores give: halved while the thread running the model waits for a CPU,
     doubled back once it no longer does (the module's notes: a barrier's partner parked by the scheduler costs a
-    whole slice). The engine's `kvdiet.engine.runner.ModelRunner` calls `check` before each forward.
+    whole slice). An engine's `kvdiet.engine.runner.ModelRunner` given one calls `check` before each prefill
+    chunk and decode step: each decision is on the work before it, the forward runs at the size it gives.
 
     A `check` at least ``interval`` seconds after the last look reads the calling thread's `schedstat`; once
     that thread has run or waited `MIN_RUNNABLE_S` since the last decision, the share of that time spent
@@ -194,6 +196,9 @@ class AdaptiveThreads:
             self._thread, self._base, self._clear = thread, stats, 0  # no figures yet for this thread
             return self.current
         ran, waited = stats[0] - self._base[0], stats[1] - self._base[1]
+        if ran < 0 or waited < 0:  # figures of another thread under a reused id
+            self._base, self._clear = stats, 0
+            return self.current
         if ran + waited < MIN_RUNNABLE_S * 1e9:
             return self.current  # mostly asleep since the last decision: wait for more
         self._base, share, size = stats, waited / (ran + waited), self.current

@@ -14,6 +14,7 @@ import torch
 
 from kvdiet.config import ConfigError, ModelConfig, load_config, model_config_path
 from kvdiet.device import check_device
+from kvdiet.formats import native
 from kvdiet.model.checkpoint_token_map import (
     TOKEN_MAP_FILE,
     find_token_map,
@@ -61,8 +62,13 @@ def load_model(
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
         ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`).
+
+    On the CPU the compiled kernels are loaded here (built on a machine's first use, about a minute), so the
+    first forward's time is the forward's.
     """
     check_device(device)
+    if device == "cpu":
+        native.fp4_kernels()
     if name_or_path is None:
         found = model_config_path(weights)
         if found is None:
