@@ -99,12 +99,26 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
                 continue
             ran += 1
             assert got.shape == want.shape and got.is_contiguous()
-            assert torch.equal(_bits(got), _bits(want))
+            _assert_chain_or_kept(got, want, a, w, case)
             with torch.no_grad():
                 assert torch.equal(_bits(batched_product(a, w)), _bits(want))
         assert ran >= 2 or _declined(a, w)
     finally:
         torch.set_num_threads(old)
+
+
+def _assert_chain_or_kept(
+    got: torch.Tensor, want: torch.Tensor, a: torch.Tensor, w: torch.Tensor, case: int
+) -> None:
+    """The kernel's result ``got`` against torch.bmm's ``want``: bit for bit where the check finds this machine's
+    BLAS summing as the kernel does at this shape class (and then `batched_product` takes the kernel); elsewhere
+    (e.g. MKL's Zen code path on an AMD EPYC, which sums no class as one chain) the caller keeps torch.bmm, and
+    on plain operands (case 0) the two orders stay within their rounding bounds of each other: 2k·2⁻²⁴·Σ|a·w|."""
+    if chain_agrees(*chain_class(a, w)):
+        assert torch.equal(_bits(got), _bits(want))
+    elif case == 0:
+        bound = 2 * a.shape[2] * 2.0**-24 * torch.bmm(a.abs(), w.abs())
+        assert bool(((got - want).abs() <= bound).all())
 
 
 def _declined(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -130,7 +144,9 @@ def test_scores_of_overlapping_window_bands_equal_torch_bmm(batch, threads):
             band = keys.as_strided((batch, 8, 64), (64, 64, 1))
             want = torch.bmm(q, band.transpose(1, 2))
             assert not want.isnan().any()
-            assert torch.equal(_bits(kernels.chain_bmm(q, band.transpose(1, 2))), _bits(want))
+            _assert_chain_or_kept(
+                kernels.chain_bmm(q, band.transpose(1, 2)), want, q, band.transpose(1, 2), case
+            )
             with torch.no_grad():
                 assert torch.equal(_bits(batched_product(q, band.transpose(1, 2))), _bits(want))
     finally:
@@ -170,7 +186,11 @@ def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
         assert chain_agrees.cache_info().currsize == 0 and caplog.text == ""  # not even checked
         assert not chain_agrees(*chain_class(a, w))
     assert "differs from torch.bmm" in caplog.text
-    assert chain_agrees(4, 4, 64, True, False)
+    # at a BLAS shape the verdict is whether this machine's BLAS sums as one chain, on random and adversarial
+    # operands: a random probe that differs must be found (MKL's Zen code path differs on adversarial ones)
+    probe = (torch.randn(16, 4, 4).transpose(1, 2).contiguous().transpose(1, 2), torch.randn(16, 4, 64))
+    if not torch.equal(_bits(kernels.chain_bmm(*probe)), _bits(torch.bmm(*probe))):
+        assert not chain_agrees(4, 4, 64, True, False)
     # where torch's BLAS starts: the chain's bits there (the cancelling pair of the test above, at 4·2·50 = 400)
     a, w = a[:, :1].expand(1, 4, 2).contiguous(), w[:, :, :1].expand(1, 2, 50).contiguous()
     assert torch.equal(torch.bmm(a, w), torch.full((1, 4, 50), 2.0**-24))
@@ -218,14 +238,16 @@ def test_the_check_builds_fp32_cpu_operands_whatever_torchs_defaults(default):
     runs on fp32 CPU operands and passes, and its verdict is the one under plain defaults."""
     _kernels()
     chain_agrees.cache_clear()
+    plain = chain_agrees(4, 4, 48, True, False)
+    chain_agrees.cache_clear()
     old = torch.get_default_dtype()
     try:
         if default == "float64":
             torch.set_default_dtype(torch.float64)
-            assert chain_agrees(4, 4, 48, True, False)
+            assert chain_agrees(4, 4, 48, True, False) == plain
         else:
             with torch.device("meta"):
-                assert chain_agrees(4, 4, 48, True, False)
+                assert chain_agrees(4, 4, 48, True, False) == plain
     finally:
         torch.set_default_dtype(old)
         chain_agrees.cache_clear()
@@ -237,7 +259,7 @@ def test_the_verdict_is_kept_per_matmul_precision(monkeypatch):
     chain_agrees.cache_clear()
     old = torch.get_float32_matmul_precision()
     try:
-        assert chain_fits(4, 4, 64, True, False)
+        chain_fits(4, 4, 64, True, False)  # a verdict (the BLAS's order decides which) under "highest"
         torch.set_float32_matmul_precision("medium")
         assert chain_agrees.cache_info().currsize == 1
         chain_fits(4, 4, 64, True, False)

@@ -61,7 +61,11 @@ def test_decode_on_the_device_equals_the_cpu_reference(cpu_model: Transformer, m
     ref = forward_full(cpu_model, torch.tensor(toks))
     state = model.new_state()
     dec = torch.cat([model.decode([state], [t]).cpu() for t in toks])
-    assert (dec - ref).abs().max().item() <= TOL
+    worst = (dec - ref).abs().amax(-1)
+    # as tests/test_model_paths.py: with packed caches one position may round a value across a code boundary
+    # (a decode row's products run in another fp32 order than the reference's; the BLAS's order differs by CPU)
+    assert int((worst > TOL).sum()) <= (0 if model.exact else 1)
+    assert worst.max().item() <= (TOL if model.exact else 2e-3)
     assert tensors_off_device(model, [state], model.device) == []
 
 
