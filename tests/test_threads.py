@@ -257,6 +257,7 @@ def test_the_runner_asks_the_pool_before_every_forward() -> None:
     assert Counting.calls == 3 + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["v4.1-mini", "v4-mini"])
 def test_a_prefill_and_decode_steps_have_the_same_bits_at_one_and_two_threads(model: str) -> None:
     """Why shrinking the pool from two threads to one changes no result: the same logits, bit for bit (on 3 or
