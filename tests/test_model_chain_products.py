@@ -112,7 +112,7 @@ def _assert_chain_or_kept(
 ) -> None:
     """The kernel's result ``got`` against torch.bmm's ``want``: bit for bit where the check finds this machine's
     BLAS summing as the kernel does at this shape class (and then `batched_product` takes the kernel); elsewhere
-    (e.g. MKL's Zen code path on an AMD EPYC, which sums no class as one chain) the caller keeps torch.bmm, and
+    (e.g. MKL's Zen code path on an AMD EPYC: subnormal operands) the caller keeps torch.bmm, and
     on plain operands (case 0) the two orders stay within their rounding bounds of each other: 2k·2⁻²⁴·Σ|a·w|."""
     if chain_agrees(*chain_class(a, w)):
         assert torch.equal(_bits(got), _bits(want))

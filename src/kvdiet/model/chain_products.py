@@ -9,8 +9,10 @@ kernel 38 µs). MKL's sgemm sums each output as one FMA chain from +0 in increas
 order is not documented, and torch's own loop below 400 multiply-adds a matrix rounds each product instead), which
 the kernel repeats. Whether it does at a shape is checked here against ``torch.bmm`` once per process and shape class,
 before the kernel is used there; a mismatch keeps ``torch.bmm`` (logged at INFO: the same values, only slower;
-MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q against keys, and on an AMD EPYC, where MKL
-takes its Zen code path, at every class checked). It knows nothing of the callers' formulas.
+MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q against keys; on an AMD EPYC, where MKL
+takes its Zen code path, every class checked fails on subnormal operands: a chain whose products all underflow
+ends at +0 there where the FMA chain gives −0, as if subnormal inputs read as zeros). It knows nothing of the
+callers' formulas.
 """
 
 from __future__ import annotations
