@@ -186,11 +186,18 @@ def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
         assert chain_agrees.cache_info().currsize == 0 and caplog.text == ""  # not even checked
         assert not chain_agrees(*chain_class(a, w))
     assert "differs from torch.bmm" in caplog.text
-    # at a BLAS shape the verdict is whether this machine's BLAS sums as one chain, on random and adversarial
-    # operands: a random probe that differs must be found (MKL's Zen code path differs on adversarial ones)
-    probe = (torch.randn(16, 4, 4).transpose(1, 2).contiguous().transpose(1, 2), torch.randn(16, 4, 64))
-    if not torch.equal(_bits(kernels.chain_bmm(*probe)), _bits(torch.bmm(*probe))):
-        assert not chain_agrees(4, 4, 64, True, False)
+    # at a BLAS shape the verdict is whether this machine's BLAS sums as one chain: here on random operands and
+    # on one whose products all underflow (the FMA chain ends at -0; MKL's Zen code path gives +0 there)
+    shuffled = torch.randn(16, 4, 4), torch.randn(16, 4, 64)
+    tiny = torch.zeros(16, 4, 4), torch.zeros(16, 4, 64)
+    tiny[0][0, 2] = torch.tensor([0.0, 0.0, 1.267866824551808e-40, -0.0])
+    tiny[1][0, :, 12] = torch.tensor([-0.7866698503494263, 1.3900021314620972, -9.006201282154172e-40, 20.0])
+    chains = True
+    for left, right in (shuffled, tiny):
+        left = left.transpose(1, 2).contiguous().transpose(1, 2)  # the class's layout: columns of a
+        chains &= torch.equal(_bits(kernels.chain_bmm(left, right)), _bits(torch.bmm(left, right)))
+    assert torch.equal(_bits(kernels.chain_bmm(tiny[0], tiny[1]))[0, 2, 12], torch.tensor(-(2**31)))  # -0
+    assert chain_agrees(4, 4, 64, True, False) == chains
     # where torch's BLAS starts: the chain's bits there (the cancelling pair of the test above, at 4·2·50 = 400)
     a, w = a[:, :1].expand(1, 4, 2).contiguous(), w[:, :, :1].expand(1, 2, 50).contiguous()
     assert torch.equal(torch.bmm(a, w), torch.full((1, 4, 50), 2.0**-24))
