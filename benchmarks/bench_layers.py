@@ -1,6 +1,9 @@
 """Per-call time of `RMSNorm.forward`, `Rotation.apply` and a decode step's attention at a decode step's shapes:
 the compiled kernels (``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``),
-and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), in one process.
+and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), in one process; then a
+prefill chunk's small batched products (`batched_product`: ``chain_bmm`` in the form its check found on this
+machine, against ``torch.bmm``; the same bits) at 1,024 rows: mHC's combᵀ·residual and attention's
+probabilities times the window (40-layer tiny plan widths, v4.1-mini's hidden 256).
 
 Shapes are v4.1-mini's (hidden 256, q_lora 128 and 512-wide heads for the norms; q [4, B, 512] as attention
 passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64; 4 heads × 512 dims over a window of
@@ -26,6 +29,7 @@ from rich.table import Table
 
 from kvdiet.formats import native
 from kvdiet.model.attention import attend
+from kvdiet.model.chain_products import batched_product
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.layers import RMSNorm, Rope
 
@@ -57,6 +61,28 @@ def cases(batch: int) -> dict[str, tuple[Call, Call]]:
             lambda a=args: attend(*a),
             lambda a=args: decode_attend(*a),
         )
+    return out
+
+
+def prefill_cases(rows: int = 1024) -> dict[str, tuple[Call, Call]]:
+    """Name -> (``torch.bmm``, `batched_product`) on a prefill chunk's operands of ``rows`` rows (fixed seed), in
+    the layouts the model passes them (combᵀ a transposed view; the probabilities a slice of the window's and the
+    selected entries')."""
+    gen = torch.Generator().manual_seed(rows)
+    out: dict[str, tuple[Call, Call]] = {}
+    for hidden in (64, 256):
+        comb_t = torch.rand(rows, 4, 4, generator=gen).transpose(1, 2)
+        residual = torch.randn(rows, 4, hidden, generator=gen)
+        out[f"mHC combᵀ·residual [{rows}, 4, 4]·[{rows}, 4, {hidden}]"] = (
+            lambda a=comb_t, w=residual: torch.bmm(a, w),
+            lambda a=comb_t, w=residual: batched_product(a, w),
+        )
+    probs = torch.rand(rows, 4, 12, generator=gen)[..., :8]
+    window = torch.randn(rows, 8, 64, generator=gen)
+    out[f"probs·window [{rows}, 4, 8]·[{rows}, 8, 64]"] = (
+        lambda: torch.bmm(probs, window),
+        lambda: batched_product(probs, window),
+    )
     return out
 
 
@@ -92,6 +118,13 @@ def main() -> None:
                         best[path] = min(best[path], round_us(call, calls))
                 os.environ.pop(native.ENV)
                 results[name] = best
+        for name, (torch_call, compiled_call) in prefill_cases().items():
+            best = {"compiled": float("inf"), "torch": float("inf")}
+            for _ in range(args.rounds):
+                for path, call in (("compiled", compiled_call), ("torch", torch_call)):
+                    call()  # warm-up (and the once-per-class check)
+                    best[path] = min(best[path], round_us(call, max(5, args.calls // 20)))
+            results[name] = best
     table = Table(title="per call, best round (µs)")
     for column in ("shape", "torch", "compiled", "speed-up"):
         table.add_column(column, justify="left" if column == "shape" else "right")

@@ -13,6 +13,7 @@ from kvdiet.formats import native
 from kvdiet.model import chain_products
 from kvdiet.model.chain_products import (
     TORCH_LOOP_BELOW,
+    ChainForm,
     batched_product,
     chain_agrees,
     chain_class,
@@ -91,7 +92,7 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
         for case in range(3):
             a, w = _operands(layout_a, m, k, n, layout_w, batch, gen, case)
             want = torch.bmm(a, w)
-            got = kernels.chain_bmm(a, w)
+            got = kernels.chain_bmm(a, w, settle_zero=chain_agrees(*chain_class(a, w)) is ChainForm.SETTLED)
             if want.isnan().any() or _declined(a, w):  # inf · 0 or inf − inf; keys outside the batch lanes
                 assert got is None
                 with torch.no_grad():  # torch.bmm runs them
@@ -110,10 +111,11 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
 def _assert_chain_or_kept(
     got: torch.Tensor, want: torch.Tensor, a: torch.Tensor, w: torch.Tensor, case: int
 ) -> None:
-    """The kernel's result ``got`` against torch.bmm's ``want``: bit for bit where the check finds this machine's
-    BLAS summing as the kernel does at this shape class (and then `batched_product` takes the kernel); elsewhere
-    (e.g. MKL's Zen code path on an AMD EPYC: subnormal operands) the caller keeps torch.bmm, and
-    on plain operands (case 0) the two orders stay within their rounding bounds of each other: 2k·2⁻²⁴·Σ|a·w|."""
+    """The kernel's result ``got`` (in the form the check found, where it found one) against torch.bmm's ``want``:
+    bit for bit where the check finds this machine's BLAS summing as the kernel does at this shape class (and then
+    `batched_product` takes the kernel); elsewhere (e.g. MKL's Zen code path on an AMD EPYC at q · keysᵀ) the
+    caller keeps torch.bmm, and on plain operands (case 0) the two orders stay within their rounding bounds of each
+    other: 2k·2⁻²⁴·Σ|a·w|."""
     if chain_agrees(*chain_class(a, w)):
         assert torch.equal(_bits(got), _bits(want))
     elif case == 0:
@@ -144,9 +146,9 @@ def test_scores_of_overlapping_window_bands_equal_torch_bmm(batch, threads):
             band = keys.as_strided((batch, 8, 64), (64, 64, 1))
             want = torch.bmm(q, band.transpose(1, 2))
             assert not want.isnan().any()
-            _assert_chain_or_kept(
-                kernels.chain_bmm(q, band.transpose(1, 2)), want, q, band.transpose(1, 2), case
-            )
+            settle = chain_agrees(*chain_class(q, band.transpose(1, 2))) is ChainForm.SETTLED
+            got = kernels.chain_bmm(q, band.transpose(1, 2), settle_zero=settle)
+            _assert_chain_or_kept(got, want, q, band.transpose(1, 2), case)
             with torch.no_grad():
                 assert torch.equal(_bits(batched_product(q, band.transpose(1, 2))), _bits(want))
     finally:
@@ -171,6 +173,26 @@ def test_the_order_is_one_fused_chain_from_plus_zero():
     assert torch.equal(_bits(zeros), _bits(torch.bmm(torch.ones(3, 4, 2), torch.full((3, 2, 64), -0.0))))
 
 
+@pytest.mark.parametrize(("layout_a", "m", "k", "n", "layout_w"), _SHAPES[:5])
+def test_the_settled_form_is_the_chain_plus_zero(layout_a, m, k, n, layout_w):
+    """``settle_zero``: each output of the chain with +0 added: −0 outputs read +0, every other bit kept."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(7)
+    for case in range(2):
+        a, w = _operands(layout_a, m, k, n, layout_w, 17, gen, case)
+        # batch 0's output column 0: a chain of negative products each below half the least subnormal (−0 alone)
+        a[0] = 2.0**-80
+        w[0, :, 0] = -(2.0**-80)
+        plain, settled = kernels.chain_bmm(a, w), kernels.chain_bmm(a, w, settle_zero=True)
+        negative_zero = _bits(plain) == -(2**31)
+        assert bool(negative_zero[0, :, 0].all())
+        assert torch.equal(_bits(settled), _bits(plain + 0.0))
+        assert torch.equal(
+            _bits(settled)[negative_zero], torch.zeros(int(negative_zero.sum()), dtype=torch.int32)
+        )
+        assert torch.equal(_bits(settled)[~negative_zero], _bits(plain)[~negative_zero])
+
+
 def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
     """Below `TORCH_LOOP_BELOW` multiply-adds a matrix torch's own loop rounds each product before its sum:
     batched_product leaves such shapes to torch.bmm quietly, and the check, asked, finds the chain wrong there."""
@@ -186,18 +208,24 @@ def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
         assert chain_agrees.cache_info().currsize == 0 and caplog.text == ""  # not even checked
         assert not chain_agrees(*chain_class(a, w))
     assert "differs from torch.bmm" in caplog.text
-    # at a BLAS shape the verdict is whether this machine's BLAS sums as one chain: here on random operands and
-    # on one whose products all underflow (the FMA chain ends at -0; MKL's Zen code path gives +0 there)
+    # at a BLAS shape the verdict is which form of the chain this machine's BLAS sums as: here on random operands
+    # and on one whose products all underflow (the FMA chain ends at -0; MKL's Zen code path adds +0 after it)
     shuffled = torch.randn(16, 4, 4), torch.randn(16, 4, 64)
     tiny = torch.zeros(16, 4, 4), torch.zeros(16, 4, 64)
     tiny[0][0, 2] = torch.tensor([0.0, 0.0, 1.267866824551808e-40, -0.0])
     tiny[1][0, :, 12] = torch.tensor([-0.7866698503494263, 1.3900021314620972, -9.006201282154172e-40, 20.0])
-    chains = True
+    agree = {False: True, True: True}  # settle_zero -> every probe's bits equal torch.bmm's
     for left, right in (shuffled, tiny):
         left = left.transpose(1, 2).contiguous().transpose(1, 2)  # the class's layout: columns of a
-        chains &= torch.equal(_bits(kernels.chain_bmm(left, right)), _bits(torch.bmm(left, right)))
+        for settle in agree:
+            got = kernels.chain_bmm(left, right, settle_zero=settle)
+            agree[settle] &= torch.equal(_bits(got), _bits(torch.bmm(left, right)))
     assert torch.equal(_bits(kernels.chain_bmm(tiny[0], tiny[1]))[0, 2, 12], torch.tensor(-(2**31)))  # -0
-    assert chain_agrees(4, 4, 64, True, False) == chains
+    settled = kernels.chain_bmm(tiny[0], tiny[1], settle_zero=True)
+    assert torch.equal(_bits(settled)[0, 2, 12], torch.tensor(0))  # +0
+    assert agree[False] != agree[True] or not agree[False]  # the all-underflow probe tells the forms apart
+    form = ChainForm.CHAIN if agree[False] else ChainForm.SETTLED if agree[True] else ChainForm.NONE
+    assert chain_agrees(4, 4, 64, True, False) is form
     # where torch's BLAS starts: the chain's bits there (the cancelling pair of the test above, at 4·2·50 = 400)
     a, w = a[:, :1].expand(1, 4, 2).contiguous(), w[:, :, :1].expand(1, 2, 50).contiguous()
     assert torch.equal(torch.bmm(a, w), torch.full((1, 4, 50), 2.0**-24))

@@ -14,7 +14,7 @@ from torch import nn
 from kvdiet.formats import native
 from kvdiet.model import hc as hc_module
 from kvdiet.model import layers
-from kvdiet.model.chain_products import chain_agrees, chain_fits
+from kvdiet.model.chain_products import ChainForm, chain_agrees, chain_fits
 from kvdiet.model.hc import add_sublayer_hc, hc_coefficients, hc_collapse, hc_expand, sublayer_entry
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.sinkhorn import hc_mix_address
@@ -317,10 +317,15 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
             got = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True)
             # the compiled product, where it has matched torch.bmm at this shape
             chained = chain_fits(hc, hc, hidden, True, False)
-            # below 400, torch sums rounded products in a loop of its own; above, where this machine's BLAS sums
-            # as one chain (not MKL's Zen code path, for one)
-            assert chained == (hc * hc * hidden >= 400 and chain_agrees(hc, hc, hidden, True, False))
-            chain = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chained)
+            # below 400, torch sums rounded products in a loop of its own; above, in the form of the chain this
+            # machine's BLAS sums as (MKL's Zen code path: the chain, then +0), if either
+            assert chained is (
+                chain_agrees(hc, hc, hidden, True, False) if hc * hc * hidden >= 400 else ChainForm.NONE
+            )
+            settle = chained is ChainForm.SETTLED
+            chain = kernels.hc_expand_rows(
+                x, residual, post, comb, any_rows=True, chain=bool(chained), settle_zero=settle
+            )
             if want.isnan().any():
                 assert got is None and chain is None and specials
             else:
@@ -330,6 +335,24 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
                 _assert_same((hc_expand(x, residual, post, comb),), (want,))
     finally:
         torch.set_num_threads(old)
+
+
+def test_expand_rows_pass_the_chains_form_on():
+    """``settle_zero`` reaches the chain: mixed streams whose products all round to −0 read +0 in the settled form, so
+    with ``post · x = −0`` the output is +0 there and −0 from the plain chain; `hc_expand` gives torch.bmm's sign."""
+    kernels = _kernels()
+    rows, hc, hidden = 32, 4, 64
+    x = torch.ones(rows, hidden)
+    post = torch.full((rows, hc), -0.0)
+    comb = torch.full((rows, hc, hc), 2.0**-80)
+    residual = torch.full((rows, hc, hidden), -(2.0**-80))
+    plain = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=True)
+    settled = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=True, settle_zero=True)
+    assert torch.equal(plain.view(torch.int32), torch.full((rows, hc, hidden), -(2**31), dtype=torch.int32))
+    assert torch.equal(settled.view(torch.int32), torch.zeros(rows, hc, hidden, dtype=torch.int32))
+    want = _expand_formula(x, residual, post, comb)
+    with torch.no_grad():
+        _assert_same((hc_expand(x, residual, post, comb),), (want,))
 
 
 def test_expand_rows_decline_what_they_do_not_fit():

@@ -3,14 +3,17 @@
 // accumulator. Compiled after rmsnorm_kernels.cpp (its any_nan is in scope) and before hc_kernels.cpp (which uses
 // chain_bmm) into the same module; fp8_kernels.cpp holds the bindings. Built at first use by kvdiet.formats.native.
 //
-// chain_bmm(a, w): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1, 1 <= K <= kChainDepthMax)
-//   -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other input or a NaN output
-//   (which NaN a chain keeps is the hardware's, not a rule of torch's). Nothing here says torch's product is such
-//   a chain: MKL's order is undocumented, and torch sums products below 400 multiply-adds a matrix in a plain loop
-//   of rounded products instead. The order was found by experiment (an FMA chain from +0 in increasing k matched
-//   at::bmm on every operand tried at the shapes kvdiet uses, ties, subnormals, cancellation, ±0 and ±inf included;
-//   products rounded before their sum, a reversed chain, or a chain from the first product did not), so
-//   kvdiet.model.chain_products checks every shape class against at::bmm once per process before it calls this.
+// chain_bmm(a, w, settle_zero): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1, 1 <= K <=
+//   kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other input or a NaN
+//   output (which NaN a chain keeps is the hardware's, not a rule of torch's). settle_zero: each output then has +0
+//   added (c + 0.0f: -0 becomes +0, every other value is kept), the form MKL's Zen code path gives (an AMD EPYC: chains
+//   of products that all underflow end at +0 there, where the chain alone gives -0; found by experiment as the rest).
+//   Nothing here says torch's product is such a chain: MKL's order is undocumented, and torch sums products below 400
+//   multiply-adds a matrix in a plain loop of rounded products instead. The order was found by experiment (an FMA chain
+//   from +0 in increasing k matched at::bmm on every operand tried at the shapes kvdiet uses, ties, subnormals,
+//   cancellation, ±0 and ±inf included; products rounded before their sum, a reversed chain, or a chain from the first
+//   product did not), so kvdiet.model.chain_products checks every shape class against at::bmm once per process before
+//   it calls this.
 //   Where both operands hold k contiguously (a's k stride 1, and w's with its n stride not 1: attention's scores
 //   q · keysᵀ), the chains run with 16 batches side by side in the vector lanes (AVX-512, at least 16 batches, at
 //   most 64 outputs a matrix): each batch's rows of a and of wᵀ transposed into lane vectors, 16 x 16 at a time,
@@ -50,6 +53,7 @@ inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) {
   return KVDIET_CHAIN_PS(fmadd)(KVDIET_CHAIN_PS(set1)(s), w, acc);
 }
 inline void chain_store(float* p, ChainVec v) { KVDIET_CHAIN_PS(storeu)(p, v); }
+inline ChainVec chain_settle(ChainVec v) { return KVDIET_CHAIN_PS(add)(v, KVDIET_CHAIN_PS(setzero)()); }
 inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return KVDIET_CHAIN_PS(fmadd)(s, w, acc); }
 #define KVDIET_CHAIN_SET1(x) KVDIET_CHAIN_PS(set1)(x)
 #else
@@ -59,15 +63,22 @@ inline ChainVec chain_zero() { return 0.0f; }
 inline ChainVec chain_load(const float* p) { return *p; }
 inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
 inline void chain_store(float* p, ChainVec v) { *p = v; }
+inline ChainVec chain_settle(ChainVec v) { return v + 0.0f; }
 inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
 #define KVDIET_CHAIN_SET1(x) (x)
 #endif
+
+// p[i] + 0.0f into p[i], i < count: one IEEE addition each (-0 + +0 is +0 under round-to-nearest; every other value
+// is kept), which the build keeps (no -ffast-math)
+inline void add_zero(float* p, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) p[i] = p[i] + 0.0f;
+}
 
 // A fixed depth's vector part of kChainRows rows: their a values broadcast once, then each lane block of w's rows
 // (contiguous) loaded once for all of them; the k loop unrolled (the same chain, step by step)
 template <int64_t kDepth>
 void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, float* out,
-                      int64_t n, int64_t vec_n) {
+                      int64_t n, int64_t vec_n, bool settle_zero) {
   ChainVec av[kChainRows][kDepth];
   for (int64_t r = 0; r < kChainRows; ++r)
     for (int64_t k = 0; k < kDepth; ++k) av[r][k] = KVDIET_CHAIN_SET1(a[r * a_row + k * a_col]);
@@ -78,15 +89,15 @@ void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float*
       const ChainVec wk = chain_load(w + k * w_row + j);
       for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_fma_vec(av[r][k], wk, acc[r]);
     }
-    for (int64_t r = 0; r < kChainRows; ++r) chain_store(out + r * n + j, acc[r]);
+    for (int64_t r = 0; r < kChainRows; ++r) chain_store(out + r * n + j, settle_zero ? chain_settle(acc[r]) : acc[r]);
   }
 }
 
 // out [M, N] of one batch: each output a chain from +0 over k, rows in groups of kChainRows sharing each vector
 // of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail lanes and other
-// layouts one output at a time
+// layouts one output at a time; settle_zero: +0 then added to each output before it is stored
 void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, int64_t w_col,
-                  float* out, int64_t m, int64_t depth, int64_t n) {
+                  float* out, int64_t m, int64_t depth, int64_t n, bool settle_zero) {
   const int64_t vec_n = w_col == 1 ? n / kChainLanes * kChainLanes : 0;
   for (int64_t i0 = 0; i0 < m; i0 += kChainRows) {
     const int64_t rows = std::min(kChainRows, m - i0);
@@ -94,11 +105,11 @@ void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, 
     float* oi = out + i0 * n;
     bool fixed = rows == kChainRows && vec_n > 0;
     if (fixed) switch (depth) {
-        case 1: chain_rows_fixed<1>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
-        case 2: chain_rows_fixed<2>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
-        case 3: chain_rows_fixed<3>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
-        case 4: chain_rows_fixed<4>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
-        case 8: chain_rows_fixed<8>(ai, a_row, a_col, w, w_row, oi, n, vec_n); break;
+        case 1: chain_rows_fixed<1>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
+        case 2: chain_rows_fixed<2>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
+        case 3: chain_rows_fixed<3>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
+        case 4: chain_rows_fixed<4>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
+        case 8: chain_rows_fixed<8>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
         default: fixed = false;
       }
     for (int64_t j = fixed ? vec_n : 0; j < vec_n; j += kChainLanes) {
@@ -108,13 +119,13 @@ void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, 
         const ChainVec wk = chain_load(w + k * w_row + j);
         for (int64_t r = 0; r < rows; ++r) acc[r] = chain_fma(ai[r * a_row + k * a_col], wk, acc[r]);
       }
-      for (int64_t r = 0; r < rows; ++r) chain_store(oi + r * n + j, acc[r]);
+      for (int64_t r = 0; r < rows; ++r) chain_store(oi + r * n + j, settle_zero ? chain_settle(acc[r]) : acc[r]);
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = vec_n; j < n; ++j) {
         float acc = 0.0f;
         for (int64_t k = 0; k < depth; ++k) acc = std::fma(ai[r * a_row + k * a_col], w[k * w_row + j * w_col], acc);
-        oi[r * n + j] = acc;
+        oi[r * n + j] = settle_zero ? acc + 0.0f : acc;
       }
   }
 }
@@ -209,12 +220,20 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
 }
 #endif
 
+// chain_bmm's output: std::nullopt where it holds a NaN, else itself, with +0 added to each value where settle_zero
+std::optional<at::Tensor> settled(const at::Tensor& out, bool settle_zero) {
+  float* op = out.mutable_data_ptr<float>();
+  if (any_nan(op, out.numel())) return {};
+  if (settle_zero) add_zero(op, out.numel());
+  return out;
+}
+
 }  // namespace
 
 #undef KVDIET_CHAIN_SET1
 #undef KVDIET_CHAIN_PS
 
-std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w) {
+std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bool settle_zero = false) {
   for (const at::Tensor* t : {&a, &w})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->is_neg() || t->is_conj() || t->dim() != 3)
       return {};
@@ -240,15 +259,13 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w) {
         chain_batch_lanes(ap, as0, as1, wp, ws0, ws2, op, blk * kBatchLanes, batch, m, depth, n, scratch.data(),
                           scratch.data() + m * depth, scratch.data() + (m + n) * depth);
     });
-    if (any_nan(op, out.numel())) return {};
-    return out;
+    return settled(out, settle_zero);
   }
 #endif
   if (keys_layout) return {};
   at::parallel_for(0, batch, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n);
+      chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n, settle_zero);
   });
-  if (any_nan(op, out.numel())) return {};
-  return out;
+  return settled(out, false);  // settled in chain_matrix
 }

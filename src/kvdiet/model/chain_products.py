@@ -7,16 +7,17 @@ selected)`` ([T, H, 8] and [T, H, 4] operands): a few hundred thousand multiply-
 BLAS call spends 21-24 µs on (one thread; this kernel 13-19 µs; the scores at head dim 64 about 100 µs, this
 kernel 38 µs). MKL's sgemm sums each output as one FMA chain from +0 in increasing k (found by experiment; the
 order is not documented, and torch's own loop below 400 multiply-adds a matrix rounds each product instead), which
-the kernel repeats. Whether it does at a shape is checked here against ``torch.bmm`` once per process and shape class,
-before the kernel is used there; a mismatch keeps ``torch.bmm`` (logged at INFO: the same values, only slower;
-MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q against keys; on an AMD EPYC, where MKL
-takes its Zen code path, every class checked fails on subnormal operands: a chain whose products all underflow
-ends at +0 there where the FMA chain gives −0, as if subnormal inputs read as zeros). It knows nothing of the
-callers' formulas.
+the kernel repeats. On an AMD EPYC, where MKL takes its Zen code path, the same chains end with +0 added (a chain
+whose products all underflow gives +0 there where the FMA chain alone gives −0; every other output the same bits):
+the kernel's second form (`ChainForm.SETTLED`). Which form, if either, gives ``torch.bmm``'s bits at a shape is
+checked here once per process and shape class, before the kernel is used there; neither keeps ``torch.bmm`` (logged
+at INFO: the same values, only slower; MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q
+against keys, and on the Zen code path q · keysᵀ at 64-long chains). It knows nothing of the callers' formulas.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from kvdiet.formats import native
 __all__ = [
     "CHAIN_DEPTH_MAX",
     "TORCH_LOOP_BELOW",
+    "ChainForm",
     "batched_product",
     "chain_agrees",
     "chain_class",
@@ -41,6 +43,20 @@ TORCH_LOOP_BELOW = 400
 """Multiply-adds a matrix (M·K·N) below which ``torch.bmm`` on the CPU sums with its own loop of rounded products
 instead of its BLAS (ATen's ``bmm_out_or_baddbmm_``; the tests hold torch to it): `batched_product` leaves such
 shapes to ``torch.bmm`` without a check or a warning."""
+
+
+class ChainForm(enum.IntEnum):
+    """Which form of ``chain_bmm`` gives ``torch.bmm``'s bits at a shape class (`chain_agrees`); false only for
+    `NONE`."""
+
+    NONE = 0
+    """Neither: ``torch.bmm`` runs."""
+    CHAIN = 1
+    """The FMA chain from +0 (``chain_bmm(a, w)``): MKL's order on Intel CPUs."""
+    SETTLED = 2
+    """The chain, then +0 added to each output (``chain_bmm(a, w, settle_zero=True)``: −0 reads +0): MKL's Zen
+    code path."""
+
 
 _BATCHES = (1, 3, 16, 17, 256)
 _CHECK_ELEMENTS = 1 << 22  # a check's batch counts past this many multiply-adds are skipped
@@ -59,17 +75,17 @@ def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, 
     )
 
 
-def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> bool:
-    """Whether ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32 CPU
-    operands without autograd, for a caller that holds the kernels (``native.fp4_kernels()`` not None): 1 ≤ depth
-    ≤ `CHAIN_DEPTH_MAX`, at least `TORCH_LOOP_BELOW` multiply-adds a matrix, and `chain_agrees` (checked once per
-    class and torch matmul precision).
+def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> ChainForm:
+    """In which form ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32
+    CPU operands without autograd, for a caller that holds the kernels (``native.fp4_kernels()`` not None):
+    `ChainForm.NONE` unless 1 ≤ depth ≤ `CHAIN_DEPTH_MAX` and at least `TORCH_LOOP_BELOW` multiply-adds a matrix,
+    else `chain_agrees`'s form (checked once per class and torch matmul precision).
 
     Raises:
         RuntimeError: the kernels are switched off or did not build (from `chain_agrees`'s first check).
     """
     if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
-        return False
+        return ChainForm.NONE
     return chain_agrees(m, depth, n, a_cols, w_cols, torch.get_float32_matmul_precision())
 
 
@@ -77,8 +93,7 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(a, w)`` bit for bit: a fp32 [B, M, K], w fp32 [B, K, N] (any strides) -> fp32 [B, M, N]
     (contiguous). The compiled chain runs where it applies (CPU fp32, no autograd, 1 ≤ K ≤ `CHAIN_DEPTH_MAX`, the
     kernels built and not switched off, at least `TORCH_LOOP_BELOW` multiply-adds a matrix, the shape class
-    checked by `chain_agrees`, no NaN in the output);
-    ``torch.bmm`` everywhere else.
+    checked by `chain_agrees`, in the form it found; no NaN in the output); ``torch.bmm`` everywhere else.
 
     Raises:
         RuntimeError: what ``torch.bmm`` raises for operands it does not take.
@@ -90,23 +105,26 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         and a.is_cpu
         and w.is_cpu
         and (kernels := native.fp4_kernels()) is not None
-        and chain_fits(*chain_class(a, w))
+        and (form := chain_fits(*chain_class(a, w)))
     ):
-        out = kernels.chain_bmm(a, w)
+        out = kernels.chain_bmm(a, w, settle_zero=form is ChainForm.SETTLED)
         if out is not None:
             return out
     return torch.bmm(a, w)
 
 
 @functools.cache
-def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str = "highest") -> bool:
-    """Whether ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine
-    under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route products
-    elsewhere), checked once per process: batch counts 1, 3, 16, 17 and 256 (those within 2^22 multiply-adds), on
-    random operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ,
-    products that cancel, ±inf; no NaN: the kernel declines NaN outputs), fp32 on the CPU whatever torch's
-    default dtype and device. A mismatch, or no check that ran (the kernel declined them all), is logged at INFO:
-    the caller keeps ``torch.bmm``.
+def chain_agrees(
+    m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str = "highest"
+) -> ChainForm:
+    """Which form of ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this
+    machine under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route
+    products elsewhere), checked once per process: `ChainForm.CHAIN`, else `ChainForm.SETTLED`, where every check
+    holds: batch counts 1, 3, 16, 17 and 256 (those within 2^22 multiply-adds), on random operands and on
+    adversarial ones (±0, subnormals, values where a chain and rounded products differ, products that cancel, chains
+    whose products all underflow, ±inf; no NaN: the kernel declines NaN outputs), fp32 on the CPU whatever torch's
+    default dtype and device. Neither, or no check that ran (the kernel declined them all), is logged at INFO and
+    gives `ChainForm.NONE`: the caller keeps ``torch.bmm``.
 
     Raises:
         RuntimeError: the kernels are switched off or did not build.
@@ -119,23 +137,38 @@ def chain_agrees(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precisi
             f"checking under precision {precision!r} while torch's is {torch.get_float32_matmul_precision()!r}"
         )
     shape = (m, depth, n, a_cols, w_cols)
+    forms = (ChainForm.CHAIN, ChainForm.SETTLED)
+    failed: dict[ChainForm, tuple[int, int]] = {}  # each form's first mismatch: (batch count, case)
     ran = 0
     with torch.device("cpu"):  # the operands are made under torch's defaults: fp32 on the CPU here
         checks = list(_check_operands(shape))
     for batch, case, a, w in checks:
-        with torch.inference_mode():
-            got = kernels.chain_bmm(a, w)
-            if got is None:  # a NaN output: torch.bmm runs such operands
+        want = None
+        for form in forms:
+            if form in failed:
                 continue
-            want = torch.bmm(a, w)
-        ran += 1
-        if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
-            _log.info("compiled chain_bmm differs from torch.bmm at %s (batch %d, case %d); using torch.bmm",
-                         shape, batch, case)  # fmt: skip
-            return False
+            with torch.inference_mode():
+                got = kernels.chain_bmm(a, w, settle_zero=form is ChainForm.SETTLED)
+                if got is None:  # a NaN output (either form alike): torch.bmm runs such operands
+                    break
+                if want is None:
+                    want = torch.bmm(a, w)
+                    ran += 1
+            if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
+                failed[form] = (batch, case)
+        if len(failed) == len(forms):
+            break
     if ran == 0:
         _log.info("compiled chain_bmm declined every check at %s; using torch.bmm", shape)
-    return ran > 0
+        return ChainForm.NONE
+    for form in forms:
+        if form not in failed:
+            _log.debug("compiled chain_bmm (%s) gives torch.bmm's bits at %s", form.name, shape)
+            return form
+    (b1, c1), (b2, c2) = failed[ChainForm.CHAIN], failed[ChainForm.SETTLED]
+    _log.info("compiled chain_bmm differs from torch.bmm at %s (batch %d, case %d; with +0 added: batch %d, case %d); "
+                 "using torch.bmm", shape, b1, c1, b2, c2)  # fmt: skip
+    return ChainForm.NONE
 
 
 def _check_operands(
@@ -147,7 +180,7 @@ def _check_operands(
     for batch in _BATCHES:
         if batch > 1 and batch * m * depth * n > _CHECK_ELEMENTS:
             return
-        for case in range(4):
+        for case in range(5):
             a, w = _operand((batch, m, depth), gen, case), _operand((batch, depth, n), gen, case)
             if case == 2 and depth > 1:  # w's rows constant along n, its last 1: a's last k cancels the rest
                 w = w[:, :, :1].expand(batch, depth, n).contiguous()
@@ -156,15 +189,17 @@ def _check_operands(
             a, w = _layout(a, transpose=a_cols), _layout(w, transpose=w_cols)
             if case == 3:  # every product −0: the sum from +0 stays +0
                 a, w = a.abs(), w.abs().neg().mul(0.0)
+            if case == 4:  # every product nonzero but below half the least subnormal: each rounds to ±0 alone
+                a, w = a * 2.0**-80, w * 2.0**-80
             yield batch, case, a, w
 
 
 def _operand(shape: tuple[int, int, int], gen: torch.Generator, case: int) -> torch.Tensor:
-    """fp32 ``shape``: cases 0 and 2 normal values (2: `_check_operands` makes them cancel); 1 and 3 a mix of ±0,
-    subnormals, short-mantissa values (exact products whose sums round on ties), values near 1 (cancellation) and
-    scales up to 2^60 (overflow to ±inf)."""
+    """fp32 ``shape``: cases 0, 2 and 4 normal values (`_check_operands` makes case 2's cancel and scales case
+    4's down); 1 and 3 a mix of ±0, subnormals, short-mantissa values (exact products whose sums round on ties),
+    values near 1 (cancellation) and scales up to 2^60 (overflow to ±inf)."""
     x = torch.randn(shape, generator=gen, dtype=torch.float32)
-    if case in (0, 2):
+    if case in (0, 2, 4):
         return x
     kind = torch.randint(0, 8, shape, generator=gen)
     short = torch.randint(-64, 64, shape, generator=gen).float() * 0.5

@@ -22,7 +22,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
-from kvdiet.model.chain_products import chain_fits
+from kvdiet.model.chain_products import ChainForm, chain_fits
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
 from kvdiet.model.member import member, overridden
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
@@ -325,8 +325,9 @@ def hc_expand(
 
     fp32 CPU rows (any number, ``any_rows``: a decode step's and a prefill's; no autograd) run in one compiled call
     (``hc_expand_rows``, ``formats/hc_kernels.cpp``: the same ``bmm``, or for a prefill's rows (more than
-    `KERNEL_ROWS`) and contiguous operands its compiled twin where `kvdiet.model.chain_products.chain_fits` says it
-    matches at this shape, then each element's multiply and add), with the same bits; it declines NaN outputs.
+    `KERNEL_ROWS`) and contiguous operands its compiled twin where `kvdiet.model.chain_products.chain_fits` finds a
+    form that matches at this shape, then each element's multiply and add), with the same bits; it declines NaN
+    outputs.
     """
     if not torch.is_grad_enabled() and residual.dim() == 3:
         kernels = native.fp4_kernels()
@@ -334,13 +335,14 @@ def hc_expand(
         if kernels is not None:
             # the chain's class: a contiguous combᵀ and residual (hc_expand_rows checks the layout)
             rows, hc, hidden = residual.shape
-            chain = (
-                rows > KERNEL_ROWS  # a decode step's rows: at::bmm is as fast, without the check's Python
-                and residual.is_cpu
-                and residual.dtype == torch.float32
-                and chain_fits(hc, hc, hidden, True, False)
+            form = ChainForm.NONE
+            if rows > KERNEL_ROWS and residual.is_cpu and residual.dtype == torch.float32:
+                # not a decode step's rows: at::bmm is as fast there, without the check's Python
+                form = chain_fits(hc, hc, hidden, True, False)
+            settle = form is ChainForm.SETTLED
+            out = kernels.hc_expand_rows(
+                x, residual, post, comb, any_rows=True, chain=bool(form), settle_zero=settle
             )
-            out = kernels.hc_expand_rows(x, residual, post, comb, any_rows=True, chain=chain)
         if out is not None:
             return out
     residual = widen(residual)
