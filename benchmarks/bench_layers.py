@@ -2,8 +2,8 @@
 the compiled kernels (``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``),
 and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), in one process; then a
 prefill chunk's small batched products (`batched_product`: ``chain_bmm`` in the form its check found on this
-machine, against ``torch.bmm``; the same bits) at 1,024 rows: mHC's combᵀ·residual and attention's
-probabilities times the window (40-layer tiny plan widths, v4.1-mini's hidden 256).
+machine, named in the row, against ``torch.bmm``; the same bits) at 1,024 rows: mHC's combᵀ·residual and
+attention's probabilities times the window (40-layer tiny plan widths, v4.1-mini's hidden 256).
 
 Shapes are v4.1-mini's (hidden 256, q_lora 128 and 512-wide heads for the norms; q [4, B, 512] as attention
 passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64; 4 heads × 512 dims over a window of
@@ -29,7 +29,7 @@ from rich.table import Table
 
 from kvdiet.formats import native
 from kvdiet.model.attention import attend
-from kvdiet.model.chain_products import batched_product
+from kvdiet.model.chain_products import batched_product, chain_class, chain_fits
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.layers import RMSNorm, Rope
 
@@ -69,20 +69,22 @@ def prefill_cases(rows: int = 1024) -> dict[str, tuple[Call, Call]]:
     the layouts the model passes them (combᵀ a transposed view; the probabilities a slice of the window's and the
     selected entries')."""
     gen = torch.Generator().manual_seed(rows)
-    out: dict[str, tuple[Call, Call]] = {}
+    operands = {}
     for hidden in (64, 256):
         comb_t = torch.rand(rows, 4, 4, generator=gen).transpose(1, 2)
-        residual = torch.randn(rows, 4, hidden, generator=gen)
-        out[f"mHC combᵀ·residual [{rows}, 4, 4]·[{rows}, 4, {hidden}]"] = (
-            lambda a=comb_t, w=residual: torch.bmm(a, w),
-            lambda a=comb_t, w=residual: batched_product(a, w),
+        operands[f"mHC combᵀ·residual [{rows}, 4, 4]·[{rows}, 4, {hidden}]"] = (
+            comb_t,
+            torch.randn(rows, 4, hidden, generator=gen),
         )
     probs = torch.rand(rows, 4, 12, generator=gen)[..., :8]
-    window = torch.randn(rows, 8, 64, generator=gen)
-    out[f"probs·window [{rows}, 4, 8]·[{rows}, 8, 64]"] = (
-        lambda: torch.bmm(probs, window),
-        lambda: batched_product(probs, window),
+    operands[f"probs·window [{rows}, 4, 8]·[{rows}, 8, 64]"] = (
+        probs,
+        torch.randn(rows, 8, 64, generator=gen),
     )
+    out: dict[str, tuple[Call, Call]] = {}
+    for name, (a, w) in operands.items():
+        form = chain_fits(*chain_class(a, w)).name  # NONE: both rows time torch.bmm
+        out[f"{name} ({form})"] = (lambda a=a, w=w: torch.bmm(a, w), lambda a=a, w=w: batched_product(a, w))
     return out
 
 

@@ -27,6 +27,11 @@ def _kernels():
     return kernels
 
 
+def _agrees(*shape: object) -> ChainForm:
+    """`chain_agrees` at a shape class under torch's matmul precision and thread count at this moment."""
+    return chain_agrees(*shape, torch.get_float32_matmul_precision(), torch.get_num_threads())
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
@@ -92,7 +97,7 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
         for case in range(3):
             a, w = _operands(layout_a, m, k, n, layout_w, batch, gen, case)
             want = torch.bmm(a, w)
-            got = kernels.chain_bmm(a, w, settle_zero=chain_agrees(*chain_class(a, w)) is ChainForm.SETTLED)
+            got = kernels.chain_bmm(a, w, settle_zero=_agrees(*chain_class(a, w)) is ChainForm.SETTLED)
             if want.isnan().any() or _declined(a, w):  # inf · 0 or inf − inf; keys outside the batch lanes
                 assert got is None
                 with torch.no_grad():  # torch.bmm runs them
@@ -116,7 +121,7 @@ def _assert_chain_or_kept(
     `batched_product` takes the kernel); elsewhere (e.g. MKL's Zen code path on an AMD EPYC at q · keysᵀ) the
     caller keeps torch.bmm, and on plain operands (case 0) the two orders stay within their rounding bounds of each
     other: 2k·2⁻²⁴·Σ|a·w|."""
-    if chain_agrees(*chain_class(a, w)):
+    if _agrees(*chain_class(a, w)):
         assert torch.equal(_bits(got), _bits(want))
     elif case == 0:
         bound = 2 * a.shape[2] * 2.0**-24 * torch.bmm(a.abs(), w.abs())
@@ -146,7 +151,7 @@ def test_scores_of_overlapping_window_bands_equal_torch_bmm(batch, threads):
             band = keys.as_strided((batch, 8, 64), (64, 64, 1))
             want = torch.bmm(q, band.transpose(1, 2))
             assert not want.isnan().any()
-            settle = chain_agrees(*chain_class(q, band.transpose(1, 2))) is ChainForm.SETTLED
+            settle = _agrees(*chain_class(q, band.transpose(1, 2))) is ChainForm.SETTLED
             got = kernels.chain_bmm(q, band.transpose(1, 2), settle_zero=settle)
             _assert_chain_or_kept(got, want, q, band.transpose(1, 2), case)
             with torch.no_grad():
@@ -173,19 +178,35 @@ def test_the_order_is_one_fused_chain_from_plus_zero():
     assert torch.equal(_bits(zeros), _bits(torch.bmm(torch.ones(3, 4, 2), torch.full((3, 2, 64), -0.0))))
 
 
-@pytest.mark.parametrize(("layout_a", "m", "k", "n", "layout_w"), _SHAPES[:5])
+@pytest.mark.parametrize(
+    ("layout_a", "m", "k", "n", "layout_w"),
+    [
+        *_SHAPES[:5],
+        ("rows", 2, 8, 64, "rows"),  # 2 rows: the generic vector loop (v4.1-micro's heads)
+        (
+            "rows",
+            5,
+            6,
+            40,
+            "rows",
+        ),  # depth 6 and a row past the groups of 4: the generic loop, 8 tail columns
+        ("rows", 4, 64, 8, "cols"),  # q · keysᵀ: the batch lanes
+    ],
+)
 def test_the_settled_form_is_the_chain_plus_zero(layout_a, m, k, n, layout_w):
-    """``settle_zero``: each output of the chain with +0 added: −0 outputs read +0, every other bit kept."""
+    """``settle_zero``: each output of the chain with +0 added: −0 outputs read +0, every other bit kept, on every
+    path of the kernel (fixed depths, the generic vector loop, the scalar tail columns, the batch lanes)."""
     kernels = _kernels()
     gen = torch.Generator().manual_seed(7)
     for case in range(2):
         a, w = _operands(layout_a, m, k, n, layout_w, 17, gen, case)
-        # batch 0's output column 0: a chain of negative products each below half the least subnormal (−0 alone)
+        # batch 0's output columns 0 and n − 1: chains of negative products each below half the least subnormal
+        # (each −0 alone)
         a[0] = 2.0**-80
-        w[0, :, 0] = -(2.0**-80)
+        w[0, :, 0] = w[0, :, -1] = -(2.0**-80)
         plain, settled = kernels.chain_bmm(a, w), kernels.chain_bmm(a, w, settle_zero=True)
         negative_zero = _bits(plain) == -(2**31)
-        assert bool(negative_zero[0, :, 0].all())
+        assert bool(negative_zero[0, :, 0].all()) and bool(negative_zero[0, :, -1].all())
         assert torch.equal(_bits(settled), _bits(plain + 0.0))
         assert torch.equal(
             _bits(settled)[negative_zero], torch.zeros(int(negative_zero.sum()), dtype=torch.int32)
@@ -206,7 +227,7 @@ def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
     with caplog.at_level(logging.INFO, logger=chain_products.__name__), torch.no_grad():
         assert torch.equal(batched_product(a, w), torch.zeros(1, 2, 3))
         assert chain_agrees.cache_info().currsize == 0 and caplog.text == ""  # not even checked
-        assert not chain_agrees(*chain_class(a, w))
+        assert not _agrees(*chain_class(a, w))
     assert "differs from torch.bmm" in caplog.text
     # at a BLAS shape the verdict is which form of the chain this machine's BLAS sums as: here on random operands
     # and on one whose products all underflow (the FMA chain ends at -0; MKL's Zen code path adds +0 after it)
@@ -225,7 +246,7 @@ def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):
     assert torch.equal(_bits(settled)[0, 2, 12], torch.tensor(0))  # +0
     assert agree[False] != agree[True] or not agree[False]  # the all-underflow probe tells the forms apart
     form = ChainForm.CHAIN if agree[False] else ChainForm.SETTLED if agree[True] else ChainForm.NONE
-    assert chain_agrees(4, 4, 64, True, False) is form
+    assert _agrees(4, 4, 64, True, False) is form
     # where torch's BLAS starts: the chain's bits there (the cancelling pair of the test above, at 4·2·50 = 400)
     a, w = a[:, :1].expand(1, 4, 2).contiguous(), w[:, :, :1].expand(1, 2, 50).contiguous()
     assert torch.equal(torch.bmm(a, w), torch.full((1, 4, 50), 2.0**-24))
@@ -273,26 +294,27 @@ def test_the_check_builds_fp32_cpu_operands_whatever_torchs_defaults(default):
     runs on fp32 CPU operands and passes, and its verdict is the one under plain defaults."""
     _kernels()
     chain_agrees.cache_clear()
-    plain = chain_agrees(4, 4, 48, True, False)
+    plain = _agrees(4, 4, 48, True, False)
     chain_agrees.cache_clear()
     old = torch.get_default_dtype()
     try:
         if default == "float64":
             torch.set_default_dtype(torch.float64)
-            assert chain_agrees(4, 4, 48, True, False) == plain
+            assert _agrees(4, 4, 48, True, False) == plain
         else:
             with torch.device("meta"):
-                assert chain_agrees(4, 4, 48, True, False) == plain
+                assert _agrees(4, 4, 48, True, False) == plain
     finally:
         torch.set_default_dtype(old)
         chain_agrees.cache_clear()
 
 
-def test_the_verdict_is_kept_per_matmul_precision(monkeypatch):
-    """A check under one fp32 matmul precision does not answer for another: chain_fits asks again."""
+def test_the_verdict_is_kept_per_matmul_precision_and_thread_count(monkeypatch):
+    """A check under one fp32 matmul precision or thread count does not answer for another (MKL splits some shapes
+    by thread count): chain_fits asks again."""
     _kernels()
     chain_agrees.cache_clear()
-    old = torch.get_float32_matmul_precision()
+    old, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
     try:
         chain_fits(4, 4, 64, True, False)  # a verdict (the BLAS's order decides which) under "highest"
         torch.set_float32_matmul_precision("medium")
@@ -300,7 +322,17 @@ def test_the_verdict_is_kept_per_matmul_precision(monkeypatch):
         chain_fits(4, 4, 64, True, False)
         assert chain_agrees.cache_info().currsize == 2
         with pytest.raises(ValueError, match="precision 'highest'"):
-            chain_agrees(4, 4, 32, True, False, "highest")
+            chain_agrees(4, 4, 32, True, False, "highest", torch.get_num_threads())
+        torch.set_float32_matmul_precision(old)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        chain_fits(4, 4, 64, True, False)
+        assert chain_agrees.cache_info().currsize == 3
+        with pytest.raises(ValueError, match=f"checking on {threads} threads"):
+            chain_agrees(4, 4, 32, True, False, old, threads)
+        torch.set_num_threads(threads)
+        chain_fits(4, 4, 64, True, False)
+        assert chain_agrees.cache_info().currsize == 3  # the first verdict again
     finally:
         torch.set_float32_matmul_precision(old)
+        torch.set_num_threads(threads)
         chain_agrees.cache_clear()

@@ -320,7 +320,9 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
             # below 400, torch sums rounded products in a loop of its own; above, in the form of the chain this
             # machine's BLAS sums as (MKL's Zen code path: the chain, then +0), if either
             assert chained is (
-                chain_agrees(hc, hc, hidden, True, False) if hc * hc * hidden >= 400 else ChainForm.NONE
+                chain_agrees(hc, hc, hidden, True, False, torch.get_float32_matmul_precision(), threads)
+                if hc * hc * hidden >= 400
+                else ChainForm.NONE
             )
             settle = chained is ChainForm.SETTLED
             chain = kernels.hc_expand_rows(

@@ -161,6 +161,31 @@ def test_the_real_traces() -> None:
     assert len(azure) == 19_366 and azure.requests[0].arrival_s == 0.0
 
 
+def test_empty_prompts_are_counted_warned_and_left_out_of_the_per_request_mean(
+    tmp_path: Path, capsys
+) -> None:
+    """A request with ``input_length`` 0 has no hit ratio: the per-request mean is over the other requests (was:
+    counted as 0, here 0.333 for 0.5), the stats count it, and replay says so on stderr."""
+    from kvdiet.cli import main
+
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 100, "input_length": 0, "output_length": 5, "hash_ids": []},
+        {"timestamp": 200, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+    ]
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    assert hit_ratio_variants(read_trace(path))["mean_per_request"] == 0.5  # (0 + 1) / 2
+    assert main(["replay", str(path), "--mode", "stats", "--json"]) == 0
+    out, err = capsys.readouterr()
+    stats = json.loads(out)["trace"]
+    assert stats["requests"] == 3 and stats["empty_prompts"] == 1
+    assert "warning: 1 of 3 requests have an empty prompt (input_length 0)" in err
+    path = _write_jsonl(tmp_path / "full.jsonl", rows[:1])
+    assert main(["replay", str(path), "--mode", "stats", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["trace"]["empty_prompts"] == 0 and "empty prompt" not in err
+
+
 def test_kvdiet_replay_reports_the_trace(tmp_path: Path, capsys) -> None:
     from kvdiet.cli import main
 

@@ -12,7 +12,8 @@ whose products all underflow gives +0 there where the FMA chain alone gives −0
 the kernel's second form (`ChainForm.SETTLED`). Which form, if either, gives ``torch.bmm``'s bits at a shape is
 checked here once per process and shape class, before the kernel is used there; neither keeps ``torch.bmm`` (logged
 at INFO: the same values, only slower; MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q
-against keys, and on the Zen code path q · keysᵀ at 64-long chains). It knows nothing of the callers' formulas.
+against keys, and on the Zen code path q · keysᵀ, the batch-lane classes). It knows nothing of the callers'
+formulas.
 """
 
 from __future__ import annotations
@@ -79,14 +80,15 @@ def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> ChainF
     """In which form ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32
     CPU operands without autograd, for a caller that holds the kernels (``native.fp4_kernels()`` not None):
     `ChainForm.NONE` unless 1 ≤ depth ≤ `CHAIN_DEPTH_MAX` and at least `TORCH_LOOP_BELOW` multiply-adds a matrix,
-    else `chain_agrees`'s form (checked once per class and torch matmul precision).
+    else `chain_agrees`'s form (checked once per class, torch matmul precision and intra-op thread count).
 
     Raises:
         RuntimeError: the kernels are switched off or did not build (from `chain_agrees`'s first check).
     """
     if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
         return ChainForm.NONE
-    return chain_agrees(m, depth, n, a_cols, w_cols, torch.get_float32_matmul_precision())
+    precision, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
+    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads)
 
 
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -115,19 +117,21 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def chain_agrees(
-    m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str = "highest"
+    m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str, threads: int
 ) -> ChainForm:
-    """Which form of ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this
-    machine under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route
-    products elsewhere), checked once per process: `ChainForm.CHAIN`, else `ChainForm.SETTLED`, where every check
-    holds: batch counts 1, 3, 16, 17 and 256 (those within 2^22 multiply-adds), on random operands and on
-    adversarial ones (±0, subnormals, values where a chain and rounded products differ, products that cancel, chains
-    whose products all underflow, ±inf; no NaN: the kernel declines NaN outputs), fp32 on the CPU whatever torch's
-    default dtype and device. Neither, or no check that ran (the kernel declined them all), is logged at INFO and
-    gives `ChainForm.NONE`: the caller keeps ``torch.bmm``.
+    """Which form of ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine
+    under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route products
+    elsewhere) and on ``threads`` intra-op threads (``torch.get_num_threads()``: MKL splits some shapes by thread count,
+    e.g. [1, 5, 6] · [1, 6, 64] on an AMD EPYC), checked once per process and key: `ChainForm.CHAIN`, else
+    `ChainForm.SETTLED`, where every check holds: batch counts 1, 3, 16, 17 and 256 (those within 2^22 multiply-adds),
+    on random operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ,
+    products that cancel, chains whose products all underflow, ±inf; no NaN: the kernel declines NaN outputs), fp32 on
+    the CPU whatever torch's default dtype and device. Neither, or no check that ran (the kernel declined them all), is
+    logged at INFO and gives `ChainForm.NONE`: the caller keeps ``torch.bmm``.
 
     Raises:
         RuntimeError: the kernels are switched off or did not build.
+        ValueError: ``precision`` or ``threads`` is not torch's at this moment (the check runs under torch's).
     """
     kernels = native.fp4_kernels()
     if kernels is None:
@@ -136,6 +140,8 @@ def chain_agrees(
         raise ValueError(
             f"checking under precision {precision!r} while torch's is {torch.get_float32_matmul_precision()!r}"
         )
+    if threads != torch.get_num_threads():
+        raise ValueError(f"checking on {threads} threads while torch runs {torch.get_num_threads()}")
     shape = (m, depth, n, a_cols, w_cols)
     forms = (ChainForm.CHAIN, ChainForm.SETTLED)
     failed: dict[ChainForm, tuple[int, int]] = {}  # each form's first mismatch: (batch count, case)

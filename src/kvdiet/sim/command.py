@@ -188,7 +188,7 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
         OSError: the trace or the report directory.
     """
     from kvdiet.sim.agentic import session_reader
-    from kvdiet.sim.trace_stats import trace_stats
+    from kvdiet.sim.trace_stats import trace_notes, trace_stats
     from kvdiet.sim.traces import read_trace
 
     sessions = session_reader(args.trace, format=args.format, start=args.session_start, strict=args.strict)
@@ -201,17 +201,8 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
         command = ["-P", "-m", "kvdiet.cli", *args.argv]  # -P: the working directory shadows no module
         relaunch(command, build_first=True, log=lambda line: print(f"kvdiet replay: {line}", file=sys.stderr))
     trace = sessions() if sessions else read_trace(args.trace, format=args.format, strict=args.strict)
-    for line in trace.errors[:10]:
-        print(f"kvdiet replay: skipped {line}", file=sys.stderr)
-    if len(trace.errors) > 10:
-        print(f"kvdiet replay: skipped {len(trace.errors) - 10} more lines", file=sys.stderr)
-    if trace.out_of_order:
-        print(
-            f"kvdiet replay: warning: timestamps go backwards: {trace.out_of_order:,} of {len(trace):,} "
-            "requests arrive before one read earlier (a line above, or an earlier entry of its session's list); "
-            "re-sorted by arrival (--strict refuses)",
-            file=sys.stderr,
-        )
+    for note in trace_notes(trace):
+        print(f"kvdiet replay: {note}", file=sys.stderr)
     if not trace.requests:
         raise ValueError(f"{args.trace}: no requests")
     stats = trace_stats(trace)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvdiet.sim.traces import Trace
 
-__all__ = ["hit_ratio_variants", "infinite_cache_hit_ratio", "trace_stats"]
+__all__ = ["hit_ratio_variants", "infinite_cache_hit_ratio", "trace_notes", "trace_stats"]
 
 
 def infinite_cache_hit_ratio(trace: Trace) -> float:
@@ -38,7 +38,8 @@ def hit_ratio_variants(trace: Trace) -> dict[str, float]:
     - ``blocks``: hit blocks / all blocks (`infinite_cache_hit_ratio`);
     - ``tokens``: hit tokens / prompt tokens (a hit partial last block counts its tokens);
     - ``full_blocks``: hit blocks / full blocks (partial last blocks left out of both);
-    - ``mean_per_request``: the mean over requests of hit tokens / prompt tokens.
+    - ``mean_per_request``: the mean of hit tokens / prompt tokens over the requests with a prompt (an empty
+      one has no ratio: counted as 0 it would pull the mean down by its share of requests).
     Contiguous-prefix matching as in `infinite_cache_hit_ratio`; requests without ids hit nothing.
     """
     seen: set[int] = set()
@@ -58,7 +59,7 @@ def hit_ratio_variants(trace: Trace) -> dict[str, float]:
         hit_tokens, tokens = hit_tokens + hit, tokens + n
         hit_full, full = hit_full + min(k, n // bs), full + n // bs
         per_request += hit / n if n else 0.0
-    reqs = len(trace.requests)
+    reqs = sum(1 for r in trace.requests if r.input_tokens)
     return {
         "blocks": round(hit_blocks / blocks, 4) if blocks else 0.0,
         "tokens": round(hit_tokens / tokens, 4) if tokens else 0.0,
@@ -69,9 +70,9 @@ def hit_ratio_variants(trace: Trace) -> dict[str, float]:
 
 def trace_stats(trace: Trace) -> dict[str, object]:
     """Summary of a trace: requests, duration (s), prompt and output tokens (total, mean, p50, p99),
-    blocks, the infinite-cache block hit ratio, skipped lines, requests that arrived out of order, and
-    whether the file named partial last blocks (``hash_ids_per``: ``"block"``, ``"full block"`` or
-    ``"n/a"`` when no request had a partial block)."""
+    blocks, the infinite-cache block hit ratio, skipped lines, requests that arrived out of order, requests with an
+    empty prompt (``input_length`` 0), and whether the file named partial last blocks (``hash_ids_per``:
+    ``"block"``, ``"full block"`` or ``"n/a"`` when no request had a partial block)."""
     reqs = trace.requests
     inputs = sorted(r.input_tokens for r in reqs)
     outputs = sorted(r.output_tokens for r in reqs)
@@ -101,5 +102,27 @@ def trace_stats(trace: Trace) -> dict[str, object]:
         "infinite_cache_hit_ratio_variants": hit_ratio_variants(trace),
         "skipped_lines": len(trace.errors),
         "out_of_order_requests": trace.out_of_order,
+        "empty_prompts": sum(1 for r in reqs if r.input_tokens == 0),
         "hash_ids_per": {None: "n/a", False: "block", True: "full block"}[trace.full_blocks_only],
     }
+
+
+def trace_notes(trace: Trace) -> list[str]:
+    """What `kvdiet replay` says on stderr about a read trace, one line each: its first ten skipped lines (and how
+    many more), timestamps that go backwards (re-sorted), and requests with an empty prompt (simulated as
+    requests that read and store no prompt blocks)."""
+    notes = [f"skipped {line}" for line in trace.errors[:10]]
+    if len(trace.errors) > 10:
+        notes.append(f"skipped {len(trace.errors) - 10} more lines")
+    if trace.out_of_order:
+        notes.append(
+            f"warning: timestamps go backwards: {trace.out_of_order:,} of {len(trace):,} requests arrive before one "
+            "read earlier (a line above, or an earlier entry of its session's list); re-sorted by arrival (--strict "
+            "refuses)"
+        )
+    if empty := sum(1 for r in trace.requests if r.input_tokens == 0):
+        notes.append(
+            f"warning: {empty:,} of {len(trace):,} requests have an empty prompt (input_length 0): simulated as "
+            "requests that read and store no prompt blocks; the per-request mean hit ratio leaves them out"
+        )
+    return notes
