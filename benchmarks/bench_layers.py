@@ -32,6 +32,7 @@ from kvdiet.model.attention import attend
 from kvdiet.model.chain_products import batched_product, chain_class, chain_fits
 from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.layers import RMSNorm, Rope
+from kvdiet.units import positive_int
 
 Call = Callable[[], torch.Tensor]
 
@@ -100,9 +101,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=positive_int, default=7, help="A/B rounds per row, best kept (default 7)"
+    )
+    parser.add_argument(
+        "--calls",
+        type=positive_int,
+        default=2000,
+        help="calls per round (default 2000; attention rows --calls / (20 B), prefill products --calls / 20, "
+        "at least 5)",
+    )
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if native.fp4_kernels() is None:
@@ -127,14 +136,22 @@ def main() -> None:
                     call()  # warm-up (and the once-per-class check)
                     best[path] = min(best[path], round_us(call, max(5, args.calls // 20)))
             results[name] = best
-    table = Table(title="per call, best round (µs)")
+    table = Table(
+        title="per call, best round (µs)",
+        caption="(CHAIN / SETTLED / NONE): the form of chain_bmm its check found for that product on this "
+        "machine (NONE: both columns time torch.bmm)",
+    )
     for column in ("shape", "torch", "compiled", "speed-up"):
         table.add_column(column, justify="left" if column == "shape" else "right")
     for name, best in results.items():
         ratio = best["torch"] / best["compiled"]
         table.add_row(name, f"{best['torch']:.1f}", f"{best['compiled']:.1f}", f"{ratio:.1f}x")
     Console().print(table)
-    print(json.dumps({"threads": args.threads, "us_per_call": results}))
+    print(
+        json.dumps(
+            {"threads": args.threads, "rounds": args.rounds, "calls": args.calls, "us_per_call": results}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -161,6 +161,10 @@ BAD_REQUESTS = [
     ({**_req(0, 128, [0, 1]), "t": -1}, "requests[0].t:"),
     ({**_req(0, 128, [0, 1]), "t": "0"}, "requests[0].t:"),
     ({**_req(0, 128, [0, 1]), "in": -5}, "requests[0].in: expected an integer >= 0"),
+    (
+        {**_req(0, 128, [0, 1]), "out": 10**12},
+        "requests[0].out of 1,000,000,000,000 tokens is past 1,073,741,824",
+    ),
     ({**_req(0, 128, [0, 1]), "in": 99.5}, "requests[0].in:"),
     ({k: v for k, v in _req(0, 128, [0, 1]).items() if k != "out"}, "requests[0].out:"),
     (

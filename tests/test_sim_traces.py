@@ -10,6 +10,7 @@ import pytest
 
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
+from kvdiet.sim.trace_fields import MAX_REQUEST_TOKENS
 from kvdiet.sim.trace_stats import hit_ratio_variants, infinite_cache_hit_ratio
 from kvdiet.sim.traces import TraceError, read_trace
 
@@ -244,7 +245,9 @@ def test_a_trace_most_of_whose_lines_are_malformed_is_refused_with_a_summary(tmp
     path = _write_jsonl(tmp_path / "t.jsonl", rows)
     with pytest.raises(TraceError) as err:
         read_trace(path)
-    assert str(err.value).startswith(f"{path}: 2 of 3 lines malformed, so the trace is refused; the first: ")
+    assert str(err.value).startswith(
+        f"{path}: 2 of 3 lines malformed, so the trace is refused; the first 2: "
+    )
     assert "line 2: 1 hash_ids for input_length 1500: expected ceil(1500 / 512) = 3, or 1500 // 512 = 2" in (
         str(err.value)
     )
@@ -365,6 +368,42 @@ def test_byte_order_marks_gzip_blank_rows_and_bad_bytes_as_real_dumps_have_them(
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 374), (2.0, 396)]
     # the bad byte's row, and a row of empty fields (not blank: three fields, none a value)
     assert [e.split(": ")[0] for e in trace.errors] == [f"{azure}:4", f"{azure}:6"]
+
+
+def test_lengths_no_request_has_and_broken_lines_are_named_in_the_lines_own_terms(tmp_path: Path) -> None:
+    """A length past MAX_REQUEST_TOKENS is a malformed line (was: a MemoryError from the simulator at 1e11, and a
+    301-digit number in the message at 1e300); bytes that are not UTF-8 are named so; a cut line gets JSON's reason
+    at its column (was "line 1 column 57" beside the file's line number)."""
+    ok = MOONCAKE[0]
+    rows = [
+        ok,
+        {**ok, "output_length": 100_000_000_000},
+        '{"timestamp": 1, "input_length": 1e300, "output_length": 1, "hash_ids": [1]}',
+        '{"timestamp": 2, "input_length": 1024, "output_len',
+        ok,
+        ok,
+        {**ok, "output_length": MAX_REQUEST_TOKENS},  # the cap itself is read
+    ]
+    path = _write_jsonl(tmp_path / "t.jsonl", rows)
+    with path.open("ab") as f:
+        f.write(b'\xff\xfe{"timestamp": 3}\n')
+    trace = read_trace(path)
+    assert [r.output_tokens for r in trace.requests] == [5, 5, 5, MAX_REQUEST_TOKENS]
+    assert trace.errors == [
+        f"{path}:2: output_length of 100,000,000,000 tokens is past 1,073,741,824: not a real request",
+        f"{path}:3: input_length of some 10^300 tokens is past 1,073,741,824: not a real request",
+        f"{path}:4: not valid JSON (Unterminated string starting at column 40)",
+        f"{path}:8: bytes that are not UTF-8",
+    ]
+    csv_path = tmp_path / "azure.csv"
+    csv_path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:47.6805900,374,4400000000\n"
+    )
+    azure = read_trace(csv_path)
+    assert len(azure) == 1 and azure.errors == [
+        f"{csv_path}:3: GeneratedTokens of 4,400,000,000 tokens is past 1,073,741,824: not a real request"
+    ]
 
 
 def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
+from kvdiet.sim.trace_fields import check_tokens
 from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
@@ -297,4 +298,4 @@ def _tokens(item: dict, key: str, at: str) -> int:
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {shorten(v)}")
-    return v
+    return check_tokens(v, f"{at}.{key}")

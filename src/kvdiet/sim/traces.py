@@ -15,17 +15,17 @@ Formats (``format="auto"`` picks by the file: ``.csv`` → Azure; a first line w
 - **Azure** LLM inference 2023 (``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps with 100-ns digits):
   no prefix information, so every prompt is unique (``hash_ids`` is None).
 
-Both id conventions are read: one id per block, the partial last block included (``ceil``, Mooncake's), or
-one id per *full* block (``input_length // B``; the partial last block has none), decided per trace by its
-first request with a partial block; the reader gives each unnamed partial block a fresh id (never seen
-elsewhere in the trace, so it never hits), so every `TraceRequest` holds ``ceil`` ids. Lengths may be
-integral floats (``99266.0``); times must be finite, and are counted from the trace's first request
+Both id conventions are read: one id per block, the partial last block included (``ceil``, Mooncake's), or one id per
+*full* block (``input_length // B``; the partial last block has none), decided per trace by its first request with a
+partial block; the reader gives each unnamed partial block a fresh id (never seen elsewhere in the trace, so it never
+hits), so every `TraceRequest` holds ``ceil`` ids. Lengths may be integral floats (``99266.0``), at most
+`kvdiet.sim.trace_fields.MAX_REQUEST_TOKENS`; times must be finite, and are counted from the trace's first request
 (epoch timestamps too).
 
-A malformed line is reported with its line number: ``strict=True`` raises `TraceError` at the first one;
-otherwise it is skipped, counted in `Trace.errors`, and reading goes on — unless most lines are skipped,
-which raises `TraceError` with a summary. Timestamps going backwards are re-sorted and counted
-(`Trace.out_of_order`); ``strict=True`` refuses them. This module knows nothing of models or caches.
+A malformed line is reported with its line number: ``strict=True`` raises `TraceError` at the first one; otherwise it is
+skipped, counted in `Trace.errors`, and reading goes on — unless most lines are skipped, which raises `TraceError` with
+a summary. Timestamps going backwards are re-sorted and counted (`Trace.out_of_order`); ``strict=True`` refuses them.
+This module knows nothing of models or caches.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ import csv
 import datetime as dt
 import itertools
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
+from kvdiet.sim.trace_fields import LABELS, check_tokens, count, json_line, label, number
 from kvdiet.sim.trace_file import gzip_errors, open_text, shorten
 
 __all__ = [
@@ -218,7 +218,7 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
     fields = (time_key, "input_length", "output_length", "hash_ids")
     for n, text in lines:
         try:
-            obj = json.loads(text)
+            obj = json_line(text)
             if not isinstance(obj, dict):
                 raise ValueError("not a JSON object")
             if missing := [k for k in fields if k not in obj]:
@@ -226,8 +226,8 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
                     f"no {', '.join(missing)} (a {'generic' if generic else 'Mooncake'} line has "
                     f"{', '.join(fields)}; this one has {', '.join(sorted(obj)) or 'no fields'})"
                 )
-            t = _number(obj, time_key) * scale
-            inp, out = _count(obj, "input_length"), _count(obj, "output_length")
+            t = number(obj, time_key) * scale
+            inp, out = count(obj, "input_length"), count(obj, "output_length")
             ids = obj["hash_ids"]
             if not isinstance(ids, list) or not all(
                 isinstance(h, int) and not isinstance(h, bool) for h in ids
@@ -242,7 +242,7 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
                     f"{len(ids)} hash_ids for input_length {inp}: expected ceil({inp} / {block_size}) = "
                     f"{blocks}{other}"
                 )
-            labels = {k: _label(obj, k) for k in LABELS} if generic else {}
+            labels = {k: label(obj, k) for k in LABELS} if generic else {}
             yield TraceRequest(t, inp, out, tuple(ids), n, **labels)
         except (ValueError, TypeError) as exc:
             yield TraceError(f"{path}:{n}: {exc}")
@@ -270,6 +270,7 @@ def _azure(path: Path):
                 inp, out = int(row[1]), int(row[2])
                 if inp < 0 or out < 0:
                     raise ValueError("token counts must be >= 0")
+                check_tokens(max(inp, out), "ContextTokens" if inp >= out else "GeneratedTokens")
                 yield TraceRequest((stamp - start).total_seconds(), inp, out, None, n)
             except ValueError as exc:
                 yield TraceError(f"{path}:{n}: {exc}")
@@ -352,39 +353,7 @@ def _collect(path: Path, items, strict: bool) -> tuple[list[TraceRequest], list[
         first = "; ".join("line " + e.removeprefix(f"{path}:") for e in errors[:3])
         raise TraceError(
             f"{path}: {len(errors):,} of {len(errors) + len(requests):,} lines malformed, so the trace is "
-            f"refused; the first: {first}"
+            f"refused; the first {min(3, len(errors))}: {first}"
         )
     requests.sort(key=lambda r: (r.arrival_s, r.line))
     return requests, errors, late
-
-
-LABELS = ("session", "agent", "kind")
-"""Optional string columns of a generic line: which session and agent sent it, and its traffic kind."""
-
-
-def _label(obj: dict, key: str) -> str | None:
-    """An optional label column: a non-empty string, or None when absent."""
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip() or not value.isprintable():
-        raise ValueError(f"{key} must be a non-blank string of printable characters, got {value!r}")
-    return value
-
-
-def _number(obj: dict, key: str) -> float:
-    value = obj.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not (0 <= value < math.inf):
-        raise ValueError(f"{key} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _count(obj: dict, key: str) -> int:
-    value = obj.get(key)
-    if isinstance(value, float):
-        if not (math.isfinite(value) and value.is_integer()):
-            raise ValueError(f"{key} must be a whole number of tokens, got {value!r}")
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
-    return value
