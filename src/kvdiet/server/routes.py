@@ -224,11 +224,13 @@ async def _respond(
 
 
 def _check_common(ctx: ServerContext, body: _Common) -> None:
-    """The checks every generation route shares: model name, unsupported fields, stream options, a live
-    engine (503 otherwise)."""
+    """The checks every generation route shares: model name (404 for another, as OpenAI and vLLM answer),
+    unsupported fields, stream options, a live engine (503 otherwise)."""
     if body.model is not None and body.model != ctx.model_name:
         raise ApiError(
-            f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}", param="model"
+            f"the model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            status=404,
         )
     problem = body.unsupported()
     if problem is not None:
