@@ -53,6 +53,8 @@ inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) {
   return KVDIET_CHAIN_PS(fmadd)(KVDIET_CHAIN_PS(set1)(s), w, acc);
 }
 inline void chain_store(float* p, ChainVec v) { KVDIET_CHAIN_PS(storeu)(p, v); }
+// v + 0 in each lane: -0 becomes +0 (round to nearest), every other value is kept; the build keeps it (no
+// -ffast-math or -fno-signed-zeros)
 inline ChainVec chain_settle(ChainVec v) { return KVDIET_CHAIN_PS(add)(v, KVDIET_CHAIN_PS(setzero)()); }
 inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return KVDIET_CHAIN_PS(fmadd)(s, w, acc); }
 #define KVDIET_CHAIN_SET1(x) KVDIET_CHAIN_PS(set1)(x)
@@ -67,12 +69,6 @@ inline ChainVec chain_settle(ChainVec v) { return v + 0.0f; }
 inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
 #define KVDIET_CHAIN_SET1(x) (x)
 #endif
-
-// p[i] + 0.0f into p[i], i < count: one IEEE addition each (-0 + +0 is +0 under round-to-nearest; every other value
-// is kept), which the build keeps (no -ffast-math)
-inline void add_zero(float* p, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) p[i] = p[i] + 0.0f;
-}
 
 // A fixed depth's vector part of kChainRows rows: their a values broadcast once, then each lane block of w's rows
 // (contiguous) loaded once for all of them; the k loop unrolled (the same chain, step by step)
@@ -182,10 +178,10 @@ void batch_lane_row(const __m512* at, const __m512* wt, int64_t depth, int64_t i
 // Batches b0 .. b0+16 (those below `batch`; the rest read a row of zeros and are not stored) of a product whose
 // operands both hold k contiguously (a [B, M, K] with a's k stride 1, w [B, K, N] with w's k stride 1: w = kᵀ of
 // keys [B, N, K]): the same chains as chain_matrix, with the batches in the vector lanes instead of the outputs.
-// at / wt: scratch of M·K and N·K vectors, tile of M·N.
+// at / wt: scratch of M·K and N·K vectors, tile of M·N. settle_zero: +0 added to each output before it is stored.
 void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws2,
                        float* out, int64_t b0, int64_t batch, int64_t m, int64_t depth, int64_t n, __m512* at,
-                       __m512* wt, __m512* tile) {
+                       __m512* wt, __m512* tile, bool settle_zero) {
   alignas(64) static const float kZeros[kChainDepthMax] = {};
   const int64_t live = std::min(kBatchLanes, batch - b0);
   const float* rows[16];
@@ -211,7 +207,7 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
     const int64_t cnt = std::min<int64_t>(16, outputs - o0);
     u32x16 r[16];
     for (int64_t c = 0; c < 16; ++c)
-      r[c] = c < cnt ? reinterpret_cast<u32x16>(tile[o0 + c]) : u32x16{};
+      r[c] = c < cnt ? reinterpret_cast<u32x16>(settle_zero ? chain_settle(tile[o0 + c]) : tile[o0 + c]) : u32x16{};
     transpose16(r);
     const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1u);
     for (int64_t l = 0; l < live; ++l)
@@ -219,14 +215,6 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
   }
 }
 #endif
-
-// chain_bmm's output: std::nullopt where it holds a NaN, else itself, with +0 added to each value where settle_zero
-std::optional<at::Tensor> settled(const at::Tensor& out, bool settle_zero) {
-  float* op = out.mutable_data_ptr<float>();
-  if (any_nan(op, out.numel())) return {};
-  if (settle_zero) add_zero(op, out.numel());
-  return out;
-}
 
 }  // namespace
 
@@ -257,9 +245,10 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bo
       std::vector<__m512> scratch((m + n) * depth + m * n);
       for (int64_t blk = k0; blk < k1; ++blk)
         chain_batch_lanes(ap, as0, as1, wp, ws0, ws2, op, blk * kBatchLanes, batch, m, depth, n, scratch.data(),
-                          scratch.data() + m * depth, scratch.data() + (m + n) * depth);
+                          scratch.data() + m * depth, scratch.data() + (m + n) * depth, settle_zero);
     });
-    return settled(out, settle_zero);
+    if (any_nan(op, out.numel())) return {};
+    return out;
   }
 #endif
   if (keys_layout) return {};
@@ -267,5 +256,6 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bo
     for (int64_t b = b0; b < b1; ++b)
       chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n, settle_zero);
   });
-  return settled(out, false);  // settled in chain_matrix
+  if (any_nan(op, out.numel())) return {};
+  return out;
 }

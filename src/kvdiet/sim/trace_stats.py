@@ -102,7 +102,7 @@ def trace_stats(trace: Trace) -> dict[str, object]:
         "infinite_cache_hit_ratio_variants": hit_ratio_variants(trace),
         "skipped_lines": len(trace.errors),
         "out_of_order_requests": trace.out_of_order,
-        "empty_prompts": sum(1 for r in reqs if r.input_tokens == 0),
+        "empty_prompts": _empty_prompts(trace),
         "hash_ids_per": {None: "n/a", False: "block", True: "full block"}[trace.full_blocks_only],
     }
 
@@ -120,9 +120,14 @@ def trace_notes(trace: Trace) -> list[str]:
             "read earlier (a line above, or an earlier entry of its session's list); re-sorted by arrival (--strict "
             "refuses)"
         )
-    if empty := sum(1 for r in trace.requests if r.input_tokens == 0):
+    if empty := _empty_prompts(trace):
         notes.append(
             f"warning: {empty:,} of {len(trace):,} requests have an empty prompt (input_length 0): simulated as "
             "requests that read and store no prompt blocks; the per-request mean hit ratio leaves them out"
         )
     return notes
+
+
+def _empty_prompts(trace: Trace) -> int:
+    """Requests with ``input_length`` 0."""
+    return sum(1 for r in trace.requests if r.input_tokens == 0)

@@ -270,7 +270,8 @@ def _azure(path: Path):
                 inp, out = int(row[1]), int(row[2])
                 if inp < 0 or out < 0:
                     raise ValueError("token counts must be >= 0")
-                check_tokens(max(inp, out), "ContextTokens" if inp >= out else "GeneratedTokens")
+                check_tokens(inp, "ContextTokens")
+                check_tokens(out, "GeneratedTokens")
                 yield TraceRequest((stamp - start).total_seconds(), inp, out, None, n)
             except ValueError as exc:
                 yield TraceError(f"{path}:{n}: {exc}")
