@@ -266,7 +266,10 @@ def test_models_health_and_metrics(mini, client) -> None:
     assert [m.id for m in client.models.list().data] == ["v4.1-mini"]
     assert _get(base, "/health")[0] == 200
     client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
-    client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
+    # two tokens: one inter-token interval of its own (the test holds also when run alone)
+    client.completions.create(
+        model="v4.1-mini", prompt="metrics " * 150, max_tokens=2, extra_body={"ignore_eos": True}
+    )
     time.sleep(0.6)  # the snapshot refreshes every 0.25 s
     status, text = _get(base, "/metrics")
     assert status == 200
