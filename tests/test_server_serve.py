@@ -46,21 +46,32 @@ def test_maximum_concurrency_counts_whole_blocks_per_request() -> None:
         assert f"maximum concurrency for {max_model_len} tokens per request: {figure}" in lines
 
 
-def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
+def _start_micro_server(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
+    """``kvdiet serve`` of v4.1-micro on a free loopback port (4-token blocks, 1 MiB of KV, a persistent tier
+    under ``tmp_path``), its log in ``tmp_path``: (the process, the port, the log)."""
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--port", str(port), "--block-size", "4"]
     cmd += ["--kv-cache-memory", "1MiB", "--persistent-dir", str(tmp_path / "kv")]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return proc, port, log
+
+
+def _wait_started(proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while "Application startup complete" not in log.read_text():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
+def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
+    proc, port, log = _start_micro_server(tmp_path)
     stopped = False
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
-        deadline = time.monotonic() + 120
-        while "Application startup complete" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        _wait_started(proc, log)
         text = log.read_text()
         assert "KV cache: 2,473 blocks × 4 tokens = 9,892 tokens" in text  # 1 MiB // 424 B per 4-token block
         assert "maximum concurrency for 256 tokens per request: 38.64x" in text
@@ -84,6 +95,31 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
         rc = proc.wait(timeout=60)
     assert rc == 0, log.read_text()
     assert "Application shutdown complete" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_second_sigint_still_closes_the_engine_and_logs_no_traceback(tmp_path: Path) -> None:
+    """Ctrl+C twice while a stream runs: uvicorn's forced exit skips the application's shutdown; kvdiet's server
+    runs it anyway (the engine loop and its tiers closed: "Application shutdown complete"), exit status 0 and no
+    CancelledError traceback (was logged by Starlette when asyncio's teardown cancelled the lifespan)."""
+    proc, port, log = _start_micro_server(tmp_path)
+    try:
+        _wait_started(proc, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model="v4.1-micro", prompt=[1, 2, 3], max_tokens=250, stream=True, extra_body={"ignore_eos": True}
+        )
+        next(iter(stream))
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert list(stream)[-1].choices[0].finish_reason == "abort"
+    finally:
+        if proc.poll() is None and "Shutting down" not in log.read_text():
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    text = log.read_text()
+    assert rc == 0, text
+    assert "Application shutdown complete" in text and "Traceback" not in text, text
 
 
 def test_a_busy_port_fails_before_the_model_loads() -> None:

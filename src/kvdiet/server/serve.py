@@ -175,6 +175,17 @@ class _AbortingServer(uvicorn.Server):
         self.engine_loop.abort_all()
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, then the application's own (the lifespan's end: `EngineLoop.close`) where a second
+        Ctrl+C made uvicorn skip it. Skipped, the engine thread would not be joined, the persistent tier's
+        pending read times would be lost and a Mooncake segment would stay mounted; and asyncio's teardown
+        would cancel the lifespan, whose traceback Starlette logs. It is short: the first signal aborted every
+        request."""
+        await super().shutdown(sockets)
+        done = getattr(self.lifespan, "shutdown_event", None)  # uvicorn's LifespanOn; "off" has none
+        if self.force_exit and done is not None and not done.is_set():
+            await self.lifespan.shutdown()
+
 
 def served_model_name(args: argparse.Namespace) -> str | None:
     """The name clients use in ``model``: ``--served-model-name``, else ``--model`` as given, else the
