@@ -27,9 +27,14 @@ def _kernels():
     return kernels
 
 
-def _agrees(*shape: object) -> ChainForm:
+def _agrees(*shape: object, single: bool = False) -> ChainForm:
     """`chain_agrees` at a shape class under torch's matmul precision and thread count at this moment."""
-    return chain_agrees(*shape, torch.get_float32_matmul_precision(), torch.get_num_threads())
+    return chain_agrees(*shape, torch.get_float32_matmul_precision(), torch.get_num_threads(), single=single)
+
+
+def _form(a: torch.Tensor, w: torch.Tensor) -> ChainForm:
+    """The verdict `batched_product` acts on for ``bmm(a, w)``: its class, one batch or more."""
+    return _agrees(*chain_class(a, w), single=a.shape[0] == 1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -97,7 +102,7 @@ def test_chain_equals_torch_bmm_bit_for_bit(layout_a, m, k, n, layout_w, batch, 
         for case in range(3):
             a, w = _operands(layout_a, m, k, n, layout_w, batch, gen, case)
             want = torch.bmm(a, w)
-            got = kernels.chain_bmm(a, w, settle_zero=_agrees(*chain_class(a, w)) is ChainForm.SETTLED)
+            got = kernels.chain_bmm(a, w, **_form(a, w).kernel_flags)
             if want.isnan().any() or _declined(a, w):  # inf · 0 or inf − inf; keys outside the batch lanes
                 assert got is None
                 with torch.no_grad():  # torch.bmm runs them
@@ -121,7 +126,7 @@ def _assert_chain_or_kept(
     `batched_product` takes the kernel); elsewhere (e.g. MKL's Zen code path on an AMD EPYC at q · keysᵀ) the
     caller keeps torch.bmm, and on plain operands (case 0) the two orders stay within their rounding bounds of each
     other: 2k·2⁻²⁴·Σ|a·w|."""
-    if _agrees(*chain_class(a, w)):
+    if _form(a, w):
         assert torch.equal(_bits(got), _bits(want))
     elif case == 0:
         bound = 2 * a.shape[2] * 2.0**-24 * torch.bmm(a.abs(), w.abs())
@@ -151,8 +156,7 @@ def test_scores_of_overlapping_window_bands_equal_torch_bmm(batch, threads):
             band = keys.as_strided((batch, 8, 64), (64, 64, 1))
             want = torch.bmm(q, band.transpose(1, 2))
             assert not want.isnan().any()
-            settle = _agrees(*chain_class(q, band.transpose(1, 2))) is ChainForm.SETTLED
-            got = kernels.chain_bmm(q, band.transpose(1, 2), settle_zero=settle)
+            got = kernels.chain_bmm(q, band.transpose(1, 2), **_form(q, band.transpose(1, 2)).kernel_flags)
             _assert_chain_or_kept(got, want, q, band.transpose(1, 2), case)
             with torch.no_grad():
                 assert torch.equal(_bits(batched_product(q, band.transpose(1, 2))), _bits(want))
@@ -212,6 +216,47 @@ def test_the_settled_form_is_the_chain_plus_zero(layout_a, m, k, n, layout_w):
             _bits(settled)[negative_zero], torch.zeros(int(negative_zero.sum()), dtype=torch.int32)
         )
         assert torch.equal(_bits(settled)[~negative_zero], _bits(plain)[~negative_zero])
+
+
+@pytest.mark.parametrize(
+    ("layout_a", "m", "k", "n", "layout_w"),
+    [
+        ("rows", 4, 1, 512, "rows"),  # 1-long chains: the fixed-depth path (probabilities · a 1-entry window)
+        ("cols", 4, 4, 64, "rows"),  # fixed depth 4
+        ("rows", 5, 6, 40, "rows"),  # the generic loop, a row past the groups of 4, 8 tail columns
+        ("rows", 4, 64, 8, "cols"),  # q · keysᵀ: the batch lanes
+    ],
+)
+def test_the_form_from_negative_zero_is_the_chain_from_its_first_product(layout_a, m, k, n, layout_w):
+    """``start_negative``: each chain starts from −0, so its first step is the first product rounded alone (−0 kept):
+    a 1-long chain is the plain product; longer ones differ from the chain from +0 only where both end at a zero
+    (a chain of −0 products: −0 here, +0 from +0), on every path of the kernel."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(11)
+    for case in range(2):
+        a, w = _operands(layout_a, m, k, n, layout_w, 17, gen, case)
+        a[0], w[0] = a[0].abs(), -w[0].abs() * 0.0  # batch 0: every product −0
+        negative, plain = kernels.chain_bmm(a, w, start_negative=True), kernels.chain_bmm(a, w)
+        assert bool((_bits(negative)[0] == -(2**31)).all()) and bool((_bits(plain)[0] == 0).all())
+        zero = plain == 0
+        assert torch.equal(_bits(negative)[~zero], _bits(plain)[~zero])
+        if k == 1:
+            assert torch.equal(_bits(negative), _bits(a * w))
+
+
+def test_one_batch_is_a_class_of_its_own():
+    """MKL may sum one batch (one sgemm) otherwise than several (a batched call): on an AMD EPYC [1, 4, 1] ·
+    [1, 1, 512] is the rounded product and [3, 4, 1] · [3, 1, 512] the settled chain. Each gets its own verdict,
+    and `batched_product` gives torch.bmm's bits at both, whatever this machine's BLAS does."""
+    chain_agrees.cache_clear()
+    gen = torch.Generator().manual_seed(5)
+    for batch in (1, 3, 16):
+        for case in range(2):
+            a, w = _operands("rows", 4, 1, 512, "rows", batch, gen, case)
+            w[0, 0, :8] = -0.0  # −0 products among the rest
+            with torch.no_grad():
+                assert torch.equal(_bits(batched_product(a, w)), _bits(torch.bmm(a, w)))
+    assert chain_agrees.cache_info().currsize == 2  # one verdict for one batch, one for more
 
 
 def test_shapes_torch_sums_otherwise_keep_torch_bmm(caplog):

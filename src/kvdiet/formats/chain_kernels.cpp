@@ -3,11 +3,13 @@
 // accumulator. Compiled after rmsnorm_kernels.cpp (its any_nan is in scope) and before hc_kernels.cpp (which uses
 // chain_bmm) into the same module; fp8_kernels.cpp holds the bindings. Built at first use by kvdiet.formats.native.
 //
-// chain_bmm(a, w, settle_zero): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1, 1 <= K <=
-//   kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other input or a NaN
+// chain_bmm(a, w, settle_zero, start_negative): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1,
+//   1 <= K <= kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other input or a NaN
 //   output (which NaN a chain keeps is the hardware's, not a rule of torch's). settle_zero: each output then has +0
 //   added (c + 0.0f: -0 becomes +0, every other value is kept), the form MKL's Zen code path gives (an AMD EPYC: chains
 //   of products that all underflow end at +0 there, where the chain alone gives -0; found by experiment as the rest).
+//   start_negative: each chain starts from -0 instead of +0 (its first step is then the first product rounded alone,
+//   -0 kept), the form MKL's Zen code path gives for 1-long chains ([B, 4, 1] x [B, 1, 512]: the rounded product).
 //   Nothing here says torch's product is such a chain: MKL's order is undocumented, and torch sums products below 400
 //   multiply-adds a matrix in a plain loop of rounded products instead. The order was found by experiment (an FMA chain
 //   from +0 in increasing k matched at::bmm on every operand tried at the shapes kvdiet uses, ties, subnormals,
@@ -47,7 +49,7 @@ constexpr int64_t kChainLanes = 8;
 typedef __m256 ChainVec;
 #define KVDIET_CHAIN_PS(op) _mm256_##op##_ps
 #endif
-inline ChainVec chain_zero() { return KVDIET_CHAIN_PS(setzero)(); }
+inline ChainVec chain_start(float zero) { return KVDIET_CHAIN_PS(set1)(zero); }
 inline ChainVec chain_load(const float* p) { return KVDIET_CHAIN_PS(loadu)(p); }
 inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) {
   return KVDIET_CHAIN_PS(fmadd)(KVDIET_CHAIN_PS(set1)(s), w, acc);
@@ -61,7 +63,7 @@ inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return KVD
 #else
 constexpr int64_t kChainLanes = 1;
 typedef float ChainVec;
-inline ChainVec chain_zero() { return 0.0f; }
+inline ChainVec chain_start(float zero) { return zero; }
 inline ChainVec chain_load(const float* p) { return *p; }
 inline ChainVec chain_fma(float s, ChainVec w, ChainVec acc) { return std::fma(s, w, acc); }
 inline void chain_store(float* p, ChainVec v) { *p = v; }
@@ -74,13 +76,13 @@ inline ChainVec chain_fma_vec(ChainVec s, ChainVec w, ChainVec acc) { return std
 // (contiguous) loaded once for all of them; the k loop unrolled (the same chain, step by step)
 template <int64_t kDepth>
 void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, float* out,
-                      int64_t n, int64_t vec_n, bool settle_zero) {
+                      int64_t n, int64_t vec_n, float zero, bool settle_zero) {
   ChainVec av[kChainRows][kDepth];
   for (int64_t r = 0; r < kChainRows; ++r)
     for (int64_t k = 0; k < kDepth; ++k) av[r][k] = KVDIET_CHAIN_SET1(a[r * a_row + k * a_col]);
   for (int64_t j = 0; j < vec_n; j += kChainLanes) {
     ChainVec acc[kChainRows];
-    for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_zero();
+    for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_start(zero);
     for (int64_t k = 0; k < kDepth; ++k) {
       const ChainVec wk = chain_load(w + k * w_row + j);
       for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_fma_vec(av[r][k], wk, acc[r]);
@@ -89,11 +91,11 @@ void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float*
   }
 }
 
-// out [M, N] of one batch: each output a chain from +0 over k, rows in groups of kChainRows sharing each vector
-// of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail lanes and other
+// out [M, N] of one batch: each output a chain from `zero` (+0, or -0) over k, rows in groups of kChainRows sharing
+// each vector of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail lanes and other
 // layouts one output at a time; settle_zero: +0 then added to each output before it is stored
 void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, int64_t w_col,
-                  float* out, int64_t m, int64_t depth, int64_t n, bool settle_zero) {
+                  float* out, int64_t m, int64_t depth, int64_t n, float zero, bool settle_zero) {
   const int64_t vec_n = w_col == 1 ? n / kChainLanes * kChainLanes : 0;
   for (int64_t i0 = 0; i0 < m; i0 += kChainRows) {
     const int64_t rows = std::min(kChainRows, m - i0);
@@ -101,16 +103,16 @@ void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, 
     float* oi = out + i0 * n;
     bool fixed = rows == kChainRows && vec_n > 0;
     if (fixed) switch (depth) {
-        case 1: chain_rows_fixed<1>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
-        case 2: chain_rows_fixed<2>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
-        case 3: chain_rows_fixed<3>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
-        case 4: chain_rows_fixed<4>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
-        case 8: chain_rows_fixed<8>(ai, a_row, a_col, w, w_row, oi, n, vec_n, settle_zero); break;
+        case 1: chain_rows_fixed<1>(ai, a_row, a_col, w, w_row, oi, n, vec_n, zero, settle_zero); break;
+        case 2: chain_rows_fixed<2>(ai, a_row, a_col, w, w_row, oi, n, vec_n, zero, settle_zero); break;
+        case 3: chain_rows_fixed<3>(ai, a_row, a_col, w, w_row, oi, n, vec_n, zero, settle_zero); break;
+        case 4: chain_rows_fixed<4>(ai, a_row, a_col, w, w_row, oi, n, vec_n, zero, settle_zero); break;
+        case 8: chain_rows_fixed<8>(ai, a_row, a_col, w, w_row, oi, n, vec_n, zero, settle_zero); break;
         default: fixed = false;
       }
     for (int64_t j = fixed ? vec_n : 0; j < vec_n; j += kChainLanes) {
       ChainVec acc[kChainRows];
-      for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_zero();
+      for (int64_t r = 0; r < kChainRows; ++r) acc[r] = chain_start(zero);
       for (int64_t k = 0; k < depth; ++k) {
         const ChainVec wk = chain_load(w + k * w_row + j);
         for (int64_t r = 0; r < rows; ++r) acc[r] = chain_fma(ai[r * a_row + k * a_col], wk, acc[r]);
@@ -119,7 +121,7 @@ void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, 
     }
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = vec_n; j < n; ++j) {
-        float acc = 0.0f;
+        float acc = zero;
         for (int64_t k = 0; k < depth; ++k) acc = std::fma(ai[r * a_row + k * a_col], w[k * w_row + j * w_col], acc);
         oi[r * n + j] = settle_zero ? acc + 0.0f : acc;
       }
@@ -142,15 +144,15 @@ inline void lanes_of_rows(const float* const* rows, int64_t depth, __m512* out) 
   }
 }
 
-// Outputs i0 .. i0+MI x j0 .. j0+NJ of 16 batches: each lane its batch's chain from +0 over k, one fused
+// Outputs i0 .. i0+MI x j0 .. j0+NJ of 16 batches: each lane its batch's chain from `zero` over k, one fused
 // multiply-add a step (the rows of a and the columns of w as lane vectors, at[i][k] and wt[j][k]), into tile
 // [i·n + j][16].
 template <int MI, int NJ>
 void batch_lane_block(const __m512* at, const __m512* wt, int64_t depth, int64_t i0, int64_t j0, int64_t n,
-                      __m512* tile) {
+                      float zero, __m512* tile) {
   __m512 acc[MI][NJ];
   for (int i = 0; i < MI; ++i)
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_set1_ps(zero);
   for (int64_t k = 0; k < depth; ++k) {
     __m512 wk[NJ];
     for (int j = 0; j < NJ; ++j) wk[j] = wt[(j0 + j) * depth + k];
@@ -164,13 +166,14 @@ void batch_lane_block(const __m512* at, const __m512* wt, int64_t depth, int64_t
 }
 
 template <int MI>
-void batch_lane_row(const __m512* at, const __m512* wt, int64_t depth, int64_t i0, int64_t n, __m512* tile) {
+void batch_lane_row(const __m512* at, const __m512* wt, int64_t depth, int64_t i0, int64_t n, float zero,
+                    __m512* tile) {
   int64_t j0 = 0;
-  for (; j0 + 4 <= n; j0 += 4) batch_lane_block<MI, 4>(at, wt, depth, i0, j0, n, tile);
+  for (; j0 + 4 <= n; j0 += 4) batch_lane_block<MI, 4>(at, wt, depth, i0, j0, n, zero, tile);
   switch (n - j0) {
-    case 3: batch_lane_block<MI, 3>(at, wt, depth, i0, j0, n, tile); break;
-    case 2: batch_lane_block<MI, 2>(at, wt, depth, i0, j0, n, tile); break;
-    case 1: batch_lane_block<MI, 1>(at, wt, depth, i0, j0, n, tile); break;
+    case 3: batch_lane_block<MI, 3>(at, wt, depth, i0, j0, n, zero, tile); break;
+    case 2: batch_lane_block<MI, 2>(at, wt, depth, i0, j0, n, zero, tile); break;
+    case 1: batch_lane_block<MI, 1>(at, wt, depth, i0, j0, n, zero, tile); break;
     default: break;
   }
 }
@@ -181,7 +184,7 @@ void batch_lane_row(const __m512* at, const __m512* wt, int64_t depth, int64_t i
 // at / wt: scratch of M·K and N·K vectors, tile of M·N. settle_zero: +0 added to each output before it is stored.
 void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws2,
                        float* out, int64_t b0, int64_t batch, int64_t m, int64_t depth, int64_t n, __m512* at,
-                       __m512* wt, __m512* tile, bool settle_zero) {
+                       __m512* wt, __m512* tile, float zero, bool settle_zero) {
   alignas(64) static const float kZeros[kChainDepthMax] = {};
   const int64_t live = std::min(kBatchLanes, batch - b0);
   const float* rows[16];
@@ -194,11 +197,11 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
     lanes_of_rows(rows, depth, wt + j * depth);
   }
   int64_t i0 = 0;
-  for (; i0 + 4 <= m; i0 += 4) batch_lane_row<4>(at, wt, depth, i0, n, tile);
+  for (; i0 + 4 <= m; i0 += 4) batch_lane_row<4>(at, wt, depth, i0, n, zero, tile);
   switch (m - i0) {
-    case 3: batch_lane_row<3>(at, wt, depth, i0, n, tile); break;
-    case 2: batch_lane_row<2>(at, wt, depth, i0, n, tile); break;
-    case 1: batch_lane_row<1>(at, wt, depth, i0, n, tile); break;
+    case 3: batch_lane_row<3>(at, wt, depth, i0, n, zero, tile); break;
+    case 2: batch_lane_row<2>(at, wt, depth, i0, n, zero, tile); break;
+    case 1: batch_lane_row<1>(at, wt, depth, i0, n, zero, tile); break;
     default: break;
   }
   // tile [output][lane] back to out [batch][output]: 16 outputs at a time transposed
@@ -221,7 +224,8 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
 #undef KVDIET_CHAIN_SET1
 #undef KVDIET_CHAIN_PS
 
-std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bool settle_zero = false) {
+std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bool settle_zero = false,
+                                     bool start_negative = false) {
   for (const at::Tensor* t : {&a, &w})
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->is_neg() || t->is_conj() || t->dim() != 3)
       return {};
@@ -232,6 +236,7 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bo
   const float* ap = a.const_data_ptr<float>();
   const float* wp = w.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
+  const float zero = start_negative ? -0.0f : 0.0f;  // each chain's accumulator before its first product
   const int64_t as0 = a.stride(0), as1 = a.stride(1), as2 = a.stride(2);
   const int64_t ws0 = w.stride(0), ws1 = w.stride(1), ws2 = w.stride(2);
   // threads only for work worth waking them: some 2^20 multiply-adds a thread
@@ -245,7 +250,7 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bo
       std::vector<__m512> scratch((m + n) * depth + m * n);
       for (int64_t blk = k0; blk < k1; ++blk)
         chain_batch_lanes(ap, as0, as1, wp, ws0, ws2, op, blk * kBatchLanes, batch, m, depth, n, scratch.data(),
-                          scratch.data() + m * depth, scratch.data() + (m + n) * depth, settle_zero);
+                          scratch.data() + m * depth, scratch.data() + (m + n) * depth, zero, settle_zero);
     });
     if (any_nan(op, out.numel())) return {};
     return out;
@@ -254,7 +259,8 @@ std::optional<at::Tensor> chain_bmm(const at::Tensor& a, const at::Tensor& w, bo
   if (keys_layout) return {};
   at::parallel_for(0, batch, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n, settle_zero);
+      chain_matrix(ap + b * as0, as1, as2, wp + b * ws0, ws1, ws2, op + b * m * n, m, depth, n, zero,
+                   settle_zero);
   });
   if (any_nan(op, out.numel())) return {};
   return out;

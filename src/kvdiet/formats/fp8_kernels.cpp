@@ -219,10 +219,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("collapse_pre"), py::arg("norm_weight"), py::arg("norm_eps"), py::arg("rms_eps"), py::arg("hc_eps"),
         py::arg("iters"), py::arg("mix"), py::arg("any_rows") = false, py::call_guard<py::gil_scoped_release>());
   m.def("chain_bmm", &chain_bmm, py::arg("a"), py::arg("w"), py::arg("settle_zero") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("start_negative") = false, py::call_guard<py::gil_scoped_release>());
   m.def("hc_expand_rows", &hc_expand_rows, py::arg("x"), py::arg("residual"), py::arg("post"), py::arg("comb"),
         py::arg("any_rows") = false, py::arg("chain") = false, py::arg("settle_zero") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("start_negative") = false, py::call_guard<py::gil_scoped_release>());
   m.def("rope_rotate", &rope_rotate, py::arg("x"), py::arg("cis"), py::arg("rope_dim"), py::arg("any_rows") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("project_rows", &project_rows, py::call_guard<py::gil_scoped_release>());

@@ -20,13 +20,13 @@
 //     increasing i to a sum from +0, the order of torch's CPU sum over a dim of at most 4 values (hc_collapse's
 //     at::sum over hc; sinkhorn.c's column sums rely on it too, and the tests hold this kernel to hc_collapse's
 //     bits, zeros' signs included), then rmsnorm_kernels.cpp's rms_norm.
-// hc_expand_rows(x, residual, post, comb, any_rows, chain, settle_zero): x float32 [T, hidden], residual float32 [T,
-//   hc, hidden], post float32 [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows, or any number with any_rows: a
-//   prefill's) -> float32 [T, hc, hidden], or std::nullopt for any other input or a NaN output: out[t, i] = post[t, i]
-//   · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual), torch's own product on the formula's operands (then one
-//   IEEE multiply and one add per element: hc_expand's formula), so no step depends on the number of rows but torch's
-//   own; with chain and contiguous comb and residual, mixed is chain_kernels.cpp's chain_bmm instead, in the form
-//   settle_zero names (the caller has checked that it gives at::bmm's bits at that shape class:
+// hc_expand_rows(x, residual, post, comb, any_rows, chain, settle_zero, start_negative): x float32 [T, hidden],
+//   residual float32 [T, hc, hidden], post float32 [T, hc], comb float32 [T, hc, hc] (any layout, 1..16 rows, or any
+//   number with any_rows: a prefill's) -> float32 [T, hc, hidden], or std::nullopt for any other input or a NaN
+//   output: out[t, i] = post[t, i] · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual), torch's own product on
+//   the formula's operands (then one IEEE multiply and one add per element: hc_expand's formula), so no step depends
+//   on the number of rows but torch's own; with chain and contiguous comb and residual, mixed is chain_kernels.cpp's chain_bmm instead, in the form
+//   settle_zero and start_negative name (the caller has checked that it gives at::bmm's bits at that shape class:
 //   kvdiet.model.chain_products.chain_fits).
 //   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
 //   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
@@ -105,7 +105,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
 
 std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& post,
                                          const at::Tensor& comb, bool any_rows = false, bool chain = false,
-                                         bool settle_zero = false) {
+                                         bool settle_zero = false, bool start_negative = false) {
   for (const at::Tensor* t : {&x, &residual, &post, &comb})
     if (!hc_float_cpu(*t)) return {};
   if (residual.dim() != 3) return {};
@@ -118,7 +118,7 @@ std::optional<at::Tensor> hc_expand_rows(const at::Tensor& x, const at::Tensor& 
   // the chain for the class its caller checked (a contiguous comb's transpose, a contiguous residual) only
   const bool use_chain = chain && comb.is_contiguous() && residual.is_contiguous();
   std::optional<at::Tensor> mixed =
-      use_chain ? chain_bmm(comb.transpose(1, 2), residual, settle_zero) : std::nullopt;
+      use_chain ? chain_bmm(comb.transpose(1, 2), residual, settle_zero, start_negative) : std::nullopt;
   if (use_chain && !mixed.has_value()) return {};
   at::Tensor out = use_chain ? *mixed : at::bmm(comb.transpose(1, 2), residual);
   const at::Tensor xs = x.contiguous(), ps = post.contiguous();

@@ -9,11 +9,12 @@ kernel 38 µs). MKL's sgemm sums each output as one FMA chain from +0 in increas
 order is not documented, and torch's own loop below 400 multiply-adds a matrix rounds each product instead), which
 the kernel repeats. On an AMD EPYC, where MKL takes its Zen code path, the same chains end with +0 added (a chain
 whose products all underflow gives +0 there where the FMA chain alone gives −0; every other output the same bits):
-the kernel's second form (`ChainForm.SETTLED`). Which form, if either, gives ``torch.bmm``'s bits at a shape is
-checked here once per process and shape class, before the kernel is used there; neither keeps ``torch.bmm`` (logged
-at INFO: the same values, only slower; MKL's small-product order differs at some shapes, e.g. 1 or 2 rows of q
-against keys, and on the Zen code path q · keysᵀ, the batch-lane classes). It knows nothing of the callers'
-formulas.
+the kernel's second form (`ChainForm.SETTLED`); one batch of 1-long chains there is the product rounded alone, −0
+kept: the chain from −0 (`ChainForm.FROM_NEGATIVE_ZERO`). Which form, if any, gives ``torch.bmm``'s bits at a shape
+is checked here once per process and shape class (one batch, or more), before the kernel is used there; none keeps
+``torch.bmm`` (logged at INFO: the same values, only slower; MKL's small-product order differs at some shapes, e.g.
+1 or 2 rows of q against keys, and on the Zen code path q · keysᵀ, the batch-lane classes). It knows nothing of the
+callers' formulas.
 """
 
 from __future__ import annotations
@@ -57,9 +58,20 @@ class ChainForm(enum.IntEnum):
     SETTLED = 2
     """The chain, then +0 added to each output (``chain_bmm(a, w, settle_zero=True)``: −0 reads +0): MKL's Zen
     code path."""
+    FROM_NEGATIVE_ZERO = 3
+    """The chain from −0 (``chain_bmm(a, w, start_negative=True)``: its first step is the first product rounded
+    alone, −0 kept): MKL's Zen code path on 1-long chains ([B, 4, 1] · [B, 1, 512] on an AMD EPYC)."""
+
+    @property
+    def kernel_flags(self) -> dict[str, bool]:
+        """The keyword arguments of ``chain_bmm`` (and ``hc_expand_rows``) that select this form."""
+        return {
+            "settle_zero": self is ChainForm.SETTLED,
+            "start_negative": self is ChainForm.FROM_NEGATIVE_ZERO,
+        }
 
 
-_BATCHES = (1, 3, 16, 17, 256)
+_BATCHES = (3, 16, 17, 256)  # a class of more than one batch; one batch is a class of its own
 _CHECK_ELEMENTS = 1 << 22  # a check's batch counts past this many multiply-adds are skipped
 _log = logging.getLogger(__name__)
 
@@ -76,11 +88,12 @@ def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, 
     )
 
 
-def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> ChainForm:
+def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, *, single: bool = False) -> ChainForm:
     """In which form ``chain_bmm`` may stand in for ``torch.bmm`` at this shape class (see `chain_class`) of fp32
     CPU operands without autograd, for a caller that holds the kernels (``native.fp4_kernels()`` not None):
     `ChainForm.NONE` unless 1 ≤ depth ≤ `CHAIN_DEPTH_MAX` and at least `TORCH_LOOP_BELOW` multiply-adds a matrix,
-    else `chain_agrees`'s form (checked once per class, torch matmul precision and intra-op thread count).
+    else `chain_agrees`'s form (checked once per class, batch of one or more, torch matmul precision and intra-op
+    thread count). ``single``: the product has one batch (MKL may sum it otherwise; see `chain_agrees`).
 
     Raises:
         RuntimeError: the kernels are switched off or did not build (from `chain_agrees`'s first check).
@@ -88,7 +101,7 @@ def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> ChainF
     if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
         return ChainForm.NONE
     precision, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
-    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads)
+    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads, single=single)
 
 
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -107,9 +120,9 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         and a.is_cpu
         and w.is_cpu
         and (kernels := native.fp4_kernels()) is not None
-        and (form := chain_fits(*chain_class(a, w)))
+        and (form := chain_fits(*chain_class(a, w), single=a.shape[0] == 1))
     ):
-        out = kernels.chain_bmm(a, w, settle_zero=form is ChainForm.SETTLED)
+        out = kernels.chain_bmm(a, w, **form.kernel_flags)
         if out is not None:
             return out
     return torch.bmm(a, w)
@@ -117,17 +130,29 @@ def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def chain_agrees(
-    m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str, threads: int
+    m: int,
+    depth: int,
+    n: int,
+    a_cols: bool,
+    w_cols: bool,
+    precision: str,
+    threads: int,
+    *,
+    single: bool = False,
 ) -> ChainForm:
     """Which form of ``chain_bmm`` gives ``torch.bmm``'s bits at this shape class (see `chain_class`) on this machine
     under torch's fp32 matmul ``precision`` (``torch.get_float32_matmul_precision()``, which may route products
     elsewhere) and on ``threads`` intra-op threads (``torch.get_num_threads()``: MKL splits some shapes by thread count,
     e.g. [1, 5, 6] · [1, 6, 64] on an AMD EPYC), checked once per process and key: `ChainForm.CHAIN`, else
-    `ChainForm.SETTLED`, where every check holds: batch counts 1, 3, 16, 17 and 256 (those within 2^22 multiply-adds),
-    on random operands and on adversarial ones (±0, subnormals, values where a chain and rounded products differ,
-    products that cancel, chains whose products all underflow, ±inf; no NaN: the kernel declines NaN outputs), fp32 on
-    the CPU whatever torch's default dtype and device. Neither, or no check that ran (the kernel declined them all), is
-    logged at INFO and gives `ChainForm.NONE`: the caller keeps ``torch.bmm``.
+    `ChainForm.SETTLED`, else `ChainForm.FROM_NEGATIVE_ZERO`, where every check holds.
+
+    The checks: batch counts 3, 16, 17 and 256 (3 always, the others within 2^22 multiply-adds), or 1 where
+    ``single`` (one batch is a class of its own: MKL may sum it otherwise, e.g. [B, 4, 1] · [B, 1, 512] on an AMD
+    EPYC, the rounded product at one batch and the settled chain at more); random operands and adversarial ones (±0,
+    subnormals, values where a chain and rounded products differ, products that cancel, chains whose products all
+    underflow or are all −0, ±inf; no NaN: the kernel declines NaN outputs), fp32 on the CPU whatever torch's default
+    dtype and device. No form (logged at INFO), or no check that ran (the kernel declined them all: at DEBUG), gives
+    `ChainForm.NONE`: the caller keeps ``torch.bmm``.
 
     Raises:
         RuntimeError: the kernels are switched off or did not build.
@@ -143,18 +168,19 @@ def chain_agrees(
     if threads != torch.get_num_threads():
         raise ValueError(f"checking on {threads} threads while torch runs {torch.get_num_threads()}")
     shape = (m, depth, n, a_cols, w_cols)
-    forms = (ChainForm.CHAIN, ChainForm.SETTLED)
+    batches = (1,) if single else _BATCHES
+    forms = (ChainForm.CHAIN, ChainForm.SETTLED, ChainForm.FROM_NEGATIVE_ZERO)
     failed: dict[ChainForm, tuple[int, int]] = {}  # each form's first mismatch: (batch count, case)
     ran = 0
     with torch.device("cpu"):  # the operands are made under torch's defaults: fp32 on the CPU here
-        checks = list(_check_operands(shape))
+        checks = list(_check_operands(shape, batches))
     for batch, case, a, w in checks:
         want = None
         for form in forms:
             if form in failed:
                 continue
             with torch.inference_mode():
-                got = kernels.chain_bmm(a, w, settle_zero=form is ChainForm.SETTLED)
+                got = kernels.chain_bmm(a, w, **form.kernel_flags)
                 if got is None:  # a NaN output (either form alike): torch.bmm runs such operands
                     break
                 if want is None:
@@ -165,26 +191,27 @@ def chain_agrees(
         if len(failed) == len(forms):
             break
     if ran == 0:
-        _log.info("compiled chain_bmm declined every check at %s; using torch.bmm", shape)
+        # the kernel does not take such operands (e.g. fewer than 16 batches of q · keysᵀ): nothing to tell apart
+        _log.debug("compiled chain_bmm declined every check at %s; using torch.bmm", shape)
         return ChainForm.NONE
     for form in forms:
         if form not in failed:
             _log.debug("compiled chain_bmm (%s) gives torch.bmm's bits at %s", form.name, shape)
             return form
-    (b1, c1), (b2, c2) = failed[ChainForm.CHAIN], failed[ChainForm.SETTLED]
-    _log.info("compiled chain_bmm differs from torch.bmm at %s (batch %d, case %d; with +0 added: batch %d, case %d); "
-                 "using torch.bmm", shape, b1, c1, b2, c2)  # fmt: skip
+    first = "; ".join(f"{form.name.lower()}: batch {b}, case {c}" for form, (b, c) in failed.items())
+    _log.info("compiled chain_bmm differs from torch.bmm at %s (%s); using torch.bmm", shape, first)
     return ChainForm.NONE
 
 
 def _check_operands(
-    shape: tuple[int, int, int, bool, bool],
+    shape: tuple[int, int, int, bool, bool], batches: tuple[int, ...]
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """(batch count, case, a, w) of `chain_agrees`'s checks at ``shape`` (its arguments), from a fixed seed."""
+    """(batch count, case, a, w) of `chain_agrees`'s checks at ``shape`` (its arguments) and ``batches`` (the first
+    always, the others within `_CHECK_ELEMENTS`), from a fixed seed."""
     m, depth, n, a_cols, w_cols = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for batch in _BATCHES:
-        if batch > 1 and batch * m * depth * n > _CHECK_ELEMENTS:
+    for batch in batches:
+        if batch != batches[0] and batch * m * depth * n > _CHECK_ELEMENTS:
             return
         for case in range(5):
             a, w = _operand((batch, m, depth), gen, case), _operand((batch, depth, n), gen, case)

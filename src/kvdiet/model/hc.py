@@ -339,9 +339,8 @@ def hc_expand(
             if rows > KERNEL_ROWS and residual.is_cpu and residual.dtype == torch.float32:
                 # not a decode step's rows: at::bmm is as fast there, without the check's Python
                 form = chain_fits(hc, hc, hidden, True, False)
-            settle = form is ChainForm.SETTLED
             out = kernels.hc_expand_rows(
-                x, residual, post, comb, any_rows=True, chain=bool(form), settle_zero=settle
+                x, residual, post, comb, any_rows=True, chain=bool(form), **form.kernel_flags
             )
         if out is not None:
             return out
