@@ -4,12 +4,13 @@
 // chain_bmm) into the same module; fp8_kernels.cpp holds the bindings. Built at first use by kvdiet.formats.native.
 //
 // chain_bmm(a, w, settle_zero, start_negative): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1,
-//   1 <= K <= kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other input or a NaN
-//   output (which NaN a chain keeps is the hardware's, not a rule of torch's). settle_zero: each output then has +0
-//   added (c + 0.0f: -0 becomes +0, every other value is kept), the form MKL's Zen code path gives (an AMD EPYC: chains
-//   of products that all underflow end at +0 there, where the chain alone gives -0; found by experiment as the rest).
-//   start_negative: each chain starts from -0 instead of +0 (its first step is then the first product rounded alone,
-//   -0 kept), the form MKL's Zen code path gives for 1-long chains ([B, 4, 1] x [B, 1, 512]: the rounded product).
+//   1 <= K <= kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other
+//   input or a NaN output (which NaN a chain keeps is the hardware's, not a rule of torch's). settle_zero: each output
+//   then has +0 added (c + 0.0f: -0 becomes +0, every other value is kept), the form MKL's Zen code path gives (an AMD
+//   EPYC: chains of products that all underflow end at +0 there, where the chain alone gives -0; found by experiment
+//   as the rest). start_negative: each chain starts from -0 instead of +0 (its first step is then the first product
+//   rounded alone, -0 kept), the form MKL's Zen code path gives for one batch of 1-long chains ([1, 4, 1] x [1, 1,
+//   512]: the rounded product).
 //   Nothing here says torch's product is such a chain: MKL's order is undocumented, and torch sums products below 400
 //   multiply-adds a matrix in a plain loop of rounded products instead. The order was found by experiment (an FMA chain
 //   from +0 in increasing k matched at::bmm on every operand tried at the shapes kvdiet uses, ties, subnormals,
@@ -92,8 +93,8 @@ void chain_rows_fixed(const float* a, int64_t a_row, int64_t a_col, const float*
 }
 
 // out [M, N] of one batch: each output a chain from `zero` (+0, or -0) over k, rows in groups of kChainRows sharing
-// each vector of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail lanes and other
-// layouts one output at a time; settle_zero: +0 then added to each output before it is stored
+// each vector of w's row k (contiguous rows of w; a fixed-depth copy of the loop for depths 1-4 and 8), the tail
+// lanes and other layouts one output at a time; settle_zero: +0 then added to each output before it is stored
 void chain_matrix(const float* a, int64_t a_row, int64_t a_col, const float* w, int64_t w_row, int64_t w_col,
                   float* out, int64_t m, int64_t depth, int64_t n, float zero, bool settle_zero) {
   const int64_t vec_n = w_col == 1 ? n / kChainLanes * kChainLanes : 0;

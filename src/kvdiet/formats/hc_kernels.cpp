@@ -25,9 +25,9 @@
 //   number with any_rows: a prefill's) -> float32 [T, hc, hidden], or std::nullopt for any other input or a NaN
 //   output: out[t, i] = post[t, i] · x[t] + mixed[t, i] with mixed = at::bmm(combᵀ, residual), torch's own product on
 //   the formula's operands (then one IEEE multiply and one add per element: hc_expand's formula), so no step depends
-//   on the number of rows but torch's own; with chain and contiguous comb and residual, mixed is chain_kernels.cpp's chain_bmm instead, in the form
-//   settle_zero and start_negative name (the caller has checked that it gives at::bmm's bits at that shape class:
-//   kvdiet.model.chain_products.chain_fits).
+//   on the number of rows but torch's own; with chain and contiguous comb and residual, mixed is chain_kernels.cpp's
+//   chain_bmm instead, in the form settle_zero and start_negative name (the caller has checked that it gives
+//   at::bmm's bits at that shape class: kvdiet.model.chain_products.chain_fits).
 //   Why: in torch a sublayer's entry is some 12 ops and two foreign calls of 5-30 µs each on a few thousand floats
 //   (the collapse, the norm, the coefficients), its exit 8 ops; these are one call each.
 
