@@ -149,6 +149,17 @@ def test_unreadable_and_foreign_files(tmp_path: Path, write_config) -> None:
         ModelConfig.from_hf_json(write_config({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="neither a preset"):
         load_config("no-such-preset")
+    # what a trace or a binary given for a config reads as: one line naming the file (were a RecursionError
+    # traceback and a UnicodeDecodeError without the file)
+    deep, binary = tmp_path / "deep.jsonl", tmp_path / "binary.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    binary.write_bytes(b"\x00\xe3\xff" * 100)
+    with pytest.raises(ConfigError, match=rf"^{deep}: JSON nested too deep, not a config file$"):
+        load_config(str(deep))
+    with pytest.raises(
+        ConfigError, match=rf"^{binary}: not UTF-8 text \(invalid .* at byte 1\), not a config file$"
+    ):
+        load_config(str(binary))
 
 
 def test_replace_revalidates() -> None:

@@ -165,6 +165,22 @@ def test_fidelity_command_json_and_report(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "no such file or folder" in missing.stderr
 
 
+def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tmp_path: Path) -> None:
+    """A binary among the prompts: one line naming it (was read as U+FFFD and run as a prompt)."""
+    import argparse
+
+    from kvdiet.fidelity.command import _prompts
+
+    good, binary = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("plain text")
+    binary.write_bytes(b"\xff\xfe\x00")
+    args = argparse.Namespace(prompt_ids=None, model="v4.1-mini")
+    with pytest.raises(
+        ValueError, match=rf"^--prompts {binary}: not UTF-8 text \(invalid start byte at byte 0\)$"
+    ):
+        _prompts(args, [binary, good], object(), limit=2)  # refused before any tokenizing
+
+
 def test_default_hit_lengths_and_prompts_too_short() -> None:
     from kvdiet.fidelity.command import _hits
 

@@ -137,7 +137,8 @@ def test_progress_lines_when_stderr_is_not_a_terminal(capsys, tmp_path) -> None:
     assert len(done) >= 4 and done[0] == 16 and done[-1] == 60 and done == sorted(set(done)), lines
     assert all(line.startswith(f"prefill {n}/60 tokens (") for n, line in zip(done, lines, strict=True))
     assert all("tok/s computed" in line for line in lines)
-    json.loads(captured.out)  # stdout keeps only the JSON
+    # one token: the prefill's; no decode step ran, so no decode rate (was thousands of tok/s: one sampling step)
+    assert json.loads(captured.out)["decode_tokens_per_second"] is None  # stdout keeps only the JSON
     assert main([*argv, "--progress-interval", "3600"]) == 0  # a prefill shorter than the pace: no line
     assert capsys.readouterr().err == ""  # (an explicit pace: the default's 10 s is passed by a loaded CI)
     assert main([*argv, "--progress-interval", "-1"]) == 2
@@ -204,3 +205,9 @@ def test_a_missing_prompt_file_is_one_line_naming_the_flag(capsys, tmp_path) -> 
     assert capsys.readouterr().err == f"kvdiet generate: error: --prompt-file {tmp_path}: is a directory\n"
     assert main([*argv[:-1], "--prompt-file", ""]) == 2  # not the working directory
     assert capsys.readouterr().err == "kvdiet generate: error: --prompt-file '': no such file or directory\n"
+    binary = tmp_path / "binary.txt"  # was run as a prompt of U+FFFD, exit 0
+    binary.write_bytes(b"ok \xe3\x28 \xff")
+    assert main([*argv, str(binary)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvdiet generate: error: --prompt-file {binary}: not UTF-8 text (invalid continuation byte at byte 3)\n"
+    )

@@ -571,10 +571,17 @@ def test_switches_are_json_booleans_and_null_is_the_default(mini) -> None:
     status_plain, plain = _post(base, "/v1/completions", {"prompt": [3, 4], "max_tokens": 3, "seed": 7})
     assert status == status_plain == 200, with_nulls
     assert with_nulls["choices"][0]["text"] == plain["choices"][0]["text"]  # temperature 1, seed 7
+    # OpenAI's fields at their no-op values, as SDK code sends them (were 400 "unknown field(s)")
+    noop = {"store": False, "metadata": {}, "parallel_tool_calls": False, "service_tier": "auto"}
+    status, with_noop = _post(base, "/v1/completions", {"prompt": [3, 4], "max_tokens": 3, "seed": 7, **noop})
+    assert status == 200 and with_noop["choices"][0]["text"] == plain["choices"][0]["text"], with_noop
     for body, param in (
         ({"foo": 1, "bar": 2}, "bar"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"echo": True}, "echo"),
+        ({"store": True}, "store"),
+        ({"metadata": {"k": "v"}}, "metadata"),
+        ({"service_tier": "flex"}, "service_tier"),
     ):
         status, err = _post(base, "/v1/completions", {"prompt": [1], "max_tokens": 1, **body})
         assert (status, err["error"]["param"]) == (400, param), err

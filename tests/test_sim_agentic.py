@@ -211,6 +211,7 @@ def test_json_infinity_in_a_file_is_refused(tmp_path: Path) -> None:
     [
         ('{"id": "S",\n "block_size": 64,\n "requests": [}', r"s\.json:3:15: not JSON"),
         ("[]", "a session file is one JSON object, got list"),
+        ("[" * 100_000 + "]" * 100_000, r"s\.json: JSON nested too deep"),  # was a RecursionError traceback
         ('{"block_size": 64, "hash_id_scope": "local", "requests": []}', "id must be a non-empty string"),
         (
             '{"id": "S", "block_size": 0, "hash_id_scope": "local", "requests": []}',

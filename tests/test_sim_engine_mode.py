@@ -5,6 +5,7 @@ global pool on a real Mooncake master)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,29 @@ def test_time_scaled_arrivals_overlap_and_all_finish() -> None:
     assert all(t > 0 for t in res.ttft_s) and res.wall_s >= 5 * 0.02
     with pytest.raises(ValueError, match="time_scale"):
         run_engine_mode(TRACE, EngineModeConfig(model="v4.1-micro", time_scale=-1))
+
+
+def test_a_request_past_the_context_or_the_pool_is_refused_in_replays_terms() -> None:
+    """The engine's context is the longest replayed request: past the model's limit or the device pool, replay names
+    the request and its own flags (was the engine's "--max-model-len", a flag replay does not take)."""
+    long = Trace([req(0.0, 20000, tuple(range(40)), out=56)], 512)  # 625 + 2 tokens at 16-token blocks
+    with pytest.raises(ValueError) as err:
+        run_engine_mode(long, EngineModeConfig(model="v4.1-micro"))
+    assert str(err.value) == (
+        "the longest replayed request, 627 tokens (prompt + output at block size 16), is past v4.1-micro's "
+        "max_position_embeddings 256: replay a model with a longer context (--engine-model)"
+    )
+    small = CacheOptions(kv_cache_memory=4000)  # two blocks of 1,696 B; the first request needs three
+    with pytest.raises(ValueError) as err:
+        run_engine_mode(TRACE, EngineModeConfig(model="v4.1-micro", max_requests=1, cache=small))
+    assert str(err.value) == (
+        "the longest replayed request, 37 tokens (prompt + output at block size 16), needs 3 blocks but the KV "
+        "cache holds 2: raise --kv-cache-memory to at least 5,088 bytes"
+    )
+    run_engine_mode(
+        TRACE,
+        EngineModeConfig(model="v4.1-micro", max_requests=1, cache=replace(small, kv_cache_memory=5088)),
+    )
 
 
 def test_requests_sharing_a_timestamp_run_in_order_in_both_modes() -> None:

@@ -406,6 +406,34 @@ def test_lengths_no_request_has_and_broken_lines_are_named_in_the_lines_own_term
     ]
 
 
+def test_json_nested_past_the_recursion_limit_is_a_malformed_line(tmp_path: Path) -> None:
+    """Arrays nested 100,000 deep: json raises RecursionError (was a traceback out of `kvdiet replay`); the line
+    is malformed like any other, also as the first line, where the format is detected."""
+    deep = "[" * 100_000 + "]" * 100_000
+    path = _write_jsonl(tmp_path / "deep.jsonl", [MOONCAKE[0], deep, MOONCAKE[1], MOONCAKE[2]])
+    trace = read_trace(path)
+    assert len(trace) == 3 and trace.errors == [f"{path}:2: JSON nested too deep"]
+    first = _write_jsonl(tmp_path / "first.jsonl", [deep, *MOONCAKE, *MOONCAKE])
+    assert read_trace(first).errors == [f"{first}:1: JSON nested too deep"]
+
+
+def test_a_line_past_the_cap_stops_the_read_with_its_number(tmp_path: Path) -> None:
+    """A file with no newline in sight (``/dev/zero``, a binary, a document read as lines) is refused at the
+    line that passes `MAX_LINE_CHARS`, after reading no more than that (was: memory filled without end; not
+    tried on ``/dev/zero`` itself, which a regression would read until the machine ran out of memory)."""
+    from kvdiet.sim.trace_file import MAX_LINE_CHARS
+
+    blob = "\0" * (MAX_LINE_CHARS + 1)
+    for name, rows in (("zero.jsonl", [blob]), ("zero.csv", [blob]), ("long.jsonl", [MOONCAKE[0], blob])):
+        path = _write_jsonl(tmp_path / name, rows)
+        with pytest.raises(
+            TraceError, match=rf"^{path}:{len(rows)}: a line longer than {MAX_LINE_CHARS:,} characters"
+        ):
+            read_trace(path)
+    at_cap = _write_jsonl(tmp_path / "cap.jsonl", [MOONCAKE[0], "x" * (MAX_LINE_CHARS - 1), *MOONCAKE])
+    assert read_trace(at_cap).errors[0].startswith(f"{at_cap}:2: not valid JSON")  # the cap itself is a line
+
+
 def test_a_trace_on_epoch_time_starts_at_0_as_any_other(tmp_path: Path) -> None:
     epoch = [dict(r, timestamp=r["timestamp"] + 1_733_000_000_000) for r in MOONCAKE]  # ms since 1970
     trace = read_trace(_write_jsonl(tmp_path / "epoch.jsonl", epoch))

@@ -264,9 +264,22 @@ def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
 # --- reading ----------------------------------------------------------------------------------------
 
 
+_CONFIG_BYTES_MAX = 1 << 24  # a config.json is kilobytes; a larger file is not one (read no further)
+
+
 def _read_json(path: str | Path) -> dict[str, Any]:
     try:
-        data = json.loads(Path(path).read_text())
+        with Path(path).open("rb") as f:
+            raw = f.read(_CONFIG_BYTES_MAX + 1)
+        if len(raw) > _CONFIG_BYTES_MAX:
+            raise ConfigError(f"{path}: over {_CONFIG_BYTES_MAX:,} bytes, not a config file")
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}), not a config file"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deep, not a config file") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     if not isinstance(data, dict):

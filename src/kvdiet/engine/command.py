@@ -155,10 +155,14 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         raise ValueError("--prompt-file '': no such file or directory")
     try:
         text = (
-            Path(args.prompt_file).read_text(errors="replace")
+            Path(args.prompt_file).read_text(encoding="utf-8")
             if args.prompt_file is not None
             else args.prompt
         )
+    except UnicodeDecodeError as exc:  # a binary file: refused, not run as a prompt of U+FFFD
+        raise ValueError(
+            f"--prompt-file {args.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
     except OSError as exc:  # "[Errno 2] No such file or directory: 'x'" → "--prompt-file x: no such file …"
         raise ValueError(f"--prompt-file {args.prompt_file}: {(exc.strerror or str(exc)).lower()}") from None
     prompt_ids = None if args.prompt_ids is None else _parse_ids(args.prompt_ids)  # before the model loads
@@ -213,7 +217,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
             progress_interval_s=args.progress_interval,
         )
         stats = runner.stats.as_dict()
-    cache = result.cache
+    cache, decode_rate = result.cache, result.decode_tokens_per_second  # None: no decode step ran
     summary = {
         "model": args.model,
         "prompt_tokens": result.prompt_tokens,
@@ -222,7 +226,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         "prefill_seconds": round(result.prefill_seconds, 3),
         "prefill_computed_tokens": result.provenance.computed_tokens + result.provenance.replayed_tokens,
         "prefill_computed_tokens_per_second": round(result.prefill_computed_tokens_per_second, 1),
-        "decode_tokens_per_second": round(result.decode_tokens_per_second, 2),
+        "decode_tokens_per_second": None if decode_rate is None else round(decode_rate, 2),
         "global_kv_bytes_per_token": round(cache.global_bytes_per_token, 3),
         "global_kv_bytes_per_covered_token": cache.global_bytes_per_covered_token,
         "open_pair_tokens": max(cache.num_tokens - c for c in cache.covered_tokens.values()),

@@ -62,8 +62,11 @@ class GenerateResult:
         return tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
-    def decode_tokens_per_second(self) -> float:
-        return len(self.output_ids) / self.decode_seconds if self.decode_seconds else 0.0
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens the decode steps made per second of the decode phase: every token but the first (the prefill's
+        logits give it); None where no decode step ran (one token or none)."""
+        steps = len(self.output_ids) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
 
 
 def check_request(

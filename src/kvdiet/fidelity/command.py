@@ -216,7 +216,10 @@ def _prompts(args: argparse.Namespace, files: list[Path], tokenizer, *, limit: i
         raise ValueError(f"model {args.model!r} has no tokenizer; give --prompt-ids")
     prompts, names = [], []
     for f in files[:limit]:
-        text = f.read_text(errors="replace")
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:  # a binary file: refused, not run as a prompt of U+FFFD
+            raise ValueError(f"--prompts {f}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         if text.strip():
             prompts.append(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(text)], dtype=torch.int64))
             names.append(f.name)

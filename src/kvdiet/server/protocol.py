@@ -57,6 +57,13 @@ _UNSUPPORTED = {
     "repetition_penalty": (None, 1, 1.0),
     "min_tokens": (None, 0),
     "min_p": (None, 0, 0.0),
+    # OpenAI's no-op spellings that SDK code sends explicitly: not storing, no metadata, no tools to call in
+    # parallel, the default tier, text only
+    "store": (None, False),
+    "metadata": (None, {}),
+    "parallel_tool_calls": (None, True, False),
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
 }
 
 

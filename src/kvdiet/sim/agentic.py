@@ -203,6 +203,8 @@ def _top(file: Path) -> dict:
             top = json.load(f)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
+    except RecursionError:  # arrays or objects nested past Python's recursion limit
+        raise TraceError(f"{file}: JSON nested too deep") from None
     except UnicodeDecodeError as exc:
         raise TraceError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not isinstance(top, dict):

@@ -229,6 +229,7 @@ def run_engine_mode(
         cache.open()
         try:
             longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
+            _check_longest(longest, model.cfg.max_position_embeddings, cache, config)
             engine = LLMEngine(
                 model,
                 cache,
@@ -268,6 +269,27 @@ def run_engine_mode(
     )
     config = replace(config, cache=replace(config.cache, policy=opts.policy))  # the policy that ran
     return EngineModeResult(config, scaled, results, ttft, wall, sim.requests, written, sim.summary)
+
+
+def _check_longest(longest: int, limit: int, cache: ModelRunner, config: EngineModeConfig) -> None:
+    """The engine's context (its ``max_model_len``) is the longest replayed request: refused here in replay's
+    terms, before `LLMEngine` would name a ``--max-model-len`` that replay does not take.
+
+    Raises:
+        ValueError: past the model's ``max_position_embeddings``, or more blocks than the device pool holds.
+    """
+    what = f"the longest replayed request, {longest:,} tokens (prompt + output at block size {config.block_size})"
+    if longest > limit:
+        raise ValueError(
+            f"{what}, is past {config.model}'s max_position_embeddings {limit:,}: replay a model with a longer "
+            "context (--engine-model)"
+        )
+    need, held = -(-longest // config.block_size), cache.pool.blocks.num_blocks
+    if need > held:
+        raise ValueError(
+            f"{what}, needs {need:,} blocks but the KV cache holds {held:,}: raise --kv-cache-memory to at least "
+            f"{need * cache.pool.block_bytes:,} bytes"
+        )
 
 
 SEQUENTIAL_GAP_S = 1e-3

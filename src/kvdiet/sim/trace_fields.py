@@ -19,6 +19,8 @@ def json_line(text: str) -> object:
     """One line's JSON value, else ValueError in the line's own terms (bytes read as U+FFFD: not UTF-8)."""
     try:
         return json.loads(text.rstrip("\r\n"))
+    except RecursionError:  # arrays or objects nested past Python's recursion limit
+        raise ValueError("JSON nested too deep") from None
     except json.JSONDecodeError as exc:
         if "\ufffd" in text:
             raise ValueError("bytes that are not UTF-8") from None

@@ -16,12 +16,24 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["GZIP_MAGIC", "SESSION_SUFFIXES", "gzip_errors", "open_text", "shorten"]
+__all__ = [
+    "GZIP_MAGIC",
+    "MAX_LINE_CHARS",
+    "SESSION_SUFFIXES",
+    "bounded_lines",
+    "gzip_errors",
+    "open_text",
+    "shorten",
+]
 
 GZIP_MAGIC = b"\x1f\x8b"
 """The first two bytes of a gzip stream (RFC 1952 §2.3.1)."""
 SESSION_SUFFIXES = (".json", ".json.gz")
 """The names of session files (`kvdiet.sim.agentic`), plain or gzip-compressed."""
+MAX_LINE_CHARS = 1 << 24
+"""The longest line a line-per-record trace may hold (characters): some 16 MB, 30 times a generic line of 1M tokens
+at 16 tokens a hash id. A longer one is no trace line (a binary file, or a document that is not one record a line:
+``/dev/zero`` read as lines would fill the memory)."""
 
 
 def open_text(path: Path, *, newline: str | None = None, errors: str = "replace") -> io.TextIOWrapper:
@@ -38,6 +50,27 @@ def open_text(path: Path, *, newline: str | None = None, errors: str = "replace"
         compressed = f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
     raw = gzip.open(path, "rb") if compressed else path.open("rb")  # noqa: SIM115 (the wrapper owns it)
     return io.TextIOWrapper(raw, encoding="utf-8-sig", errors=errors, newline=newline)
+
+
+def bounded_lines(
+    f: io.TextIOBase, path: Path, error: Callable[[str], Exception]
+) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text with its newline) of each line of ``f``, each read at most `MAX_LINE_CHARS` + 1
+    characters at a time.
+
+    Raises:
+        the exception ``error(message)`` makes: a line longer than `MAX_LINE_CHARS` (its first that many
+            characters read, no more), the message naming ``path`` and the line.
+    """
+    n = 0
+    while text := f.readline(MAX_LINE_CHARS + 1):
+        n += 1
+        if len(text) > MAX_LINE_CHARS:
+            raise error(
+                f"{path}:{n}: a line longer than {MAX_LINE_CHARS:,} characters, not a trace line (a binary file, "
+                "or a document that is not one record a line?)"
+            )
+        yield n, text
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
 from kvdiet.sim.trace_fields import LABELS, check_tokens, count, json_line, label, number
-from kvdiet.sim.trace_file import gzip_errors, open_text, shorten
+from kvdiet.sim.trace_file import bounded_lines, gzip_errors, open_text, shorten
 
 __all__ = [
     "MOONCAKE_BLOCK_SIZE",
@@ -152,10 +152,10 @@ def _detect(path: Path) -> str:
     if path.name.lower().removesuffix(".gz").endswith(".csv"):
         return "azure"
     with open_text(path) as f:
-        first = next((text for text in f if text.strip()), "")
+        first = next((text for _, text in bounded_lines(f, path, TraceError) if text.strip()), "")
     try:
         head = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return "mooncake"  # each line is then reported as it is read
     if not isinstance(head, dict):
         return "mooncake"
@@ -186,10 +186,10 @@ def _header_block_size(path: Path) -> int:
     """
     expected = '{"format": "kvdiet-trace", "version": 1, "block_size": B}'
     with open_text(path) as f:
-        first = next((text for text in f if text.strip()), "")
+        first = next((text for _, text in bounded_lines(f, path, TraceError) if text.strip()), "")
     try:
         head = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         head = None
     if not isinstance(head, dict) or head.get("format") != "kvdiet-trace":
         raise TraceError(f"{path}:1: a generic trace starts with {expected}")
@@ -207,7 +207,7 @@ def _header_block_size(path: Path) -> int:
 
 def _lines(path: Path, *, skip_header: bool) -> Iterator[tuple[int, str]]:
     with open_text(path) as f:
-        lines = ((n, text) for n, text in enumerate(f, 1) if text.strip())
+        lines = ((n, text) for n, text in bounded_lines(f, path, TraceError) if text.strip())
         if skip_header:
             next(lines, None)
         yield from lines
@@ -250,7 +250,7 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
 
 def _azure(path: Path):
     with open_text(path, newline="") as f:
-        rows = csv.reader(f)
+        rows = csv.reader(text for _, text in bounded_lines(f, path, TraceError))
         header = next(rows, None)
         if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
             got = shorten(",".join(header or []))  # a JSONL line read as CSV can be megabytes
