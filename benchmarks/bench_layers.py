@@ -1,16 +1,19 @@
 """Per-call time of `RMSNorm.forward`, `Rotation.apply` and a decode step's attention at a decode step's shapes:
 the compiled kernels (``rms_norm``, ``rope_rotate``) against the torch formulas (``KVDIET_NATIVE_KERNELS=0``),
-and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), in one process; then a
+and `decode_attend` (``attend_rows``) against ``attend`` (the torch ops it replaces), and one decode row's index
+scores (``index_scores``, the integer path) against the torch path, in one process; then a
 prefill chunk's small batched products (`batched_product`: ``chain_bmm`` in the form its check found on this
 machine, named in the row, against ``torch.bmm``; the same bits) at 1,024 rows: mHC's combᵀ·residual and
 attention's probabilities times the window (40-layer tiny plan widths, v4.1-mini's hidden 256).
 
 Shapes are v4.1-mini's (hidden 256, q_lora 128 and 512-wide heads for the norms; q [4, B, 512] as attention
 passes it, transposed, its inverse, and kv [B, 512] for RoPE, rope_dim 64; 4 heads × 512 dims over a window of
-128 keys and 512 selected entries, or the window alone, for attention), for B = 1 and 16 requests. The two
+128 keys and 512 selected entries, or the window alone, for attention; one MXFP4 index query of 4 heads × 128
+against 16,384 packed keys in 64-entry blocks of a shuffled table, for B = 1), for B = 1 and 16 requests. The two
 paths alternate ``--rounds`` times (A, B, A, B, …) and each keeps its best round of ``--calls`` calls (attention:
-``--calls`` / (20 B), at least 5): on cores shared with other jobs single timings swing several-fold. Prints a
-table, then one JSON line. No gradient (as in a decode step); one intra-op thread unless ``--threads``.
+``--calls`` / (20 B), index scores ``--calls`` / 40, at least 5): on cores shared with other jobs single timings
+swing several-fold. Prints a table, then one JSON line. No gradient (as in a decode step); one intra-op thread
+unless ``--threads``.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_layers.py
 """
@@ -28,9 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.formats import native
+from kvdiet.formats.mxfp4 import encode_index_key, fake_quant_index_key
 from kvdiet.model.attention import attend
 from kvdiet.model.chain_products import batched_product, chain_class, chain_fits
 from kvdiet.model.decode_attend import decode_attend
+from kvdiet.model.index_scores import StoredKeys, index_scores
 from kvdiet.model.layers import RMSNorm, Rope
 from kvdiet.units import positive_int
 
@@ -62,6 +67,17 @@ def cases(batch: int) -> dict[str, tuple[Call, Call]]:
             lambda a=args: attend(*a),
             lambda a=args: decode_attend(*a),
         )
+    if batch == 1:  # a decode row's scan of one layer's index keys (`KVDIET_NATIVE_KERNELS` picks the path)
+        n, per_block = 16384, 64
+        keys = StoredKeys(
+            encode_index_key(torch.randn(n, 128, generator=gen)),
+            torch.randperm(n // per_block, generator=gen),
+            per_block,
+            n,
+        )
+        q_idx = fake_quant_index_key(torch.randn(1, 4, 128, generator=gen))  # queries are MXFP4 round trips
+        w, limit = torch.rand(1, 4, generator=gen), torch.tensor([n])
+        out[f"index scores [1, 4, 128] x {n:,} keys"] = (lambda: index_scores(q_idx, w, keys, limit),) * 2
     return out
 
 
@@ -121,7 +137,13 @@ def main() -> None:
         for batch in (1, 16):
             for name, (torch_call, compiled_call) in cases(batch).items():
                 best = {"compiled": float("inf"), "torch": float("inf")}
-                calls = max(5, args.calls // (20 * batch)) if name.startswith("attention") else args.calls
+                calls = (
+                    max(5, args.calls // (20 * batch))
+                    if name.startswith("attention")
+                    else max(5, args.calls // 40)
+                    if name.startswith("index")
+                    else args.calls
+                )
                 for _ in range(args.rounds):
                     for path, call in (("compiled", compiled_call), ("torch", torch_call)):
                         os.environ[native.ENV] = "1" if path == "compiled" else "0"
@@ -138,8 +160,8 @@ def main() -> None:
             results[name] = best
     table = Table(
         title="per call, best round (µs)",
-        caption="(CHAIN / SETTLED / NONE): the form of chain_bmm its check found for that product on this "
-        "machine (NONE: both columns time torch.bmm)",
+        caption="(CHAIN / SETTLED / FROM_NEGATIVE_ZERO / NONE): the form of chain_bmm its check found for that "
+        "product on this machine (NONE: both columns time torch.bmm)",
     )
     for column in ("shape", "torch", "compiled", "speed-up"):
         table.add_column(column, justify="left" if column == "shape" else "right")

@@ -240,6 +240,7 @@ def test_the_form_from_negative_zero_is_the_chain_from_its_first_product(layout_
         assert bool((_bits(negative)[0] == -(2**31)).all()) and bool((_bits(plain)[0] == 0).all())
         zero = plain == 0
         assert torch.equal(_bits(negative)[~zero], _bits(plain)[~zero])
+        assert bool((_bits(negative)[zero] & 0x7FFFFFFF == 0).all())  # a zero there too, of either sign
         if k == 1:
             assert torch.equal(_bits(negative), _bits(a * w))
 

@@ -324,9 +324,8 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
                 if hc * hc * hidden >= 400
                 else ChainForm.NONE
             )
-            settle = chained is ChainForm.SETTLED
             chain = kernels.hc_expand_rows(
-                x, residual, post, comb, any_rows=True, chain=bool(chained), settle_zero=settle
+                x, residual, post, comb, any_rows=True, chain=bool(chained), **chained.kernel_flags
             )
             if want.isnan().any():
                 assert got is None and chain is None and specials

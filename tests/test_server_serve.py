@@ -99,8 +99,8 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
 
 def test_a_second_sigint_still_closes_the_engine_and_logs_no_traceback(tmp_path: Path) -> None:
     """Ctrl+C twice while a stream runs: uvicorn's forced exit skips the application's shutdown; kvdiet's server
-    runs it anyway (the engine loop and its tiers closed: "Application shutdown complete"), exit status 0 and no
-    CancelledError traceback (was logged by Starlette when asyncio's teardown cancelled the lifespan)."""
+    runs it in order ("Application shutdown complete"), exit status 0 and no CancelledError traceback (was logged
+    by Starlette when asyncio's teardown cancelled the lifespan)."""
     proc, port, log = _start_micro_server(tmp_path)
     try:
         _wait_started(proc, log)

@@ -430,6 +430,10 @@ def test_a_line_past_the_cap_stops_the_read_with_its_number(tmp_path: Path) -> N
             TraceError, match=rf"^{path}:{len(rows)}: a line longer than {MAX_LINE_CHARS:,} characters"
         ):
             read_trace(path)
+    unclosed = tmp_path / "unclosed.csv"  # a quote never closed: the rest of the file is one field
+    unclosed.write_text('TIMESTAMP,ContextTokens,GeneratedTokens\n"2023-11-16,1,1\n' + "x,1,1\n" * 30_000)
+    with pytest.raises(TraceError, match=rf"^{unclosed}: not a CSV trace \(field larger than field limit"):
+        read_trace(unclosed)  # was csv.Error, a traceback out of `kvdiet replay`
     at_cap = _write_jsonl(tmp_path / "cap.jsonl", [MOONCAKE[0], "x" * (MAX_LINE_CHARS - 1), *MOONCAKE])
     assert read_trace(at_cap).errors[0].startswith(f"{at_cap}:2: not valid JSON")  # the cap itself is a line
 

@@ -16,6 +16,7 @@ errors are `ConfigError` (a ``ValueError``) naming the field and the bad value; 
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import types
@@ -268,15 +269,17 @@ _CONFIG_BYTES_MAX = 1 << 24  # a config.json is kilobytes; a larger file is not 
 
 
 def _read_json(path: str | Path) -> dict[str, Any]:
+    bom = 0
     try:
         with Path(path).open("rb") as f:
             raw = f.read(_CONFIG_BYTES_MAX + 1)
         if len(raw) > _CONFIG_BYTES_MAX:
             raise ConfigError(f"{path}: over {_CONFIG_BYTES_MAX:,} bytes, not a config file")
-        data = json.loads(raw.decode("utf-8-sig"))
-    except UnicodeDecodeError as exc:
+        bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark is dropped
+        data = json.loads(raw[bom:].decode("utf-8"))
+    except UnicodeDecodeError as exc:  # the offset in the file, past any byte-order mark
         raise ConfigError(
-            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}), not a config file"
+            f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start + bom}), not a config file"
         ) from None
     except RecursionError:
         raise ConfigError(f"{path}: JSON nested too deep, not a config file") from None

@@ -177,10 +177,10 @@ class _AbortingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, then the application's own (the lifespan's end: `EngineLoop.close`) where a second
-        Ctrl+C made uvicorn skip it. Skipped, the engine thread would not be joined, the persistent tier's
-        pending read times would be lost and a Mooncake segment would stay mounted; and asyncio's teardown
-        would cancel the lifespan, whose traceback Starlette logs. It is short: the first signal aborted every
-        request."""
+        Ctrl+C made uvicorn skip it. Skipped, the engine closed only as asyncio's teardown cancelled the lifespan
+        (the close ran in its ``finally``), and Starlette logged that cancellation as a traceback. It waits as long
+        as the graceful path does: for the step in progress to end, since the first signal aborted every request
+        at the next step boundary."""
         await super().shutdown(sockets)
         done = getattr(self.lifespan, "shutdown_event", None)  # uvicorn's LifespanOn; "off" has none
         if self.force_exit and done is not None and not done.is_set():

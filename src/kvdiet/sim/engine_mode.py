@@ -226,10 +226,12 @@ def run_engine_mode(
             model, opts, tokenizer_id=tokenizer.identity if tokenizer else "none", clock=clock
         )
         opts = cache.options  # a policy left None: the model's (`CacheOptions.for_model`)
+        longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
+        _check_longest(
+            longest, model.cfg.max_position_embeddings, cache, config.model
+        )  # before any tier opens
         cache.open()
         try:
-            longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
-            _check_longest(longest, model.cfg.max_position_embeddings, cache, config)
             engine = LLMEngine(
                 model,
                 cache,
@@ -271,20 +273,26 @@ def run_engine_mode(
     return EngineModeResult(config, scaled, results, ttft, wall, sim.requests, written, sim.summary)
 
 
-def _check_longest(longest: int, limit: int, cache: ModelRunner, config: EngineModeConfig) -> None:
+def _check_longest(longest: int, limit: int, cache: ModelRunner, model: str) -> None:
     """The engine's context (its ``max_model_len``) is the longest replayed request: refused here in replay's
-    terms, before `LLMEngine` would name a ``--max-model-len`` that replay does not take.
+    terms, before any tier opens and before `LLMEngine` would name a ``--max-model-len`` that replay does not take;
+    the same numbers as `kvdiet.engine.max_model_len.check_max_model_len`.
 
+    Args:
+        longest: the longest replayed request's prompt + output, in tokens (after `scale_trace`).
+        limit: the model's ``max_position_embeddings`` (tokens); cache: its device pool (blocks, bytes a block);
+        model: the model's name, for the message.
     Raises:
-        ValueError: past the model's ``max_position_embeddings``, or more blocks than the device pool holds.
+        ValueError: past ``limit``, or more blocks than the device pool holds.
     """
-    what = f"the longest replayed request, {longest:,} tokens (prompt + output at block size {config.block_size})"
+    bs = cache.options.block_size
+    what = f"the longest replayed request, {longest:,} tokens (prompt + output at block size {bs})"
     if longest > limit:
         raise ValueError(
-            f"{what}, is past {config.model}'s max_position_embeddings {limit:,}: replay a model with a longer "
+            f"{what}, is past {model}'s max_position_embeddings {limit:,}: replay a model with a longer "
             "context (--engine-model)"
         )
-    need, held = -(-longest // config.block_size), cache.pool.blocks.num_blocks
+    need, held = -(-longest // bs), cache.pool.blocks.num_blocks
     if need > held:
         raise ValueError(
             f"{what}, needs {need:,} blocks but the KV cache holds {held:,}: raise --kv-cache-memory to at least "

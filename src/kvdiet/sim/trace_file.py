@@ -67,8 +67,8 @@ def bounded_lines(
         n += 1
         if len(text) > MAX_LINE_CHARS:
             raise error(
-                f"{path}:{n}: a line longer than {MAX_LINE_CHARS:,} characters, not a trace line (a binary file, "
-                "or a document that is not one record a line?)"
+                f"{path}:{n}: a line longer than {MAX_LINE_CHARS:,} characters, over the cap on a trace line "
+                "(a binary file, or a document that is not one record a line?)"
             )
         yield n, text
 

@@ -249,6 +249,13 @@ def _jsonl(path: Path, lines: Iterator[tuple[int, str]], block_size: int, *, gen
 
 
 def _azure(path: Path):
+    try:
+        yield from _azure_rows(path)
+    except csv.Error as exc:  # e.g. a quote never closed: a field past csv's limit
+        raise TraceError(f"{path}: not a CSV trace ({exc})") from None
+
+
+def _azure_rows(path: Path):
     with open_text(path, newline="") as f:
         rows = csv.reader(text for _, text in bounded_lines(f, path, TraceError))
         header = next(rows, None)
