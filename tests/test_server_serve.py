@@ -114,12 +114,43 @@ def test_a_second_sigint_still_closes_the_engine_and_logs_no_traceback(tmp_path:
         proc.send_signal(signal.SIGINT)
         assert list(stream)[-1].choices[0].finish_reason == "abort"
     finally:
-        if proc.poll() is None and "Shutting down" not in log.read_text():
-            proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a third Ctrl+C would exit at once (130): kill, then fail below
+            proc.kill()
+            rc = proc.wait()
     text = log.read_text()
     assert rc == 0, text
     assert "Application shutdown complete" in text and "Traceback" not in text, text
+
+
+def test_a_third_sigint_exits_at_once(monkeypatch) -> None:
+    """Ctrl+C three times: the first aborts every request and asks uvicorn to stop, the second forces its exit (the
+    shutdown still waits for the step in progress), the third exits the process at once with status 130."""
+    import uvicorn
+
+    from kvdiet.server import serve
+
+    aborted, exits = [], []
+
+    def exit_now(status: int) -> None:
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(serve.os, "_exit", exit_now)
+
+    class Loop:
+        def abort_all(self) -> None:
+            aborted.append(True)
+
+    server = serve._AbortingServer(uvicorn.Config(lambda *a: None), Loop())
+    server.handle_exit(signal.SIGINT, None)
+    assert (server.should_exit, server.force_exit, len(aborted), exits) == (True, False, 1, [])
+    server.handle_exit(signal.SIGINT, None)
+    assert (server.force_exit, len(aborted), exits) == (True, 2, [])
+    with pytest.raises(SystemExit):
+        server.handle_exit(signal.SIGINT, None)
+    assert exits == [130] and len(aborted) == 2
 
 
 def test_a_busy_port_fails_before_the_model_loads() -> None:

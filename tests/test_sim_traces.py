@@ -120,7 +120,7 @@ def test_generic_lines_carry_session_agent_and_kind_and_the_study_splits_by_kind
         (head | {"version": 2}, "generic trace version 2; this reader reads version 1"),
         (
             head | {"block_size": "16"},
-            "block_size must be an integer >= 1 \\(tokens per hash id\\), got '16'",
+            'block_size must be an integer >= 1 \\(tokens per hash id\\), got "16"',
         ),
         ({"format": "kvdiet-trace", "version": 1}, "block_size must be an integer >= 1"),
     ):
@@ -257,8 +257,11 @@ def test_a_trace_most_of_whose_lines_are_malformed_is_refused_with_a_summary(tmp
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ('{"arrival_s": Infinity, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got inf"),
-        ('{"arrival_s": NaN, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got nan"),
+        ('{"arrival_s": Infinity, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got Infinity"),
+        ('{"arrival_s": NaN, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got NaN"),
+        # values as the file spells them (were Python's: True, '3')
+        ('{"arrival_s": true, "input_length": 16, "output_length": 1, "hash_ids": [1]}', "got true"),
+        ('{"arrival_s": 1, "input_length": "3", "output_length": 1, "hash_ids": [1]}', 'got "3"'),
         ('{"arrival_s": 1, "input_length": 16.5, "output_length": 1, "hash_ids": [1]}', "whole number"),
         ('{"arrival_s": 1, "input_length": Infinity, "output_length": 1, "hash_ids": [1]}', "whole number"),
         (

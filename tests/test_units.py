@@ -15,9 +15,17 @@ def test_parse() -> None:
     assert parse_count("1Mi") == 1_048_576
     assert parse_count("4096") == 4096
     assert parse_count(7) == 7
-    assert parse_count("99999999999999999999") == 99_999_999_999_999_999_999  # exact, not through a float
-    assert parse_count("12345678901234567Ki") == 12_345_678_901_234_567 * 1024
-    assert parse_count("99999999999999999999.0") == 99_999_999_999_999_999_999
+    assert parse_count("9007199254740991") == 2**53 - 1  # exact, not through a float
+    assert parse_count("8796093022208Ki") == 2**53
+    assert parse_count("9007199254740991.0") == 2**53 - 1
+    # past 2^53 a token count is no real one (`kvdiet plan` printed float noise for it); byte sizes are not capped
+    with pytest.raises(
+        ValueError, match=r"^token count 9,007,199,254,740,993 is past 2\^53 \(9,007,199,254,740,992\)"
+    ):
+        parse_count("9007199254740993")
+    with pytest.raises(ValueError, match=r"^token count some 10\^34 is past 2\^53"):
+        parse_count("99999999999999999999999999999M")
+    assert parse_bytes("99999999999999999999") == 99_999_999_999_999_999_999
     assert parse_count("4.1G") == 4_100_000_000 and parse_bytes("4.1GB") == 4_100_000_000  # no float error
     with pytest.raises(ValueError, match="not a whole number"):
         parse_count("1.000000000000000000001K")

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -165,13 +166,20 @@ def _bind(host: str, port: int) -> socket.socket:
 
 class _AbortingServer(uvicorn.Server):
     """uvicorn's server, except that a shutdown signal first aborts every request: open streams end at once
-    with ``finish_reason: "abort"`` and ``[DONE]`` instead of being cut at the graceful-shutdown timeout."""
+    with ``finish_reason: "abort"`` and ``[DONE]`` instead of being cut at the graceful-shutdown timeout. A
+    second Ctrl+C skips uvicorn's waits but not the application's shutdown (`shutdown`); a third exits at once
+    (status 130), with a warning, without waiting for the step in progress."""
 
     def __init__(self, config: uvicorn.Config, loop: EngineLoop) -> None:
         super().__init__(config)
         self.engine_loop = loop
 
     def handle_exit(self, sig: int, frame: object) -> None:
+        if self.force_exit and sig == signal.SIGINT:  # a third Ctrl+C: not waiting for the step in progress
+            log.warning(
+                "a third Ctrl+C: exiting now, the step in progress cut and the cache tiers not closed"
+            )
+            os._exit(130)
         self.engine_loop.abort_all()
         super().handle_exit(sig, frame)
 
