@@ -318,9 +318,11 @@ def test_expand_rows_take_a_prefills_rows_with_the_formulas_bits(rows, hc, hidde
             # the compiled product, where it has matched torch.bmm at this shape
             chained = chain_fits(hc, hc, hidden, True, False)
             # below 400, torch sums rounded products in a loop of its own; above, in the form of the chain this
-            # machine's BLAS sums as (MKL's Zen code path: the chain, then +0), if either
+            # machine's BLAS sums as (MKL's Zen code path: the chain, then +0), if any
             assert chained is (
-                chain_agrees(hc, hc, hidden, True, False, torch.get_float32_matmul_precision(), threads)
+                chain_agrees(
+                    hc, hc, hidden, True, False, torch.get_float32_matmul_precision(), threads, single=False
+                )
                 if hc * hc * hidden >= 400
                 else ChainForm.NONE
             )

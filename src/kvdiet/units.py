@@ -175,6 +175,12 @@ def parse_duration(text: str | float) -> float:
     return value
 
 
+_MAX_TOKENS = 1 << 53
+"""The largest token count `_parse` takes (some 9·10^15): past it a float (the planner's and the simulator's
+arithmetic) no longer holds every whole number, and `kvdiet plan` printed rounding noise as digits. Byte sizes are
+not capped (a pool "as large as anything" may be written 1000000TB)."""
+
+
 def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
@@ -197,12 +203,6 @@ def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
         shown = f"{value:,}" if value < 10**18 else f"some 10^{len(str(value)) - 1}"
         raise ValueError(f"{what} {shown} is past 2^53 ({_MAX_TOKENS:,}): not a real one")
     return value
-
-
-_MAX_TOKENS = 1 << 53
-"""The largest token count `_parse` takes (some 9·10^15): past it a float (the planner's and the simulator's
-arithmetic) no longer holds every whole number, and `kvdiet plan` printed rounding noise as digits. Byte sizes are
-not capped (a pool "as large as anything" may be written 1000000TB)."""
 
 
 def format_bytes(num: float) -> str:

@@ -101,9 +101,7 @@ def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, *, single
     if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
         return ChainForm.NONE
     precision, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
-    if single:  # only then: the cache keeps one entry for a class checked with and without the keyword
-        return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads, single=True)
-    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads)
+    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads, single=single)
 
 
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_fields import check_tokens, json_text
-from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text
+from kvdiet.sim.trace_fields import check_tokens
+from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
 __all__ = ["SessionStart", "parse_session_start", "read_sessions", "session_reader"]
@@ -211,16 +211,16 @@ def _top(file: Path) -> dict:
         raise TraceError(f"{file}: a session file is one JSON object, got {type(top).__name__}")
     session = top.get("id")
     if not isinstance(session, str | int) or isinstance(session, bool) or session == "":
-        raise TraceError(f"{file}: id must be a non-empty string, got {json_text(session)}")
+        raise TraceError(f"{file}: id must be a non-empty string, got {shorten(session)}")
     bs = top.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise TraceError(f"{file}: block_size must be an integer >= 1, got {json_text(bs)}")
+        raise TraceError(f"{file}: block_size must be an integer >= 1, got {shorten(bs)}")
     if top.get("hash_id_scope") not in ("local", "global"):
         raise TraceError(
-            f'{file}: hash_id_scope must be "local" or "global", got {json_text(top.get("hash_id_scope"))}'
+            f'{file}: hash_id_scope must be "local" or "global", got {shorten(top.get("hash_id_scope"))}'
         )
     if not isinstance(top.get("requests"), list):
-        raise TraceError(f"{file}: requests must be a list, got {json_text(top.get('requests'))}")
+        raise TraceError(f"{file}: requests must be a list, got {shorten(top.get('requests'))}")
     return top | {"id": str(session)}
 
 
@@ -252,13 +252,13 @@ class _Session:
                 if item.get("type") == "subagent":
                     sub, subs = item.get("agent_id"), item.get("requests")
                     if not isinstance(sub, str | int) or isinstance(sub, bool):
-                        raise ValueError(f"{at}.agent_id: expected a string, got {json_text(sub)}")
+                        raise ValueError(f"{at}.agent_id: expected a string, got {shorten(sub)}")
                     if not isinstance(subs, list):
-                        raise ValueError(f"{at}.requests: expected a list, got {json_text(subs)}")
+                        raise ValueError(f"{at}.requests: expected a list, got {shorten(subs)}")
                     self.walk(subs, f"{at}.requests", t, str(sub), "subagent")
                 elif item.get("type") not in ("s", "n"):
                     raise ValueError(
-                        f'{at}.type: expected "s", "n" or "subagent", got {json_text(item.get("type"))}'
+                        f'{at}.type: expected "s", "n" or "subagent", got {shorten(item.get("type"))}'
                     )
                 else:
                     self.requests.append(self._request(item, at, t, agent, kind))
@@ -289,7 +289,7 @@ def _time(item: dict, at: str) -> float:
     if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e300:
         t = math.inf  # past a float's range
     if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {json_text(t)}")
+        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {shorten(t)}")
     return float(t)
 
 
@@ -299,5 +299,5 @@ def _tokens(item: dict, key: str, at: str) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {json_text(v)}")
+        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {shorten(v)}")
     return check_tokens(v, f"{at}.{key}")

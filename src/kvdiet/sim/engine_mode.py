@@ -39,10 +39,12 @@ import numpy as np
 
 from kvdiet.cache.plan import Provenance
 from kvdiet.engine.engine import LLMEngine
+from kvdiet.engine.max_model_len import check_max_model_len
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.engine.scheduler import SchedulerConfig
 from kvdiet.model.build import load_model
+from kvdiet.setting_error import SettingError
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.traces import Trace, TraceRequest
@@ -274,9 +276,9 @@ def run_engine_mode(
 
 
 def _check_longest(longest: int, limit: int, cache: ModelRunner, model: str) -> None:
-    """The engine's context (its ``max_model_len``) is the longest replayed request: refused here in replay's
-    terms, before any tier opens and before `LLMEngine` would name a ``--max-model-len`` that replay does not take;
-    the same numbers as `kvdiet.engine.max_model_len.check_max_model_len`.
+    """The engine's context (its ``max_model_len``) is the longest replayed request: the engine's own check
+    (`kvdiet.engine.max_model_len.check_max_model_len`), run before any tier opens, its refusal told in replay's
+    terms (it names a ``--max-model-len`` that replay does not take).
 
     Args:
         longest: the longest replayed request's prompt + output, in tokens (after `scale_trace`).
@@ -285,19 +287,27 @@ def _check_longest(longest: int, limit: int, cache: ModelRunner, model: str) -> 
     Raises:
         ValueError: past ``limit``, or more blocks than the device pool holds.
     """
-    bs = cache.options.block_size
-    what = f"the longest replayed request, {longest:,} tokens (prompt + output at block size {bs})"
-    if longest > limit:
-        raise ValueError(
-            f"{what}, is past {model}'s max_position_embeddings {limit:,}: replay a model with a longer "
-            "context (--engine-model)"
+    bs, pool = cache.options.block_size, cache.pool
+    try:
+        check_max_model_len(
+            longest,
+            limit=limit,
+            block_size=bs,
+            num_blocks=pool.blocks.num_blocks,
+            block_bytes=pool.block_bytes,
         )
-    need, held = -(-longest // bs), cache.pool.blocks.num_blocks
-    if need > held:
+    except SettingError:
+        what = f"the longest replayed request, {longest:,} tokens (prompt + output at block size {bs})"
+        if longest > limit:
+            raise ValueError(
+                f"{what}, is past {model}'s max_position_embeddings {limit:,}: replay a model with a longer "
+                "context (--engine-model)"
+            ) from None
+        need = -(-longest // bs)
         raise ValueError(
-            f"{what}, needs {need:,} blocks but the KV cache holds {held:,}: raise --kv-cache-memory to at least "
-            f"{need * cache.pool.block_bytes:,} bytes"
-        )
+            f"{what}, needs {need:,} blocks but the KV cache holds {pool.blocks.num_blocks:,}: raise "
+            f"--kv-cache-memory to at least {need * pool.block_bytes:,} bytes"
+        ) from None
 
 
 SEQUENTIAL_GAP_S = 1e-3

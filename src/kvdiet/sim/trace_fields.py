@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 
+from kvdiet.sim.trace_file import shorten
+
 __all__ = [
     "LABELS",
     "MAX_REQUEST_TOKENS",
     "check_tokens",
     "count",
     "json_line",
-    "json_text",
     "label",
     "number",
 ]
@@ -36,16 +37,6 @@ def json_line(text: str) -> object:
         raise ValueError(f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
 
 
-def json_text(value: object) -> str:
-    """A value read from JSON as JSON spells it (``true``, ``null``, ``"16"``), cut to about 60 characters: what
-    an error shows of a wrong field (Python's ``True`` or ``'16'`` is not what the file holds)."""
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=True)
-    except (TypeError, ValueError):  # not a JSON value (a caller's own): its repr
-        text = repr(value)
-    return text if len(text) <= 60 else text[:60] + "..."
-
-
 LABELS = ("session", "agent", "kind")
 """Optional string columns of a generic line: which session and agent sent it, and its traffic kind."""
 
@@ -56,7 +47,7 @@ def label(obj: dict, key: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or not value.isprintable():
-        raise ValueError(f"{key} must be a non-blank string of printable characters, got {json_text(value)}")
+        raise ValueError(f"{key} must be a non-blank string of printable characters, got {shorten(value)}")
     return value
 
 
@@ -64,7 +55,7 @@ def number(obj: dict, key: str) -> float:
     """A time field: a finite number >= 0, else ValueError."""
     value = obj.get(key)
     if not isinstance(value, int | float) or isinstance(value, bool) or not (0 <= value < math.inf):
-        raise ValueError(f"{key} must be a finite number >= 0, got {json_text(value)}")
+        raise ValueError(f"{key} must be a finite number >= 0, got {shorten(value)}")
     return float(value)
 
 
@@ -74,10 +65,10 @@ def count(obj: dict, key: str) -> int:
     value = obj.get(key)
     if isinstance(value, float):
         if not (math.isfinite(value) and value.is_integer()):
-            raise ValueError(f"{key} must be a whole number of tokens, got {json_text(value)}")
+            raise ValueError(f"{key} must be a whole number of tokens, got {shorten(value)}")
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{key} must be an integer >= 0, got {json_text(value)}")
+        raise ValueError(f"{key} must be an integer >= 0, got {shorten(value)}")
     return check_tokens(value, key)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import json
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,10 +87,14 @@ def gzip_errors(path: Path, error: Callable[[str], Exception]) -> Iterator[None]
 
 
 def shorten(value: object) -> str:
-    """``repr(value)`` cut to about 60 characters, for an error line: a wrong value may be a whole list of
-    requests, or a JSONL line read as a CSV header (megabytes). A string keeps its quotes: its first 60
-    characters' repr, then ``...``."""
-    text = repr(value)
-    if len(text) <= 60:
-        return text
-    return (repr(value[:60]) if isinstance(value, str) else text[:60]) + "..."
+    """A value as JSON spells it (``true``, ``null``, ``"16"``, ``Infinity``; Python's ``True`` or ``'16'`` is not
+    what the file holds; a value JSON cannot hold: its repr), cut to about 60 characters, for an error line: a wrong
+    value may be a whole list of requests, or a JSONL line read as a CSV header (megabytes). A string keeps its
+    quotes: its first 60 characters quoted, then ``...``."""
+    if isinstance(value, str) and len(value) > 60:
+        return json.dumps(value[:60], ensure_ascii=False) + "..."
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_fields import LABELS, check_tokens, count, json_line, json_text, label, number
+from kvdiet.sim.trace_fields import LABELS, check_tokens, count, json_line, label, number
 from kvdiet.sim.trace_file import bounded_lines, gzip_errors, open_text, shorten
 
 __all__ = [
@@ -195,12 +195,12 @@ def _header_block_size(path: Path) -> int:
         raise TraceError(f"{path}:1: a generic trace starts with {expected}")
     if head.get("version") != 1:
         raise TraceError(
-            f"{path}:1: generic trace version {json_text(head.get('version'))}; this reader reads version 1"
+            f"{path}:1: generic trace version {shorten(head.get('version'))}; this reader reads version 1"
         )
     block_size = head.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise TraceError(
-            f"{path}:1: block_size must be an integer >= 1 (tokens per hash id), got {json_text(block_size)}"
+            f"{path}:1: block_size must be an integer >= 1 (tokens per hash id), got {shorten(block_size)}"
         )
     return block_size
 
