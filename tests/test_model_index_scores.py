@@ -782,3 +782,32 @@ def test_a_long_row_over_many_grains_and_threads_keeps_the_pure_torch_bits_and_s
     picked, picked_pure = both(select_topk, two, 512)
     assert torch.equal(picked[0], picked_pure[0]) and torch.equal(picked[1], picked_pure[1])
     assert picked[1][1].logical_not().all()  # the NaN row has no valid entry
+
+
+def test_named_entries_over_many_tiles_score_as_the_dense_row(both):
+    """A candidate consumer's call: one query names thousands of entries in shuffled order (each thread scores
+    several 64-entry tiles, the next tile's rows read ahead while one is scored), with empty slots (−1) and entries
+    past the limit: the dense row's scores at those entries, −inf elsewhere, on 1 and 2 threads and on the
+    pure-torch path."""
+    gen = torch.Generator().manual_seed(12)
+    n, d, h = 4096 + 37, 128, 4
+    packed = mxfp4.encode_index_key(_spread(torch.randn(n, d, generator=gen), 2, gen))
+    paged = _paged(packed, 64, 7)
+    queries = _mxfp4(torch.randn(1, h, d, generator=gen))
+    w = torch.randn(1, h, generator=gen)
+    limit = torch.tensor([n - 300])
+    entries = torch.randperm(n, generator=gen)[None, : n - 100].clone()
+    entries[0, ::9] = -1  # empty slots
+    dense = index_scores_each(queries, w, [paged], None, limit)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = index_scores_each(queries, w, [paged], entries, limit)
+        torch.set_num_threads(2)
+        two, pure = both(index_scores_each, queries, w, [paged], entries, limit)
+    finally:
+        torch.set_num_threads(threads)
+    assert _same_bits(two, one) and _same_bits(two, pure)
+    seen = (entries >= 0) & (entries < limit[:, None])
+    assert 0 < int(seen.sum()) < entries.numel()
+    assert _same_bits(two, torch.where(seen, dense.gather(1, entries.clamp(min=0)), NEG))

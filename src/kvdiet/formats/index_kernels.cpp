@@ -816,7 +816,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     IntPath ip;
 #endif
     const v16 grid = grid_vector();
-    int64_t ids_of[2][kTile];  // a dense task's entries and rows, and the next task's (read ahead)
+    int64_t ids_of[2][kTile];  // a task's entries and rows, and the next task's (read ahead)
     const uint8_t* rows_of[2][kTile];
     int64_t ready = -1;  // the task whose entries are in ids_of[1 - cur] and rows_of[1 - cur]
     int cur = 0;
@@ -838,6 +838,26 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       }
       for (int64_t e = seen; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
     };
+    // a named task's entries (-1 past what its one query sees) and their rows; started at once (``now``: the
+    // task about to be scored) or left to score_tile's reads ahead (the next task's, a group at a time)
+    const auto named_rows = [&](int64_t task, int64_t* ids, const uint8_t** rows, bool now) {
+      const int64_t t0 = task / tiles * qblock, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
+      for (int64_t e = 0; e < n; ++e) {
+        const int64_t j = ent[t0 * width + c0 + e];
+        ids[e] = j < a.limit[t0] ? j : -1;
+        if (ids[e] < 0) {
+          rows[e] = kZeroRow;
+          continue;
+        }
+        rows[e] = pow2 ? a.keys + ((a.table[j >> shift] << shift) + (j & (per_block - 1))) * a.row_bytes
+                       : row_of(a, j);
+        if (now) {  // named entries lie anywhere in the pool: start every read now
+          __builtin_prefetch(rows[e]);
+          __builtin_prefetch(rows[e] + a.row_bytes - 1);
+        }
+      }
+      for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
+    };
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
@@ -848,27 +868,12 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       int64_t* ids = ids_of[cur];
       const uint8_t** rows = rows_of[cur];
       const uint8_t* const* ahead = nullptr;  // the next task's rows, read ahead while this one is scored
-      if (dense) {
-        if (ready != task) dense_rows(task, ids, rows);
-        if (task + 1 < b1) {  // the next task is this thread's too: its rows found now
-          dense_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur]);
-          ready = task + 1;
-          ahead = rows_of[1 - cur];
-        }
-      } else {
-        for (int64_t e = 0; e < n; ++e) {  // one query per task: read only what it sees
-          const int64_t j = ent[t0 * width + c0 + e];
-          ids[e] = j < a.limit[t0] ? j : -1;
-          if (ids[e] < 0) {
-            rows[e] = kZeroRow;
-            continue;
-          }
-          rows[e] = pow2 ? a.keys + ((a.table[j >> shift] << shift) + (j & (per_block - 1))) * a.row_bytes
-                         : row_of(a, j);
-          __builtin_prefetch(rows[e]);  // named entries lie anywhere in the pool: start every read now
-          __builtin_prefetch(rows[e] + a.row_bytes - 1);
-        }
-        for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
+      if (ready != task) dense ? dense_rows(task, ids, rows) : named_rows(task, ids, rows, true);
+      if (task + 1 < b1) {  // the next task is this thread's too: its rows found now
+        dense ? dense_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur])
+              : named_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur], false);
+        ready = task + 1;
+        ahead = rows_of[1 - cur];
       }
       float* ot = o + t0 * width + c0;
       float* tp = reinterpret_cast<float*>(tile.data());
