@@ -125,6 +125,18 @@ def _mutated(v41_json: dict, **changes) -> dict:
             "layer 19 (ratio 1) would read KV source 14",
         ),
         ({"hidden_size": 5120.5}, "hidden_size must be an integer, got 5120.5"),
+        (
+            {"max_position_embeddings": 10**400},
+            "max_position_embeddings must be at most 2^53 in size, got an integer",
+        ),
+        (
+            {"rope_theta": 10**400},
+            "rope_theta must be a number within a float's range, got an integer of some 400",
+        ),
+        (
+            {"kv_source_layer_ids": [2, 2**60]},
+            "kv_source_layer_ids[1] must be at most 2^53 in size, got 1152921",
+        ),
         ({"sliding_window": None}, "missing required field 'sliding_window'"),
         ({"head_dim": 0}, "head_dim must be > 0, got 0"),
         ({"index_head_dim": 48}, "index_head_dim must be a multiple of 32"),  # MXFP4 blocks of 32

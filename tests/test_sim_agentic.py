@@ -157,16 +157,20 @@ def test_partial_block_ids_and_integral_floats_are_accepted(tmp_path: Path) -> N
 
 
 BAD_REQUESTS = [
-    ({**_req(0, 128, [0, 1]), "t": float("inf")}, "requests[0].t: expected a finite number of seconds >= 0"),
-    ({**_req(0, 128, [0, 1]), "t": -1}, "requests[0].t:"),
-    ({**_req(0, 128, [0, 1]), "t": "0"}, "requests[0].t:"),
-    ({**_req(0, 128, [0, 1]), "in": -5}, "requests[0].in: expected an integer >= 0"),
+    ({**_req(0, 128, [0, 1]), "t": float("inf")}, "requests[0].t must be a finite number >= 0, got Infinity"),
+    ({**_req(0, 128, [0, 1]), "t": -1}, "requests[0].t must be a finite number >= 0, got -1"),
+    ({**_req(0, 128, [0, 1]), "t": 10**400}, "requests[0].t must be a finite number >= 0, got 1000"),
+    ({**_req(0, 128, [0, 1]), "t": "0"}, 'requests[0].t must be a finite number >= 0, got "0"'),
+    ({**_req(0, 128, [0, 1]), "in": -5}, "requests[0].in must be an integer >= 0, got -5"),
     (
         {**_req(0, 128, [0, 1]), "out": 10**12},
         "requests[0].out of 1,000,000,000,000 tokens is past 1,073,741,824",
     ),
-    ({**_req(0, 128, [0, 1]), "in": 99.5}, "requests[0].in:"),
-    ({k: v for k, v in _req(0, 128, [0, 1]).items() if k != "out"}, "requests[0].out:"),
+    ({**_req(0, 128, [0, 1]), "in": 99.5}, "requests[0].in must be a whole number of tokens, got 99.5"),
+    (
+        {k: v for k, v in _req(0, 128, [0, 1]).items() if k != "out"},
+        "requests[0].out must be an integer >= 0, got null",
+    ),
     (
         _req(0, 150, [0]),
         "requests[0].hash_ids: 1 ids for in=150: expected 150 // 64 = 2 (one per full block) or 3",
@@ -181,7 +185,7 @@ BAD_REQUESTS = [
     ({"t": 1, "type": "subagent", "requests": []}, "requests[0].agent_id:"),
     (
         {"t": 1, "type": "subagent", "agent_id": "x", "requests": [{**_req(0, 64, [0]), "t": None}]},
-        "requests[0].requests[0].t:",
+        "requests[0].requests[0].t must be a finite number >= 0, got null",
     ),
     ([1, 2], "requests[0]: expected an object, got list"),
 ]
@@ -202,7 +206,9 @@ def test_json_infinity_in_a_file_is_refused(tmp_path: Path) -> None:
         '{"id": "S", "block_size": 64, "hash_id_scope": "local", "requests": '
         '[{"t": Infinity, "type": "n", "in": 64, "out": 1, "hash_ids": [0]}]}'
     )
-    with pytest.raises(TraceError, match=r"requests\[0\]\.t: .* got Infinity$"):  # as the file spells it
+    with pytest.raises(
+        TraceError, match=r"requests\[0\]\.t must be .* got Infinity$"
+    ):  # as the file spells it
         read_sessions(path, strict=True)
 
 
@@ -300,7 +306,7 @@ def test_kvdiet_replay_on_session_files(tmp_path: Path, capsys) -> None:
     ("extra", "message"),
     [
         (["--session-start", "staggered:-5"], "error: --session-start 'staggered:-5': expected together"),
-        (["--strict"], r"error: .*bad\.json: requests\[0\]\.t: expected a finite number"),
+        (["--strict"], r"error: .*bad\.json: requests\[0\]\.t must be a finite number"),
     ],
 )
 def test_kvdiet_replay_errors_are_one_line(tmp_path: Path, capsys, extra: list[str], message: str) -> None:

@@ -67,6 +67,17 @@ def test_malformed_lines_are_reported_with_their_numbers(tmp_path: Path) -> None
         read_trace(path, strict=True)
 
 
+def test_a_time_past_a_floats_range_is_a_malformed_line(tmp_path: Path) -> None:
+    """A timestamp written as an integer of 400 digits is not a finite number: the line is named (``float()`` of it
+    raised OverflowError, a traceback), and the rest is read."""
+    path = tmp_path / "big.jsonl"
+    big = '{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    path.write_text(big + "\n" + json.dumps(MOONCAKE[1]) + "\n")
+    trace = read_trace(path)
+    assert [r.line for r in trace.requests] == [2]
+    assert trace.errors[0].startswith(f"{path}:1: timestamp must be a finite number >= 0, got 1000")
+
+
 def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
     rows = [
         {"format": "kvdiet-trace", "version": 1, "block_size": 16},

@@ -38,6 +38,8 @@ __all__ = [
     "model_config_path",
 ]
 
+_MAX_INT = 1 << 53  # the largest integer field a config may give (exact as a float too)
+
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 V4_MODEL_TYPES = ("deepseek_v4",)
 
@@ -318,19 +320,19 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         return _rope_scaling(value)
     if get_origin(hint) is tuple:
         if not isinstance(value, list):
-            raise ConfigError(f"{name} must be a list of integers, got {value!r}")
-        for i, item in enumerate(value):
-            if not _is_int(item):
-                raise ConfigError(f"{name}[{i}] must be an integer, got {item!r}")
-        return tuple(value)
+            raise ConfigError(f"{name} must be a list of integers, got {_shown(value)}")
+        return tuple(_integer(f"{name}[{i}]", item) for i, item in enumerate(value))
     if hint is int:
-        if not _is_int(value):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        return value
+        return _integer(name, value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{name} must be a number, got {value!r}")
-        return float(value)
+            raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a float's range
+            raise ConfigError(
+                f"{name} must be a number within a float's range, got {_shown(value)}"
+            ) from None
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
@@ -340,6 +342,22 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             raise ConfigError(f"{name} must be a string, got {value!r}")
         return value
     raise TypeError(f"unhandled field type {hint} for {name}")
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` where it is an integer of at most 2^53 in size, else ConfigError naming ``name``."""
+    if not _is_int(value):
+        raise ConfigError(f"{name} must be an integer, got {_shown(value)}")
+    if abs(value) > _MAX_INT:
+        raise ConfigError(f"{name} must be at most 2^53 in size, got {_shown(value)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, but an integer of more than 30 digits by its size (its digits would fill the screen)."""
+    if _is_int(value) and value.bit_length() > 100:
+        return f"an integer of some {int(value.bit_length() * 0.30103)} digits"
+    return repr(value)
 
 
 def _is_int(value: Any) -> bool:

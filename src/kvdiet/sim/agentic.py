@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_fields import check_tokens
+from kvdiet.sim.trace_fields import count, number
 from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
@@ -243,7 +243,7 @@ class _Session:
             try:
                 if not isinstance(item, dict):
                     raise ValueError(f"{at}: expected an object, got {type(item).__name__}")
-                t = start + _time(item, at)
+                t = start + number(item, "t", f"{at}.t")
                 backwards = latest is not None and t < latest[0]
                 if backwards and self.strict:
                     raise ValueError(
@@ -269,7 +269,7 @@ class _Session:
             latest = latest if backwards else (t, at)
 
     def _request(self, item: dict, at: str, t: float, agent: str, kind: str) -> TraceRequest:
-        n, out = _tokens(item, "in", at), _tokens(item, "out", at)
+        n, out = count(item, "in", f"{at}.in"), count(item, "out", f"{at}.out")
         ids = item.get("hash_ids")
         if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
             raise ValueError(f"{at}.hash_ids: expected a list of integers")
@@ -282,22 +282,3 @@ class _Session:
         line = len(self.requests) + 1
         mapped = tuple(self.fresh(h) for h in ids)
         return TraceRequest(t, n, out, mapped, line, session=self.session, agent=agent, kind=kind)
-
-
-def _time(item: dict, at: str) -> float:
-    t = item.get("t")
-    if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e300:
-        t = math.inf  # past a float's range
-    if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"{at}.t: expected a finite number of seconds >= 0, got {shorten(t)}")
-    return float(t)
-
-
-def _tokens(item: dict, key: str, at: str) -> int:
-    """A token count; an integral float (``99266.0``) is taken as its integer."""
-    v = item.get(key)
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{at}.{key}: expected an integer >= 0 (tokens), got {shorten(v)}")
-    return check_tokens(v, f"{at}.{key}")

@@ -1,12 +1,14 @@
-"""The fields of one trace line, read and checked (`kvdiet.sim.traces`' readers; `check_tokens` also
-`kvdiet.sim.agentic`): its JSON value (bytes that are not UTF-8 named as such), times, token counts (at most
-`MAX_REQUEST_TOKENS`: past it the simulator would try to hold the request's blocks in memory; a mistyped ``1e12``
-died of a MemoryError) and optional labels. Each raises ValueError naming the field; the readers add the line."""
+"""The fields of one trace line, read and checked (`kvdiet.sim.traces`' readers; `number`, `count` and
+`check_tokens` also `kvdiet.sim.agentic`'s, which names a field by its path): its JSON value (bytes that are not
+UTF-8 named as such), times, token counts (at most `MAX_REQUEST_TOKENS`: past it the simulator would try to hold the
+request's blocks in memory; a mistyped ``1e12`` died of a MemoryError) and optional labels. Each raises ValueError
+naming the field; the readers add the line."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 
 from kvdiet.sim.trace_file import shorten
 
@@ -51,25 +53,26 @@ def label(obj: dict, key: str) -> str | None:
     return value
 
 
-def number(obj: dict, key: str) -> float:
-    """A time field: a finite number >= 0, else ValueError."""
+def number(obj: dict, key: str, name: str | None = None) -> float:
+    """A time field (seconds): a finite number >= 0, else ValueError naming it ``name`` (default ``key``). An integer
+    past a float's range is not finite either (``float()`` of it would raise OverflowError)."""
     value = obj.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not (0 <= value < math.inf):
-        raise ValueError(f"{key} must be a finite number >= 0, got {shorten(value)}")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value <= sys.float_info.max:
+        raise ValueError(f"{name or key} must be a finite number >= 0, got {shorten(value)}")
     return float(value)
 
 
-def count(obj: dict, key: str) -> int:
+def count(obj: dict, key: str, name: str | None = None) -> int:
     """A token count field: an integer >= 0 (an integral float taken as one), at most `MAX_REQUEST_TOKENS`, else
-    ValueError."""
-    value = obj.get(key)
+    ValueError naming it ``name`` (default ``key``)."""
+    value, name = obj.get(key), name or key
     if isinstance(value, float):
         if not (math.isfinite(value) and value.is_integer()):
-            raise ValueError(f"{key} must be a whole number of tokens, got {shorten(value)}")
+            raise ValueError(f"{name} must be a whole number of tokens, got {shorten(value)}")
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{key} must be an integer >= 0, got {shorten(value)}")
-    return check_tokens(value, key)
+        raise ValueError(f"{name} must be an integer >= 0, got {shorten(value)}")
+    return check_tokens(value, name)
 
 
 def check_tokens(value: int, key: str) -> int:
