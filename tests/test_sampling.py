@@ -14,6 +14,7 @@ from kvdiet.engine.sampling import SamplingParams, sample
     [({"max_tokens": -1}, "max_tokens must be >= 0"),
      ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
      ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+     ({"temperature": 10**400}, "temperature must be a finite number >= 0, got 1000"),  # the sampler's / raised
      ({"top_k": -2}, "top_k must be >= 1, or 0 or -1 for all tokens"),
      ({"top_p": 0.0}, "top_p must be in (0, 1]"), ({"top_p": 1.5}, "top_p must be in (0, 1]")],
 )  # fmt: skip

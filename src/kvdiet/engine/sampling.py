@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass, field
 from numbers import Integral, Real
@@ -125,7 +126,8 @@ class SamplingParams:
             object.__setattr__(self, "seed", operator.index(self.seed))
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+        # also refuses NaN, and an int past a float's range (the sampler's division would raise OverflowError)
+        if not 0 <= self.temperature <= sys.float_info.max:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 or -1 for all tokens, got {self.top_k}")
