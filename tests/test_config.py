@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,18 @@ def test_unreadable_and_foreign_files(tmp_path: Path, write_config) -> None:
         ConfigError, match=rf"^{binary}: not UTF-8 text \(invalid .* at byte 1\), not a config file$"
     ):
         load_config(str(binary))
+    # an integer literal past Python's digit limit: json.loads' bare ValueError named sys.set_int_max_str_digits
+    long = tmp_path / "long.json"
+    long.write_text('{"hidden_size": 1' + "0" * 5000 + "}")
+    digits = f"{sys.get_int_max_str_digits():,}"
+    with pytest.raises(
+        ConfigError, match=rf"^{long}: an integer of more than {digits} digits, not a config file$"
+    ):
+        load_config(str(long))
+    big = tmp_path / "big.json"  # a trace given for a config: read no further than the cap
+    big.write_bytes(b'{"x": "' + b"y" * (1 << 24) + b'"}')
+    with pytest.raises(ConfigError, match=rf"^{big}: over 16,777,216 bytes, not a config file$"):
+        load_config(str(big))
 
 
 def test_replace_revalidates() -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,7 +222,17 @@ def test_json_infinity_in_a_file_is_refused(tmp_path: Path) -> None:
         ('{"block_size": 64, "hash_id_scope": "local", "requests": []}', "id must be a non-empty string"),
         (
             '{"id": "S", "block_size": 0, "hash_id_scope": "local", "requests": []}',
-            "block_size must be an integer >= 1",
+            "block_size must be an integer in",
+        ),
+        (
+            '{"id": "S", "block_size": 1' + "0" * 400 + ', "hash_id_scope": "local", "requests": []}',
+            r"block_size must be an integer in \[1, 1,073,741,824\], got 1000",
+        ),
+        (
+            '{"id": "S", "block_size": 64, "hash_id_scope": "local", "requests": [{"t": 1'
+            + "0" * 5000
+            + "}]}",
+            rf"s\.json: not valid JSON \(an integer of more than {sys.get_int_max_str_digits():,} digits\)$",
         ),
         ('{"id": "S", "block_size": 64, "hash_id_scope": "file", "requests": []}', "hash_id_scope must be"),
         ('{"id": "S", "block_size": 64, "hash_id_scope": "local"}', "requests must be a list"),
@@ -318,6 +329,7 @@ def test_kvdiet_replay_errors_are_one_line(tmp_path: Path, capsys, extra: list[s
     assert len(err.splitlines()) == 1 and re.search(message, err)
     if extra[0] == "--session-start":
         assert not report.exists()  # checked before any work
+
 
 
 def test_kvdiet_replay_refuses_session_start_for_other_formats(tmp_path: Path, capsys) -> None:

@@ -4,6 +4,7 @@ copies are present) the real Mooncake and Azure traces."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,18 @@ def test_a_time_past_a_floats_range_is_a_malformed_line(tmp_path: Path) -> None:
     assert trace.errors[0].startswith(f"{path}:1: timestamp must be a finite number >= 0, got 1000")
 
 
+def test_an_integer_past_pythons_digit_limit_is_a_malformed_line(tmp_path: Path) -> None:
+    """``json.loads`` raises a bare ValueError (naming ``sys.set_int_max_str_digits``) for an integer literal of more
+    than 4,300 digits: the line is malformed, named as such, and the rest is read."""
+    path = tmp_path / "long.jsonl"
+    long = '{"timestamp": 1' + "0" * 5000 + ', "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    path.write_text(long + "\n" + json.dumps(MOONCAKE[1]) + "\n")
+    trace = read_trace(path)
+    assert [r.line for r in trace.requests] == [2]
+    digits = f"{sys.get_int_max_str_digits():,}"
+    assert trace.errors == [f"{path}:1: not valid JSON (an integer of more than {digits} digits)"]
+
+
 def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
     rows = [
         {"format": "kvdiet-trace", "version": 1, "block_size": 16},
@@ -131,9 +144,10 @@ def test_generic_lines_carry_session_agent_and_kind_and_the_study_splits_by_kind
         (head | {"version": 2}, "generic trace version 2; this reader reads version 1"),
         (
             head | {"block_size": "16"},
-            'block_size must be an integer >= 1 \\(tokens per hash id\\), got "16"',
+            'block_size must be an integer in \\[1, 1,073,741,824\\] \\(tokens per hash id\\), got "16"',
         ),
-        ({"format": "kvdiet-trace", "version": 1}, "block_size must be an integer >= 1"),
+        ({"format": "kvdiet-trace", "version": 1}, "block_size must be an integer in"),
+        (head | {"block_size": 10**400}, r"block_size must be an integer in .*, got 1000"),  # was run
     ):
         with pytest.raises(TraceError, match=message):
             read_trace(_write_jsonl(tmp_path / "head.jsonl", [header, line]), format="jsonl")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,6 +288,12 @@ def _read_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: JSON nested too deep, not a config file") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    except ConfigError:  # over the size cap, named already
+        raise
+    except ValueError:  # json.loads' bare ValueError: an integer literal past Python's digit limit
+        raise ConfigError(
+            f"{path}: an integer of more than {sys.get_int_max_str_digits():,} digits, not a config file"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a JSON object, got {type(data).__name__}")
     return data

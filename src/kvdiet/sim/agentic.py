@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_fields import count, number
+from kvdiet.sim.trace_fields import MAX_REQUEST_TOKENS, count, long_number, number
 from kvdiet.sim.trace_file import SESSION_SUFFIXES, gzip_errors, open_text, shorten
 from kvdiet.sim.traces import Trace, TraceError, TraceRequest
 
@@ -207,14 +207,20 @@ def _top(file: Path) -> dict:
         raise TraceError(f"{file}: JSON nested too deep") from None
     except UnicodeDecodeError as exc:
         raise TraceError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except TraceError:  # a gzip file cut short or corrupt (gzip_errors), named already
+        raise
+    except ValueError:  # json.load's bare ValueError: an integer literal past Python's digit limit
+        raise TraceError(f"{file}: {long_number()}") from None
     if not isinstance(top, dict):
         raise TraceError(f"{file}: a session file is one JSON object, got {type(top).__name__}")
     session = top.get("id")
     if not isinstance(session, str | int) or isinstance(session, bool) or session == "":
         raise TraceError(f"{file}: id must be a non-empty string, got {shorten(session)}")
     bs = top.get("block_size")
-    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
-        raise TraceError(f"{file}: block_size must be an integer >= 1, got {shorten(bs)}")
+    if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= MAX_REQUEST_TOKENS:
+        raise TraceError(
+            f"{file}: block_size must be an integer in [1, {MAX_REQUEST_TOKENS:,}], got {shorten(bs)}"
+        )
     if top.get("hash_id_scope") not in ("local", "global"):
         raise TraceError(
             f'{file}: hash_id_scope must be "local" or "global", got {shorten(top.get("hash_id_scope"))}'

@@ -19,6 +19,7 @@ __all__ = [
     "count",
     "json_line",
     "label",
+    "long_number",
     "number",
 ]
 
@@ -37,6 +38,14 @@ def json_line(text: str) -> object:
         if "\ufffd" in text:
             raise ValueError("bytes that are not UTF-8") from None
         raise ValueError(f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
+    except ValueError:  # an integer literal past Python's limit on its digits
+        raise ValueError(long_number()) from None
+
+
+def long_number() -> str:
+    """What a JSON reader says of an integer literal with more digits than Python converts (``json.loads`` raises a
+    bare ValueError that names ``sys.set_int_max_str_digits``)."""
+    return f"not valid JSON (an integer of more than {sys.get_int_max_str_digits():,} digits)"
 
 
 LABELS = ("session", "agent", "kind")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvdiet.sim.chains import chain_ids
-from kvdiet.sim.trace_fields import LABELS, check_tokens, count, json_line, label, number
+from kvdiet.sim.trace_fields import LABELS, MAX_REQUEST_TOKENS, check_tokens, count, json_line, label, number
 from kvdiet.sim.trace_file import bounded_lines, gzip_errors, open_text, shorten
 
 __all__ = [
@@ -155,7 +155,7 @@ def _detect(path: Path) -> str:
         first = next((text for _, text in bounded_lines(f, path, TraceError) if text.strip()), "")
     try:
         head = json.loads(first)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, or an integer past Python's digit limit
         return "mooncake"  # each line is then reported as it is read
     if not isinstance(head, dict):
         return "mooncake"
@@ -189,7 +189,7 @@ def _header_block_size(path: Path) -> int:
         first = next((text for _, text in bounded_lines(f, path, TraceError) if text.strip()), "")
     try:
         head = json.loads(first)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, or an integer past Python's digit limit
         head = None
     if not isinstance(head, dict) or head.get("format") != "kvdiet-trace":
         raise TraceError(f"{path}:1: a generic trace starts with {expected}")
@@ -198,9 +198,14 @@ def _header_block_size(path: Path) -> int:
             f"{path}:1: generic trace version {shorten(head.get('version'))}; this reader reads version 1"
         )
     block_size = head.get("block_size")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    if (
+        not isinstance(block_size, int)
+        or isinstance(block_size, bool)
+        or not 1 <= block_size <= MAX_REQUEST_TOKENS
+    ):
         raise TraceError(
-            f"{path}:1: block_size must be an integer >= 1 (tokens per hash id), got {shorten(block_size)}"
+            f"{path}:1: block_size must be an integer in [1, {MAX_REQUEST_TOKENS:,}] (tokens per hash id), "
+            f"got {shorten(block_size)}"
         )
     return block_size
 
