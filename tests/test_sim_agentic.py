@@ -331,7 +331,6 @@ def test_kvdiet_replay_errors_are_one_line(tmp_path: Path, capsys, extra: list[s
         assert not report.exists()  # checked before any work
 
 
-
 def test_kvdiet_replay_refuses_session_start_for_other_formats(tmp_path: Path, capsys) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(
