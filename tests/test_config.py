@@ -135,6 +135,14 @@ def _mutated(v41_json: dict, **changes) -> dict:
             "rope_theta must be a number within a float's range, got an integer of some 400",
         ),
         (
+            {"rope_theta": float("nan")},
+            "rope_theta must be a finite number, got NaN",
+        ),  # ran, then failed in mxfp8
+        (
+            {"routed_scaling_factor": float("inf")},
+            "routed_scaling_factor must be a finite number, got Infinity",
+        ),
+        (
             {"kv_source_layer_ids": [2, 2**60]},
             "kv_source_layer_ids[1] must be at most 2^53 in size, got 1152921",
         ),

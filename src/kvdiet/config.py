@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import json
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -335,11 +336,14 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name} must be a number, got {_shown(value)}")
         try:
-            return float(value)
+            number = float(value)
         except OverflowError:  # an integer past a float's range
             raise ConfigError(
                 f"{name} must be a number within a float's range, got {_shown(value)}"
             ) from None
+        if not math.isfinite(number):  # JSON's NaN / Infinity, which Python's reader takes
+            raise ConfigError(f"{name} must be a finite number, got {json.dumps(number)}")
+        return number
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
