@@ -7,6 +7,7 @@ import argparse
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,49 @@ def test_a_negative_value_gets_the_flags_own_error(capsys, argv: list[str], mess
     assert main([*base, "--persistent-dir", "none", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "expected one argument" not in err and err.count("\n") == 1
+
+
+def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path, capsys) -> None:
+    """``@FILE`` that is missing or binary (argparse printed ``[Errno 2] No such file or directory: 'x'``), a file
+    given for golden's folder, and values of golden's and fidelity's flags named as the flags."""
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\xff\xfe\x00" * 10)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "a.txt").write_text("some text to read")
+    cases = [
+        (["generate", f"@{tmp_path / 'none.txt'}"], f"kvdiet: error: @{tmp_path / 'none.txt'}: no such file"),
+        (
+            ["generate", f"@{binary}"],
+            f"kvdiet: error: @{binary}: not UTF-8 text (invalid start byte at byte 0)",
+        ),
+        (["golden", str(binary)], f"kvdiet golden: error: {binary}: a file, not a folder"),
+        (
+            ["golden", str(tmp_path), "--tol", "nan"],
+            "kvdiet golden: error: --tol must be a finite number > 0",
+        ),
+        (
+            ["fidelity", "--prompts", str(prompts), "--hits", "-1"],
+            "kvdiet fidelity: error: --hits: cannot parse",
+        ),
+        (
+            ["fidelity", "--prompts", str(prompts), "--chunk", "x"],
+            "kvdiet fidelity: error: --chunk: cannot parse",
+        ),
+        (
+            ["fidelity", "--prompts", str(prompts), "--report", str(binary)],
+            f"kvdiet fidelity: error: --report {binary}: a file is in the way (a folder is needed)",
+        ),
+    ]
+    for argv, message in cases:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own errors (the @FILE expansion) exit
+            code = exc.code
+        assert code == 2, argv
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].startswith(message), (argv, err)
+        assert "Traceback" not in err and "Errno" not in err
 
 
 def test_a_ttl_flag_takes_its_unit_in_any_case_but_refuses_a_capital_m(capsys) -> None:

@@ -184,9 +184,9 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tmp_path: Path) -> No
 def test_default_hit_lengths_and_prompts_too_short() -> None:
     from kvdiet.fidelity.command import _hits
 
-    assert _hits("auto", window=128, top=1000) == [192, 896]  # blocks of 64: just above the window, one short
-    assert _hits("auto", window=8, top=96) == [10, 94]  # a short context: any even length
-    assert _hits("auto", window=8, top=10) == []
+    assert _hits(None, window=128, top=1000) == [192, 896]  # blocks of 64: just above the window, one short
+    assert _hits(None, window=8, top=96) == [10, 94]  # a short context: any even length
+    assert _hits(None, window=8, top=10) == []
     ids = ",".join(str(3 + i % 60) for i in range(20))
     run = subprocess.run(
         [

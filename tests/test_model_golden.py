@@ -83,8 +83,13 @@ def test_golden_command_errors_in_one_line(tmp_path: Path) -> None:
 
 
 def test_damaged_or_incomplete_golden_folders_are_one_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'nowhere'}: no such folder$"):
         compare_golden(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(
+        FileNotFoundError, match=f"^{tmp_path / 'file'}: a file, not a folder$"
+    ):  # was "no such"
+        compare_golden(tmp_path / "file")
     (tmp_path / "reference_outputs.safetensors").write_bytes(b"\x10" + b"\x00" * 99)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         compare_golden(tmp_path)

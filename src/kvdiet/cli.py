@@ -13,6 +13,7 @@ import re
 import select
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 
@@ -46,6 +47,21 @@ class _ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+    def _read_args_from_files(self, arg_strings: list[str]) -> list[str]:
+        """argparse's ``@FILE`` expansion, with a file that cannot be read (or is not text) named in one line
+        (argparse printed the bare OSError, ``[Errno 2] No such file or directory: 'x'``, or a traceback)."""
+        for arg in arg_strings:
+            if arg[:1] and arg[0] in (self.fromfile_prefix_chars or ""):
+                try:
+                    Path(arg[1:]).read_text(encoding="utf-8")
+                except OSError as exc:
+                    self.error(
+                        f"{arg}: {(exc.strerror or str(exc)).lower()} (@FILE reads arguments from FILE)"
+                    )
+                except UnicodeDecodeError as exc:
+                    self.error(f"{arg}: not UTF-8 text ({exc.reason} at byte {exc.start})")
+        return super()._read_args_from_files(arg_strings)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -91,7 +91,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     contexts = sorted(
         {parse_flag("--contexts", parse_count, c) for c in comma_items("--contexts", args.contexts, "counts")}
     )
-    chunk = parse_count(args.chunk)
+    chunk = parse_flag("--chunk", parse_count, args.chunk)
     if not contexts or contexts[0] < 1:
         raise ValueError(f"--contexts needs positive token counts, got {args.contexts!r}")
     for flag, value, least in (
@@ -102,9 +102,15 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     ):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    hit_counts = _hit_counts(args.hits)  # the syntax before the model loads; the range needs its window
     files = _prompt_files(args.prompts) if args.prompts else []
-    if args.report:
-        Path(args.report).mkdir(parents=True, exist_ok=True)  # fail on a bad path before the model loads
+    if args.report:  # fail on a bad path before the model loads
+        try:
+            Path(args.report).mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(f"--report {args.report}: a file is in the way (a folder is needed)") from None
+        except OSError as exc:
+            raise ValueError(f"--report {args.report}: {(exc.strerror or str(exc)).lower()}") from None
     resolve_model(args)
     model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights, numerics=args.numerics)
     window = model.cfg.sliding_window
@@ -132,7 +138,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             f"{contexts[-1] + args.continuation:,} tokens > max_position_embeddings {limit:,}: lower either"
         )
     top = contexts[-1]
-    hits = _hits(args.hits, window=window, top=top)
+    hits = _hits(hit_counts, window=window, top=top)
     label = (
         f"{args.weights} ({model.load_report.numerics} numerics)"
         if args.weights
@@ -228,10 +234,22 @@ def _prompts(args: argparse.Namespace, files: list[Path], tokenizer, *, limit: i
     return prompts, names
 
 
-def _hits(spec: str, *, window: int, top: int) -> list[int]:
-    """Prefix-hit lengths: block-aligned (multiples of 64) between the window and the longest context."""
-    if spec != "auto":
-        hits = sorted({parse_count(h) for h in spec.split(",") if h.strip()})
+def _hit_counts(spec: str) -> list[int] | None:
+    """``--hits``' token counts, increasing (None for ``auto``).
+
+    Raises:
+        ValueError: a count that does not parse, named with the flag.
+    """
+    if spec == "auto":
+        return None
+    return sorted({parse_flag("--hits", parse_count, h) for h in spec.split(",") if h.strip()})
+
+
+def _hits(counts: list[int] | None, *, window: int, top: int) -> list[int]:
+    """Prefix-hit lengths: ``counts`` (`_hit_counts`) where each is even and between the window and the longest
+    context, else (None) block-aligned ones (multiples of 64) there."""
+    if counts is not None:
+        hits = counts
         bad = [h for h in hits if h % 2 or not window < h < top]
         if bad:
             raise ValueError(f"--hits {bad}: each must be even and between the window {window} and {top}")

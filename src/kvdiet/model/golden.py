@@ -107,7 +107,8 @@ def compare_golden(
         raise ValueError(f"tol must be a finite number > 0, got {tol}")
     directory = Path(directory)
     if not directory.is_dir():
-        raise FileNotFoundError(f"no such folder: {directory}")
+        kind = "a file, not a folder" if directory.exists() else "no such folder"
+        raise FileNotFoundError(f"{directory}: {kind}")
     outputs = directory / REFERENCE_OUTPUTS_FILE
     if not outputs.is_file():
         raise FileNotFoundError(f"no {REFERENCE_OUTPUTS_FILE} in {directory}")
@@ -309,6 +310,8 @@ def run_golden_command(args: argparse.Namespace, console) -> int:
     """Run ``kvdiet golden``; returns the exit code."""
     from rich.table import Table
 
+    if not 0 < args.tol < float("inf"):  # as compare_golden checks it, named as the flag
+        raise ValueError(f"--tol must be a finite number > 0, got {args.tol}")
     report = compare_golden(args.directory, numerics=args.numerics, tol=args.tol, device=args.device)
     if args.json:
         print(json.dumps(report.as_dict()))
