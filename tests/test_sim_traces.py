@@ -91,6 +91,15 @@ def test_an_integer_past_pythons_digit_limit_is_a_malformed_line(tmp_path: Path)
     assert trace.errors == [f"{path}:1: not valid JSON (an integer of more than {digits} digits)"]
 
 
+def test_a_folder_given_for_a_trace_file_is_named(tmp_path: Path) -> None:
+    """``--format mooncake`` on a folder of session files printed ``[Errno 21] Is a directory``."""
+    for fmt in ("mooncake", "jsonl", "azure", "auto"):
+        with pytest.raises(
+            TraceError, match=f"^{tmp_path}: a folder, not a {fmt} trace file .*agentic-sessions"
+        ):
+            read_trace(tmp_path, format=fmt)
+
+
 def test_generic_jsonl_uses_its_block_size(tmp_path: Path) -> None:
     rows = [
         {"format": "kvdiet-trace", "version": 1, "block_size": 16},

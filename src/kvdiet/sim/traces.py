@@ -115,7 +115,7 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
         TraceError: an unknown format; a first record of another shape than the format's (a generic line
             without its header, an agentic session file); a generic file without its header; ``strict`` and
             a malformed line or a timestamp going backwards; more lines malformed than read (a summary of
-            the first reasons with their line numbers); a gzip file cut short or corrupt (named).
+            the first reasons with their line numbers); a gzip file cut short or corrupt (named); a folder.
         OSError: the file cannot be read.
 
     A gzip file is read decompressed and a UTF-8 byte-order mark dropped (`kvdiet.sim.trace_file`).
@@ -123,6 +123,12 @@ def read_trace(path: str | Path, *, format: str = "auto", strict: bool = False) 
     path = Path(path)
     if format not in FORMATS:
         raise TraceError(f"unknown trace format {format!r}; choose one of {', '.join(FORMATS)}")
+    if path.is_dir():  # was the bare OSError "[Errno 21] Is a directory"
+        kind = "trace file" if format == "auto" else f"{format} trace file"
+        raise TraceError(
+            f"{path}: a folder, not a {kind} (a folder of agentic session files is read with --format "
+            "agentic-sessions, or auto)"
+        )
     with gzip_errors(path, TraceError):
         format = _detect(path) if format == "auto" else format
         if format == "azure":
