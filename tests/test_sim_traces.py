@@ -93,10 +93,8 @@ def test_an_integer_past_pythons_digit_limit_is_a_malformed_line(tmp_path: Path)
 
 def test_a_folder_given_for_a_trace_file_is_named(tmp_path: Path) -> None:
     """``--format mooncake`` on a folder of session files printed ``[Errno 21] Is a directory``."""
-    for fmt in ("mooncake", "jsonl", "azure", "auto"):
-        with pytest.raises(
-            TraceError, match=f"^{tmp_path}: a folder, not a {fmt} trace file .*agentic-sessions"
-        ):
+    for fmt, kind in (("mooncake", "mooncake trace"), ("azure", "azure trace"), ("auto", "trace")):
+        with pytest.raises(TraceError, match=f"^{tmp_path}: a folder, not a {kind} file .*agentic-sessions"):
             read_trace(tmp_path, format=fmt)
 
 
