@@ -75,19 +75,23 @@ def test_plan_json_real_v41(capsys, v41_path: Path) -> None:
 
 
 def test_planner_takes_each_snapshot_at_its_position() -> None:
-    """64 segments of 1,001 tokens: ``checkpoint:1001`` stores at 1,001, 2,002, ..., whose odd positions hold
-    each ratio-2 tail's open row (2 × 512 fp32, kv and score), the even ones none; ``boundary-snapshot`` at the
-    64-token block boundary at or before each end (the engine's V4.1 block size), all even."""
+    """64 segments of 1,001 tokens: ``boundary-snapshot`` at the 64-token block boundary at or before each end (the
+    engine's V4.1 block size), all even (no ratio-2 tail holds an open row there); ``checkpoint:1024`` at 1,024,
+    2,048, ... (62 of them in 64,064 tokens). A period that is not a multiple of the block size is refused, as the
+    engine refuses it."""
     cfg = load_config("deepseek-v4.1-flash")
-    report = plan_report(cfg, PlanOptions(tokens_per_boundary=1001, checkpoint_every=1001))
+    report = plan_report(cfg, PlanOptions(tokens_per_boundary=1001, checkpoint_every=1024))
     policies = {row["policy"]: row for row in report["swa_policies"]}
     even = 2_703_360 + 40 * 128 * 8 + 3 * 8 + 3 * 8 + 16
     tokens = 64 * 1001
     kv = CacheSpec.from_config(cfg).global_bytes(tokens)
-    odd_rows = 32 * 3 * 2 * 512 * 4
+    with pytest.raises(
+        ValueError, match=r"checkpoint_every 1001 must be a multiple of deepseek-v4\.1-flash.s block"
+    ):
+        plan_report(cfg, PlanOptions(tokens_per_boundary=1001, checkpoint_every=1001))
     for name, stored in (
         ("boundary-snapshot", kv + 64 * even),
-        ("checkpoint:1001", kv + 64 * even + odd_rows),
+        ("checkpoint:1024", kv + tokens // 1024 * even),
     ):
         assert policies[name]["amortised_bytes_per_token"] == pytest.approx(stored / tokens, rel=1e-15), name
     assert policies["boundary-snapshot"]["block_size"] == 64
@@ -222,6 +226,14 @@ def test_plot(tmp_path: Path, capsys) -> None:
         (["--num-gpus", "0"], "--num-gpus must be > 0, got 0"),
         (["--weights-gb", "-1"], "--weights-gb must be a finite number >= 0"),
         (["--checkpoint-every", "0"], "--checkpoint-every must be > 0"),
+        (  # the engine refuses it (the plan printed a checkpoint:100 row)
+            ["--checkpoint-every", "100"],
+            "--checkpoint-every 100 must be a multiple of deepseek-v4.1-flash's block size 64",
+        ),
+        (
+            ["--compare", "deepseek-v4.1-flash", "deepseek-v4-flash", "--checkpoint-every", "64"],
+            "--checkpoint-every 64 must be a multiple of deepseek-v4-flash's block size 128",
+        ),
         (["--tokens-per-boundary", "0"], "--tokens-per-boundary must be > 0"),
         (["--gpu-mem-gb", "nan"], "--gpu-mem-gb must be a finite number > 0"),
         (["--weights-gb", "inf"], "--weights-gb must be a finite number >= 0"),

@@ -119,12 +119,17 @@ def _plan_options(args: argparse.Namespace) -> PlanOptions:
             tokens_per_boundary=parse_flag("--tokens-per-boundary", parse_count, args.tokens_per_boundary),
             checkpoint_every=parse_flag("--checkpoint-every", parse_count, args.checkpoint_every),
         )
-    except ValueError as exc:  # PlanOptions names its field first: "num_gpus must be > 0, got 0"
-        field = str(exc).partition(" ")[0]
-        if field not in _FLAGS:
-            raise
-        flags = _FLAGS if args.gpu_mem_gb is not None else _FLAGS | {"gpu_mem_gb": f"--gpu {args.gpu}"}
-        raise ValueError(re.sub(r"\b[a-z_]+\b", lambda m: flags.get(m[0], m[0]), str(exc))) from None
+    except ValueError as exc:
+        raise _flag_named(exc, args) from None
+
+
+def _flag_named(exc: ValueError, args: argparse.Namespace) -> ValueError:
+    """``exc`` with the `PlanOptions` fields it names first (``num_gpus must be > 0, got 0``) spelled as the flags
+    that set them; ``exc`` itself where it starts with no field."""
+    if str(exc).partition(" ")[0] not in _FLAGS:
+        return exc
+    flags = _FLAGS if args.gpu_mem_gb is not None else _FLAGS | {"gpu_mem_gb": f"--gpu {args.gpu}"}
+    return ValueError(re.sub(r"\b[a-z_]+\b", lambda m: flags.get(m[0], m[0]), str(exc)))
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> None:
@@ -137,17 +142,18 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
     if args.plot:
         check_plot_path(args.plot)  # before any work
     options = _plan_options(args)
+    names = args.compare or ["deepseek-v4.1-flash" if args.config is None else args.config]
+    try:  # before any output: a report refuses options its model's engine would (`_flag_named`)
+        reports = [plan_report(load_config(name), options) for name in names]
+    except ValueError as exc:
+        raise _flag_named(exc, args) from None
     if args.compare:
-        reports = [plan_report(load_config(name), options) for name in args.compare]
         result = compare_reports(*reports)
         if args.json:
             print(json.dumps(result))
         else:
             render_compare(result, console)
     else:
-        reports = [
-            plan_report(load_config("deepseek-v4.1-flash" if args.config is None else args.config), options)
-        ]
         if args.json:
             print(json.dumps(reports[0]))
         else:
