@@ -66,7 +66,8 @@ def _post(base: str, path: str, body: bytes | dict, headers: dict | None = None)
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+    sent = {"Content-Type": "application/json", **(headers or {})}
+    conn.request("POST", path, data, {k: v for k, v in sent.items() if v is not None})  # None: not sent
     resp = conn.getresponse()
     raw = resp.read()
     conn.close()
@@ -572,7 +573,8 @@ def test_switches_are_json_booleans_and_null_is_the_default(mini) -> None:
     assert status == status_plain == 200, with_nulls
     assert with_nulls["choices"][0]["text"] == plain["choices"][0]["text"]  # temperature 1, seed 7
     # OpenAI's fields at their no-op values, as SDK code sends them (were 400 "unknown field(s)")
-    noop = {"store": False, "metadata": {}, "parallel_tool_calls": False, "service_tier": "auto"}
+    noop = {"store": False, "metadata": {}, "parallel_tool_calls": False, "service_tier": "auto", "tools": []}
+    noop |= {"tool_choice": "none", "response_format": {"type": "text"}}
     status, with_noop = _post(base, "/v1/completions", {"prompt": [3, 4], "max_tokens": 3, "seed": 7, **noop})
     assert status == 200 and with_noop["choices"][0]["text"] == plain["choices"][0]["text"], with_noop
     for body, param in (
@@ -582,9 +584,78 @@ def test_switches_are_json_booleans_and_null_is_the_default(mini) -> None:
         ({"store": True}, "store"),
         ({"metadata": {"k": "v"}}, "metadata"),
         ({"service_tier": "flex"}, "service_tier"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),  # a tool to call: not a no-op
+        ({"tools": {}}, "tools"),
     ):
         status, err = _post(base, "/v1/completions", {"prompt": [1], "max_tokens": 1, **body})
         assert (status, err["error"]["param"]) == (400, param), err
+    assert not loop.engine.requests
+
+
+@pytest.mark.parametrize(
+    ("data", "content_type", "message"),
+    [
+        (
+            b'{"prompt": [1], "max_tokens": 1}',
+            "text/plain",
+            "the body must be JSON sent with Content-Type: application/json (got Content-Type: text/plain)",
+        ),
+        (  # curl -d without -H
+            b'{"prompt": [1], "max_tokens": 1}',
+            "application/x-www-form-urlencoded",
+            "the body must be JSON sent with Content-Type: application/json "
+            "(got Content-Type: application/x-www-form-urlencoded)",
+        ),
+        (
+            b'{"prompt": [1], "max_tokens": 1}',
+            None,
+            "the body must be JSON sent with Content-Type: application/json (got no Content-Type)",
+        ),
+        (
+            b'{"prompt": "caf\xe9", "max_tokens": 1}',  # Latin-1, not UTF-8
+            "application/json",
+            "the body is not UTF-8: byte(s) e9 at offset 15 (JSON bodies must be UTF-8)",
+        ),
+        (
+            b'{"prompt": [1],\n "max_tokens": 1,,}',
+            "application/json",
+            "malformed JSON body: Expecting property name enclosed in double quotes at line 2 column 18 (char 33)",
+        ),
+        (b"[1, 2]", "application/json", "the body must be a JSON object (got an array of 2 items)"),
+        (b"", "application/json", "empty body: send a JSON object with Content-Type: application/json"),
+    ],
+)
+def test_a_body_that_cannot_be_read_says_why(
+    mini, data: bytes, content_type: str | None, message: str
+) -> None:
+    """A body that is not a JSON object (in UTF-8, sent as application/json) is a 400 saying which of these it
+    failed, instead of pydantic's "Input should be a valid dictionary" or FastAPI's "error parsing the body"."""
+    base, loop = mini
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, err = _post(base, path, data, {"Content-Type": content_type})
+        assert (status, err["error"]["message"]) == (400, message), err
+        assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == 400
+    assert not loop.engine.requests
+
+
+def test_a_chat_max_tokens_that_contradicts_max_completion_tokens_is_refused(mini) -> None:
+    """``max_tokens`` 3 and ``max_completion_tokens`` 2 was served with 2: a 400 naming both; equal values pass,
+    and ``tools: []`` (SDK code sends it) is a no-op on a chat too."""
+    base, loop = mini
+    chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    status, err = _post(base, "/v1/chat/completions", {**chat, "max_tokens": 3, "max_completion_tokens": 2})
+    assert status == 400 and err["error"]["param"] == "max_tokens", err
+    assert err["error"]["message"] == (
+        "max_tokens (3) and max_completion_tokens (2) differ: give one "
+        "(max_tokens is deprecated in favour of max_completion_tokens)"
+    )
+    status, ok = _post(base, "/v1/chat/completions", {**chat, "max_tokens": 2, "max_completion_tokens": 2})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2, ok
+    status, ok = _post(base, "/v1/chat/completions", {**chat, "max_completion_tokens": 2, "tools": []})
+    assert status == 200 and ok["usage"]["completion_tokens"] == 2, ok
     assert not loop.engine.requests
 
 
@@ -659,6 +730,18 @@ def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
         assert _get(base, "/health")[0] == 503
         status, err = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
         assert status == 503
+
+
+def test_an_empty_api_key_is_no_key() -> None:
+    """``KVDIET_API_KEY=`` or ``--api-key ''`` (as vLLM reads it): no authentication, not a key only an empty
+    ``Authorization: Bearer`` header matches; a non-empty key still needs the header."""
+    args = EngineArgs(model="v4.1-micro", cache=CacheOptions(block_size=4, kv_cache_memory=1 << 20))
+    with running_server(args, "micro", api_key="") as (base, _):
+        status, text = _get(base, "/v1/models")
+        assert status == 200 and json.loads(text)["data"][0]["id"] == "micro", text
+    with running_server(args, "micro", api_key="k") as (base, _):
+        status, text = _get(base, "/v1/models")
+        assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error", text
 
 
 def test_a_model_without_a_tokenizer_returns_token_ids_unasked() -> None:

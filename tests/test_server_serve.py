@@ -46,15 +46,27 @@ def test_maximum_concurrency_counts_whole_blocks_per_request() -> None:
         assert f"maximum concurrency for {max_model_len} tokens per request: {figure}" in lines
 
 
+def test_the_api_key_line_says_whether_a_key_is_needed_and_never_shows_it() -> None:
+    """An empty key (``KVDIET_API_KEY=``) is none, as `build_app` reads it; a key is never logged."""
+    from kvdiet.server.serve import api_key_line
+
+    for key in (None, ""):
+        assert api_key_line(key).startswith("API key: none, /v1/* answers without Authorization")
+    line = api_key_line("s3cret-Key")
+    assert line.startswith("API key: required on /v1/* (Authorization: Bearer <key>") and "s3cret" not in line
+
+
 def _start_micro_server(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
     """``kvdiet serve`` of v4.1-micro on a free loopback port (4-token blocks, 1 MiB of KV, a persistent tier
-    under ``tmp_path``), its log in ``tmp_path``: (the process, the port, the log)."""
+    under ``tmp_path``, ``KVDIET_API_KEY`` set empty: no key), its log in ``tmp_path``: (the process, the port,
+    the log)."""
     port = _free_port()
     log = tmp_path / "serve.log"
     cmd = [*KVDIET, "serve", "--model", "v4.1-micro", "--port", str(port), "--block-size", "4"]
     cmd += ["--kv-cache-memory", "1MiB", "--persistent-dir", str(tmp_path / "kv")]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "KVDIET_API_KEY": ""}  # empty is no key: the clients' "Bearer x" is not refused
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     return proc, port, log
 
 
@@ -76,6 +88,7 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path: Path) -> None:
         assert "KV cache: 2,473 blocks × 4 tokens = 9,892 tokens" in text  # 1 MiB // 424 B per 4-token block
         assert "maximum concurrency for 256 tokens per request: 38.64x" in text
         assert f"serving 'v4.1-micro' on http://127.0.0.1:{port}/v1" in text
+        assert "API key: none, /v1/* answers without Authorization" in text
         r = client.completions.create(model="v4.1-micro", prompt=list(range(1, 20)), max_tokens=3)
         assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
         assert any((tmp_path / "kv").rglob("*.kvb"))  # full blocks written through to the persistent tier
@@ -181,6 +194,8 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
         (["--swa-policy", "sometimes"], "sometimes"),
         (["--swa-pool", "redis://127.0.0.1:99999/0"], "--swa-pool: bad Redis URL"),
         (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+        (["--served-model-name", ""], "--served-model-name must not be empty, got ''"),
+        (["--served-model-name", " \t"], "--served-model-name must not be empty, got ' \\t'"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:

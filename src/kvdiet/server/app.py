@@ -6,9 +6,10 @@ Routes (`kvdiet.server.routes`): ``POST /v1/completions``, ``POST /v1/chat/compl
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
 Every request is validated once, at the edge, before it reaches the engine; failures are HTTP 400 with an
-OpenAI error body (`kvdiet.server.errors`) and the engine keeps serving. With an API key, ``/v1/*`` answers
-401 without ``Authorization: Bearer <key>``. A client that disconnects (streaming or not) aborts its
-request: its blocks return to the pool at the next step boundary.
+OpenAI error body (`kvdiet.server.errors`) and the engine keeps serving. With an API key (a non-empty one:
+an empty key, as vLLM reads it, means none), ``/v1/*`` answers 401 without ``Authorization: Bearer <key>``.
+A client that disconnects (streaming or not) aborts its request: its blocks return to the pool at the next
+step boundary.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def build_app(
         loop: the engine loop (not started yet, or started: `start` is idempotent).
         model_name: the name clients must use in ``model`` (``GET /v1/models`` lists it).
         metrics: the registry behind ``/metrics`` (its observer should be the engine's).
-        api_key: when set, required as a bearer token on ``/v1/*``.
+        api_key: when non-empty, required as a bearer token on ``/v1/*``; None or ``""``: no authentication.
         default_max_tokens: chat ``max_tokens`` when the request gives none (capped by the context left).
     """
 
@@ -82,7 +83,7 @@ def build_app(
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.server = ServerContext(loop, model_name, metrics, default_max_tokens)
-    if api_key is not None:
+    if api_key:  # "" (``KVDIET_API_KEY=`` or ``--api-key ''``) is no key, as vLLM reads it
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.include_router(router)
     return app

@@ -12,8 +12,11 @@ vLLM's extensions that mean the same here are accepted: ``top_k``, ``stop_token_
 choice, and each streamed chunk, also carries ``token_ids``; an unstreamed response
 ``prompt_token_ids``; always so for completions of a model without a tokenizer, whose ``text`` is empty),
 ``chat_template_kwargs``. Fields kvdiet does not implement (log probabilities, penalties, ``min_tokens``, ``min_p``,
-``echo``, ``suffix``, ``best_of``, tools) are rejected with a 400 naming them when set to anything but their
-default, and so are unknown fields — never silently ignored. A chat message is checked key by key
+``echo``, ``suffix``, ``best_of``, ``tools``) are rejected with a 400 naming them when set to anything but their
+default (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}`` and OpenAI's other no-op
+spellings pass, as SDK code sends them), and so are unknown fields — never silently ignored. A chat's
+``max_tokens`` (deprecated by OpenAI) and ``max_completion_tokens`` both given with different values are a 400
+naming both. A chat message is checked key by key
 (`kvdiet.engine.chat_messages.ChatMessage`, which `kvdiet.LLM.chat` shares); a fault's error names its path, as
 every schema error's does (``messages.0.content.1.text``).
 """
@@ -51,7 +54,7 @@ _UNSUPPORTED = {
     "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
+    "tools": (None, []),  # no tools to call: a no-op; any tool is a 400
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "repetition_penalty": (None, 1, 1.0),
@@ -254,6 +257,18 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """`_Common.unsupported`, after a ``max_tokens`` that contradicts ``max_completion_tokens`` (OpenAI
+        deprecates the first for the second; equal values pass): which to obey is not guessed."""
+        both = self.max_tokens, self.max_completion_tokens
+        if None not in both and both[0] != both[1]:
+            return (
+                f"max_tokens ({both[0]:,}) and max_completion_tokens ({both[1]:,}) differ: give one "
+                "(max_tokens is deprecated in favour of max_completion_tokens)",
+                "max_tokens",
+            )
+        return super().unsupported()
 
 
 def error_body(

@@ -26,7 +26,7 @@ from kvdiet.units import format_bytes
 if TYPE_CHECKING:
     from kvdiet.engine.loop import EngineLoop
 
-__all__ = ["add_serve_parser", "default_persistent_dir", "run_serve", "served_model_name"]
+__all__ = ["add_serve_parser", "api_key_line", "default_persistent_dir", "run_serve", "served_model_name"]
 
 log = logging.getLogger("kvdiet.serve")
 
@@ -75,7 +75,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("KVDIET_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (default $KVDIET_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on /v1 (default $KVDIET_API_KEY, else none; empty: none)",
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once (default 16)")
     p.add_argument(
@@ -142,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens,
     )
     log.info("serving %r on http://%s:%d/v1 (metrics at /metrics)", name, args.host, args.port)
+    log.info(api_key_line(args.api_key))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal after a clean shutdown
         _AbortingServer(config, loop).run(sockets=[sock])
@@ -199,8 +200,24 @@ def served_model_name(args: argparse.Namespace) -> str | None:
     """The name clients use in ``model``: ``--served-model-name``, else ``--model`` as given, else the
     ``--weights`` path as given (vLLM's default: the model argument, a checkpoint's folder); None when none of
     them is given (the default model's name is then the name). Read before ``--model`` is filled in from the
-    folder's ``config.json`` (`kvdiet.engine.args.resolve_model`)."""
+    folder's ``config.json`` (`kvdiet.engine.args.resolve_model`).
+
+    Raises:
+        ValueError: ``--served-model-name`` given empty or all whitespace (no client could name it).
+    """
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name!r}")
     return args.served_model_name or args.model or (str(args.weights) if args.weights else None)
+
+
+def api_key_line(api_key: str | None) -> str:
+    """The start-up line that says whether ``/v1/*`` needs an API key (never the key itself); an empty key is
+    none, as `kvdiet.server.app.build_app` reads it."""
+    if api_key:
+        return "API key: required on /v1/* (Authorization: Bearer <key>; /health and /metrics are open)"
+    return (
+        "API key: none, /v1/* answers without Authorization (set --api-key or $KVDIET_API_KEY to require one)"
+    )
 
 
 def startup_report(engine: object) -> list[str]:
