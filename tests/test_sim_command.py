@@ -171,7 +171,28 @@ def test_the_table_is_printed(tmp_path: Path, capsys) -> None:
     trace = _trace(tmp_path / "t.jsonl", n=40)
     assert main(["replay", str(trace), "--runs", "bounded-replay,exact-recompute", "--sweep", "none"]) == 0
     out = capsys.readouterr().out
-    assert "policy comparison" in out and "bounded-replay@v4.1-flash" in out and "exact-recompute" in out
+    assert "policy comparison" in out and "bounded-replay@deepseek-v4.1-flash" in out
+    assert "exact-recompute@deepseek-v4.1-flash" in out
+
+
+def test_every_run_name_the_table_and_json_show_is_taken_back_by_runs(tmp_path: Path, capsys) -> None:
+    """The table printed ``boundary-snapshot@v4-flash``, which --runs refused ('v4-flash' is neither a preset);
+    each name the table or --json (``label``) shows for the default runs now gives back the same run."""
+    trace = _trace(tmp_path / "t.jsonl", n=30)
+    argv = ["replay", str(trace), "--sweep", "none", "--jobs", "1"]
+    assert main([*argv, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)["runs"]
+    assert main(argv) == 0
+    table = [
+        line.split("│")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("│")
+    ]
+    labels = [r["label"] for r in default]
+    assert table[0] == "boundary-snapshot@deepseek-v4-flash"  # was boundary-snapshot@v4-flash
+    assert labels[0] == "boundary-snapshot @ deepseek-v4-flash"
+    assert len(table) == len(labels) == 7
+    for names in (table, labels):
+        assert main([*argv, "--json", "--runs", ",".join(names)]) == 0
+        assert json.loads(capsys.readouterr().out)["runs"] == default
 
 
 def test_a_global_pool_adds_its_column_to_the_tables_and_the_report(tmp_path: Path, capsys) -> None:
@@ -231,9 +252,10 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--jobs", "0"], "--jobs"),
         (["--mode", "engine", "--max-requests", "-2"], "--max-requests must be a finite number >= 1, got -2"),
         (["--max-requests", "200"], "--max-requests: engine mode only"),  # the model-free study ignored it
-        (["--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
-        (["--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),  # it once hung
-        (["--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["--mode", "engine", "--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
+        (["--mode", "engine", "--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),
+        (["--mode", "engine", "--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["--time-scale", "-1"], "--time-scale: engine mode only (--mode engine)"),  # before its value
         (["--mode", "engine", "--runs", "checkpoint:100@v4-mini"], "multiple of the engine block size 128"),
         (
             ["--mode", "engine", "--runs", "bounded-replay@v4-mini", "--engine-block-size", "16"],
@@ -506,3 +528,99 @@ def test_the_report_says_which_model_ran_at_other_blocks_than_the_traces(tmp_pat
         "- deepseek-v4-flash runs at 128-token blocks (the trace's 64-token blocks, 2 to a block): its hits, "
         "stores and snapshots are at its engine's block boundaries (`kvdiet.sim.reblock`)."
     ], said
+
+
+ENGINE_ONLY_FLAGS = [
+    ["--engine-model", "v4-mini"],
+    ["--max-requests", "8"],
+    ["--engine-block-size", "3"],
+    ["--time-scale", "5"],
+    ["--time-scale", "0"],  # its default value, given: still refused
+    ["--kv-cache-memory", "1KB"],
+    ["--max-num-seqs", "2"],
+    ["--seed", "0"],
+    ["--threads", "2"],
+]
+
+
+@pytest.mark.parametrize("mode", ["model-free", "stats"])
+@pytest.mark.parametrize("flag", ENGINE_ONLY_FLAGS, ids=lambda f: f[0])
+def test_an_engine_mode_flag_in_another_mode_is_refused_before_the_trace_is_read(
+    capsys, mode: str, flag: list[str]
+) -> None:
+    """Each of these exited 0 in model-free mode, ignored without a word (only --max-requests was refused);
+    a missing trace: the refusal comes before any reading."""
+    assert main(["replay", "no-such-trace.jsonl", "--mode", mode, *flag]) == 2
+    assert capsys.readouterr().err == (
+        f"kvdiet replay: error: {flag[0]}: engine mode only (--mode engine); --mode {mode} does not use it\n"
+    )
+
+
+def _replay_args(*flags: str):
+    import argparse
+
+    from kvdiet.device import add_device_arg
+    from kvdiet.sim.command import add_replay_parser
+    from kvdiet.threads import add_threads_arg
+
+    rep = add_replay_parser(argparse.ArgumentParser().add_subparsers())
+    add_threads_arg(rep)
+    add_device_arg(rep)  # as kvdiet.cli adds them
+    return rep.parse_args(["t.jsonl", *flags])
+
+
+def test_engine_flags_keep_their_defaults_in_engine_mode_and_model_free_flags_are_not_refused() -> None:
+    from kvdiet.sim.replay_flags import plan_runs
+
+    (cfg,) = plan_runs(_replay_args("--mode", "engine"))  # parsed as None, the defaults the help names
+    assert (cfg.model, cfg.max_requests, cfg.block_size, cfg.time_scale) == ("v4.1-mini", 8, 16, 0.0)
+    assert (cfg.cache.kv_cache_memory, cfg.max_num_seqs, cfg.seed, cfg.device) == (2**30, 4, 0, "cpu")
+    given = ["--engine-model", "v4-mini", "--time-scale", "5", "--kv-cache-memory", "1KB", "--seed", "3"]
+    (cfg,) = plan_runs(_replay_args("--mode", "engine", *given, "--max-num-seqs", "2", "--max-requests", "3"))
+    assert (cfg.model, cfg.max_requests, cfg.block_size, cfg.time_scale) == ("v4-mini", 3, 128, 5.0)
+    assert (cfg.cache.kv_cache_memory, cfg.max_num_seqs, cfg.seed) == (1000, 2, 3)
+    # the tier flags engine mode shares, and --device at its default, are model-free flags too
+    shared = ["--persistent-ttl", "1h", "--swa-pool-size", "1GB", "--swa-pool-ttl", "1m", "--device", "cpu"]
+    (run,), _ = plan_runs(_replay_args("--runs", "bounded-replay", "--sweep", "none", *shared))
+    assert (run.persistent_ttl_s, run.swa_pool_bytes, run.swa_pool_ttl_s) == (3600.0, 10**9, 60.0)
+    with pytest.raises(ValueError) as exc:  # a GPU for a mode that runs no model
+        plan_runs(_replay_args("--device", "cuda"))
+    assert str(exc.value) == "--device: engine mode only (--mode engine); --mode model-free runs no model"
+
+
+@pytest.mark.parametrize(
+    ("rate", "text"),
+    [
+        (0.0, "0.0 requests/s"),
+        (1 / 23, "0.043 requests/s"),  # was 0.0
+        (0.25, "0.25 requests/s"),
+        (0.00012345, "0.00012 requests/s"),
+        (1.0, "1.0 requests/s"),
+        (1234.56, "1,234.6 requests/s"),
+    ],
+)
+def test_a_slow_rate_keeps_two_significant_digits(rate: float, text: str) -> None:
+    from kvdiet.engine.progress import rate_text
+
+    assert f"{rate_text(rate)} requests/s" == text
+
+
+def test_engine_progress_lines_show_a_slow_rate(capsys) -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvdiet.sim.command import _progress
+
+    stream, now = io.StringIO(), [0.0]
+    bar = _progress(Console(file=stream), 3, "engine bounded-replay", "requests", 0)
+    bar.clock = lambda: now[0]
+    with bar:
+        for _ in range(3):
+            now[0] += 23.0  # a request every 23 s, as on a CPU
+            bar.advance(1)
+    assert stream.getvalue().splitlines() == [
+        "engine bounded-replay 1/3 requests (33.3%), 23.0 s, 0.043 requests/s, about 46 s left",
+        "engine bounded-replay 2/3 requests (66.7%), 46.0 s, 0.043 requests/s, about 23 s left",
+        "engine bounded-replay 3/3 requests (100.0%), 69.0 s, 0.043 requests/s",
+    ]

@@ -83,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     for name in ("generate", "serve", "replay", "golden", "fidelity"):  # the commands that run the model
         add_threads_arg(sub.choices[name], note="engine mode only" if name == "replay" else "")
     for name in ("generate", "serve", "replay", "golden"):  # fidelity's experiments run on the CPU only
-        add_device_arg(sub.choices[name])
+        add_device_arg(sub.choices[name], note="; engine mode only" if name == "replay" else "")
     return parser
 
 

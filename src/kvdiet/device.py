@@ -59,14 +59,14 @@ def check_device(name: str) -> None:
         raise SettingError(f"{{device=}}: torch sees {torch.cuda.device_count()} CUDA device(s)", device=name)
 
 
-def add_device_arg(parser: argparse.ArgumentParser) -> None:
-    """``--device {cpu,cuda,cuda:N}`` (default cpu): where the weights, the device pool and request state live."""
+def add_device_arg(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--device {cpu,cuda,cuda:N}`` (default cpu): where the weights, the device pool and request state live;
+    ``note`` ends its help (``"; engine mode only"`` on ``replay``)."""
     parser.add_argument(
         "--device",
         default="cpu",
         metavar="{cpu,cuda,cuda:N}",
-        help="where the model runs: weights, the paged device pool and per-request state (default cpu; "
-        "replay: engine mode only)",
+        help=f"where the model runs: weights, the paged device pool and per-request state (default cpu{note})",
     )
 
 

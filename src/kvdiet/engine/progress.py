@@ -7,13 +7,14 @@ redraws in place and vanishes at the end; in a file or a pipe (``kvdiet generate
 was written:
 
     prefill 4,096/35,544 tokens (11.5%), 74.1 s, 55.3 tok/s computed, about 569 s left
-    engine bounded-replay 3/8 requests (37.5%), 41.0 s, 0.1 requests/s, about 68 s left
+    engine bounded-replay 3/8 requests (37.5%), 41.0 s, 0.073 requests/s, about 68 s left
 
 Not known here: what the work is (`ModelRunner.prefill`, the replay command call `advance`).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-__all__ = ["DEFAULT_INTERVAL_S", "StepProgress"]
+__all__ = ["DEFAULT_INTERVAL_S", "StepProgress", "rate_text"]
 
 DEFAULT_INTERVAL_S = 10.0
 """Seconds between two progress lines when the stream is not a terminal."""
@@ -110,12 +111,20 @@ class StepProgress:
         rate = computed / elapsed if elapsed > 0 else 0.0
         share = 100 * self.done / max(self.total, 1)
         line = f"{self.label} {self.done:,}/{self.total:,} {self.unit} ({share:.1f}%), "
-        line += f"{elapsed:.1f} s, {rate:,.1f} {self.rate_unit}"
+        line += f"{elapsed:.1f} s, {rate_text(rate)} {self.rate_unit}"
         if rate > 0 and self.done < self.total:
             line += f", about {(self.total - self.done) / rate:,.0f} s left"
         print(line, file=self.stream, flush=True)
         self._lines += 1
         self._written = self.done
+
+
+def rate_text(rate: float) -> str:
+    """A progress line's rate: one decimal from 1 up (``2.5``, ``1,234.6``), two significant digits below
+    (``0.043``, where one decimal said ``0.0`` for a request every 23 s); ``0.0`` before a step is done."""
+    if rate >= 1 or not rate > 0 or not math.isfinite(rate):
+        return f"{rate:,.1f}"
+    return f"{rate:.{1 - math.floor(math.log10(rate))}f}"
 
 
 def _is_terminal(stream: TextIO) -> bool:

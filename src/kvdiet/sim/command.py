@@ -149,10 +149,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     t.add_argument(
         "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
     )
-    e = rep.add_argument_group("engine mode")
+    e = rep.add_argument_group("engine mode", "refused in other modes, as are --threads and --device cuda")
     e.add_argument(
         "--engine-model",
-        default="v4.1-mini",
         help="model the engine loads for runs without @MODEL (default v4.1-mini; v4-mini runs V4-Flash)",
     )
     e.add_argument(
@@ -161,18 +160,16 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     e.add_argument(
         "--engine-block-size",
         type=int,
-        default=None,
         help="engine tokens per trace block, the same for every run (default 16; 128 when a run is V4-Flash)",
     )
     e.add_argument(
         "--time-scale",
         type=float,
-        default=0.0,
         help="wall seconds per trace second; 0 = one request at a time, deterministic (default)",
     )
-    e.add_argument("--kv-cache-memory", default="1GiB", help="engine device pool (default 1GiB)")
-    e.add_argument("--max-num-seqs", type=int, default=4, help="engine batch limit (default 4)")
-    e.add_argument("--seed", type=int, default=0, help="weights and prompt synthesis seed (default 0)")
+    e.add_argument("--kv-cache-memory", help="engine device pool (default 1GiB)")
+    e.add_argument("--max-num-seqs", type=int, help="engine batch limit (default 4)")
+    e.add_argument("--seed", type=int, help="weights and prompt synthesis seed (default 0)")
     return rep
 
 
@@ -266,12 +263,15 @@ def _counter(bar: StepProgress) -> Callable[[int], None]:
 def _model_free(trace, plan, args, err: Console):
     from kvdiet.sim.reblock import engine_block_size, reblock_note
     from kvdiet.sim.study import findings, run_study
+    from kvdiet.sim.trace_stats import past_context_notes
 
     runs, sweeps = plan
     models = {}
     for cfg in [*runs, *(base for _, base in sweeps)]:  # before the progress bar: errors stay one clean line
         models[cfg.model] = cfg.check(trace.block_size)
-    _warn_past_context(trace, {model: cfg.max_position_embeddings for model, cfg in models.items()})
+    limits = {model: cfg.max_position_embeddings for model, cfg in models.items()}
+    for note in past_context_notes(trace, limits):
+        print(f"kvdiet replay: {note}", file=sys.stderr)
     for model, cfg in models.items():
         if (bs := engine_block_size(cfg, trace.block_size)) != trace.block_size:
             print(f"kvdiet replay: {reblock_note(model, bs, trace.block_size)}", file=sys.stderr)
@@ -279,20 +279,6 @@ def _model_free(trace, plan, args, err: Console):
     with _progress(err, total, f"replaying {len(trace):,} requests", "runs", args.progress_interval) as bar:
         study = run_study(trace, runs, sweeps, jobs=args.jobs, progress=_counter(bar))
     return study, findings(study)
-
-
-def _warn_past_context(trace, limits: dict[str, int]) -> None:
-    """One stderr line per model whose ``max_position_embeddings`` some requests' prompt and output pass (the
-    study simulates them all the same, as `kvdiet plan` extrapolates such contexts)."""
-    lengths = [r.input_tokens + r.output_tokens for r in trace.requests]
-    for model, limit in limits.items():
-        if past := [n for n in lengths if n > limit]:
-            print(
-                f"kvdiet replay: warning: {len(past):,} of {len(lengths):,} requests (the longest {max(past):,} "
-                f"tokens, prompt and output) run past {model}'s max_position_embeddings {limit:,}: simulated "
-                "all the same, the bytes extrapolated; the model serves no context that long",
-                file=sys.stderr,
-            )
 
 
 def _engine(trace, configs, args, err: Console):
@@ -337,12 +323,14 @@ def _print(out: dict, study, engine, console: Console) -> None:
             "replays",
         )
         table = Table(title="policy comparison (model-free; --json or --report for every column)")
-        for col in (*cols, "recomputed", "GPU-s"):
-            table.add_column(col, justify="left" if col == "run" else "right")
+        # a run's name whole, as --runs takes it back, however narrow the terminal
+        table.add_column("run", min_width=max(len(r.config.run_name) for r in study.runs))
+        for col in (*cols[1:], "recomputed", "GPU-s"):
+            table.add_column(col, justify="right")
         for r, row in zip(study.runs, comparison_rows(study.runs), strict=True):
             s = r.summary
             table.add_row(
-                f"{r.config.policy}@{r.config.model.removeprefix('deepseek-')}",
+                r.config.run_name,
                 *(str(row[c]) for c in cols[1:]),
                 f"{s['recomputed_tokens'] / 1e6:,.1f}M",
                 f"{s['prefill_gpu_s']:,.0f}",

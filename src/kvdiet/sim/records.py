@@ -99,6 +99,12 @@ class SimConfig:
         """``policy @ model``, e.g. ``bounded-replay @ deepseek-v4.1-flash``."""
         return f"{self.policy} @ {self.model}"
 
+    @property
+    def run_name(self) -> str:
+        """``policy@model`` as ``--runs`` takes it (the model's full name), e.g. ``bounded-replay@deepseek-v4.1-flash``;
+        the terminal's table prints it so that a row's name can be given back."""
+        return f"{self.policy}@{self.model}"
+
 
 @dataclass
 class SimResult:

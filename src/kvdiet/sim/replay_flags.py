@@ -12,10 +12,22 @@ from pathlib import Path
 
 from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
 
-__all__ = ["DEFAULT_ENGINE_REQUESTS", "plan_runs"]
+__all__ = ["DEFAULT_ENGINE_REQUESTS", "ENGINE_ONLY", "plan_runs"]
 
 DEFAULT_ENGINE_REQUESTS = 8
 """Requests from the trace's start that ``--mode engine`` replays without ``--max-requests``."""
+ENGINE_ONLY = {
+    "--engine-model": "v4.1-mini",
+    "--max-requests": DEFAULT_ENGINE_REQUESTS,
+    "--engine-block-size": None,  # chosen from the runs' models
+    "--time-scale": 0.0,
+    "--kv-cache-memory": "1GiB",
+    "--max-num-seqs": 4,
+    "--seed": 0,
+    "--threads": None,  # kvdiet.threads: the cores this process may use
+}
+"""The flags only ``--mode engine`` uses, with their defaults there: parsed with a default of None, so one given
+in another mode, even at its default value, is refused by name rather than ignored."""
 
 
 def plan_runs(args: argparse.Namespace):
@@ -31,12 +43,14 @@ def plan_runs(args: argparse.Namespace):
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if not args.progress_interval >= 0:
         raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
-    if args.max_requests is not None and args.mode != "engine":
-        raise ValueError(
-            "--max-requests: engine mode only (--mode engine); the model-free study replays the whole trace"
-        )
-    if args.max_requests is None:
-        args.max_requests = DEFAULT_ENGINE_REQUESTS
+    for flag, default in ENGINE_ONLY.items():
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+        elif args.mode != "engine":
+            raise ValueError(f"{flag}: engine mode only (--mode engine); --mode {args.mode} does not use it")
+    if getattr(args, "device", None) not in (None, "cpu") and args.mode != "engine":  # its default: cpu
+        raise ValueError(f"--device: engine mode only (--mode engine); --mode {args.mode} runs no model")
     for flag, value, least in (
         ("--max-requests", args.max_requests, 1),
         ("--max-num-seqs", args.max_num_seqs, 1),
@@ -79,7 +93,7 @@ def plan_runs(args: argparse.Namespace):
 
         runs = list(
             dict.fromkeys(
-                (n.split("@")[0], n.split("@")[1] if "@" in n else args.engine_model) for n in names
+                (n.partition("@")[0].strip(), n.partition("@")[2].strip() or args.engine_model) for n in names
             )
         )
         models = {

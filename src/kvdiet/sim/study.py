@@ -85,13 +85,14 @@ sweep's own last point, and the persistent tier's default (no size)."""
 
 
 def parse_run(text: str, base: SimConfig) -> SimConfig:
-    """``POLICY[@MODEL]`` → ``base`` with that policy (and model).
+    """``POLICY[@MODEL]`` → ``base`` with that policy (and model); spaces around ``@`` are taken, so a run's
+    label (``bounded-replay @ deepseek-v4.1-flash``, in --json and report.md) reads back as the run.
 
     Raises:
         ValueError: an unknown policy (`kvdiet.cache.policies.parse_policy`).
     """
-    policy, _, model = text.strip().partition("@")
-    return replace(base, policy=parse_policy(policy), model=model or base.model)
+    policy, _, model = text.partition("@")
+    return replace(base, policy=parse_policy(policy.strip()), model=model.strip() or base.model)
 
 
 @dataclass(frozen=True)

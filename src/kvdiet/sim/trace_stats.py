@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from kvdiet.sim.traces import Trace
 
-__all__ = ["hit_ratio_variants", "infinite_cache_hit_ratio", "trace_notes", "trace_stats"]
+__all__ = [
+    "hit_ratio_variants",
+    "infinite_cache_hit_ratio",
+    "past_context_notes",
+    "trace_notes",
+    "trace_stats",
+]
 
 
 def infinite_cache_hit_ratio(trace: Trace) -> float:
@@ -126,6 +132,19 @@ def trace_notes(trace: Trace) -> list[str]:
             "requests that read and store no prompt blocks; the per-request mean hit ratio leaves them out"
         )
     return notes
+
+
+def past_context_notes(trace: Trace, limits: dict[str, int]) -> list[str]:
+    """One warning per model whose ``max_position_embeddings`` (``limits``) some requests' prompt and output pass
+    (the study simulates them all the same, as `kvdiet plan` extrapolates such contexts)."""
+    lengths = [r.input_tokens + r.output_tokens for r in trace.requests]
+    return [
+        f"warning: {len(past):,} of {len(lengths):,} requests (the longest {max(past):,} tokens, prompt and "
+        f"output) run past {model}'s max_position_embeddings {limit:,}: simulated all the same, the bytes "
+        "extrapolated; the model serves no context that long"
+        for model, limit in limits.items()
+        if (past := [n for n in lengths if n > limit])
+    ]
 
 
 def _empty_prompts(trace: Trace) -> int:
