@@ -127,6 +127,21 @@ def test_csa2_measures_cover_every_role(micro: Transformer) -> None:
     assert all(0.0 <= p.value <= 1.0 and p.n == 8 for p in points)
 
 
+def test_each_experiment_reports_each_prompt_it_measures(micro: Transformer) -> None:
+    """``done()`` once per prompt an experiment measures (the command's progress lines count them): a prompt
+    shorter than every context is not measured, so not counted."""
+    short = PROMPT[:20]
+    calls = {"cache": 0, "csa2": 0, "replay": 0}
+
+    def counter(name: str):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    cache_precision(micro, [PROMPT, short, PROMPT[:64]], [32, 64], rows=8, chunk=32, done=counter("cache"))
+    csa2_selection(micro, [PROMPT, short], [32, 64], rows=8, chunk=32, done=counter("csa2"))
+    replay(micro, [short, PROMPT], [32], rows=8, chunk=32, hits=[], continuation=2, done=counter("replay"))
+    assert calls == {"cache": 2, "csa2": 1, "replay": 1}
+
+
 def test_replay_on_a_prompt_inside_one_window_is_exact(micro: Transformer) -> None:
     short = PROMPT[:8]  # no longer than the window: the decoder sees every row either way
     points = replay(micro, [short], [8], rows=8, chunk=8, hits=[], continuation=4)

@@ -8,6 +8,7 @@ kvdiet), ``fidelity`` (`kvdiet.fidelity.command`) — and turns their errors int
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import select
@@ -62,6 +63,34 @@ class _ArgumentParser(argparse.ArgumentParser):
                 except UnicodeDecodeError as exc:
                     self.error(f"{arg}: not UTF-8 text ({exc.reason} at byte {exc.start})")
         return super()._read_args_from_files(arg_strings)
+
+
+class _CommandLines(logging.Handler):
+    """kvdiet's warnings and errors as one line each on stderr, ``kvdiet generate: warning: persistent tier
+    disabled: ...``, as the commands print their own (without it Python's last-resort handler printed the bare
+    message); ``sys.stderr`` is looked up at each line, so a redirected stream (a test's capture) is followed."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__(logging.WARNING)
+        self.command = command
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(
+                f"kvdiet {self.command}: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr
+            )
+        except Exception:  # a closed stream: logging's own report, never an exception in the command
+            self.handleError(record)
+
+
+def _log_lines(command: str) -> None:
+    """Install `_CommandLines` on the ``kvdiet`` logger for ``command`` (once: a previous command's is replaced),
+    unless that logger has handlers of its own (an embedding program's)."""
+    logger = logging.getLogger("kvdiet")
+    for handler in [h for h in logger.handlers if isinstance(h, _CommandLines)]:
+        logger.removeHandler(handler)
+    if not logger.handlers:
+        logger.addHandler(_CommandLines(command))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -144,6 +173,8 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command != "serve":  # serve logs with timestamps (logging.basicConfig there)
+        _log_lines(args.command)
     args.own_process = own_process
     console = _stdout_console()
     try:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.engine.args import add_numerics_arg, resolve_model
+from kvdiet.engine.progress import StepProgress
 from kvdiet.units import comma_items, parse_count, parse_flag
 
 __all__ = ["add_fidelity_parser", "run_fidelity"]
@@ -145,10 +146,20 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
         else f"{args.model}, random weights (seed {args.seed})"
     )
     started = time.perf_counter()
-    with torch.inference_mode():
+    measured = sum(any(c <= p.numel() for c in contexts) for p in prompts)  # each experiment's prompts
+    bar = StepProgress(  # minutes of work: a bar on a terminal, a line every 10 s in a log
+        3 * measured, stream=sys.stderr, label="fidelity", unit="prompt runs (3 experiments)",
+        rate_unit="prompt runs/s",
+    )  # fmt: skip
+    with torch.inference_mode(), bar:
+        step = lambda: bar.advance(1)  # noqa: E731
         points = {
-            "cache_precision": cache_precision(model, prompts, contexts, rows=args.rows, chunk=chunk),
-            "csa2_selection": csa2_selection(model, prompts, contexts, rows=args.rows, chunk=chunk),
+            "cache_precision": cache_precision(
+                model, prompts, contexts, rows=args.rows, chunk=chunk, done=step
+            ),
+            "csa2_selection": csa2_selection(
+                model, prompts, contexts, rows=args.rows, chunk=chunk, done=step
+            ),
             "replay": replay(
                 model,
                 prompts,
@@ -157,6 +168,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
                 chunk=chunk,
                 hits=hits,
                 continuation=args.continuation,
+                done=step,
             ),
         }
     result = {

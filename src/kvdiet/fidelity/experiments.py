@@ -171,9 +171,15 @@ def _measured(
 
 
 def cache_precision(
-    model: Transformer, prompts: Sequence[torch.Tensor], contexts: Sequence[int], *, rows: int, chunk: int
+    model: Transformer,
+    prompts: Sequence[torch.Tensor],
+    contexts: Sequence[int],
+    *,
+    rows: int,
+    chunk: int,
+    done: Callable[[], None] = lambda: None,
 ) -> list[Point]:
-    """Experiment 1 (module docstring)."""
+    """Experiment 1 (module docstring); ``done()`` after each prompt measured (progress)."""
     acc: dict[tuple, list[torch.Tensor]] = {}
     for ids, reach, wanted in _measured(prompts, contexts, rows):
         base_obs, base_sel = _selection_recorder(wanted)
@@ -192,6 +198,7 @@ def cache_precision(
                     c = min(c for c in reach if pos < c)
                     ov = set_overlap(idx[None], valid[None], b_idx[None], b_valid[None])
                     acc.setdefault((variant, f"topk_overlap_L{layer}", c), []).append(ov)
+        done()
     return [
         Point("cache_precision", variant, measure, c, value, n)
         for (variant, measure, c), (value, n) in sorted(
@@ -201,9 +208,15 @@ def cache_precision(
 
 
 def csa2_selection(
-    model: Transformer, prompts: Sequence[torch.Tensor], contexts: Sequence[int], *, rows: int, chunk: int
+    model: Transformer,
+    prompts: Sequence[torch.Tensor],
+    contexts: Sequence[int],
+    *,
+    rows: int,
+    chunk: int,
+    done: Callable[[], None] = lambda: None,
 ) -> list[Point]:
-    """Experiment 2 (module docstring), with the caches packed as deployed."""
+    """Experiment 2 (module docstring), with the caches packed as deployed; ``done()`` after each prompt."""
     acc: dict[tuple, list[torch.Tensor]] = {}
     for ids, reach, wanted in _measured(prompts, contexts, rows):
 
@@ -220,6 +233,7 @@ def csa2_selection(
 
         with model.observe_selection(observe):
             prefill_rows(model, ids, reach, rows=rows, chunk=chunk)
+        done()
     out = []
     for (variant, c), (value, n) in sorted(_mean(acc).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         measure = "recall" if variant.startswith("candidate pool") else "topk_overlap"
@@ -273,8 +287,10 @@ def replay(
     chunk: int,
     hits: Sequence[int],
     continuation: int,
+    done: Callable[[], None] = lambda: None,
 ) -> list[Point]:
-    """Experiment 3 (module docstring); encoder-side replay at the longest context each prompt reaches."""
+    """Experiment 3 (module docstring); encoder-side replay at the longest context each prompt reaches;
+    ``done()`` after each prompt."""
     window = model.cfg.sliding_window
     acc: dict[tuple, list[torch.Tensor]] = {}
     for ids in prompts:
@@ -306,6 +322,7 @@ def replay(
                 _greedy(model, state, warm[-1], continuation),
             )
             acc.setdefault(("encoder", "continuation", top, hit), []).append(torch.tensor([agree]))
+        done()
     return [
         Point("replay", f"{side}-side", measure, c, value, n, hit)
         for (side, measure, c, hit), (value, n) in sorted(
