@@ -556,6 +556,48 @@ def test_an_engine_mode_flag_in_another_mode_is_refused_before_the_trace_is_read
     )
 
 
+MODEL_FREE_ONLY_FLAGS = [
+    ["--model", "deepseek-v4.1-flash"],  # its default value, given: still refused
+    ["--device-size", "1GB"],
+    ["--persistent-size", "1GB"],
+    ["--swa-pool-supersede"],
+    ["--global-pool-size", "1GB"],
+    ["--global-pool-ttl", "1m"],
+    ["--gpu", "h100"],
+    ["--mfu", "0.3"],
+    ["--output-tok-s", "20"],
+    ["--sweep", "none"],
+    ["--sweep-run", "full-store"],
+    ["--jobs", "1"],
+    ["--simcore", "off"],
+]
+RUN_FLAGS = [
+    ["--runs", "bounded-replay"],
+    ["--persistent-ttl", "1h"],
+    ["--swa-pool-size", "1GB"],
+    ["--swa-pool-ttl", "1m"],
+    ["--progress-interval", "0"],
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "flag", "said"),
+    [("engine", f, "model-free mode only (the default --mode)") for f in MODEL_FREE_ONLY_FLAGS]
+    + [("stats", f, "model-free mode only (the default --mode)") for f in MODEL_FREE_ONLY_FLAGS[:3]]
+    + [("stats", f, "the model-free and engine modes only") for f in RUN_FLAGS],
+    ids=lambda v: v[0] if isinstance(v, list) else v[:12],
+)
+def test_a_flag_of_another_mode_is_refused_before_the_trace_is_read(
+    capsys, mode: str, flag, said: str
+) -> None:
+    """The model-free study's flags (tiers, cost model, sweeps, jobs) were ignored in engine mode, and every run
+    flag in stats mode; each is refused by name, before the (missing) trace is read."""
+    assert main(["replay", "no-such-trace.jsonl", "--mode", mode, *flag]) == 2
+    assert (
+        capsys.readouterr().err == f"kvdiet replay: error: {flag[0]}: {said}; --mode {mode} does not use it\n"
+    )
+
+
 def _replay_args(*flags: str):
     import argparse
 

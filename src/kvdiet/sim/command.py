@@ -97,15 +97,13 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     g.add_argument(
         "--sweep-run",
-        default="bounded-replay",
         help="the POLICY[@MODEL] a sweep varies (default bounded-replay)",
     )
-    g.add_argument("--model", default="deepseek-v4.1-flash", help="config of runs without @MODEL")
+    g.add_argument("--model", help="config of runs without @MODEL (default deepseek-v4.1-flash)")
     g.add_argument("--jobs", type=int, help="worker processes (default: CPU count)")
     g.add_argument(
         "--simcore",
         choices=("auto", "off"),
-        default="auto",
         help="model-free runs on the simulator's hot modules compiled by mypyc (auto: built on first use, "
         "~15 s, cached per source version; ~1.8x less CPU, the same figures) or on their Python sources "
         "(off; also KVDIET_SIMCORE=0)",
@@ -113,42 +111,41 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument(
         "--progress-interval",
         type=float,
-        default=10.0,
         metavar="SECONDS",
         help="progress goes to stderr: a bar on a terminal, else a line every SECONDS (default 10; 0 = after "
         "every run or request)",
     )
-    t = rep.add_argument_group("tiers (model-free)")
-    t.add_argument("--device-size", default="32GB", help="device-pool budget for global KV (default 32GB)")
+    t = rep.add_argument_group(
+        "tiers and cost model",
+        "model-free mode only, but --persistent-ttl and --swa-pool-* (engine mode too)",
+    )
+    t.add_argument("--device-size", help="device-pool budget for global KV (default 32GB)")
     t.add_argument(
         "--persistent-size",
         help="persistent-tier budget, LRU beyond it (default unbounded; 'unbounded' says so)",
     )
-    t.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
-    t.add_argument("--swa-pool-size", default="200GB", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
-    t.add_argument("--swa-pool-ttl", default="5m", help="SWA-pool TTL (default 5m)")
+    t.add_argument("--persistent-ttl", help="persistent-tier TTL (default 72h)")
+    t.add_argument("--swa-pool-size", help="SWA-pool budget (default 200GB: 10%% of 2 TB)")
+    t.add_argument("--swa-pool-ttl", help="SWA-pool TTL (default 5m)")
     t.add_argument(
         "--swa-pool-supersede",
         action="store_true",
+        default=None,
         help="a session's newer SWA-pool snapshot replaces its older ones (default: they stay until TTL/LRU)",
     )
     t.add_argument(
         "--global-pool-size",
-        default="0",
         help="shared global-KV DRAM tier between the device pool and the persistent tier, LRU beyond it "
         "(default 0: none)",
     )
-    t.add_argument("--global-pool-ttl", default="1h", help="global-pool TTL (default 1h)")
+    t.add_argument("--global-pool-ttl", help="global-pool TTL (default 1h)")
     t.add_argument(
         "--gpu",
         type=str.lower,
-        default="h200",
-        help="GPU of the compute cost model: h100, h200, b200 (any case)",
+        help="GPU of the compute cost model: h100, h200, b200 (any case; default h200)",
     )
-    t.add_argument("--mfu", type=float, default=0.5, help="model FLOPs utilisation (default 0.5)")
-    t.add_argument(
-        "--output-tok-s", type=float, default=50.0, help="decode speed per request, sets finish times (50)"
-    )
+    t.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.5)")
+    t.add_argument("--output-tok-s", type=float, help="decode speed per request, sets finish times (50)")
     e = rep.add_argument_group("engine mode", "refused in other modes, as are --threads and --device cuda")
     e.add_argument(
         "--engine-model",

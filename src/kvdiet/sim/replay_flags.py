@@ -12,22 +12,49 @@ from pathlib import Path
 
 from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
 
-__all__ = ["DEFAULT_ENGINE_REQUESTS", "ENGINE_ONLY", "plan_runs"]
+__all__ = ["DEFAULT_ENGINE_REQUESTS", "MODE_FLAGS", "plan_runs"]
 
 DEFAULT_ENGINE_REQUESTS = 8
 """Requests from the trace's start that ``--mode engine`` replays without ``--max-requests``."""
-ENGINE_ONLY = {
-    "--engine-model": "v4.1-mini",
-    "--max-requests": DEFAULT_ENGINE_REQUESTS,
-    "--engine-block-size": None,  # chosen from the runs' models
-    "--time-scale": 0.0,
-    "--kv-cache-memory": "1GiB",
-    "--max-num-seqs": 4,
-    "--seed": 0,
-    "--threads": None,  # kvdiet.threads: the cores this process may use
+_ENGINE, _MODEL_FREE, _RUNS = ("engine",), ("model-free",), ("model-free", "engine")
+MODE_FLAGS: dict[str, tuple[object, tuple[str, ...]]] = {
+    # engine mode only
+    "--engine-model": ("v4.1-mini", _ENGINE),
+    "--max-requests": (DEFAULT_ENGINE_REQUESTS, _ENGINE),
+    "--engine-block-size": (None, _ENGINE),  # chosen from the runs' models
+    "--time-scale": (0.0, _ENGINE),
+    "--kv-cache-memory": ("1GiB", _ENGINE),
+    "--max-num-seqs": (4, _ENGINE),
+    "--seed": (0, _ENGINE),
+    "--threads": (None, _ENGINE),  # kvdiet.threads: the cores this process may use
+    # the model-free study only
+    "--model": ("deepseek-v4.1-flash", _MODEL_FREE),
+    "--device-size": ("32GB", _MODEL_FREE),
+    "--persistent-size": (None, _MODEL_FREE),  # unbounded
+    "--swa-pool-supersede": (False, _MODEL_FREE),
+    "--global-pool-size": ("0", _MODEL_FREE),
+    "--global-pool-ttl": ("1h", _MODEL_FREE),
+    "--gpu": ("h200", _MODEL_FREE),
+    "--mfu": (0.5, _MODEL_FREE),
+    "--output-tok-s": (50.0, _MODEL_FREE),
+    "--sweep": (None, _MODEL_FREE),  # the study's default sweeps
+    "--sweep-run": ("bounded-replay", _MODEL_FREE),
+    "--jobs": (None, _MODEL_FREE),  # the CPU count
+    "--simcore": ("auto", _MODEL_FREE),
+    # every mode that runs something (not stats)
+    "--runs": (None, _RUNS),
+    "--persistent-ttl": ("72h", _RUNS),
+    "--swa-pool-size": ("200GB", _RUNS),
+    "--swa-pool-ttl": ("5m", _RUNS),
+    "--progress-interval": (10.0, _RUNS),
 }
-"""The flags only ``--mode engine`` uses, with their defaults there: parsed with a default of None, so one given
-in another mode, even at its default value, is refused by name rather than ignored."""
+"""Each flag that not every ``--mode`` uses: its default and the modes that use it. Parsed with a default of None,
+so one given in a mode that does not use it, even at its default value, is refused by name rather than ignored."""
+_MODES_SAID = {
+    _ENGINE: "engine mode only (--mode engine)",
+    _MODEL_FREE: "model-free mode only (the default --mode)",
+    _RUNS: "the model-free and engine modes only",
+}
 
 
 def plan_runs(args: argparse.Namespace):
@@ -39,16 +66,16 @@ def plan_runs(args: argparse.Namespace):
     from kvdiet.sim.records import SimConfig
     from kvdiet.sim.study import DEFAULT_SUPERSEDE_SWEEP, DEFAULT_TTL_SWEEP, parse_run, parse_sweep
 
+    for flag, (default, modes) in MODE_FLAGS.items():
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+        elif args.mode not in modes:
+            raise ValueError(f"{flag}: {_MODES_SAID[modes]}; --mode {args.mode} does not use it")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if not args.progress_interval >= 0:
         raise ValueError(f"--progress-interval must be >= 0 seconds, got {args.progress_interval}")
-    for flag, default in ENGINE_ONLY.items():
-        dest = flag[2:].replace("-", "_")
-        if getattr(args, dest, None) is None:
-            setattr(args, dest, default)
-        elif args.mode != "engine":
-            raise ValueError(f"{flag}: engine mode only (--mode engine); --mode {args.mode} does not use it")
     if getattr(args, "device", None) not in (None, "cpu") and args.mode != "engine":  # its default: cpu
         raise ValueError(f"--device: engine mode only (--mode engine); --mode {args.mode} runs no model")
     for flag, value, least in (
