@@ -142,6 +142,24 @@ def _mutated(v41_json: dict, **changes) -> dict:
             {"routed_scaling_factor": float("inf")},
             "routed_scaling_factor must be a finite number, got Infinity",
         ),
+        # accepted before (plan exited 0 with shifted figures, or a traceback for a null n-gram size)
+        (
+            {"engram_max_ngram_size": None},
+            "engram_max_ngram_size must be at least 2 with engram_layer_ids set",
+        ),
+        ({"engram_max_ngram_size": -100000}, "engram_max_ngram_size must be at least 2"),
+        (
+            {"engram_layer_ids": [1]},
+            "engram_num_embeddings must give one table size per engram_layer_ids entry",
+        ),
+        ({"engram_n_heads": -1}, "engram_n_heads must be > 0 with engram_layer_ids set, got -1"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be > 0, got 0"),
+        ({"n_shared_experts": -1}, "n_shared_experts must be > 0, got -1"),
+        ({"rope_theta": 0}, "rope_theta must be > 0, got 0.0"),
+        ({"hc_eps": -1}, "hc_eps must be > 0, got -1.0"),
+        ({"hc_sinkhorn_iters": -1}, "hc_sinkhorn_iters must be > 0, got -1"),
+        ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be >= 0, got -1"),
+        ({"head_dim": 520}, "head_dim must be a multiple of 16 (the FP4 main KV's scale block"),
         (
             {"kv_source_layer_ids": [2, 2**60]},
             "kv_source_layer_ids[1] must be at most 2^53 in size, got 1152921",

@@ -46,9 +46,23 @@ def validate_model_config(cfg: ModelConfig) -> None:
         "q_lora_rank",
         "o_lora_rank",
         "o_groups",
+        "num_key_value_heads",
+        "n_shared_experts",
+        "hc_sinkhorn_iters",
+        "rms_norm_eps",
+        "hc_eps",
+        "rope_theta",
+        "compress_rope_theta",
     ):
         if getattr(cfg, field) <= 0:
             raise ConfigError(f"{field} must be > 0, got {getattr(cfg, field)}")
+    for field in ("num_nextn_predict_layers", "dspark_block_size", "num_hash_layers", "engram_pad_token_id"):
+        value = getattr(cfg, field)
+        if value is not None and value < 0:
+            raise ConfigError(f"{field} must be >= 0, got {value}")
+    if cfg.rope_scaling is not None and not cfg.rope_scaling.factor > 0:
+        raise ConfigError(f"rope_scaling.factor must be > 0, got {cfg.rope_scaling.factor}")
+    _validate_engram(cfg)
     if cfg.sliding_window <= 0:
         raise ConfigError(f"sliding_window must be > 0, got {cfg.sliding_window}")
     if not 0 < cfg.qk_rope_head_dim < cfg.head_dim or cfg.qk_rope_head_dim % 2:
@@ -59,6 +73,10 @@ def validate_model_config(cfg: ModelConfig) -> None:
         raise ConfigError(
             f"index_head_dim must be a multiple of 32 (the MXFP4 index keys' scale block, v41-spec §5) and at "
             f"least qk_rope_head_dim={cfg.qk_rope_head_dim} (RoPE turns its last dims), got {cfg.index_head_dim}"
+        )
+    if cfg.is_v41 and cfg.head_dim % 16:
+        raise ConfigError(
+            f"head_dim must be a multiple of 16 (the FP4 main KV's scale block, v41-spec §5), got {cfg.head_dim}"
         )
     if cfg.num_attention_heads % cfg.o_groups:
         raise ConfigError(
@@ -83,6 +101,30 @@ def validate_model_config(cfg: ModelConfig) -> None:
         for layer in getattr(cfg, field) or ():
             if not 0 <= layer < n:
                 raise ConfigError(f"{field} entry {layer} is outside [0, num_hidden_layers={n})")
+
+
+def _validate_engram(cfg: ModelConfig) -> None:
+    """With Engram layers (``engram_layer_ids``), every size the Engram modules and the cache spec read: one table
+    size per layer, an n-gram of at least 2 tokens, positive heads, head dim and vocabularies."""
+    if not cfg.engram_layer_ids:
+        return
+    sizes = cfg.engram_num_embeddings
+    if sizes is None or len(sizes) != len(cfg.engram_layer_ids):
+        raise ConfigError(
+            f"engram_num_embeddings must give one table size per engram_layer_ids entry "
+            f"({len(cfg.engram_layer_ids)}), got {None if sizes is None else list(sizes)}"
+        )
+    for i, size in enumerate(sizes):
+        if size <= 0:
+            raise ConfigError(f"engram_num_embeddings[{i}] must be > 0, got {size}")
+    if cfg.engram_max_ngram_size is None or cfg.engram_max_ngram_size < 2:
+        raise ConfigError(
+            f"engram_max_ngram_size must be at least 2 with engram_layer_ids set, got {cfg.engram_max_ngram_size}"
+        )
+    for field in ("engram_n_heads", "engram_head_dim", "engram_vocab_size"):
+        value = getattr(cfg, field)
+        if value is None or value <= 0:
+            raise ConfigError(f"{field} must be > 0 with engram_layer_ids set, got {value}")
 
 
 def _validate_v41_sources(cfg: ModelConfig) -> None:
