@@ -303,6 +303,17 @@ def test_plot_into_a_missing_directory_fails_first_and_creates_nothing(tmp_path:
     (tmp_path / "file").write_text("")
     assert main(["plan", "--plot", str(tmp_path / "file" / "kv.png")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    # an empty name was ignored; a folder that takes no files (/proc) failed after the report was printed
+    assert main(["plan", "--plot", ""]) == 2
+    assert capsys.readouterr().err == "kvdiet plan: error: plot file '' must end in .png, .svg or .pdf\n"
+    (tmp_path / "taken.png").mkdir()  # a folder under the plot's name: it cannot be opened for writing
+    assert main(["plan", "--plot", str(tmp_path / "taken.png")]) == 2
+    captured = capsys.readouterr()
+    assert f"plot file {str(tmp_path / 'taken.png')!r}: is a directory" in captured.err and not captured.out
+    assert (
+        main(["plan", "--plot", str(tmp_path / "new.png"), "--json"]) == 0
+    )  # the check leaves no file behind
+    assert (tmp_path / "new.png").stat().st_size > 1000
 
 
 def test_plan_and_replay_name_the_same_gpus(capsys) -> None:

@@ -17,15 +17,24 @@ def check_plot_path(path: str | Path) -> Path:
 
     Raises:
         ValueError: the name does not end in ``.png``, ``.svg`` or ``.pdf``; its directory does not exist
-            (it is never created: a typo in it should not leave new directories behind) or is not one.
+            (it is never created: a typo in it should not leave new directories behind), is not one, or is not
+            writable (``/proc``: the report was printed, then the write failed).
     """
-    out = Path(path)
+    out, shown = Path(path), str(path)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ValueError(f"plot file {str(out)!r} must end in .png, .svg or .pdf")
+        raise ValueError(f"plot file {shown!r} must end in .png, .svg or .pdf")
     parent = out.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
-        raise ValueError(f"plot file {str(out)!r}: the directory {str(parent)!r} {what}")
+        raise ValueError(f"plot file {shown!r}: the directory {str(parent)!r} {what}")
+    existed = out.exists()
+    try:  # opened for writing, as matplotlib will (permission bits say nothing to root, nor of /proc)
+        with out.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"plot file {shown!r}: {(exc.strerror or str(exc)).lower()}") from None
+    if not existed:
+        out.unlink(missing_ok=True)
     return out
 
 

@@ -139,7 +139,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> None:
 
     if args.compare and args.config is not None:
         raise ValueError(f"give one config or --compare A B, not both (got {args.config!r} and --compare)")
-    if args.plot:
+    if args.plot is not None:  # '' too: refused by name, not ignored
         check_plot_path(args.plot)  # before any work
     options = _plan_options(args)
     names = args.compare or ["deepseek-v4.1-flash" if args.config is None else args.config]
