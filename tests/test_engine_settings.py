@@ -233,6 +233,11 @@ def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) ->
         args = parser.parse_args(["--persistent-size", spelled])
         assert EngineArgs.from_cli_args(args).cache.persistent_size == want
     assert EngineArgs.from_cli_args(parser.parse_args([])).cache.persistent_size is None
+    for spelled in ("none", "NONE", "None"):  # NONE made a folder of that name
+        assert (
+            EngineArgs.from_cli_args(parser.parse_args(["--persistent-dir", spelled])).cache.persistent_dir
+            is None
+        )
     assert (
         main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1", "--swa-pool-ttl", "unbounded"]) == 2
     )

@@ -377,7 +377,8 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,  # None: the model's (for_model)
-        persistent_dir=None if args.persistent_dir in (None, "none") else args.persistent_dir,
+        # none in any case (NONE made a folder of that name)
+        persistent_dir=None if str(args.persistent_dir).lower() == "none" else args.persistent_dir,
         persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
         persistent_size=parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size),
         swa_pool=check_swa_pool_spec(args.swa_pool),
