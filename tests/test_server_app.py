@@ -74,10 +74,10 @@ def _post(base: str, path: str, body: bytes | dict, headers: dict | None = None)
     return resp.status, json.loads(raw) if raw else {}
 
 
-def _get(base: str, path: str) -> tuple[int, str]:
+def _get(base: str, path: str, method: str = "GET") -> tuple[int, str]:
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", path)
+    conn.request(method, path)
     resp = conn.getresponse()
     text = resp.read().decode()
     conn.close()
@@ -265,6 +265,12 @@ def test_repeated_prompt_reports_cached_tokens_by_tier(mini, client) -> None:
 def test_models_health_and_metrics(mini, client) -> None:
     base, loop = mini
     assert [m.id for m in client.models.list().data] == ["v4.1-mini"]
+    # the SDK's models.retrieve (was 404 Not Found for the served name), and HEAD probes (were 405)
+    card = client.models.retrieve("v4.1-mini")
+    assert (card.id, card.owned_by) == ("v4.1-mini", "kvdiet")
+    status, text = _get(base, "/v1/models/other")
+    assert status == 404 and "the model 'other' does not exist; this server serves 'v4.1-mini'" in text
+    assert _get(base, "/health", "HEAD") == (200, "") and _get(base, "/v1/models", "HEAD") == (200, "")
     assert _get(base, "/health")[0] == 200
     client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
     # two tokens: one inter-token interval of its own (the test holds also when run alone)
@@ -387,6 +393,16 @@ def test_models_health_and_metrics(mini, client) -> None:
             "/v1/completions",
             {"prompt": "hi", "stop": 5},
             "stop: must be a string of at most 1,024 characters or a list",
+        ),
+        (  # was "must be a string of at most 1,024 characters ... (got a string of 1 characters)"
+            "/v1/completions",
+            {"prompt": "hi", "stop": "\ud800"},
+            "stop: the text is not valid Unicode: unpaired surrogate U+D800 at character 0",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stop": ["ok", "a\udc00b"]},
+            "stop: item 1: the text is not valid Unicode: unpaired surrogate U+DC00 at character 1",
         ),
         (
             "/v1/chat/completions",

@@ -92,7 +92,17 @@ def _stop_items(value: Any) -> Any:
     """A ``stop`` list is refused for what is wrong with it, before the union's one sentence (which, for an
     item that is not a string, blamed the count: ``a list of at most 16 such strings (got an array of 1
     items)``): its first item that is not a string (``item 0 must be a string (got a number)``) or is longer
-    than 1,024 characters, then more than 16 items (OpenAI's limits on ``stop``). Any other value passes."""
+    than 1,024 characters, then more than 16 items (OpenAI's limits on ``stop``); a stop string (or item) with an
+    unpaired surrogate, as the tokenizer words it for a prompt (the union blamed its length). Any other value
+    passes."""
+    for i, item in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
+        if isinstance(item, str) and (at := _unpaired_surrogate(item)) is not None:
+            where = "" if isinstance(value, str) else f"item {i}: "
+            raise PydanticCustomError(
+                "stop_text",
+                "{where}the text is not valid Unicode: unpaired surrogate U+{code} at character {at}",
+                {"where": where, "code": f"{ord(item[at]):04X}", "at": at},
+            )
     if not isinstance(value, list):
         return value
     for i, item in enumerate(value):
@@ -111,6 +121,15 @@ def _stop_items(value: Any) -> Any:
             "stop_count", "must be at most 16 stop strings (got {got})", {"got": json_type(value)}
         )
     return value
+
+
+def _unpaired_surrogate(text: str) -> int | None:
+    """The index of ``text``'s first unpaired surrogate (not UTF-8 encodable), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def _integer_token_ids(value: Any) -> Any:

@@ -60,7 +60,7 @@ Context = Annotated[ServerContext, Depends(_context)]
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a load balancer's probe
 async def health(ctx: Context) -> Response:
     if ctx.loop.healthy:
         return Response(status_code=200)
@@ -74,19 +74,30 @@ async def prometheus(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def models(ctx: Context) -> dict:
+    return {"object": "list", "data": [_model_card(ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")  # a name may hold slashes (a --weights path)
+async def model(model_id: str, ctx: Context) -> dict:
+    """One model's card (what the OpenAI SDK's ``models.retrieve`` asks for); 404 for another name."""
+    if model_id != ctx.model_name:
+        raise ApiError(
+            f"the model {model_id!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            status=404,
+        )
+    return _model_card(ctx)
+
+
+def _model_card(ctx: ServerContext) -> dict:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": ctx.model_name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "kvdiet",
-                "max_model_len": ctx.loop.engine.max_model_len,
-            }
-        ],
+        "id": ctx.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "kvdiet",
+        "max_model_len": ctx.loop.engine.max_model_len,
     }
 
 
