@@ -15,6 +15,7 @@ from kvdiet.engine.sampling import SamplingParams, sample
      ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
      ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
      ({"temperature": 10**400}, "temperature must be a finite number >= 0, got 1000"),  # the sampler's / raised
+     ({"stop": ["ok", "a\ud800"]}, "stop string 1: the text is not valid Unicode: unpaired surrogate U.D800"),
      ({"top_k": -2}, "top_k must be >= 1, or 0 or -1 for all tokens"),
      ({"top_p": 0.0}, "top_p must be in (0, 1]"), ({"top_p": 1.5}, "top_p must be in (0, 1]")],
 )  # fmt: skip

@@ -262,6 +262,41 @@ def test_repeated_prompt_reports_cached_tokens_by_tier(mini, client) -> None:
     assert d.model_extra["window_source"] == "swa-pool" and d.model_extra["replayed_tokens"] == 0
 
 
+def test_a_wrong_method_is_405_with_its_allow_header(mini) -> None:
+    """GET on a POST route: the OpenAI error shape, and the ``Allow`` header HTTP asks of a 405 (it was dropped)."""
+    base, _ = mini
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/v1/completions")
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert (resp.status, resp.getheader("allow")) == (405, "POST")
+    assert body["error"]["code"] == 405 and body["error"]["message"] == "Method Not Allowed"
+
+
+def test_a_body_over_the_cap_is_413_before_it_is_read(mini) -> None:
+    """A ``Content-Length`` past `MAX_BODY_BYTES` is answered at once: the server does not wait for (or read) the
+    body, which this client never sends."""
+    from kvdiet.server.app import MAX_BODY_BYTES
+
+    base, loop = mini
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    conn.endheaders()  # no body follows
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and body["error"]["code"] == 413
+    assert body["error"]["message"] == (
+        f"the body is {MAX_BODY_BYTES + 1:,} bytes, over the {MAX_BODY_BYTES:,} this server reads"
+    )
+    assert not loop.engine.requests
+
+
 def test_models_health_and_metrics(mini, client) -> None:
     base, loop = mini
     assert [m.id for m in client.models.list().data] == ["v4.1-mini"]

@@ -157,14 +157,22 @@ class SamplingParams:
                 not an iterable of ints, a stop token id or logit-bias key that is not an int
                 (`numbers.Integral`; bools refused), a bias that is not a number, or a logit_bias that is not a
                 mapping; named.
-            ValueError: an int bias past float's range (so outside [-100, 100]), named as the range check does.
+            ValueError: an int bias past float's range (so outside [-100, 100]), named as the range check does; a
+                stop string with an unpaired surrogate.
         """
         if self.stop is not None and (isinstance(self.stop, bytes) or not isinstance(self.stop, Iterable)):
             raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else () if self.stop is None else tuple(self.stop)
-        for s in stop:
+        for i, s in enumerate(stop):
             if not isinstance(s, str):
                 raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
+            try:  # an unpaired surrogate can never be generated text: refused as HTTP refuses it
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"stop string {i}: the text is not valid Unicode: unpaired surrogate U+{ord(s[exc.start]):04X} "
+                    f"at character {exc.start}"
+                ) from None
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         ids = self.stop_token_ids

@@ -27,7 +27,7 @@ from kvdiet.server.metrics import ServerMetrics
 from kvdiet.server.protocol import error_body
 from kvdiet.server.routes import ServerContext, router
 
-__all__ = ["build_app"]
+__all__ = ["MAX_BODY_BYTES", "build_app"]
 
 
 class _ApiKeyMiddleware:
@@ -45,6 +45,28 @@ class _ApiKeyMiddleware:
             if not (secrets.compare_digest(token.lstrip(b" "), self.expected) and bearer):
                 body = error_body("invalid or missing API key", status=401, kind="authentication_error")
                 await AsciiJSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+MAX_BODY_BYTES = 32 << 20
+"""The largest request body served (bytes, by its ``Content-Length``): a 1M-token prompt as JSON token ids takes
+some 8 MB; a larger body is a 413 before it is read (a 50 MB one was read and tokenized, then refused)."""
+
+
+class _BodyCapMiddleware:
+    """Answers 413 to a request whose ``Content-Length`` exceeds `MAX_BODY_BYTES`, before its body is read (plain
+    ASGI, as `_ApiKeyMiddleware`)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                message = f"the body is {int(length):,} bytes, over the {MAX_BODY_BYTES:,} this server reads"
+                await AsciiJSONResponse(error_body(message, status=413), 413)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -85,5 +107,6 @@ def build_app(
     app.state.server = ServerContext(loop, model_name, metrics, default_max_tokens)
     if api_key:  # "" (``KVDIET_API_KEY=`` or ``--api-key ''``) is no key, as vLLM reads it
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_BodyCapMiddleware)  # the outer one: a body too large is refused before anything else
     app.include_router(router)
     return app

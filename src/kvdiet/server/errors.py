@@ -104,14 +104,17 @@ async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (404, 405, ...) in the OpenAI shape; a JSON body that is not UTF-8 (FastAPI's
-    generic "error parsing the body", raised from the decoding error) names the first byte at fault."""
+    """Starlette's own errors (404, 405, ...) in the OpenAI shape, with their headers (a 405's ``Allow``); a JSON
+    body that is not UTF-8 (FastAPI's generic "error parsing the body", raised from the decoding error) names the
+    first byte at fault."""
     cause = exc.__cause__
     if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
         bad = cause.object[cause.start : cause.end].hex(" ")
         message = f"the body is not UTF-8: byte(s) {bad} at offset {cause.start} (JSON bodies must be UTF-8)"
         return AsciiJSONResponse(error_body(message, status=400), 400)
-    return AsciiJSONResponse(error_body(str(exc.detail), status=exc.status_code), exc.status_code)
+    return AsciiJSONResponse(
+        error_body(str(exc.detail), status=exc.status_code), exc.status_code, headers=exc.headers
+    )
 
 
 EXCEPTION_HANDLERS = {
