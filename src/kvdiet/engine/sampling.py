@@ -11,6 +11,7 @@ from numbers import Integral, Real
 import torch
 
 from kvdiet.engine.vllm_args import check_vllm_only
+from kvdiet.tokenizer import unicode_fault
 
 __all__ = ["GREEDY_BELOW", "SamplingParams", "sample"]
 
@@ -166,13 +167,8 @@ class SamplingParams:
         for i, s in enumerate(stop):
             if not isinstance(s, str):
                 raise TypeError(f"stop must be a string or a sequence of strings, got an item {s!r}")
-            try:  # an unpaired surrogate can never be generated text: refused as HTTP refuses it
-                s.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"stop string {i}: the text is not valid Unicode: unpaired surrogate U+{ord(s[exc.start]):04X} "
-                    f"at character {exc.start}"
-                ) from None
+            if (fault := unicode_fault(s)) is not None:  # never generated text: refused as HTTP refuses it
+                raise ValueError(f"stop string {i}: {fault}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         ids = self.stop_token_ids

@@ -86,7 +86,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     """Run ``kvdiet fidelity``. Raises ValueError/ConfigError on bad input (before the model loads)."""
     import torch
 
-    from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, replay
+    from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, reached, replay
     from kvdiet.model.build import load_model
 
     contexts = sorted(
@@ -146,7 +146,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
         else f"{args.model}, random weights (seed {args.seed})"
     )
     started = time.perf_counter()
-    measured = sum(any(c <= p.numel() for c in contexts) for p in prompts)  # each experiment's prompts
+    measured = sum(bool(reached(p, contexts)) for p in prompts)  # the prompts each experiment measures
     bar = StepProgress(  # minutes of work: a bar on a terminal, a line every 10 s in a log
         3 * measured, stream=sys.stderr, label="fidelity", unit="prompt runs (3 experiments)",
         rate_unit="prompt runs/s",

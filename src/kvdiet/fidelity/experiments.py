@@ -160,14 +160,21 @@ def _selection_recorder(
     return observe, store
 
 
+def reached(ids: torch.Tensor, contexts: Sequence[int]) -> list[int]:
+    """The contexts (tokens) prompt ``ids`` reaches: those no longer than it. A prompt that reaches none is not
+    measured."""
+    return [c for c in contexts if c <= ids.numel()]
+
+
 def _measured(
-    prompts: Sequence[torch.Tensor], contexts: Sequence[int], rows: int
+    prompts: Sequence[torch.Tensor], contexts: Sequence[int], rows: int, done: Callable[[], None]
 ) -> Iterator[tuple[torch.Tensor, list[int], set[int]]]:
-    """Each prompt with the contexts it reaches and the positions measured before them."""
+    """Each prompt that reaches a context, with the contexts it reaches and the positions measured before them;
+    ``done()`` as the caller asks for the next one (it is through with this one: progress)."""
     for ids in prompts:
-        reach = [c for c in contexts if c <= ids.numel()]
-        if reach:
+        if reach := reached(ids, contexts):
             yield ids, reach, {p for c in reach for p in range(c - rows, c)}
+            done()
 
 
 def cache_precision(
@@ -181,7 +188,7 @@ def cache_precision(
 ) -> list[Point]:
     """Experiment 1 (module docstring); ``done()`` after each prompt measured (progress)."""
     acc: dict[tuple, list[torch.Tensor]] = {}
-    for ids, reach, wanted in _measured(prompts, contexts, rows):
+    for ids, reach, wanted in _measured(prompts, contexts, rows, done):
         base_obs, base_sel = _selection_recorder(wanted)
         with quantised_caches(model, ()), model.observe_selection(base_obs):
             base, _ = prefill_rows(model, ids, reach, rows=rows, chunk=chunk)
@@ -198,7 +205,6 @@ def cache_precision(
                     c = min(c for c in reach if pos < c)
                     ov = set_overlap(idx[None], valid[None], b_idx[None], b_valid[None])
                     acc.setdefault((variant, f"topk_overlap_L{layer}", c), []).append(ov)
-        done()
     return [
         Point("cache_precision", variant, measure, c, value, n)
         for (variant, measure, c), (value, n) in sorted(
@@ -218,7 +224,7 @@ def csa2_selection(
 ) -> list[Point]:
     """Experiment 2 (module docstring), with the caches packed as deployed; ``done()`` after each prompt."""
     acc: dict[tuple, list[torch.Tensor]] = {}
-    for ids, reach, wanted in _measured(prompts, contexts, rows):
+    for ids, reach, wanted in _measured(prompts, contexts, rows, done):
 
         def observe(sel: Selection, reach: list[int] = reach, wanted: set[int] = wanted) -> None:
             keep = [r for r, p in enumerate(sel.seg.positions.tolist()) if p in wanted]
@@ -233,7 +239,6 @@ def csa2_selection(
 
         with model.observe_selection(observe):
             prefill_rows(model, ids, reach, rows=rows, chunk=chunk)
-        done()
     out = []
     for (variant, c), (value, n) in sorted(_mean(acc).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         measure = "recall" if variant.startswith("candidate pool") else "topk_overlap"
@@ -293,10 +298,7 @@ def replay(
     ``done()`` after each prompt."""
     window = model.cfg.sliding_window
     acc: dict[tuple, list[torch.Tensor]] = {}
-    for ids in prompts:
-        reach = [c for c in contexts if c <= ids.numel()]
-        if not reach:
-            continue
+    for ids, reach, _ in _measured(prompts, contexts, rows, done):
         top = max(reach)
         full, full_state = prefill_rows(model, ids, reach, rows=rows, chunk=chunk, decoder_replay=False)
         bounded, bounded_state = prefill_rows(model, ids, reach, rows=rows, chunk=chunk)
@@ -322,7 +324,6 @@ def replay(
                 _greedy(model, state, warm[-1], continuation),
             )
             acc.setdefault(("encoder", "continuation", top, hit), []).append(torch.tensor([agree]))
-        done()
     return [
         Point("replay", f"{side}-side", measure, c, value, n, hit)
         for (side, measure, c, hit), (value, n) in sorted(

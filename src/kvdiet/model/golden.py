@@ -38,6 +38,7 @@ from kvdiet.model.placement import place
 from kvdiet.model.rounding_ties import Tie, find_ties, flip
 from kvdiet.model.state import RequestState
 from kvdiet.model.transformer import Transformer
+from kvdiet.setting_error import SettingError
 
 __all__ = ["GoldenReport", "compare_golden", "run_golden_command"]
 
@@ -101,10 +102,13 @@ def compare_golden(
     Raises:
         FileNotFoundError: no ``reference_outputs.safetensors`` or no checkpoint in ``directory``.
         kvdiet.model.checkpoint.WeightsError / kvdiet.config.ConfigError: the checkpoint does not load.
-        ValueError: the outputs file lacks ``prompt_tokens`` or ``prompt_logits``, or a bad ``tol``.
+        ValueError: the outputs file lacks ``prompt_tokens`` or ``prompt_logits``, or a bad ``tol`` (a
+            `kvdiet.setting_error.SettingError`: ``--tol`` on the command line).
     """
     if not 0 < tol < float("inf"):
-        raise ValueError(f"tol must be a finite number > 0, got {tol}")
+        raise SettingError(
+            "{tol} must be a finite number > 0, got {got}", got=tol
+        )  # --tol on the command line
     directory = Path(directory)
     if not directory.is_dir():
         kind = "a file, not a folder" if directory.exists() else "no such folder"
@@ -310,8 +314,6 @@ def run_golden_command(args: argparse.Namespace, console) -> int:
     """Run ``kvdiet golden``; returns the exit code."""
     from rich.table import Table
 
-    if not 0 < args.tol < float("inf"):  # as compare_golden checks it, named as the flag
-        raise ValueError(f"--tol must be a finite number > 0, got {args.tol}")
     report = compare_golden(args.directory, numerics=args.numerics, tol=args.tol, device=args.device)
     if args.json:
         print(json.dumps(report.as_dict()))

@@ -148,9 +148,8 @@ def plan_report(cfg: ModelConfig | DenseConfig, options: PlanOptions | None = No
     if spec.windows:
         v4_flash = isinstance(cfg, ModelConfig) and not cfg.is_v41
         block_size = CacheOptions().for_model(v4_flash=v4_flash).block_size
-        if (
-            opts.checkpoint_every % block_size
-        ):  # the engine refuses it (`kvdiet.engine.runner.pool_num_blocks`)
+        # the engine refuses such a period (`kvdiet.engine.runner.pool_num_blocks`)
+        if opts.checkpoint_every % block_size:
             raise ValueError(
                 f"checkpoint_every {opts.checkpoint_every} must be a multiple of {cfg.name}'s block size "
                 f"{block_size} (checkpoint:K stores the window at block boundaries)"

@@ -43,6 +43,7 @@ from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.chat_messages import ChatMessage, json_type
 from kvdiet.engine.sampling import SamplingParams
+from kvdiet.tokenizer import unicode_fault
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 
@@ -96,13 +97,9 @@ def _stop_items(value: Any) -> Any:
     unpaired surrogate, as the tokenizer words it for a prompt (the union blamed its length). Any other value
     passes."""
     for i, item in enumerate([value] if isinstance(value, str) else value if isinstance(value, list) else []):
-        if isinstance(item, str) and (at := _unpaired_surrogate(item)) is not None:
+        if isinstance(item, str) and (fault := unicode_fault(item)) is not None:
             where = "" if isinstance(value, str) else f"item {i}: "
-            raise PydanticCustomError(
-                "stop_text",
-                "{where}the text is not valid Unicode: unpaired surrogate U+{code} at character {at}",
-                {"where": where, "code": f"{ord(item[at]):04X}", "at": at},
-            )
+            raise PydanticCustomError("stop_text", "{where}{fault}", {"where": where, "fault": fault})
     if not isinstance(value, list):
         return value
     for i, item in enumerate(value):
@@ -121,15 +118,6 @@ def _stop_items(value: Any) -> Any:
             "stop_count", "must be at most 16 stop strings (got {got})", {"got": json_type(value)}
         )
     return value
-
-
-def _unpaired_surrogate(text: str) -> int | None:
-    """The index of ``text``'s first unpaired surrogate (not UTF-8 encodable), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
 
 
 def _integer_token_ids(value: Any) -> Any:

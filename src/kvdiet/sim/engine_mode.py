@@ -229,9 +229,8 @@ def run_engine_mode(
         )
         opts = cache.options  # a policy left None: the model's (`CacheOptions.for_model`)
         longest = max(r.input_tokens + r.output_tokens for r in scaled.requests)
-        _check_longest(
-            longest, model.cfg.max_position_embeddings, cache, config.model
-        )  # before any tier opens
+        # before any tier opens
+        _check_longest(longest, model.cfg.max_position_embeddings, cache, config.model)
         cache.open()
         try:
             engine = LLMEngine(
