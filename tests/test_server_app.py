@@ -14,7 +14,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -74,9 +74,9 @@ def _post(base: str, path: str, body: bytes | dict, headers: dict | None = None)
     return resp.status, json.loads(raw) if raw else {}
 
 
-def _get(base: str, path: str, method: str = "GET") -> tuple[int, str]:
+def _get(base: str, path: str, method: str = "GET", timeout: float = 30) -> tuple[int, str]:
     host, port = base.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     conn.request(method, path)
     resp = conn.getresponse()
     text = resp.read().decode()
@@ -295,6 +295,42 @@ def test_a_body_over_the_cap_is_413_before_it_is_read(mini) -> None:
         f"the body is {MAX_BODY_BYTES + 1:,} bytes, over the {MAX_BODY_BYTES:,} this server reads"
     )
     assert not loop.engine.requests
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(mini, monkeypatch, path: str) -> None:
+    """While one request's prompt is being tokenized (here held until released; a 15 MB prompt took some 10 s),
+    ``/health`` answers: tokenizing runs in a worker thread. On the event loop, the health check waited."""
+    import kvdiet.server.routes as routes
+
+    base, loop = mini
+    entered, release = threading.Event(), threading.Event()
+
+    def held(original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            entered.set()
+            release.wait(timeout=30)
+            return original(*args, **kwargs)
+
+        return call
+
+    if path == "/v1/completions":
+        monkeypatch.setattr(loop.engine, "prepare", held(loop.engine.prepare))
+        body: dict = {"prompt": "hello there", "max_tokens": 1}
+    else:
+        monkeypatch.setattr(routes, "chat_prompt_ids", held(routes.chat_prompt_ids))
+        body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}
+    answer: list = []
+    sender = threading.Thread(target=lambda: answer.append(_post(base, path, body)), daemon=True)
+    sender.start()
+    try:
+        assert entered.wait(timeout=30)
+        assert _get(base, "/health", timeout=5) == (200, "")  # answered while the prompt is still held
+    finally:
+        release.set()
+        sender.join(timeout=120)
+    assert answer[0][0] == 200 and answer[0][1]["usage"]["completion_tokens"] == 1
+    _wait_idle(loop)
 
 
 def test_models_health_and_metrics(mini, client) -> None:

@@ -5,10 +5,14 @@ Each handler reads the server's `ServerContext` (engine loop, served model name,
 edge, before it reaches the engine (body schema, model name, unsupported fields, then `LLMEngine.prepare`:
 token ids, stop and logit-bias ids, context length); failures are HTTP 400 with an OpenAI error body and
 the engine keeps serving. The prepared request goes down unchanged (`kvdiet.engine.prepared`).
+
+Tokenizing (a prompt, a chat's messages) runs in a worker thread, never on the event loop: a prompt of some
+megabytes takes seconds to tokenize, and ``/health`` and the streams of other requests answer meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -110,7 +114,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
         raise ApiError(str(exc), param="prompt") from None
     params = _sampling(body, body.max_tokens if body.max_tokens is not None else _COMPLETIONS_MAX_TOKENS)
     sent = body.max_tokens is not None and "max_tokens" in body.model_fields_set
-    prepared = _prepare(ctx, prompt, params, max_tokens_origin="" if sent else _DEFAULT_ORIGIN)
+    prepared = await _prepare(ctx, prompt, params, max_tokens_origin="" if sent else _DEFAULT_ORIGIN)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     # a model without a tokenizer has no text to give (vLLM's skip_tokenizer_init leaves it empty): its ids
@@ -149,7 +153,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     try:
         thinking = chat_thinking(body.chat_template_kwargs)
         messages = [m.model_dump() for m in body.messages]
-        prompt_ids = chat_prompt_ids(engine.tokenizer, messages, thinking=thinking)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, messages, thinking=thinking)
     except InvalidRequestError as exc:
         raise ApiError(str(exc), param=exc.param) from None
     wanted = body.max_completion_tokens or body.max_tokens
@@ -163,7 +167,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
         origin = "sent as max_completion_tokens"
     elif wanted is None:
         origin = "the least a reply takes"
-    prepared = _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
+    prepared = await _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     first = [True]
@@ -252,7 +256,7 @@ def _check_common(ctx: ServerContext, body: _Common) -> None:
         raise ApiError("the engine is not running", status=503, kind="service_unavailable")
 
 
-def _prepare(
+async def _prepare(
     ctx: ServerContext,
     prompt: str | list[int],
     params: SamplingParams,
@@ -264,9 +268,10 @@ def _prepare(
     caused it (`InvalidRequestError.param`: ``stop``, ``stop_token_ids``, ``logit_bias``), with the prompt's
     faults (length included) named as ``field`` (the request's ``prompt`` or ``messages``). A length refusal
     (`ContextLengthError`) also names, beside a max_tokens the client did not send as ``max_tokens`` (a
-    default, or a chat's ``max_completion_tokens``), ``max_tokens_origin``."""
+    default, or a chat's ``max_completion_tokens``), ``max_tokens_origin``. Runs in a worker thread
+    (`LLMEngine.prepare` is thread-safe): tokenizing a long prompt never holds up the event loop."""
     try:
-        return ctx.loop.engine.prepare(prompt, params)
+        return await asyncio.to_thread(ctx.loop.engine.prepare, prompt, params)
     except ContextLengthError as exc:
         message = str(exc.with_origin(max_tokens_origin) if max_tokens_origin else exc)
         raise ApiError(message, param=field) from None
