@@ -23,6 +23,7 @@ from kvdiet.device import to_host
 from kvdiet.formats.codec import CacheCodecs, Codec
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 from kvdiet.model.block_ids import BlockAllocator, PrivateBlocks
+from kvdiet.model.huge_pages import huge_page_zeros
 
 __all__ = ["DevicePool"]
 
@@ -45,6 +46,8 @@ class DevicePool:
             `BlockPool`): the pool stays that size and the cache layer reserves blocks before each forward.
             None: a private `PrivateBlocks`, and the pool is ``growable`` (a model used without an engine):
             it allocates more blocks when full instead of raising.
+        huge_pages: on the CPU, the pages on transparent huge pages (`kvdiet.model.huge_pages`; the same bytes,
+            read faster); False keeps torch's allocations (a benchmark's baseline: ``bench_layout.py``).
     Raises:
         ValueError: bad block size or count, an allocator of another size, no KV-source layer.
     """
@@ -59,6 +62,7 @@ class DevicePool:
         blocks: BlockAllocator | None = None,
         indexed: frozenset[int] | None = None,
         device: torch.device | str = "cpu",
+        huge_pages: bool = True,
     ) -> None:
         if not ratios:
             raise ValueError("a device pool needs at least one KV-source layer")
@@ -73,22 +77,26 @@ class DevicePool:
             raise ValueError(f"the allocator holds {blocks.num_blocks} blocks, the pool {num_blocks}")
         self.block_size, self.growable = block_size, blocks is None
         self.device = torch.device(device)
+        self.huge_pages = huge_pages and self.device.type == "cpu"
         self.blocks: BlockAllocator = PrivateBlocks(num_blocks) if blocks is None else blocks
         self._kinds = {
             layer: tuple(k for k in KINDS if k == "main" or indexed is None or layer in indexed)
             for layer in self.ratios
         }
         self._data = {
-            (layer, kind): torch.zeros(
-                num_blocks,
-                block_size // r,
-                self.codecs[kind].width,
-                dtype=self.codecs[kind].dtype,
-                device=self.device,
+            (layer, kind): self._zeros(
+                (num_blocks, block_size // r, self.codecs[kind].width), self.codecs[kind].dtype
             )
             for layer, r in self.ratios.items()
             for kind in self._kinds[layer]
         }
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed pages on the pool's device; on the CPU on huge pages (`kvdiet.model.huge_pages`: a decode step's
+        index scan and gathers read them faster, the same bytes)."""
+        if self.huge_pages:
+            return huge_page_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def block_bytes(self) -> int:
@@ -124,7 +132,9 @@ class DevicePool:
 
     def _grow(self, extra: int) -> None:
         for key, t in self._data.items():
-            self._data[key] = torch.cat([t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype, device=t.device)])
+            grown = self._zeros((t.shape[0] + extra, *t.shape[1:]), t.dtype)
+            grown[: t.shape[0]] = t
+            self._data[key] = grown
         self.blocks.grow(extra)
 
     # --- one block as bytes (the persistent tier's payload) ---

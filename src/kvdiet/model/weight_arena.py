@@ -1,0 +1,143 @@
+"""`pack_weights`: a CPU model's parameters moved into one arena, in the order a decode step reads them, on
+transparent huge pages.
+
+A one-request decode step reads every layer's weights once, cold from DRAM, in short runs: v4.1-mini's products
+read 0.1–1 MB each (a 128 KB expert matrix, a 1 MB query projection), too short for the hardware prefetchers to
+reach the read bandwidth (one such product alone reads at 8–24 GB/s against 41 GB/s for a 64 MB one, stop 49).
+Left to torch's allocator, each parameter is an allocation of its own in 4 KiB pages, wherever the allocator put
+it. Here the parameters of each layer lie back to back in the order a decode step reads them (`READ_ORDER`: the
+layer's Engram, its attention's mHC entry and projections, compressor, indexer and output, then the FFN's), the
+layers one after another, then the final norm and the LM head, in one mapping on 2 MiB pages
+(`kvdiet.model.huge_pages`): each product's run continues where the last one ended, one TLB entry per 2 MiB.
+
+Every parameter keeps its dtype, shape, values and a 64-byte aligned start (the CPU allocator's alignment of a
+fresh tensor), so every kernel, torch's included, reads the same bits; only where they lie changes. A parameter
+is left where it is when it is on another device or the meta device (routed experts a checkpoint serves on first
+use), not contiguous, or shares its storage with another tensor (tied weights stay tied). The token embedding
+stays too: a step reads one row of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kvdiet.model.huge_pages import huge_page_zeros
+
+__all__ = ["READ_ORDER", "WeightArena", "pack_weights"]
+
+# A layer's parameter names (prefixes of ``layers.{i}.`` names) in the order a decode step reads them; names that
+# match none follow, in registration order.
+READ_ORDER = (
+    "engram.",
+    "hc_attn_",
+    "attn_norm.",
+    "attn.wq_a.",
+    "attn.q_norm.",
+    "attn.wq_b.",
+    "attn.indexer.wq_b.",
+    "attn.indexer.weights_proj.",
+    "attn.wkv.",
+    "attn.kv_norm.",
+    "attn.compressor.",
+    "attn.indexer.",
+    "attn.attn_sink",
+    "attn.wo_a.",
+    "attn.wo_b.",
+    "hc_ffn_",
+    "ffn_norm.",
+    "ffn.gate.",
+    "ffn.experts.",
+    "ffn.shared_experts.",
+)
+_ALIGN = 64  # bytes: each parameter's start, as the CPU allocator aligns a fresh tensor
+
+
+class WeightArena:
+    """The mapping that holds packed parameters (`pack_weights`); the parameters keep it alive.
+
+    Attributes:
+        nbytes: the bytes the parameters take, each start 64-byte aligned.
+        count: how many parameters it holds.
+    """
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count = nbytes, count
+
+    def __repr__(self) -> str:
+        return f"WeightArena({self.count} parameters, {self.nbytes:,} bytes)"
+
+
+def _read_rank(name: str) -> int:
+    """A layer parameter's place in `READ_ORDER` (len(READ_ORDER) for a name it does not list)."""
+    for i, prefix in enumerate(READ_ORDER):
+        if name.startswith(prefix):
+            return i
+    return len(READ_ORDER)
+
+
+def _in_read_order(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The model's parameters in the order a decode step reads them: each of ``model.layers`` in `READ_ORDER`,
+    then the rest in registration order, the token embedding (``embed``) excepted."""
+    layers = model.get_submodule("layers") if hasattr(model, "layers") else None
+    if isinstance(layers, nn.ModuleList):
+        for layer in layers:
+            named = list(layer.named_parameters())
+            yield from (p for _, p in sorted(named, key=lambda kv: _read_rank(kv[0])))  # a stable sort
+    for name, p in model.named_parameters():
+        if not name.startswith(("layers.", "embed.")):
+            yield p
+
+
+def _movable(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Those of ``params`` that can move: on the CPU, contiguous from their storage's start to its end, and the
+    only parameter on that storage (a tied weight stays where it is)."""
+    storages: dict[int, int] = {}
+    for p in params:
+        if p.device.type == "cpu":
+            key = p.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+    return [
+        p
+        for p in params
+        if p.device.type == "cpu"
+        and p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+        and storages[p.untyped_storage().data_ptr()] == 1
+    ]
+
+
+def pack_weights(model: nn.Module) -> WeightArena | None:
+    """Move ``model``'s parameters into one arena in decode-read order (module docstring); returns it, or None
+    where no parameter can move. Call it before the first forward, without autograd recording: each parameter's
+    ``.data`` is replaced by a view of the arena holding the same values (its `torch.nn.Parameter` object, dtype,
+    shape and ``requires_grad`` stay). Caches keyed by a parameter's data pointer (`kvdiet.model.hc.HcWeights`)
+    see the new pointer and rebuild.
+
+    Memory: the arena is written as each parameter moves, and each parameter's old storage is freed as it moves
+    (where nothing else holds it), so the resident peak is the model plus its largest parameter.
+    """
+    seen: set[int] = set()
+    params = []
+    for p in _in_read_order(model):
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    params = _movable(params)
+    if not params:
+        return None
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    arena = huge_page_zeros((total,), torch.uint8, touch=False)  # each byte written below
+    with torch.no_grad():
+        for p, start in zip(params, offsets, strict=True):
+            nbytes = p.numel() * p.element_size()
+            view = arena[start : start + nbytes].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+    return WeightArena(total, len(params))
