@@ -82,12 +82,20 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     (prompts / "a.txt").write_text("some text to read")
+    looped = tmp_path / "looped.txt"
+    looped.write_text(f"--max-tokens\n3\n@{looped}\n")
     cases = [
         (["generate", f"@{tmp_path / 'none.txt'}"], f"kvdiet: error: @{tmp_path / 'none.txt'}: no such file"),
         (
             ["generate", f"@{binary}"],
             f"kvdiet: error: @{binary}: not UTF-8 text (invalid start byte at byte 0)",
         ),
+        # one that never ends (all the memory went), one that names itself (a RecursionError traceback)
+        (
+            ["generate", "@/dev/zero"],
+            "kvdiet: error: @/dev/zero: more than 67,108,864 bytes, the most a text file",
+        ),
+        (["generate", f"@{looped}"], f"kvdiet: error: @{looped}: @FILE nested more than 16 deep"),
         (["golden", str(binary)], f"kvdiet golden: error: {binary}: a file, not a folder"),
         (
             ["golden", str(tmp_path), "--tol", "nan"],

@@ -154,6 +154,15 @@ def _mutated(v41_json: dict, **changes) -> dict:
         ),
         ({"engram_n_heads": -1}, "engram_n_heads must be > 0 with engram_layer_ids set, got -1"),
         ({"num_key_value_heads": 0}, "num_key_value_heads must be > 0, got 0"),
+        # accepted before (generate failed with an IndexError in the Engram hasher; the rest ran or planned as if set)
+        (
+            {"num_key_value_heads": 2},
+            "num_key_value_heads must be 1 (the V4 family's attention reads one shared",
+        ),
+        ({"engram_pad_token_id": 129280}, "engram_pad_token_id must be < vocab_size 129280, got 129280"),
+        ({"bos_token_id": 1000000}, "bos_token_id must be < vocab_size 129280, got 1000000"),
+        ({"eos_token_id": -1}, "eos_token_id must be >= 0, got -1"),
+        ({"swiglu_limit": -1.0}, "swiglu_limit must be >= 0 (0: no clamp), got -1.0"),
         ({"n_shared_experts": -1}, "n_shared_experts must be > 0, got -1"),
         ({"rope_theta": 0}, "rope_theta must be > 0, got 0.0"),
         ({"hc_eps": -1}, "hc_eps must be > 0, got -1.0"),

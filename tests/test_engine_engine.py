@@ -35,6 +35,9 @@ class LetterTokenizer:
     def encode(self, text: str) -> list[int]:
         return [_ALPHABET.index(c) for c in text]
 
+    def least_tokens(self, text: str) -> int:
+        return 0  # no bound without tokenizing (`Tokenizer.least_tokens` for short text)
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return "".join(_ALPHABET[i] for i in ids)
 

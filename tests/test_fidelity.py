@@ -196,6 +196,14 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tmp_path: Path) -> No
         _prompts(args, [binary, good], object(), limit=2)  # refused before any tokenizing
 
 
+def test_prompts_that_are_not_a_file_or_folder_are_named_as_such() -> None:
+    """``--prompts /dev/zero`` was "no such file or folder" for a path that exists."""
+    from kvdiet.fidelity.command import _prompt_files
+
+    with pytest.raises(ValueError, match=r"^--prompts /dev/zero: not a regular file or a folder$"):
+        _prompt_files("/dev/zero")
+
+
 def test_default_hit_lengths_and_prompts_too_short() -> None:
     from kvdiet.fidelity.command import _hits
 

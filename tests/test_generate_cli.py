@@ -211,3 +211,9 @@ def test_a_missing_prompt_file_is_one_line_naming_the_flag(capsys, tmp_path) -> 
     assert capsys.readouterr().err == (
         f"kvdiet generate: error: --prompt-file {binary}: not UTF-8 text (invalid continuation byte at byte 3)\n"
     )
+    # a file that never ends read all the memory there was (the kernel killed the process); read to the cap
+    assert main([*argv, "/dev/zero", "--max-tokens", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet generate: error: --prompt-file /dev/zero: more than 67,108,864 bytes, the most a text file may "
+        "hold here\n"
+    )

@@ -333,6 +333,44 @@ def test_tokenizing_a_prompt_does_not_hold_up_the_event_loop(mini, monkeypatch, 
     _wait_idle(loop)
 
 
+def test_a_chunked_body_over_the_cap_is_413_and_one_under_it_is_served(mini) -> None:
+    """Without ``Content-Length`` (``Transfer-Encoding: chunked``) the body is read up to `MAX_BODY_BYTES`, then
+    refused (a 64 MB one was read whole, taking the server to 10 GB); a small chunked request is served as
+    usual."""
+    from kvdiet.server.app import MAX_BODY_BYTES
+
+    base, loop = mini
+    host, port = base.removeprefix("http://").split(":")
+
+    def chunked(pieces) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        try:
+            for piece in pieces:
+                conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # the server answered before the body's end
+            pass
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        conn.close()
+        return resp.status, body
+
+    # a JSON string of MAX_BODY_BYTES + 2 MiB, in 1 MiB chunks: the server stops reading past the cap
+    pad = b"x" * (1 << 20)
+    pieces = [b'{"prompt": "', *([pad] * (MAX_BODY_BYTES // len(pad) + 2)), b'", "max_tokens": 1}']
+    status, body = chunked(pieces)
+    assert status == 413 and body["error"]["message"] == (
+        f"the body (sent in chunks) is over the {MAX_BODY_BYTES:,} bytes this server reads"
+    )
+    status, body = chunked([b'{"prompt": [5, 6, 7], ', b'"max_tokens": 2}'])
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    _wait_idle(loop)
+
+
 def test_models_health_and_metrics(mini, client) -> None:
     base, loop = mini
     assert [m.id for m in client.models.list().data] == ["v4.1-mini"]
@@ -537,6 +575,33 @@ def test_request_refusals_name_the_field_that_caused_them(mini, path, body, para
     """Each refusal at the request's level (past the body schema) has the faulty field as its ``param``."""
     status, err = _post(mini[0], path, body)
     assert (status, err["error"]["param"]) == (400, param), err
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(mini, monkeypatch) -> None:
+    """2 MiB of text holds at least 8,192 tokens (no token of DeepSeek's covers more than 256 bytes): past
+    max_model_len 4096 without tokenizing it (a 30 MB prompt took 20 s and 8 GB to tokenize, then was refused)."""
+    base, loop = mini
+
+    def never(text: str) -> list[int]:
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(loop.engine.tokenizer, "encode", never)
+    status, err = _post(base, "/v1/completions", {"prompt": "a" * (2 << 20), "max_tokens": 1})
+    assert (status, err["error"]["param"]) == (400, "prompt")
+    assert err["error"]["message"] == (
+        "prompt (at least 8,193 tokens) + max_tokens (1) = at least 8,194 tokens > max_model_len 4,096; "
+        "shorten the prompt or lower max_tokens"
+    )
+    chat = {"messages": [{"role": "user", "content": "a" * (2 << 20)}], "max_completion_tokens": 5}
+    status, err = _post(base, "/v1/chat/completions", chat)
+    assert (status, err["error"]["param"]) == (400, "messages")
+    assert err["error"]["message"].startswith(
+        "prompt (at least 8,193 tokens) + max_tokens (5, sent as max_completion"
+    )
+    monkeypatch.undo()
+    status, ok = _post(base, "/v1/completions", {"prompt": "a" * 4000, "max_tokens": 1})  # fits: tokenized
+    assert status == 200 and ok["usage"]["prompt_tokens"] < 4096
+    _wait_idle(loop)
 
 
 def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> None:

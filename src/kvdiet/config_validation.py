@@ -60,6 +60,19 @@ def validate_model_config(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if value is not None and value < 0:
             raise ConfigError(f"{field} must be >= 0, got {value}")
+    if cfg.num_key_value_heads != 1:  # one KV head shared by every query head (v41-spec §1.2; both releases)
+        raise ConfigError(
+            f"num_key_value_heads must be 1 (the V4 family's attention reads one shared KV head), got "
+            f"{cfg.num_key_value_heads}"
+        )
+    for field in ("bos_token_id", "eos_token_id", "engram_pad_token_id"):  # token ids: rows of the vocabulary
+        value = getattr(cfg, field)
+        if value is not None and value >= cfg.vocab_size:
+            raise ConfigError(f"{field} must be < vocab_size {cfg.vocab_size}, got {value}")
+        if value is not None and value < 0 and field != "engram_pad_token_id":
+            raise ConfigError(f"{field} must be >= 0, got {value}")
+    if cfg.swiglu_limit < 0:  # 0: no clamp
+        raise ConfigError(f"swiglu_limit must be >= 0 (0: no clamp), got {cfg.swiglu_limit}")
     if cfg.rope_scaling is not None and not cfg.rope_scaling.factor > 0:
         raise ConfigError(f"rope_scaling.factor must be > 0, got {cfg.rope_scaling.factor}")
     _validate_engram(cfg)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvdiet.engine.prepared import InvalidRequestError
+from kvdiet.engine.prepared import ContextLengthError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvdiet.tokenizer import Tokenizer
@@ -79,16 +79,32 @@ def chat_thinking(chat_template_kwargs: Mapping[str, Any] | None) -> bool:
 
 
 def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, thinking: bool
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    thinking: bool,
+    fit: tuple[int, int, str] | None = None,
 ) -> list[int]:
     """The prompt's token ids: `render_chat`, encoded (BOS is in the text, so none is added).
 
+    ``fit``: ``(max_model_len, reply tokens, their origin)``: a rendered text whose `Tokenizer.least_tokens`
+    plus the reply's tokens cannot fit is refused before it is encoded (megabytes take seconds and gigabytes).
+
     Raises:
         InvalidRequestError (``param`` ``"messages"``): as `render_chat`, or text the tokenizer refuses (an
-            unpaired surrogate).
+            unpaired surrogate); with ``fit``, a `ContextLengthError` whose prompt count is a lower bound
+            (``at_least``; its ``param`` stays ``"prompt"``: the caller names the field).
     """
     try:
-        return tokenizer.encode(render_chat(messages, thinking=thinking))
+        text = render_chat(messages, thinking=thinking)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from None
+    if fit is not None and (least := tokenizer.least_tokens(text)) and least + fit[1] > fit[0]:
+        raise ContextLengthError(
+            least, fit[1], fit[0], "max_model_len", max_tokens_origin=fit[2], at_least=True
+        )
+    try:
+        return tokenizer.encode(text)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from None
 

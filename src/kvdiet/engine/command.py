@@ -17,6 +17,7 @@ from rich.console import Console
 from kvdiet.cache.plan import WindowSource
 from kvdiet.engine.args import KV_CACHE_DTYPES, EngineArgs
 from kvdiet.engine.prepared import ContextLengthError
+from kvdiet.text_files import read_text
 from kvdiet.units import comma_items
 
 __all__ = ["add_generate_parser", "run_generate"]
@@ -151,20 +152,10 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
     except ValueError as exc:  # name the flag, not the field: "max_tokens must be …" → "--max-tokens: …"
         field = str(exc).split(" ", 1)[0]
         raise ValueError(f"--{field.replace('_', '-')}: {exc}") from None
-    if args.prompt_file == "":  # Path("") is the working directory: name the empty path instead
-        raise ValueError("--prompt-file '': no such file or directory")
     try:
-        text = (
-            Path(args.prompt_file).read_text(encoding="utf-8")
-            if args.prompt_file is not None
-            else args.prompt
-        )
-    except UnicodeDecodeError as exc:  # a binary file: refused, not run as a prompt of U+FFFD
-        raise ValueError(
-            f"--prompt-file {args.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:  # "[Errno 2] No such file or directory: 'x'" → "--prompt-file x: no such file …"
-        raise ValueError(f"--prompt-file {args.prompt_file}: {(exc.strerror or str(exc)).lower()}") from None
+        text = read_text(args.prompt_file) if args.prompt_file is not None else args.prompt
+    except ValueError as exc:  # "x: no such file or directory", "x: not UTF-8 text ...", "x: more than ..."
+        raise ValueError(f"--prompt-file {exc}") from None
     prompt_ids = None if args.prompt_ids is None else _parse_ids(args.prompt_ids)  # before the model loads
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:

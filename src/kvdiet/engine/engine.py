@@ -128,7 +128,8 @@ class LLMEngine:
                 ids outside the vocabulary; empty prompt; text without a tokenizer; text that is not valid
                 Unicode; a token id outside the vocabulary (index and size named); stop strings without a
                 tokenizer; prompt + max_tokens > max_model_len, a prompt past ``max_position_embeddings`` too
-                (`ContextLengthError`: its numbers as attributes and in the message).
+                (`ContextLengthError`: its numbers as attributes and in the message; a text whose
+                `Tokenizer.least_tokens` cannot fit already is refused before it is tokenized, ``at_least``).
         """
         check_sampling_ids(params, self.model.cfg.vocab_size)
         if isinstance(prompt, str):
@@ -140,6 +141,9 @@ class LLMEngine:
                 raise InvalidRequestError(
                     "this model has no tokenizer: give the prompt as token ids", param="prompt"
                 )
+            # a long text whose tokens cannot fit is refused before it is tokenized (seconds and gigabytes)
+            if least := self.tokenizer.least_tokens(prompt):
+                fit_context_length(1 + least, params, self.max_model_len, "max_model_len", at_least=True)
             try:
                 ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt)]
             except ValueError as exc:  # not valid Unicode (an unpaired surrogate)

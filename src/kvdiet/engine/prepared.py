@@ -62,15 +62,23 @@ class ContextLengthError(InvalidRequestError):
     """
 
     def __init__(
-        self, prompt_tokens: int, max_tokens: int, limit: int, limit_name: str, *, max_tokens_origin: str = ""
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        limit: int,
+        limit_name: str,
+        *,
+        max_tokens_origin: str = "",
+        at_least: bool = False,
     ) -> None:
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
-        self.limit, self.limit_name = limit, limit_name
+        self.limit, self.limit_name, self.at_least = limit, limit_name, at_least
         origin = f", {max_tokens_origin}" if max_tokens_origin else ""
+        least = "at least " if at_least else ""
         total = prompt_tokens + max_tokens
         super().__init__(
-            f"prompt ({format_tokens(prompt_tokens)}) + max_tokens ({max_tokens:,}{origin})"
-            f" = {format_tokens(total)} > {limit_name} {limit:,}; shorten the prompt or lower max_tokens",
+            f"prompt ({least}{format_tokens(prompt_tokens)}) + max_tokens ({max_tokens:,}{origin})"
+            f" = {least}{format_tokens(total)} > {limit_name} {limit:,}; shorten the prompt or lower max_tokens",
             param="prompt",
         )
 
@@ -82,14 +90,17 @@ class ContextLengthError(InvalidRequestError):
             self.limit,
             self.limit_name,
             max_tokens_origin=max_tokens_origin,
+            at_least=self.at_least,
         )
 
 
 def fit_context_length(
-    prompt_tokens: int, params: SamplingParams, limit: int, limit_name: str
+    prompt_tokens: int, params: SamplingParams, limit: int, limit_name: str, *, at_least: bool = False
 ) -> SamplingParams:
     """``params`` for a prompt of ``prompt_tokens`` within ``limit`` tokens: ``max_tokens`` None (vLLM's "as
     many as the context leaves") becomes ``limit - prompt_tokens``; an int is kept and checked.
+
+    ``at_least``: ``prompt_tokens`` is a lower bound (a text's before it is tokenized), and a refusal says so.
 
     Raises:
         ContextLengthError: ``prompt_tokens + max_tokens > limit``, or with None a prompt that leaves no room
@@ -98,11 +109,16 @@ def fit_context_length(
     if params.max_tokens is None:
         if prompt_tokens >= limit:
             raise ContextLengthError(
-                prompt_tokens, 1, limit, limit_name, max_tokens_origin="None: the context left, at least 1"
+                prompt_tokens,
+                1,
+                limit,
+                limit_name,
+                max_tokens_origin="None: the context left, at least 1",
+                at_least=at_least,
             )
         return dataclasses.replace(params, max_tokens=limit - prompt_tokens)
     if prompt_tokens + params.max_tokens > limit:
-        raise ContextLengthError(prompt_tokens, params.max_tokens, limit, limit_name)
+        raise ContextLengthError(prompt_tokens, params.max_tokens, limit, limit_name, at_least=at_least)
     return params
 
 

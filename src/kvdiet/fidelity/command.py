@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvdiet.engine.args import add_numerics_arg, resolve_model
 from kvdiet.engine.progress import StepProgress
+from kvdiet.text_files import read_text
 from kvdiet.units import comma_items, parse_count, parse_flag
 
 __all__ = ["add_fidelity_parser", "run_fidelity"]
@@ -218,6 +219,8 @@ def _prompt_files(spec: str) -> list[Path]:
         if files:
             return files
         raise ValueError(f"--prompts {spec}: no text files ({' '.join(_TEXT_SUFFIXES)}) in the folder")
+    if path.exists():  # a device, a pipe or a socket (/dev/zero read without end)
+        raise ValueError(f"--prompts {spec}: not a regular file or a folder")
     raise ValueError(f"--prompts {spec}: no such file or folder")
 
 
@@ -235,9 +238,9 @@ def _prompts(args: argparse.Namespace, files: list[Path], tokenizer, *, limit: i
     prompts, names = [], []
     for f in files[:limit]:
         try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:  # a binary file: refused, not run as a prompt of U+FFFD
-            raise ValueError(f"--prompts {f}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            text = read_text(f)
+        except ValueError as exc:  # a binary file (refused, not run as a prompt of U+FFFD), one past the cap
+            raise ValueError(f"--prompts {exc}") from None
         if text.strip():
             prompts.append(torch.tensor([tokenizer.bos_token_id, *tokenizer.encode(text)], dtype=torch.int64))
             names.append(f.name)

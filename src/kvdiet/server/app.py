@@ -50,25 +50,57 @@ class _ApiKeyMiddleware:
 
 
 MAX_BODY_BYTES = 32 << 20
-"""The largest request body served (bytes, by its ``Content-Length``): a 1M-token prompt as JSON token ids takes
-some 8 MB; a larger body is a 413 before it is read (a 50 MB one was read and tokenized, then refused)."""
+"""The largest request body served (bytes): a 1M-token prompt as JSON token ids takes some 8 MB. A body that
+declares more (``Content-Length``) is a 413 before it is read (a 50 MB one was read and tokenized, then refused);
+one sent in chunks (no ``Content-Length``) is read up to the cap, then a 413 (a 64 MB one took 10 GB)."""
 
 
 class _BodyCapMiddleware:
-    """Answers 413 to a request whose ``Content-Length`` exceeds `MAX_BODY_BYTES`, before its body is read (plain
-    ASGI, as `_ApiKeyMiddleware`)."""
+    """Answers 413 to a request whose body exceeds `MAX_BODY_BYTES` (plain ASGI, as `_ApiKeyMiddleware`): by its
+    ``Content-Length`` before any of it is read; without one (``Transfer-Encoding: chunked``) it is read here,
+    at most the cap, and handed on whole."""
 
     def __init__(self, app: Callable) -> None:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"")
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
             if length.isdigit() and int(length) > MAX_BODY_BYTES:
                 message = f"the body is {int(length):,} bytes, over the {MAX_BODY_BYTES:,} this server reads"
                 await AsciiJSONResponse(error_body(message, status=413), 413)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it as it would have
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                text = f"the body (sent in chunks) is over the {MAX_BODY_BYTES:,} bytes this server reads"
+                await AsciiJSONResponse(error_body(text, status=413), 413)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+
+def _replay(messages: list[dict], receive: Callable) -> Callable:
+    """A ``receive`` that returns ``messages`` first, then what ``receive`` returns (a disconnect)."""
+    pending = list(messages)
+
+    async def replayed() -> dict:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def build_app(

@@ -150,23 +150,28 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     engine = ctx.loop.engine
     if engine.tokenizer is None:
         raise ApiError("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-    try:
-        thinking = chat_thinking(body.chat_template_kwargs)
-        messages = [m.model_dump() for m in body.messages]
-        prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer, messages, thinking=thinking)
-    except InvalidRequestError as exc:
-        raise ApiError(str(exc), param=exc.param) from None
     wanted = body.max_completion_tokens or body.max_tokens
-    room = engine.max_model_len - len(prompt_ids)
-    # unasked, the reply takes the context left, at most --default-max-tokens; a prompt that fills the context
-    # is refused for the one token any reply takes, in the words of every other length refusal
-    max_tokens = wanted if wanted is not None else max(1, min(ctx.default_max_tokens, room))
-    params = _sampling(body, max_tokens)
     origin = ""  # a length refusal names a max_tokens the client did not send as such
     if body.max_completion_tokens is not None:
         origin = "sent as max_completion_tokens"
     elif wanted is None:
         origin = "the least a reply takes"
+    try:
+        thinking = chat_thinking(body.chat_template_kwargs)
+        messages = [m.model_dump() for m in body.messages]
+        fit = (engine.max_model_len, wanted or 1, origin)  # text that cannot fit is refused untokenized
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt_ids, engine.tokenizer, messages, thinking=thinking, fit=fit
+        )
+    except ContextLengthError as exc:
+        raise ApiError(str(exc), param="messages") from None
+    except InvalidRequestError as exc:
+        raise ApiError(str(exc), param=exc.param) from None
+    room = engine.max_model_len - len(prompt_ids)
+    # unasked, the reply takes the context left, at most --default-max-tokens; a prompt that fills the context
+    # is refused for the one token any reply takes, in the words of every other length refusal
+    max_tokens = wanted if wanted is not None else max(1, min(ctx.default_max_tokens, room))
+    params = _sampling(body, max_tokens)
     prepared = await _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -215,18 +215,21 @@ def run_replay(args: argparse.Namespace, console: Console) -> None:
     if args.report:
         from kvdiet.sim.report import write_report
 
-        path = write_report(
-            args.report,
-            trace_name=Path(args.trace).name,
-            stats=stats,
-            study=study,
-            facts=facts,
-            engine=engine,
-            arrivals_s=[r.arrival_s for r in trace.requests],
-            command="kvdiet replay " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-            if sys.argv[1:2] == ["replay"]
-            else "",
-        )
+        try:
+            path = write_report(
+                args.report,
+                trace_name=Path(args.trace).name,
+                stats=stats,
+                study=study,
+                facts=facts,
+                engine=engine,
+                arrivals_s=[r.arrival_s for r in trace.requests],
+                command="kvdiet replay " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+                if sys.argv[1:2] == ["replay"]
+                else "",
+            )
+        except OSError as exc:  # the folder went away or filled up during the runs
+            raise ValueError(f"--report {args.report}: {(exc.strerror or str(exc)).lower()}") from None
         out["report"] = str(path)
     if args.json:
         print(json.dumps(_finite(out), allow_nan=False))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
@@ -218,3 +219,9 @@ def _check_report_dir(path: Path) -> None:
     parent = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--report {path}: {parent} is not a writable directory")
+    try:  # where access() says yes and the file system says no (/proc, a read-only mount for root): a folder made
+        os.rmdir(tempfile.mkdtemp(prefix=".kvdiet-report-check-", dir=parent))  # and removed at once
+    except OSError as exc:
+        raise ValueError(
+            f"--report {path}: cannot make a folder in {parent} ({(exc.strerror or str(exc)).lower()})"
+        ) from None

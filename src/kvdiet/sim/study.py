@@ -15,13 +15,18 @@ restores at least `CATCH_TARGET` of what an unbounded pool restores.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import math
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
+from typing import NoReturn
 
 from kvdiet.cache.plan import WindowSource
 from kvdiet.cache.policies import parse_policy
@@ -42,6 +47,8 @@ __all__ = [
     "parse_sweep",
     "run_study",
 ]
+
+_PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (linux/prctl.h)
 
 DEFAULT_RUNS = (
     "boundary-snapshot@deepseek-v4-flash",
@@ -179,8 +186,8 @@ def _run_forked(
             while todo and len(running) < jobs:
                 config = todo.pop()
                 receive, send = context.Pipe(duplex=False)
-                args = (inputs[config][0], config, send.send, inputs[config][1])
-                proc = context.Process(target=simulate_then_exit, args=args, daemon=True)
+                args = (os.getpid(), inputs[config][0], config, send.send, inputs[config][1])
+                proc = context.Process(target=_worker, args=args, daemon=True)
                 proc.start()
                 send.close()  # this end is the child's: its exit closes the pipe
                 running[receive] = (config, proc)
@@ -204,6 +211,19 @@ def _run_forked(
             receive.close()
         if collecting:
             gc.enable()
+
+
+def _worker(parent: int, *args: object) -> NoReturn:
+    """`simulate_then_exit` (``args``) in a forked worker that dies with the study's process ``parent``: a study
+    killed (SIGTERM, SIGKILL: no ``finally`` of its own runs) left its workers blocked for ever on a pipe whose
+    other end a sibling worker holds. On Linux the kernel sends the worker SIGKILL when its parent dies
+    (``prctl(PR_SET_PDEATHSIG)``); a parent already gone by then ends it at once."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+    simulate_then_exit(*args)
 
 
 def run_study(
