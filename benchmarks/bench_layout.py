@@ -123,7 +123,7 @@ def main() -> None:
                 f"{r['both_minus_torch_ms']:+.2f}",
                 f"{r['both_faster_rounds']}/{args.rounds}",
             )
-        Console().print(table)
+        Console(width=120).print(table)
     print(json.dumps({"bench": "layout", "rounds": args.rounds, "steps": args.steps, "rows": rows}))
 
 

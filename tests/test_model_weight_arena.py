@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -92,6 +94,43 @@ def test_tied_meta_strided_and_partial_storage_parameters_stay_where_they_are() 
             assert torch.equal(p, values[name]), name
     x = torch.randn(3, 8)
     assert torch.equal(toy.other(x), toy.tied(x))
+
+
+class _Shares(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)])
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = nn.Parameter(self.embed.weight.data)  # tied to the (unmoved) embedding
+        self.register_buffer("w_t", self.layers[0].weight.data.t())  # a buffer over a layer's weight
+
+
+def test_a_weight_shared_with_the_embedding_or_a_buffer_stays_shared() -> None:
+    """Only the moving parameters' storages were counted: a head tied to the embedding and a layer weight a
+    buffer views were moved, their ties silently cut (and their old storage kept: twice the memory)."""
+    toy = _Shares()
+    arena = pack_weights(toy)
+    assert arena is not None and arena.count == 1  # layers[1] alone
+    toy.embed.weight.data[0, 0] = 123.0
+    toy.layers[0].weight.data[1, 2] = 7.0
+    assert toy.head.weight[0, 0] == 123.0 and toy.w_t[2, 1] == 7.0
+
+
+def test_packing_leaves_the_resident_memory_as_it_was() -> None:
+    """The old storages under glibc's mmap threshold went back to the heap, not the system: v4.1-mini's resident
+    set grew 111 MiB by packing; the heap's free pages are now returned."""
+    import ctypes
+    import re
+
+    def resident_mib() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) // 1024
+
+    model, _ = load_model("v4.1-mini", seed=0, pack=False)
+    ctypes.CDLL(None).malloc_trim(0)
+    before = resident_mib()
+    assert pack_weights(model) is not None
+    assert resident_mib() - before < 32
 
 
 def test_nothing_to_move_is_none() -> None:

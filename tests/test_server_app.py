@@ -870,6 +870,11 @@ def test_api_key_and_a_dead_engine(tmp_path: Path) -> None:
         status, ok = _post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})
         assert status == 200 and ok["usage"]["completion_tokens"] == 2
         assert _get(base, "/health")[0] == 200 and _get(base, "/metrics")[0] == 200  # not behind the key
+        # a caller without the key gets its 401 before any of its body is read (a body over the cap: not a 413)
+        from kvdiet.server.app import MAX_BODY_BYTES
+
+        big = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1)}).encode()
+        assert _post(base, "/v1/completions", big)[0] == 401
         c = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
         assert c.completions.create(model="micro", prompt=[1, 2], max_tokens=1).usage.completion_tokens == 1
 

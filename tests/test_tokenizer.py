@@ -120,43 +120,94 @@ def test_least_tokens_bounds_every_tokenization_from_below(tok) -> None:
     assert tok.least_tokens("\ud800" * CHEAP_TEXT_BYTES) == 0  # not valid Unicode: encode names the fault
 
 
-def test_a_tokenizer_that_can_shrink_text_gives_no_bound(tmp_path) -> None:
-    """A normalizer (here NFKC, which turns "ﬁ" into "fi") or a WordPiece "[UNK]" breaks the bound: 0."""
+def _tiny_bpe(tmp_path, **changes) -> Tokenizer:
+    """A BPE tokenizer.json of a few tokens (BOS <s>, EOS </s>) with ``changes`` to its top-level fields."""
+    import copy
     import json
+
+    def special(content: str, i: int) -> dict:
+        return {
+            "id": i,
+            "content": content,
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
 
     spec = {
         "version": "1.0",
-        "added_tokens": [
-            {
-                "id": 0,
-                "content": "<s>",
-                "special": True,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-            },
-            {
-                "id": 1,
-                "content": "</s>",
-                "special": True,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-            },
-        ],
-        "normalizer": {"type": "NFKC"},
+        "truncation": None,
+        "added_tokens": [special("<s>", 0), special("</s>", 1)],
+        "normalizer": None,
         "pre_tokenizer": None,
-        "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1, "a": 2, "b": 3}, "merges": []},
+        "model": {
+            "type": "BPE",
+            "vocab": {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "<unk>": 4, ".": 5},
+            "merges": [],
+        },
     }
+    for key, value in changes.items():
+        if key == "added_lstrip":
+            spec["added_tokens"] = copy.deepcopy(spec["added_tokens"])
+            spec["added_tokens"][1]["lstrip"] = value
+        elif key in ("unk_token", "fuse_unk"):
+            spec["model"][key] = value
+        else:
+            spec[key] = value
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(spec))
-    shrinking = Tokenizer(path)
-    assert shrinking.longest_token_bytes is None and shrinking.least_tokens("ab" * CHEAP_TEXT_BYTES) == 0
-    spec["normalizer"] = None
-    path.write_text(json.dumps(spec))
+    return Tokenizer(path)
+
+
+@pytest.mark.parametrize(
+    ("changes", "text"),
+    [
+        ({"normalizer": {"type": "NFKC"}}, "\ufb01"),  # "ﬁ" (3 bytes) becomes "fi"
+        ({"added_lstrip": True}, " " * 4000 + "</s>"),  # one token for the spaces and "</s>"
+        ({"unk_token": "<unk>", "fuse_unk": True}, "é"),  # one <unk> for a run of unknown characters
+        ({"pre_tokenizer": {"type": "Punctuation", "behavior": "Removed"}}, "."),  # the dots vanish
+        (
+            {"truncation": {"max_length": 10, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}},
+            "ab",
+        ),
+    ],
+)
+def test_a_tokenizer_whose_tokens_can_cover_any_length_gives_no_bound(
+    tmp_path, changes: dict, text: str
+) -> None:
+    """Text that shrinks or vanishes before the model, or a token covering a run of any length: a bound would
+    refuse prompts that fit (each text here, repeated past 1 MiB, encodes to far fewer tokens than bytes / the
+    longest token string)."""
+    tok = _tiny_bpe(tmp_path, **changes)
+    long = text * (CHEAP_TEXT_BYTES // len(text.encode()) + 1)
+    assert tok.longest_token_bytes is None and tok.least_tokens(long) == 0
     assert (
-        Tokenizer(path).least_tokens("ab" * CHEAP_TEXT_BYTES) == CHEAP_TEXT_BYTES // 2
-    )  # "</s>": 4 bytes at most
+        len(tok.encode(long)) < len(long.encode()) // 8
+    )  # why: the bound (4-5 bytes a token here) would fail
+
+
+def test_a_plain_bpe_is_bounded_by_its_longest_string_or_an_unk(tmp_path) -> None:
+    assert _tiny_bpe(tmp_path).longest_token_bytes == 5  # "<unk>" as a string
+    tok = _tiny_bpe(tmp_path, unk_token="<unk>")  # unfused: one <unk> a character, 4 bytes at most
+    assert tok.longest_token_bytes == 5
+    text = "ab" * CHEAP_TEXT_BYTES
+    assert tok.least_tokens(text) == -(-len(text) // 5) <= len(tok.encode(text))
+
+
+def test_encode_lets_go_of_the_gil(tok) -> None:
+    """A thread tokenizing a long text lets the others run (``encode`` held the GIL for the whole call: a
+    server's event loop stood still for a second behind a 1.4 MB prompt)."""
+    import threading
+
+    text = SENTENCE * 40_000  # some 2.5 MB: most of a second
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    spins = 0
+    worker.start()
+    while not done.is_set():
+        spins += 1
+    worker.join()
+    assert spins > 1_000_000  # held, this thread got a few 5 ms switch intervals at most (some 50,000 spins)

@@ -69,7 +69,7 @@ def validate_model_config(cfg: ModelConfig) -> None:
         value = getattr(cfg, field)
         if value is not None and value >= cfg.vocab_size:
             raise ConfigError(f"{field} must be < vocab_size {cfg.vocab_size}, got {value}")
-        if value is not None and value < 0 and field != "engram_pad_token_id":
+        if value is not None and value < 0:  # engram_pad_token_id: refused as negative above
             raise ConfigError(f"{field} must be >= 0, got {value}")
     if cfg.swiglu_limit < 0:  # 0: no clamp
         raise ConfigError(f"swiglu_limit must be >= 0 (0: no clamp), got {cfg.swiglu_limit}")

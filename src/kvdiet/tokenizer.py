@@ -114,36 +114,45 @@ class Tokenizer:
         """
         if (fault := unicode_fault(text)) is not None:
             raise ValueError(fault)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch of one text: the same ids, and it lets go of the GIL while it works (encode holds it,
+        # so a server's other threads and its event loop stood still behind a long prompt)
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     @functools.cached_property
     def longest_token_bytes(self) -> int | None:
         """The most UTF-8 bytes of text one token can stand for, or None where no such bound holds.
 
         A bound holds for a BPE model whose normalizer is none (or an empty sequence) and whose pre-tokenizers
-        only split text or map its bytes one to a symbol (ByteLevel, Split but ``Removed``, Digits, Metaspace,
-        Punctuation): the text then reaches the model whole, and each token's vocabulary string (byte-level
-        symbols, ``▁`` for a space, ``<0x0A>`` byte fallbacks: each at least as long in UTF-8 as the text it
-        stands for) or added token's content covers at most that string's UTF-8 length. DeepSeek's file: 256
-        (128 spaces, as 128 two-byte ``Ġ``). A normalizer may shrink text, a WordPiece ``[UNK]`` covers a whole
-        word: no bound there. Read from the file's JSON once (some 0.3 s for DeepSeek's 129,280 tokens).
+        only split text or map its bytes one to a symbol (ByteLevel, Split, Digits, Metaspace, Punctuation, none
+        of them ``Removed``): the text then reaches the model whole, and each token's vocabulary string
+        (byte-level symbols, ``▁`` for a space, ``<0x0A>`` byte fallbacks: each at least as long in UTF-8 as the
+        text it stands for), added token's content or ``<unk>`` (one character, 4 bytes at most) covers at most
+        that many bytes. DeepSeek's file: 256 (128 spaces, as 128 two-byte ``Ġ``). No bound where text can
+        shrink or vanish before the model (a normalizer, a ``Removed`` split), where one token covers a run of
+        any length (a fused ``<unk>``, an added token with ``lstrip``/``rstrip`` eating the spaces beside it), or
+        where the file truncates. Read from the file's JSON once (some 0.3 s for DeepSeek's 129,280 tokens).
         """
         spec = json.loads(self._tok.to_str())
         norm, pre, model = spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("model") or {}
+        added = spec.get("added_tokens") or []
         if norm is not None and norm != {"type": "Sequence", "normalizers": []}:
+            return None
+        if spec.get("truncation") is not None or model.get("type") != "BPE":
+            return None
+        if model.get("unk_token") is not None and model.get(
+            "fuse_unk"
+        ):  # one <unk> for a run of unknown text
+            return None
+        if any(t.get("lstrip") or t.get("rstrip") for t in added):  # an added token eating the spaces by it
             return None
         pieces = (
             [] if pre is None else pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         )
         for piece in pieces:
-            kind = piece.get("type")
-            if kind not in _WHOLE_TEXT_PRE_TOKENIZERS or (
-                kind == "Split" and piece.get("behavior") == "Removed"
-            ):
+            if piece.get("type") not in _WHOLE_TEXT_PRE_TOKENIZERS or piece.get("behavior") == "Removed":
                 return None
-        if model.get("type") != "BPE":
-            return None
-        strings = [*model.get("vocab", {}), *(t.get("content", "") for t in spec.get("added_tokens") or [])]
+        # an <unk> stands for one character: at most 4 bytes, as long as U+10FFFF in UTF-8
+        strings = [*model.get("vocab", {}), *(t.get("content", "") for t in added), "\U0010ffff"]
         return max((len(s.encode("utf-8", "surrogatepass")) for s in strings), default=0) or None
 
     def least_tokens(self, text: str) -> int:

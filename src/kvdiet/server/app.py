@@ -137,8 +137,10 @@ def build_app(
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.server = ServerContext(loop, model_name, metrics, default_max_tokens)
+    # the last added is the outer one: the key is checked first (no body of a caller without one is read), then
+    # the body's size
+    app.add_middleware(_BodyCapMiddleware)
     if api_key:  # "" (``KVDIET_API_KEY=`` or ``--api-key ''``) is no key, as vLLM reads it
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(_BodyCapMiddleware)  # the outer one: a body too large is refused before anything else
     app.include_router(router)
     return app

@@ -212,8 +212,9 @@ def plan_runs(args: argparse.Namespace):
 
 
 def _check_report_dir(path: Path) -> None:
-    """Refuse, before any run, a report path that is a file or under no writable directory; creates nothing
-    (the report writer creates it once the runs succeed)."""
+    """Refuse, before any run, a report path that is a file or under no writable directory: a folder is made
+    in the nearest existing one and removed at once (``.kvdiet-report-check-*``); the report's own folder is made
+    by the report writer once the runs succeed."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"--report {path}: exists and is not a directory")
     parent = next(p for p in (path, *path.absolute().parents) if p.exists())
