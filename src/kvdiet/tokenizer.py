@@ -139,15 +139,17 @@ class Tokenizer:
             return None
         if spec.get("truncation") is not None or model.get("type") != "BPE":
             return None
-        if model.get("unk_token") is not None and model.get(
-            "fuse_unk"
-        ):  # one <unk> for a run of unknown text
+        # one <unk> for a run of unknown text; an added token eating the spaces beside it
+        if model.get("unk_token") is not None and model.get("fuse_unk"):
             return None
-        if any(t.get("lstrip") or t.get("rstrip") for t in added):  # an added token eating the spaces by it
+        if any(t.get("lstrip") or t.get("rstrip") for t in added):
             return None
-        pieces = (
-            [] if pre is None else pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-        )
+        if pre is None:
+            pieces = []
+        elif pre.get("type") == "Sequence":
+            pieces = pre.get("pretokenizers", [])
+        else:
+            pieces = [pre]
         for piece in pieces:
             if piece.get("type") not in _WHOLE_TEXT_PRE_TOKENIZERS or piece.get("behavior") == "Removed":
                 return None
@@ -161,12 +163,14 @@ class Tokenizer:
         count), where the tokenizer gives no bound (`longest_token_bytes`), and for text that is not valid
         Unicode (`encode` names its fault). Lets a prompt far past the context be refused before a tokenization
         that would take seconds and gigabytes (a 30 MB prompt: 20 s, 8 GB)."""
-        if len(text) < CHEAP_TEXT_BYTES // 4:  # 4 UTF-8 bytes a character at most: short in bytes too
+        # a text under a quarter of the size in characters is under it in bytes (4 UTF-8 bytes a character at most)
+        if len(text) < CHEAP_TEXT_BYTES // 4 or self.longest_token_bytes is None:
             return 0
-        longest, size = self.longest_token_bytes, len(text.encode("utf-8", "surrogatepass"))
-        if longest is None or size < CHEAP_TEXT_BYTES or unicode_fault(text) is not None:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:  # an unpaired surrogate: encode names it
             return 0
-        return -(-size // longest)
+        return -(-size // self.longest_token_bytes) if size >= CHEAP_TEXT_BYTES else 0
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``, no clean-up; special tokens kept as their text unless ``skip_special_tokens``."""

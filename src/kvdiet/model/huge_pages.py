@@ -6,9 +6,9 @@ few hundred MB take some 10⁵ page walks, and the hardware prefetchers stop at 
 pages one TLB entry covers 512 of them. torch's allocator leaves the page size to the kernel, which (with
 ``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvise``, a common default) gives huge pages only to a
 mapping that asks. Here each tensor is one private anonymous mapping, advised ``MADV_HUGEPAGE`` before it is
-first touched, its start on a 2 MiB boundary. Measured on v4.1-mini (2 cores, paired runs alternating with the
-same model on torch's allocations): the weights packed this way 0.6 ms of a 19 ms step at 4K and 0.8 ms of 28 ms at
-1M; the pool's pages 0.3 ms of 25 ms at 1M.
+first touched, its start on a 2 MiB boundary. Measured on v4.1-mini (``benchmarks/bench_layout.py``, 2 cores, the
+same model on torch's allocations in the same process): the packed weights 0.70–0.85 ms of an 18–20 ms step at 4K
+and 0.74–1.05 ms of 25–26 ms at 1M; the pool's pages a further 0.2–0.3 ms at 1M (nothing at 4K).
 
 The kernel may still serve 4 KiB pages (transparent huge pages off, or no free 2 MiB page): the tensor is the
 same, only slower to read.
@@ -54,9 +54,8 @@ def huge_page_zeros(
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    with contextlib.suppress(
-        AttributeError, OSError
-    ):  # not Linux, or a kernel without transparent huge pages
+    # no madvise (not Linux) or no transparent huge pages in the kernel: the mapping as it is
+    with contextlib.suppress(AttributeError, OSError):
         mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     out = whole[start : start + nbytes]
     if touch:
