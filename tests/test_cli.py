@@ -176,3 +176,30 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys) -> No
     monkeypatch.setattr(cli, "run_plan", broken)
     assert cli.main(["plan"]) == 2
     assert capsys.readouterr().err == "kvdiet plan: error: [Errno 32] Broken pipe\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [  # each also misses a required argument, which argparse reported instead of the mistyped flag
+        (["generate", "--promt", "hi"], "unrecognized arguments: --promt (did you mean --prompt?)"),
+        (["replay", "--mod", "engine"], "unrecognized arguments: --mod (did you mean --mode?)"),
+        (["fidelity", "--promps=x.txt"], "unrecognized arguments: --promps=x.txt (did you mean --prompts?)"),
+        # no required argument missing: argparse's own listing (values included), the suggestion added
+        (["plan", "--jsn"], "unrecognized arguments: --jsn (did you mean --json?)"),
+        (["plan", "--no-such-flag-at-all"], "unrecognized arguments: --no-such-flag-at-all"),
+    ],
+)
+def test_a_mistyped_flag_is_the_error_named(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"kvdiet {argv[0]}: error: {message}"
+
+
+def test_a_missing_argument_is_still_named_without_a_mistyped_flag(capsys) -> None:
+    # a value that looks like a negative number and anything after -- are no flags
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--max-tokens", "-5", "--", "--not-a-flag"])
+    assert exc.value.code == 2
+    assert "one of the arguments --prompt --prompt-file --prompt-ids is required" in capsys.readouterr().err

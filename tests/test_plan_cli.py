@@ -387,3 +387,11 @@ def test_the_capacity_line_reads_like_its_warning(capsys) -> None:
     assert round(8 * float(total) - float(weights), 2) == float(budget)
     assert main(["plan", "--num-gpus", "1000000"]) == 0
     assert "Capacity: 1,000,000 × h200 (141 GB)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_huge_weights_print_in_scientific_notation(capsys) -> None:
+    """``--weights-gb 1e30`` printed a 40-digit figure on the capacity line and in its warning."""
+    assert main(["plan", "--weights-gb", "1e30"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "− weights 1.000e+30 GB (flag) = 0.00 GB for KV → 0 sessions" in out
+    assert "the weights (1.000e+30 GB) do not fit in 8 × 141 GB = 1,128.0 GB" in out

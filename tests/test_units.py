@@ -136,3 +136,13 @@ def test_unbounded_is_taken_only_where_it_is_the_default() -> None:
         ValueError, match=r"^token count 'unbounded': this one needs a bound \(examples: 4096"
     ):
         parse_count("unbounded")
+
+
+def test_format_gb_keeps_huge_values_short() -> None:
+    from kvdiet.units import format_gb
+
+    assert format_gb(1234.5) == "1,234.50"
+    assert format_gb(298.049, 1) == "298.0"
+    assert format_gb(999_999_999_999.0, 0) == "999,999,999,999"
+    assert format_gb(1e30) == "1.000e+30"  # fixed point printed 40 digits
+    assert format_gb(-2e15) == "-2.000e+15"

@@ -8,12 +8,14 @@ kvdiet), ``fidelity`` (`kvdiet.fidelity.command`) — and turns their errors int
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import re
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -43,13 +45,51 @@ class _ArgumentParser(argparse.ArgumentParser):
     - no abbreviated flags: ``--max-num-seq`` is an error, never ``--max-num-seqs`` (``allow_abbrev``);
     - an argument that starts with a dash and a digit is a value, not a flag (argparse only takes
       ``-5`` or ``-0.5`` so), so ``--swa-pool-ttl -5m`` gets the flag's own error ("must be > 0") instead of
-      "expected one argument". No ``kvdiet`` flag looks like a negative number.
+      "expected one argument". No ``kvdiet`` flag looks like a negative number;
+    - a flag it does not know is the error reported, before a required argument found missing (argparse checks
+      those first: ``generate --promt hi`` said "one of the arguments --prompt ... is required"), with the flag
+      it comes closest to: ``unrecognized arguments: --promt (did you mean --prompt?)``.
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-\.?\d")
+        self._given: list[str] = []  # the arguments of the last parse (a sub-command's: those after its name)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        """argparse's error (usage, the message, exit status 2), an unknown flag first (class docstring)."""
+        unknown = self._unknown_flags()
+        if unknown and "required" in message:  # argparse's missing-argument errors
+            message = f"unrecognized arguments: {' '.join(unknown)}"
+        if message.startswith("unrecognized arguments:"):
+            known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+            close = [
+                match[0]
+                for flag in unknown
+                if (match := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.6))
+            ]
+            if close:
+                message += f" (did you mean {', '.join(close)}?)"
+        super().error(message)
+
+    def _unknown_flags(self) -> list[str]:
+        """The last parse's arguments that look like flags this parser does not have (``--name`` or
+        ``--name=value``; none after ``--``; a negative number is a value)."""
+        unknown = []
+        for arg in self._given:
+            if arg == "--":
+                break
+            flag = arg[:1] == "-" and arg != "-" and not self._negative_number_matcher.match(arg)
+            if flag and arg.split("=", 1)[0] not in self._option_string_actions:
+                unknown.append(arg)
+        return unknown
 
     def _read_args_from_files(self, arg_strings: list[str], depth: int = 0) -> list[str]:
         """argparse's ``@FILE`` expansion (one argument per line, an ``@FILE`` inside read in turn), each file read

@@ -213,6 +213,12 @@ def format_bytes(num: float) -> str:
     return f"{num:g} B"
 
 
+def format_gb(gb: float, decimals: int = 2) -> str:
+    """A number of GB with thousands separators and ``decimals`` places, ``1234.5`` → ``'1,234.50'``; past
+    1e12 (a zettabyte) in scientific notation, ``1e30`` → ``'1.000e+30'`` (fixed point printed 40 digits)."""
+    return f"{gb:,.{decimals}f}" if abs(gb) < 1e12 else f"{gb:.3e}"
+
+
 def format_duration(seconds: float) -> str:
     """Seconds in the largest unit of ms, s, min, h that keeps the number >= 1: ``259200`` → ``'72 h'``,
     ``300`` → ``'5 min'``, ``90`` → ``'1.5 min'``, ``30`` → ``'30 s'``, ``0.25`` → ``'250 ms'`` (at most

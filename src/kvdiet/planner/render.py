@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.units import format_bytes, format_count, format_tokens
+from kvdiet.units import format_bytes, format_count, format_gb, format_tokens
 
 __all__ = ["render_compare", "render_report"]
 
@@ -113,9 +113,10 @@ def render_report(report: dict[str, Any], console: Console) -> None:
 
     c = report["capacity"]
     console.print(
-        f"Capacity: {c['num_gpus']:,} × {c['gpu']} ({c['gpu_mem_gb']:,g} GB) − weights {c['weights_gb']:,.2f} GB "
-        f"({c['weights_source']}) = {c['kv_budget_gb']:,.2f} GB for KV → [bold]{format_count(c['sessions'])}[/bold] "
-        f"sessions of {format_tokens(c['context'])} ({format_bytes(c['bytes_per_session'])} each)"
+        f"Capacity: {c['num_gpus']:,} × {c['gpu']} ({c['gpu_mem_gb']:,g} GB) − weights "
+        f"{format_gb(c['weights_gb'])} GB ({c['weights_source']}) = {format_gb(c['kv_budget_gb'])} GB for KV → "
+        f"[bold]{format_count(c['sessions'])}[/bold] sessions of {format_tokens(c['context'])} "
+        f"({format_bytes(c['bytes_per_session'])} each)"
     )
     if c["warning"]:
         console.print(f"[bold yellow]warning:[/bold yellow] {c['warning']}", highlight=False)
@@ -177,6 +178,6 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     cap_a, cap_b = a["capacity"], b["capacity"]  # the same devices and context; the weights are each config's
     console.print(
         f"Capacity of both: {cap_a['num_gpus']:,} × {cap_a['gpu']} ({cap_a['gpu_mem_gb']:,g} GB), sessions of "
-        f"{format_tokens(cap_a['context'])}, after the weights: {a['config']} {cap_a['weights_gb']:,.2f} GB "
-        f"({cap_a['weights_source']}), {b['config']} {cap_b['weights_gb']:,.2f} GB ({cap_b['weights_source']})"
+        f"{format_tokens(cap_a['context'])}, after the weights: {a['config']} {format_gb(cap_a['weights_gb'])} GB "
+        f"({cap_a['weights_source']}), {b['config']} {format_gb(cap_b['weights_gb'])} GB ({cap_b['weights_source']})"
     )

@@ -17,6 +17,7 @@ from kvdiet.cache.policies import parse_policy
 from kvdiet.cache.spec import CacheSpec
 from kvdiet.config import DenseConfig, ModelConfig
 from kvdiet.layer_plan import LayerPlan
+from kvdiet.units import format_gb
 from kvdiet.weights import estimate_weights
 
 __all__ = ["GPUS", "PlanOptions", "all_full_config", "compare_reports", "plan_report"]
@@ -278,8 +279,8 @@ def _capacity(cfg: ModelConfig | DenseConfig, spec: CacheSpec, opts: PlanOptions
     warning = None
     if weights_bytes >= total and weights_bytes > 0:  # no weights never fail to fit (a 0-byte device)
         warning = (
-            f"the weights ({weights_bytes / 1e9:,.1f} GB) do not fit in {opts.num_gpus:,} × "
-            f"{opts.gpu_mem_gb:g} GB = {total / 1e9:,.1f} GB: nothing is left for the KV cache"
+            f"the weights ({format_gb(weights_bytes / 1e9, 1)} GB) do not fit in {opts.num_gpus:,} × "
+            f"{opts.gpu_mem_gb:g} GB = {format_gb(total / 1e9, 1)} GB: nothing is left for the KV cache"
         )
     elif budget < per_session:
         warning = (
