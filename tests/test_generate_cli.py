@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -217,3 +218,49 @@ def test_a_missing_prompt_file_is_one_line_naming_the_flag(capsys, tmp_path) -> 
         "kvdiet generate: error: --prompt-file /dev/zero: more than 67,108,864 bytes, the most a text file may "
         "hold here\n"
     )
+
+
+def test_a_persistent_dir_that_cannot_be_a_folder_is_refused_before_the_model_loads(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    """A given --persistent-dir under a file once turned the tier off with a warning and ran without it."""
+    import kvdiet.model.build
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvdiet.model.build, "load_model", no_load)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", "--persistent-dir"]
+    assert main([*argv, str(afile / "kv")]) == 2
+    assert capsys.readouterr().err == (
+        f"kvdiet generate: error: --persistent-dir: {str(afile / 'kv')!r} lies under {str(afile)!r}, which is "
+        "not a folder\n"
+    )
+    assert main([*argv, str(afile)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"kvdiet generate: error: --persistent-dir: {str(afile)!r} is not a folder\n"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # nothing made
+
+
+def test_check_folder_takes_a_folder_to_be_made_and_makes_nothing(tmp_path) -> None:
+    from kvdiet.storage.folders import check_folder
+
+    deep = tmp_path / "a" / "b" / "c"
+    assert check_folder(str(deep)) == str(deep) and not (tmp_path / "a").exists()
+    assert check_folder(str(tmp_path)) == str(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root: permissions are not checked; the mode says nothing
+            assert check_folder(str(locked / "kv")) == str(locked / "kv")
+        else:
+            with pytest.raises(
+                ValueError, match=r"its nearest existing part, .* is not writable by this process"
+            ):
+                check_folder(str(locked / "kv"))
+    finally:
+        locked.chmod(0o700)

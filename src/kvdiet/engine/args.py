@@ -23,6 +23,7 @@ from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.engine.pool_specs import check_pool_specs
 from kvdiet.layer_plan import LayerPlan
 from kvdiet.setting_error import SettingError
+from kvdiet.storage.folders import check_folder
 from kvdiet.storage.mooncake_urls import check_mooncake_spec
 from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
 from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_count, parse_duration, parse_flag
@@ -122,6 +123,7 @@ class EngineArgs:
             "fp32: unquantised caches (~9x the bytes)",
         )
         _add_cache_args(parser.add_argument_group("cache system"), persistent_default=persistent_default)
+        parser.set_defaults(persistent_default=persistent_default)  # a folder other than it was given
         return parser
 
     @classmethod
@@ -363,22 +365,18 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     cfg = load_config(args.model)
     if isinstance(cfg, ModelConfig) and args.block_size is not None:  # before the model loads (seconds+)
         parse_flag("--block-size", LayerPlan.from_config(cfg).check_block_size, args.block_size)
-    if args.global_pool is None:
-        given = [
-            f
-            for f, v in (
-                ("--global-pool-size", args.global_pool_size),
-                ("--global-pool-ttl", args.global_pool_ttl),
-            )
-            if v
-        ]
-        if given:
-            raise ValueError(f"{given[0]}: no --global-pool is given (mooncake://HOST[:PORT])")
+    pool_flags = {"--global-pool-size": args.global_pool_size, "--global-pool-ttl": args.global_pool_ttl}
+    if args.global_pool is None and (given := [flag for flag, value in pool_flags.items() if value]):
+        raise ValueError(f"{given[0]}: no --global-pool is given (mooncake://HOST[:PORT])")
+    # none in any case (NONE made a folder of that name); a folder given on the command line that cannot be used
+    # is an error (the default one's failure is a warning when it opens: the tier is then off)
+    persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
+    if persistent is not None and persistent != getattr(args, "persistent_default", None):
+        parse_flag("--persistent-dir", check_folder, persistent)
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,  # None: the model's (for_model)
-        # none in any case (NONE made a folder of that name)
-        persistent_dir=None if str(args.persistent_dir).lower() == "none" else args.persistent_dir,
+        persistent_dir=persistent,
         persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
         persistent_size=parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size),
         swa_pool=check_swa_pool_spec(args.swa_pool),
