@@ -203,3 +203,17 @@ def test_a_missing_argument_is_still_named_without_a_mistyped_flag(capsys) -> No
         main(["generate", "--max-tokens", "-5", "--", "--not-a-flag"])
     assert exc.value.code == 2
     assert "one of the arguments --prompt --prompt-file --prompt-ids is required" in capsys.readouterr().err
+
+
+def test_a_byte_order_mark_is_no_part_of_a_text_file(capsys, tmp_path) -> None:
+    """A UTF-8 file saved with a byte-order mark (Windows editors) gave a prompt an extra first token, and an
+    ``@FILE`` a first argument '\\ufeff--flag' that no parser knows."""
+    from kvdiet.text_files import read_text
+
+    marked = tmp_path / "bom.txt"
+    marked.write_bytes(b"\xef\xbb\xbfhello\r\nworld\xef\xbb\xbf")
+    assert read_text(marked) == "hello\nworld\ufeff"  # only the leading mark is dropped
+    args = tmp_path / "args.txt"
+    args.write_bytes("\ufeff--json\n".encode())
+    assert main(["plan", f"@{args}", "--context", "0"]) == 2  # --json taken: --context's own error follows
+    assert capsys.readouterr().err == "kvdiet plan: error: --context must be > 0, got 0\n"

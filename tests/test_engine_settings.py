@@ -398,3 +398,46 @@ def test_numpy_ints_are_taken_as_ints_as_sampling_params_and_max_model_len_take_
     assert args.expert_cache_bytes == 5 and type(args.expert_cache_bytes) is int
     with pytest.raises(TypeError, match="max_num_seqs must be an int"):
         SchedulerConfig(np.float64(8.0))
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_anything_is_allocated(monkeypatch, capsys) -> None:
+    """``--kv-cache-memory 100GB`` on a 24 GB machine filled the pool until the kernel's OOM killer ended it."""
+    from kvdiet.model.build import load_model
+    from kvdiet.model.memory import InsufficientMemoryError, available_memory_bytes
+
+    monkeypatch.setattr("kvdiet.model.build.load_model", _no_load)
+    huge = 10**15  # 1 PB: past any machine's memory
+    with pytest.raises(SettingError) as info:
+        LLM("v4.1-micro", cache=CacheOptions(kv_cache_memory=huge))
+    assert str(info.value).startswith(
+        "kv_cache_memory: the KV cache needs ~1,000,000.0 GB; this machine has "
+    )
+    assert info.value.as_flags().startswith("--kv-cache-memory: the KV cache needs ~1,000,000.0 GB")
+    argv = ["serve", "--model", "v4.1-micro", "--port", str(free_port()), "--kv-cache-memory", "1000000GB"]
+    assert main([*argv, "--persistent-dir", "none"]) == 2
+    assert capsys.readouterr().err.startswith("kvdiet serve: error: --kv-cache-memory: the KV cache needs ~")
+    argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2", "--kv-cache-memory", "1000000GB"]
+    assert main(argv) == 2  # without --max-model-len too (the pool is sized all the same)
+    assert capsys.readouterr().err.startswith(
+        "kvdiet generate: error: --kv-cache-memory: the KV cache needs ~"
+    )
+    # the pool itself checks before it allocates (generate, a model used on its own)
+    model, _ = load_model("v4.1-micro")
+    blocks = available_memory_bytes() // model.new_pool(1).block_bytes * 2 + 1
+    with pytest.raises(InsufficientMemoryError, match=rf"a KV-cache pool of {blocks:,} blocks needs ~"):
+        model.new_pool(blocks)
+    pool = model.new_pool(1)
+    with pytest.raises(InsufficientMemoryError, match=rf"a KV-cache pool grown to {blocks + 1:,} blocks"):
+        pool._grow(blocks)
+    assert pool.num_blocks == 1  # nothing grown
+
+
+def test_fp8_numerics_without_a_checkpoint_is_refused(capsys) -> None:
+    """Random weights are dense: ``--numerics fp8`` without ``--weights`` ran bf16 and said so only in its table."""
+    with pytest.raises(SettingError) as info:
+        LLM("v4.1-micro", numerics="fp8")
+    assert str(info.value) == "numerics='fp8' goes with weights (random weights are always bf16)"
+    assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2", "--numerics", "fp8"]) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet generate: error: --numerics fp8 goes with --weights (random weights are always bf16)\n"
+    )

@@ -395,3 +395,17 @@ def test_huge_weights_print_in_scientific_notation(capsys) -> None:
     out = " ".join(capsys.readouterr().out.split())
     assert "− weights 1.000e+30 GB (flag) = 0.00 GB for KV → 0 sessions" in out
     assert "the weights (1.000e+30 GB) do not fit in 8 × 141 GB = 1,128.0 GB" in out
+
+
+def test_a_bad_config_file_is_named_in_its_error(capsys, tmp_path) -> None:
+    """``plan --compare bad.json deepseek-v4-flash`` said ``vocab_size must be > 0, got 0``: of which config?"""
+    import json
+
+    from kvdiet.config import PRESETS, config_dir
+
+    raw = json.loads((config_dir() / PRESETS["deepseek-v4.1-flash"]).read_text())
+    raw.get("text_config", raw)["vocab_size"] = 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    assert main(["plan", "--compare", str(bad), "deepseek-v4-flash"]) == 2
+    assert capsys.readouterr().err == f"kvdiet plan: error: {bad}: vocab_size must be > 0, got 0\n"

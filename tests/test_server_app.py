@@ -381,6 +381,11 @@ def test_models_health_and_metrics(mini, client) -> None:
     assert status == 404 and "the model 'other' does not exist; this server serves 'v4.1-mini'" in text
     assert _get(base, "/health", "HEAD") == (200, "") and _get(base, "/v1/models", "HEAD") == (200, "")
     assert _get(base, "/health")[0] == 200
+    # every operation its own id (GET and HEAD of one function shared one: a schema client generators refuse)
+    schema = json.loads(_get(base, "/openapi.json")[1])
+    ids = [op["operationId"] for item in schema["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)) and {"/health", "/v1/models"} <= set(schema["paths"])
+    assert "get" in schema["paths"]["/health"] and "head" not in schema["paths"]["/health"]
     client.completions.create(model="v4.1-mini", prompt="metrics " * 150, max_tokens=1)
     # two tokens: one inter-token interval of its own (the test holds also when run alone)
     client.completions.create(

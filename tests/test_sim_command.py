@@ -274,6 +274,7 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--sweep", "swa-pool-ttl=abc"], "--sweep: cannot parse duration 'abc'"),
         (["--sweep", "none", "--sweep", "swa-pool-ttl=1m"], "cannot be combined with another --sweep"),
         (["--runs", "bounded-replay,exact-recompute,bounded-replay"], "--runs: bounded-replay given twice"),
+        (["--runs", "bounded-replay,,full-store"], "--runs: item 2 is empty (runs are comma-separated)"),
         (["--global-pool-size", "-1GB"], "--global-pool-size: "),
         (["--global-pool-ttl", "0s"], "--global-pool-ttl: duration must be > 0"),
         (["--threads", "0"], "--threads must be between 1 and"),  # refused in model-free mode too
@@ -672,3 +673,26 @@ def test_engine_progress_lines_show_a_slow_rate(capsys) -> None:
         "engine bounded-replay 2/3 requests (66.7%), 46.0 s, 0.043 requests/s, about 23 s left",
         "engine bounded-replay 3/3 requests (100.0%), 69.0 s, 0.043 requests/s",
     ]
+
+
+def test_the_default_checkpoint_runs_fit_their_period_to_the_traces_blocks(tmp_path: Path, capsys) -> None:
+    """A generic trace of 100-token blocks was refused with the default runs (checkpoint:4096 is no multiple of
+    100), which the user never named; a period the user names is still refused with one that fits."""
+    path = tmp_path / "g.jsonl"
+    head = {"format": "kvdiet-trace", "version": 1, "block_size": 100}
+    rows = [
+        {"arrival_s": t, "input_length": 500, "output_length": 5, "hash_ids": [1, 2, 3, 4, 5]} for t in (0, 1)
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in [head, *rows]) + "\n")
+    assert main(["replay", str(path), "--sweep", "none", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if "runs as" in line] == [
+        f"kvdiet replay: checkpoint:{k} @ deepseek-v4.1-flash runs as checkpoint:{fit} @ deepseek-v4.1-flash (its "
+        "period in whole 100-token blocks)"
+        for k, fit in ((4096, 4100), (16384, 16400))
+    ]
+    names = [r["policy"] for r in json.loads(out)["runs"]]
+    assert "checkpoint:4100" in names and "checkpoint:16400" in names
+    assert not any("4096" in n or "16384" in n for n in names)
+    assert main(["replay", str(path), "--sweep", "none", "--runs", "checkpoint:4096"]) == 2
+    assert "(e.g. checkpoint:4100)" in capsys.readouterr().err

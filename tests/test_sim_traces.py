@@ -494,3 +494,30 @@ def test_a_wrong_csv_header_is_named_in_one_short_line(tmp_path: Path) -> None:
     assert len(message) < 300 + len(str(path))
     first = '{"timestamp": 0, "input_length": 2560000, "output_length": 5'  # its first 60 characters, quoted
     assert message.endswith(f"got {json.dumps(first)}...")
+
+
+@pytest.mark.parametrize(
+    ("stamps", "complaint"),
+    [
+        (
+            ["2023-11-16 18:17:03", "2023-11-16 18:17:04Z"],
+            "'2023-11-16 18:17:04Z' has a time zone where the first row's has none",
+        ),
+        (
+            ["2023-11-16 18:17:03+00:00", "2023-11-16 18:17:04"],
+            "'2023-11-16 18:17:04' has no time zone where the first row's has one",
+        ),
+    ],
+)
+def test_an_azure_row_mixing_time_zones_is_a_malformed_line(
+    tmp_path: Path, stamps: list[str], complaint: str
+) -> None:
+    """A time zone on some TIMESTAMPs only was a TypeError out of `kvdiet replay` (naive minus aware)."""
+    path = tmp_path / "azure.csv"
+    rows = [f"{stamps[0]},4808,10", f"{stamps[1]},100,1", "2023-11-16 18:17:05" + stamps[0][19:] + ",50,2"]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    trace = read_trace(path)
+    assert trace.errors == [f"{path}:3: TIMESTAMP {complaint} (give every row one, or none)"]
+    assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 4808), (2.0, 50)]
+    with pytest.raises(TraceError, match="has"):
+        read_trace(path, strict=True)

@@ -23,8 +23,8 @@ from kvdiet import __version__
 from kvdiet.cache.block_pool import NoFreeBlocksError
 from kvdiet.config import ConfigError
 from kvdiet.device import add_device_arg, check_device
-from kvdiet.engine.args import add_numerics_arg
 from kvdiet.engine.command import add_generate_parser, run_generate
+from kvdiet.engine.weights_args import add_numerics_arg
 from kvdiet.fidelity.command import add_fidelity_parser, run_fidelity
 from kvdiet.planner.command import add_plan_parser, run_plan
 from kvdiet.server.serve import add_serve_parser, run_serve

@@ -251,7 +251,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
     """Load a preset by name or a config file by path; V4-family files give `ModelConfig`, others `DenseConfig`.
 
     Raises:
-        ConfigError: unknown preset and no such file, or an invalid config.
+        ConfigError: unknown preset and no such file, or an invalid config (a file's named first).
     """
     text = str(name_or_path)
     if text in PRESETS:
@@ -261,12 +261,13 @@ def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
         if not path.is_file():
             raise ConfigError(f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
     model_type = _flatten_text_config(_read_json(path)).get("model_type")
-    if model_type in V41_MODEL_TYPES + V4_MODEL_TYPES:
-        return ModelConfig.from_hf_json(path, name=name)
-    return DenseConfig.from_hf_json(path, name=name)
-
-
-# --- reading ----------------------------------------------------------------------------------------
+    kind = ModelConfig if model_type in V41_MODEL_TYPES + V4_MODEL_TYPES else DenseConfig
+    try:
+        return kind.from_hf_json(path, name=name)
+    except ConfigError as exc:  # a file's field: the file named (``plan --compare A B``: which of the two)
+        if name is not None or str(path) in str(exc):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 _CONFIG_BYTES_MAX = 1 << 24  # a config.json is kilobytes; a larger file is not one (read no further)

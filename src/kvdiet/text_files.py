@@ -17,7 +17,9 @@ MAX_TEXT_BYTES = 64 << 20
 
 def read_text(path: str | Path, *, cap: int = MAX_TEXT_BYTES) -> str:
     """The text of ``path``, read once (a pipe is read as it comes), with universal newlines (``\\r\\n`` and
-    ``\\r`` read as ``\\n``, as `pathlib.Path.read_text` reads them).
+    ``\\r`` read as ``\\n``, as `pathlib.Path.read_text` reads them) and without a leading byte-order mark
+    (U+FEFF, as Windows editors save UTF-8: it is no part of the text, and would be a prompt's first token or
+    part of an ``@FILE``'s first argument).
 
     Raises:
         ValueError: one line that starts with ``path``: the system's reason in lower case (``no such file or
@@ -34,7 +36,7 @@ def read_text(path: str | Path, *, cap: int = MAX_TEXT_BYTES) -> str:
     if len(data) > cap:
         raise ValueError(f"{path}: more than {cap:,} bytes, the most a text file may hold here")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # utf-8, a leading byte-order mark dropped
     except UnicodeDecodeError as exc:  # a binary file: refused, not read as text of U+FFFD
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")

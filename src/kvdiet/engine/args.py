@@ -21,6 +21,7 @@ from kvdiet.cache.options import CacheOptions
 from kvdiet.cache.policies import parse_policy
 from kvdiet.config import NUMERICS, ModelConfig, load_config, model_config_path
 from kvdiet.engine.pool_specs import check_pool_specs
+from kvdiet.engine.weights_args import add_weights_args, expert_cache_bytes, resolve_model
 from kvdiet.layer_plan import LayerPlan
 from kvdiet.setting_error import SettingError
 from kvdiet.storage.folders import check_folder
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from kvdiet.engine.scheduler import SchedulerConfig
     from kvdiet.storage.swa_pool import SwaPool
 
-__all__ = ["KV_CACHE_DTYPES", "EngineArgs", "add_numerics_arg", "resolve_model"]
+__all__ = ["KV_CACHE_DTYPES", "EngineArgs"]
 
 KV_CACHE_DTYPES = {
     "auto": False,  # the model's packed formats: FP4 main KV, MXFP4 index keys, FP8 window (v41-spec §4)
@@ -109,7 +110,7 @@ class EngineArgs:
         ``--kv-cache-dtype`` and the cache-system group (``--kv-cache-memory``, ``--block-size``,
         ``--persistent-*``, ``--swa-*``, prefix caching) to ``parser``; ``persistent_default`` is
         ``--persistent-dir``'s default (None: no persistent tier). Returns ``parser``."""
-        _add_weights_args(parser)
+        add_weights_args(parser)
         parser.add_argument(
             "--max-model-len",
             help="longest prompt + output in tokens, e.g. 32K; one request of it must fit --kv-cache-memory "
@@ -141,7 +142,7 @@ class EngineArgs:
             seed=args.seed,
             weights=args.weights,
             numerics=args.numerics,
-            expert_cache_bytes=_expert_cache_bytes(args),
+            expert_cache_bytes=expert_cache_bytes(args),
             kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=None
             if args.max_model_len is None
@@ -153,8 +154,9 @@ class EngineArgs:
 
     def validate(self) -> None:
         """Every check that needs the config but not the weights: the block size, the KV-cache budget in
-        blocks, the checkpoint period and ``max_model_len`` against both. ``kvdiet serve`` runs it before it
-        binds its port, so a bad flag is reported as itself even when the port is busy.
+        blocks and on the CPU in the memory available (`check_kv_memory`), the checkpoint period and
+        ``max_model_len`` against both. ``kvdiet serve`` runs it before it binds its port, so a bad flag is
+        reported as itself even when the port is busy.
 
         Raises:
             ConfigError: a bad model. SettingError (a ValueError): a bad setting, one line, named as its keyword
@@ -162,12 +164,35 @@ class EngineArgs:
         """
         from kvdiet.engine.max_model_len import check_max_model_len
         from kvdiet.engine.runner import pool_num_blocks
+
+        geometry = self.check_kv_memory()
+        if geometry is None:
+            return  # create_engine refuses the model with its own message
+        limit, cache, block_bytes = geometry
+        check_max_model_len(
+            self.max_model_len,
+            limit=limit,
+            block_size=cache.block_size,
+            num_blocks=pool_num_blocks(cache, block_bytes),
+            block_bytes=block_bytes,
+        )
+
+    def check_kv_memory(self) -> tuple[int, CacheOptions, int] | None:
+        """The block size, the KV-cache budget in blocks and, on the CPU, in this machine's available memory (a
+        GPU's pool lies on the GPU; the weights are checked as they load): ``(max_position_embeddings, the
+        model's cache options, bytes a block)``, or None for a config that is no V4-family model's.
+
+        Raises:
+            ConfigError, SettingError: as `validate`.
+        """
+        from kvdiet.engine.runner import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
+        from kvdiet.model.memory import InsufficientMemoryError, check_fits
         from kvdiet.model.paged_pool import DevicePool
 
         cfg = self._config()
         if not isinstance(cfg, ModelConfig):
-            return  # create_engine refuses it with the model's own message
+            return None
         cache = self.cache.for_model(v4_flash=not cfg.is_v41)
         plan, bs = LayerPlan.from_config(cfg), cache.block_size
         try:
@@ -182,13 +207,12 @@ class EngineArgs:
         ratios = {s: plan[s].compress_ratio for s in plan.kv_sources}
         indexed = frozenset(s for s in plan.kv_sources if plan[s].owns_index_keys)
         block_bytes = DevicePool(ratios, codecs, block_size=bs, num_blocks=1, indexed=indexed).block_bytes
-        check_max_model_len(
-            self.max_model_len,
-            limit=cfg.max_position_embeddings,
-            block_size=bs,
-            num_blocks=pool_num_blocks(cache, block_bytes),
-            block_bytes=block_bytes,
-        )
+        if self.device == "cpu":
+            try:
+                check_fits("the KV cache", pool_num_blocks(cache, block_bytes) * block_bytes)
+            except InsufficientMemoryError as exc:
+                raise SettingError("{kv_cache_memory}: {reason}", reason=exc) from None
+        return cfg.max_position_embeddings, cache, block_bytes
 
     def create_engine(
         self, *, observer: EngineObserver | None = None, swa_pool: SwaPool | None = None
@@ -241,51 +265,6 @@ def _default_scheduler() -> SchedulerConfig:
     from kvdiet.engine.scheduler import SchedulerConfig  # torch-free command line: loaded with the engine
 
     return SchedulerConfig()
-
-
-def _add_weights_args(parser: argparse.ArgumentParser) -> None:
-    """``--weights``, ``--numerics`` and ``--expert-cache-size`` (generate, serve)."""
-    parser.add_argument(
-        "--weights",
-        help="checkpoint instead of random weights: a folder with config.json and safetensors (one file, or "
-        "shards with model.safetensors.index.json; DeepSeek's released layout) or one .safetensors file",
-    )
-    add_numerics_arg(parser)
-    parser.add_argument(
-        "--expert-cache-size",
-        help="routed-expert bytes to keep in memory with --weights, e.g. 20GB; experts are read from the "
-        "checkpoint on first use (default: all of them when they fit, else 80%% of the memory left)",
-    )
-
-
-def resolve_model(args: argparse.Namespace) -> None:
-    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place)."""
-    if args.model is None:
-        found = model_config_path(args.weights)
-        if args.weights is not None and found is None:
-            raise ValueError(f"--weights {args.weights} has no config.json beside it; give --model")
-        args.model = str(found) if found is not None else "v4.1-mini"
-
-
-def _expert_cache_bytes(args: argparse.Namespace) -> int | None:
-    """``--expert-cache-size`` in bytes (None: automatic)."""
-    if args.expert_cache_size is None:
-        return None
-    if args.weights is None:
-        raise ValueError("--expert-cache-size goes with --weights (random weights keep every expert)")
-    return parse_flag("--expert-cache-size", parse_bytes, args.expert_cache_size)
-
-
-def add_numerics_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--numerics`` (generate, serve, golden): how FP8/FP4-stored weights compute."""
-    parser.add_argument(
-        "--numerics",
-        choices=NUMERICS,
-        default="auto",
-        help="fp8: FP8 activations before every FP8/FP4 linear, as DeepSeek's reference runs the release; "
-        "bf16: weights dequantised on load, plain fp32 matmuls; auto (default): fp8 when the checkpoint's "
-        "quantization_config says fp8 (random weights are always bf16)",
-    )
 
 
 def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:

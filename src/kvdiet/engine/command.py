@@ -160,6 +160,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:
         engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool
+    else:
+        engine_args.check_kv_memory()  # the pool fits in memory (no request length to hold it against)
     model, tokenizer = load_model(
         engine_args.model,
         seed=engine_args.seed,

@@ -11,8 +11,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvdiet.engine.args import add_numerics_arg, resolve_model
 from kvdiet.engine.progress import StepProgress
+from kvdiet.engine.weights_args import add_numerics_arg, resolve_model
 from kvdiet.text_files import read_text
 from kvdiet.units import comma_items, parse_count, parse_flag
 

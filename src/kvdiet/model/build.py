@@ -63,7 +63,8 @@ def load_model(
             whose stored map does not fit the config (the file named).
         kvdiet.model.loader.WeightsError: the weights do not fit the config.
         kvdiet.model.memory.InsufficientMemoryError: the model cannot fit in memory (before any allocation).
-        ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`).
+        ValueError: a device other than the CPU for a V4-Flash model or without CUDA (`kvdiet.device`);
+            ``numerics="fp8"`` without ``weights`` (a `kvdiet.setting_error.ConfigSettingError`).
 
     On the CPU the compiled kernels are loaded here (built on a machine's first use, about a minute), so the
     first forward's time is the forward's, and (unless ``pack`` is False: a benchmark's baseline) a V4.1 model's
@@ -71,6 +72,8 @@ def load_model(
     same values).
     """
     check_device(device)
+    if numerics == "fp8" and weights is None:  # random weights are dense fp32: no FP8 linear to run
+        raise ConfigSettingError("{numerics=fp8} goes with {weights} (random weights are always bf16)")
     if device == "cpu":
         native.fp4_kernels()
     if name_or_path is None:

@@ -15,6 +15,7 @@ the byte layout of one block (`block_bytes`, `read_block`, `write_block`) that t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -24,6 +25,7 @@ from kvdiet.formats.codec import CacheCodecs, Codec
 from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE
 from kvdiet.model.block_ids import BlockAllocator, PrivateBlocks
 from kvdiet.model.huge_pages import huge_page_zeros
+from kvdiet.model.memory import check_fits
 
 __all__ = ["DevicePool"]
 
@@ -49,7 +51,8 @@ class DevicePool:
         huge_pages: on the CPU, the pages on transparent huge pages (`kvdiet.model.huge_pages`; the same bytes,
             read faster); False keeps torch's allocations (a benchmark's baseline: ``bench_layout.py``).
     Raises:
-        ValueError: bad block size or count, an allocator of another size, no KV-source layer.
+        ValueError: bad block size or count, an allocator of another size, no KV-source layer; on the CPU,
+            pages that do not fit in the memory available (`kvdiet.model.memory.InsufficientMemoryError`).
     """
 
     def __init__(
@@ -83,13 +86,15 @@ class DevicePool:
             layer: tuple(k for k in KINDS if k == "main" or indexed is None or layer in indexed)
             for layer in self.ratios
         }
-        self._data = {
-            (layer, kind): self._zeros(
-                (num_blocks, block_size // r, self.codecs[kind].width), self.codecs[kind].dtype
-            )
+        shapes = {
+            (layer, kind): ((num_blocks, block_size // r, self.codecs[kind].width), self.codecs[kind].dtype)
             for layer, r in self.ratios.items()
             for kind in self._kinds[layer]
         }
+        if self.device.type == "cpu":  # one line, not the allocator's error or the OOM killer
+            need = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+            check_fits(f"a KV-cache pool of {num_blocks:,} blocks", need)
+        self._data = {key: self._zeros(shape, dtype) for key, (shape, dtype) in shapes.items()}
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Zeroed pages on the pool's device; on the CPU on huge pages (`kvdiet.model.huge_pages`: a decode step's
@@ -131,6 +136,11 @@ class DevicePool:
         return self.blocks.allocate(n)
 
     def _grow(self, extra: int) -> None:
+        if self.device.type == "cpu":  # the new pages, while the old are copied over
+            check_fits(
+                f"a KV-cache pool grown to {self.num_blocks + extra:,} blocks",
+                self.block_bytes * (self.num_blocks + extra),
+            )
         for key, t in self._data.items():
             grown = self._zeros((t.shape[0] + extra, *t.shape[1:]), t.dtype)
             grown[: t.shape[0]] = t

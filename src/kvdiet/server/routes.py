@@ -64,7 +64,10 @@ Context = Annotated[ServerContext, Depends(_context)]
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: a load balancer's probe
+# HEAD (a load balancer's probe) out of the schema: OpenAPI gives each operation an id of its own, and FastAPI
+# names GET and HEAD of one function alike
+@router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health(ctx: Context) -> Response:
     if ctx.loop.healthy:
         return Response(status_code=200)
@@ -78,7 +81,8 @@ async def prometheus(ctx: Context) -> Response:
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.get("/v1/models")
+@router.head("/v1/models", include_in_schema=False)
 async def models(ctx: Context) -> dict:
     return {"object": "list", "data": [_model_card(ctx)]}
 

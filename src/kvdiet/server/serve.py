@@ -200,7 +200,7 @@ def served_model_name(args: argparse.Namespace) -> str | None:
     """The name clients use in ``model``: ``--served-model-name``, else ``--model`` as given, else the
     ``--weights`` path as given (vLLM's default: the model argument, a checkpoint's folder); None when none of
     them is given (the default model's name is then the name). Read before ``--model`` is filled in from the
-    folder's ``config.json`` (`kvdiet.engine.args.resolve_model`).
+    folder's ``config.json`` (`kvdiet.engine.weights_args.resolve_model`).
 
     Raises:
         ValueError: ``--served-model-name`` given empty or all whitespace (no client could name it).

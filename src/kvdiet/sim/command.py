@@ -260,12 +260,34 @@ def _counter(bar: StepProgress) -> Callable[[int], None]:
     return lambda k: bar.advance(k - bar.done)
 
 
+def _fit_period(cfg, trace_block_size: int):
+    """A default run ``cfg`` (`SimConfig`) whose checkpoint period is not a multiple of the block size it runs at
+    (a generic trace's blocks of 100 tokens: 4,096 is not) with the period rounded up to one, saying so on
+    stderr; any other run as it is (a period the user gave is refused instead, naming a fitting one)."""
+    import dataclasses
+
+    from kvdiet.cache.policies import parse_policy
+    from kvdiet.config import load_config
+    from kvdiet.sim.reblock import engine_block_size
+
+    k = cfg.policy.checkpoint_every
+    bs = engine_block_size(load_config(cfg.model), trace_block_size)
+    if k is None or k % bs == 0:
+        return cfg
+    fitted = dataclasses.replace(cfg, policy=parse_policy(f"checkpoint:{-(-k // bs) * bs}"))
+    print(f"kvdiet replay: {cfg.label} runs as {fitted.label} (its period in whole {bs}-token blocks)",
+          file=sys.stderr)  # fmt: skip
+    return fitted
+
+
 def _model_free(trace, plan, args, err: Console):
     from kvdiet.sim.reblock import engine_block_size, reblock_note
     from kvdiet.sim.study import findings, run_study
     from kvdiet.sim.trace_stats import past_context_notes
 
     runs, sweeps = plan
+    if args.runs is None:  # the default runs fit their checkpoint periods to the trace's blocks
+        runs = list(dict.fromkeys(_fit_period(cfg, trace.block_size) for cfg in runs))
     models = {}
     for cfg in [*runs, *(base for _, base in sweeps)]:  # before the progress bar: errors stay one clean line
         models[cfg.model] = cfg.check(trace.block_size)

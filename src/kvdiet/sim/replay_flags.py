@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
+from kvdiet.units import comma_items, parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
 
 __all__ = ["DEFAULT_ENGINE_REQUESTS", "MODE_FLAGS", "plan_runs"]
 
@@ -108,7 +108,7 @@ def plan_runs(args: argparse.Namespace):
     if args.runs is None:
         names = list(DEFAULT_RUNS) if args.mode != "engine" else ["bounded-replay"]
     else:
-        names = [r.strip() for r in args.runs.split(",") if r.strip()]
+        names = comma_items("--runs", args.runs, "runs")
     if not names:
         raise ValueError("--runs: no runs")
     if twice := sorted({n for n in names if names.count(n) > 1}):

@@ -285,6 +285,12 @@ def _azure_rows(path: Path):
                     raise ValueError(f"expected 3 fields, got {len(row)}")
                 stamp = _azure_time(row[0])
                 start = stamp if start is None else start
+                if (stamp.utcoffset() is None) != (start.utcoffset() is None):  # no difference between them
+                    has = ("has no", "has one") if stamp.utcoffset() is None else ("has a", "has none")
+                    raise ValueError(
+                        f"TIMESTAMP {row[0].strip()!r} {has[0]} time zone where the first row's {has[1]} "
+                        "(give every row one, or none)"
+                    )
                 inp, out = int(row[1]), int(row[2])
                 if inp < 0 or out < 0:
                     raise ValueError("token counts must be >= 0")
