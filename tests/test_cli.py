@@ -187,6 +187,9 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys) -> No
         # no required argument missing: argparse's own listing (values included), the suggestion added
         (["plan", "--jsn"], "unrecognized arguments: --jsn (did you mean --json?)"),
         (["plan", "--no-such-flag-at-all"], "unrecognized arguments: --no-such-flag-at-all"),
+        # names compared without their dashes: '--foo' came closest to '--tol' by its two dashes alone
+        (["golden", "--foo"], "unrecognized arguments: --foo"),
+        (["fidelity", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_a_mistyped_flag_is_the_error_named(capsys, argv: list[str], message: str) -> None:
@@ -195,6 +198,26 @@ def test_a_mistyped_flag_is_the_error_named(capsys, argv: list[str], message: st
     assert exc.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == f"kvdiet {argv[0]}: error: {message}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [  # before the command: the top level's flags (were reported as the command's, or its missing prompt)
+        (["--promt", "generate"], "kvdiet: error: unrecognized arguments: --promt"),
+        (["--verbose", "plan"], "kvdiet: error: unrecognized arguments: --verbose"),
+        # a value with a space is no flag (argparse's rule): the missing argument is the error
+        (
+            ["generate", "--model", "-my model"],
+            "kvdiet generate: error: one of the arguments --prompt --prompt-file --prompt-ids is required",
+        ),
+        (["replay", "--runs", "-a b"], "kvdiet replay: error: the following arguments are required: trace"),
+    ],
+)
+def test_what_is_a_flag_follows_argparse(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == message
 
 
 def test_a_missing_argument_is_still_named_without_a_mistyped_flag(capsys) -> None:

@@ -410,16 +410,16 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_anything_is_allocated(m
     with pytest.raises(SettingError) as info:
         LLM("v4.1-micro", cache=CacheOptions(kv_cache_memory=huge))
     assert str(info.value).startswith(
-        "kv_cache_memory: the KV cache needs ~1,000,000.0 GB; this machine has "
+        "kv_cache_memory: the KV cache with the model's random weights needs ~1,000,000.0 GB; this machine has "
     )
-    assert info.value.as_flags().startswith("--kv-cache-memory: the KV cache needs ~1,000,000.0 GB")
+    assert info.value.as_flags().startswith("--kv-cache-memory: the KV cache with the model's random weights")
     argv = ["serve", "--model", "v4.1-micro", "--port", str(free_port()), "--kv-cache-memory", "1000000GB"]
     assert main([*argv, "--persistent-dir", "none"]) == 2
-    assert capsys.readouterr().err.startswith("kvdiet serve: error: --kv-cache-memory: the KV cache needs ~")
+    assert capsys.readouterr().err.startswith("kvdiet serve: error: --kv-cache-memory: the KV cache with the")
     argv = ["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2", "--kv-cache-memory", "1000000GB"]
     assert main(argv) == 2  # without --max-model-len too (the pool is sized all the same)
     assert capsys.readouterr().err.startswith(
-        "kvdiet generate: error: --kv-cache-memory: the KV cache needs ~"
+        "kvdiet generate: error: --kv-cache-memory: the KV cache with the"
     )
     # the pool itself checks before it allocates (generate, a model used on its own)
     model, _ = load_model("v4.1-micro")
@@ -441,3 +441,18 @@ def test_fp8_numerics_without_a_checkpoint_is_refused(capsys) -> None:
     assert capsys.readouterr().err == (
         "kvdiet generate: error: --numerics fp8 goes with --weights (random weights are always bf16)\n"
     )
+
+
+def test_the_kv_memory_check_counts_the_random_weights(monkeypatch) -> None:
+    """``--kv-cache-memory 23.5GB`` with 24.5 GB available passed and ran at a 24.6 GB peak: the weights beside it."""
+    from kvdiet.config import load_config
+    from kvdiet.model.memory import random_weights_bytes
+
+    weights = random_weights_bytes(load_config("v4.1-mini"))
+    monkeypatch.setattr("kvdiet.model.memory.available_memory_bytes", lambda: weights + (2 << 30))
+    monkeypatch.setattr("kvdiet.model.build.load_model", _no_load)
+    budget = 3 << 30  # fits alone, not with the weights
+    with pytest.raises(SettingError, match="the KV cache with the model's random weights needs ~"):
+        LLM("v4.1-mini", max_model_len=1024, cache=CacheOptions(kv_cache_memory=budget))
+    args = EngineArgs(model="v4.1-mini", max_model_len=1024, cache=CacheOptions(kv_cache_memory=1 << 30))
+    args.validate()  # 1 GiB and the weights fit

@@ -275,6 +275,10 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--sweep", "none", "--sweep", "swa-pool-ttl=1m"], "cannot be combined with another --sweep"),
         (["--runs", "bounded-replay,exact-recompute,bounded-replay"], "--runs: bounded-replay given twice"),
         (["--runs", "bounded-replay,,full-store"], "--runs: item 2 is empty (runs are comma-separated)"),
+        (
+            ["--mode", "engine", "--kv-cache-memory", "1000000GB"],
+            "--kv-cache-memory: a pool of it needs ~1,000,000.0 GB",
+        ),
         (["--global-pool-size", "-1GB"], "--global-pool-size: "),
         (["--global-pool-ttl", "0s"], "--global-pool-ttl: duration must be > 0"),
         (["--threads", "0"], "--threads must be between 1 and"),  # refused in model-free mode too

@@ -3,6 +3,7 @@ copies are present) the real Mooncake and Azure traces."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 from pathlib import Path
@@ -507,6 +508,10 @@ def test_a_wrong_csv_header_is_named_in_one_short_line(tmp_path: Path) -> None:
             ["2023-11-16 18:17:03+00:00", "2023-11-16 18:17:04"],
             "'2023-11-16 18:17:04' has no time zone where the first row's has one",
         ),
+        (  # after seven fractional digits, as the real traces write them: the zone was cut off with the 7th
+            ["2023-11-16 18:17:03.0000000", "2023-11-16 18:17:04.0319600+00:00"],
+            "'2023-11-16 18:17:04.0319600+00:00' has a time zone where the first row's has none",
+        ),
     ],
 )
 def test_an_azure_row_mixing_time_zones_is_a_malformed_line(
@@ -521,3 +526,13 @@ def test_an_azure_row_mixing_time_zones_is_a_malformed_line(
     assert [(r.arrival_s, r.input_tokens) for r in trace.requests] == [(0.0, 4808), (2.0, 50)]
     with pytest.raises(TraceError, match="has"):
         read_trace(path, strict=True)
+
+
+def test_an_azure_time_zone_after_the_fraction_is_kept() -> None:
+    from kvdiet.sim.traces import _azure_time
+
+    assert _azure_time("2023-11-16 18:17:04.0319600+05:30").utcoffset() == dt.timedelta(hours=5, minutes=30)
+    assert _azure_time("2023-11-16 18:17:05.0+00:00").microsecond == 0  # was 'Invalid isoformat ... +00:0'
+    assert _azure_time("2023-11-16 18:15:46.6805900") == dt.datetime(2023, 11, 16, 18, 15, 46, 680590)
+    with pytest.raises(ValueError, match="Invalid isoformat string"):
+        _azure_time("2023-11-16 18:17:05.0+00:0")

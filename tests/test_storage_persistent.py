@@ -737,3 +737,13 @@ def test_an_index_of_a_newer_kvdiet_is_left_alone(
     assert "index schema version 7, this kvdiet reads 1 (written by a newer kvdiet?)" in record.getMessage()
     assert str(directory / "index.sqlite3") in record.getMessage()
     assert not [p for p in directory.iterdir() if "damaged" in p.name]
+
+
+def test_a_folder_starting_with_a_tilde_is_under_home(tmp_path, monkeypatch) -> None:
+    """``--persistent-dir '~/pd'`` (quoted, or ``--persistent-dir=~/pd``: the shell leaves it) was checked under
+    $HOME and then used literally: ``./~/pd`` in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with PersistentStore("~/pd", IDENTITY, clock=ManualClock(0.0)) as store:
+        assert store.enabled and store.put(key_of(0), tokens_of(0), payload_of(0))
+    assert (tmp_path / "home" / "pd" / "index.sqlite3").is_file() and not (tmp_path / "~").exists()

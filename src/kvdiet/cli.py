@@ -48,7 +48,9 @@ class _ArgumentParser(argparse.ArgumentParser):
       "expected one argument". No ``kvdiet`` flag looks like a negative number;
     - a flag it does not know is the error reported, before a required argument found missing (argparse checks
       those first: ``generate --promt hi`` said "one of the arguments --prompt ... is required"), with the flag
-      it comes closest to: ``unrecognized arguments: --promt (did you mean --prompt?)``.
+      it comes closest to: ``unrecognized arguments: --promt (did you mean --prompt?)``; one before the command
+      (``kvdiet --promt generate``) is the top level's, reported before the command runs. What is a flag follows
+      argparse: a dash first, not a negative number, no space (``--model "-my model"`` is a value).
     """
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -61,6 +63,9 @@ class _ArgumentParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self._given = list(sys.argv[1:] if args is None else args)
+        commands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        if commands and (early := self._unknown_flags(stop={*commands[0].choices})):
+            self.error(f"unrecognized arguments: {' '.join(early)}")  # before the command: not the command's
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
@@ -68,25 +73,34 @@ class _ArgumentParser(argparse.ArgumentParser):
         unknown = self._unknown_flags()
         if unknown and "required" in message:  # argparse's missing-argument errors
             message = f"unrecognized arguments: {' '.join(unknown)}"
-        if message.startswith("unrecognized arguments:"):
-            known = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        if message.startswith("unrecognized arguments:"):  # names compared without their dashes
+            known = [flag[2:] for flag in self._option_string_actions if flag.startswith("--")]
             close = [
-                match[0]
+                f"--{match[0]}"
                 for flag in unknown
-                if (match := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.6))
+                if (
+                    match := difflib.get_close_matches(
+                        flag.split("=", 1)[0].lstrip("-"), known, n=1, cutoff=0.6
+                    )
+                )
             ]
             if close:
                 message += f" (did you mean {', '.join(close)}?)"
         super().error(message)
 
-    def _unknown_flags(self) -> list[str]:
+    def _unknown_flags(self, stop: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         """The last parse's arguments that look like flags this parser does not have (``--name`` or
-        ``--name=value``; none after ``--``; a negative number is a value)."""
+        ``--name=value``), up to ``--``, an ``@FILE`` or an argument in ``stop`` (a command's name)."""
         unknown = []
         for arg in self._given:
-            if arg == "--":
+            if arg == "--" or arg in stop or (stop and arg[:1] in (self.fromfile_prefix_chars or "")):
                 break
-            flag = arg[:1] == "-" and arg != "-" and not self._negative_number_matcher.match(arg)
+            flag = (
+                arg[:1] == "-"
+                and arg != "-"
+                and " " not in arg
+                and not self._negative_number_matcher.match(arg)
+            )
             if flag and arg.split("=", 1)[0] not in self._option_string_actions:
                 unknown.append(arg)
         return unknown

@@ -178,8 +178,9 @@ class EngineArgs:
         )
 
     def check_kv_memory(self) -> tuple[int, CacheOptions, int] | None:
-        """The block size, the KV-cache budget in blocks and, on the CPU, in this machine's available memory (a
-        GPU's pool lies on the GPU; the weights are checked as they load): ``(max_position_embeddings, the
+        """The block size, the KV-cache budget in blocks and, on the CPU, in this machine's available memory with
+        the random weights beside it (a GPU's pool lies on the GPU; a checkpoint's weights are checked as they
+        load): ``(max_position_embeddings, the
         model's cache options, bytes a block)``, or None for a config that is no V4-family model's.
 
         Raises:
@@ -187,7 +188,12 @@ class EngineArgs:
         """
         from kvdiet.engine.runner import pool_num_blocks
         from kvdiet.formats.codec import CacheCodecs
-        from kvdiet.model.memory import InsufficientMemoryError, check_fits
+        from kvdiet.model.memory import (
+            InsufficientMemoryError,
+            available_memory_bytes,
+            check_fits,
+            random_weights_bytes,
+        )
         from kvdiet.model.paged_pool import DevicePool
 
         cfg = self._config()
@@ -207,9 +213,14 @@ class EngineArgs:
         ratios = {s: plan[s].compress_ratio for s in plan.kv_sources}
         indexed = frozenset(s for s in plan.kv_sources if plan[s].owns_index_keys)
         block_bytes = DevicePool(ratios, codecs, block_size=bs, num_blocks=1, indexed=indexed).block_bytes
-        if self.device == "cpu":
-            try:
-                check_fits("the KV cache", pool_num_blocks(cache, block_bytes) * block_bytes)
+        if self.device == "cpu":  # with the random weights (a checkpoint's are checked as it loads)
+            kv = pool_num_blocks(cache, block_bytes) * block_bytes
+            weights = random_weights_bytes(cfg) if self.weights is None else 0
+            have = available_memory_bytes()
+            try:  # weights that cannot fit alone: the model's own refusal names them as it loads
+                if weights <= have:
+                    what = "the KV cache" + (" with the model's random weights" if weights else "")
+                    check_fits(what, kv + weights, have=have)
             except InsufficientMemoryError as exc:
                 raise SettingError("{kv_cache_memory}: {reason}", reason=exc) from None
         return cfg.max_position_embeddings, cache, block_bytes

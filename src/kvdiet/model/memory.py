@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.checkpoint import ROUTED_EXPERT, Checkpoint
+from kvdiet.units import format_gb
 from kvdiet.weights import estimate_weights
 
 __all__ = [
@@ -116,7 +117,7 @@ def check_fits(what: str, need: int, *, have: int | None = None) -> None:
     have = available_memory_bytes() if have is None else have
     if need > have:
         raise InsufficientMemoryError(
-            f"{what} needs ~{need / _GB:,.1f} GB; this machine has {have / _GB:,.1f} GB available"
+            f"{what} needs ~{format_gb(need / _GB, 1)} GB; this machine has {format_gb(have / _GB, 1)} GB available"
         )
 
 

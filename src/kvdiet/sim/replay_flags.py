@@ -117,8 +117,15 @@ def plan_runs(args: argparse.Namespace):
         from kvdiet.cache.policies import parse_policy
         from kvdiet.engine.runner import CacheOptions
         from kvdiet.layer_plan import DEFAULT_BLOCK_SIZE, V4_BLOCK_SIZE, LayerPlan
+        from kvdiet.model.memory import check_fits
         from kvdiet.sim.engine_mode import EngineModeConfig
 
+        # each run's engine holds a pool of this size (one at a time): past the memory, refused before any loads
+        parse_flag(
+            "--kv-cache-memory",
+            lambda text: check_fits("a pool of it", parse_bytes(text)),
+            args.kv_cache_memory,
+        )
         runs = list(
             dict.fromkeys(
                 (n.partition("@")[0].strip(), n.partition("@")[2].strip() or args.engine_model) for n in names

@@ -34,6 +34,7 @@ import csv
 import datetime as dt
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -301,10 +302,17 @@ def _azure_rows(path: Path):
                 yield TraceError(f"{path}:{n}: {exc}")
 
 
+_AZURE_TIME = re.compile(r"(?P<head>[^.]*)(?:\.(?P<frac>\d+))?(?P<zone>Z|[+-]\d\d(?::?\d\d)?)?")
+
+
 def _azure_time(text: str) -> dt.datetime:
-    """``2023-11-16 18:15:46.6805900``: seven fractional digits (100 ns); Python takes six."""
-    head, _, frac = text.strip().partition(".")
-    return dt.datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}" if frac else head)
+    """``2023-11-16 18:15:46.6805900``: seven fractional digits (100 ns); Python takes six. A time zone after
+    them (``…46.6805900+00:00``, ``…Z``) is kept. Raises ValueError for text that is no ISO time."""
+    match = _AZURE_TIME.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"Invalid isoformat string: {text.strip()!r}")
+    head, frac, zone = match["head"], match["frac"], match["zone"] or ""
+    return dt.datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}{zone}" if frac else f"{head}{zone}")
 
 
 class _IdConvention:

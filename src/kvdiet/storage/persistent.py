@@ -88,7 +88,7 @@ class PersistentStore:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()  # "~/kv" as a shell would read it
         self.identity = identity
         self.ttl_s = float(ttl_s)
         self.capacity_bytes = capacity_bytes
