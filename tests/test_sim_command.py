@@ -277,7 +277,7 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--runs", "bounded-replay,,full-store"], "--runs: item 2 is empty (runs are comma-separated)"),
         (
             ["--mode", "engine", "--kv-cache-memory", "1000000GB"],
-            "--kv-cache-memory: a pool of it needs ~1,000,000.0 GB",
+            "--kv-cache-memory: the KV cache needs ~1,000,000.0 GB",
         ),
         (["--global-pool-size", "-1GB"], "--global-pool-size: "),
         (["--global-pool-ttl", "0s"], "--global-pool-ttl: duration must be > 0"),

@@ -14,7 +14,7 @@ import os
 import re
 import select
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NoReturn
 
 from rich.console import Console
@@ -88,7 +88,7 @@ class _ArgumentParser(argparse.ArgumentParser):
                 message += f" (did you mean {', '.join(close)}?)"
         super().error(message)
 
-    def _unknown_flags(self, stop: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    def _unknown_flags(self, stop: Collection[str] = ()) -> list[str]:
         """The last parse's arguments that look like flags this parser does not have (``--name`` or
         ``--name=value``), up to ``--``, an ``@FILE`` or an argument in ``stop`` (a command's name)."""
         unknown = []

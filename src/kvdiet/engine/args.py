@@ -180,8 +180,8 @@ class EngineArgs:
     def check_kv_memory(self) -> tuple[int, CacheOptions, int] | None:
         """The block size, the KV-cache budget in blocks and, on the CPU, in this machine's available memory with
         the random weights beside it (a GPU's pool lies on the GPU; a checkpoint's weights are checked as they
-        load): ``(max_position_embeddings, the
-        model's cache options, bytes a block)``, or None for a config that is no V4-family model's.
+        load). Returns ``(max_position_embeddings, the model's cache options, bytes a block)``, or None for a
+        config that is no V4-family model's.
 
         Raises:
             ConfigError, SettingError: as `validate`.
@@ -217,10 +217,9 @@ class EngineArgs:
             kv = pool_num_blocks(cache, block_bytes) * block_bytes
             weights = random_weights_bytes(cfg) if self.weights is None else 0
             have = available_memory_bytes()
+            what = "the KV cache" + (" with the model's random weights" if weights else "")
             try:  # weights that cannot fit alone: the model's own refusal names them as it loads
-                if weights <= have:
-                    what = "the KV cache" + (" with the model's random weights" if weights else "")
-                    check_fits(what, kv + weights, have=have)
+                check_fits(what, kv + weights if weights <= have else kv, have=have)
             except InsufficientMemoryError as exc:
                 raise SettingError("{kv_cache_memory}: {reason}", reason=exc) from None
         return cfg.max_position_embeddings, cache, block_bytes

@@ -46,7 +46,7 @@ def expert_cache_bytes(args: argparse.Namespace) -> int | None:
 
 
 def add_numerics_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--numerics`` (generate, serve, golden): how FP8/FP4-stored weights compute."""
+    """``--numerics`` (generate, serve, fidelity, golden): how FP8/FP4-stored weights compute."""
     parser.add_argument(
         "--numerics",
         choices=NUMERICS,

@@ -18,7 +18,7 @@
 //   row of x, sixteen rows of w at a time, whose 16 outputs fold side by side (fold_lanes16) rather than one by
 //   one (a fold alone is some 15 dependent adds and their shuffles: at K = 128 about as many steps as the row).
 //   While a block is scored, the next block of w's rows is read ahead where it lies in w: its R rows are R·K
-//   contiguous floats, and each step of 16 values prefetches the next of their 64-byte lines in order, so the
+//   contiguous floats, and its 64-byte lines are prefetched in order, a few a step of 16 values, so the
 //   whole block (less a K % 16 tail) is asked for by the time this one is done: a decode step's weights come cold
 //   from DRAM, a few hundred KB per call, too short a run for the hardware prefetchers to reach the read
 //   bandwidth on their own. For one row of x the block's rows are read one after another (each row's 16-value

@@ -275,8 +275,8 @@ def _fit_period(cfg, trace_block_size: int):
     if k is None or k % bs == 0:
         return cfg
     fitted = dataclasses.replace(cfg, policy=parse_policy(f"checkpoint:{-(-k // bs) * bs}"))
-    print(f"kvdiet replay: {cfg.label} runs as {fitted.label} (its period in whole {bs}-token blocks)",
-          file=sys.stderr)  # fmt: skip
+    note = f"{cfg.label} runs as {fitted.label} (its period in whole {bs}-token blocks)"
+    print(f"kvdiet replay: {note}", file=sys.stderr)
     return fitted
 
 

@@ -123,7 +123,7 @@ def plan_runs(args: argparse.Namespace):
         # each run's engine holds a pool of this size (one at a time): past the memory, refused before any loads
         parse_flag(
             "--kv-cache-memory",
-            lambda text: check_fits("a pool of it", parse_bytes(text)),
+            lambda text: check_fits("the KV cache", parse_bytes(text)),
             args.kv_cache_memory,
         )
         runs = list(

@@ -286,7 +286,8 @@ def _azure_rows(path: Path):
                     raise ValueError(f"expected 3 fields, got {len(row)}")
                 stamp = _azure_time(row[0])
                 start = stamp if start is None else start
-                if (stamp.utcoffset() is None) != (start.utcoffset() is None):  # no difference between them
+                # a time zone on one and none on the other: no difference between them is defined
+                if (stamp.utcoffset() is None) != (start.utcoffset() is None):
                     has = ("has no", "has one") if stamp.utcoffset() is None else ("has a", "has none")
                     raise ValueError(
                         f"TIMESTAMP {row[0].strip()!r} {has[0]} time zone where the first row's {has[1]} "
