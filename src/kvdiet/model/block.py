@@ -8,20 +8,27 @@ whole batch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats.codec import CacheCodecs
 from kvdiet.layer_plan import LayerInfo
+from kvdiet.model import decode_step
 from kvdiet.model.attention import Attention
 from kvdiet.model.decode_ffn import decode_ffn
 from kvdiet.model.engram import Engram
 from kvdiet.model.hc import add_sublayer_hc, hc_expand, sublayer_coefficients, sublayer_entry
 from kvdiet.model.layers import RMSNorm
-from kvdiet.model.moe import MoE
+from kvdiet.model.moe import Gate, MoE
 
-__all__ = ["Block"]
+if TYPE_CHECKING:
+    from kvdiet.model.attn_binding import AttnBinding
+    from kvdiet.model.ffn_binding import FfnBinding
+
+__all__ = ["Block", "pieces_unpatched"]
 
 
 class Block(nn.Module):
@@ -36,6 +43,17 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn = MoE(cfg)
         add_sublayer_hc(self, cfg)
+        # the weights bound for a decode step's compiled calls (kvdiet.model.decode_layer, decode_ffn)
+        self.attn_binding: AttnBinding | None = None
+        self.ffn_binding: FfnBinding | None = None
+
+    def pieces_own(self) -> bool:
+        """Whether this block's decode path is kvdiet's own: the block exactly a `Block` and none of the functions
+        that path calls patched (`Block.entry`, `Block.ffn_half`, ``decode_ffn``, `Attention.forward`,
+        `DecodePlan.attend`, ``decode_step.decode_attention`` and ``decode_attend``, `Gate.forward`, `MoE.fetch`).
+        The compiled calls that stand in for them (`kvdiet.model.decode_layer`, `kvdiet.model.decode_ffn`) run
+        only then: a spy or a patch of one sees the step."""
+        return type(self) is Block and pieces_unpatched()
 
     def coefficients(self, h: torch.Tensor, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mHC ``(pre, post, comb)`` of the ``attn`` or ``ffn`` sublayer for streams ``h`` [T, hc, hidden]."""
@@ -61,3 +79,20 @@ class Block(nn.Module):
                 return done
         x, pre, post, comb = self.entry(h, "ffn", attn_pre)
         return hc_expand(self._modules["ffn"](x, padded=decode_step), h, post, comb), pre
+
+
+def pieces_unpatched() -> bool:
+    """Whether none of the functions a decode step's pieces call is patched (see `Block.pieces_own`)."""
+    return _pieces() == _OWN_PIECES
+
+
+def _pieces() -> tuple[object, ...]:
+    """The functions a decode step's pieces call, as they are now."""
+    step = decode_step
+    return (
+        Block.entry, Block.ffn_half, decode_ffn, Attention.forward, step.DecodePlan.attend, step.decode_attention,
+        step.decode_attend, Gate.forward, MoE.fetch,
+    )  # fmt: skip
+
+
+_OWN_PIECES = _pieces()

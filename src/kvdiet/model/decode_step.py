@@ -29,15 +29,15 @@ from kvdiet.model.batch_tables import BatchTables
 from kvdiet.model.compressor import pool_groups
 from kvdiet.model.compressor_tail import CompressorTail
 from kvdiet.model.decode_attend import decode_attend
+from kvdiet.model.decode_select import select_step
 from kvdiet.model.fused_rows import project_out_rows, project_rows
-from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
+from kvdiet.model.index_scores import StoredKeys
 from kvdiet.model.layers import Rope, Rotation, as_dtype
 from kvdiet.model.member import member
 from kvdiet.model.row_tables import RowTables
-from kvdiet.model.selection import candidate_entries, select_candidate_blocks, select_topk, select_topk_at
 from kvdiet.model.state import PagedEntries, RequestState, WindowRings
 
-__all__ = ["DecodePlan", "decode_attention"]
+__all__ = ["DecodePlan", "attend_inputs", "attend_out", "decode_attention"]
 
 
 @dataclass(slots=True)
@@ -200,18 +200,41 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     top-k (and candidate blocks), published in the plan (in each segment too while a selection observer is
     installed).
     """
-    info, rot = attn.info, plan.rotation(attn.rope)
+    rot = plan.rotation(attn.rope)
     mods = attn._modules  # its own dict: nn.Module's attribute fallback costs a microsecond a lookup
-    if mods.get("compressor") is not None:
-        _update_global(attn, x, segs, plan)
     # the projections in one compiled call each where they fit (the same bits), else the modules
     qr, q = project_rows(
         x, mods["wq_a"], mods["q_norm"], mods["wq_b"], attn.n_heads, attn.head_dim, rot
     ) or attn.project_q(x, rot)
     kv = project_rows(x, mods["wkv"], mods["kv_norm"], None, 1, attn.head_dim, rot)
-    win_kv, win_mask = _window(attn, plan, attn.project_window_kv(x, rot) if kv is None else kv[1])
+    kv = attn.project_window_kv(x, rot) if kv is None else kv[1]
+    return attend_out(attn, q, *attend_inputs(attn, x, qr, q, kv, segs, plan), rot)
+
+
+def attend_inputs(
+    attn: Attention,
+    x: torch.Tensor,
+    qr: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    segs: list[Segment],
+    plan: DecodePlan,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What a decode step's attention reads from the caches, after its projections (``x`` fp32 [B, hidden], the
+    queries' ``qr`` [B, q_lora] and ``q`` [B, H, D], the window entries ``kv`` [B, D], normed and rotated): a
+    KV-source layer's new global entries written (`_update_global`), the window keys and mask (`_window`), an
+    index layer's top-k selected, and the selected main-KV entries gathered once per (KV source, index source):
+    ``(win_kv fp32 [B, W, D], win_mask bool [B, W], comp fp32 [B, K, D] | None, comp_mask bool [B, K] | None)``.
+
+    Raises:
+        ValueError: as `_update_global` and `DecodePlan.check_pending`.
+    """
+    info, mods, rot = attn.info, attn._modules, plan.rotation(attn.rope)
+    if mods.get("compressor") is not None:
+        _update_global(attn, x, segs, plan)
+    win_kv, win_mask = _window(attn, plan, kv)
     if mods.get("indexer") is not None:
-        _select(attn, qr, x, segs, plan, rot)
+        select_step(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
         plan.check_pending()  # the observer sees the top-k only of checked values
         idx, valid = plan.topk[info.idx_src]
@@ -221,12 +244,30 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
             attn.selection_observer(
                 Selection(attn, seg, x[b : b + 1], qr[b : b + 1], q[b : b + 1], *seg.topk[info.idx_src])
             )
-    comp = comp_mask = None
-    if info.compress_ratio:
-        key = (info.kv_src, info.idx_src)
-        if key not in plan.gathered:
-            plan.gathered[key] = _gather_main(attn, segs, plan)
-        comp, comp_mask = plan.gathered[key]
+    if not info.compress_ratio:
+        return win_kv, win_mask, None, None
+    key = (info.kv_src, info.idx_src)
+    if key not in plan.gathered:
+        plan.gathered[key] = _gather_main(attn, segs, plan)
+    return win_kv, win_mask, *plan.gathered[key]
+
+
+def attend_out(
+    attn: Attention,
+    q: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_mask: torch.Tensor,
+    comp: torch.Tensor | None,
+    comp_mask: torch.Tensor | None,
+    rot: Rotation,
+) -> torch.Tensor:
+    """The attention over the keys `attend_inputs` read (`decode_attend`), then the output projection (one compiled
+    call where it fits, else `Attention.project_out`): fp32 [B, hidden].
+
+    Raises:
+        ValueError: inputs without `decode_attend`'s shapes.
+    """
+    mods = attn._modules
     o = decode_attend(q, win_kv, win_mask, comp, comp_mask, member(attn, "attn_sink"), attn.scale)
     out = project_out_rows(o, rot, mods["wo_a"], mods["wo_b"], attn.n_groups)
     return attn.project_out(o, rot) if out is None else out
@@ -295,72 +336,6 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]`` of increasing ``rows``: ``t`` itself when they are all of its rows."""
     return t if len(rows) == t.shape[0] else t[rows]
-
-
-def _select(
-    attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan, rot: Rotation
-) -> None:
-    """Index queries, scores, top-k and candidate blocks for the whole batch, published in the plan.
-
-    Scores are read from each request's stored keys (`StoredKeys`). A candidate consumer scores the entries of
-    the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
-    one call per request. Other layers score every entry with no per-entry ids (no [B, N] temporaries: N is 1M
-    at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
-    pool (each its own run of it), else one call per request.
-    """
-    info = attn.info
-    q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key, pending=plan.pending)
-    keys, limit, n, host_limit = _visible(plan, segs, info.kv_src, info.compress_ratio)
-    tables, pending = plan.tables, plan.pending
-    if info.candidate != "consumer":
-        if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
-            off = tables.offsets(info.kv_src)
-            scores = index_scores_runs(
-                q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n, pending=pending
-            )
-        else:
-            scores = index_scores_each(q_idx, w, keys, None, limit, host_limit=host_limit, pending=pending)
-        if info.candidate == "source":
-            plan.candidates = select_candidate_blocks(
-                scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
-            )
-        plan.topk[info.layer_id] = select_topk(scores, attn.index_topk)
-        return
-    if plan.candidates is None:
-        raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")
-    size = attn.candidate_block_size
-    entries = plan.candidate_ids.get(size)
-    if entries is None:
-        entries = plan.candidate_ids[size] = candidate_entries(*plan.candidates, block_size=size)
-    if tables.shared is not None and len(segs) > 1:
-        off = tables.offsets(info.kv_src)
-        shifted = torch.where(entries >= 0, entries + off[:, None], -1)  # an empty slot (-1) stays empty
-        scores = index_scores_at(
-            q_idx, w, tables.keys(info.kv_src, "index"), shifted, limit + off, pending=pending
-        )
-    else:
-        scores = index_scores_each(q_idx, w, keys, entries, limit, host_limit=host_limit, pending=pending)
-    plan.topk[info.layer_id] = select_topk_at(scores, entries, attn.index_topk, n)
-
-
-def _visible(
-    plan: DecodePlan, segs: list[Segment], kv_src: int, ratio: int
-) -> tuple[list[StoredKeys], torch.Tensor, int, list[int]]:
-    """``plan.visible[kv_src]``, taken on the first call of the step: each request's index keys of ``kv_src``
-    (none when the requests share a pool and are scored in one call over it, `BatchTables.keys`), how many it
-    sees (`visible_entries`: a prefix of its own entries, ``min((t + 1) // ratio, held)`` with t its
-    ``num_tokens``, the new row's position; int64 [B]), the most entries any request holds, and the counts as
-    host ints (computed there, copied to the device: no host read)."""
-    got = plan.visible.get(kv_src)
-    if got is None:
-        stores = [seg.state.index_keys[kv_src] for seg in segs]
-        lengths = [len(s) for s in stores]
-        host = [min((seg.state.num_tokens + 1) // ratio, n) for seg, n in zip(segs, lengths, strict=True)]
-        limit = torch.tensor(host, device=plan.positions.device)
-        each = plan.tables.shared is None or len(segs) == 1
-        stored = [StoredKeys.of(s) for s in stores] if each else []
-        got = plan.visible[kv_src] = (stored, limit, max(lengths), host)
-    return got
 
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:

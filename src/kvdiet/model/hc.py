@@ -31,13 +31,17 @@ __all__ = [
     "KERNEL_ROWS",
     "HcWeights",
     "add_sublayer_hc",
+    "decode_kernels",
+    "entry_kernels",
     "hc_coefficients",
     "hc_collapse",
     "hc_expand",
     "hc_init_streams",
     "hc_initial_pre",
+    "hc_parameter_names",
     "sublayer_coefficients",
     "sublayer_entry",
+    "sublayer_weights",
 ]
 
 
@@ -60,6 +64,11 @@ decode step's)."""
 _NAMES = {part: (f"hc_{part}_fn", f"hc_{part}_scale", f"hc_{part}_base") for part in ("attn", "ffn")}
 
 
+def hc_parameter_names(part: str) -> tuple[str, str, str]:
+    """The names of the ``attn`` or ``ffn`` sublayer's mHC parameters on its block: (fn, scale, base)."""
+    return _NAMES[part]
+
+
 def sublayer_coefficients(
     block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,7 +82,7 @@ def sublayer_coefficients(
     ``.data``) are not seen. Parameters that are inference tensors (made under ``torch.inference_mode``) are
     laid out on every call, not cached.
     """
-    return _sublayer_weights(block, cfg, h, part).coefficients(
+    return sublayer_weights(block, cfg, h, part).coefficients(
         h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
     )
 
@@ -93,7 +102,7 @@ def sublayer_entry(
     Returns:
         (x fp32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]).
     """
-    weights = _sublayer_weights(block, cfg, h, part)
+    weights = sublayer_weights(block, cfg, h, part)
     if (
         not torch.is_grad_enabled()
         and h.dtype == torch.float32
@@ -101,7 +110,7 @@ def sublayer_entry(
         and h.shape[0] <= MAX_MIX_ROWS
         and not overridden(norm, RMSNorm)  # a hook or wrapper on the norm runs on the module path
     ):
-        kernels, mix = _entry_kernels()
+        kernels, mix = entry_kernels()
         entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
@@ -115,7 +124,7 @@ def sublayer_entry(
     )
 
 
-def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
+def entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
     """The compiled kernels and `hc_mix_address` when ``hc_enter`` may run (built, not switched off, the norm
     kernel's bits checked), else (None, None)."""
     kernels = native.fp4_kernels()
@@ -124,7 +133,21 @@ def _entry_kernels() -> tuple[ModuleType | None, tuple[int, int, int] | None]:
     return kernels, hc_mix_address()
 
 
-def _sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
+def decode_kernels(h: torch.Tensor) -> tuple[ModuleType, tuple[int, int, int]] | None:
+    """(the compiled kernels, `hc_mix_address`) where a decode step's streams ``h`` may take a layer's compiled
+    calls (`kvdiet.model.decode_layer`): no autograd, 1..`KERNEL_ROWS` fp32 rows on the CPU, `entry_kernels`."""
+    if (
+        torch.is_grad_enabled()
+        or h.dtype != torch.float32
+        or not h.is_cpu
+        or not 1 <= h.shape[0] <= KERNEL_ROWS
+    ):
+        return None
+    kernels, mix = entry_kernels()
+    return None if kernels is None or mix is None else (kernels, mix)
+
+
+def sublayer_weights(block: nn.Module, cfg: ModelConfig, h: torch.Tensor, part: str) -> HcWeights:
     """The `HcWeights` of ``block``'s ``part`` sublayer for streams ``h``, kept as `sublayer_coefficients` says."""
     fn_name, scale_name, base_name = _NAMES[part]
     fn, scale, base = member(block, fn_name), member(block, scale_name), member(block, base_name)

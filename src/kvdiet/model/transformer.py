@@ -32,6 +32,7 @@ from kvdiet.model.attention import Segment, Selection
 from kvdiet.model.block import Block
 from kvdiet.model.block_ids import BlockAllocator
 from kvdiet.model.compressor_tail import CompressorTail
+from kvdiet.model.decode_layer import decode_layer
 from kvdiet.model.decode_step import DecodePlan
 from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
@@ -40,6 +41,7 @@ from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import BlockTable, PagedEntries, RequestState, WindowRings
+from kvdiet.model.step_bindings import step_kernels
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 
 __all__ = ["Transformer"]
@@ -317,9 +319,7 @@ class Transformer(nn.Module):
         if sizes.count(1) == len(sizes):  # a decode step: every request's position in one tensor, a view each
             positions = torch.tensor([s.num_tokens for s in states]).split(1)
         else:
-            positions = [
-                torch.arange(s.num_tokens, s.num_tokens + n) for s, n in zip(states, sizes, strict=True)
-            ]
+            positions = [torch.arange(s.num_tokens, s.num_tokens + sizes[i]) for i, s in enumerate(states)]
         start = 0
         for state, pos, n in zip(states, positions, sizes, strict=True):
             segs.append(Segment(state, pos))
@@ -340,9 +340,9 @@ class Transformer(nn.Module):
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
             histories = [self.hasher.next_history(w) for w in with_hist]
-        # a decode step (one row per request): each layer's attention runs over the whole batch at once
-        plan = DecodePlan.for_segments(segs) if start == len(segs) else None
+        plan = DecodePlan.for_segments(segs) if start == len(segs) else None  # a decode step: a row a request
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
+        checked = None if plan is None else step_kernels(self, h)  # every layer's bindings checked at once
         prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
         for block in self.layers:
             layer = block.info.layer_id
@@ -359,15 +359,15 @@ class Transformer(nn.Module):
                 out = torch.cat(
                     [block.attn.attend_rows(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
                 )
-            elif plan is not None:
-                x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
-                out = block._modules["attn"](x, segs, plan)  # no nn.Module attribute fallback (a microsecond)
+            elif plan is not None:  # a decode step: the attention over the whole batch at once, then the FFN
+                h, prev_pre = decode_layer(block, h, prev_pre, segs, plan, checked)
+                continue
             else:
                 x, attn_pre, post, comb = block.entry(h, "attn", prev_pre)
                 outs = [block.attn(x[s:e], seg) for seg, (s, e) in zip(segs, rows, strict=True)]
                 out = outs[0] if len(outs) == 1 else torch.cat(outs)  # one request's prefill: no copy
             h = hc_expand(out, h, post, comb)
-            h, prev_pre = block.ffn_half(h, attn_pre, decode_step=plan is not None)
+            h, prev_pre = block.ffn_half(h, attn_pre)
         if plan is not None:
             plan.store_windows(segs)
         for i, (state, chunk) in enumerate(zip(states, ids, strict=True)):

@@ -1,0 +1,145 @@
+// A decode step's layer in three calls (kvdiet/model/decode_layer.py and decode_ffn.py): the attention sublayer's
+// head and tail and the FFN half, each a chain of the very kernels the Python path calls, in its order, on the same
+// operands, so the bits are that path's. Compiled last before fp8_kernels.cpp (which holds the bindings), so
+// hc_enter, hc_expand_rows, route_rows, expert_groups, project_rows, project_out_rows and attend_rows are in scope.
+// Built at first use by kvdiet.formats.native.
+//
+// FfnWeights / AttnWeights: what one layer's FFN half / attention sublayer reads besides its rows, bound once
+//   (kvdiet/model/ffn_binding.py and attn_binding.py check before each step that the modules still hold them):
+//   - both: the mHC entry's fn_t, scale, base (hc.py's HcWeights layout), the sublayer norm's weight and eps, the
+//     config's rms_eps, hc_eps and Sinkhorn iterations, the mix kernel's addresses (sinkhorn.py's hc_mix_address);
+//   - FFN: the router's weight float32 [E, hidden], bias float32 [E], top-k, whether it normalises, its scaling
+//     factor; every routed expert's w1, w3, w2 (float32, dense) and swiglu limit, then the shared expert's (index E);
+//   - attention: wq_a, q_norm's weight and eps, wq_b, heads, head_dim; wkv, kv_norm's weight and eps; rope_dim; the
+//     sink float32 [H] and the softmax scale; wo_a, o_groups, wo_b.
+// ffn_rows(h, attn_pre, ffn): streams h float32 [B, hc, hidden] (1..16 rows), the attention sublayer's pre
+//   float32 [B, hc] -> (new streams, this FFN's pre float32 [B, hc], the experts routed int64 [B, k]): hc_enter,
+//   route_rows, expert_groups over the experts named (increasing), hc_expand_rows. std::nullopt where one of them
+//   declines (nothing was written). The caller checks the routed experts' bindings after the call.
+// attn_head(h, collapse_pre, attn, cis) -> [x, pre, post, comb, qr, q, kv]: hc_enter, then project_rows for the
+//   queries (qr [B, q_lora], q [B, H, D] rotated) and for the window KV (kv [B, D], normed and rotated); empty where
+//   one declines.
+// attn_tail(q, win, win_mask, comp, comp_mask, h, post, comb, attn_pre, cis_inverse, attn, ffn) -> [streams, pre,
+//   experts routed] with ffn, or [streams after the attention sublayer] where ffn is None or ffn_rows declines
+//   (the caller runs the FFN half), or empty where the attention's own kernels decline or its inputs do not have
+//   decode_attend's shapes (the caller runs the pieces, which raise decode_attend's error): attend_rows,
+//   project_out_rows, hc_expand_rows, then ffn_rows.
+
+namespace {
+
+struct FfnWeights {
+  at::Tensor fn_t, scale, base, norm_weight;
+  double norm_eps, rms_eps, hc_eps;
+  int64_t iters;
+  std::tuple<int64_t, int64_t, int64_t> mix;
+  at::Tensor gate_weight, gate_bias;
+  int64_t topk;
+  bool normalize;
+  double route_scale;
+  std::vector<at::Tensor> w1s, w3s, w2s;  // routed experts 0..E-1, then the shared one
+  std::vector<double> limits;
+};
+
+struct AttnWeights {
+  at::Tensor fn_t, scale, base, norm_weight;
+  double norm_eps, rms_eps, hc_eps;
+  int64_t iters;
+  std::tuple<int64_t, int64_t, int64_t> mix;
+  at::Tensor wq_a, q_norm_weight;
+  double q_norm_eps;
+  at::Tensor wq_b;
+  int64_t heads, head_dim;
+  at::Tensor wkv, kv_norm_weight;
+  double kv_norm_eps;
+  int64_t rope_dim;
+  at::Tensor sink;
+  double attn_scale;
+  at::Tensor wo_a;
+  int64_t groups;
+  at::Tensor wo_b;
+};
+
+bool float_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
+
+bool mask_fits(const at::Tensor& m, int64_t b, int64_t n) {
+  return m.device().is_cpu() && m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == b && m.size(1) == n;
+}
+
+// the inputs decode_attend takes without raising (decode_attend.py's _check) and attend_rows reads
+bool attend_fits(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,
+                 const c10::optional<at::Tensor>& comp, const c10::optional<at::Tensor>& comp_mask,
+                 const at::Tensor& sink) {
+  if (!float_cpu(q) || !float_cpu(win) || !float_cpu(sink) || q.dim() != 3 || win.dim() != 3) return false;
+  const int64_t b = q.size(0), heads = q.size(1), dim = q.size(2);
+  if (win.size(0) != b || win.size(2) != dim || !mask_fits(win_mask, b, win.size(1))) return false;
+  if (sink.dim() != 1 || sink.size(0) != heads || comp.has_value() != comp_mask.has_value()) return false;
+  if (!comp.has_value()) return true;
+  return float_cpu(*comp) && comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim &&
+         mask_fits(*comp_mask, b, comp->size(1));
+}
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at::Tensor& h,
+                                                                       const at::Tensor& attn_pre,
+                                                                       const FfnWeights& f) {
+  const int64_t experts = f.gate_weight.size(0);
+  if (static_cast<int64_t>(f.w1s.size()) != experts + 1) return {};
+  // the gate weight as Gate.forward's compiled path reads it (gemv.py's applies): in place
+  if (!f.gate_weight.is_contiguous() || f.gate_weight.is_neg()) return {};
+  auto entered = hc_enter(h, f.fn_t, f.scale, f.base, attn_pre, f.norm_weight, f.norm_eps, f.rms_eps, f.hc_eps,
+                          f.iters, f.mix, false);
+  if (!entered.has_value()) return {};
+  const auto& [x, pre, post, comb] = *entered;
+  auto routed = route_rows(x, f.gate_weight, f.gate_bias, f.topk, f.normalize, f.route_scale);
+  if (!routed.has_value()) return {};
+  const auto& [weights, ids] = *routed;
+  // the experts named, increasing (decode_ffn's `used`), with their weights, then the shared expert's
+  const int64_t* ip = ids.const_data_ptr<int64_t>();
+  std::vector<int64_t> used(ip, ip + ids.numel());
+  std::sort(used.begin(), used.end());
+  used.erase(std::unique(used.begin(), used.end()), used.end());
+  std::vector<at::Tensor> w1s, w3s, w2s;
+  std::vector<double> limits;
+  for (const int64_t e : used) {
+    if (e < 0 || e >= experts) return {};
+    w1s.push_back(f.w1s[e]), w3s.push_back(f.w3s[e]), w2s.push_back(f.w2s[e]), limits.push_back(f.limits[e]);
+  }
+  w1s.push_back(f.w1s[experts]), w3s.push_back(f.w3s[experts]), w2s.push_back(f.w2s[experts]);
+  limits.push_back(f.limits[experts]);
+  std::optional<at::Tensor> out = expert_groups(x, ids, weights, used, w1s, w3s, w2s, limits);
+  if (!out.has_value()) return {};
+  std::optional<at::Tensor> streams = hc_expand_rows(*out, h, post, comb);
+  if (!streams.has_value()) return {};
+  return std::make_tuple(*streams, pre, ids);
+}
+
+std::vector<at::Tensor> attn_head(const at::Tensor& h, const at::Tensor& collapse_pre, const AttnWeights& a,
+                                  const at::Tensor& cis) {
+  auto entered = hc_enter(h, a.fn_t, a.scale, a.base, collapse_pre, a.norm_weight, a.norm_eps, a.rms_eps, a.hc_eps,
+                          a.iters, a.mix, false);
+  if (!entered.has_value()) return {};
+  const auto& [x, pre, post, comb] = *entered;
+  auto q = project_rows(x, a.wq_a, a.q_norm_weight, a.q_norm_eps, a.wq_b, a.heads, a.head_dim, cis, a.rope_dim);
+  if (!q.has_value()) return {};
+  auto kv = project_rows(x, a.wkv, a.kv_norm_weight, a.kv_norm_eps, c10::nullopt, 1, a.head_dim, cis, a.rope_dim);
+  if (!kv.has_value()) return {};
+  return {x, pre, post, comb, std::get<0>(*q), std::get<1>(*q), std::get<1>(*kv)};
+}
+
+std::vector<at::Tensor> attn_tail(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,
+                                  const c10::optional<at::Tensor>& comp, const c10::optional<at::Tensor>& comp_mask,
+                                  const at::Tensor& h, const at::Tensor& post, const at::Tensor& comb,
+                                  const at::Tensor& attn_pre, const at::Tensor& cis_inverse, const AttnWeights& a,
+                                  const FfnWeights* f) {
+  if (!attend_fits(q, win, win_mask, comp, comp_mask, a.sink)) return {};
+  const at::Tensor o = attend_rows(q, win, win_mask, comp, comp_mask, a.sink, a.attn_scale);
+  std::optional<at::Tensor> out = project_out_rows(o, cis_inverse, a.rope_dim, a.wo_a, a.groups, a.wo_b);
+  if (!out.has_value()) return {};
+  std::optional<at::Tensor> streams = hc_expand_rows(*out, h, post, comb);
+  if (!streams.has_value()) return {};
+  if (f == nullptr) return {*streams};
+  auto done = ffn_rows(*streams, attn_pre, *f);
+  if (!done.has_value()) return {*streams};
+  return {std::get<0>(*done), std::get<1>(*done), std::get<2>(*done)};
+}
