@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -39,8 +40,9 @@ def test_each_layer_lies_back_to_back_in_read_order_then_the_head() -> None:
     embed = model.embed.weight.data_ptr()
     arena = pack_weights(model)
     assert arena is not None
-    storage = {p.untyped_storage().data_ptr() for n, p in model.named_parameters() if n != "embed.weight"}
-    assert len(storage) == 1  # one arena
+    # each parameter a storage of its own bytes (it pickles alone), those bytes back to back below
+    moved = [p for n, p in model.named_parameters() if n != "embed.weight"]
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in moved)
     assert model.embed.weight.data_ptr() == embed  # a step reads one row of it: left where it was
     order = []
     for layer in model.layers:
@@ -141,5 +143,23 @@ def test_nothing_to_move_is_none() -> None:
 
 def test_load_model_packs_a_cpu_model() -> None:
     model, _ = load_model("v4.1-micro", seed=0)
-    storages = {p.untyped_storage().data_ptr() for n, p in model.named_parameters() if n != "embed.weight"}
-    assert len(storages) == 1
+    moved = [p for n, p in model.named_parameters() if n != "embed.weight"]
+    ends = [p.data_ptr() + p.numel() * p.element_size() for p in moved]
+    sizes = sum(-(-p.numel() * p.element_size() // 64) * 64 for p in moved)
+    assert max(ends) - min(p.data_ptr() for p in moved) <= sizes  # one arena, back to back
+
+
+def test_a_packed_module_pickles_as_its_own_weights() -> None:
+    """A packed parameter's storage is its own bytes over the arena: pickling one module (as multiprocessing or a
+    cache would) writes its weights, not the whole arena's once per parameter, and it loads with the same values."""
+    model = Transformer.from_config(load_config("v4.1-micro"), seed=0)
+    assert pack_weights(model) is not None
+    attn = model.layers[1].attn
+    own = sum(p.numel() * p.element_size() for p in attn.parameters()) + sum(
+        b.numel() * b.element_size() for b in attn.buffers()
+    )
+    data = pickle.dumps(attn)
+    assert len(data) < 2 * own + (1 << 20)
+    loaded = pickle.loads(data)
+    for (name, p), (_, q) in zip(attn.named_parameters(), loaded.named_parameters(), strict=True):
+        assert torch.equal(p, q), name

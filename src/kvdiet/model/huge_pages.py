@@ -22,9 +22,31 @@ import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE", "huge_page_zeros"]
+__all__ = ["HUGE_PAGE", "huge_page_mapping", "huge_page_zeros"]
 
 HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+
+
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A zero-filled private anonymous mapping holding ``nbytes`` bytes from offset ``start`` on (returned with it),
+    ``start`` on a 2 MiB boundary and the whole 2 MiB runs from there advised ``MADV_HUGEPAGE`` (module docstring);
+    under 2 MiB, a plain mapping from offset 0 (page-aligned). Tensors over it (``torch.frombuffer``) keep it alive.
+
+    Raises:
+        ValueError: ``nbytes`` < 1.
+    """
+    if nbytes < 1:
+        raise ValueError(f"a mapping holds at least one byte, got {nbytes}")
+    if nbytes < HUGE_PAGE:
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0
+    # private: a shared anonymous mapping is shmem, whose huge pages another setting (shmem_enabled) governs;
+    # one huge page more than asked, so the bytes can start on a huge-page boundary wherever the mapping lies
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    # no madvise (not Linux) or no transparent huge pages in the kernel: the mapping as it is
+    with contextlib.suppress(AttributeError, OSError):
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return mapping, start
 
 
 def huge_page_zeros(
@@ -49,15 +71,8 @@ def huge_page_zeros(
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE:
         return torch.zeros(tuple(shape), dtype=dtype, device="cpu")
-    # private: a shared anonymous mapping is shmem, whose huge pages another setting (shmem_enabled) governs;
-    # one huge page more than the tensor, so it can start on a huge-page boundary wherever the mapping lies
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE
-    # no madvise (not Linux) or no transparent huge pages in the kernel: the mapping as it is
-    with contextlib.suppress(AttributeError, OSError):
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    out = whole[start : start + nbytes]
+    mapping, start = huge_page_mapping(nbytes)
+    out = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
     if touch:
         out.zero_()  # the mapping's pages are zeros already: this only commits them
     return out.view(dtype).view(tuple(shape))

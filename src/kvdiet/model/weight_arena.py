@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvdiet.model.huge_pages import huge_page_zeros
+from kvdiet.model.huge_pages import huge_page_mapping
 
 __all__ = ["READ_ORDER", "WeightArena", "pack_weights"]
 
@@ -94,9 +94,9 @@ def _in_read_order(model: nn.Module) -> Iterator[nn.Parameter]:
 
 
 def _movable(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """Those of ``params`` that can move: on the CPU, contiguous from their storage's start to its end, and the
-    only tensor of ``model`` on that storage, its parameters and buffers all counted (a weight tied to another,
-    the token embedding or a buffer included, stays where it is, tied)."""
+    """Those of ``params`` that can move: on the CPU, not empty, contiguous from their storage's start to its end,
+    and the only tensor of ``model`` on that storage, its parameters and buffers all counted (a weight tied to
+    another, the token embedding or a buffer included, stays where it is, tied)."""
     storages: dict[int, int] = {}
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # each object once
     for t in tensors.values():
@@ -107,6 +107,7 @@ def _movable(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Parameter]
         p
         for p in params
         if p.device.type == "cpu"
+        and p.numel() > 0
         and p.is_contiguous()
         and p.storage_offset() == 0
         and p.untyped_storage().nbytes() == p.numel() * p.element_size()
@@ -125,7 +126,8 @@ def _return_freed_memory() -> None:
 def pack_weights(model: nn.Module) -> WeightArena | None:
     """Move ``model``'s parameters into one arena in decode-read order (module docstring); returns it, or None
     where no parameter can move. Call it before the first forward, without autograd recording: each parameter's
-    ``.data`` is replaced by a view of the arena holding the same values (its `torch.nn.Parameter` object, dtype,
+    ``.data`` is replaced by a tensor over its place in the arena holding the same values, on a storage of its own
+    over those bytes, so it pickles, copies and saves as its own bytes (its `torch.nn.Parameter` object, dtype,
     shape and ``requires_grad`` stay). Caches keyed by a parameter's data pointer (`kvdiet.model.hc.HcWeights`)
     see the new pointer and rebuild.
 
@@ -143,12 +145,15 @@ def pack_weights(model: nn.Module) -> WeightArena | None:
     for p in params:
         offsets.append(total)
         total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-    arena = huge_page_zeros((total,), torch.uint8, touch=False)  # each byte written below
+    mapping, base = huge_page_mapping(total)  # each byte written below
     moved = 0
     with torch.no_grad():
         for p, start in zip(params, offsets, strict=True):
             nbytes = p.numel() * p.element_size()
-            view = arena[start : start + nbytes].view(p.dtype).view(p.shape)
+            # a storage of its own over the arena's bytes (it keeps the mapping alive): a parameter pickles,
+            # copies and saves as its own bytes, not the whole arena's
+            view = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=base + start)
+            view = view.view(p.dtype).view(p.shape)
             view.copy_(p.data)
             p.data = view
             moved += nbytes
