@@ -119,7 +119,7 @@ def _norm(block) -> None:
 
 
 def _hc_in_place(block) -> None:
-    # the kept HcWeights hold a copy of the scales: rebuilt, then bound again
+    # in place, a version counter moves: the kept HcWeights are rebuilt, then the layer bound again
     block.hc_ffn_scale.mul_(1.5)
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from kvdiet.config import load_config
+from kvdiet.formats import native
 from kvdiet.model.hc import (
     add_sublayer_hc,
     hc_coefficients,
@@ -18,6 +20,7 @@ from kvdiet.model.hc import (
     hc_initial_pre,
     sublayer_coefficients,
 )
+from kvdiet.model.transformer import Transformer
 
 HC, HIDDEN, T = 4, 16, 5
 RMS_EPS, HC_EPS, ITERS = 1e-20, 1e-6, 20
@@ -302,3 +305,25 @@ def test_inference_mode_parameters_are_laid_out_on_every_call():
     assert block.hc_weights == {}
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("native_kernels", ["1", "0"])
+def test_a_scale_written_through_data_is_read_at_the_next_step(monkeypatch, native_kernels) -> None:
+    """A write to an mHC scale's storage (``.data``: no version counter moves) after the layout was kept and a
+    decode step bound it: the next step reads the new scales (the kept layout holds the parameter itself, not a
+    copy), the same logits as the same write made in place with autograd's knowledge, on both paths."""
+    monkeypatch.setenv(native.ENV, native_kernels)
+    got = []
+    for through_data in (True, False):
+        model = Transformer.from_config(load_config("v4.1-micro"), seed=4)
+        state = model.new_state()
+        model.prefill(state, torch.arange(2, 30))
+        with torch.no_grad():
+            for block in model.layers:
+                block.hc_attn_fn.normal_(std=0.1, generator=torch.Generator().manual_seed(5))
+        model.decode([state], [5])
+        with torch.no_grad():
+            scale = model.layers[2].hc_attn_scale
+            (scale.data if through_data else scale).mul_(3)
+        got.append(model.decode([state], [6]))
+    assert torch.equal(got[0], got[1])

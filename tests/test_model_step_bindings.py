@@ -43,7 +43,7 @@ def checks(monkeypatch) -> list[bool]:
 
 def _hc_scale(model: Transformer) -> None:
     model.layers[2].hc_attn_fn.normal_(std=0.1, generator=torch.Generator().manual_seed(3))
-    model.layers[2].hc_attn_scale.mul_(1.5)  # in place: the kept layout's copy of the scales is stale
+    model.layers[2].hc_attn_scale.mul_(1.5)  # in place: its version moves, the kept layout is rebuilt
 
 
 def _weight(model: Transformer) -> None:
@@ -102,7 +102,7 @@ def _cfg(model: Transformer) -> None:
 
 def _hc_data(model: Transformer) -> None:
     model.layers[1].hc_ffn_fn.normal_(std=0.1, generator=torch.Generator().manual_seed(4))
-    model.layers[1].hc_ffn_scale.data.mul_(2)  # no version bump: the kept layout is dropped by hand
+    model.layers[1].hc_ffn_scale.data.mul_(2)  # no version moves; the kept layout is dropped too
     model.layers[1].hc_weights.clear()
 
 

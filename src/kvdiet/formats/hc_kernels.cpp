@@ -6,7 +6,8 @@
 //   float32 [T, hc, hidden] (contiguous, 1..16 rows, or with any_rows any number: a prefill chunk's, up to
 //   sinkhorn.py's MAX_MIX_ROWS, which the caller (hc.py's sublayer_entry) keeps; 1 <= hc <= 4), fn_t float32
 //   [hc·hidden, (2+hc)·hc] (any layout),
-//   scale and base float32 [(2+hc)·hc] (contiguous), collapse_pre float32 [T, hc], norm_weight float32 [hidden];
+//   scale float32 [3] (the parameter: each mix's scale is hc x scale[0], hc x scale[1], hc^2 x scale[2]) and base
+//   float32 [(2+hc)·hc] (contiguous), collapse_pre float32 [T, hc], norm_weight float32 [hidden];
 //   mix: (address of sinkhorn.c's kvdiet_hc_mix_f32, address of torch's vector exp, its lanes), from
 //   kvdiet.model.sinkhorn.hc_mix_address -> (x float32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]),
 //   or std::nullopt for any other input, where rms_norm declines (a NaN in x) or the mix kernel refuses. What a
@@ -67,8 +68,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   const int64_t rows = h.size(0), hc = h.size(1), hidden = h.size(2), n_mix = (2 + hc) * hc;
   if (rows < 1 || (!any_rows && rows > kHcRowsMax) || hc < 1 || hc > kHcStreamsMax || hidden < 1 || iters < 1) return {};
   if (fn_t.dim() != 2 || fn_t.size(0) != hc * hidden || fn_t.size(1) != n_mix) return {};
-  for (const at::Tensor* t : {&scale, &base})
-    if (t->dim() != 1 || t->size(0) != n_mix || !t->is_contiguous()) return {};
+  if (scale.dim() != 1 || scale.size(0) != 3 || base.dim() != 1 || base.size(0) != n_mix || !base.is_contiguous())
+    return {};
   if (collapse_pre.dim() != 2 || collapse_pre.size(0) != rows || collapse_pre.size(1) != hc) return {};
   if (norm_weight.dim() != 1 || norm_weight.size(0) != hidden) return {};
   const auto [mix_fn, vexp, lanes] = mix;
@@ -93,10 +94,15 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   for (int64_t r = 0; r < rows; ++r) mp[r] = mp[r] / n;
   // at::matmul of two matrices is at::mm (ATen's matmul passes them on unchanged): mm's output is contiguous
   at::Tensor mixes = at::mm(h.view({rows, width}), fn_t);  // overwritten by the mix kernel
+  // each mix's scale, hc x scale[0], hc x scale[1], hc^2 x scale[2] (hc.py's HcWeights.mix_scales), read now
+  const at::Tensor scales = scale.contiguous();
+  const float* s3 = scales.const_data_ptr<float>();
+  std::vector<float> mix_scale(n_mix);
+  for (int64_t k = 0; k < n_mix; ++k) mix_scale[k] = s3[k < hc ? 0 : (k < 2 * hc ? 1 : 2)];
   at::Tensor pre = at::empty({rows, hc}, h.options()), post = at::empty({rows, hc}, h.options());
   at::Tensor comb = at::empty({rows, hc, hc}, h.options());
   const int status = reinterpret_cast<HcMixFn>(mix_fn)(
-      mixes.mutable_data_ptr<float>(), mp, scale.const_data_ptr<float>(), base.const_data_ptr<float>(), rows, hc,
+      mixes.mutable_data_ptr<float>(), mp, mix_scale.data(), base.const_data_ptr<float>(), rows, hc,
       static_cast<float>(rms_eps), static_cast<float>(hc_eps), iters, pre.mutable_data_ptr<float>(),
       post.mutable_data_ptr<float>(), comb.mutable_data_ptr<float>(), reinterpret_cast<void*>(vexp), lanes);
   if (status != 0) return {};

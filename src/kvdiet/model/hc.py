@@ -207,9 +207,9 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class HcWeights:
-    """One sublayer's mHC parameters laid out for `hc_coefficients` in one compute dtype, built once:
-    ``fn_t`` = fnᵀ [hc·hidden, (2+hc)·hc] (a view of fn when it has that dtype), ``scale`` [(2+hc)·hc] (each
-    mix's scale: hc × scale[0], hc × scale[1], hc² × scale[2]), ``base`` [(2+hc)·hc].
+    """One sublayer's mHC parameters laid out for `hc_coefficients` in one compute dtype, built once: ``fn_t`` = fnᵀ
+    [hc·hidden, (2+hc)·hc], ``scale`` [3], ``base`` [(2+hc)·hc] (views of the parameters when they have that dtype:
+    a ``.data`` write, which no version counter sees, is read too); each mix's scale is taken at each use.
 
     ``source`` holds the parameters it was built from and ``stamp`` their (version, data pointer) pairs, for
     `current`; ``pinned`` holds detached views of their storage, so no later storage can take a pinned
@@ -220,6 +220,7 @@ class HcWeights:
     dtype: torch.dtype
     fn_t: torch.Tensor
     scale: torch.Tensor
+    scale_index: torch.Tensor
     base: torch.Tensor
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     stamp: tuple[int, int, int, int, int, int]
@@ -251,7 +252,8 @@ class HcWeights:
             hc=hc,
             dtype=dtype,
             fn_t=as_dtype(fn, dtype).T,
-            scale=as_dtype(scale, dtype).index_select(0, index),
+            scale=as_dtype(scale, dtype),
+            scale_index=index,
             base=as_dtype(base, dtype),
             source=(fn, scale, base),
             stamp=_stamp(fn, scale, base),
@@ -269,6 +271,10 @@ class HcWeights:
             and self.dtype == dtype
             and self.stamp == _stamp(fn, scale, base)
         )
+
+    def mix_scales(self) -> torch.Tensor:
+        """Each mix's scale [(2+hc)·hc] in ``dtype``: hc × scale[0], hc × scale[1], hc² × scale[2] (a new tensor)."""
+        return self.scale.index_select(0, self.scale_index)
 
     def coefficients(
         self, h: torch.Tensor, *, rms_eps: float, hc_eps: float, sinkhorn_iters: int
@@ -297,7 +303,7 @@ class HcWeights:
             mixed = hc_mix(
                 torch.matmul(flat, self.fn_t),
                 flat.square().mean(-1),
-                self.scale,
+                self.mix_scales(),
                 self.base,
                 rms_eps=rms_eps,
                 hc_eps=hc_eps,
@@ -306,7 +312,9 @@ class HcWeights:
             if mixed is not None:  # the steps below in one compiled call, bit for bit
                 return mixed
         rstd = flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)).rsqrt_()
-        z = torch.matmul(flat, self.fn_t).mul_(rstd).mul_(self.scale).add_(self.base)  # [..., T, (2+hc)·hc]
+        z = (
+            torch.matmul(flat, self.fn_t).mul_(rstd).mul_(self.mix_scales()).add_(self.base)
+        )  # [..., T, (2+hc)hc]
         pre, post, comb = z.split_with_sizes((hc, hc, hc * hc), -1)
         pre = torch.sigmoid(pre.contiguous()).add_(constant(hc_eps, dt))
         post = torch.sigmoid(post.contiguous())
