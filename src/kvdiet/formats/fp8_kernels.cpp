@@ -231,16 +231,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("softmax_rows", &softmax_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
-  py::class_<FfnWeights>(m, "FfnWeights")
+  py::class_<EntryWeights>(m, "EntryWeights")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, double, int64_t,
-                    std::tuple<int64_t, int64_t, int64_t>, at::Tensor, at::Tensor, int64_t, bool, double,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>>());
+                    std::tuple<int64_t, int64_t, int64_t>>());
+  py::class_<FfnWeights>(m, "FfnWeights")
+      .def(py::init<EntryWeights, at::Tensor, at::Tensor, int64_t, bool, double, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>>());
   m.def("ffn_rows", &ffn_rows, py::call_guard<py::gil_scoped_release>());
   py::class_<AttnWeights>(m, "AttnWeights")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, double, int64_t,
-                    std::tuple<int64_t, int64_t, int64_t>, at::Tensor, at::Tensor, double, at::Tensor, int64_t,
-                    int64_t, at::Tensor, at::Tensor, double, int64_t, at::Tensor, double, at::Tensor, int64_t,
-                    at::Tensor>());
+      .def(py::init<EntryWeights, at::Tensor, at::Tensor, double, at::Tensor, int64_t, int64_t, at::Tensor,
+                    at::Tensor, double, int64_t, at::Tensor, double, at::Tensor, int64_t, at::Tensor>());
   m.def("attn_head", &attn_head, py::call_guard<py::gil_scoped_release>());
   m.def("attn_tail", &attn_tail, py::arg("q"), py::arg("win"), py::arg("win_mask"), py::arg("comp").none(true),
         py::arg("comp_mask").none(true), py::arg("h"), py::arg("post"), py::arg("comb"), py::arg("attn_pre"),

@@ -6,8 +6,9 @@
 //
 // FfnWeights / AttnWeights: what one layer's FFN half / attention sublayer reads besides its rows, bound once
 //   (kvdiet/model/ffn_binding.py and attn_binding.py check before each step that the modules still hold them):
-//   - both: the mHC entry's fn_t, scale, base (hc.py's HcWeights layout), the sublayer norm's weight and eps, the
-//     config's rms_eps, hc_eps and Sinkhorn iterations, the mix kernel's addresses (sinkhorn.py's hc_mix_address);
+//   - both: an EntryWeights, the mHC entry's fn_t, scale, base (hc.py's HcWeights layout), the sublayer norm's
+//     weight and eps, the config's rms_eps, hc_eps and Sinkhorn iterations, the mix kernel's addresses
+//     (sinkhorn.py's hc_mix_address);
 //   - FFN: the router's weight float32 [E, hidden], bias float32 [E], top-k, whether it normalises, its scaling
 //     factor; every routed expert's w1, w3, w2 (float32, dense) and swiglu limit, then the shared expert's (index E);
 //   - attention: wq_a, q_norm's weight and eps, wq_b, heads, head_dim; wkv, kv_norm's weight and eps; rope_dim; the
@@ -27,11 +28,16 @@
 
 namespace {
 
-struct FfnWeights {
+// a sublayer's mHC entry: hc_enter's arguments besides the rows and their collapse pre-mix
+struct EntryWeights {
   at::Tensor fn_t, scale, base, norm_weight;
   double norm_eps, rms_eps, hc_eps;
   int64_t iters;
   std::tuple<int64_t, int64_t, int64_t> mix;
+};
+
+struct FfnWeights {
+  EntryWeights entry;
   at::Tensor gate_weight, gate_bias;
   int64_t topk;
   bool normalize;
@@ -41,10 +47,7 @@ struct FfnWeights {
 };
 
 struct AttnWeights {
-  at::Tensor fn_t, scale, base, norm_weight;
-  double norm_eps, rms_eps, hc_eps;
-  int64_t iters;
-  std::tuple<int64_t, int64_t, int64_t> mix;
+  EntryWeights entry;
   at::Tensor wq_a, q_norm_weight;
   double q_norm_eps;
   at::Tensor wq_b;
@@ -58,6 +61,13 @@ struct AttnWeights {
   int64_t groups;
   at::Tensor wo_b;
 };
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> enter(const at::Tensor& h,
+                                                                                 const at::Tensor& collapse_pre,
+                                                                                 const EntryWeights& e) {
+  return hc_enter(h, e.fn_t, e.scale, e.base, collapse_pre, e.norm_weight, e.norm_eps, e.rms_eps, e.hc_eps, e.iters,
+                  e.mix, false);
+}
 
 bool float_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
 
@@ -87,8 +97,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   if (static_cast<int64_t>(f.w1s.size()) != experts + 1) return {};
   // the gate weight as Gate.forward's compiled path reads it (gemv.py's applies): in place
   if (!f.gate_weight.is_contiguous() || f.gate_weight.is_neg()) return {};
-  auto entered = hc_enter(h, f.fn_t, f.scale, f.base, attn_pre, f.norm_weight, f.norm_eps, f.rms_eps, f.hc_eps,
-                          f.iters, f.mix, false);
+  auto entered = enter(h, attn_pre, f.entry);
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
   auto routed = route_rows(x, f.gate_weight, f.gate_bias, f.topk, f.normalize, f.route_scale);
@@ -116,8 +125,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
 
 std::vector<at::Tensor> attn_head(const at::Tensor& h, const at::Tensor& collapse_pre, const AttnWeights& a,
                                   const at::Tensor& cis) {
-  auto entered = hc_enter(h, a.fn_t, a.scale, a.base, collapse_pre, a.norm_weight, a.norm_eps, a.rms_eps, a.hc_eps,
-                          a.iters, a.mix, false);
+  auto entered = enter(h, collapse_pre, a.entry);
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
   auto q = project_rows(x, a.wq_a, a.q_norm_weight, a.q_norm_eps, a.wq_b, a.heads, a.head_dim, cis, a.rope_dim);

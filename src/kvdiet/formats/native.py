@@ -86,9 +86,9 @@ def fp4_kernels() -> ModuleType | None:
     ran), ``select_topk``, ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``,
     ``rms_norm``, ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
     ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
-    ``attend_rows``, ``ffn_rows`` (a decode step's FFN half, through an ``FfnWeights``), ``encode_fp8``,
-    ``decode_fp8``, ``read_fp8_window``, and ``parallel_threads``: how many threads they run on), or None for the
-    pure-torch path.
+    ``attend_rows``, ``attn_head``, ``attn_tail`` and ``ffn_rows`` (a decode step's layer, through ``EntryWeights``,
+    ``AttnWeights`` and ``FfnWeights``), ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and
+    ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

@@ -17,11 +17,11 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.model.attention import Attention
-from kvdiet.model.ffn_binding import in_place
+from kvdiet.model.ffn_binding import entry_weights, in_place
 from kvdiet.model.hc import HcWeights
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.linear import Linear
-from kvdiet.model.module_reads import ModuleReads
+from kvdiet.model.module_reads import ModuleReads, Transient
 
 __all__ = ["AttnBinding"]
 
@@ -29,7 +29,7 @@ _LINEARS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 _NORMS = ("q_norm", "kv_norm")
 
 
-class AttnBinding:
+class AttnBinding(Transient):
     """The weights of one layer's attention sublayer as the compiled ``AttnWeights`` (``weights``; None where the
     layer does not fit the compiled calls: then `holds` still tells when to try again), the `Attention` module
     bound (``attn``), its RoPE width (``rope_dim``), the `HcWeights` held (``hc``) and what was read (``reads``)."""
@@ -40,11 +40,6 @@ class AttnBinding:
         self, weights: object | None, attn: nn.Module, rope_dim: int, hc: HcWeights, reads: ModuleReads
     ) -> None:
         self.weights, self.attn, self.rope_dim, self.hc, self.reads = weights, attn, rope_dim, hc, reads
-
-    def __reduce__(self) -> tuple:
-        """A copied or pickled block binds again on its first step (the compiled object neither copies nor
-        pickles, and would hold the original's tensors)."""
-        return (_unbound, ())
 
     def holds(self, hc: HcWeights) -> bool:
         """Whether ``hc`` is the `HcWeights` bound (`kvdiet.model.hc.sublayer_weights`' current layout) and the
@@ -95,13 +90,9 @@ class AttnBinding:
             and sink.dtype == torch.float32
         ):
             weights = kernels.AttnWeights(
-                hc.fn_t, hc.scale, hc.base, norm_weights["attn_norm"], eps["attn_norm"], cfg.rms_norm_eps,
-                cfg.hc_eps, cfg.hc_sinkhorn_iters, mix, dense["wq_a"], norm_weights["q_norm"], eps["q_norm"],
-                dense["wq_b"], heads, head_dim, dense["wkv"], norm_weights["kv_norm"], eps["kv_norm"],
-                rope.rope_dim, sink, scale, dense["wo_a"], groups, dense["wo_b"],
+                entry_weights(kernels, cfg, hc, mix, norm_weights["attn_norm"], eps["attn_norm"]), dense["wq_a"],
+                norm_weights["q_norm"], eps["q_norm"], dense["wq_b"], heads, head_dim, dense["wkv"],
+                norm_weights["kv_norm"], eps["kv_norm"], rope.rope_dim, sink, scale, dense["wo_a"], groups,
+                dense["wo_b"],
             )  # fmt: skip
         return cls(weights, attn, rope.rope_dim, hc, reads)
-
-
-def _unbound() -> None:
-    return None

@@ -86,14 +86,13 @@ def _bound_layer(
     if not head:
         return None
     x, attn_pre, post, comb, qr, q, kv = head
-    win_kv, win_mask, comp, comp_mask = attend_inputs(attn, x, qr, q, kv, segs, plan)
+    win_kv, win_mask, comp, comp_mask = attend_inputs(attn, x, qr, q, kv, segs, plan, rot)
     args = (q, win_kv, win_mask, comp, comp_mask, h, post, comb, attn_pre, rot.cis_inverse, binding.weights)
     tail = kernels.attn_tail(*args, None if ffn is None else ffn.weights)
     if len(tail) == 3 and (checked is not None or ffn.routed_current(tail[2])):
         return tail[0], tail[1]
-    if (
-        len(tail) == 3
-    ):  # a routed expert changed since it was bound: the attention again, the FFN's pieces then
+    if len(tail) == 3:
+        # a routed expert changed since it was bound: the attention again, the FFN's pieces then
         block.__dict__["ffn_binding"] = None
         tail = kernels.attn_tail(*args, None)
     if not tail:  # the attention's kernels declined (or its inputs do not fit: the pieces raise the error)

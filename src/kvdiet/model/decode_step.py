@@ -208,7 +208,7 @@ def decode_attention(attn: Attention, x: torch.Tensor, segs: list[Segment], plan
     ) or attn.project_q(x, rot)
     kv = project_rows(x, mods["wkv"], mods["kv_norm"], None, 1, attn.head_dim, rot)
     kv = attn.project_window_kv(x, rot) if kv is None else kv[1]
-    return attend_out(attn, q, *attend_inputs(attn, x, qr, q, kv, segs, plan), rot)
+    return attend_out(attn, q, *attend_inputs(attn, x, qr, q, kv, segs, plan, rot), rot)
 
 
 def attend_inputs(
@@ -219,9 +219,11 @@ def attend_inputs(
     kv: torch.Tensor,
     segs: list[Segment],
     plan: DecodePlan,
+    rot: Rotation,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """What a decode step's attention reads from the caches, after its projections (``x`` fp32 [B, hidden], the
-    queries' ``qr`` [B, q_lora] and ``q`` [B, H, D], the window entries ``kv`` [B, D], normed and rotated): a
+    queries' ``qr`` [B, q_lora] and ``q`` [B, H, D], the window entries ``kv`` [B, D], normed and rotated by the
+    step's ``rot``, `DecodePlan.rotation` of the layer's RoPE): a
     KV-source layer's new global entries written (`_update_global`), the window keys and mask (`_window`), an
     index layer's top-k selected, and the selected main-KV entries gathered once per (KV source, index source):
     ``(win_kv fp32 [B, W, D], win_mask bool [B, W], comp fp32 [B, K, D] | None, comp_mask bool [B, K] | None)``.
@@ -229,7 +231,7 @@ def attend_inputs(
     Raises:
         ValueError: as `_update_global` and `DecodePlan.check_pending`.
     """
-    info, mods, rot = attn.info, attn._modules, plan.rotation(attn.rope)
+    info, mods = attn.info, attn._modules
     if mods.get("compressor") is not None:
         _update_global(attn, x, segs, plan)
     win_kv, win_mask = _window(attn, plan, kv)

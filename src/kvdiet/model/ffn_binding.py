@@ -19,13 +19,13 @@ from torch import nn
 from kvdiet.config import ModelConfig
 from kvdiet.model.hc import HcWeights
 from kvdiet.model.layers import RMSNorm
-from kvdiet.model.module_reads import ModuleReads
+from kvdiet.model.module_reads import ModuleReads, Transient
 from kvdiet.model.moe import Gate, MoE
 
-__all__ = ["FfnBinding", "in_place"]
+__all__ = ["FfnBinding", "entry_weights", "in_place"]
 
 
-class FfnBinding:
+class FfnBinding(Transient):
     """The weights of one layer's FFN half as the compiled ``FfnWeights`` (``weights``; None where the layer does
     not fit the compiled call: then `holds` still tells when to try again), the `HcWeights` they hold (``hc``) and
     what they were read from: ``reads`` (all but the routed experts, checked before a call) and ``experts`` (each
@@ -38,11 +38,6 @@ class FfnBinding:
         self, weights: object | None, hc: HcWeights, reads: ModuleReads, experts: list[ModuleReads]
     ) -> None:
         self.weights, self.hc, self.reads, self.experts = weights, hc, reads, experts
-
-    def __reduce__(self) -> tuple:
-        """A copied or pickled block binds again on its first step (the compiled object neither copies nor
-        pickles, and would hold the original's tensors)."""
-        return (_unbound, ())
 
     def holds(self, hc: HcWeights) -> bool:
         """Whether ``hc`` is the `HcWeights` bound (`kvdiet.model.hc.sublayer_weights`' current layout) and the
@@ -119,10 +114,34 @@ class FfnBinding:
             and norm_weight is not None
         ):
             weights = kernels.FfnWeights(
-                hc.fn_t, hc.scale, hc.base, norm_weight, eps, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                mix, gate_weight, gate_bias, topk, normalize, scaling, dense[0::3], dense[1::3], dense[2::3], limits,
+                entry_weights(kernels, cfg, hc, mix, norm_weight, eps), gate_weight, gate_bias, topk, normalize,
+                scaling, dense[0::3], dense[1::3], dense[2::3], limits,
             )  # fmt: skip
         return cls(weights, hc, reads, expert_reads)
+
+
+def entry_weights(
+    kernels: ModuleType,
+    cfg: ModelConfig,
+    hc: HcWeights,
+    mix: tuple[int, int, int],
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+) -> object:
+    """A sublayer's mHC entry as the compiled ``EntryWeights`` (``hc_enter``'s arguments besides the rows): the
+    layout ``hc``, the sublayer norm's weight and eps, the config's rms_eps, hc_eps and Sinkhorn iterations, the mix
+    kernel's addresses ``mix`` (`kvdiet.model.sinkhorn.hc_mix_address`)."""
+    return kernels.EntryWeights(
+        hc.fn_t,
+        hc.scale,
+        hc.base,
+        norm_weight,
+        norm_eps,
+        cfg.rms_norm_eps,
+        cfg.hc_eps,
+        cfg.hc_sinkhorn_iters,
+        mix,
+    )
 
 
 def in_place(weight: torch.Tensor | None) -> bool:
@@ -135,7 +154,3 @@ def in_place(weight: torch.Tensor | None) -> bool:
         and weight.is_contiguous()
         and not weight.is_neg()
     )
-
-
-def _unbound() -> None:
-    return None

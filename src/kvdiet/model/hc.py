@@ -314,7 +314,7 @@ class HcWeights:
         rstd = flat.square().mean(-1, keepdim=True).add_(constant(rms_eps, dt)).rsqrt_()
         z = (
             torch.matmul(flat, self.fn_t).mul_(rstd).mul_(self.mix_scales()).add_(self.base)
-        )  # [..., T, (2+hc)hc]
+        )  # [..., T, mixes]
         pre, post, comb = z.split_with_sizes((hc, hc, hc * hc), -1)
         pre = torch.sigmoid(pre.contiguous()).add_(constant(hc_eps, dt))
         post = torch.sigmoid(post.contiguous())

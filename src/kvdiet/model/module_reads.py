@@ -16,7 +16,22 @@ import operator
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-__all__ = ["ModuleReads"]
+__all__ = ["ModuleReads", "Transient"]
+
+
+class Transient:
+    """A binding kept on a module (`AttnBinding`, `FfnBinding`, `StepBindings`): a copied or pickled module drops it
+    and binds again on its first decode step (a compiled weights object neither copies nor pickles, and would hold
+    the original's tensors)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (_dropped, ())
+
+
+def _dropped() -> None:
+    return None
 
 
 class ModuleReads:

@@ -23,14 +23,14 @@ from torch import nn
 
 from kvdiet.model.block import pieces_unpatched
 from kvdiet.model.hc import decode_kernels, hc_parameter_names
-from kvdiet.model.module_reads import ModuleReads
+from kvdiet.model.module_reads import ModuleReads, Transient
 
 __all__ = ["StepBindings", "step_kernels"]
 
 _VERSION = operator.attrgetter("_version")
 
 
-class StepBindings:
+class StepBindings(Transient):
     """The bindings of every layer of a model, as one `ModuleReads` (``reads``) and the mHC parameters their
     `HcWeights` were built from (``params``) with their (version, data pointer) stamps (``stamps``)."""
 
@@ -38,10 +38,6 @@ class StepBindings:
 
     def __init__(self, reads: ModuleReads, params: list[torch.Tensor], stamps: list[tuple[int, int]]) -> None:
         self.reads, self.params, self.stamps = reads, params, stamps
-
-    def __reduce__(self) -> tuple:
-        """A copied or pickled model gathers its own on its first steps."""
-        return (_unbound, ())
 
     @classmethod
     def gather(cls, model: nn.Module) -> StepBindings | None:
@@ -61,9 +57,8 @@ class StepBindings:
                 own.expect(block.__dict__, name, binding)
             kept = own.read(block.__dict__, "hc_weights")
             for part, hc in (("attn", attn.hc), ("ffn", ffn.hc)):
-                own.expect(
-                    kept, part, hc
-                )  # the layout the pieces would use (`kvdiet.model.hc.sublayer_weights`)
+                # the layout the pieces would use (`kvdiet.model.hc.sublayer_weights`)
+                own.expect(kept, part, hc)
                 for name, param in zip(hc_parameter_names(part), hc.source, strict=True):
                     own.expect(block._parameters, name, param)
                 params += hc.source
@@ -94,7 +89,3 @@ def step_kernels(model: nn.Module, h: torch.Tensor) -> ModuleType | None:
         if bindings is None or not bindings.holds():
             return None
     return got[0]
-
-
-def _unbound() -> None:
-    return None
