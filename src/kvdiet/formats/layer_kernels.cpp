@@ -128,11 +128,11 @@ std::vector<at::Tensor> attn_head(const at::Tensor& h, const at::Tensor& collaps
   auto entered = enter(h, collapse_pre, a.entry);
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
-  auto q = project_rows(x, a.wq_a, a.q_norm_weight, a.q_norm_eps, a.wq_b, a.heads, a.head_dim, cis, a.rope_dim);
-  if (!q.has_value()) return {};
-  auto kv = project_rows(x, a.wkv, a.kv_norm_weight, a.kv_norm_eps, c10::nullopt, 1, a.head_dim, cis, a.rope_dim);
-  if (!kv.has_value()) return {};
-  return {x, pre, post, comb, std::get<0>(*q), std::get<1>(*q), std::get<1>(*kv)};
+  auto both = project_q_kv_rows(x, a.wq_a, a.q_norm_weight, a.q_norm_eps, a.wq_b, a.heads, a.head_dim, a.wkv,
+                                a.kv_norm_weight, a.kv_norm_eps, cis, a.rope_dim);
+  if (!both.has_value()) return {};
+  const auto& [q, kv] = *both;
+  return {x, pre, post, comb, std::get<0>(q), std::get<1>(q), kv};
 }
 
 std::vector<at::Tensor> attn_tail(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,
