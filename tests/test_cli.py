@@ -97,6 +97,8 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
         ),
         (["generate", f"@{looped}"], f"kvdiet: error: @{looped}: @FILE nested more than 16 deep"),
         (["golden", str(binary)], f"kvdiet golden: error: {binary}: a file, not a folder"),
+        # an empty path read as the working folder ("no reference_outputs.safetensors in .")
+        (["golden", ""], "kvdiet golden: error: the golden folder's path is empty"),
         (
             ["golden", str(tmp_path), "--tol", "nan"],
             "kvdiet golden: error: --tol must be a finite number > 0",

@@ -100,7 +100,8 @@ def compare_golden(
     reference outputs sit on ``device`` (`kvdiet.device`); only the counts come back to the host.
 
     Raises:
-        FileNotFoundError: no ``reference_outputs.safetensors`` or no checkpoint in ``directory``.
+        FileNotFoundError: ``directory`` is empty, not a folder, or holds no ``reference_outputs.safetensors``
+            or no checkpoint.
         kvdiet.model.checkpoint.WeightsError / kvdiet.config.ConfigError: the checkpoint does not load.
         ValueError: the outputs file lacks ``prompt_tokens`` or ``prompt_logits``, or a bad ``tol`` (a
             `kvdiet.setting_error.SettingError`: ``--tol`` on the command line).
@@ -109,6 +110,8 @@ def compare_golden(
         raise SettingError(
             "{tol} must be a finite number > 0, got {got}", got=tol
         )  # --tol on the command line
+    if not str(directory).strip():  # Path("") is "." (the working folder), which no one meant
+        raise FileNotFoundError("the golden folder's path is empty")
     directory = Path(directory)
     if not directory.is_dir():
         kind = "a file, not a folder" if directory.exists() else "no such folder"
