@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from kvdiet.formats import native
 from kvdiet.model import moe as moe_module
 from kvdiet.model.decode_ffn import decode_ffn
 from kvdiet.model.linear import quantize_fp8_weight
+from kvdiet.model.member import overridden, stands_in
 from kvdiet.model.transformer import Transformer
 
 TOKENS = [5, 9, 11, 40, 3]
@@ -30,13 +34,22 @@ def _steps(model: Transformer, batch: int) -> torch.Tensor:
     return torch.cat([model.decode(states, [t + b for b in range(batch)]) for t in TOKENS])
 
 
-def _count_moe_forward(monkeypatch) -> list[int]:
+@contextlib.contextmanager
+def _counting_moe_forward() -> Iterator[list[int]]:
+    """The calls of `MoE.forward`, one item each, counted by a profile function: a spy set on the class would be a
+    class-level patch, which the module path runs (`kvdiet.model.member.overridden`), so every step would enter it."""
     calls: list[int] = []
-    forward = moe_module.MoE.forward
-    monkeypatch.setattr(
-        moe_module.MoE, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
-    )
-    return calls
+    code = moe_module.MoE.forward.__code__
+
+    def profile(frame, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code is code:
+            calls.append(1)
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16])
@@ -46,20 +59,20 @@ def test_decode_steps_run_the_four_kernels_with_the_module_paths_bits(micro, mon
     fetched in the same order (an expert cache's reads: routing order for one row, increasing for more)."""
     if native.fp4_kernels() is None:
         pytest.fail("the compiled kernels did not build")
-    calls = _count_moe_forward(monkeypatch)
     fetched: list[list[int]] = []
     fetch = moe_module.MoE.fetch
     monkeypatch.setattr(
         moe_module.MoE, "fetch", lambda self, ids: fetched.append(list(ids)) or fetch(self, ids)
     )
-    flat = _steps(micro, batch)
+    with _counting_moe_forward() as calls:
+        flat = _steps(micro, batch)
     prefill_calls, flat_fetches = len(calls), list(fetched)
     assert prefill_calls > 0  # the prefills' rows take the module path
     hooks = [block.ffn.register_forward_pre_hook(lambda module, args: None) for block in micro.layers]
     try:
-        calls.clear()
         fetched.clear()
-        hooked = _steps(micro, batch)
+        with _counting_moe_forward() as calls:
+            hooked = _steps(micro, batch)
     finally:
         for hook in hooks:
             hook.remove()
@@ -164,3 +177,20 @@ def test_a_replaced_or_overridden_moe_takes_the_module_path(micro) -> None:
             block.ffn.gate.forward = lambda x, token_ids=None: (torch.zeros_like(x[:, :1]), x[:, :1].long())
         with torch.no_grad():
             assert decode_ffn(block, h, pre) is None, change
+    # the class's own forward replaced (a patch of ``MoE.forward``): the module path runs the new code
+    block = copy.deepcopy(micro.layers[3])
+    with torch.no_grad():
+        assert decode_ffn(block, h, pre) is not None
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe_module.MoE, "forward", lambda self, x, token_ids=None, padded=False: x)
+            assert decode_ffn(block, h, pre) is None
+        assert decode_ffn(block, h, pre) is not None  # the own forward back in place
+
+
+def test_only_a_class_defining_forward_is_marked_as_stood_in_for() -> None:
+    class NoForward(torch.nn.Module):
+        pass
+
+    with pytest.raises(TypeError, match="NoForward defines no forward"):
+        stands_in(NoForward)
+    assert overridden(torch.nn.Identity(), torch.nn.Identity)  # not marked: the module path

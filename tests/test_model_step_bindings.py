@@ -179,6 +179,38 @@ def test_a_patched_piece_sees_every_step(micro, checks, monkeypatch) -> None:
     assert torch.equal(torch.cat([*steps, spied]), want)
 
 
+@pytest.mark.parametrize("name", ["MoE", "Linear", "RMSNorm"])
+def test_a_class_level_patch_of_a_module_forward_runs_in_every_step(micro, checks, monkeypatch, name) -> None:
+    """A spy set on the class of modules the compiled calls stand in for (``MoE.forward = spy``), once the step
+    check holds: the next step declines the compiled calls and runs the spy in every layer (the MoE once a layer,
+    the linears and norms at least that), with the same logits, and the step after it too."""
+    from kvdiet.model.layers import RMSNorm
+    from kvdiet.model.linear import Linear
+    from kvdiet.model.moe import MoE
+
+    cls = {"MoE": MoE, "Linear": Linear, "RMSNorm": RMSNorm}[name]
+    model = copy.deepcopy(micro)
+    state = model.new_state()
+    model.prefill(state, PROMPT)
+    steps = [model.decode([state], [t]) for t in (5, 6, 7)]
+    calls: list[int] = []
+    forward = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    spied = model.decode([state], [8])
+    monkeypatch.undo()
+    steps += [spied, model.decode([state], [9])]
+    assert checks[:4] == [False, True, True, False]  # undo() took the checks' spy off as well
+    if name == "MoE":
+        assert len(calls) == len(model.layers)
+    else:
+        assert len(calls) >= len(model.layers)
+    twin = copy.deepcopy(micro)
+    twin_state = twin.new_state()
+    twin.prefill(twin_state, PROMPT)
+    want = torch.cat([twin.decode([twin_state], [t]) for t in (5, 6, 7, 8, 9)])
+    assert torch.equal(torch.cat(steps), want)
+
+
 def test_a_model_of_inference_tensors_decodes_through_the_pieces(micro, checks) -> None:
     """Parameters made under ``torch.inference_mode`` keep no version counter (their mHC layout is not kept):
     every step runs, through the pieces, with the logits of the same model made normally."""

@@ -22,6 +22,7 @@ from kvdiet.model.decode_ffn import decode_ffn
 from kvdiet.model.engram import Engram
 from kvdiet.model.hc import add_sublayer_hc, hc_expand, sublayer_coefficients, sublayer_entry
 from kvdiet.model.layers import RMSNorm
+from kvdiet.model.linear import Linear
 from kvdiet.model.moe import Gate, MoE
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ class Block(nn.Module):
     def pieces_own(self) -> bool:
         """Whether this block's decode path is kvdiet's own: the block exactly a `Block` and none of the functions
         that path calls patched (`Block.entry`, `Block.ffn_half`, ``decode_ffn``, `Attention.forward`,
-        `DecodePlan.attend`, ``decode_step.decode_attention`` and ``decode_attend``, `Gate.forward`, `MoE.fetch`).
+        `DecodePlan.attend`, ``decode_step.decode_attention`` and ``decode_attend``, `Gate.forward`, `MoE.fetch`,
+        and the ``forward`` of `MoE`, `Linear` and `RMSNorm`, which the pieces call through their modules).
         The compiled calls that stand in for them (`kvdiet.model.decode_layer`, `kvdiet.model.decode_ffn`) run
         only then: a spy or a patch of one sees the step."""
         return type(self) is Block and pieces_unpatched()
@@ -91,7 +93,7 @@ def _pieces() -> tuple[object, ...]:
     step = decode_step
     return (
         Block.entry, Block.ffn_half, decode_ffn, Attention.forward, step.DecodePlan.attend, step.decode_attention,
-        step.decode_attend, Gate.forward, MoE.fetch,
+        step.decode_attend, Gate.forward, MoE.fetch, MoE.forward, Linear.forward, RMSNorm.forward,
     )  # fmt: skip
 
 

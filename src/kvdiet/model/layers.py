@@ -31,6 +31,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
+from kvdiet.model.member import stands_in
 from kvdiet.model.yarn import rope_frequencies
 
 __all__ = [
@@ -61,11 +62,9 @@ _log = logging.getLogger(__name__)
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in its compute dtype: fp32 for fp32 and narrower floats (bf16, fp16), fp64 kept as fp64.
-
-    The model computes in fp32 as DeepSeek's reference does; a model converted to fp64 (``model.double()``,
-    as the peer tests against transformers run it) computes in fp64 throughout instead.
-    """
+    """``x`` in its compute dtype: fp32 for fp32 and narrower floats (bf16, fp16), fp64 kept as fp64. The model
+    computes in fp32 as DeepSeek's reference does; a model converted to fp64 (``model.double()``, as the peer tests
+    against transformers run it) computes in fp64 throughout instead."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
@@ -86,6 +85,7 @@ def constant(value: float, dtype: torch.dtype, device: torch.device | str = "cpu
         return torch.tensor(value, dtype=dtype, device=device)
 
 
+@stands_in
 class RMSNorm(nn.Module):
     """``y = x · rsqrt(mean(x²) + eps) · weight`` over the last dim, computed and returned in fp32.
 
@@ -97,8 +97,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.dim = dim
-        self.eps = eps
+        self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from kvdiet.formats.fp8 import fake_quant_window
 from kvdiet.formats.mxfp4 import quantize_index_key
 from kvdiet.model.gemv import linear
 from kvdiet.model.layers import as_dtype, widen
+from kvdiet.model.member import stands_in
 
 __all__ = [
     "ACT_BLOCK",
@@ -154,6 +155,7 @@ def fp8_activations(x: torch.Tensor) -> torch.Tensor:
     return fake_quant_window(x.float())
 
 
+@stands_in
 class Linear(nn.Module):
     """``y = x · Wᵀ`` with the weight stored dense, FP8 or FP4 (see the module docstring).
 

@@ -37,7 +37,7 @@ from kvdiet.model.expert_cache import LayerExperts
 from kvdiet.model.fused_rows import expert_groups
 from kvdiet.model.layers import as_dtype, constant, widen
 from kvdiet.model.linear import Linear
-from kvdiet.model.member import member
+from kvdiet.model.member import member, stands_in
 
 __all__ = ["Expert", "Gate", "MoE", "run_experts"]
 
@@ -50,6 +50,7 @@ _PADDING = 4
 _STACK_ELEMENTS = 1 << 22
 
 
+@stands_in
 class Gate(nn.Module):
     """The router: ``weight`` fp32 [n_routed_experts, hidden], and ``bias`` fp32 [n_routed_experts] (top-k
     routing) or ``tid2eid`` int64 [hash_vocab, k] (hash routing).
@@ -71,9 +72,7 @@ class Gate(nn.Module):
         hash_vocab: int | None = None,
     ) -> None:
         super().__init__()
-        self.topk = topk
-        self.norm_topk_prob = norm_topk_prob
-        self.routed_scaling_factor = routed_scaling_factor
+        self.topk, self.norm_topk_prob, self.routed_scaling_factor = topk, norm_topk_prob, routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
         if hash_vocab is None:
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
@@ -209,6 +208,7 @@ def run_experts(
     return gemv.row_products_each(acts, [d[2] for d in dense], checked=False)
 
 
+@stands_in
 class MoE(nn.Module):
     """Routed experts plus shared experts; output = Σ routed (weighted) + shared (v41-spec §8.2a).
 
