@@ -146,3 +146,12 @@ def test_format_gb_keeps_huge_values_short() -> None:
     assert format_gb(999_999_999_999.0, 0) == "999,999,999,999"
     assert format_gb(1e30) == "1.000e+30"  # fixed point printed 40 digits
     assert format_gb(-2e15) == "-2.000e+15"
+
+
+def test_format_count_keeps_huge_counts_short() -> None:
+    from kvdiet.units import format_count
+
+    assert format_count(131_072) == "131,072"
+    assert format_count(999_999_999_999_999) == "999,999,999,999,999"
+    assert format_count(68_582_439_384_096_780_988_899_371_414_137) == "6.858e+31"  # plan --gpu-mem-gb 1e30
+    assert format_count(-(10**15)) == "-1.000e+15"

@@ -237,8 +237,9 @@ def _short(value: float) -> str:
 
 
 def format_count(num: int) -> str:
-    """``131072`` → ``'131,072'``."""
-    return f"{num:,}"
+    """``131072`` → ``'131,072'``; from 1e15 on in scientific notation, as `format_gb` past 1e12:
+    ``68582439384096780988899371414137`` → ``'6.858e+31'`` (a count that long reads as nothing but its length)."""
+    return f"{num:,}" if abs(num) < 10**15 else f"{num:.3e}"
 
 
 def format_tokens(num: int) -> str:

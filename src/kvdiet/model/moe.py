@@ -72,7 +72,8 @@ class Gate(nn.Module):
         hash_vocab: int | None = None,
     ) -> None:
         super().__init__()
-        self.topk, self.norm_topk_prob, self.routed_scaling_factor = topk, norm_topk_prob, routed_scaling_factor
+        self.topk, self.norm_topk_prob = topk, norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(n_experts, hidden, dtype=torch.float32))
         if hash_vocab is None:
             self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
@@ -135,9 +136,7 @@ class Expert(nn.Module):
     def __init__(self, hidden: int, inter: int, *, swiglu_limit: float) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.w1 = Linear(hidden, inter)
-        self.w2 = Linear(inter, hidden)
-        self.w3 = Linear(hidden, inter)
+        self.w1, self.w2, self.w3 = Linear(hidden, inter), Linear(inter, hidden), Linear(hidden, inter)
         for lin in (self.w1, self.w2, self.w3):
             if lin.weight.device.type != "meta":
                 nn.init.normal_(lin.weight, std=_INIT_STD)
