@@ -49,6 +49,7 @@ class CacheOptions:
             (`for_model`: 64 for V4.1, 128 for V4-Flash).
         persistent_dir: directory of the persistent tier (None: no persistent tier).
         persistent_ttl_s / persistent_size: TTL in seconds and byte capacity (None or ``"unbounded"``: unbounded).
+        persistent_read_only: read the persistent tier and never write it (`kvdiet.storage.persistent`).
         swa_pool: the SWA-pool backend (``--swa-pool``): ``"in-process"`` (default), Redis URLs, one or
             comma-separated, or ``mooncake://HOST:PORT`` (`kvdiet.storage.swa_pool_factory.create_swa_pool`).
         swa_pool_size / swa_pool_ttl_s: SWA-pool budget in bytes (None: 10% of host RAM; the in-process pool's
@@ -80,6 +81,7 @@ class CacheOptions:
     persistent_dir: str | Path | None = None
     persistent_ttl_s: float = DEFAULT_PERSISTENT_TTL_S
     persistent_size: int | None = None
+    persistent_read_only: bool = False
     swa_pool: str = IN_PROCESS
     swa_pool_size: int | None = None
     swa_pool_ttl_s: float = DEFAULT_SWA_POOL_TTL_S

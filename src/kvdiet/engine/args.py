@@ -298,6 +298,12 @@ def _add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str |
             else "(default: no persistent tier); a second run with the same directory gets a persistent hit"
         ),
     )
+    group.add_argument(
+        "--persistent-read-only",
+        action="store_true",
+        help="read the persistent tier's folder and never write it: a snapshot shared read-only, its entries "
+        "served, nothing stored (a folder this process may not write is read so anyway, with a warning)",
+    )
     group.add_argument("--persistent-ttl", default="72h", help="persistent-tier TTL (default 72h)")
     group.add_argument(
         "--persistent-size",
@@ -362,12 +368,18 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
         parse_flag("--persistent-dir", check_folder, persistent)
+    if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
+        what = (
+            "no --persistent-dir is given" if persistent is None else f"{persistent!r} is no folder to read"
+        )
+        raise ValueError(f"--persistent-read-only: {what}")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,  # None: the model's (for_model)
         persistent_dir=persistent,
         persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
         persistent_size=parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size),
+        persistent_read_only=args.persistent_read_only,
         swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
         swa_pool_ttl_s=parse_flag("--swa-pool-ttl", parse_duration, args.swa_pool_ttl),

@@ -52,6 +52,7 @@ class Tiers:
                 ttl_s=opts.persistent_ttl_s,
                 capacity_bytes=opts.persistent_size,
                 clock=clock,
+                read_only=opts.persistent_read_only,
             )
             if opts.persistent_dir is not None
             else None

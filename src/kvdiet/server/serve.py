@@ -239,7 +239,7 @@ def startup_report(engine: object) -> list[str]:
     if p is not None and p.enabled:
         lines.append(
             f"persistent tier: {opts.persistent_dir} (TTL {opts.persistent_ttl_s / 3600:g} h, {len(p):,} entries, "
-            f"{format_bytes(p.nbytes)} resident)"
+            f"{format_bytes(p.nbytes)} resident{', read-only' if p.read_only else ''})"
         )
     else:
         lines.append("persistent tier: off")

@@ -27,6 +27,11 @@ naming both files. A new index in a directory that already holds entry files (th
 filled the same way. An index written by a newer kvdiet (a higher schema version) is left alone: the tier is
 off, and the warning says so.
 
+Read-only (``read_only``, ``--persistent-read-only``; taken as well, with one warning, where the folder exists but
+this process may not write it, or its index will not open for writing, as on a read-only volume): the index opens
+as an immutable file (`persistent_index.connect_read_only`: a snapshot no process writes meanwhile), reads serve
+its entries (an expired, missing or corrupt one is a miss, left in place) and change nothing, writes store nothing.
+
 Not known here: what the payload means (the caller packs and unpacks it), how keys are chained, and
 which tokens a prompt has (query/hit token counts belong to the cache manager).
 """
@@ -45,13 +50,13 @@ from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import FORMAT_VERSION, KEY_BYTES, EntryCodec, StoreIdentity
 from kvdiet.storage.entry_files import entry_path, read_file, remove_stale_temp_files, unlink, write_temp
-from kvdiet.storage.index_recovery import damaged, damaged_hint, move_aside, recovered_text
+from kvdiet.storage.index_open import open_index
+from kvdiet.storage.index_recovery import damaged_hint
 from kvdiet.storage.persistent_index import (
     INSERT,
     LIVE,
     ROWS,
     PendingReads,
-    connect,
     delete,
     make_room,
     select_in,
@@ -70,7 +75,7 @@ class PersistentStore:
 
     Failures never raise: an OSError or sqlite3.Error while opening or writing logs one warning and
     sets ``enabled = False``, after which puts return False and reads miss. Bad *arguments* raise
-    ValueError before any state changes.
+    ValueError before any state changes. ``read_only``: see the module docstring (puts return False then).
     """
 
     def __init__(
@@ -81,9 +86,11 @@ class PersistentStore:
         ttl_s: float = 72 * 3600.0,
         capacity_bytes: int | None = None,
         clock: Clock | None = None,
+        read_only: bool = False,
     ) -> None:
         """No I/O; call `open` (or use ``with``). ``ttl_s`` in seconds (> 0); ``capacity_bytes`` bounds
-        the bytes of all entries in the directory (None: unbounded). Raises ValueError on bad values."""
+        the bytes of all entries in the directory (None: unbounded); ``read_only``: never write the directory.
+        Raises ValueError on bad values."""
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if capacity_bytes is not None and capacity_bytes < 0:
@@ -94,7 +101,7 @@ class PersistentStore:
         self.capacity_bytes = capacity_bytes
         self.clock: Clock = clock if clock is not None else SystemClock()
         self.counters = TierCounters()
-        self.enabled = False
+        self.enabled, self.read_only = False, read_only
         self._tag = identity.tag
         self._codec = EntryCodec(identity)
         self._blocks = str(self.directory / "blocks")
@@ -105,41 +112,21 @@ class PersistentStore:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create the directory and index; a damaged index is moved aside and rebuilt from the entry files
-        (module docstring). On OSError/sqlite3.Error: one warning naming the index file, ``enabled`` stays
-        False."""
+        """Open the index (`kvdiet.storage.index_open.open_index`: made where new, a damaged one moved aside and
+        rebuilt from the entry files; read-only where asked or where it may not be written). Where it cannot be:
+        one warning naming the index file, ``enabled`` stays False."""
         with self._lock:
             if self._db is not None:
                 return
-            index, blocks = self.directory / "index.sqlite3", Path(self._blocks)
-            try:
-                blocks.mkdir(parents=True, exist_ok=True)
-                try:
-                    db, recovered = connect(index, blocks, ttl_s=self.ttl_s, clock=self.clock)
-                except sqlite3.DatabaseError as exc:
-                    if not damaged(exc):
-                        raise
-                    moved = move_aside(index)
-                    db, recovered = connect(index, blocks, ttl_s=self.ttl_s, clock=self.clock)
-                    _log.warning(
-                        "persistent tier %s: the index %s was unreadable (%s)%s; %s",
-                        self.directory,
-                        index,
-                        exc,
-                        f", moved to {moved.name}" if moved else "",
-                        recovered_text(recovered),
-                    )
-                else:
-                    if recovered is not None and (recovered[0] or recovered[1]):
-                        _log.warning(
-                            "persistent tier %s: no index, %s", self.directory, recovered_text(recovered)
-                        )
-            except (OSError, sqlite3.Error) as exc:
-                hint = damaged_hint(exc, index)
-                _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
-                return
-            self._db = db
-            self.enabled = True
+            opened = open_index(
+                self.directory,
+                Path(self._blocks),
+                ttl_s=self.ttl_s,
+                clock=self.clock,
+                read_only=self.read_only,
+            )
+            if opened is not None:
+                (self._db, self.read_only), self.enabled = opened, True
 
     def close(self) -> None:
         """Write the pending read times (best effort) and close the index; the store is disabled until
@@ -182,7 +169,7 @@ class PersistentStore:
         files this batch wrote. Raises ValueError on any bad item, before any state change.
         """
         checked = [self._codec.check_item(item) for item in items]
-        if not self.enabled or not checked:
+        if not self.enabled or not checked or self.read_only:
             return 0
         now = float(self.clock.now())
         written: list[tuple[bytes, int, str]] = []  # key, file size (B), temp file (until renamed)
@@ -233,8 +220,8 @@ class PersistentStore:
 
     def sweep(self) -> int:
         """Delete expired entries (rows and files, every identity) and temp files a crash left over
-        an hour ago. Returns the number of entries, also added to ``counters.expirations``."""
-        if not self.enabled:
+        an hour ago. Returns the number of entries, also added to ``counters.expirations`` (0 read-only)."""
+        if not self.enabled or self.read_only:
             return 0
         now = self.clock.now()
         try:
@@ -316,7 +303,8 @@ class PersistentStore:
             with self._lock:
                 if self._db is None:
                     return [None] * len(checked)
-                self._record_reads(self._db, now, hits, expired, dropped)
+                if not self.read_only:
+                    self._record_reads(self._db, now, hits, expired, dropped)
                 self.counters.hits += len(hits)
                 self.counters.bytes_read += nread
         except (OSError, sqlite3.Error) as exc:

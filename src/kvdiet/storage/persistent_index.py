@@ -28,6 +28,7 @@ __all__ = [
     "ROWS",
     "PendingReads",
     "connect",
+    "connect_read_only",
     "delete",
     "make_room",
     "select_in",
@@ -95,6 +96,32 @@ def connect(
             db.close()
         raise
     return db, recovered
+
+
+def connect_read_only(index: Path) -> sqlite3.Connection:
+    """The index at ``index`` opened for reading only, as an immutable file: no lock taken, no journal or
+    shared-memory file made, so it opens on a read-only volume or in a folder this process may not write. Meant
+    for a folder no process writes meanwhile (a snapshot): a change made by another process while it is open may
+    go unseen, or make a read fail (the store then turns the tier off).
+
+    Raises:
+        sqlite3.Error: no index there (``unable to open database file``), not an index, or one of another schema
+            version (named; the connection is closed then).
+    """
+    db = sqlite3.connect(f"{index.resolve().as_uri()}?mode=ro&immutable=1", uri=True, isolation_level=None,
+                         check_same_thread=False)  # fmt: skip
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version != SCHEMA_VERSION:
+            raise sqlite3.OperationalError(
+                f"index schema version {version}, this kvdiet reads {SCHEMA_VERSION}"
+            )
+        db.execute("SELECT key, identity, size, created, expires FROM entries LIMIT 1").fetchall()
+    except BaseException:
+        with suppress(sqlite3.Error):
+            db.close()
+        raise
+    return db
 
 
 def _enter_wal(db: sqlite3.Connection) -> None:

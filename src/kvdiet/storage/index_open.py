@@ -1,0 +1,83 @@
+"""`open_index`: the persistent tier's index opened for its store (`kvdiet.storage.persistent.PersistentStore`):
+for writing (created where new; a damaged one moved aside and rebuilt from the entry files), or read-only where
+asked, or where the folder or the index may not be written (a read-only volume, permissions). Every outcome but a
+plain open is named in one warning."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+from pathlib import Path
+
+from kvdiet.storage.clock import Clock
+from kvdiet.storage.index_recovery import damaged, damaged_hint, move_aside, recovered_text
+from kvdiet.storage.persistent_index import connect, connect_read_only
+
+__all__ = ["open_index"]
+
+_log = logging.getLogger("kvdiet.storage.persistent")  # the store's own logger: its warnings, one voice
+
+
+def open_index(
+    directory: Path, blocks: Path, *, ttl_s: float, clock: Clock, read_only: bool
+) -> tuple[sqlite3.Connection, bool] | None:
+    """``(the index of directory, whether it is open read-only)``, or None where it cannot be opened (the tier is
+    off; a warning names the index file and the error). For writing, the folder and ``blocks`` are made where
+    missing and a new index is filled from the entry files under ``blocks`` (entries ``ttl_s`` seconds from their
+    creation, by ``clock``). ``read_only``, or a folder this process may not write (``os.access``: root passes
+    but a read-only volume does not), or an index that will not open for writing there: opened read-only
+    (`kvdiet.storage.persistent_index.connect_read_only`), nothing made or changed."""
+    index = directory / "index.sqlite3"
+    if read_only:
+        return _read_only(directory, index, None)
+    if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+        return _read_only(directory, index, "the folder is not writable by this process")
+    try:
+        blocks.mkdir(parents=True, exist_ok=True)
+        try:
+            db, recovered = connect(index, blocks, ttl_s=ttl_s, clock=clock)
+        except sqlite3.DatabaseError as exc:
+            if not damaged(exc):
+                raise
+            moved = move_aside(index)
+            db, recovered = connect(index, blocks, ttl_s=ttl_s, clock=clock)
+            _log.warning(
+                "persistent tier %s: the index %s was unreadable (%s)%s; %s",
+                directory,
+                index,
+                exc,
+                f", moved to {moved.name}" if moved else "",
+                recovered_text(recovered),
+            )
+        else:
+            if recovered is not None and (recovered[0] or recovered[1]):
+                _log.warning("persistent tier %s: no index, %s", directory, recovered_text(recovered))
+    except (OSError, sqlite3.Error) as exc:
+        if index.is_file() and _read_only_error(exc):
+            return _read_only(directory, index, f"the index will not open for writing ({exc})")
+        hint = damaged_hint(exc, index)
+        _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
+        return None
+    return db, False
+
+
+def _read_only(directory: Path, index: Path, why: str | None) -> tuple[sqlite3.Connection, bool] | None:
+    """``index`` opened read-only, or None (a warning says why); ``why`` the tier was not asked to be read-only,
+    said in a warning."""
+    try:
+        db = connect_read_only(index)
+    except sqlite3.Error as exc:
+        _log.warning("persistent tier disabled: cannot read the index %s: %s", index, exc)
+        return None
+    if why is not None:
+        _log.warning("persistent tier %s read-only: %s; serving its entries, storing none", directory, why)
+    return db, True
+
+
+def _read_only_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the index may not be written (a read-only volume or file), not that it is broken."""
+    return (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)) or (
+        isinstance(exc, sqlite3.OperationalError) and "readonly" in str(exc)
+    )
