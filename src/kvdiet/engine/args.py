@@ -369,9 +369,8 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions:
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
         parse_flag("--persistent-dir", check_folder, persistent)
     if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
-        what = (
-            "no --persistent-dir is given" if persistent is None else f"{persistent!r} is no folder to read"
-        )
+        off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
+        what = f"{persistent!r} is no folder to read" if persistent else off or "no --persistent-dir is given"
         raise ValueError(f"--persistent-read-only: {what}")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),

@@ -105,9 +105,11 @@ def connect_read_only(index: Path) -> sqlite3.Connection:
     go unseen, or make a read fail (the store then turns the tier off).
 
     Raises:
-        sqlite3.Error: no index there (``unable to open database file``), not an index, or one of another schema
-            version (named; the connection is closed then).
+        sqlite3.Error: no index file there (``no index file``), not an index, or one of another schema version
+            (named; the connection is closed then).
     """
+    if not index.is_file():
+        raise sqlite3.OperationalError("no index file (a folder no kvdiet persistent tier has written)")
     db = sqlite3.connect(f"{index.resolve().as_uri()}?mode=ro&immutable=1", uri=True, isolation_level=None,
                          check_same_thread=False)  # fmt: skip
     try:
