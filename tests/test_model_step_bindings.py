@@ -157,38 +157,16 @@ def test_copies_and_pickles_gather_their_own(micro, checks) -> None:
     assert model.step_bindings is not None and copy.deepcopy(model).step_bindings is None
 
 
-def test_a_patched_piece_sees_every_step(micro, checks, monkeypatch) -> None:
-    """A spy set on a function the pieces call (`Gate.forward`) once the step check holds: every layer's FFN goes
-    through it, with the same logits."""
-    from kvdiet.model.moe import Gate
-
-    model = copy.deepcopy(micro)
-    state = model.new_state()
-    model.prefill(state, PROMPT)
-    steps = [model.decode([state], [t]) for t in (5, 6, 7)]
-    calls: list[int] = []
-    forward = Gate.forward
-    monkeypatch.setattr(Gate, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
-    spied = model.decode([state], [8])
-    monkeypatch.undo()
-    assert len(calls) == len(model.layers) and checks[:4] == [False, True, True, False]
-    twin = copy.deepcopy(micro)
-    twin_state = twin.new_state()
-    twin.prefill(twin_state, PROMPT)
-    want = torch.cat([twin.decode([twin_state], [t]) for t in (5, 6, 7, 8)])
-    assert torch.equal(torch.cat([*steps, spied]), want)
-
-
-@pytest.mark.parametrize("name", ["MoE", "Linear", "RMSNorm"])
+@pytest.mark.parametrize("name", ["Gate", "MoE", "Linear", "RMSNorm"])
 def test_a_class_level_patch_of_a_module_forward_runs_in_every_step(micro, checks, monkeypatch, name) -> None:
-    """A spy set on the class of modules the compiled calls stand in for (``MoE.forward = spy``), once the step
-    check holds: the next step declines the compiled calls and runs the spy in every layer (the MoE once a layer,
-    the linears and norms at least that), with the same logits, and the step after it too."""
+    """A spy set on the class of modules the compiled calls stand in for (``Gate.forward = spy``), once the step
+    check holds: the next step declines the compiled calls and runs the spy in every layer (the router and the MoE
+    once a layer, the linears and norms at least that), with the same logits, and the step after it too."""
     from kvdiet.model.layers import RMSNorm
     from kvdiet.model.linear import Linear
-    from kvdiet.model.moe import MoE
+    from kvdiet.model.moe import Gate, MoE
 
-    cls = {"MoE": MoE, "Linear": Linear, "RMSNorm": RMSNorm}[name]
+    cls = {"Gate": Gate, "MoE": MoE, "Linear": Linear, "RMSNorm": RMSNorm}[name]
     model = copy.deepcopy(micro)
     state = model.new_state()
     model.prefill(state, PROMPT)
@@ -200,7 +178,7 @@ def test_a_class_level_patch_of_a_module_forward_runs_in_every_step(micro, check
     monkeypatch.undo()
     steps += [spied, model.decode([state], [9])]
     assert checks[:4] == [False, True, True, False]  # undo() took the checks' spy off as well
-    if name == "MoE":
+    if name in ("Gate", "MoE"):
         assert len(calls) == len(model.layers)
     else:
         assert len(calls) >= len(model.layers)
