@@ -231,6 +231,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("softmax_rows", &softmax_rows, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
+  m.def("reads_hold", &reads_hold);  // these two hold the GIL: they read Python objects
+  m.def("stamps_hold", &stamps_hold);
   py::class_<EntryWeights>(m, "EntryWeights")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, double, int64_t,
                     std::tuple<int64_t, int64_t, int64_t>>());

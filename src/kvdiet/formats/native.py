@@ -1,7 +1,8 @@
 """Compiled block codecs: ``fp4_kernels.cpp``, ``gather_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``,
 ``gemv_kernels.cpp``, ``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``chain_kernels.cpp``,
 ``hc_kernels.cpp``, ``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``,
-``softmax_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once per machine at first use.
+``softmax_kernels.cpp``, ``layer_kernels.cpp``, ``reads_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once
+per machine at first use.
 
 ``fp4`` (and through it ``mxfp4``) and ``fp8`` (float32 window entries) encode and decode packed entries
 with these kernels when they are available: one pass over each row instead of some twenty torch ops,
@@ -70,6 +71,7 @@ _SOURCES = [
         "attend_kernels.cpp",
         "softmax_kernels.cpp",
         "layer_kernels.cpp",
+        "reads_kernels.cpp",
         "fp8_kernels.cpp",
     )
 ]
@@ -87,8 +89,9 @@ def fp4_kernels() -> ModuleType | None:
     ``rms_norm``, ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
     ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
     ``attend_rows``, ``attn_head``, ``attn_tail`` and ``ffn_rows`` (a decode step's layer, through ``EntryWeights``,
-    ``AttnWeights`` and ``FfnWeights``), ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, and
-    ``parallel_threads``: how many threads they run on), or None for the pure-torch path.
+    ``AttnWeights`` and ``FfnWeights``), ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, ``reads_hold`` and
+    ``stamps_hold`` (a decode binding's checks, `kvdiet.model.module_reads`), and ``parallel_threads``: how many
+    threads they run on), or None for the pure-torch path.
 
     None when ``KVDIET_NATIVE_KERNELS=0`` or when the build failed (logged once). The first call in a
     process without a cached build compiles it (about a minute on 2 cores).

@@ -1,9 +1,10 @@
 """`StepBindings`: every layer's decode bindings (`AttnBinding`, `FfnBinding`) checked once per decode step, in a
-few C-level passes over all of them, instead of layer by layer.
+few C loops over all of them (``formats/reads_kernels.cpp``), instead of layer by layer.
 
 A layer's own checks (`AttnBinding.holds`, `FfnBinding.holds` and `FfnBinding.routed_current`, with
 `kvdiet.model.hc.sublayer_weights` for its mHC layout) cost some 25 µs a layer in a running step, cold: on
-v4.1-mini about 1 ms of a 15-16 ms 4K step; the same reads for all layers in one pass, some 0.5 ms. What is checked
+v4.1-mini about 1 ms of a 15-16 ms 4K step; the same reads for all layers at once, some 0.25 ms (in Python's
+``map`` passes, as they were before the C loops, 1.2 ms of a 19 ms step on a shared machine). What is checked
 is what the layers check: every read of every binding (`ModuleReads`), every routed expert's included (a layer on
 its own checks only those a call routed to, after the call), each block still holding those bindings and keeping
 the `HcWeights` they hold, each sublayer's mHC parameters still the ones those were built from, with the same
@@ -15,28 +16,27 @@ the step: a change made during it (by a hook of a module the step still calls, a
 
 from __future__ import annotations
 
-import operator
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from kvdiet.formats import native
 from kvdiet.model.block import pieces_unpatched
 from kvdiet.model.hc import decode_kernels, hc_parameter_names
 from kvdiet.model.module_reads import ModuleReads, Transient
 
 __all__ = ["StepBindings", "step_kernels"]
 
-_VERSION = operator.attrgetter("_version")
-
 
 class StepBindings(Transient):
     """The bindings of every layer of a model, as one `ModuleReads` (``reads``) and the mHC parameters their
-    `HcWeights` were built from (``params``) with their (version, data pointer) stamps (``stamps``)."""
+    `HcWeights` were built from (``params``) with their version counters and data pointers, one after the other
+    (``stamps``: ``[version_0, data_ptr_0, version_1, ...]``, as `HcWeights.stamp`)."""
 
     __slots__ = ("params", "reads", "stamps")
 
-    def __init__(self, reads: ModuleReads, params: list[torch.Tensor], stamps: list[tuple[int, int]]) -> None:
+    def __init__(self, reads: ModuleReads, params: list[torch.Tensor], stamps: list[int]) -> None:
         self.reads, self.params, self.stamps = reads, params, stamps
 
     @classmethod
@@ -62,18 +62,15 @@ class StepBindings(Transient):
                 for name, param in zip(hc_parameter_names(part), hc.source, strict=True):
                     own.expect(block._parameters, name, param)
                 params += hc.source
-                stamps += list(zip(hc.stamp[0::2], hc.stamp[1::2], strict=True))
+                stamps += hc.stamp
             parts += [attn.reads, ffn.reads, *ffn.experts, own.freeze()]
         return cls(ModuleReads.joined([top.freeze(), *parts]), params, stamps)
 
     def holds(self) -> bool:
-        """Whether every layer's bindings still hold (see the module docstring)."""
-        if not self.reads.holds():
-            return False
-        params = self.params
-        return (
-            list(zip(map(_VERSION, params), map(torch.Tensor.data_ptr, params), strict=True)) == self.stamps
-        )
+        """Whether every layer's bindings still hold (see the module docstring); the parameters' stamps read in a C
+        loop (``stamps_hold``); never without the compiled kernels (`ModuleReads.holds`)."""
+        kernels = native.fp4_kernels()
+        return kernels is not None and self.reads.holds() and kernels.stamps_hold(self.params, self.stamps)
 
 
 def step_kernels(model: nn.Module, h: torch.Tensor) -> ModuleType | None:
