@@ -203,6 +203,12 @@ def test_cache_options_take_sizes_and_ttls_as_the_flags_do_and_refuse_bad_ones()
         with pytest.raises(SettingError) as info:
             CacheOptions(**kwargs)
         assert str(info.value).startswith(name) and info.value.as_flags().startswith(flags), info.value
+    with pytest.raises(
+        SettingError
+    ) as info:  # 0 gives a Mooncake pool no segment; the in-process pool needs room
+        CacheOptions(swa_pool_size=0)
+    assert info.value.as_flags().startswith("--swa-pool-size must be > 0 bytes for the in-process SWA pool")
+    assert CacheOptions(swa_pool="redis://127.0.0.1:6379/0", swa_pool_size=0).swa_pool_size == 0
     for kwargs in (
         {"block_size": "64"},
         {"kv_cache_memory": True},
@@ -388,9 +394,9 @@ def test_numpy_ints_are_taken_as_ints_as_sampling_params_and_max_model_len_take_
 
     from kvdiet.engine.scheduler import SchedulerConfig
 
-    opts = CacheOptions(kv_cache_memory=np.int64(1 << 20), block_size=np.int64(64), swa_pool_size=np.int32(0))
+    opts = CacheOptions(kv_cache_memory=np.int64(1 << 20), block_size=np.int64(64), swa_pool_size=np.int32(7))
     got = (opts.kv_cache_memory, opts.block_size, opts.swa_pool_size)
-    assert got == (1 << 20, 64, 0) and all(type(v) is int for v in got)
+    assert got == (1 << 20, 64, 7) and all(type(v) is int for v in got)
     limits = SchedulerConfig(np.int64(8), np.int64(64))
     assert (limits.max_num_seqs, limits.max_num_batched_tokens) == (8, 64)
     assert type(limits.max_num_seqs) is int

@@ -113,6 +113,25 @@ def test_planner_v4_flash_snapshots_at_its_128_token_blocks(tokens: int) -> None
     assert (row["block_size"], row["tokens_per_boundary"]) == (128, tokens)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 63, 127])
+def test_ends_closer_than_a_block_snapshot_once_a_block(tokens: int) -> None:
+    """Ends every 1..127 tokens on V4-Flash's 128-token blocks: the session runs 64 blocks at least (64 ends 1
+    token apart reached no block boundary: no snapshot, and bounded replay's bytes per token fell under its own
+    global cache's), so boundary-snapshot stores one snapshot a block and bounded replay the global cache."""
+    cfg = load_config("deepseek-v4-flash")
+    spec = CacheSpec.from_config(cfg)
+    rows = {r["policy"]: r for r in plan_report(cfg, PlanOptions(tokens_per_boundary=tokens))["swa_policies"]}
+    session = tokens * -(-64 * 128 // tokens)  # whole segments, 8,192 tokens at least
+    blocks = session // 128
+    stored = spec.global_bytes(session) + blocks * spec.snapshot_bytes(128)
+    assert rows["boundary-snapshot"]["amortised_bytes_per_token"] == pytest.approx(
+        stored / session, rel=1e-15
+    )
+    replay = rows["bounded-replay"]["amortised_bytes_per_token"]
+    assert replay == pytest.approx(spec.global_bytes(session) / session, rel=1e-15)
+    assert replay >= spec.global_bytes_per_token * (1 - 1e-3)
+
+
 def test_compare_ratio_is_monotone_in_tokens_per_boundary(capsys) -> None:
     """The V4.1 / V4 persistent ratio grows steadily with the tokens between ends (V4's snapshots amortised
     over more tokens): 1,000 and 1,024 differ by little, not 0.071 against 0.118 as when 1,000-token ends were

@@ -56,6 +56,27 @@ def test_the_api_key_line_says_whether_a_key_is_needed_and_never_shows_it() -> N
     assert line.startswith("API key: required on /v1/* (Authorization: Bearer <key>") and "s3cret" not in line
 
 
+def test_the_serving_line_names_the_port_the_system_chose() -> None:
+    """``--port 0``: the URL logged is the one listened on, not port 0; an IPv6 host in brackets."""
+    from kvdiet.server.serve import _bind, listen_url
+
+    sock = _bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port != 0 and listen_url(sock) == f"http://127.0.0.1:{port}"
+    finally:
+        sock.close()
+    if socket.has_ipv6:
+        try:
+            sock = _bind("::1", 0)
+        except OSError:
+            return  # no IPv6 loopback on this machine
+        try:
+            assert listen_url(sock) == f"http://[::1]:{sock.getsockname()[1]}"
+        finally:
+            sock.close()
+
+
 def _start_micro_server(tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
     """``kvdiet serve`` of v4.1-micro on a free loopback port (4-token blocks, 1 MiB of KV, a persistent tier
     under ``tmp_path``, ``KVDIET_API_KEY`` set empty: no key), its log in ``tmp_path``: (the process, the port,

@@ -54,12 +54,13 @@ def test_read_only_serves_the_entries_and_changes_nothing(tmp_path: Path, caplog
         assert store.put(key_of(9), tokens_of(9), payload_of(9)) is False
         assert store.put_many([(key_of(8), tokens_of(8), payload_of(8))]) == 0
         assert store.sweep() == 0
+        assert store.get(key_of(4), tokens_of(4)) is None  # the corrupt one again: counted and warned of once
         clock.advance(10.0)  # past every entry's TTL: a miss, the row kept
         assert store.get(key_of(0), tokens_of(0)) is None and len(store) == KEYS
         store.close()
-    assert _warnings(caplog) == []  # asked for: nothing to warn about
+    assert _warnings(caplog) == [f"read-only persistent tier {folder}: corrupt entries kept: 1"]
     c = store.counters
-    assert (c.hits, c.lookups, c.entries_written, c.expirations, c.corrupt_dropped) == (3, 6, 0, 0, 0)
+    assert (c.hits, c.lookups, c.entries_written, c.expirations, c.corrupt_dropped) == (3, 7, 0, 0, 1)
     assert _listing(folder) == before  # no file made (no journal, no shared memory), changed or removed
 
 
@@ -136,6 +137,27 @@ def test_read_only_without_a_readable_index_is_off_with_one_warning(tmp_path: Pa
     if index == "none":
         assert warning.endswith("no index file (a folder no kvdiet persistent tier has written)")
     assert _listing(folder) == before and sorted(p.name for p in folder.iterdir()) == sorted(before)
+
+
+def test_read_only_entries_without_their_index_say_how_to_rebuild_it(tmp_path: Path, caplog) -> None:
+    """A folder kvdiet wrote, its index since removed: read-only it is not rebuilt (a writable one is), and the
+    warning says that, not that no tier ever wrote there."""
+    folder = tmp_path / "ssd"
+    _written(folder, ManualClock())
+    (folder / "index.sqlite3").unlink()
+    before = _listing(folder)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        store = PersistentStore(folder, IDENTITY, clock=ManualClock(), read_only=True)
+        store.open()
+        assert not store.enabled
+    (warning,) = _warnings(caplog)
+    assert warning == (
+        f"persistent tier disabled: {folder} holds entry files but no index (index.sqlite3), and read-only it is "
+        "not rebuilt; open the folder once where it may be written and kvdiet rebuilds the index from them"
+    )
+    assert _listing(folder) == before
+    with PersistentStore(folder, IDENTITY, clock=ManualClock()) as store:  # writable: rebuilt, served
+        assert store.get(key_of(1), tokens_of(1)) == payload_of(1)
 
 
 def test_the_flag_needs_a_folder_that_is_there(tmp_path: Path, capsys) -> None:

@@ -211,3 +211,19 @@ def test_encode_lets_go_of_the_gil(tok) -> None:
         spins += 1
     worker.join()
     assert spins > 1_000_000  # held, this thread got a few 5 ms switch intervals at most (some 50,000 spins)
+
+
+def test_a_byte_python_read_as_a_surrogate_is_named_as_that_byte() -> None:
+    """``$'h\\xffi'`` on a command line reaches Python as ``'h\\udcffi'`` (surrogateescape): the message names the
+    byte 0xFF; a surrogate a JSON body carries (U+D800) is named as a surrogate only."""
+    from kvdiet.tokenizer import unicode_fault
+
+    argv = b"h\xffi".decode("utf-8", "surrogateescape")
+    assert unicode_fault(argv) == (
+        "the text is not valid Unicode: unpaired surrogate U+DCFF at character 1 "
+        "(Python's stand-in for a byte 0xFF that is not UTF-8)"
+    )
+    assert (
+        unicode_fault("a\ud800") == "the text is not valid Unicode: unpaired surrogate U+D800 at character 1"
+    )
+    assert unicode_fault("ok é") is None

@@ -23,14 +23,21 @@ __all__ = ["CHEAP_TEXT_BYTES", "Tokenizer", "TokenizerUnavailableError", "unicod
 def unicode_fault(text: str) -> str | None:
     """Why ``text`` is not valid Unicode, ``the text is not valid Unicode: unpaired surrogate U+D800 at character
     3`` (a surrogate JSON can carry and UTF-8 cannot: no tokenizer encodes it, no generated text holds it), or
-    None where it is. The one wording of the prompt, stop-string and chat checks."""
+    None where it is. U+DC80..U+DCFF are also how Python reads a byte that is not UTF-8 (a command-line argument, a
+    file name: ``surrogateescape``), so those name the byte too. The one wording of the prompt, stop-string and chat
+    checks."""
     if text.isascii():
         return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         code, at = ord(text[exc.start]), exc.start
-        return f"the text is not valid Unicode: unpaired surrogate U+{code:04X} at character {at}"
+        byte = (
+            f" (Python's stand-in for a byte 0x{code - 0xDC00:02X} that is not UTF-8)"
+            if code >= 0xDC80
+            else ""
+        )
+        return f"the text is not valid Unicode: unpaired surrogate U+{code:04X} at character {at}{byte}"
     return None
 
 

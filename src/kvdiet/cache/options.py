@@ -155,6 +155,11 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
             raise TypeError(f"{name} must be seconds (a number) or a duration like '5m', got {value!r}")
         elif not value > 0:
             raise SettingError(f"{{{name}}} must be > 0 seconds, got {value}")
+    if opts.swa_pool_size == 0 and isinstance(opts.swa_pool, str) and opts.swa_pool.strip() == IN_PROCESS:
+        raise SettingError(
+            "{swa_pool_size} must be > 0 bytes for the in-process SWA pool (0 is for a Mooncake pool: no segment "
+            "from this process), got 0"
+        )
     folder = opts.persistent_dir
     if folder is not None and not isinstance(folder, str | Path):
         raise TypeError(f"persistent_dir must be a str or Path folder, or None, got {folder!r}")

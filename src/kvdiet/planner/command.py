@@ -83,7 +83,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument(
         "--tokens-per-boundary",
         default="1024",
-        help="tokens between prompt/output ends, to amortise boundary snapshots (default 1024)",
+        help="tokens between prompt/output ends, to amortise boundary snapshots over a session of 64 ends and "
+        "64 blocks at least (default 1024; ends closer than a block snapshot once a block)",
     )
     plan.add_argument(
         "--checkpoint-every", default="4096", help="K of the checkpoint:K policy row (default 4096)"

@@ -239,8 +239,10 @@ def _policies(spec: CacheSpec, opts: PlanOptions, block_size: int) -> list[dict[
     at or before each end (`kvdiet.cache.policies.base.BoundaryCapture.capture_candidates`; the engine's
     block size, `CacheOptions.for_model`: V4-Flash 128), one per block boundary."""
     n, every = opts.tokens_per_boundary, opts.checkpoint_every
-    tokens = 64 * n
-    snapshots = sorted({e // block_size * block_size for e in range(n, tokens + 1, n)} - {0})  # 64 at most
+    # 64 ends at least, and 64 blocks at least: a shorter session (64 ends 1 token apart) reached no block
+    # boundary, so no snapshot, and closed few compressed groups (bytes per token under the global cache's)
+    tokens = n * max(64, -(-64 * block_size // n))
+    snapshots = sorted({e // block_size * block_size for e in range(n, tokens + 1, n)} - {0})
     rows = []
     for text in (
         "bounded-replay",
@@ -250,8 +252,8 @@ def _policies(spec: CacheSpec, opts: PlanOptions, block_size: int) -> list[dict[
         "exact-recompute",
     ):
         policy = parse_policy(text)
-        # Amortise over a long session made of 64 segments of `tokens_per_boundary` tokens, a prompt/output
-        # end after each: snapshots at the block boundaries at or before n, 2n, ..., 64n, each at its bytes.
+        # Amortise over a long session of `tokens_per_boundary`-token segments, a prompt/output end after each:
+        # snapshots at the block boundaries at or before n, 2n, ..., each at its bytes.
         stored = policy.persistent_bytes(spec, tokens, boundaries=snapshots)
         rows.append(
             {

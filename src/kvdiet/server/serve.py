@@ -26,7 +26,14 @@ from kvdiet.units import format_bytes
 if TYPE_CHECKING:
     from kvdiet.engine.loop import EngineLoop
 
-__all__ = ["add_serve_parser", "api_key_line", "default_persistent_dir", "run_serve", "served_model_name"]
+__all__ = [
+    "add_serve_parser",
+    "api_key_line",
+    "default_persistent_dir",
+    "listen_url",
+    "run_serve",
+    "served_model_name",
+]
 
 log = logging.getLogger("kvdiet.serve")
 
@@ -141,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         default_max_tokens=args.default_max_tokens,
     )
-    log.info("serving %r on http://%s:%d/v1 (metrics at /metrics)", name, args.host, args.port)
+    log.info("serving %r on %s/v1 (metrics at /metrics)", name, listen_url(sock))
     log.info(api_key_line(args.api_key))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=10)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal after a clean shutdown
@@ -163,6 +170,13 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def listen_url(sock: socket.socket) -> str:
+    """``http://host:port`` of the address ``sock`` is bound to: the port the system chose for ``--port 0``, an
+    IPv6 host in brackets."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
 
 
 class _AbortingServer(uvicorn.Server):

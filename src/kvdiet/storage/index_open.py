@@ -31,9 +31,9 @@ def open_index(
     (`kvdiet.storage.persistent_index.connect_read_only`), nothing made or changed."""
     index = directory / "index.sqlite3"
     if read_only:
-        return _read_only(directory, index, None)
+        return _read_only(directory, blocks, None)
     if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
-        return _read_only(directory, index, "the folder is not writable by this process")
+        return _read_only(directory, blocks, "the folder is not writable by this process")
     try:
         blocks.mkdir(parents=True, exist_ok=True)
         try:
@@ -56,20 +56,30 @@ def open_index(
                 _log.warning("persistent tier %s: no index, %s", directory, recovered_text(recovered))
     except (OSError, sqlite3.Error) as exc:
         if index.is_file() and _read_only_error(exc):
-            return _read_only(directory, index, f"the index will not open for writing ({exc})")
+            return _read_only(directory, blocks, f"the index will not open for writing ({exc})")
         hint = damaged_hint(exc, index)
         _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
         return None
     return db, False
 
 
-def _read_only(directory: Path, index: Path, why: str | None) -> tuple[sqlite3.Connection, bool] | None:
-    """``index`` opened read-only, or None (a warning says why); ``why`` the tier was not asked to be read-only,
-    said in a warning."""
+def _read_only(directory: Path, blocks: Path, why: str | None) -> tuple[sqlite3.Connection, bool] | None:
+    """The folder's index opened read-only, or None (a warning says why: a folder of entry files without an index
+    says so, as a writable one would rebuild it); ``why`` the tier was not asked to be read-only, said in a
+    warning."""
+    index = directory / "index.sqlite3"
     try:
         db = connect_read_only(index)
     except sqlite3.Error as exc:
-        _log.warning("persistent tier disabled: cannot read the index %s: %s", index, exc)
+        if not index.exists() and next(blocks.rglob("*.kvb"), None) is not None:
+            _log.warning(
+                "persistent tier disabled: %s holds entry files but no index (%s), and read-only it is not rebuilt; "
+                "open the folder once where it may be written and kvdiet rebuilds the index from them",
+                directory,
+                index.name,
+            )
+        else:
+            _log.warning("persistent tier disabled: cannot read the index %s: %s", index, exc)
         return None
     if why is not None:
         _log.warning("persistent tier %s read-only: %s; serving its entries, storing none", directory, why)

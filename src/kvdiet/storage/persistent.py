@@ -30,7 +30,8 @@ off, and the warning says so.
 Read-only (``read_only``, ``--persistent-read-only``; taken as well, with one warning, where the folder exists but
 this process may not write it, or its index will not open for writing, as on a read-only volume): the index opens
 as an immutable file (`persistent_index.connect_read_only`: a snapshot no process writes meanwhile), reads serve
-its entries (an expired, missing or corrupt one is a miss, left in place) and change nothing, writes store nothing.
+its entries (an expired, missing or corrupt one is a miss, left in place; a corrupt one counted once and warned
+of) and change nothing, writes store nothing.
 
 Not known here: what the payload means (the caller packs and unpacks it), how keys are chained, and
 which tokens a prompt has (query/hit token counts belong to the cache manager).
@@ -108,6 +109,7 @@ class PersistentStore:
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._reads = PendingReads()
+        self._corrupt_kept: set[bytes] = set()  # read-only: the corrupt entries found (counted once)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -305,6 +307,8 @@ class PersistentStore:
                     return [None] * len(checked)
                 if not self.read_only:
                     self._record_reads(self._db, now, hits, expired, dropped)
+                else:
+                    self._note_corrupt_kept(dropped)
                 self.counters.hits += len(hits)
                 self.counters.bytes_read += nread
         except (OSError, sqlite3.Error) as exc:
@@ -363,6 +367,13 @@ class PersistentStore:
             for key in (*expired, *(key for key, _, corrupt in dropped if corrupt)):
                 unlink(self._path(key))
         self.counters.expirations += len(expired)
+
+    def _note_corrupt_kept(self, dropped: list[_Dropped]) -> None:
+        """Read-only: each corrupt entry counted once (``corrupt_dropped``, its file left in place), and warned of."""
+        if new := {key for key, _, corrupt in dropped if corrupt} - self._corrupt_kept:
+            self._corrupt_kept |= new
+            self.counters.corrupt_dropped += len(new)
+            _log.warning("read-only persistent tier %s: corrupt entries kept: %d", self.directory, len(new))
 
     def _disable(self, what: str, exc: BaseException, *, write_error: bool = False) -> None:
         """Turn the tier off; the warning is logged once, by whoever turns it off."""
