@@ -117,3 +117,23 @@ def test_stamps_hold_reads_versions_and_data_pointers(kernels) -> None:
         kernels.stamps_hold([a], [0])
     with pytest.raises(TypeError, match="not a tensor"):
         kernels.stamps_hold([1], [0, 0])
+
+
+def test_a_setting_whose_eq_empties_the_reads_ends_the_check_safely(kernels) -> None:
+    """A setting's ``__eq__`` runs Python code mid-check: here it drops the setting from its module and empties the
+    reads' columns. Both sides of the comparison are held while it runs, and the shorter columns end the loop."""
+    owner = Scaled()
+
+    class Sly:
+        __hash__ = None
+
+        def __eq__(self, other: object) -> bool:
+            owner.__dict__.pop("eps", None)  # the only reference to the object compared, but for the check's
+            for column in reads._equal:
+                column.clear()
+            return True
+
+    owner.eps = Sly()
+    reads = _bound(owner)
+    assert reads.holds() is True
+    assert reads._equal == ([], [], []) and "eps" not in owner.__dict__

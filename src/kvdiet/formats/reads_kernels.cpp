@@ -66,7 +66,8 @@ bool reads_hold(py::handle hooks, py::handle modules, py::handle classes, py::ha
   PyObject *ds = dicts.ptr(), *ks = keys.ptr(), *os = objects.ptr();
   PyObject *eds = eq_dicts.ptr(), *eks = eq_keys.ptr(), *evs = eq_values.ptr();
   const Py_ssize_t nh = columns_length({hk}), nm = columns_length({mods, cls});
-  const Py_ssize_t ns = columns_length({ds, ks, os}), ne = columns_length({eds, eks, evs});
+  const Py_ssize_t ns = columns_length({ds, ks, os});
+  columns_length({eds, eks, evs});
   for (Py_ssize_t i = 0; i < nh; ++i) {
     prefetch_ahead(hk, nh, i);
     const int set = PyObject_IsTrue(item_at(hk, i));
@@ -82,10 +83,14 @@ bool reads_hold(py::handle hooks, py::handle modules, py::handle classes, py::ha
     prefetch_table_ahead(ds, ns, i);
     if (dict_get(item_at(ds, i), item_at(ks, i)) != item_at(os, i)) return false;
   }
-  for (Py_ssize_t i = 0; i < ne; ++i) {
-    prefetch_ahead(eds, ne, i);
-    prefetch_table_ahead(eds, ne, i);
-    PyObject* same = PyObject_RichCompare(dict_get(item_at(eds, i), item_at(eks, i)), item_at(evs, i), Py_EQ);
+  // a setting's __eq__ runs Python code: both sides held while it runs, the lengths read again each time (a column
+  // it shrank ends the loop)
+  for (Py_ssize_t i = 0; i < std::min({PyList_GET_SIZE(eds), PyList_GET_SIZE(eks), PyList_GET_SIZE(evs)}); ++i) {
+    prefetch_ahead(eds, PyList_GET_SIZE(eds), i);
+    prefetch_table_ahead(eds, PyList_GET_SIZE(eds), i);
+    const py::object got = py::reinterpret_borrow<py::object>(dict_get(item_at(eds, i), item_at(eks, i)));
+    const py::object want = py::reinterpret_borrow<py::object>(item_at(evs, i));
+    PyObject* same = PyObject_RichCompare(got.ptr(), want.ptr(), Py_EQ);
     if (same == nullptr) throw py::error_already_set();
     const int truth = PyObject_IsTrue(same);
     Py_DECREF(same);
