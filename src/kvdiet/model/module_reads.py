@@ -1,5 +1,5 @@
 """`ModuleReads`: what a binding of compiled weights (`kvdiet.model.ffn_binding`, `kvdiet.model.attn_binding`)
-read from a layer's modules, checked again before each decode step in a few C-level passes.
+read from a layer's modules, checked again before each decode step in compiled loops (``formats/reads_kernels.cpp``).
 
 A module path reads its weights through Python lookups on every call; a binding reads them once. It stays valid
 while every object it read is still the one its dict holds (``same``: modules, parameters, buffers; identity),
