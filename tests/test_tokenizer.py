@@ -226,4 +226,6 @@ def test_a_byte_python_read_as_a_surrogate_is_named_as_that_byte() -> None:
     assert (
         unicode_fault("a\ud800") == "the text is not valid Unicode: unpaired surrogate U+D800 at character 1"
     )
+    for lone in ("\udc7f", "\ude00"):  # outside surrogateescape's U+DC80..U+DCFF: no byte stands behind them
+        assert unicode_fault(lone).endswith(f"U+{ord(lone):04X} at character 0"), lone
     assert unicode_fault("ok é") is None

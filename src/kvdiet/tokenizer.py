@@ -34,7 +34,7 @@ def unicode_fault(text: str) -> str | None:
         code, at = ord(text[exc.start]), exc.start
         byte = (
             f" (Python's stand-in for a byte 0x{code - 0xDC00:02X} that is not UTF-8)"
-            if code >= 0xDC80
+            if 0xDC80 <= code <= 0xDCFF
             else ""
         )
         return f"the text is not valid Unicode: unpaired surrogate U+{code:04X} at character {at}{byte}"

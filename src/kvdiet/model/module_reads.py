@@ -116,9 +116,9 @@ class ModuleReads:
     def holds(self) -> bool:
         """Whether every read finds the same object and setting, every module its class, and no hook is set (nor
         was one, or an instance ``forward``, when frozen: such a binding is read again each time, so it applies
-        once they are gone). The reads run in C loops (``reads_hold``, ``formats/reads_kernels.cpp``: on
-        v4.1-mini's 4,700 reads, some 0.25 ms of a 4K step where the same passes in Python took 1.2 ms); without
-        the compiled kernels a binding, which stands in for the modules only through them, never holds."""
+        once they are gone). The reads run in C loops (``reads_hold``, ``formats/reads_kernels.cpp``; their cost:
+        `kvdiet.model.step_bindings`); without the compiled kernels a binding, which stands in for the modules
+        only through them, never holds."""
         if self.overridden or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return False
         kernels = native.fp4_kernels()
