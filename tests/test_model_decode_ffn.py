@@ -13,6 +13,7 @@ import torch
 from kvdiet.config import load_config
 from kvdiet.formats import native
 from kvdiet.model import moe as moe_module
+from kvdiet.model.chain_products import ChainForm, chain_fits
 from kvdiet.model.decode_ffn import decode_ffn
 from kvdiet.model.linear import quantize_fp8_weight
 from kvdiet.model.member import overridden, stands_in
@@ -194,3 +195,48 @@ def test_only_a_class_defining_forward_is_marked_as_stood_in_for() -> None:
     with pytest.raises(TypeError, match="NoForward defines no forward"):
         stands_in(NoForward)
     assert overridden(torch.nn.Identity(), torch.nn.Identity)  # not marked: the module path
+
+
+def _exit_products(model: Transformer, states: list, token: int) -> int:
+    """``torch.bmm`` calls of one decode step of ``states`` at the sublayers' exit shape ([B, hc, hc] · [B, hc,
+    hidden]), counted by the profiler (it records the ATen calls the compiled layers make too)."""
+    cfg = model.cfg
+    shape = [[len(states), cfg.hc_mult, cfg.hc_mult], [len(states), cfg.hc_mult, cfg.hidden_size]]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        model.decode(states, [token] * len(states))
+    return sum(
+        e.count
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key == "aten::bmm" and e.input_shapes == shape
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_exit_product_runs_compiled_at_the_threads_it_was_bound_at(micro, batch) -> None:
+    """Each sublayer's exit (``combᵀ · residual``) runs as the compiled chain, no ``torch.bmm``, while the intra-op
+    threads are those its binding was made at (its form was checked for them); with other threads ``torch.bmm``
+    runs again, twice a layer, with the bits of a copy bound at those threads (which runs the chain again)."""
+    cfg, threads = micro.cfg, torch.get_num_threads()
+
+    def form() -> ChainForm:  # checked once per thread count (its own torch.bmm calls), before the counts
+        return chain_fits(cfg.hc_mult, cfg.hc_mult, cfg.hidden_size, True, False, single=batch == 1)
+
+    if form() is ChainForm.NONE:
+        pytest.skip(
+            "torch.bmm on this CPU sums the exit's shape in an order the compiled chain does not take"
+        )
+    model = copy.deepcopy(micro)
+    states = [model.new_state() for _ in range(batch)]
+    for i, state in enumerate(states):
+        model.prefill(state, torch.arange(2, 42) + i)
+    assert _exit_products(model, states, 7) == 0  # bound at `threads` by its first step
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        if form() is ChainForm.NONE:
+            pytest.skip("the compiled chain does not take the exit's shape at the other thread count")
+        rebound, rebound_states = copy.deepcopy(model), copy.deepcopy(states)  # a copy drops its bindings
+        assert _exit_products(model, states, 8) == 2 * len(model.layers)
+        assert _exit_products(rebound, rebound_states, 8) == 0
+        assert torch.equal(model.decode(states, [9] * batch), rebound.decode(rebound_states, [9] * batch))
+    finally:
+        torch.set_num_threads(threads)

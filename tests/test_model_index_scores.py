@@ -744,19 +744,21 @@ def test_flush_to_zero_keeps_the_fp32_orders_result():
     assert results[False][2] == (1 if _integer_path() else 0)
 
 
-def test_a_long_row_over_many_grains_and_threads_keeps_the_pure_torch_bits_and_selection(both):
+@pytest.mark.parametrize("per_block", [24, 64, 200])
+def test_a_long_row_over_many_grains_and_threads_keeps_the_pure_torch_bits_and_selection(both, per_block):
     """One query over paged keys long enough for several of the kernel's parallel grains (2,048 entries each, split
     over the threads): the same bits on 1 and 2 threads and on the pure-torch path, the integer path taken, and the
     same top-k. Keys repeat every 700 entries (tied scores: the lowest index must win), a group of 16 zero keys
     scores ±0, a limit ends mid-grain (−inf past it), and a NaN weight turns a second query's scores to NaN (read
-    as −inf by the selection)."""
+    as −inf by the selection). Blocks of 24 rows: groups of 16 straddle blocks (each row's own address); of 64: every
+    64-entry tile one run of rows (one base address a group); of 200: both kinds in one tile."""
     gen = torch.Generator().manual_seed(11)
     n, d, h = 3 * 2048 + 77, 128, 4
     base = _spread(torch.randn(700, d, generator=gen), 2, gen)
     keys = base.repeat(-(-n // 700), 1)[:n]
     keys[64:80] = 0.0  # a 16-entry group of zero keys: every dot ±0
     packed = mxfp4.encode_index_key(keys)
-    paged = _paged(packed, 24, 5)  # blocks of 24 rows: groups of 16 straddle blocks
+    paged = _paged(packed, per_block, 5)
     queries = _mxfp4(torch.randn(2, h, d, generator=gen))
     w = torch.randn(2, h, generator=gen)
     w[1, 2] = float("nan")

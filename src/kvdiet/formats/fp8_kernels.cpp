@@ -234,8 +234,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reads_hold", &reads_hold);  // these two hold the GIL: they read Python objects
   m.def("stamps_hold", &stamps_hold);
   py::class_<EntryWeights>(m, "EntryWeights")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, double, double, int64_t,
-                    std::tuple<int64_t, int64_t, int64_t>>());
+      .def(py::init([](at::Tensor fn_t, at::Tensor scale, at::Tensor base, at::Tensor norm_weight, double norm_eps,
+                       double rms_eps, double hc_eps, int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix,
+                       int64_t exit_one, int64_t exit_more) {
+        return EntryWeights{fn_t,      scale,  base,     norm_weight, norm_eps,
+                            rms_eps,   hc_eps, iters,    mix,         exit_one,
+                            exit_more, at::get_num_threads(), at::globalContext().float32MatmulPrecision()};
+      }));
   py::class_<FfnWeights>(m, "FfnWeights")
       .def(py::init<EntryWeights, at::Tensor, at::Tensor, int64_t, bool, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<double>>());

@@ -8,7 +8,8 @@
 //   (kvdiet/model/ffn_binding.py and attn_binding.py check before each step that the modules still hold them):
 //   - both: an EntryWeights, the mHC entry's fn_t, scale, base (hc.py's HcWeights layout), the sublayer norm's
 //     weight and eps, the config's rms_eps, hc_eps and Sinkhorn iterations, the mix kernel's addresses
-//     (sinkhorn.py's hc_mix_address);
+//     (sinkhorn.py's hc_mix_address), and the chain forms of the exit's product for one row and for more (the
+//     binding's chain_fits; the threads and matmul precision are read when it is made);
 //   - FFN: the router's weight float32 [E, hidden], bias float32 [E], top-k, whether it normalises, its scaling
 //     factor; every routed expert's w1, w3, w2 (float32, dense) and swiglu limit, then the shared expert's (index E);
 //   - attention: wq_a, q_norm's weight and eps, wq_b, heads, head_dim; wkv, kv_norm's weight and eps; rope_dim; the
@@ -28,12 +29,18 @@
 
 namespace {
 
-// a sublayer's mHC entry: hc_enter's arguments besides the rows and their collapse pre-mix
+// a sublayer's mHC entry: hc_enter's arguments besides the rows and their collapse pre-mix; and its exit's
+// product, hc_expand_rows' at::bmm, as the compiled chain in the form kvdiet.model.chain_products.chain_fits found
+// for one row (exit_one) and for more (exit_more) (ChainForm: 0 none, 1 the chain, 2 settled, 3 from -0), at the
+// intra-op threads and fp32 matmul precision current when the binding was made (at::bmm where either has changed)
 struct EntryWeights {
   at::Tensor fn_t, scale, base, norm_weight;
   double norm_eps, rms_eps, hc_eps;
   int64_t iters;
   std::tuple<int64_t, int64_t, int64_t> mix;
+  int64_t exit_one = 0, exit_more = 0;
+  int threads = 0;
+  at::Float32MatmulPrecision precision = at::Float32MatmulPrecision::HIGHEST;
 };
 
 struct FfnWeights {
@@ -67,6 +74,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> enter(
                                                                                  const EntryWeights& e) {
   return hc_enter(h, e.fn_t, e.scale, e.base, collapse_pre, e.norm_weight, e.norm_eps, e.rms_eps, e.hc_eps, e.iters,
                   e.mix, false);
+}
+
+// the sublayer's exit (hc_expand_rows): residual h [B, hc, hidden], its output x [B, hidden]
+std::optional<at::Tensor> leave(const at::Tensor& x, const at::Tensor& h, const at::Tensor& post, const at::Tensor& comb,
+                                const EntryWeights& e) {
+  const bool same = at::get_num_threads() == e.threads && at::globalContext().float32MatmulPrecision() == e.precision;
+  const int64_t form = !same || h.dim() != 3 ? 0 : h.size(0) == 1 ? e.exit_one : e.exit_more;
+  return hc_expand_rows(x, h, post, comb, false, form != 0, form == 2, form == 3);
 }
 
 bool float_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat; }
@@ -118,7 +133,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   limits.push_back(f.limits[experts]);
   std::optional<at::Tensor> out = expert_groups(x, ids, weights, used, w1s, w3s, w2s, limits);
   if (!out.has_value()) return {};
-  std::optional<at::Tensor> streams = hc_expand_rows(*out, h, post, comb);
+  std::optional<at::Tensor> streams = leave(*out, h, post, comb, f.entry);
   if (!streams.has_value()) return {};
   return std::make_tuple(*streams, pre, ids);
 }
@@ -144,7 +159,7 @@ std::vector<at::Tensor> attn_tail(const at::Tensor& q, const at::Tensor& win, co
   const at::Tensor o = attend_rows(q, win, win_mask, comp, comp_mask, a.sink, a.attn_scale);
   std::optional<at::Tensor> out = project_out_rows(o, cis_inverse, a.rope_dim, a.wo_a, a.groups, a.wo_b);
   if (!out.has_value()) return {};
-  std::optional<at::Tensor> streams = hc_expand_rows(*out, h, post, comb);
+  std::optional<at::Tensor> streams = leave(*out, h, post, comb, a.entry);
   if (!streams.has_value()) return {};
   if (f == nullptr) return {*streams};
   auto done = ffn_rows(*streams, attn_pre, *f);
