@@ -215,6 +215,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("any_rows") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("engram_rows", &engram_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("engram_hashes", &engram_hashes, py::call_guard<py::gil_scoped_release>());
+  m.def("engram_gate", &engram_gate, py::call_guard<py::gil_scoped_release>());
   m.def("hc_enter", &hc_enter, py::arg("h"), py::arg("fn_t"), py::arg("scale"), py::arg("base"),
         py::arg("collapse_pre"), py::arg("norm_weight"), py::arg("norm_eps"), py::arg("rms_eps"), py::arg("hc_eps"),
         py::arg("iters"), py::arg("mix"), py::arg("any_rows") = false, py::call_guard<py::gil_scoped_release>());

@@ -1,6 +1,6 @@
 """Compiled block codecs: ``fp4_kernels.cpp``, ``gather_kernels.cpp``, ``index_kernels.cpp``, ``topk_kernels.cpp``,
-``gemv_kernels.cpp``, ``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``chain_kernels.cpp``,
-``hc_kernels.cpp``, ``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``,
+``gemv_kernels.cpp``, ``expert_kernels.cpp``, ``router_kernels.cpp``, ``rmsnorm_kernels.cpp``, ``engram_kernels.cpp``,
+``chain_kernels.cpp``, ``hc_kernels.cpp``, ``rope_kernels.cpp``, ``projection_kernels.cpp``, ``attend_kernels.cpp``,
 ``softmax_kernels.cpp``, ``layer_kernels.cpp``, ``reads_kernels.cpp`` then ``fp8_kernels.cpp`` (one module), built once
 per machine at first use.
 
@@ -64,6 +64,7 @@ _SOURCES = [
         "expert_kernels.cpp",
         "router_kernels.cpp",
         "rmsnorm_kernels.cpp",
+        "engram_kernels.cpp",
         "chain_kernels.cpp",
         "hc_kernels.cpp",
         "rope_kernels.cpp",
@@ -86,8 +87,9 @@ def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``gather_fp4``, ``index_scores`` with
     ``index_integer_path`` and ``index_integer_groups`` (whether its integer path runs on this CPU, and how often it
     ran), ``select_topk``, ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``,
-    ``rms_norm``, ``chain_bmm`` (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``,
-    ``hc_expand_rows``, ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
+    ``rms_norm``, ``engram_rows``, ``engram_hashes`` and ``engram_gate`` (`kvdiet.model.engram`), ``chain_bmm``
+    (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``, ``hc_expand_rows``,
+    ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
     ``attend_rows``, ``attn_head``, ``attn_tail`` and ``ffn_rows`` (a decode step's layer, through ``EntryWeights``,
     ``AttnWeights`` and ``FfnWeights``), ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, ``reads_hold`` and
     ``stamps_hold`` (a decode binding's checks, `kvdiet.model.module_reads`), and ``parallel_threads``: how many

@@ -3,7 +3,8 @@
 The module side (v41-spec §8.3, §8.3a; DeepSeek's reference ``engram.py`` and ``model.py``): `Engram` (an
 ``nn.Module``) holds an FP8 (E4M3 + UE8M0 per 32) row table (`Fp8Embedding`), ``wkv`` and the per-stream
 gate, and reads the rows that `kvdiet.model.engram_hash.EngramHasher` names for each position. The module
-knows nothing of the block it precedes.
+knows nothing of the block it precedes. A decode step's rows take compiled calls (``formats/engram_kernels.cpp``:
+the table lookup and the gate, each with the torch formula's bits).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.device import to_host
+from kvdiet.formats import native
 from kvdiet.formats.fp8 import quantize_window
 from kvdiet.model.checkpoint import Checkpoint
 from kvdiet.model.layers import as_dtype
@@ -55,8 +57,19 @@ class Fp8Embedding(nn.Module):
         self._source = (checkpoint, weight_name, scale_name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: int64 [...] row ids -> fp32 [..., dim] dequantised rows."""
+        """ids: int64 [...] row ids -> fp32 [..., dim] dequantised rows (one compiled call on a table in memory,
+        ``engram_rows``: the same bits).
+
+        Raises:
+            IndexError: an id outside the table.
+            ValueError: a row's scale byte 255 (NaN).
+        """
         if self._source is None:
+            kernels = native.fp4_kernels()
+            if kernels is not None and ids.dtype == torch.int64 and ids.is_contiguous():
+                rows = kernels.engram_rows(self.weight, self.scale, ids)
+                if rows is not None:
+                    return rows
             codes, scales = self.weight[ids], self.scale[ids]
         else:
             checkpoint, weight_name, scale_name = self._source
@@ -126,11 +139,15 @@ class Engram(nn.Module):
         mods = self._modules  # no nn.Module attribute fallback (a microsecond each)
         rows = mods["embed"](row_ids).flatten(-2)  # [..., T, n_cols·head_dim]
         kv = mods["wkv"](rows)  # [..., T, (hc+1)·hidden]
+        q_weight, k_weight = member(self, "q_weight"), member(self, "k_weight")
+        if h.dim() == 3 and not torch.is_grad_enabled() and (kernels := native.fp4_kernels()) is not None:
+            out = kernels.engram_gate(h, kv, q_weight, k_weight, self.eps)  # a decode step's rows: one call
+            if out is not None:
+                return out
         split = self.hc_mult * self.hidden
         # the slices as narrow views (Python indexing parses its key on every call)
         key = kv.narrow(-1, 0, split).unflatten(-1, (self.hc_mult, self.hidden))  # [..., T, hc, hidden]
         value = kv.narrow(-1, split, kv.shape[-1] - split)  # [..., T, hidden]
-        q_weight, k_weight = member(self, "q_weight"), member(self, "k_weight")
         w = as_dtype(q_weight, torch.float32) * as_dtype(k_weight, torch.float32)
         # the two rsqrt factors multiplied first, as DeepSeek's reference orders it
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)

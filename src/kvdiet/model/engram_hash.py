@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvdiet.config import ModelConfig
+from kvdiet.formats import native
 from kvdiet.tokenizer import Tokenizer
 
 __all__ = ["EngramHasher", "check_token_map", "compressed_token_map"]
@@ -272,6 +273,11 @@ class EngramHasher:
         ids = ids_with_history.to(torch.int64)
         mult = self._multipliers[layer_id]
         primes, offsets = self._primes[layer_id], self._offsets[layer_id]
+        kernels = native.fp4_kernels()
+        if kernels is not None and ids.is_cpu:  # one compiled call, the same ids
+            rows = kernels.engram_hashes(ids.reshape(-1, total).contiguous(), mult, primes, offsets)
+            if rows is not None:
+                return rows.view(*ids.shape[:-1], num_tokens, self.n_cols)
         mix = ids[..., h : h + num_tokens] * mult[0]  # [..., T]
         columns = []
         for s in range(1, self.max_ngram):
