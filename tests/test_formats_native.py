@@ -356,6 +356,23 @@ def test_fp8_window_read_errors(monkeypatch, env) -> None:
         codec.read_window(kv, rings, slots, held)
 
 
+def test_fp8_window_read_writes_into_a_buffer_of_its_shape() -> None:
+    """``out`` of the keys' shape (float32, contiguous) gets the keys and is returned, over what it held; another
+    shape, dtype or a strided view is left alone and a new tensor returned: the same keys each time."""
+    kv, rings, slots, held = _window_inputs(3, strided=False)
+    want, entries = fp8.read_window(kv, rings, slots, held)
+    out = torch.full_like(want, float("nan"))
+    got, got_entries = fp8.read_window(kv, rings, slots, held, out)
+    assert got is out and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got_entries, entries)
+    wide = torch.full((3, want.shape[1], 2 * want.shape[2]), 7.0)
+    for other in (torch.zeros(3, want.shape[1] + 1, want.shape[2]), out.double(), wide[:, :, ::2]):
+        before = other.clone()
+        got, _ = fp8.read_window(kv, rings, slots, held, other)
+        assert got is not other and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(other, before)
+
+
 def test_fp8_window_read_declines_what_the_kernel_does_not_take() -> None:
     kv, rings, slots, held = _window_inputs(3, strided=False)
     assert fp8.read_window(kv, rings, slots, held) is not None

@@ -478,7 +478,7 @@ def _window_and_staged(attn: Attention, plan, raw: torch.Tensor) -> tuple[torch.
 def test_decode_window_compiled_equals_the_torch_path(both, micro: Transformer, floor: int) -> None:
     """`_window` through the compiled window read (`fp8.read_window`, quantised) gives the keys, mask and staged
     entries of the torch path (`Codec.read_window` without it: the code `_window` ran before) bit for bit, at B =
-    3 (request 0 holds 3 of its w − 1 older slots) and B = 1."""
+    3 (request 0 holds 3 of its w − 1 older slots) and B = 1, each layer's keys in the plan's one buffer."""
     from kvdiet.formats import fp8
     from kvdiet.model.attention import Segment
     from kvdiet.model.decode_step import DecodePlan
@@ -500,6 +500,8 @@ def test_decode_window_compiled_equals_the_torch_path(both, micro: Transformer, 
             )
             assert torch.equal(keys.view(torch.int32), want_keys.view(torch.int32))
             assert torch.equal(mask, want_mask) and torch.equal(fresh, want_fresh)
+            # every layer's fused read writes the step's one buffer
+            assert (keys.data_ptr() == plan.window_keys.data_ptr()) != m.exact
             rings = [r.rows[layer] for r in plan.rings]
             held = None if plan.window_held is None else plan.window_held[layer]
             fused = fp8.read_window(raw, rings, plan.window_slots, held)

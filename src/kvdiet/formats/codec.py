@@ -29,10 +29,10 @@ from kvdiet.setting_error import SettingError
 __all__ = ["CacheCodecs", "Codec", "FusedGather", "WindowRead", "exact_codec", "packed_codec"]
 
 WindowRead = Callable[
-    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None],
+    [torch.Tensor, Sequence[torch.Tensor], torch.Tensor, torch.Tensor | None, torch.Tensor | None],
     tuple[torch.Tensor, torch.Tensor] | None,
 ]
-"""A fused `Codec.read_window`: ``(kv, rings, slots, held)`` → its result, or None to run the torch path."""
+"""A fused `Codec.read_window`: ``(kv, rings, slots, held, out)`` → its result, or None to run the torch path."""
 FusedGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int], torch.Tensor | None]
 """A decode step's read of selected entries through block tables in one call, ``(rows, table, idx, counts,
 per_block)`` → the decoded entries, or None to run the torch path (``fp4.gather_main_kv``)."""
@@ -81,6 +81,7 @@ class Codec:
         held: torch.Tensor | None,
         *,
         pending: list[PendingCheck] | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's window read: each request's stored rows picked by slot, then its new key as stored.
 
@@ -96,6 +97,8 @@ class Codec:
                 the caller to run (`run_checks`) before it stores ``entries``; until then a failing value reads
                 as finite bytes (see ``fp8.encode_window`` / ``fp8.decode_window``). A codec that does not
                 defer checks its values now.
+            out: None, or fp32 [B, n+1, dim] (contiguous, CPU) the fused read may write the keys into and return
+                (a buffer its caller reuses: a decode step's layers one after another, so the keys stay in cache).
 
         Returns:
             ``(keys fp32 [B, n+1, dim], entries [B, width])``: ``keys[b, j] = decode(rings[b][slots[b, j]])``
@@ -113,7 +116,10 @@ class Codec:
         # a lazily negated key is read as its value on both paths (no dispatch when it is not)
         if kv.is_neg():
             kv = kv.resolve_neg()
-        if self.fused_read is not None and (fused := self.fused_read(kv, rings, slots, held)) is not None:
+        if (
+            self.fused_read is not None
+            and (fused := self.fused_read(kv, rings, slots, held, out)) is not None
+        ):
             return fused
         if slots.dim() != 2 or len(rings) != slots.shape[0]:
             raise ValueError(

@@ -216,7 +216,7 @@ def decode_window(
 
 
 def read_window(
-    kv: Tensor, rings: Sequence[Tensor], slots: Tensor, held: Tensor | None
+    kv: Tensor, rings: Sequence[Tensor], slots: Tensor, held: Tensor | None, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor] | None:
     """A decode step's window read in one compiled call, or None where `Codec.read_window`'s torch path runs.
 
@@ -230,6 +230,8 @@ def read_window(
         rings: B rings, uint8 [W_b, 33·dim/32] each (row stride free, unit element stride).
         slots: int64 [B, n] contiguous, the ring rows to read, each in [0, W_b).
         held: bool [B, n] contiguous, or None.
+        out: None, or a float32 [B, n+1, dim] contiguous CPU tensor to write the keys into (and return; another
+            shape or layout is not used).
 
     None (nothing raised) when the kernels are not built (``native``) or the input is not what the kernel takes:
     another dtype, device or layout, a slot outside its ring, a non-finite ``kv`` row, a read entry with a scale
@@ -243,7 +245,9 @@ def read_window(
     if not (kv.is_cpu and slots.is_cpu and (held is None or held.is_cpu)):
         return None
     b, dim = kv.shape
-    keys = torch.empty(b, slots.shape[-1] + 1, dim, dtype=torch.float32, device="cpu")
+    shape = (b, slots.shape[-1] + 1, dim)
+    fits = out is not None and out.shape == shape and out.dtype == torch.float32 and out.is_cpu
+    keys = out if fits and out.is_contiguous() else torch.empty(shape, dtype=torch.float32, device="cpu")
     entries = torch.empty(b, dim + dim // _BLOCK, dtype=torch.uint8, device="cpu")
     if kernels.read_fp8_window(rings, slots, held, kv, *SCALE_BYTES, keys, entries):
         return keys, entries
