@@ -636,3 +636,36 @@ def test_a_subclassed_projection_runs_its_own_forward_on_decode_steps() -> None:
         wrapped = torch.cat([model.decode([state], [t]) for t in (3, 8)])
     assert calls[prefill_calls:] == ["wq_a", "kv_norm"] * 2, calls
     assert torch.equal(wrapped, plain)
+
+
+def test_a_gathered_pair_no_later_layer_reads_lends_its_buffer_to_the_next(monkeypatch) -> None:
+    """In a decode step each (KV source, index source) pair's selected entries are gathered once; once no later
+    layer reads a pair (`last_reads`), the next pair's fused gather writes into its buffer. The logits are those
+    of a step that allocates every gather anew (bit for bit), and with one buffer lent the reads still name each
+    pair's own entries (the pairs' entries differ)."""
+    from kvdiet.model import decode_step
+    from kvdiet.model.batch_tables import BatchTables
+
+    m = Transformer.from_config(load_config("v4.1-micro"), seed=0)
+    pairs = decode_step.last_reads(m.plan)
+    assert len(pairs) >= 2
+    seen: list[tuple[int, int | None, int]] = []  # (layer, the buffer lent, the result's buffer)
+    gather = BatchTables.gather
+
+    def spy(self, layer, idx, counts, codec, pending, out=None):
+        got = gather(self, layer, idx, counts, codec, pending, out)
+        seen.append((layer, None if out is None else out.data_ptr(), got.data_ptr()))
+        return got
+
+    monkeypatch.setattr(BatchTables, "gather", spy)
+    state, fresh = m.new_state(), m.new_state()
+    m.prefill(state, _tokens(60, seed=3))
+    m.prefill(fresh, _tokens(60, seed=3))
+    got = m.decode([state], [5])
+    assert len(seen) == len(pairs) and seen[0][1] is None
+    lent = [(out, result) for _layer, out, result in seen[1:]]
+    assert all(out == result for out, result in lent)  # each later pair in the buffer lent to it
+    assert {out for out, _ in lent} <= {result for _l, _o, result in seen}
+    monkeypatch.setattr(decode_step, "last_reads", lambda _plan: {})  # nothing lent: every gather its own
+    seen.clear()
+    assert torch.equal(got, m.decode([fresh], [5])) and all(out is None for _l, out, _r in seen)

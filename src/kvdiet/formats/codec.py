@@ -33,9 +33,12 @@ WindowRead = Callable[
     tuple[torch.Tensor, torch.Tensor] | None,
 ]
 """A fused `Codec.read_window`: ``(kv, rings, slots, held, out)`` → its result, or None to run the torch path."""
-FusedGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int], torch.Tensor | None]
+FusedGather = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, list[int], int, torch.Tensor | None], torch.Tensor | None
+]
 """A decode step's read of selected entries through block tables in one call, ``(rows, table, idx, counts,
-per_block)`` → the decoded entries, or None to run the torch path (``fp4.gather_main_kv``)."""
+per_block, out)`` → the decoded entries (in ``out`` where it fits), or None to run the torch path
+(``fp4.gather_main_kv``)."""
 
 
 @dataclass(frozen=True, slots=True)

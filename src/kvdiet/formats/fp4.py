@@ -313,7 +313,7 @@ def decode_main_kv(
 
 
 def gather_main_kv(
-    rows: Tensor, table: Tensor, idx: Tensor, counts: list[int], per_block: int
+    rows: Tensor, table: Tensor, idx: Tensor, counts: list[int], per_block: int, out: Tensor | None = None
 ) -> Tensor | None:
     """A decode step's read of its selected main-KV entries through the block tables, in one compiled call
     (``gather_kernels.cpp``), or None where the torch path runs (`BatchTables.gather`).
@@ -328,6 +328,8 @@ def gather_main_kv(
         idx: int64 [B, K] contiguous, each request's entries; only the first ``counts[b]`` are read.
         counts: B ints, how many of ``idx[b]`` request b reads (at most K are).
         per_block: entries per block of the layer (`DevicePool.entries_per_block`).
+        out: None, or a float32 [B, K, dim] contiguous CPU tensor to write the result into (and return; every
+            element is written). Another shape or layout is not used.
 
     None (nothing raised) when the kernels are not built (``native``) or the input is not what the kernel takes:
     another dtype, device or layout, an entry whose block lies outside its table or whose row lies outside
@@ -338,7 +340,9 @@ def gather_main_kv(
     if kernels is None or rows.dim() != 2 or idx.dim() != 2 or not (rows.is_cpu and idx.is_cpu):
         return None
     dim = rows.shape[1] * 16 // 9
-    out = torch.empty(*idx.shape, dim, dtype=torch.float32)
+    shape = (*idx.shape, dim)
+    fits = out is not None and out.shape == shape and out.dtype == torch.float32 and out.is_cpu
+    out = out if fits and out.is_contiguous() else torch.empty(shape, dtype=torch.float32)
     lo, hi = MAIN_KV.scale_bytes
     if kernels.gather_fp4(rows, table, idx, counts, per_block, MAIN_KV.kernel, lo, hi, out):
         return out

@@ -68,7 +68,13 @@ class BatchTables:
         return torch.arange(b, device=self.table.device) * (width * self.pools[0].entries_per_block(layer))
 
     def gather(
-        self, layer: int, idx: torch.Tensor, counts: list[int], codec: Codec, pending: list[PendingCheck]
+        self,
+        layer: int,
+        idx: torch.Tensor,
+        counts: list[int],
+        codec: Codec,
+        pending: list[PendingCheck],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Request b's main-KV entries ``idx[b, :counts[b]]`` of ``layer`` (int64 [B, K], each of those in [0,
         held)), decoded by ``codec``: fp32 [B, K, dim], zeros past ``counts[b]`` (host ints: no host read).
@@ -77,7 +83,8 @@ class BatchTables:
         rows' slots, one ``index_select`` (per request when their pools differ) and one decode, whose stored
         bytes' check joins ``pending`` (`Codec.decode_deferred`; the fused call's failing input runs this path).
         When every count is K (one request, or all past ``index_topk`` entries) the decoded rows are the
-        result, with no zero-fill and scatter.
+        result, with no zero-fill and scatter. ``out``: a buffer fp32 [B, K, dim] the compiled call may write the
+        result into (and return); the torch path does not use it.
         """
         b, width = idx.shape
         counts = [min(k, width) for k in counts]
@@ -86,9 +93,9 @@ class BatchTables:
             return torch.zeros(b, width, codec.dim, device=idx.device)
         if self.shared is not None and codec.fused_gather is not None:
             per_block = self.shared.entries_per_block(layer)
-            out = codec.fused_gather(self.shared.rows(layer, "main"), self.table, idx, counts, per_block)
-            if out is not None:
-                return out
+            got = codec.fused_gather(self.shared.rows(layer, "main"), self.table, idx, counts, per_block, out)
+            if got is not None:
+                return got
         at = None  # the flat positions of each request's own columns, from host ints (no host read)
         if not full:
             ranges = [torch.arange(i * width, i * width + k) for i, k in enumerate(counts)]

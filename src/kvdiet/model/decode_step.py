@@ -19,11 +19,13 @@ read and written, every selection is the same function of the same scores, paddi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from kvdiet.formats.scales import PendingCheck, run_checks
+from kvdiet.layer_plan import LayerPlan
 from kvdiet.model.attention import Attention, Segment, Selection
 from kvdiet.model.batch_tables import BatchTables
 from kvdiet.model.compressor import pool_groups
@@ -76,7 +78,10 @@ class DecodePlan:
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
-        gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step.
+        gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step; a
+            pair no later layer reads (``last_reads``) gives up its entries' buffer to the next pair gathered.
+        last_reads: ``{(kv_src, idx_src): the last layer reading that pair's gathered entries}`` (`last_reads` of
+            the model's layer plan; empty: no buffer is passed on).
         visible: ``{kv_src: (each request's `StoredKeys`, limit int64 [B], most entries, limit as host ints)}``:
             the index keys the layers reading ``kv_src`` score and how many each request sees (``min((t+1) //
             ratio, held)``), taken by the first such layer (after ``kv_src`` itself wrote its new entries: no
@@ -106,11 +111,13 @@ class DecodePlan:
     candidate_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     pending: list[PendingCheck] = field(default_factory=list)
     window_keys: torch.Tensor | None = None
+    last_reads: dict[tuple[int | None, int | None], int] = field(default_factory=dict)
 
     @classmethod
-    def for_segments(cls, segs: list[Segment]) -> DecodePlan:
+    def for_segments(cls, segs: list[Segment], layer_plan: LayerPlan | None = None) -> DecodePlan:
         """The plan of segments holding one row each; their states' rings must be `WindowRings` of one shape, so
         every window slot (``position % W``) lies in its ring (`_window` does not check them on the device).
+        ``layer_plan``: the model's, whose `last_reads` let a gathered pair's buffer serve the next pair.
 
         Raises:
             TypeError: a state's rings are not `WindowRings`.
@@ -136,9 +143,12 @@ class DecodePlan:
         window_mask = torch.cat([held, torch.ones(layers, b, 1, dtype=torch.bool, device=dev)], dim=2)
         held_by_layer = None if held.all() else held.unbind(0)
         fresh: list[torch.Tensor | None] = [None] * layers
-        return cls(
+        plan = cls(
             pos, rings, layer_rings, fresh, slots, held_by_layer, window_mask.unbind(0), BatchTables.of(segs)
         )
+        if layer_plan is not None:
+            plan.last_reads = last_reads(layer_plan)
+        return plan
 
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
@@ -344,6 +354,13 @@ def _update_global(attn: Attention, x: torch.Tensor, segs: list[Segment], plan: 
     PagedEntries.write_each([s.main[layer] for s in states], main)
 
 
+@functools.cache
+def last_reads(layer_plan: LayerPlan) -> dict[tuple[int | None, int | None], int]:
+    """``{(kv_src, idx_src): the last layer that attends those gathered entries}`` over the layers of
+    ``layer_plan`` with compressed entries (`attend_inputs`' pairs), once per plan."""
+    return {(info.kv_src, info.idx_src): info.layer_id for info in layer_plan.layers if info.compress_ratio}
+
+
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``t[rows]`` of increasing ``rows``: ``t`` itself when they are all of its rows."""
     return t if len(rows) == t.shape[0] else t[rows]
@@ -357,4 +374,7 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
     idx, valid = plan.topk[info.idx_src]
     # request b's own top-k: its first ks[b] columns
     ks = [min(attn.index_topk, len(seg.state.main[info.kv_src])) for seg in segs]
-    return plan.tables.gather(info.kv_src, idx, ks, attn.codecs.main, plan.pending), valid
+    spare = None  # the entries of a pair no later layer reads: their buffer, still in cache, takes these
+    for pair in [p for p, last in plan.last_reads.items() if last < info.layer_id and p in plan.gathered]:
+        spare = plan.gathered.pop(pair)[0]
+    return plan.tables.gather(info.kv_src, idx, ks, attn.codecs.main, plan.pending, spare), valid

@@ -340,7 +340,8 @@ class Transformer(nn.Module):
             for layer in self.hasher.layer_ids:
                 row_ids[layer] = torch.cat([self.hasher.row_ids(layer, w) for w in with_hist])
             histories = [self.hasher.next_history(w) for w in with_hist]
-        plan = DecodePlan.for_segments(segs) if start == len(segs) else None  # a decode step: a row a request
+        # a decode step: a row a request
+        plan = DecodePlan.for_segments(segs, self.plan) if start == len(segs) else None
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
         checked = None if plan is None else step_kernels(self, h)  # every layer's bindings checked at once
         prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
