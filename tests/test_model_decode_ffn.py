@@ -240,3 +240,27 @@ def test_the_exit_product_runs_compiled_at_the_threads_it_was_bound_at(micro, ba
         assert torch.equal(model.decode(states, [9] * batch), rebound.decode(rebound_states, [9] * batch))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_per_backend_matmul_precisions_keep_prefill_and_decode_on_torchs_products(micro) -> None:
+    """With a per-backend fp32 precision set (``torch.backends.cuda.matmul.fp32_precision``), torch's one-precision
+    getter raises; prefill and decode then run torch's own products (no compiled chain: `chain_fits` gives
+    `ChainForm.NONE`, the bound exits ``torch.bmm``) with the same logits as before it was set."""
+    model = copy.deepcopy(micro)
+    states = [model.new_state() for _ in range(2)]
+    for state in states:
+        model.prefill(state, torch.arange(2, 30))
+    model.decode([states[0]], [5])  # bound at the one precision torch names
+    want = copy.deepcopy(model).decode([copy.deepcopy(states[0])], [6])
+    cfg, old = micro.cfg, torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()
+        assert chain_fits(cfg.hc_mult, cfg.hc_mult, cfg.hidden_size, True, False) is ChainForm.NONE
+        assert torch.equal(model.decode([states[0]], [6]), want)
+        fresh = model.new_state()
+        model.prefill(fresh, torch.arange(2, 30))
+        assert torch.equal(model.decode([fresh], [5]), model.decode([states[1]], [5]))
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = old

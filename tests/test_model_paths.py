@@ -495,13 +495,17 @@ def test_decode_window_compiled_equals_the_torch_path(both, micro: Transformer, 
             attn = m.layers[layer].attn
             raw = torch.randn(len(batch), attn.head_dim, generator=gen)
             raw[:, 0] = 3.6  # a block whose top code is 224 (re-encoded at half the scale)
-            (keys, mask, fresh), (want_keys, want_mask, want_fresh) = both(
-                _window_and_staged, attn, plan, raw
-            )
+            with torch.no_grad():  # as a decode step runs (under autograd no buffer is lent)
+                (keys, mask, fresh), (want_keys, want_mask, want_fresh) = both(
+                    _window_and_staged, attn, plan, raw
+                )
             assert torch.equal(keys.view(torch.int32), want_keys.view(torch.int32))
             assert torch.equal(mask, want_mask) and torch.equal(fresh, want_fresh)
             # every layer's fused read writes the step's one buffer
             assert (keys.data_ptr() == plan.window_keys.data_ptr()) != m.exact
+            graded = DecodePlan.for_segments(segs)
+            assert _window_and_staged(attn, graded, raw)[0].data_ptr() != keys.data_ptr()
+            assert graded.window_keys is None
             rings = [r.rows[layer] for r in plan.rings]
             held = None if plan.window_held is None else plan.window_held[layer]
             fused = fp8.read_window(raw, rings, plan.window_slots, held)

@@ -242,7 +242,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t exit_one, int64_t exit_more) {
         return EntryWeights{fn_t,      scale,  base,     norm_weight, norm_eps,
                             rms_eps,   hc_eps, iters,    mix,         exit_one,
-                            exit_more, at::get_num_threads(), at::globalContext().float32MatmulPrecision()};
+                            exit_more, at::get_num_threads(), matmul_precision()};
       }));
   py::class_<FfnWeights>(m, "FfnWeights")
       .def(py::init<EntryWeights, at::Tensor, at::Tensor, int64_t, bool, double, std::vector<at::Tensor>,

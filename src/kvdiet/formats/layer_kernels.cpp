@@ -32,7 +32,8 @@ namespace {
 // a sublayer's mHC entry: hc_enter's arguments besides the rows and their collapse pre-mix; and its exit's
 // product, hc_expand_rows' at::bmm, as the compiled chain in the form kvdiet.model.chain_products.chain_fits found
 // for one row (exit_one) and for more (exit_more) (ChainForm: 0 none, 1 the chain, 2 settled, 3 from -0), at the
-// intra-op threads and fp32 matmul precision current when the binding was made (at::bmm where either has changed)
+// intra-op threads and fp32 matmul precision current when the binding was made (at::bmm where either has changed, or
+// where torch cannot name one precision)
 struct EntryWeights {
   at::Tensor fn_t, scale, base, norm_weight;
   double norm_eps, rms_eps, hc_eps;
@@ -40,8 +41,18 @@ struct EntryWeights {
   std::tuple<int64_t, int64_t, int64_t> mix;
   int64_t exit_one = 0, exit_more = 0;
   int threads = 0;
-  at::Float32MatmulPrecision precision = at::Float32MatmulPrecision::HIGHEST;
+  int precision = -1;  // matmul_precision() when the binding was made
 };
+
+// torch's fp32 matmul precision as an int, or -1 where it cannot name one (the per-backend fp32_precision settings
+// make its getter throw): the exit then runs at::bmm
+int matmul_precision() {
+  try {
+    return static_cast<int>(at::globalContext().float32MatmulPrecision());
+  } catch (const c10::Error&) {
+    return -1;
+  }
+}
 
 struct FfnWeights {
   EntryWeights entry;
@@ -79,7 +90,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> enter(
 // the sublayer's exit (hc_expand_rows): residual h [B, hc, hidden], its output x [B, hidden]
 std::optional<at::Tensor> leave(const at::Tensor& x, const at::Tensor& h, const at::Tensor& post, const at::Tensor& comb,
                                 const EntryWeights& e) {
-  const bool same = at::get_num_threads() == e.threads && at::globalContext().float32MatmulPrecision() == e.precision;
+  const bool same = at::get_num_threads() == e.threads && e.precision >= 0 && matmul_precision() == e.precision;
   const int64_t form = !same || h.dim() != 3 ? 0 : h.size(0) == 1 ? e.exit_one : e.exit_more;
   return hc_expand_rows(x, h, post, comb, false, form != 0, form == 2, form == 3);
 }

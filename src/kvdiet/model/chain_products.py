@@ -95,13 +95,20 @@ def chain_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool, *, single
     else `chain_agrees`'s form (checked once per class, batch of one or more, torch matmul precision and intra-op
     thread count). ``single``: the product has one batch (MKL may sum it otherwise; see `chain_agrees`).
 
+    `ChainForm.NONE` too where torch cannot name one fp32 matmul precision (after the per-backend
+    ``torch.backends.*.fp32_precision`` settings, ``torch.get_float32_matmul_precision`` raises): the products are
+    then torch's own.
+
     Raises:
         RuntimeError: the kernels are switched off or did not build (from `chain_agrees`'s first check).
     """
     if not 1 <= depth <= CHAIN_DEPTH_MAX or m * depth * n < TORCH_LOOP_BELOW:
         return ChainForm.NONE
-    precision, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
-    return chain_agrees(m, depth, n, a_cols, w_cols, precision, threads, single=single)
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # per-backend precisions set: no one precision to check the chain under
+        return ChainForm.NONE
+    return chain_agrees(m, depth, n, a_cols, w_cols, precision, torch.get_num_threads(), single=single)
 
 
 def batched_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

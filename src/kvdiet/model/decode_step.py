@@ -88,11 +88,12 @@ class DecodePlan:
             later layer writes them).
         candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
         pending: the value checks not read yet (`PendingCheck`, in the order the step made them).
-        window_keys: fp32 [B, W, D] (CPU; None until the first layer's read), where each layer's fused window read
-            writes its keys (`_window`), over the layer's before: one buffer a step, still in cache from the layer
-            before. A layer's keys are read by its own attention only, before the next layer's read. With the
-            gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step 0.35–0.79 ms faster
-            at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither change alone showed above the noise.
+        window_keys: fp32 [B, W, D] (CPU, no autograd; None until the first layer's read), where each layer's fused
+            window read writes its keys (`_window`), over the layer's before: one buffer a step, still in cache
+            from the layer before. A layer's keys are read by its own attention only, before the next layer's read.
+            With the gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step 0.35–0.79 ms
+            faster at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither alone showed above the noise.
+            Under autograd (which may save a layer's keys or entries for backward) neither buffer is passed on.
     """
 
     positions: torch.Tensor
@@ -303,7 +304,7 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
     """
     layer = attn.info.layer_id
     held = None if plan.window_held is None else plan.window_held[layer]
-    if plan.window_keys is None and kv.is_cpu:
+    if plan.window_keys is None and kv.is_cpu and not torch.is_grad_enabled():  # autograd may save the keys
         b, n = plan.window_slots.shape
         plan.window_keys = torch.empty(b, n + 1, kv.shape[-1], dtype=torch.float32)
     win_kv, plan.fresh[layer] = attn.codecs.window.read_window(
@@ -376,6 +377,7 @@ def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tupl
     # request b's own top-k: its first ks[b] columns
     ks = [min(attn.index_topk, len(seg.state.main[info.kv_src])) for seg in segs]
     spare = None  # the entries of a pair no later layer reads: their buffer, still in cache, takes these
-    for pair in [p for p, last in plan.last_reads.items() if last < info.layer_id and p in plan.gathered]:
+    done = [p for p, last in plan.last_reads.items() if last < info.layer_id and p in plan.gathered]
+    for pair in done if not torch.is_grad_enabled() else ():  # autograd may have saved them
         spare = plan.gathered.pop(pair)[0]
     return plan.tables.gather(info.kv_src, idx, ks, attn.codecs.main, plan.pending, spare), valid
