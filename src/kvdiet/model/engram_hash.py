@@ -252,7 +252,8 @@ class EngramHasher:
 
         For position t, ``tok[s]`` = compressed id s tokens back (s = 0..N−1, taken from the history at the
         start), ``prod[s] = tok[s] · mult[s]`` (int64, wrapping); folding ``prod[1..n−1]`` into ``prod[0]`` by
-        XOR gives the n-gram hash; row = ``hash mod prime[n][head] + offset[n][head]``.
+        XOR gives the n-gram hash; row = ``hash mod prime[n][head] + offset[n][head]``. On the CPU one compiled
+        call (``engram_hashes``, ``formats/engram_kernels.cpp``) gives the same ids.
 
         Args:
             layer_id: a model layer in ``engram_layer_ids`` (the hash seeds use the layer id, not its index).
