@@ -197,6 +197,13 @@ def test_unreadable_and_foreign_files(tmp_path: Path, write_config) -> None:
         ModelConfig.from_hf_json(write_config({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="neither a preset"):
         load_config("no-such-preset")
+    # a path that is not there, or not a file, is named as such (not as an unknown preset)
+    with pytest.raises(ConfigError, match=r"^'/no/such/config.json': no such file \(nor a preset: "):
+        load_config("/no/such/config.json")
+    with pytest.raises(ConfigError, match=r"^'x.json': no such file"):
+        load_config("x.json")
+    with pytest.raises(ConfigError, match="is not a config file"):
+        load_config(tmp_path)
     # what a trace or a binary given for a config reads as: one line naming the file (were a RecursionError
     # traceback and a UnicodeDecodeError without the file)
     deep, binary = tmp_path / "deep.jsonl", tmp_path / "binary.jsonl"

@@ -428,3 +428,16 @@ def test_a_bad_config_file_is_named_in_its_error(capsys, tmp_path) -> None:
     bad.write_text(json.dumps(raw))
     assert main(["plan", "--compare", str(bad), "deepseek-v4-flash"]) == 2
     assert capsys.readouterr().err == f"kvdiet plan: error: {bad}: vocab_size must be > 0, got 0\n"
+
+
+def test_the_global_kv_table_splits_its_total_by_encoder_and_decoder(capsys, v41_path: Path) -> None:
+    """The encoder/decoder split follows the total it splits (it read as a part of the index keys' 170 B)."""
+    assert main(["plan", str(v41_path)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Global KV per token") :]
+    rows = [line for line in table.splitlines() if "│" in line]
+    names = [row.split("│")[1].strip() for row in rows]
+    at = names.index("total")
+    assert names[at + 1 : at + 3] == ["of the total: encoder layers", "of the total: decoder layers"]
+    split = [float(rows[at + i].split("│")[2].replace(",", "")) for i in (1, 2)]
+    assert sum(split) == pytest.approx(float(rows[at].split("│")[2].replace(",", "")))

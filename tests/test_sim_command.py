@@ -121,6 +121,7 @@ def test_a_failed_run_creates_no_report_dir_and_most_lines_skipped_exits_2(tmp_p
     assert main(["replay", str(path), "--report", "/proc/kvdiet-x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvdiet replay: error: --report /proc/kvdiet-x: ") and err.count("\n") == 1
+    assert "/proc does not take a new folder" in err  # not "cannot make a folder in /proc (no such file...)"
     assert not list(tmp_path.glob(".kvdiet-report-check-*"))
 
 

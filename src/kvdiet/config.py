@@ -259,7 +259,12 @@ def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
     else:
         path, name = Path(text), None
         if not path.is_file():
-            raise ConfigError(f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor a config file")
+            presets = ", ".join(PRESETS)
+            if text and path.exists():  # ("" reads as the current directory)
+                raise ConfigError(f"{text!r} is not a config file (a preset is one of {presets})")
+            if path.suffix or len(path.parts) > 1:  # a path, not a preset's name
+                raise ConfigError(f"{text!r}: no such file (nor a preset: {presets})")
+            raise ConfigError(f"{text!r} is neither a preset ({presets}) nor a config file")
     model_type = _flatten_text_config(_read_json(path)).get("model_type")
     kind = ModelConfig if model_type in V41_MODEL_TYPES + V4_MODEL_TYPES else DenseConfig
     try:

@@ -48,10 +48,10 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     t.add_column("bytes/token", justify="right")
     t.add_row("main KV", f"{report['components']['main_kv_bytes_per_token']:,.2f}")
     t.add_row("index keys", f"{report['components']['index_key_bytes_per_token']:,.2f}")
-    if "encoder_bytes_per_token" in report["components"]:
-        t.add_row("  of which encoder", f"{report['components']['encoder_bytes_per_token']:,.2f}")
-        t.add_row("  of which decoder", f"{report['components']['decoder_bytes_per_token']:,.2f}")
     t.add_row("[bold]total[/bold]", f"[bold]{report['global_bytes_per_token']:,.2f}[/bold]")
+    if "encoder_bytes_per_token" in report["components"]:  # the total split by where its layers sit
+        t.add_row("  of the total: encoder layers", f"{report['components']['encoder_bytes_per_token']:,.2f}")
+        t.add_row("  of the total: decoder layers", f"{report['components']['decoder_bytes_per_token']:,.2f}")
     if "all_full_bytes_per_token" in report:
         t.add_row(
             "all-Full hypothetical",

@@ -231,5 +231,6 @@ def _check_report_dir(path: Path) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".kvdiet-report-check-", dir=parent))  # and removed at once
     except OSError as exc:
         raise ValueError(
-            f"--report {path}: cannot make a folder in {parent} ({(exc.strerror or str(exc)).lower()})"
+            f"--report {path}: {parent} does not take a new folder (the file system refused one: "
+            f"{(exc.strerror or str(exc)).lower()})"
         ) from None
