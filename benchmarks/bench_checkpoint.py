@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse
 import json
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.config import load_config
 from kvdiet.layer_plan import LayerPlan
 from kvdiet.model.export import write_random_checkpoint
@@ -191,7 +191,7 @@ def larger_than_memory() -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-large", action="store_true", help="skip the 2.2 GB larger-than-memory run")

@@ -28,6 +28,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.threads import available_cores
 
 SEED = 0
@@ -73,9 +74,7 @@ def prefill_seconds(tokens: int, setting: dict[str, str], threads: int | None) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per figure, best kept (default 2)")
     parser.add_argument("--threads", type=int, help="kvdiet generate --threads (default: its own default)")

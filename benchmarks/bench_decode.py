@@ -29,6 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.formats import native
 from kvdiet.model.build import load_model
@@ -217,7 +218,7 @@ def replay_drift(model: Transformer, tokens: torch.Tensor, chunk: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(

@@ -22,7 +22,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads the OpenMP runtime
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.formats import fp4, fp8, mxfp4, v4_record
 
 # (format name, vector dim, encode, decode)
@@ -86,7 +86,7 @@ def measure(x: torch.Tensor, repeats: int, clock: str = "wall") -> tuple[float, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=256.0, help="bf16 input size in MiB (default 256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

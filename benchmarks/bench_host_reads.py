@@ -27,13 +27,14 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_decode import SEED, fill_state
+from kvdiet.cli import ArgumentParser
 from kvdiet.host_reads import HostReads
 from kvdiet.model.build import load_model
 from kvdiet.units import positive_count, positive_int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(

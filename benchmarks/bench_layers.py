@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.formats import native
 from kvdiet.formats.mxfp4 import encode_index_key, fake_quant_index_key
 from kvdiet.model.attention import attend
@@ -114,9 +115,7 @@ def round_us(call: Callable[[], torch.Tensor], calls: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--rounds", type=positive_int, default=7, help="A/B rounds per row, best kept (default 7)"
     )

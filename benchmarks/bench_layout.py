@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_decode import SEED, fill_state
+from kvdiet.cli import ArgumentParser
 from kvdiet.config import load_config
 from kvdiet.model.build import load_model
 from kvdiet.model.paged_pool import DevicePool
@@ -62,7 +63,7 @@ def fastest_step(model: Transformer, state: RequestState, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(

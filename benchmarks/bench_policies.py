@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.cache.policies import parse_policy
+from kvdiet.cli import ArgumentParser
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.model.build import load_model
 
@@ -48,9 +49,7 @@ def run(cache: ModelRunner, ids: list[int], output: int) -> tuple[list[int], tor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="v4.1-mini")
     parser.add_argument("--tokens", type=int, default=1024, help="turn-1 prompt tokens (default 1024)")
     parser.add_argument("--output", type=int, default=16, help="turn-1 output tokens (default 16)")

@@ -31,6 +31,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.config import ConfigError, load_config
 from kvdiet.device import add_device_arg, check_device, seconds
 from kvdiet.model.placement import place
@@ -93,7 +94,7 @@ def batch_step_seconds(model: Transformer, batches: list[int], context: int, ste
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(

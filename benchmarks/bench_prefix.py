@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.engine.runner import CacheOptions, ModelRunner
 from kvdiet.engine.sampling import SamplingParams, sample
 from kvdiet.model.build import load_model
@@ -83,9 +84,7 @@ def file_throughput(payloads: list[bytes], folder: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="32Ki", help="prompt length (default 32Ki = 32,768)")
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (default 512)")
     parser.add_argument("--dir", help="persistent-tier directory (default: a temporary one)")

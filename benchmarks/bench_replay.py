@@ -35,6 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.sim.model_free import simulate
 from kvdiet.sim.records import SimConfig
 from kvdiet.sim.simcore import active, relaunch
@@ -155,9 +156,7 @@ def measure(name: str, trace: Trace, load_s: float, jobs: int) -> dict[str, obje
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--trace", default=str(MOONCAKE), help="Mooncake-format trace (default: conversation)"
     )

@@ -22,7 +22,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads the OpenMP runtime
 
-import argparse
 import json
 import statistics
 import time
@@ -33,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.formats import native
 from kvdiet.model.selection import select_candidate_blocks, select_topk
 
@@ -105,7 +105,7 @@ def measure(repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per figure; the median is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json-only", action="store_true", help="print only the JSON line")

@@ -34,7 +34,6 @@ Mooncake when the ``kvdiet[mooncake]`` extra is not installed. Prints a table, t
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import importlib.util
@@ -59,6 +58,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.cache.spec import CacheSpec
+from kvdiet.cli import ArgumentParser
 from kvdiet.config import load_config
 from kvdiet.storage.redis_pool import RedisSwaPool
 from kvdiet.storage.swa_pool import InProcessSwaPool
@@ -264,7 +264,7 @@ def backends(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="an existing Redis (default: start a redis-server here)")
     parser.add_argument("--mooncake-url", help="an existing mooncake_master (default: start one here)")
     parser.add_argument(

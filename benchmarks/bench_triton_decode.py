@@ -33,6 +33,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvdiet.cli import ArgumentParser
 from kvdiet.device import add_device_arg, check_device, synchronize
 from kvdiet.formats.fp4 import encode_main_kv
 from kvdiet.model.triton_decode import DEFAULT_TILE, Tile, available, sparse_partials
@@ -86,7 +87,7 @@ def parse_tiles(text: str) -> list[Tile]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument(

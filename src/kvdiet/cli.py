@@ -33,14 +33,14 @@ from kvdiet.sim.command import add_replay_parser, run_replay
 from kvdiet.text_files import read_text
 from kvdiet.threads import adaptive_threads, add_threads_arg, bound_spinning, check_threads, set_threads
 
-__all__ = ["main"]
+__all__ = ["ArgumentParser", "main"]
 
 _MAX_FILE_DEPTH = 16  # @FILE inside @FILE: levels read before a loop is assumed
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with two changes that every ``kvdiet`` parser gets, sub-commands included (they are
-    made with the parent's class):
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with the changes every ``kvdiet`` parser gets, sub-commands included (they are made with
+    the parent's class), and the benchmark scripts' too:
 
     - no abbreviated flags: ``--max-num-seq`` is an error, never ``--max-num-seqs`` (``allow_abbrev``);
     - an argument that starts with a dash and a digit is a value, not a flag (argparse only takes
@@ -157,7 +157,7 @@ def _log_lines(command: str) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(
+    parser = ArgumentParser(
         prog="kvdiet",
         description="DeepSeek-V4.1-Flash KV-cache system: plan, run and measure it.",
         epilog="Arguments can come from a file, one per line: kvdiet generate @args.txt (e.g. a long "

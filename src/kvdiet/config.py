@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from kvdiet.config_validation import ConfigError, validate_model_config
+from kvdiet.config_validation import ConfigError, no_config, validate_model_config
 
 __all__ = [
     "NUMERICS",
@@ -259,12 +259,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig | DenseConfig:
     else:
         path, name = Path(text), None
         if not path.is_file():
-            presets = ", ".join(PRESETS)
-            if text and path.exists():  # ("" reads as the current directory)
-                raise ConfigError(f"{text!r} is not a config file (a preset is one of {presets})")
-            if path.suffix or len(path.parts) > 1:  # a path, not a preset's name
-                raise ConfigError(f"{text!r}: no such file (nor a preset: {presets})")
-            raise ConfigError(f"{text!r} is neither a preset ({presets}) nor a config file")
+            raise no_config(text, list(PRESETS))
     model_type = _flatten_text_config(_read_json(path)).get("model_type")
     kind = ModelConfig if model_type in V41_MODEL_TYPES + V4_MODEL_TYPES else DenseConfig
     try:

@@ -11,16 +11,28 @@ Every error names the field and the bad value. Not known here: JSON, presets, ro
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvdiet.config import ModelConfig
 
-__all__ = ["ConfigError", "validate_model_config"]
+__all__ = ["ConfigError", "no_config", "validate_model_config"]
 
 
 class ConfigError(ValueError):
     """A config file or field is invalid; the message names the field and the bad value."""
+
+
+def no_config(text: str, presets: list[str]) -> ConfigError:
+    """The error for ``text``, a model named by `kvdiet.config.load_config` that is no preset and no config file:
+    a directory is not a config file, a path not there is no such file, a bare name is neither."""
+    path, names = Path(text), ", ".join(presets)
+    if text and path.exists():  # ("" reads as the current directory)
+        return ConfigError(f"{text!r} is not a config file (a preset is one of {names})")
+    if path.suffix or len(path.parts) > 1:  # a path, not a preset's name
+        return ConfigError(f"{text!r}: no such file (nor a preset: {names})")
+    return ConfigError(f"{text!r} is neither a preset ({names}) nor a config file")
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
