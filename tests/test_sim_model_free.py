@@ -401,6 +401,26 @@ def test_prefill_costs_follow_the_layer_plan() -> None:
 # --- study ---
 
 
+def test_findings_of_a_trace_v4_persists_nothing_of_are_none_and_the_report_says_n_a() -> None:
+    """Prompts under V4-Flash's 128-token block: V4 persists no byte, so its window share is None (not 0.0, beside
+    ratios that are None); where V4 persisted window snapshots but no global KV, the report reads "n/a" for the
+    global ratio instead of failing to format None."""
+    from kvdiet.sim.report import _facts_text
+
+    trace = Trace([req(0, 40, (1,), out=4), req(3, 40, (1,), out=4)], 16)
+    base = SimConfig()
+    runs = [parse_run("bounded-replay", base), parse_run("boundary-snapshot@deepseek-v4-flash", base)]
+    f = findings(run_study(trace, runs, [], jobs=1))
+    assert f["persistent_bytes_v4"] == 0 and f["persistent_ratio_v41_over_v4"] is None
+    assert f["v4_window_share"] is None and f["global_kv_ratio_v41_over_v4"] is None
+    only_windows = {
+        "persistent_ratio_v41_over_v4": 0.5, "persistent_bytes_v41": 10, "persistent_bytes_v4": 20,
+        "persistent_ratio_written": 0.5, "persistent_ratio_byte_hours": 0.5, "v4_window_share": 1.0,
+        "v4_window_share_written": 1.0, "global_kv_ratio_v41_over_v4": None,
+    }  # fmt: skip
+    assert "global KV alone n/a." in _facts_text(only_windows)
+
+
 def test_study_findings_are_ratios_of_the_runs() -> None:
     trace = Trace([req(0, 1124, (1, 2, 3), out=600), req(60, 1600, (1, 2, 4, 5))], 512)
     base = SimConfig()

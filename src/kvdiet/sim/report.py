@@ -299,6 +299,11 @@ def _age(seconds: object) -> str:
     return "-" if seconds is None else format_duration(float(seconds))
 
 
+def _share(value: object, spec: str) -> str:
+    """A ratio of the findings in ``spec``, or "n/a" where it has no denominator (None)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def _facts_text(f: dict[str, object]) -> str:
     lines = []
     if f.get("persistent_ratio_v41_over_v4") is not None:
@@ -307,9 +312,9 @@ def _facts_text(f: dict[str, object]) -> str:
             f"**{f['persistent_ratio_v41_over_v4']:.3f}** ({format_bytes(f['persistent_bytes_v41'])} vs "
             f"{format_bytes(f['persistent_bytes_v4'])}; of bytes written {f['persistent_ratio_written']:.3f}, "
             f"of byte-hours {f['persistent_ratio_byte_hours']:.3f}); window snapshots are "
-            f"**{f['v4_window_share']:.1%}** of V4's persistent bytes at its peak "
-            f"({f['v4_window_share_written']:.1%} of those written); global KV alone "
-            f"{f['global_kv_ratio_v41_over_v4']:.3f}."
+            f"**{_share(f['v4_window_share'], '.1%')}** of V4's persistent bytes at its peak "
+            f"({_share(f['v4_window_share_written'], '.1%')} of those written); global KV alone "
+            f"{_share(f['global_kv_ratio_v41_over_v4'], '.3f')}."
         )
     if "ttl_catch_share" in f:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in f["ttl_catch_share"].items())

@@ -290,7 +290,8 @@ def findings(study: Study) -> dict[str, object]:
       (``persistent_ratio_basis``): bytes still resident when the trace ends depend on how much of the TTL
       the trace's tail covers, so one long session decides them.
     - ``v4_window_share``: the share of V4's persistent bytes that are window snapshots at its peak (seeds:
-      "about half"); ``v4_window_share_written`` of the bytes written.
+      "about half"); ``v4_window_share_written`` of the bytes written. ``global_kv_ratio_v41_over_v4``: the
+      global KV bytes written, V4.1 over V4 (None where V4 wrote none: a trace of prompts under its block).
     - ``ttl_for_catch``: the shortest swept SWA-pool TTL whose pool restores reach `CATCH_TARGET` of the
       unbounded pool's, with each TTL's share; ``snapshot_age_*``: how old the snapshots an unbounded pool
       restores are (seconds) — the TTL a pool needs is read off these.
@@ -306,7 +307,8 @@ def findings(study: Study) -> dict[str, object]:
         out["persistent_ratio_v41_over_v4"] = _ratio(a["persistent_bytes_peak"], b["persistent_bytes_peak"])
         out["persistent_ratio_written"] = _ratio(a["persistent_bytes_written"], b["persistent_bytes_written"])
         out["persistent_ratio_byte_hours"] = _ratio(a["persistent_byte_hours"], b["persistent_byte_hours"])
-        out["v4_window_share"] = b["persistent_window_share_at_peak"]
+        # a share of nothing is no share (None, as the ratios beside it), not 0
+        out["v4_window_share"] = b["persistent_window_share_at_peak"] if b["persistent_bytes_peak"] else None
         out["v4_window_share_written"] = _ratio(
             b.get("persistent_window_bytes_written", 0), b["persistent_bytes_written"]
         )
