@@ -150,9 +150,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path) -> None:
     """Issue 18 point 4: SIGINT during a prefill: ``kvdiet generate: interrupted``, status 130, no traceback."""
     import signal
 
-    # v4.1-mini, not micro: some 3 s of work after the first progress line, so the signal lands in it even when
-    # this process is descheduled under load (micro's 0.8 s once finished first: exit status 0)
-    cmd = [sys.executable, "-m", "kvdiet.cli", "generate", "--model", "v4.1-mini", "--prompt-ids", PROMPT]
+    cmd = [sys.executable, "-m", "kvdiet.cli", "generate", "--model", "v4.1-micro", "--prompt-ids", PROMPT]
     cmd += ["--block-size", "4", "--chunk-size", "1", "--max-tokens", "150", "--progress-interval", "0"]
     cmd += ["--persistent-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
