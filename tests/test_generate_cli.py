@@ -153,7 +153,13 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path) -> None:
     cmd = [sys.executable, "-m", "kvdiet.cli", "generate", "--model", "v4.1-micro", "--prompt-ids", PROMPT]
     cmd += ["--block-size", "4", "--chunk-size", "1", "--max-tokens", "150", "--progress-interval", "0"]
     cmd += ["--persistent-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the child must not inherit SIGINT ignored (a suite run as a background job without job control starts so,
+    # and a handler restored by an earlier test may be SIG_IGN again): a Python handler here is SIG_DFL in it
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         first = proc.stderr.readline()  # the first progress line: the prefill runs
         assert first.startswith("prefill 1/60 tokens"), first + proc.stderr.read()
