@@ -17,12 +17,14 @@ from kvdiet.cli import main
 from kvdiet.threads import (
     CONTENDED_SHARE,
     MIN_RUNNABLE_S,
+    MKL_CBWR,
     SPIN_COUNT,
     AdaptiveThreads,
     adaptive_threads,
     available_cores,
     bound_spinning,
     max_threads,
+    reproducible_blas,
     schedstat,
     set_threads,
 )
@@ -53,6 +55,34 @@ def test_the_spin_is_bounded_before_torch_loads_unless_the_environment_chooses(
         [sys.executable, "-c", code], env=clean | env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["True", repr(want.get("OMP_WAIT_POLICY")), repr(want.get("GOMP_SPINCOUNT"))]
+
+
+@pytest.mark.parametrize("preset", [None, "COMPATIBLE", ""])
+def test_importing_kvdiet_asks_mkl_for_thread_count_independent_products_unless_the_environment_chooses(
+    preset: str | None,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if preset is not None:
+        env["MKL_CBWR"] = preset
+    code = "import os, kvdiet; print(repr(os.environ.get('MKL_CBWR')))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == repr(MKL_CBWR if preset is None else preset)
+
+
+def test_a_product_that_mkl_may_split_by_threads_has_the_same_bits_at_one_and_two() -> None:
+    """The mHC coefficients' product of a prefill chunk ([300, 1024] · [1024, 24]): on an Intel Xeon, MKL's default
+    mode gave other bits at 2 threads than at 1 (`kvdiet.threads`); the suite runs with kvdiet imported."""
+    assert reproducible_blas() is (os.environ["MKL_CBWR"] == MKL_CBWR)
+    gen = torch.Generator().manual_seed(0)
+    x, fn = torch.randn(300, 1024, generator=gen), torch.randn(24, 1024, generator=gen)
+    before, out = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out[threads] = torch.mm(x, fn.T)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out[1], out[2])
 
 
 def test_too_late_once_torch_is_loaded() -> None:

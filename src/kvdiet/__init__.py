@@ -2,7 +2,8 @@
 
 ``from kvdiet import LLM, SamplingParams`` gives the offline API, with `EngineArgs`, `CacheOptions` and
 `parse_policy` for its settings (each imported on first use, so the planner and the config tools do not load
-torch). ``KVDIET_SIMCORE=1`` loads the compiled simulator core
+torch). Importing it sets ``MKL_CBWR`` unless the environment does (`kvdiet.threads.reproducible_blas`: the
+BLAS products' bits then do not depend on the thread count). ``KVDIET_SIMCORE=1`` loads the compiled simulator core
 (`kvdiet.sim.simcore`) before anything imports the modules it replaces.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import importlib
 import os
 from typing import Any
+
+from kvdiet.threads import reproducible_blas
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CacheOptions", "EngineArgs", "SamplingParams", "__version__", "parse_policy"]
@@ -23,6 +26,9 @@ _LAZY = {
     "parse_policy": "kvdiet.cache.policies",
 }
 """Public name → the module that defines it, imported on first use (`__getattr__`)."""
+
+# MKL's products with the same bits at any thread count, asked for before anything here runs one
+reproducible_blas()
 
 if os.environ.get("KVDIET_SIMCORE") == "1":
     from kvdiet.sim.simcore import activate

@@ -24,8 +24,15 @@ the machine. Two things go wrong when another process shares those cores:
   up to the default, once that wait is gone; the engine's runner asks it before every forward
   (`adaptive_threads` makes one for ``generate`` and ``serve``). 1 and 2 threads gave the same bits on the
   presets tested (``tests/test_threads.py``).
+- Intel MKL (torch's BLAS on x86) may split a product's sums by the thread count: on an Intel Xeon VM (2 cores)
+  the mHC coefficients' product of 16 or more rows ([T, 1024] · [1024, 24]: a prefill chunk, a batched decode
+  step) gave other bits at 2 threads than at 1, so a pool that adapts would have changed results; on the AMD EPYC
+  it did not. `reproducible_blas` asks MKL for its strict reproducible mode (``MKL_CBWR=AUTO,STRICT``: the bits do
+  not depend on the thread count). MKL reads it at its first product, so importing ``kvdiet`` sets it. Its cost
+  there: a one-row product of that shape 4.1 → 7.9-8.8 µs (80 such a v4.1-mini decode step).
 
 Source for the spin counts: the libgomp manual, "GOMP_SPINCOUNT" (gcc.gnu.org/onlinedocs/libgomp). Source for
+``MKL_CBWR``: Intel's oneMKL developer guide, "Obtaining Numerically Reproducible Results" (strict CNR mode). Source for
 the run-queue wait: the kernel's Documentation/scheduler/sched-stats.rst (``/proc/<pid>/schedstat``: time on the
 CPU, time waiting on a run queue, both in ns, and timeslices run).
 """
@@ -46,6 +53,7 @@ __all__ = [
     "CONTENDED_SHARE",
     "GROW_AFTER",
     "MIN_RUNNABLE_S",
+    "MKL_CBWR",
     "SPIN_COUNT",
     "AdaptiveThreads",
     "adaptive_threads",
@@ -54,6 +62,7 @@ __all__ = [
     "bound_spinning",
     "check_threads",
     "max_threads",
+    "reproducible_blas",
     "schedstat",
     "set_threads",
 ]
@@ -78,6 +87,18 @@ def bound_spinning() -> bool:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return "torch" not in sys.modules
+
+
+MKL_CBWR = "AUTO,STRICT"
+"""Intel MKL's reproducibility mode kvdiet asks for: AUTO, the code path MKL picks for the CPU; STRICT, products
+whose bits do not depend on the number of threads (module docstring)."""
+
+
+def reproducible_blas() -> bool:
+    """Set ``MKL_CBWR`` to `MKL_CBWR` unless the environment sets it (even empty: kept); whether it is `MKL_CBWR`
+    now. MKL reads it at its first product, so a product run before this call keeps MKL's default mode."""
+    os.environ.setdefault("MKL_CBWR", MKL_CBWR)
+    return os.environ["MKL_CBWR"] == MKL_CBWR
 
 
 def max_threads() -> int:
