@@ -93,6 +93,32 @@ inline int64_t first_noted(const std::atomic<int64_t>& bad) {
   return first == INT64_MAX ? -1 : first;
 }
 
+#ifdef __AVX512F__
+// E2M1 codes of 16 values f[0..16) of a block with scale sb (inv = 1/sb), two to a byte into o[0..8): the scalar
+// loop's arithmetic lane by lane (q = f / sb, or f * inv for UE8M0; the sign bit of q; |q| against the same seven
+// thresholds), 16 lanes a step (GCC vectorised the scalar loop 4 lanes wide).
+template <int Recipe>
+inline void encode16(const float* f, float sb, float inv, uint8_t* o) {
+  const __m512 x = _mm512_loadu_ps(f);
+  const __m512 q = Recipe == kE4M3 ? _mm512_div_ps(x, _mm512_set1_ps(sb)) : _mm512_mul_ps(x, _mm512_set1_ps(inv));
+  const __m512i qb = _mm512_castps_si512(q);
+  const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(qb, _mm512_set1_epi32(0x7FFFFFFF)));
+  __m512i code = _mm512_slli_epi32(_mm512_srli_epi32(qb, 31), 3);
+  const __m512i one = _mm512_set1_epi32(1);
+  auto count = [&](float t, int op) {
+    const __mmask16 m = op == _CMP_GT_OQ ? _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GT_OQ)
+                                          : _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GE_OQ);
+    code = _mm512_mask_add_epi32(code, m, code, one);
+  };
+  count(0.25f, _CMP_GT_OQ), count(0.75f, _CMP_GE_OQ), count(1.25f, _CMP_GT_OQ), count(1.75f, _CMP_GE_OQ);
+  count(2.5f, _CMP_GT_OQ), count(3.5f, _CMP_GE_OQ), count(5.0f, _CMP_GT_OQ);
+  // 16 codes as bytes, then byte 2i + 16 * byte 2i+1 per 16-bit pair (maddubs: unsigned codes x signed 1, 16)
+  const __m128i bytes = _mm512_cvtepi32_epi8(code);
+  const __m128i pairs = _mm_maddubs_epi16(bytes, _mm_set1_epi16(static_cast<int16_t>(0x1001)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm_packus_epi16(pairs, pairs));
+}
+#endif
+
 template <typename T, int Block>
 int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
   constexpr int recipe = Block == 16 ? kE4M3 : kUE8M0;
@@ -101,7 +127,8 @@ int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / dim), [&](int64_t begin, int64_t end) {
     std::vector<float> f(dim), s(nb);
     std::vector<uint32_t> amax(nb);
-    std::vector<uint8_t> c(dim);
+    std::vector<uint8_t> c(dim);  // the codes, where encode16 does not write them packed
+    (void)c;
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       uint8_t* o = out + r * width;
@@ -124,6 +151,9 @@ int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
       }
       for (int64_t b = 0; b < nb; ++b) {
         const float sb = s[b], inv = 1.0f / sb;  // UE8M0: s is a power of two, so x * (1/s) == x / s exactly
+#ifdef __AVX512F__
+        for (int i = 0; i < Block; i += 16) encode16<recipe>(&f[b * Block + i], sb, inv, o + (b * Block + i) / 2);
+#else
         for (int i = 0; i < Block; ++i) {
           float q = recipe == kE4M3 ? f[b * Block + i] / sb : f[b * Block + i] * inv;
           uint32_t sign = bits_of(q) >> 31 << 3;
@@ -132,8 +162,11 @@ int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
                          (a > 5.0f);
           c[b * Block + i] = static_cast<uint8_t>(sign | idx);
         }
+#endif
       }
+#ifndef __AVX512F__
       for (int64_t i = 0; i < value_bytes; ++i) o[i] = static_cast<uint8_t>(c[2 * i] | c[2 * i + 1] << 4);
+#endif
     }
   });
   return first_noted(bad);
