@@ -65,8 +65,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 def _reached(name: str, graph: dict[str, set[str]]) -> set[str]:
     """The kvdiet modules ``name`` may run: what it imports (lazy imports too), their packages' ``__init__``,
-    and so on; but not the root package ``kvdiet``, whose only imports are `LLM` and `SamplingParams` on first
-    use (``kvdiet.LLM``), which no module does."""
+    and so on; but not the root package ``kvdiet``, whose imports are `kvdiet.threads` (at import it loads only
+    the standard library; torch only in `set_threads`, which the root does not call) and the public names on
+    first use (``kvdiet.LLM``), which no module does."""
     seen: set[str] = set()
     todo = [name]
     while todo:

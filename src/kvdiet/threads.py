@@ -27,12 +27,16 @@ the machine. Two things go wrong when another process shares those cores:
 - Intel MKL (torch's BLAS on x86) may split a product's sums by the thread count: on an Intel Xeon VM (2 cores)
   the mHC coefficients' product of 16 or more rows ([T, 1024] · [1024, 24]: a prefill chunk, a batched decode
   step) gave other bits at 2 threads than at 1, so a pool that adapts would have changed results; on the AMD EPYC
-  it did not. `reproducible_blas` asks MKL for its strict reproducible mode (``MKL_CBWR=AUTO,STRICT``: the bits do
-  not depend on the thread count). MKL reads it at its first product, so importing ``kvdiet`` sets it. Its cost
-  there: a one-row product of that shape 4.1 → 7.9-8.8 µs (80 such a v4.1-mini decode step).
+  it did not. `reproducible_blas` asks MKL for its strict reproducible mode (``MKL_CBWR=AUTO,STRICT``). Intel
+  documents that mode for ``?gemm``, ``?symm``, ``?hemm`` and ``?trsm`` on its AVX2 and AVX-512 code paths (other
+  routines keep the plain mode); measured there, every product of the presets tested (batched ones too) gave the
+  same bits at 1 and 2 threads (``tests/test_threads.py``). Intel asks for it before any other MKL call; here it
+  took effect when set after ``import torch`` but before the first product, so importing ``kvdiet`` sets it. It
+  holds for the whole process (another MKL user in it, an MKL numpy say, gets the mode too). Its cost there: a
+  one-row product of that shape 3.8-4.1 → 7.9-8.8 µs (80 such a v4.1-mini decode step).
 
 Source for the spin counts: the libgomp manual, "GOMP_SPINCOUNT" (gcc.gnu.org/onlinedocs/libgomp). Source for
-``MKL_CBWR``: Intel's oneMKL developer guide, "Obtaining Numerically Reproducible Results" (strict CNR mode). Source for
+``MKL_CBWR`` and strict mode: Intel's oneMKL developer guide, "Reproducibility Conditions". Source for
 the run-queue wait: the kernel's Documentation/scheduler/sched-stats.rst (``/proc/<pid>/schedstat``: time on the
 CPU, time waiting on a run queue, both in ns, and timeslices run).
 """
@@ -96,7 +100,8 @@ whose bits do not depend on the number of threads (module docstring)."""
 
 def reproducible_blas() -> bool:
     """Set ``MKL_CBWR`` to `MKL_CBWR` unless the environment sets it (even empty: kept); whether it is `MKL_CBWR`
-    now. MKL reads it at its first product, so a product run before this call keeps MKL's default mode."""
+    now. MKL reads it once, before its first call: a process that ran an MKL product before this keeps MKL's
+    default mode."""
     os.environ.setdefault("MKL_CBWR", MKL_CBWR)
     return os.environ["MKL_CBWR"] == MKL_CBWR
 

@@ -34,9 +34,10 @@ inline float fp8_half(uint8_t code) {
   return static_cast<float>(c10::Half(half, c10::Half::from_bits()));
 }
 
-// Values per task of the decode kernels' at::parallel_for: a 128-row window (dim 512) splits over two threads.
-// Waking the pool costs about 1 us; a window read some 30 us a layer in a decode step, its ring cold (stop 57, a
-// 2-core Xeon VM at 12 GB/s a core: at 65,536, one task, a v4.1-mini step 0.65 ms slower at 4K and 0.74 ms at 1M).
+// Values per task of the decode kernels' at::parallel_for: a 128-row window (dim 512) is four tasks of 32 rows, over
+// the intra-op threads. Waking the pool costs about 1 us; a window read some 30 us a layer in a decode step, its ring
+// cold (stop 57, a 2-core Xeon VM at 12 GB/s a core: at 65,536, one task, a v4.1-mini step 0.65 ms slower at 4K
+// and 0.73 ms at 1M).
 constexpr int64_t kFp8DecodeGrainValues = 16384;
 
 // 32 E4M3 bytes -> 32 floats, (fp8_half(code) * 256) * s; vcvtph2ps converts fp16 exactly, as c10::Half does
