@@ -340,9 +340,7 @@ def gather_main_kv(
     if kernels is None or rows.dim() != 2 or idx.dim() != 2 or not (rows.is_cpu and idx.is_cpu):
         return None
     dim = rows.shape[1] * 16 // 9
-    shape = (*idx.shape, dim)
-    fits = out is not None and out.shape == shape and out.dtype == torch.float32 and out.is_cpu
-    out = out if fits and out.is_contiguous() else torch.empty(shape, dtype=torch.float32)
+    out = native.kernel_output(out, (*idx.shape, dim))
     lo, hi = MAIN_KV.scale_bytes
     if kernels.gather_fp4(rows, table, idx, counts, per_block, MAIN_KV.kernel, lo, hi, out):
         return out

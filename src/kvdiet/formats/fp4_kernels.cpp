@@ -127,8 +127,9 @@ int64_t encode_rows(const T* x, int64_t n, int64_t dim, uint8_t* out) {
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / dim), [&](int64_t begin, int64_t end) {
     std::vector<float> f(dim), s(nb);
     std::vector<uint32_t> amax(nb);
-    std::vector<uint8_t> c(dim);  // the codes, where encode16 does not write them packed
-    (void)c;
+#ifndef __AVX512F__
+    std::vector<uint8_t> c(dim);  // the codes, packed two a byte at the row's end (encode16 packs its own)
+#endif
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       uint8_t* o = out + r * width;

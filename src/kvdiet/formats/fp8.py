@@ -245,9 +245,7 @@ def read_window(
     if not (kv.is_cpu and slots.is_cpu and (held is None or held.is_cpu)):
         return None
     b, dim = kv.shape
-    shape = (b, slots.shape[-1] + 1, dim)
-    fits = out is not None and out.shape == shape and out.dtype == torch.float32 and out.is_cpu
-    keys = out if fits and out.is_contiguous() else torch.empty(shape, dtype=torch.float32, device="cpu")
+    keys = native.kernel_output(out, (b, slots.shape[-1] + 1, dim))
     entries = torch.empty(b, dim + dim // _BLOCK, dtype=torch.uint8, device="cpu")
     if kernels.read_fp8_window(rings, slots, held, kv, *SCALE_BYTES, keys, entries):
         return keys, entries

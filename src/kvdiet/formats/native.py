@@ -44,7 +44,15 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["ENV", "RECIPE_E4M3X16", "RECIPE_UE8M0X32", "build_root", "cpu_isa", "fp4_kernels"]
+__all__ = [
+    "ENV",
+    "RECIPE_E4M3X16",
+    "RECIPE_UE8M0X32",
+    "build_root",
+    "cpu_isa",
+    "fp4_kernels",
+    "kernel_output",
+]
 
 ENV = "KVDIET_NATIVE_KERNELS"
 """Environment variable: ``0`` selects the pure-torch format kernels."""
@@ -109,6 +117,20 @@ def fp4_kernels() -> ModuleType | None:
     elif raw.get(encoded[0]) == encoded[1]:
         return None
     return _build()
+
+
+def kernel_output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 CPU tensor of ``shape`` for a kernel to write every element of: ``out`` where it is one, contiguous
+    (a buffer its caller reuses), else a new one (``torch.empty``)."""
+    if (
+        out is not None
+        and out.shape == shape
+        and out.dtype == torch.float32
+        and out.is_cpu
+        and out.is_contiguous()
+    ):
+        return out
+    return torch.empty(shape, dtype=torch.float32, device="cpu")
 
 
 def _encoded() -> tuple[object, object] | None:
