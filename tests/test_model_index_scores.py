@@ -14,7 +14,7 @@ from kvdiet.model.index_scores import (
     index_scores_each,
     index_scores_runs,
 )
-from kvdiet.model.selection import candidate_entries, select_topk, select_topk_at
+from kvdiet.model.selection import block_max, candidate_entries, select_topk, select_topk_at
 
 NEG = float("-inf")
 
@@ -683,6 +683,8 @@ def test_runs_reaching_past_the_keys_or_with_bad_offsets_raise(both, monkeypatch
                 torch.empty(0, 0, dtype=torch.int64),
                 torch.tensor(off),
                 torch.empty(2, 20),
+                torch.empty(0),
+                0,
             )
         with pytest.raises(ValueError, match="offsets int64"):
             index_scores_runs(queries, w, shared, offsets.to("meta"), torch.tensor([10, 20]), 20)
@@ -813,3 +815,42 @@ def test_named_entries_over_many_tiles_score_as_the_dense_row(both):
     seen = (entries >= 0) & (entries < limit[:, None])
     assert 0 < int(seen.sum()) < entries.numel()
     assert _same_bits(two, torch.where(seen, dense.gather(1, entries.clamp(min=0)), NEG))
+
+
+@pytest.mark.parametrize("block", [8, 16, 12])
+def test_scores_come_with_their_block_maxima_on_every_path(both, block):
+    """``maxima``: the scores' block maxima, `block_max`'s bits (NaN read as −inf, −inf past a limit, a last block
+    partly filled), taken by the compiled kernel as it scores (blocks of 8 and 16 divide its tiles; blocks of 12
+    do not and are taken from the scores after), for one request's keys each and for runs of one shared table,
+    and on the pure-torch path too; the scores themselves are unchanged."""
+    gen = torch.Generator().manual_seed(21)
+    n, d = 2 * 2048 + 37, 128
+    packed = mxfp4.encode_index_key(_spread(torch.randn(n, d, generator=gen), 2, gen))
+    queries = _mxfp4(torch.randn(2, 4, d, generator=gen))
+    w = torch.randn(2, 4, generator=gen)
+    w[1, 1] = float("nan")  # the second query's scores all NaN
+    limit = torch.tensor([n - 300, n])
+    paged = _paged(packed, 64, 3)
+    _, shared, offsets = _runs(packed, [n - 10, 10], 64, 4)
+    calls = {
+        "each": lambda m: index_scores_each(queries, w, [paged] * 2, None, limit, maxima=m),
+        "runs": lambda m: index_scores_runs(
+            queries, w, shared, offsets, torch.tensor([n - 300, 10]), n - 10, maxima=m
+        ),
+    }
+    for name, call in calls.items():
+        plain = call(None)
+        got = {}
+        for path, env in (("compiled", None), ("pure", "0")):
+            with pytest.MonkeyPatch.context() as mp:
+                if env is None:
+                    mp.delenv(native.ENV, raising=False)
+                else:
+                    mp.setenv(native.ENV, env)
+                maxima = torch.full((2, -(-plain.shape[1] // block)), 7.0)
+                scores = call((maxima, block))
+            assert _same_bits(scores, plain), (name, path)
+            want = block_max(plain, block)
+            assert torch.equal(maxima.view(torch.int32), want.view(torch.int32)), (name, path)
+            got[path] = maxima
+        assert got["compiled"][1].eq(NEG).all() if name == "each" else got["compiled"][1, 2:].eq(NEG).all()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvdiet.formats import native
 from kvdiet.model.attention import attend
 from kvdiet.model.selection import (
+    block_max,
     candidate_entries,
     candidate_mask,
     select_candidate_blocks,
@@ -289,3 +290,57 @@ def test_block_max_of_eights_keeps_the_scalar_folds_bits(both) -> None:
     folded = _folded_block_max(wide[:, :32], 8)
     assert folded[0].tolist() == [0.0] * 4 and torch.signbit(folded[0]).tolist() == [True] * 4
     assert torch.signbit(folded[1]).tolist() == [False] * 4 and folded[2, 0].item() == NEG
+
+
+def _long_rows(seed: int) -> torch.Tensor:
+    """Rows long enough for the block-guided selection (16,384+ blocks of 8): distinct scores; every score from
+    eight values (ties across thousands of entries at the threshold); −inf past a short visible prefix (too few
+    valid blocks sampled); NaN and ±inf among distinct scores; all equal."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 8 * 16_384 + 13
+    rows = torch.randn(5, n, generator=gen)
+    rows[1] = torch.randint(0, 8, (n,), generator=gen).float()
+    rows[2, 3_000:] = NEG
+    rows[3, torch.randint(0, n, (500,), generator=gen)] = NAN
+    rows[3, torch.randint(0, n, (40,), generator=gen)] = INF
+    rows[3, torch.randint(0, n, (4_000,), generator=gen)] = NEG
+    rows[4] = 0.5
+    return rows
+
+
+@pytest.mark.parametrize("k", [512, 1, 2048])
+def test_select_topk_through_block_maxima_picks_the_same_sets(k: int) -> None:
+    """Given the rows' block maxima, the compiled selection reads a long row's candidates only in the blocks that
+    reach its threshold: the same indices and validity as the pass over the whole row, ties to the lowest index
+    included, on every kind of row; maxima of blocks of 16 too (any block size), and the pure-torch path ignores
+    them."""
+    rows = _long_rows(k)
+    for block in (8, 16):
+        maxima = (block_max(rows, block), block)
+        got = select_topk(rows, k, maxima=maxima)
+        want = select_topk(rows, k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), block
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.ENV, "0")
+        pure = select_topk(rows, k, maxima=(block_max(rows, 8), 8))
+    assert torch.equal(pure[0], want[0]) and torch.equal(pure[1], want[1])
+    assert int(want[1][2].sum()) == min(k, 3_000) and bool(want[1][0].all())
+
+
+def test_select_topk_reads_the_maxima_it_is_given_and_refuses_misfits() -> None:
+    """The compiled selection does read the maxima (a block whose max is given as −inf is never looked into, so
+    its best entry is missed: maxima must be the scores' own), and refuses maxima that do not fit the rows
+    (another row or block count). The pure-torch path ignores them."""
+    rows = _long_rows(0)[:1]
+    maxima = block_max(rows, 8)
+    best = int(rows[0].argmax())
+    hidden = maxima.clone()
+    hidden[0, best // 8] = NEG
+    picked = select_topk(rows, 8, maxima=(hidden, 8))[0][0].tolist()
+    assert (best in picked) == (native.fp4_kernels() is None)
+    for misfit in (maxima[:, :-1].contiguous(), block_max(_long_rows(0)[:2], 8)):
+        if native.fp4_kernels() is None:
+            assert torch.equal(select_topk(rows, 8, maxima=(misfit, 8))[0], select_topk(rows, 8)[0])
+        else:
+            with pytest.raises(RuntimeError, match="blocks float32"):
+                select_topk(rows, 8, maxima=(misfit, 8))

@@ -45,6 +45,34 @@ constexpr int kHeadsAtOnce = 4;  // heads whose accumulators stay in registers t
 constexpr int64_t kMaxDim = 1024;  // the largest head dim index_scores takes (sizes kZeroRow and the scales)
 alignas(64) const uint8_t kZeroRow[kMaxDim * sizeof(float)] = {};  // stands in for absent entries (d fp32 values)
 
+// The max of row[0..n) with NaN read as -inf (-inf for none): the scalar fold in entry order, of equal largest
+// scores (-0 and +0 alike) the first. block_max's rule, and the index scores' block maxima (index_scores).
+inline float block_fold(const float* row, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;  // NaN never compares greater
+  return m;
+}
+
+// Maxima of the blocks of 8 that start at row[0], row[8], .. row[8 (m - 1)] (all 8 m scores read) into o[0..m), each
+// the scalar fold's bits: vmaxps(x, y) is x > y ? x : y per lane, so a tree that keeps the earlier operand unless
+// the later one is greater gives the first of the equal largest scores (the fold's pick, -0 or +0 alike); NaN is
+// first read as -inf (vmaxps(x, -inf)), as the fold never picks it.
+inline int64_t block8_max(const float* row, int64_t m, float* o) {
+  int64_t b = 0;
+#ifdef __AVX512F__
+  const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; b + 2 <= m; b += 2) {  // blocks b (lanes 0..7) and b + 1 (lanes 8..15)
+    __m512 v = _mm512_max_ps(_mm512_loadu_ps(row + 8 * b), neg);
+    v = _mm512_max_ps(_mm512_permute_ps(v, 0xB1), v);  // lane 2i: lanes 2i, 2i + 1
+    v = _mm512_max_ps(_mm512_permute_ps(v, 0x4E), v);  // lane 4i: lanes 4i .. 4i + 3
+    v = _mm512_max_ps(_mm512_shuffle_f32x4(v, v, 0x31), v);  // lanes 0 and 8: lanes 0 .. 7 and 8 .. 15
+    o[b] = _mm512_cvtss_f32(v);
+    o[b + 1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(v, 1));
+  }
+#endif
+  return b;
+}
+
 struct ScoreArgs {
   const float* q;        // [Q, H, d]
   const float* w;        // [Q, H]
@@ -787,8 +815,13 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
 // empty: all 0): query t's entry c is entry offsets[t] + c of the keys (each query its own run of one shared
 // table: a batch's requests in one pool), still visible where c < limit[t]. Returns -1 or the first entry id (of
 // the keys: offsets[t] + c) holding a scale byte outside 1..252.
+// blocks float32 [Q, ceil(C / block)] (entries empty only; empty: none): each row's block maxima of out besides,
+// block_max's bits (topk_kernels.cpp): block i of row t the max of out[t][i·block .. (i + 1)·block) with NaN read
+// as -inf, taken while the tile's scores are in cache (block divides a tile's kTile entries). select_topk finds
+// a long row's candidates from them without a pass over the row.
 int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor table, int64_t per_block,
-                     at::Tensor limit, at::Tensor entries, at::Tensor offsets, at::Tensor out) {
+                     at::Tensor limit, at::Tensor entries, at::Tensor offsets, at::Tensor out, at::Tensor blocks,
+                     int64_t block) {
   TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && table.is_contiguous() && limit.is_contiguous() &&
                   entries.is_contiguous() && out.is_contiguous() && q.dim() == 3 && out.dim() == 2 &&
                   keys.dim() == 2 && (keys.size(1) <= 1 || keys.stride(1) == 1),
@@ -802,6 +835,14 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   TORCH_CHECK(offsets.numel() == 0 || (entries.numel() == 0 && offsets.dim() == 1 && offsets.size(0) == nq &&
                                        offsets.is_contiguous() && offsets.scalar_type() == at::kLong),
               "index scores: offsets int64 [Q] (contiguous), with entries empty");
+  const bool maxima = blocks.numel() > 0;
+  TORCH_CHECK(!maxima || (entries.numel() == 0 && block >= 1 && kTile % block == 0 && blocks.is_contiguous() &&
+                          blocks.scalar_type() == at::kFloat && blocks.dim() == 2 && blocks.size(0) == nq &&
+                          blocks.size(1) == (out.size(1) + block - 1) / block),
+              "index scores: blocks float32 [Q, ceil(C / block)] (contiguous), block dividing ", kTile,
+              ", with entries empty");
+  float* block_out = maxima ? blocks.data_ptr<float>() : nullptr;
+  const int64_t block_cols = maxima ? blocks.size(1) : 0;
   const bool packed = keys.scalar_type() == at::kByte;
   TORCH_CHECK(packed || keys.scalar_type() == at::kFloat, "index scores: keys are uint8 (MXFP4) or float32");
   TORCH_CHECK(keys.size(1) == (packed ? d / 2 + d / 32 : d), "index scores: key rows of ", keys.size(1),
@@ -914,6 +955,13 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip)
                                  : score_tile<0>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip);
       if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
+      for (int64_t t = t0; maxima && t < t1; ++t) {  // the tile's block maxima (c0: a multiple of block)
+        const float* row = ot + (t - t0) * width;
+        float* bo = block_out + t * block_cols + c0 / block;
+        const int64_t nb = (n + block - 1) / block;
+        int64_t i = block == 8 ? block8_max(row, n / 8, bo) : 0;
+        for (; i < nb; ++i) bo[i] = block_fold(row + i * block, std::min(block, n - i * block));
+      }
     }
 #ifdef __AVX512F__
     g_integer_groups += ip.scored;

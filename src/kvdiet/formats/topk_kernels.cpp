@@ -13,7 +13,10 @@
 //   first keeps only the entries that reach a threshold guessed from 4,096 evenly spaced scores (aimed at a few
 //   times k entries; one vectorised compare per score) and runs the radix select on those: when at least k reach
 //   it the k best are among them, the same set; else (a rare unlucky guess) it runs on the whole row. Where the
-//   sample holds too few valid scores to guess, the pass keeps every valid entry.
+//   sample holds too few valid scores to guess, the pass keeps every valid entry. Given the rows' block maxima
+//   (blocks of any size: index_scores takes those of 8 as it scores), a row of 16,384 blocks or more guesses its
+//   threshold from 4,096 sampled maxima instead and reads only the blocks whose max reaches it (an entry that
+//   reaches it lies in one): no pass over the row; fewer than k entries found, it takes the pass above.
 // block_max: scores float32 [Q, N] -> out float32 [Q, ceil(N / B)], each block's max with NaN read as -inf
 //   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf), the bits of a scalar fold
 //   in entry order (of equal largest scores, -0 and +0 alike, the first). Full blocks of B = 8 (V4.1's
@@ -159,13 +162,52 @@ void entries_reaching(const float* row, int64_t n, float t, std::vector<uint32_t
   }
 }
 
+// The entries j of row[0..n) with row[j] >= t, ascending, into pool, read only in the blocks of `block` entries
+// whose max (maxima[0..nb), NaN read as -inf) reaches t: no other entry can.
+void entries_reaching_in_blocks(const float* row, int64_t n, const float* maxima, int64_t nb, int64_t block, float t,
+                                std::vector<uint32_t>& pool) {
+  pool.clear();
+  const auto take = [&](int64_t b) {
+    for (int64_t j = b * block; j < std::min(n, (b + 1) * block); ++j) {
+      if (row[j] >= t) pool.push_back(static_cast<uint32_t>(j));
+    }
+  };
+  int64_t b = 0;
+#ifdef __AVX512F__
+  const __m512 tv = _mm512_set1_ps(t);
+  for (; b + 16 <= nb; b += 16) {
+    for (uint32_t m = _mm512_cmp_ps_mask(_mm512_loadu_ps(maxima + b), tv, _CMP_GE_OQ); m; m &= m - 1) {
+      take(b + __builtin_ctz(m));
+    }
+  }
+#endif
+  for (; b < nb; ++b) {
+    if (maxima[b] >= t) take(b);
+  }
+}
+
 // Row `scores[0..n)` (element stride 1): its chosen entries into idx/valid [kk]. A long row first keeps the
 // entries reaching a sampled threshold (one vectorised pass); when at least kk do, the kk best are among them.
 // When the sample holds too few valid scores (a row mostly past its visible entries) the pass keeps every valid
 // entry instead (threshold -FLT_MAX: -inf and NaN fail it), and the kk best are among them whatever their count.
-void select_row(const float* scores, int64_t n, int64_t kk, int64_t* idx, bool* valid, Scratch& s) {
+// maxima: nullptr, or the row's nb block maxima (blocks of `block` entries, block_max's): then the threshold is
+// guessed from a sample of them (aimed at a few times kk blocks, each holding at least one entry that reaches
+// it), and only the blocks reaching it are read; where fewer than kk entries reach it, or the sample holds too few
+// valid maxima, the row takes the pass above. The same kk best either way: every entry reaching t is in the pool.
+void select_row(const float* scores, int64_t n, int64_t kk, int64_t* idx, bool* valid, Scratch& s,
+                const float* maxima, int64_t nb, int64_t block) {
   bool picked = false;
-  if (n >= 4 * kSample && n >= 16 * kk) {
+  if (maxima != nullptr && nb >= 4 * kSample && n >= 16 * kk) {
+    float t;
+    if (sampled_threshold(maxima, nb, kk, s.sample, &t)) {
+      entries_reaching_in_blocks(scores, n, maxima, nb, block, t, s.pool);
+      if (static_cast<int64_t>(s.pool.size()) >= kk) {
+        radix_pick(scores, [&](const auto& f) { for (const uint32_t j : s.pool) f(j); }, kk, s);
+        picked = true;
+      }
+    }
+  }
+  if (!picked && n >= 4 * kSample && n >= 16 * kk) {
     float t;
     const bool guessed = sampled_threshold(scores, n, kk, s.sample, &t);
     entries_reaching(scores, n, guessed ? t : std::numeric_limits<float>::lowest(), s.pool);
@@ -189,46 +231,32 @@ inline bool fp32_rows(const at::Tensor& t) {
 
 }  // namespace
 
-// scores float32 [Q, N] (unit element stride) -> idx int64 [Q, kk], valid bool [Q, kk] (contiguous; kk <= N)
-void select_topk(at::Tensor scores, at::Tensor idx, at::Tensor valid) {
+// scores float32 [Q, N] (unit element stride) -> idx int64 [Q, kk], valid bool [Q, kk] (contiguous; kk <= N).
+// blocks: empty, or float32 [Q, ceil(N / block)] (contiguous) the rows' block maxima (block_max's, or index_scores'):
+// select_row reads a long row's candidates through them.
+void select_topk(at::Tensor scores, at::Tensor idx, at::Tensor valid, at::Tensor blocks, int64_t block) {
   TORCH_CHECK(fp32_rows(scores) && idx.dim() == 2 && idx.is_contiguous() && idx.scalar_type() == at::kLong &&
                   valid.is_contiguous() && valid.scalar_type() == at::kBool && valid.sizes() == idx.sizes() &&
                   idx.size(0) == scores.size(0) && idx.size(1) <= scores.size(1) &&
                   scores.size(1) < (int64_t{1} << 32),
               "select_topk: layout");
   const int64_t q = scores.size(0), n = scores.size(1), kk = idx.size(1), stride = scores.stride(0);
+  const bool maxima = blocks.numel() > 0;
+  TORCH_CHECK(!maxima || (block >= 1 && blocks.is_contiguous() && blocks.scalar_type() == at::kFloat &&
+                          blocks.dim() == 2 && blocks.size(0) == q && blocks.size(1) == (n + block - 1) / block),
+              "select_topk: blocks float32 [Q, ceil(N / block)] (contiguous)");
+  const int64_t nb = maxima ? blocks.size(1) : 0;
   const float* s = scores.data_ptr<float>();
+  const float* bm = maxima ? blocks.data_ptr<float>() : nullptr;
   int64_t* out = idx.data_ptr<int64_t>();
   bool* ok = valid.data_ptr<bool>();
   at::parallel_for(0, q, 1, [&](int64_t r0, int64_t r1) {
     Scratch scratch;
-    for (int64_t r = r0; r < r1; ++r) select_row(s + r * stride, n, kk, out + r * kk, ok + r * kk, scratch);
+    for (int64_t r = r0; r < r1; ++r) {
+      select_row(s + r * stride, n, kk, out + r * kk, ok + r * kk, scratch, maxima ? bm + r * nb : nullptr, nb, block);
+    }
   });
 }
-
-namespace {
-
-// Maxima of the blocks of 8 that start at row[0], row[8], .. row[8 (m - 1)] (all 8 m scores read) into o[0..m), each
-// the scalar fold's bits: vmaxps(x, y) is x > y ? x : y per lane, so a tree that keeps the earlier operand unless
-// the later one is greater gives the first of the equal largest scores (the fold's pick, -0 or +0 alike); NaN is
-// first read as -inf (vmaxps(x, -inf)), as the fold never picks it.
-inline int64_t block8_max(const float* row, int64_t m, float* o) {
-  int64_t b = 0;
-#ifdef __AVX512F__
-  const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; b + 2 <= m; b += 2) {  // blocks b (lanes 0..7) and b + 1 (lanes 8..15)
-    __m512 v = _mm512_max_ps(_mm512_loadu_ps(row + 8 * b), neg);
-    v = _mm512_max_ps(_mm512_permute_ps(v, 0xB1), v);  // lane 2i: lanes 2i, 2i + 1
-    v = _mm512_max_ps(_mm512_permute_ps(v, 0x4E), v);  // lane 4i: lanes 4i .. 4i + 3
-    v = _mm512_max_ps(_mm512_shuffle_f32x4(v, v, 0x31), v);  // lanes 0 and 8: lanes 0 .. 7 and 8 .. 15
-    o[b] = _mm512_cvtss_f32(v);
-    o[b + 1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(v, 1));
-  }
-#endif
-  return b;
-}
-
-}  // namespace
 
 // scores float32 [Q, N] (unit element stride) -> out float32 [Q, ceil(N / block)] contiguous
 void block_max(at::Tensor scores, int64_t block, at::Tensor out) {
@@ -239,19 +267,13 @@ void block_max(at::Tensor scores, int64_t block, at::Tensor out) {
   const int64_t q = scores.size(0), n = scores.size(1), nb = out.size(1), stride = scores.stride(0);
   const float* s = scores.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const float neg = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, q * nb, 4096, [&](int64_t b0, int64_t b1) {
     for (int64_t t = b0; t < b1;) {  // the task's blocks of one row at a time
       const int64_t r = t / nb, first = t % nb, last = std::min(nb, first + (b1 - t));
       const float* row = s + r * stride;
       int64_t b = first;
       if (block == 8) b += block8_max(row + 8 * first, std::min(last, n / 8) - first, o + r * nb + first);
-      for (; b < last; ++b) {
-        const int64_t j0 = b * block, j1 = std::min(n, j0 + block);
-        float m = neg;
-        for (int64_t j = j0; j < j1; ++j) m = row[j] > m ? row[j] : m;  // NaN never compares greater
-        o[r * nb + b] = m;
-      }
+      for (; b < last; ++b) o[r * nb + b] = block_fold(row + b * block, std::min(n - b * block, block));
       t += last - first;
     }
   });

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 
 __all__ = ["select_step", "visible_keys"]
 
+_SCAN_BLOCK = 8
+"""Entries per block of the block maxima a dense index layer's scores come with (for `select_topk`)."""
+_LONG_ROW = 8 * 16_384
+"""The fewest entries a row has for its block maxima to be taken: the compiled selection reads them from 16,384
+blocks on (``topk_kernels.cpp``: four times its sample of 4,096)."""
+
 
 def select_step(
     attn: Attention, qr: torch.Tensor, x: torch.Tensor, segs: list[Segment], plan: DecodePlan, rot: Rotation
@@ -28,25 +34,38 @@ def select_step(
     the candidate source's kept blocks: in one call when several requests share a pool (`BatchTables`), else
     one call per request. Other layers score every entry with no per-entry ids (no [B, N] temporaries: N is 1M
     at 1M tokens and ratio 1), padded with −inf to the longest key list: in one call when the requests share a
-    pool (each its own run of it), else one call per request.
+    pool (each its own run of it), else one call per request; on the CPU the candidate source's scores, and any
+    row of ``_LONG_ROW`` entries or more, come with their block maxima (the compiled kernel's, taken as it
+    scores), which its candidate blocks and the top-k read instead of another pass over the scores.
     """
     info = attn.info
     q_idx, w = attn.indexer.queries(qr, x, rot, attn.codecs.index_key, pending=plan.pending)
     keys, limit, n, host_limit = visible_keys(plan, segs, info.kv_src, info.compress_ratio)
     tables, pending = plan.tables, plan.pending
     if info.candidate != "consumer":
+        # the scores' block maxima, taken as they are scored: the candidate source's blocks, and a long row's
+        # top-k candidates (`select_topk`'s maxima) without another pass over its scores
+        block = attn.candidate_block_size if info.candidate == "source" else _SCAN_BLOCK
+        long_rows = q_idx.is_cpu and (info.candidate == "source" or n >= _LONG_ROW)
+        maxima = (torch.empty(len(segs), -(-n // block)), block) if long_rows else None
         if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
             off = tables.offsets(info.kv_src)
             scores = index_scores_runs(
-                q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n, pending=pending
+                q_idx, w, tables.keys(info.kv_src, "index"), off, limit, n, pending=pending, maxima=maxima
             )
         else:
-            scores = index_scores_each(q_idx, w, keys, None, limit, host_limit=host_limit, pending=pending)
+            scores = index_scores_each(
+                q_idx, w, keys, None, limit, host_limit=host_limit, pending=pending, maxima=maxima
+            )
         if info.candidate == "source":
             plan.candidates = select_candidate_blocks(
-                scores, limit, block_size=attn.candidate_block_size, topk_blocks=attn.candidate_topk_blocks
+                scores,
+                limit,
+                block_size=block,
+                topk_blocks=attn.candidate_topk_blocks,
+                block_scores=None if maxima is None else maxima[0],
             )
-        plan.topk[info.layer_id] = select_topk(scores, attn.index_topk)
+        plan.topk[info.layer_id] = select_topk(scores, attn.index_topk, maxima=maxima)
         return
     if plan.candidates is None:
         raise RuntimeError(f"layer {info.layer_id} consumes candidates but none were published")

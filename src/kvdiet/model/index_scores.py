@@ -40,6 +40,7 @@ import torch
 from kvdiet.formats import native
 from kvdiet.formats.mxfp4 import decode_index_key
 from kvdiet.formats.scales import PendingCheck, run_checks
+from kvdiet.model.selection import block_max
 
 if TYPE_CHECKING:
     from kvdiet.model.state import PagedEntries
@@ -50,6 +51,7 @@ LANES = 8
 """Partial sums of one dot product (the kernel's lanes per key; its 16-float vectors hold one lane of 16 keys)."""
 # Elements of the pure-torch path's [rows, heads, entries, dim] product per step (64 MiB as fp32).
 _TORCH_BUDGET = 1 << 24
+_TILE = 64  # entries of the compiled kernel's tasks (kTile): blocks of maxima it takes divide it
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,7 @@ def index_scores_runs(
     width: int,
     *,
     pending: list[PendingCheck] | None = None,
+    maxima: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Scores of every entry of each query's own run of one table (a batch's requests in one pool): fp32
     [Q, width], row t entry c scoring entry ``offsets[t] + c`` of ``keys``, −inf at ``c ≥ limit[t]``. The same
@@ -201,6 +204,8 @@ def index_scores_runs(
         limit: int64 [Q] entries of its run visible to each query, at most the run's own entries (no query may
             read into the next run).
         width: C, the columns of the result (the most entries of any run).
+        maxima: None, or (out fp32 [Q, ceil(C / block)] contiguous, block): filled with `block_max` of the
+            scores (the compiled kernel's as it scores, where block divides its 64-entry tiles; else from them).
     Raises:
         ValueError: as `index_scores`; offsets not int64 [Q], or offsets or limit on another device than q;
             width < 0; on the CPU, a run starting before entry 0 or reaching past the keys' N.
@@ -222,7 +227,7 @@ def index_scores_runs(
         raise ValueError(
             f"a run of entries starts before 0 or reaches past the {keys.num_entries} entries held"
         )
-    out = _native(q, w, keys, limit, None, width, offsets=offsets, pending=pending)
+    out = _native(q, w, keys, limit, None, width, offsets=offsets, pending=pending, maxima=maxima)
     if out is not None:
         return out
     # the torch path: named entries, a column chunk at a time (index_scores_at splits only rows)
@@ -232,7 +237,7 @@ def index_scores_runs(
         cols = torch.arange(c0, min(width, c0 + step), device=q.device)[None, :]
         entries = torch.where(cols < limit[:, None], offsets[:, None] + cols, -1)
         out[:, c0 : c0 + step] = index_scores_at(q, w, keys, entries, offsets + limit, pending=pending)
-    return out
+    return _fill_maxima(out, maxima)
 
 
 def index_scores_each(
@@ -244,6 +249,7 @@ def index_scores_each(
     *,
     host_limit: Sequence[int] | None = None,
     pending: list[PendingCheck] | None = None,
+    maxima: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """`index_scores_at` of each query against its own keys (``keys[t]``: one request's stored keys in a batch):
     fp32 [Q, C], the same numbers as Q calls of one query each, written in place (one kernel call per query, no
@@ -254,7 +260,8 @@ def index_scores_each(
     its own N). That is `index_scores_at` of ``arange(C)`` per query, bit for bit, without that [Q, C] int64
     tensor (8 MB per request at 1M tokens and ratio 1). ``host_limit``: None, or ``limit``'s Q values as host
     ints (the caller's own, equal to them): a limit they place in [0, N] is not clamped again on the device, and
-    where ``entries`` is None they serve as in `index_scores`. ``pending``: as `index_scores`.
+    where ``entries`` is None they serve as in `index_scores`. ``pending``: as `index_scores`. ``maxima`` (with
+    ``entries`` None): as `index_scores_runs`.
 
     Raises:
         ValueError: as `index_scores_at`; not one `StoredKeys` per query; ``host_limit`` not Q values.
@@ -273,13 +280,17 @@ def index_scores_each(
         ids = entries if whole or entries is None else entries[one]
         ht = None if host_limit is None else host_limit[one]
         lim = lt if ht is not None and 0 <= ht[0] <= k.num_entries else lt.clamp(0, k.num_entries)
-        if _native(qt, wt, k, lim, ids, width, out=ot, pending=pending) is not None:
+        mt = (
+            None if maxima is None or ids is not None else (maxima[0] if whole else maxima[0][one], maxima[1])
+        )
+        if _native(qt, wt, k, lim, ids, width, out=ot, pending=pending, maxima=mt) is not None:
             continue
         if ids is not None:
             ot[:] = index_scores_at(qt, wt, k, ids, lt, pending=pending)
         else:
             ot[:, k.num_entries :] = float("-inf")
             ot[:, : k.num_entries] = index_scores(qt, wt, k, lt, host_limit=ht, pending=pending)
+            _fill_maxima(ot, mt)
     return out
 
 
@@ -294,6 +305,7 @@ def _native(
     out: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
     pending: list[PendingCheck] | None = None,
+    maxima: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | None:
     """The compiled kernel's scores fp32 [Q, width] (into ``out`` when given: contiguous, on the CPU), or None
     where the pure-torch path runs (off the CPU; exact-mode keys of a float dtype other than fp32). ``offsets``
@@ -305,6 +317,8 @@ def _native(
         return None
     out = torch.empty(q.shape[0], width) if out is None else out
     none = torch.empty(0, 0, dtype=torch.int64)
+    fused = maxima is not None and _TILE % maxima[1] == 0 and maxima[0].is_contiguous()  # else filled after
+    blocks, block = maxima if fused else (torch.empty(0), 0)
     bad = kernels.index_scores(
         q.float().contiguous(),
         w.float().contiguous(),
@@ -315,11 +329,20 @@ def _native(
         none if entries is None else entries.contiguous(),
         none.view(0) if offsets is None else offsets.contiguous(),
         out,
+        blocks,
+        block,
     )
     if bad >= 0 and pending:
         run_checks(pending)
     _check_scales(bad)
-    return out
+    return out if fused else _fill_maxima(out, maxima)
+
+
+def _fill_maxima(scores: torch.Tensor, maxima: tuple[torch.Tensor, int] | None) -> torch.Tensor:
+    """``scores``, with ``maxima``'s tensor (when given) set to their `block_max`."""
+    if maxima is not None:
+        maxima[0].copy_(block_max(scores, maxima[1]))
+    return scores
 
 
 def _check_inputs(

@@ -21,6 +21,7 @@ import torch
 from kvdiet.formats import native
 
 __all__ = [
+    "block_max",
     "candidate_entries",
     "candidate_mask",
     "select_candidate_blocks",
@@ -57,13 +58,18 @@ def visibility_mask(positions: torch.Tensor, num_entries: int, compress_ratio: i
     return torch.arange(num_entries, device=positions.device)[None, :] < limit[:, None]
 
 
-def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topk(
+    scores: torch.Tensor, k: int, *, maxima: tuple[torch.Tensor, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``min(k, N)`` highest finite scores of each row, ties to the lowest index, sorted by index.
 
     Args:
         scores: fp32 [Q, N] (another float dtype is compared as fp32: the indexer's scores are fp32); ``-inf``
             (or NaN) marks entries that must not be chosen.
         k: entries wanted per row (config ``index_topk``).
+        maxima: None, or (`block_max` of ``scores`` fp32 [Q, ceil(N / block)], block): the compiled selection
+            then finds a long row's candidates through them instead of a pass over the row (the same sets: an
+            entry reaching a threshold lies in a block whose max reaches it). Other maxima give other sets.
     Returns:
         ``(idx, valid)``: int64 [Q, min(k, N)] entry indices in ascending order, and bool of the same
         shape; ``idx`` is 0 wherever ``valid`` is False.
@@ -83,7 +89,10 @@ def select_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     if kernels is not None:
         idx = torch.empty(q, kk, dtype=torch.int64)
         valid = torch.empty(q, kk, dtype=torch.bool)
-        kernels.select_topk(_unit_stride(scores), idx, valid)
+        blocks, block = (torch.empty(0), 0) if maxima is None else maxima
+        if blocks.numel() and (blocks.dtype != torch.float32 or not blocks.is_contiguous()):
+            blocks, block = torch.empty(0), 0  # not what the kernel reads: the pass over the row instead
+        kernels.select_topk(_unit_stride(scores), idx, valid, blocks, block)
         return idx, valid
     scores = _nan_to_neginf(scores)
     cpu = scores.device.type == "cpu"
@@ -180,7 +189,12 @@ def select_topk_at(
 
 
 def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, *, block_size: int, topk_blocks: int
+    scores: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    block_size: int,
+    topk_blocks: int,
+    block_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hierarchical candidate pool of the candidate-source indexer (v41-spec §4, ``select_candidate_blocks``).
 
@@ -193,6 +207,8 @@ def select_candidate_blocks(
         visible: int64 [Q] entries visible to each query (`visible_entries`; the newest is ``visible − 1``).
         block_size: positions per block (config ``candidate_block_size``).
         topk_blocks: blocks kept (config ``candidate_topk_blocks``).
+        block_scores: None, or `block_max` of ``scores`` with ``block_size`` (the index kernel's, taken as it
+            scored): used instead of computing them (not modified).
     Returns:
         ``(block ids int64 [Q, Kb], valid bool [Q, Kb])`` as from `select_topk`; expand with `candidate_mask`
         or `candidate_entries`.
@@ -200,7 +216,7 @@ def select_candidate_blocks(
         TypeError: ``scores`` is not a float tensor.
     """
     _check_float(scores)
-    block_scores = _block_max(scores, block_size)
+    block_scores = block_max(scores, block_size) if block_scores is None else block_scores.clone()
     if block_scores.shape[1]:  # pin each row's newest block where it sees an entry (no host read: no nonzero)
         newest = visible[:, None] - 1  # newest visible entry, -1 if none
         col = torch.div(newest.clamp(min=0), block_size, rounding_mode="floor")
@@ -209,7 +225,7 @@ def select_candidate_blocks(
     return select_topk(block_scores, topk_blocks)
 
 
-def _block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+def block_max(scores: torch.Tensor, block_size: int) -> torch.Tensor:
     """fp32 [Q, ceil(N / block_size)]: each block's max score, NaN read as −inf, the last block padded with −inf."""
     q, n = scores.shape
     nb = -(-n // block_size)
