@@ -9,6 +9,7 @@ import torch
 from kvdiet.formats import mxfp4, native
 from kvdiet.model.index_scores import (
     StoredKeys,
+    _native,
     index_scores,
     index_scores_at,
     index_scores_each,
@@ -854,3 +855,11 @@ def test_scores_come_with_their_block_maxima_on_every_path(both, block):
             assert torch.equal(maxima.view(torch.int32), want.view(torch.int32)), (name, path)
             got[path] = maxima
         assert got["compiled"][1].eq(NEG).all() if name == "each" else got["compiled"][1, 2:].eq(NEG).all()
+    # the kernel's tasks of 16 queries over one tile (a dense call of many queries, no offsets), compiled only
+    many = _mxfp4(torch.randn(17, 4, d, generator=gen))
+    weights, limits = torch.randn(17, 4, generator=gen), torch.randint(0, n + 1, (17,), generator=gen)
+    maxima = torch.full((17, -(-n // block)), 7.0)
+    scores = _native(many, weights, StoredKeys.contiguous(packed), limits, None, n, maxima=(maxima, block))
+    assert scores is not None and torch.equal(
+        maxima.view(torch.int32), block_max(scores, block).view(torch.int32)
+    )

@@ -292,19 +292,26 @@ def test_block_max_of_eights_keeps_the_scalar_folds_bits(both) -> None:
     assert torch.signbit(folded[1]).tolist() == [False] * 4 and folded[2, 0].item() == NEG
 
 
-def _long_rows(seed: int) -> torch.Tensor:
-    """Rows long enough for the block-guided selection (16,384+ blocks of 8): distinct scores; every score from
-    eight values (ties across thousands of entries at the threshold); −inf past a short visible prefix (too few
-    valid blocks sampled); NaN and ±inf among distinct scores; all equal."""
+def _long_rows(seed: int, block: int = 8) -> torch.Tensor:
+    """Rows long enough for the block-guided selection (16,384+ blocks of ``block``): distinct scores; every score
+    from eight values (ties across thousands of entries at the threshold: most blocks reach it); −inf past a short
+    visible prefix (too few valid blocks sampled); NaN and ±inf among distinct scores; all equal; and near-zero
+    noise with high scores only at the first entry of each block the sample reads (the guessed threshold then
+    finds fewer than k entries: the fallback to the row's own pass)."""
     gen = torch.Generator().manual_seed(seed)
-    n = 8 * 16_384 + 13
-    rows = torch.randn(5, n, generator=gen)
+    n = 16_384 * block + 13
+    rows = torch.randn(6, n, generator=gen)
     rows[1] = torch.randint(0, 8, (n,), generator=gen).float()
     rows[2, 3_000:] = NEG
     rows[3, torch.randint(0, n, (500,), generator=gen)] = NAN
     rows[3, torch.randint(0, n, (40,), generator=gen)] = INF
     rows[3, torch.randint(0, n, (4_000,), generator=gen)] = NEG
     rows[4] = 0.5
+    rows[5] = torch.randn(n, generator=gen) * 1e-3
+    sampled = (
+        torch.arange(4_096) * (-(-n // block) // 4_096) * block
+    )  # topk_kernels.cpp's sample of the maxima
+    rows[5, sampled] = 10.0 + torch.rand(4_096, generator=gen)
     return rows
 
 
@@ -312,19 +319,18 @@ def _long_rows(seed: int) -> torch.Tensor:
 def test_select_topk_through_block_maxima_picks_the_same_sets(k: int) -> None:
     """Given the rows' block maxima, the compiled selection reads a long row's candidates only in the blocks that
     reach its threshold: the same indices and validity as the pass over the whole row, ties to the lowest index
-    included, on every kind of row; maxima of blocks of 16 too (any block size), and the pure-torch path ignores
-    them."""
-    rows = _long_rows(k)
+    included, on every kind of row; blocks of 8 and of 16; the pure-torch path ignores the maxima."""
     for block in (8, 16):
+        rows = _long_rows(k, block)
         maxima = (block_max(rows, block), block)
         got = select_topk(rows, k, maxima=maxima)
         want = select_topk(rows, k)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), block
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(native.ENV, "0")
-        pure = select_topk(rows, k, maxima=(block_max(rows, 8), 8))
-    assert torch.equal(pure[0], want[0]) and torch.equal(pure[1], want[1])
-    assert int(want[1][2].sum()) == min(k, 3_000) and bool(want[1][0].all())
+        assert int(want[1][2].sum()) == min(k, 3_000) and bool(want[1][0].all()) and bool(want[1][5].all())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(native.ENV, "0")
+            pure = select_topk(rows, k, maxima=maxima)
+        assert torch.equal(pure[0], want[0]) and torch.equal(pure[1], want[1])
 
 
 def test_select_topk_reads_the_maxima_it_is_given_and_refuses_misfits() -> None:

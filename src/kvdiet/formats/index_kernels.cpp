@@ -53,10 +53,11 @@ inline float block_fold(const float* row, int64_t n) {
   return m;
 }
 
-// Maxima of the blocks of 8 that start at row[0], row[8], .. row[8 (m - 1)] (all 8 m scores read) into o[0..m), each
-// the scalar fold's bits: vmaxps(x, y) is x > y ? x : y per lane, so a tree that keeps the earlier operand unless
-// the later one is greater gives the first of the equal largest scores (the fold's pick, -0 or +0 alike); NaN is
-// first read as -inf (vmaxps(x, -inf)), as the fold never picks it.
+// Maxima of the first blocks of 8 of row[0 .. 8m) into o[0..b), two at a time: returns b, the even count taken (0
+// without AVX-512; the caller folds the rest with block_fold). Each is the scalar fold's bits: vmaxps(x, y) is
+// x > y ? x : y per lane, so a tree that keeps the earlier operand unless the later one is greater gives the first
+// of the equal largest scores (the fold's pick, -0 or +0 alike); NaN is first read as -inf (vmaxps(x, -inf)), as
+// the fold never picks it.
 inline int64_t block8_max(const float* row, int64_t m, float* o) {
   int64_t b = 0;
 #ifdef __AVX512F__
@@ -837,9 +838,10 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
               "index scores: offsets int64 [Q] (contiguous), with entries empty");
   const bool maxima = blocks.numel() > 0;
   TORCH_CHECK(!maxima || (entries.numel() == 0 && block >= 1 && kTile % block == 0 && blocks.is_contiguous() &&
+                          blocks.device().is_cpu() &&
                           blocks.scalar_type() == at::kFloat && blocks.dim() == 2 && blocks.size(0) == nq &&
                           blocks.size(1) == (out.size(1) + block - 1) / block),
-              "index scores: blocks float32 [Q, ceil(C / block)] (contiguous), block dividing ", kTile,
+              "index scores: blocks float32 [Q, ceil(C / block)] (contiguous, CPU), block dividing ", kTile,
               ", with entries empty");
   float* block_out = maxima ? blocks.data_ptr<float>() : nullptr;
   const int64_t block_cols = maxima ? blocks.size(1) : 0;

@@ -14,9 +14,9 @@
 //   times k entries; one vectorised compare per score) and runs the radix select on those: when at least k reach
 //   it the k best are among them, the same set; else (a rare unlucky guess) it runs on the whole row. Where the
 //   sample holds too few valid scores to guess, the pass keeps every valid entry. Given the rows' block maxima
-//   (blocks of any size: index_scores takes those of 8 as it scores), a row of 16,384 blocks or more guesses its
-//   threshold from 4,096 sampled maxima instead and reads only the blocks whose max reaches it (an entry that
-//   reaches it lies in one): no pass over the row; fewer than k entries found, it takes the pass above.
+//   (blocks of any size: index_scores takes them as it scores), a row of 16,384 blocks or more (and N >= 16 k)
+//   guesses its threshold from 4,096 sampled maxima instead and reads only the blocks whose max reaches it (an
+//   entry that reaches it lies in one): no pass over the row; fewer than k entries found, it takes the pass above.
 // block_max: scores float32 [Q, N] -> out float32 [Q, ceil(N / B)], each block's max with NaN read as -inf
 //   (-inf for a block of only -inf / NaN; the last block's missing entries count as -inf), the bits of a scalar fold
 //   in entry order (of equal largest scores, -0 and +0 alike, the first). Full blocks of B = 8 (V4.1's
@@ -163,26 +163,31 @@ void entries_reaching(const float* row, int64_t n, float t, std::vector<uint32_t
 }
 
 // The entries j of row[0..n) with row[j] >= t, ascending, into pool, read only in the blocks of `block` entries
-// whose max (maxima[0..nb), NaN read as -inf) reaches t: no other entry can.
+// whose max (maxima[0..nb), NaN read as -inf) reaches t: no other entry can. Where such blocks hold over a 16th
+// of the row (scores tied by the thousand), entries_reaching's pass over the whole row instead: the same pool.
 void entries_reaching_in_blocks(const float* row, int64_t n, const float* maxima, int64_t nb, int64_t block, float t,
                                 std::vector<uint32_t>& pool) {
   pool.clear();
-  const auto take = [&](int64_t b) {
-    for (int64_t j = b * block; j < std::min(n, (b + 1) * block); ++j) {
+  const int64_t most = n / (16 * block);  // blocks read before the pass over the row is the cheaper way
+  int64_t taken = 0;
+  // block blk's entries reaching t into pool; false once more than `most` blocks were read
+  const auto take = [&](int64_t blk) {
+    for (int64_t j = blk * block; j < std::min(n, (blk + 1) * block); ++j) {
       if (row[j] >= t) pool.push_back(static_cast<uint32_t>(j));
     }
+    return ++taken <= most;
   };
   int64_t b = 0;
 #ifdef __AVX512F__
   const __m512 tv = _mm512_set1_ps(t);
   for (; b + 16 <= nb; b += 16) {
     for (uint32_t m = _mm512_cmp_ps_mask(_mm512_loadu_ps(maxima + b), tv, _CMP_GE_OQ); m; m &= m - 1) {
-      take(b + __builtin_ctz(m));
+      if (!take(b + __builtin_ctz(m))) return entries_reaching(row, n, t, pool);
     }
   }
 #endif
   for (; b < nb; ++b) {
-    if (maxima[b] >= t) take(b);
+    if (maxima[b] >= t && !take(b)) return entries_reaching(row, n, t, pool);
   }
 }
 
@@ -242,9 +247,10 @@ void select_topk(at::Tensor scores, at::Tensor idx, at::Tensor valid, at::Tensor
               "select_topk: layout");
   const int64_t q = scores.size(0), n = scores.size(1), kk = idx.size(1), stride = scores.stride(0);
   const bool maxima = blocks.numel() > 0;
-  TORCH_CHECK(!maxima || (block >= 1 && blocks.is_contiguous() && blocks.scalar_type() == at::kFloat &&
+  TORCH_CHECK(!maxima || (block >= 1 && blocks.is_contiguous() && blocks.device().is_cpu() &&
+                          blocks.scalar_type() == at::kFloat &&
                           blocks.dim() == 2 && blocks.size(0) == q && blocks.size(1) == (n + block - 1) / block),
-              "select_topk: blocks float32 [Q, ceil(N / block)] (contiguous)");
+              "select_topk: blocks float32 [Q, ceil(N / block)] (contiguous, CPU)");
   const int64_t nb = maxima ? blocks.size(1) : 0;
   const float* s = scores.data_ptr<float>();
   const float* bm = maxima ? blocks.data_ptr<float>() : nullptr;

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvdiet.formats import native
 from kvdiet.model.attention import Attention, Segment
 from kvdiet.model.index_scores import StoredKeys, index_scores_at, index_scores_each, index_scores_runs
 from kvdiet.model.layers import Rotation
@@ -46,7 +47,8 @@ def select_step(
         # the scores' block maxima, taken as they are scored: the candidate source's blocks, and a long row's
         # top-k candidates (`select_topk`'s maxima) without another pass over its scores
         block = attn.candidate_block_size if info.candidate == "source" else _SCAN_BLOCK
-        long_rows = q_idx.is_cpu and (info.candidate == "source" or n >= _LONG_ROW)
+        compiled = q_idx.is_cpu and native.fp4_kernels() is not None  # the pure-torch top-k reads no maxima
+        long_rows = q_idx.is_cpu and (info.candidate == "source" or (compiled and n >= _LONG_ROW))
         maxima = (torch.empty(len(segs), -(-n // block)), block) if long_rows else None
         if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
             off = tables.offsets(info.kv_src)

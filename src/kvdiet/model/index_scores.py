@@ -317,8 +317,8 @@ def _native(
         return None
     out = torch.empty(q.shape[0], width) if out is None else out
     none = torch.empty(0, 0, dtype=torch.int64)
-    fused = maxima is not None and _TILE % maxima[1] == 0 and maxima[0].is_contiguous()  # else filled after
-    blocks, block = maxima if fused else (torch.empty(0), 0)
+    blocks, block = maxima if maxima is not None else (none, 0)  # not fused: filled from the scores after
+    fused = block > 0 and _TILE % block == 0 and blocks.dtype == torch.float32 and blocks.is_contiguous()
     bad = kernels.index_scores(
         q.float().contiguous(),
         w.float().contiguous(),
@@ -329,8 +329,8 @@ def _native(
         none if entries is None else entries.contiguous(),
         none.view(0) if offsets is None else offsets.contiguous(),
         out,
-        blocks,
-        block,
+        blocks if fused else none.view(0).float(),
+        block if fused else 0,
     )
     if bad >= 0 and pending:
         run_checks(pending)

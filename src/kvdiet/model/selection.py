@@ -69,13 +69,15 @@ def select_topk(
         k: entries wanted per row (config ``index_topk``).
         maxima: None, or (`block_max` of ``scores`` fp32 [Q, ceil(N / block)], block): the compiled selection
             then finds a long row's candidates through them instead of a pass over the row (the same sets: an
-            entry reaching a threshold lies in a block whose max reaches it). Other maxima give other sets.
+            entry reaching a threshold lies in a block whose max reaches it). Other maxima give other sets;
+            maxima not fp32 or not contiguous are not read, nor on the pure-torch path.
     Returns:
         ``(idx, valid)``: int64 [Q, min(k, N)] entry indices in ascending order, and bool of the same
         shape; ``idx`` is 0 wherever ``valid`` is False.
     Raises:
         ValueError: ``k < 1`` or ``scores`` is not 2-D.
         TypeError: ``scores`` is not a float tensor (integers past 2²⁴ would not compare exactly as fp32).
+        RuntimeError: (compiled path) ``maxima`` of another shape than [Q, ceil(N / block)] or not on the CPU.
     """
     if k < 1 or scores.dim() != 2:
         raise ValueError(f"select_topk needs k >= 1 and 2-D scores, got k={k}, shape {tuple(scores.shape)}")
