@@ -115,6 +115,15 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
             ["fidelity", "--prompts", str(prompts), "--report", str(binary)],
             f"kvdiet fidelity: error: --report {binary}: a file is in the way (a folder is needed)",
         ),
+        # a mistyped report path makes no tree of folders; a missing checkpoint is named as missing
+        (
+            ["fidelity", "--prompts", str(prompts), "--report", str(tmp_path / "typo" / "out")],
+            f"kvdiet fidelity: error: --report {tmp_path / 'typo' / 'out'}: {tmp_path / 'typo'} does not exist",
+        ),
+        (
+            ["generate", "--weights", str(tmp_path / "absent"), "--prompt", "hi"],
+            f"kvdiet generate: error: --weights {tmp_path / 'absent'}: no such file or folder",
+        ),
     ]
     for argv, message in cases:
         try:
@@ -125,6 +134,7 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
         err = capsys.readouterr().err
         assert err.splitlines()[-1].startswith(message), (argv, err)
         assert "Traceback" not in err and "Errno" not in err
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_ttl_flag_takes_its_unit_in_any_case_but_refuses_a_capital_m(capsys) -> None:

@@ -701,3 +701,20 @@ def test_the_default_checkpoint_runs_fit_their_period_to_the_traces_blocks(tmp_p
     assert not any("4096" in n or "16384" in n for n in names)
     assert main(["replay", str(path), "--sweep", "none", "--runs", "checkpoint:4096"]) == 2
     assert "(e.g. checkpoint:4100)" in capsys.readouterr().err
+
+
+def test_a_report_under_a_missing_folder_is_refused_before_the_run(tmp_path: Path, capsys) -> None:
+    """``--report`` makes its own folder, not a tree of them: a path under a folder that does not exist (a
+    mistyped one) is refused before the trace is read, naming the missing folder, and nothing is created."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}) + "\n"
+    )
+    argv = ["replay", str(path), "--runs", "bounded-replay", "--sweep", "none", "--report"]
+    missing = tmp_path / "typo" / "deeper"
+    assert main([*argv, str(missing / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvdiet replay: error: --report {missing / 'out'}: {missing} does not exist")
+    assert not (tmp_path / "typo").exists()
+    assert main([*argv, str(tmp_path / "new")]) == 0
+    assert (tmp_path / "new" / "report.md").is_file()  # one new level is made

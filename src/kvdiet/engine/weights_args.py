@@ -5,6 +5,7 @@ cache's bytes. Torch-free (the command line builds its parsers from it)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvdiet.config import NUMERICS, model_config_path
 from kvdiet.units import parse_bytes, parse_flag
@@ -28,7 +29,13 @@ def add_weights_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> None:
-    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place)."""
+    """``args.model`` from ``--weights``' config.json when not given, else ``v4.1-mini`` (in place).
+
+    Raises:
+        ValueError: ``--weights`` names nothing that exists, or (without ``--model``) has no config.json.
+    """
+    if args.weights is not None and not Path(args.weights).exists():
+        raise ValueError(f"--weights {args.weights}: no such file or folder")
     if args.model is None:
         found = model_config_path(args.weights)
         if args.weights is not None and found is None:

@@ -78,7 +78,11 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         "between the window and the longest context: just above the window and one block short of it)",
     )
     p.add_argument("--continuation", type=int, default=8, help="greedy tokens compared after each replay (8)")
-    p.add_argument("--report", metavar="DIR", help="write report.md and PNG plots into DIR")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write report.md and PNG plots into DIR (made if missing; its parent must exist)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -106,9 +110,14 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     hit_counts = _hit_counts(args.hits)  # the syntax before the model loads; the range needs its window
     files = _prompt_files(args.prompts) if args.prompts else []
-    if args.report:  # fail on a bad path before the model loads
+    if args.report:  # fail on a bad path before the model loads; the folder is made, not its parents
         try:
-            Path(args.report).mkdir(parents=True, exist_ok=True)
+            Path(args.report).mkdir(exist_ok=True)
+        except FileNotFoundError:
+            parent = Path(args.report).absolute().parent
+            raise ValueError(
+                f"--report {args.report}: {parent} does not exist (the report's folder is made, not its parents)"
+            ) from None
         except (FileExistsError, NotADirectoryError):
             raise ValueError(f"--report {args.report}: a file is in the way (a folder is needed)") from None
         except OSError as exc:

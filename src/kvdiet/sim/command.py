@@ -82,7 +82,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--mode", default="model-free", choices=["model-free", "engine", "stats"], help="default model-free"
     )
     rep.add_argument("--json", action="store_true", help="print everything as one JSON object")
-    rep.add_argument("--report", metavar="DIR", help="write DIR/report.md and PNG plots")
+    rep.add_argument("--report", metavar="DIR", help="write DIR/report.md and plots (its parent must exist)")
     g = rep.add_argument_group("runs and sweeps")
     g.add_argument(
         "--runs",

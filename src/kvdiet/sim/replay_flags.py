@@ -219,12 +219,17 @@ def plan_runs(args: argparse.Namespace):
 
 
 def _check_report_dir(path: Path) -> None:
-    """Refuse, before any run, a report path that is a file or under no writable directory: a folder is made
-    in the nearest existing one and removed at once (``.kvdiet-report-check-*``); the report's own folder is made
-    by the report writer once the runs succeed."""
+    """Refuse, before any run, a report path that is a file, whose parent folder does not exist (the report's
+    folder is made, not a tree of them: a mistyped path makes nothing), or under no writable directory: a folder
+    is made in it and removed at once (``.kvdiet-report-check-*``); the report's own folder is made by the report
+    writer once the runs succeed."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"--report {path}: exists and is not a directory")
-    parent = next(p for p in (path, *path.absolute().parents) if p.exists())
+    parent = path if path.exists() else path.absolute().parent
+    if not parent.exists():
+        raise ValueError(
+            f"--report {path}: {parent} does not exist (the report's own folder is made, not its parents)"
+        )
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"--report {path}: {parent} is not a writable directory")
     try:  # where access() says yes and the file system says no (/proc, a read-only mount for root): a folder made
