@@ -74,6 +74,15 @@ inline int64_t block8_max(const float* row, int64_t m, float* o) {
   return b;
 }
 
+// Maxima of the blocks of `block` entries of row[0..n) (the last one partly filled) into o[0..ceil(n / block)):
+// block8_max where block is 8, then block_fold
+inline void block_maxima(const float* row, int64_t n, int64_t block, float* o) {
+  const int64_t nb = (n + block - 1) / block;
+  for (int64_t b = block == 8 ? block8_max(row, n / 8, o) : 0; b < nb; ++b) {
+    o[b] = block_fold(row + b * block, std::min(block, n - b * block));
+  }
+}
+
 struct ScoreArgs {
   const float* q;        // [Q, H, d]
   const float* w;        // [Q, H]
@@ -958,11 +967,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
                                  : score_tile<0>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip);
       if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
       for (int64_t t = t0; maxima && t < t1; ++t) {  // the tile's block maxima (c0: a multiple of block)
-        const float* row = ot + (t - t0) * width;
-        float* bo = block_out + t * block_cols + c0 / block;
-        const int64_t nb = (n + block - 1) / block;
-        int64_t i = block == 8 ? block8_max(row, n / 8, bo) : 0;
-        for (; i < nb; ++i) bo[i] = block_fold(row + i * block, std::min(block, n - i * block));
+        block_maxima(ot + (t - t0) * width, n, block, block_out + t * block_cols + c0 / block);
       }
     }
 #ifdef __AVX512F__

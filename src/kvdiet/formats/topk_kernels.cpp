@@ -276,10 +276,8 @@ void block_max(at::Tensor scores, int64_t block, at::Tensor out) {
   at::parallel_for(0, q * nb, 4096, [&](int64_t b0, int64_t b1) {
     for (int64_t t = b0; t < b1;) {  // the task's blocks of one row at a time
       const int64_t r = t / nb, first = t % nb, last = std::min(nb, first + (b1 - t));
-      const float* row = s + r * stride;
-      int64_t b = first;
-      if (block == 8) b += block8_max(row + 8 * first, std::min(last, n / 8) - first, o + r * nb + first);
-      for (; b < last; ++b) o[r * nb + b] = block_fold(row + b * block, std::min(n - b * block, block));
+      block_maxima(s + r * stride + first * block, std::min(n - first * block, (last - first) * block), block,
+                   o + r * nb + first);
       t += last - first;
     }
   });

@@ -47,9 +47,9 @@ def select_step(
         # the scores' block maxima, taken as they are scored: the candidate source's blocks, and a long row's
         # top-k candidates (`select_topk`'s maxima) without another pass over its scores
         block = attn.candidate_block_size if info.candidate == "source" else _SCAN_BLOCK
-        compiled = q_idx.is_cpu and native.fp4_kernels() is not None  # the pure-torch top-k reads no maxima
-        long_rows = q_idx.is_cpu and (info.candidate == "source" or (compiled and n >= _LONG_ROW))
-        maxima = (torch.empty(len(segs), -(-n // block)), block) if long_rows else None
+        # (on the CPU; a long row only where the compiled top-k reads them: the pure-torch one does not)
+        wanted = info.candidate == "source" or (n >= _LONG_ROW and native.fp4_kernels() is not None)
+        maxima = (torch.empty(len(segs), -(-n // block)), block) if q_idx.is_cpu and wanted else None
         if tables.shared is not None and len(segs) > 1:  # one call: each request scores its run of the pool
             off = tables.offsets(info.kv_src)
             scores = index_scores_runs(
