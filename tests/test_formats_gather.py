@@ -1,9 +1,10 @@
 """The decode step's compiled gather of selected FP4 main-KV entries (``fp4.gather_main_kv``, ``gather_kernels.cpp``)
 against its pure-torch twin (`BatchTables.gather` with ``KVDIET_NATIVE_KERNELS=0``: slots, index_select, decode)
-and against its definition, bit for bit: every code under the scale bytes at both ends of the range, repeated and
-block-edge entries, counts of 0, partial, full and past K, strided pool rows, 1 and 2 threads, the AVX2 and
-scalar builds (`check_gather`, run by test_formats_native's build test: slow); the input it declines (the torch
-path then raises or defers the error); a bad stored scale byte deferred as the torch path does.
+and against its definition, bit for bit, in bf16 (its default: the same values exactly) and in fp32: every code
+under the scale bytes at both ends of the range, repeated and block-edge entries, counts of 0, partial, full and
+past K, strided pool rows, 1 and 2 threads, the AVX2 and scalar builds (`check_gather`, run by
+test_formats_native's build test: slow); the input it declines (the torch path then raises or defers the error);
+a bad stored scale byte deferred as the torch path does.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def _definition(
     return out
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 bits of ``t``'s values (bf16 widened exactly)."""
+    return t.float().view(torch.int32)
+
+
 def _tables(rows: torch.Tensor, table: torch.Tensor) -> BatchTables:
     """`BatchTables` of requests sharing one pool holding ``rows`` as layer 0's main KV."""
     pool = DevicePool({0: 64 // PER_BLOCK}, CacheCodecs.for_dims(DIM, 128), num_blocks=BLOCKS)
@@ -90,16 +96,20 @@ def test_gather_equals_its_definition_and_the_torch_path(both, threads, batch, k
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused = fp4.gather_main_kv(tables.shared.rows(0, "main"), table, idx, counts, PER_BLOCK)
+        pool_rows = tables.shared.rows(0, "main")
+        fused = fp4.gather_main_kv(pool_rows, table, idx, counts, PER_BLOCK)
+        wide = fp4.gather_main_kv(pool_rows, table, idx, counts, PER_BLOCK, dtype=torch.float32)
         compiled, pure = both(lambda: tables.gather(0, idx, counts, CODEC, []))
     finally:
         torch.set_num_threads(before)
     want = _definition(rows, table, idx, counts)
     if any(counts):
-        assert fused is not None
-        assert torch.equal(fused.view(torch.int32), want.view(torch.int32))
+        assert fused is not None and wide is not None
+        assert fused.dtype == torch.bfloat16 and wide.dtype == torch.float32
+        assert torch.equal(_bits(fused), want.view(torch.int32)) and torch.equal(_bits(wide), _bits(want))
+        assert compiled.dtype == torch.bfloat16  # the step's gather takes the compiled call's bf16
     for got in (compiled, pure):
-        assert got.shape == (batch, k, DIM) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert got.shape == (batch, k, DIM) and torch.equal(_bits(got), want.view(torch.int32))
     assert bool(want[0].abs().max() > 0) == bool(counts[0])  # not a zero result passing for a gather
 
 
@@ -108,9 +118,10 @@ def check_gather() -> None:
     the AVX2 and scalar builds too (``test_formats_native.test_fp8_decode_and_window_read_of_other_isa_builds``)."""
     for batch, k, counts in ((1, 40, [40]), (3, 24, [24, 0, 9])):
         rows, table, idx = _inputs(batch, k)
-        got = fp4.gather_main_kv(rows, table, idx, counts, PER_BLOCK)
-        assert got is not None
-        assert torch.equal(got.view(torch.int32), _definition(rows, table, idx, counts).view(torch.int32))
+        want = _bits(_definition(rows, table, idx, counts))
+        for dtype in (torch.bfloat16, torch.float32):
+            got = fp4.gather_main_kv(rows, table, idx, counts, PER_BLOCK, dtype=dtype)
+            assert got is not None and got.dtype == dtype and torch.equal(_bits(got), want)
 
 
 def test_gather_reads_strided_pool_rows() -> None:
@@ -120,7 +131,24 @@ def test_gather_reads_strided_pool_rows() -> None:
     view = wide[:, 5 : 5 + WIDTH]
     got = fp4.gather_main_kv(view, table, idx, [12, 5], PER_BLOCK)
     assert got is not None and not view.is_contiguous()
-    assert torch.equal(got.view(torch.int32), _definition(rows, table, idx, [12, 5]).view(torch.int32))
+    assert torch.equal(_bits(got), _bits(_definition(rows, table, idx, [12, 5])))
+
+
+def test_gather_writes_into_a_buffer_of_its_dtype_only() -> None:
+    """``out`` of the call's shape, dtype and layout is written (every element) and returned; another is not used;
+    a dtype other than bf16 and fp32 is refused."""
+    rows, table, idx = _inputs(2, 12, seed=4)
+    want = _bits(_definition(rows, table, idx, [12, 5]))
+    for dtype in (torch.bfloat16, torch.float32):
+        buf = torch.full((2, 12, DIM), float("nan"), dtype=dtype)  # every element must be written
+        got = fp4.gather_main_kv(rows, table, idx, [12, 5], PER_BLOCK, buf, dtype=dtype)
+        assert got is buf and torch.equal(_bits(got), want)
+        other = torch.zeros(2, 12, DIM, dtype=torch.float32 if dtype == torch.bfloat16 else torch.bfloat16)
+        got = fp4.gather_main_kv(rows, table, idx, [12, 5], PER_BLOCK, other, dtype=dtype)
+        assert got is not other and got.dtype == dtype and torch.equal(_bits(got), want)
+        assert not bool(other.any())
+    with pytest.raises(ValueError, match=r"bfloat16 or float32, not torch\.float16"):
+        fp4.gather_main_kv(rows, table, idx, [12, 5], PER_BLOCK, dtype=torch.float16)
 
 
 def test_gather_declines_what_the_kernel_does_not_take() -> None:

@@ -389,12 +389,13 @@ def test_fp8_window_read_declines_what_the_kernel_does_not_take() -> None:
 @pytest.mark.parametrize("isa", ["avx2", "default"])
 def test_fp8_decode_and_window_read_of_other_isa_builds(isa: str) -> None:
     """The AVX2 + F16C and the scalar builds (``ATEN_CPU_CAPABILITY`` picks the build; each about a minute
-    to compile once) give the same bits, the FP4 gather's too (`test_formats_gather.check_gather`)."""
+    to compile once) give the same bits, the FP4 gather's too (`test_formats_gather.check_gather`), and the
+    attention reads bf16 entries as their values (`test_model_decode_attend.check_bf16_entries`)."""
     code = (
         "import sys; sys.path.insert(0, 'tests'); import test_formats_native as t; from kvdiet.formats import native\n"
         f"assert native.cpu_isa() == {'AVX2' if isa == 'avx2' else 'base'!r}, native.cpu_isa()\n"
-        "import test_formats_gather as g\n"
-        "t.check_decode_kernel(); t.check_window_read(); g.check_gather(); print('ok')"
+        "import test_formats_gather as g, test_model_decode_attend as a\n"
+        "t.check_decode_kernel(); t.check_window_read(); g.check_gather(); a.check_bf16_entries(); print('ok')"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": isa}
     root = Path(__file__).parent.parent

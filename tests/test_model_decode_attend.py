@@ -88,6 +88,38 @@ def test_compiled_equals_pure_torch_on_adversarial_values(both, b, h, d, w, k):
     assert _same_bits(compiled, pure)
 
 
+@pytest.mark.parametrize(("b", "h", "d", "w", "k"), [s for s in _SHAPES if s[4]])
+def test_bf16_entries_read_as_their_fp32_values(both, b, h, d, w, k):
+    """Selected entries in bf16 (the compiled gather's, ``fp4.gather_main_kv``) give the bits of the same values in
+    fp32, on both paths: every D's vector tail, row and lane tasks, windows of 0..128 keys."""
+    for mild in (False, True):  # adversarial values; values whose entries all weigh in
+        q, win, win_mask, comp, comp_mask, sink, scale = _inputs(
+            b, h, d, w, k, seed=7 * k + w, octaves=1 if mild else 20, specials=not mild
+        )
+        short = comp.bfloat16()
+        want = decode_attend(q, win, win_mask, short.float(), comp_mask, sink, scale)
+        compiled, pure = both(decode_attend, q, win, win_mask, short, comp_mask, sink, scale)
+        assert _same_bits(compiled, want) and _same_bits(pure, want)
+        if mild and bool(comp_mask.any()):  # the entries' rounding shows: they were read
+            assert not _same_bits(want, decode_attend(q, win, win_mask, comp, comp_mask, sink, scale))
+
+
+def check_bf16_entries() -> None:
+    """bf16 entries in the compiled kernel against their fp32 values on the pure-torch path, at a decode size and a
+    D with a vector tail; run in the AVX2 and scalar builds too (``test_formats_native``'s build test)."""
+    from kvdiet.formats import native
+
+    for b, h, d, w, k in ((1, 4, 512, 128, 512), (3, 5, 37, 9, 20)):
+        q, win, win_mask, comp, comp_mask, sink, scale = _inputs(
+            b, h, d, w, k, seed=k, octaves=1, specials=False
+        )
+        got = decode_attend(q, win, win_mask, comp.bfloat16(), comp_mask, sink, scale)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(native.ENV, "0")
+            want = decode_attend(q, win, win_mask, comp.bfloat16().float(), comp_mask, sink, scale)
+        assert _same_bits(got, want)
+
+
 @pytest.mark.parametrize("masks", ["one", "no window", "none"])
 @pytest.mark.parametrize(
     ("b", "h", "d", "w", "k"), [(3, 4, 48, 17, 33), (1, 5, 512, 128, 512), (16, 1, 37, 5, 0)]
@@ -234,6 +266,8 @@ def test_fp64_grad_and_other_devices_go_to_attend():
     args = list(_inputs(2, 4, 48, 9, 21, seed=4, octaves=2, specials=False))
     wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     assert torch.equal(decode_attend(*wide), attend(*wide))  # an fp64 model keeps attend's products and dtype
+    short = [*wide[:3], wide[3].bfloat16(), *wide[4:]]  # bf16 entries: read as fp64 values there
+    assert torch.equal(decode_attend(*short), attend(*wide[:3], wide[3].bfloat16().double(), *wide[4:]))
     tracked = [a.clone().requires_grad_() if i in (0, 5) else a for i, a in enumerate(args)]
     out = decode_attend(*tracked)
     assert out.grad_fn is not None and torch.equal(out, attend(*tracked))
@@ -264,7 +298,11 @@ def _bad(**changes):
         ({"comp_mask": None}, "together"),
         ({"comp_kv": None}, "together"),
         ({"comp_kv": torch.zeros(2, 7, 15)}, r"comp_kv \[2, K, 16\]"),
-        ({"comp_kv": torch.zeros(2, 7, 16, dtype=torch.float64)}, "comp_kv in q's dtype"),
+        (
+            {"comp_kv": torch.zeros(2, 7, 16, dtype=torch.float64)},
+            "comp_kv in q's dtype torch.float32 or bf16",
+        ),
+        ({"comp_kv": torch.zeros(2, 7, 16, dtype=torch.float16)}, "comp_kv in q's dtype"),
         ({"comp_mask": torch.ones(2, 8, dtype=torch.bool)}, r"comp_mask bool \[2, 7\]"),
         ({"sink": torch.zeros(5)}, r"sink \[4\]"),
         ({"q": torch.zeros(2, 4, 16, dtype=torch.int32)}, "floating"),

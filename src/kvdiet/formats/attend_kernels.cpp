@@ -3,8 +3,10 @@
 // scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
 // attend_rows(q, win, win_mask, comp, comp_mask, sink, scale): q float32 [B, H, D], win float32 [B, W, D], win_mask
-//   bool [B, W], comp float32 [B, K, D] and comp_mask bool [B, K] (or both None: K = 0), sink float32 [H], on the
-//   CPU in any layout -> float32 [B, H, D]. With keys k_j = win[b, j] (j < W), then comp[b, j − W]:
+//   bool [B, W], comp float32 or bfloat16 [B, K, D] (bf16 read as its exact fp32 values: the decode step's gathered
+//   FP4 entries, gather_kernels.cpp, at half the bytes to re-read) and comp_mask bool [B, K] (or both None: K = 0),
+//   sink float32 [H], on the CPU in any layout -> float32 [B, H, D]. With keys k_j = win[b, j] (j < W), then
+//   comp[b, j − W]:
 //   - logit[b, h, j] = dot(q[b, h], k_j) · float(scale), the dot in row_products's order (16 lanes over D, the
 //     fold (l, l+8), (l, l+4), (l, l+2), (0, 1): gemv_kernels.cpp's dot_rows), then one fp32 multiply; a masked
 //     key's logit is −inf; logit[b, h, W + K] = sink[h].
@@ -40,45 +42,53 @@ constexpr int64_t kAttendDims = 64;  // dims of one row-task value block: four 1
 constexpr int64_t kRoundBytes = 256 * 1024;  // keys per thread of one round of requests (well inside a core's L2)
 constexpr int64_t kLaneKeys = 64;  // the fewest keys per request that take lane tasks (else row tasks)
 
-// The W + K keys of one request, window first.
+// The W + K keys of one request, window first: the window's fp32, the selected entries' fp32 or bf16 (T; read
+// as their exact fp32 values).
+template <typename T>
 struct AttendKeys {
   const float* win;
-  const float* comp;
+  const T* comp;
   int64_t w, n, dim;
-  const float* row(int64_t j) const { return j < w ? win + j * dim : comp + (j - w) * dim; }
 };
 
 // Lane l's partial sums of G heads of probabilities p (row stride ps) for dims d0 .. d0 + 16V: Σ p[g, j]·k_j[d]
 // over j = l, l + 16, … in increasing j from +0, into part[g·pst + d − d0] (vector lanes are output dims).
-template <int G, int V>
-void lane_block(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d0, float* part, int64_t pst) {
+template <int G, int V, typename T>
+void lane_block(const float* p, int64_t ps, const AttendKeys<T>& keys, int64_t l, int64_t d0, float* part,
+                int64_t pst) {
   Lanes16 acc[G][V] = {};
-  for (int64_t j = l; j < keys.n; j += 16) {
-    const float* row = keys.row(j) + d0;
+  auto add = [&](const auto* row, int64_t j) {  // key j's values d0 .. d0 + 16V, at row
     Lanes16 v[V];
     for (int c = 0; c < V; ++c) v[c] = load_lanes(row + 16 * c);
     for (int g = 0; g < G; ++g) {
       const float pj = p[g * ps + j];
       for (int c = 0; c < V; ++c) acc[g][c] = acc[g][c] + pj * v[c];
     }
-  }
+  };
+  int64_t j = l;
+  for (; j < keys.w; j += 16) add(keys.win + j * keys.dim + d0, j);  // the window's keys, then the entries'
+  for (; j < keys.n; j += 16) add(keys.comp + (j - keys.w) * keys.dim + d0, j);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < V; ++c) std::memcpy(part + g * pst + 16 * c, &acc[g][c], sizeof(Lanes16));
 }
 
 // lane_block's order for one dim d of G heads, in scalars (dims past the last whole 16), into part[g·pst].
-template <int G>
-void lane_dim(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, int64_t d, float* part, int64_t pst) {
+template <int G, typename T>
+void lane_dim(const float* p, int64_t ps, const AttendKeys<T>& keys, int64_t l, int64_t d, float* part,
+              int64_t pst) {
   for (int g = 0; g < G; ++g) {
     float acc = 0.0f;
-    for (int64_t j = l; j < keys.n; j += 16) acc = acc + p[g * ps + j] * keys.row(j)[d];
+    for (int64_t j = l; j < keys.n; j += 16) {
+      const float v = j < keys.w ? keys.win[j * keys.dim + d] : value_of(keys.comp[(j - keys.w) * keys.dim + d]);
+      acc = acc + p[g * ps + j] * v;
+    }
     part[g * pst] = acc;
   }
 }
 
 // Lane l's partial sums of G heads over all dims: blocks of 64, 32 and 16 dims, then single dims.
-template <int G>
-void lane_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t l, float* part) {
+template <int G, typename T>
+void lane_dims(const float* p, int64_t ps, const AttendKeys<T>& keys, int64_t l, float* part) {
   int64_t d = 0;
   for (; d + 64 <= keys.dim; d += 64) lane_block<G, 4>(p, ps, keys, l, d, part + d, keys.dim);
   for (; d + 32 <= keys.dim; d += 32) lane_block<G, 2>(p, ps, keys, l, d, part + d, keys.dim);
@@ -109,8 +119,9 @@ void fold_partials(const float* part, int64_t ls, int64_t count, float* o) {
 
 // Row tasks: o[g, d] (row stride os) for G heads and dims d0 .. d1: each block of 64, 32 or 16 dims (then each
 // single dim) as all 16 lanes' partials (lane_block, lane_dim) into a buffer on the stack, then their fold.
-template <int G>
-void value_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, int64_t d1, float* o, int64_t os) {
+template <int G, typename T>
+void value_dims(const float* p, int64_t ps, const AttendKeys<T>& keys, int64_t d0, int64_t d1, float* o,
+                int64_t os) {
   alignas(64) float buf[16 * G * 64];  // [lane, head, dim of the block]
   auto block = [&](auto vectors, int64_t d) {
     constexpr int V = decltype(vectors)::value, width = 16 * V;
@@ -129,7 +140,8 @@ void value_dims(const float* p, int64_t ps, const AttendKeys& keys, int64_t d0, 
 
 // Logits of keys j0 .. j0 + r of one request (r <= 4) for all its heads: row_products's dots of the keys at
 // rows of `rows` (row stride dim) against the padded queries, then · scale, −inf where masked.
-void score_block(const float* qpad, int64_t heads, int64_t kp, const float* rows, int64_t dim, int64_t j0, int64_t r,
+template <typename T>
+void score_block(const float* qpad, int64_t heads, int64_t kp, const T* rows, int64_t dim, int64_t j0, int64_t r,
                  const bool* mask, float scale, float* y, int64_t n1) {
   if (r == 4) {
     dot_rows<4>(qpad, heads, kp, rows, dim, j0, y, n1);
@@ -141,34 +153,16 @@ void score_block(const float* qpad, int64_t heads, int64_t kp, const float* rows
     for (int64_t j = j0; j < j0 + r; ++j) y[h * n1 + j] = mask[j] ? y[h * n1 + j] * scale : neg_inf;
 }
 
-}  // namespace
-
-at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::optional<at::Tensor> comp,
-                       c10::optional<at::Tensor> comp_mask, at::Tensor sink, double scale) {
-  TORCH_CHECK(q.dim() == 3 && win.dim() == 3 && win.size(0) == q.size(0) && win.size(2) == q.size(2),
-              "attend_rows: q [B, H, D] and win [B, W, D]");
-  TORCH_CHECK(comp.has_value() == comp_mask.has_value(), "attend_rows: comp and comp_mask together");
+// attend_rows after its checks (every tensor contiguous, comp's elements T: float or c10::BFloat16)
+template <typename T>
+at::Tensor attend_body(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,
+                       const c10::optional<at::Tensor>& comp, const c10::optional<at::Tensor>& comp_mask,
+                       const at::Tensor& sink, double scale) {
   const int64_t b = q.size(0), heads = q.size(1), dim = q.size(2), w = win.size(1);
   const int64_t k = comp.has_value() ? comp->size(1) : 0, n = w + k, n1 = n + 1;
-  std::vector<at::Tensor*> all = {&q, &win, &win_mask, &sink};
-  if (comp.has_value()) {
-    TORCH_CHECK(comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim, "attend_rows: comp [B, K, D]");
-    TORCH_CHECK(comp_mask->dim() == 2 && comp_mask->size(0) == b && comp_mask->size(1) == k,
-                "attend_rows: comp_mask [B, K]");
-    all.push_back(&*comp);
-    all.push_back(&*comp_mask);
-  }
-  TORCH_CHECK(win_mask.dim() == 2 && win_mask.size(0) == b && win_mask.size(1) == w, "attend_rows: win_mask [B, W]");
-  TORCH_CHECK(sink.dim() == 1 && sink.size(0) == heads, "attend_rows: sink [H]");
-  for (at::Tensor* t : all) {
-    TORCH_CHECK(t->device().is_cpu(), "attend_rows runs on the CPU");
-    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat),
-                "attend_rows takes float32 tensors and bool masks");
-    *t = t->resolve_neg().contiguous();  // lazy neg views read as their values; any layout
-  }
   const float* qp = q.const_data_ptr<float>();
   const float* wp = win.const_data_ptr<float>();
-  const float* cp = comp.has_value() ? comp->const_data_ptr<float>() : nullptr;
+  const T* cp = comp.has_value() ? static_cast<const T*>(comp->const_data_ptr()) : nullptr;
   const bool* wm = win_mask.const_data_ptr<bool>();
   const bool* cm = comp.has_value() ? comp_mask->const_data_ptr<bool>() : nullptr;
   const float* sp = sink.const_data_ptr<float>();
@@ -228,7 +222,7 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
       at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t r = r0 + t / (hg * db), g0 = (t / db) % hg * kAttendHeads, d0 = t % db * kAttendDims;
-          const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
+          const AttendKeys<T> keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
           const float* p = pp + ((r - r0) * heads + g0) * n1;
           float* o = op + (r * heads + g0) * dim;
           const int64_t d1 = std::min(dim, d0 + kAttendDims);
@@ -246,7 +240,7 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
     at::parallel_for(0, rn * 16, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t r = r0 + t / 16, l = t % 16;
-        const AttendKeys keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
+        const AttendKeys<T> keys{wp + r * w * dim, cp == nullptr ? nullptr : cp + r * k * dim, w, n, dim};
         float* part = parts.get() + ((r - r0) * 16 + l) * hd;
         for (int64_t g0 = 0; g0 < heads; g0 += kAttendHeads) {
           const float* p = pp + ((r - r0) * heads + g0) * n1;
@@ -265,4 +259,35 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
     });
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::optional<at::Tensor> comp,
+                       c10::optional<at::Tensor> comp_mask, at::Tensor sink, double scale) {
+  TORCH_CHECK(q.dim() == 3 && win.dim() == 3 && win.size(0) == q.size(0) && win.size(2) == q.size(2),
+              "attend_rows: q [B, H, D] and win [B, W, D]");
+  TORCH_CHECK(comp.has_value() == comp_mask.has_value(), "attend_rows: comp and comp_mask together");
+  const int64_t b = q.size(0), heads = q.size(1), dim = q.size(2), w = win.size(1);
+  const int64_t k = comp.has_value() ? comp->size(1) : 0;
+  std::vector<at::Tensor*> all = {&q, &win, &win_mask, &sink};
+  if (comp.has_value()) {
+    TORCH_CHECK(comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim, "attend_rows: comp [B, K, D]");
+    TORCH_CHECK(comp_mask->dim() == 2 && comp_mask->size(0) == b && comp_mask->size(1) == k,
+                "attend_rows: comp_mask [B, K]");
+    all.push_back(&*comp);
+    all.push_back(&*comp_mask);
+  }
+  TORCH_CHECK(win_mask.dim() == 2 && win_mask.size(0) == b && win_mask.size(1) == w, "attend_rows: win_mask [B, W]");
+  TORCH_CHECK(sink.dim() == 1 && sink.size(0) == heads, "attend_rows: sink [H]");
+  for (at::Tensor* t : all) {
+    TORCH_CHECK(t->device().is_cpu(), "attend_rows runs on the CPU");
+    const bool entries16 = comp.has_value() && t == &*comp && t->scalar_type() == at::kBFloat16;  // the gathered entries may be bf16
+    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat) || entries16,
+                "attend_rows takes float32 tensors (comp: float32 or bfloat16) and bool masks");
+    *t = t->resolve_neg().contiguous();  // lazy neg views read as their values; any layout
+  }
+  if (comp.has_value() && comp->scalar_type() == at::kBFloat16)
+    return attend_body<c10::BFloat16>(q, win, win_mask, comp, comp_mask, sink, scale);
+  return attend_body<float>(q, win, win_mask, comp, comp_mask, sink, scale);
 }

@@ -313,14 +313,23 @@ def decode_main_kv(
 
 
 def gather_main_kv(
-    rows: Tensor, table: Tensor, idx: Tensor, counts: list[int], per_block: int, out: Tensor | None = None
+    rows: Tensor,
+    table: Tensor,
+    idx: Tensor,
+    counts: list[int],
+    per_block: int,
+    out: Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor | None:
     """A decode step's read of its selected main-KV entries through the block tables, in one compiled call
     (``gather_kernels.cpp``), or None where the torch path runs (`BatchTables.gather`).
 
     Request b's entry ``idx[b, j]`` (j < ``counts[b]``; e = ``idx[b, j]``) is pool row ``table[b, e //
-    per_block]·per_block + e % per_block`` of ``rows``; the result, fp32 ``[B, K, dim]``, holds
-    ``decode_main_kv`` of that row (the same bits), and +0 for j ≥ ``counts[b]``.
+    per_block]·per_block + e % per_block`` of ``rows``; the result, ``[B, K, dim]`` in ``dtype``, holds
+    ``decode_main_kv`` of that row, and +0 for j ≥ ``counts[b]``. In bf16 (the default) the values are the
+    same, exactly: an FP4 value times its E4M3 scale has at most six significant bits, so bf16 holds it, and the
+    layers that attend the entries re-read half the bytes (`kvdiet.model.decode_attend` reads them as fp32).
 
     Args:
         rows: uint8 [N, 9·dim/16], a layer's pool rows (row stride free, unit element stride).
@@ -328,19 +337,25 @@ def gather_main_kv(
         idx: int64 [B, K] contiguous, each request's entries; only the first ``counts[b]`` are read.
         counts: B ints, how many of ``idx[b]`` request b reads (at most K are).
         per_block: entries per block of the layer (`DevicePool.entries_per_block`).
-        out: None, or a float32 [B, K, dim] contiguous CPU tensor to write the result into (and return; every
-            element is written). Another shape or layout is not used.
+        out: None, or a ``dtype`` [B, K, dim] contiguous CPU tensor to write the result into (and return; every
+            element is written). Another shape, dtype or layout is not used.
+        dtype: torch.bfloat16 or torch.float32.
 
     None (nothing raised) when the kernels are not built (``native``) or the input is not what the kernel takes:
     another dtype, device or layout, an entry whose block lies outside its table or whose row lies outside
     ``rows``, a read entry with a scale byte outside ``MAIN_KV.scale_bytes``; the torch path then gives the same
     result or raises (or defers) the error.
+
+    Raises:
+        ValueError: ``dtype`` is neither bf16 nor fp32.
     """
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gather_main_kv writes bfloat16 or float32, not {dtype}")
     kernels = native.fp4_kernels()
     if kernels is None or rows.dim() != 2 or idx.dim() != 2 or not (rows.is_cpu and idx.is_cpu):
         return None
     dim = rows.shape[1] * 16 // 9
-    out = native.kernel_output(out, (*idx.shape, dim))
+    out = native.kernel_output(out, (*idx.shape, dim), dtype)
     lo, hi = MAIN_KV.scale_bytes
     if kernels.gather_fp4(rows, table, idx, counts, per_block, MAIN_KV.kernel, lo, hi, out):
         return out

@@ -1,23 +1,32 @@
 // gather_fp4: a decode step's read of its selected FP4 entries through the block tables (fp4.gather_main_kv):
 //   request b's entry j, for j < counts[b], is pool row table[b, e / per_block] * per_block + e % per_block of
 //   `rows`, e = idx[b, j]; out[b, j] = decode_fp4(that row) (fp4_kernels.cpp's decode, the same bits), and
-//   out[b, j] = +0 for j >= counts[b]. Returns false (nothing promised about out) for input it does not take: a
-//   layout, dtype or width other than below, an entry id whose block lies outside its table, a pool row outside
-//   `rows`, a read entry with a scale byte outside lo..hi; the caller then runs the torch path, which raises (or
-//   defers) the error. Why: that torch path is the slots' four ops, an index_select copy of the rows and the
-//   decode, some 100-200 us per layer and step at 1M tokens of context, of which the torch ops' own cost is
-//   about a third.
+//   out[b, j] = +0 for j >= counts[b]. out is float32 or bfloat16: an FP4 value times its scale has at most six
+//   significant bits (E2M1's two, E4M3's four, or a power of two: UE8M0), at least 2^-10 or a UE8M0 power of two
+//   times 0.5..6, so bf16 holds it exactly, as the upper half of its fp32 bits. The bf16 copy is half the bytes
+//   for the layers that attend it to re-read (v4.1-mini: 512 KB instead of 1 MB, read by several layers, mostly
+//   from beyond the core's L2). Returns false (nothing promised about out) for input it does not take: a layout,
+//   dtype or width other than below, an entry id whose block lies outside its table, a pool row outside `rows`, a
+//   read entry with a scale byte outside lo..hi; the caller then runs the torch path, which raises (or defers) the
+//   error. Why: that torch path is the slots' four ops, an index_select copy of the rows and the decode, some
+//   100-200 us per layer and step at 1M tokens of context, of which the torch ops' own cost is about a third.
 
 namespace {
 
-template <int Block>
+// fp32 values v[0..n) as bf16 into o: the upper half of each one's bits (exact for decoded FP4 values, above)
+inline void to_bf16(const float* v, int64_t n, uint16_t* o) {
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bits_of(v[i]) >> 16);
+}
+
+// O: float, or uint16_t for bf16 bits
+template <int Block, typename O>
 bool gather_rows(const uint8_t* p, int64_t stride, const std::vector<int64_t>& slot, int64_t dim, int lo, int hi,
-                 float* out) {
+                 O* out) {
   const int64_t n = static_cast<int64_t>(slot.size()), width = dim / 2 + dim / Block;
   std::atomic<bool> ok{true};
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / dim), [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> c(dim);
-    std::vector<float> s(dim / Block);
+    std::vector<float> s(dim / Block), v(std::is_same_v<O, float> ? 0 : dim);
     std::vector<uint8_t> copy((end - begin) * width);
     // the rows copied first, in a loop of loads only: their cache and TLB misses overlap (a decode between
     // them would hold them apart); then each decoded from the copy
@@ -25,12 +34,14 @@ bool gather_rows(const uint8_t* p, int64_t stride, const std::vector<int64_t>& s
       if (slot[r] >= 0) std::memcpy(copy.data() + (r - begin) * width, p + slot[r] * stride, width);
     }
     for (int64_t r = begin; r < end; ++r) {
-      float* vo = out + r * dim;
+      O* o = out + r * dim;
       if (slot[r] < 0) {
-        std::fill(vo, vo + dim, 0.0f);
-      } else if (!decode_entry<Block>(copy.data() + (r - begin) * width, dim, lo, hi, c.data(), s.data(), vo)) {
-        ok = false;
+        std::fill(o, o + dim, O{0});  // +0 in either
+        continue;
       }
+      float* vo = std::is_same_v<O, float> ? reinterpret_cast<float*>(o) : v.data();
+      if (!decode_entry<Block>(copy.data() + (r - begin) * width, dim, lo, hi, c.data(), s.data(), vo)) ok = false;
+      if constexpr (!std::is_same_v<O, float>) to_bf16(vo, dim, o);
     }
   });
   return ok;
@@ -39,13 +50,15 @@ bool gather_rows(const uint8_t* p, int64_t stride, const std::vector<int64_t>& s
 }  // namespace
 
 // rows uint8 [N, dim/2 + dim/block] (unit element stride); table int64 [B, T] and idx int64 [B, K], contiguous;
-// counts: B ints (at most K are read); out float32 [B, K, dim] contiguous. False: see the top of this file.
+// counts: B ints (at most K are read); out float32 or bfloat16 [B, K, dim] contiguous. False: see the top of this
+// file.
 bool gather_fp4(const at::Tensor& rows, const at::Tensor& table, const at::Tensor& idx,
                 const std::vector<int64_t>& counts, int64_t per_block, int64_t recipe, int64_t lo, int64_t hi,
                 at::Tensor out) {
   const int64_t b = idx.dim() == 2 ? idx.size(0) : -1, k = idx.dim() == 2 ? idx.size(1) : 0;
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == b &&
-                  out.size(1) == k,
+  const bool wide = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.is_contiguous() && (wide || out.scalar_type() == at::kBFloat16) && out.dim() == 3 &&
+                  out.size(0) == b && out.size(1) == k,
               "fp4 gather: out layout");
   const int64_t dim = out.size(2), block = recipe == kE4M3 ? 16 : 32;
   if (b < 0 || dim <= 0 || dim % block || !rows.device().is_cpu() || rows.scalar_type() != at::kByte ||
@@ -68,7 +81,11 @@ bool gather_fp4(const at::Tensor& rows, const at::Tensor& table, const at::Tenso
     }
   }
   const uint8_t* p = rows.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  return recipe == kE4M3 ? gather_rows<16>(p, rows.stride(0), slot, dim, lo, hi, o)
-                         : gather_rows<32>(p, rows.stride(0), slot, dim, lo, hi, o);
+  const int64_t st = rows.stride(0);
+  if (wide) {
+    float* o = out.data_ptr<float>();
+    return recipe == kE4M3 ? gather_rows<16>(p, st, slot, dim, lo, hi, o) : gather_rows<32>(p, st, slot, dim, lo, hi, o);
+  }
+  uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
+  return recipe == kE4M3 ? gather_rows<16>(p, st, slot, dim, lo, hi, o) : gather_rows<32>(p, st, slot, dim, lo, hi, o);
 }

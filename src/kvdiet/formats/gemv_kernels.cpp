@@ -36,6 +36,22 @@ inline Lanes16 load_lanes(const float* p) {
   return v;
 }
 
+// 16 bf16 values as fp32 (each exact: its bits shifted up), for keys a decode step gathered as bf16
+// (gather_kernels.cpp: FP4 entries are exact there); vpmovzxwd and vpslld on AVX-512
+inline Lanes16 load_lanes(const c10::BFloat16* p) {
+  typedef uint16_t Half16 __attribute__((vector_size(32)));
+  typedef uint32_t Word16 __attribute__((vector_size(64)));
+  Half16 h;
+  std::memcpy(&h, p, sizeof h);
+  const Word16 w = __builtin_convertvector(h, Word16) << 16;
+  Lanes16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float value_of(float x) { return x; }
+inline float value_of(c10::BFloat16 x) { return static_cast<float>(x); }  // exact
+
 inline float fold_lanes(Lanes16 a) {
   float s8[8], s4[4], s2[2];
   for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
@@ -64,17 +80,18 @@ inline void fold_lanes16(const Lanes16* v, float* out) {
 }
 
 // Rows j0 .. j0+R of w against G rows of x (xs: G rows of padded length kp, zeros past K), into y[g, j0 + r].
-// wt: the R rows' last partial chunk, zero-padded (unused when K % 16 == 0).
-template <int R, int G>
-inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, int64_t j0, const float* wt,
-                      float* y, int64_t n) {
+// wt: the R rows' last partial chunk as fp32, zero-padded (unused when K % 16 == 0). T: float, or c10::BFloat16
+// (rows read as their exact fp32 values: the same products and sums as those values stored as float).
+template <int R, int G, typename T = float>
+inline void dot_block(const float* xs, int64_t kp, const T* w, int64_t k, int64_t j0, const float* wt, float* y,
+                      int64_t n) {
   const int64_t full = k / 16;
   Lanes16 acc[R][G] = {};
-  const float* next = w + (j0 + R) * k;  // the next block's R rows, contiguous: R lines of it a step, in order
+  const T* next = w + (j0 + R) * k;  // the next block's R rows, contiguous: R lines of it a step, in order
   const bool ahead = j0 + 2 * R <= n;     // only where that block is all w's (prefetches stay inside w)
   if constexpr (G == 1) {  // one row of x: w's rows one after another, so the block is read in address order
     for (int r = 0; r < R; ++r) {
-      const float* wr = w + (j0 + r) * k;
+      const T* wr = w + (j0 + r) * k;
       for (int64_t c = 0; c < full; ++c) {
         if (ahead) __builtin_prefetch(next + (r * full + c) * 16);
         acc[r][0] = acc[r][0] + load_lanes(xs + c * 16) * load_lanes(wr + c * 16);
@@ -111,13 +128,15 @@ inline void dot_block(const float* xs, int64_t kp, const float* w, int64_t k, in
   }
 }
 
-template <int R>
-void dot_rows(const float* xs, int64_t m, int64_t kp, const float* w, int64_t k, int64_t j0, float* y, int64_t n) {
+template <int R, typename T = float>
+void dot_rows(const float* xs, int64_t m, int64_t kp, const T* w, int64_t k, int64_t j0, float* y, int64_t n) {
   alignas(64) float wt[R * 16];
   const int64_t full = k / 16;
   if (full * 16 < k) {
     std::memset(wt, 0, sizeof wt);
-    for (int r = 0; r < R; ++r) std::memcpy(wt + r * 16, w + (j0 + r) * k + full * 16, (k - full * 16) * 4);
+    for (int r = 0; r < R; ++r) {
+      for (int64_t i = full * 16; i < k; ++i) wt[r * 16 + i - full * 16] = value_of(w[(j0 + r) * k + i]);
+    }
   }
   if constexpr (R > 4) {  // 16 rows of w (block_rows): one row of x at a time, its 16 outputs folded together
     for (int64_t g = 0; g < m; ++g) dot_block<R, 1>(xs + g * kp, kp, w, k, j0, wt, y + g * n, n);

@@ -110,7 +110,8 @@ bool attend_fits(const at::Tensor& q, const at::Tensor& win, const at::Tensor& w
   if (win.size(0) != b || win.size(2) != dim || !mask_fits(win_mask, b, win.size(1))) return false;
   if (sink.dim() != 1 || sink.size(0) != heads || comp.has_value() != comp_mask.has_value()) return false;
   if (!comp.has_value()) return true;
-  return float_cpu(*comp) && comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim &&
+  const bool entries = float_cpu(*comp) || (comp->device().is_cpu() && comp->scalar_type() == at::kBFloat16);
+  return entries && comp->dim() == 3 && comp->size(0) == b && comp->size(2) == dim &&
          mask_fits(*comp_mask, b, comp->size(1));
 }
 

@@ -119,18 +119,14 @@ def fp4_kernels() -> ModuleType | None:
     return _build()
 
 
-def kernel_output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 CPU tensor of ``shape`` for a kernel to write every element of: ``out`` where it is one, contiguous
-    (a buffer its caller reuses), else a new one (``torch.empty``)."""
-    if (
-        out is not None
-        and out.shape == shape
-        and out.dtype == torch.float32
-        and out.is_cpu
-        and out.is_contiguous()
-    ):
+def kernel_output(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` for a kernel to write every element of: ``out`` where it is one,
+    contiguous (a buffer its caller reuses), else a new one (``torch.empty``)."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out.is_cpu and out.is_contiguous():
         return out
-    return torch.empty(shape, dtype=torch.float32, device="cpu")
+    return torch.empty(shape, dtype=dtype, device="cpu")
 
 
 def _encoded() -> tuple[object, object] | None:

@@ -77,14 +77,15 @@ class BatchTables:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Request b's main-KV entries ``idx[b, :counts[b]]`` of ``layer`` (int64 [B, K], each of those in [0,
-        held)), decoded by ``codec``: fp32 [B, K, dim], zeros past ``counts[b]`` (host ints: no host read).
+        held)), decoded by ``codec``: [B, K, dim], zeros past ``counts[b]`` (host ints: no host read); fp32, or
+        bf16 from the compiled call (``fp4.gather_main_kv``: the same values, exactly).
 
         One compiled call where the codec has one and the requests share a pool (`Codec.fused_gather`); else the
         rows' slots, one ``index_select`` (per request when their pools differ) and one decode, whose stored
         bytes' check joins ``pending`` (`Codec.decode_deferred`; the fused call's failing input runs this path).
         When every count is K (one request, or all past ``index_topk`` entries) the decoded rows are the
-        result, with no zero-fill and scatter. ``out``: a buffer fp32 [B, K, dim] the compiled call may write the
-        result into (and return); the torch path does not use it.
+        result, with no zero-fill and scatter. ``out``: a buffer [B, K, dim] the compiled call may write the result
+        into (and return) where its dtype is the call's; the torch path does not use it.
         """
         b, width = idx.shape
         counts = [min(k, width) for k in counts]

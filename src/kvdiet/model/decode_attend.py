@@ -52,8 +52,9 @@ def decode_attend(
     Args:
         q: fp32 [B, H, D] queries (one row per request).
         win_kv: fp32 [B, W, D] each request's window keys (= values), any layout; ``win_mask`` bool [B, W].
-        comp_kv: fp32 [B, K, D] each request's selected entries, or None (a layer without compression);
-            ``comp_mask`` bool [B, K], None with it. Only read (a Reuse layer shares its source's).
+        comp_kv: fp32 [B, K, D] each request's selected entries, or bf16 (read as their fp32 values: the compiled
+            gather's, ``fp4.gather_main_kv``), or None (a layer without compression); ``comp_mask`` bool [B, K],
+            None with it. Only read (a Reuse layer shares its source's).
         sink: [H] per-head sink logits (read as fp32).
         scale: softmax scale (head_dim^-½).
     Returns:
@@ -70,10 +71,12 @@ def decode_attend(
     if not (q.is_cpu and q.dtype == _F32) or (
         torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     ):
+        comp_kv = None if comp_kv is None else as_dtype(comp_kv, q.dtype)
         return attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
     sink = as_dtype(sink, _F32)
     kernels = native.fp4_kernels()
     if kernels is None:
+        comp_kv = None if comp_kv is None else as_dtype(comp_kv, _F32)  # bf16 → fp32: exact
         return _torch_attend(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
     return kernels.attend_rows(q, win_kv, win_mask, comp_kv, comp_mask, sink, scale)
 
@@ -106,8 +109,8 @@ def _check(
         shape = comp_kv.shape
         if len(shape) != 3 or shape[0] != b or shape[2] != d:
             raise ValueError(f"decode_attend takes comp_kv [{b}, K, {d}], got {tuple(shape)}")
-        if comp_kv.dtype != dtype:
-            raise ValueError(f"decode_attend takes comp_kv in q's dtype {dtype}, got {comp_kv.dtype}")
+        if comp_kv.dtype not in (dtype, torch.bfloat16):
+            raise ValueError(f"decode_attend takes comp_kv in q's dtype {dtype} or bf16, got {comp_kv.dtype}")
         _check_mask(comp_mask, "comp_mask", b, shape[1])
         if comp_kv.device != device or comp_mask.device != device:
             raise ValueError("decode_attend takes its tensors on one device")

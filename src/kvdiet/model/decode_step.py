@@ -78,8 +78,9 @@ class DecodePlan:
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
             own top-k is its first ``min(index_topk, its entries)`` columns; the rest are invalid).
         candidates: the candidate source's kept blocks ``(block ids int64 [B, Kb], valid bool [B, Kb])``.
-        gathered: ``{(kv_src, idx_src): (entries fp32 [B, K, D], valid bool [B, K])}`` filled during the step; a
-            pair no later layer reads (``last_reads``) gives up its entries' buffer to the next pair gathered.
+        gathered: ``{(kv_src, idx_src): (entries [B, K, D], valid bool [B, K])}`` filled during the step (fp32, or
+            bf16 from the compiled gather: `kvdiet.model.batch_tables.BatchTables.gather`); a pair no later layer
+            reads (``last_reads``) gives up its entries' buffer to the next pair gathered.
         last_reads: ``{(kv_src, idx_src): the last layer reading that pair's gathered entries}`` (`last_reads` of
             the model's layer plan; empty: no buffer is passed on).
         visible: ``{kv_src: (each request's `StoredKeys`, limit int64 [B], most entries, limit as host ints)}``:
@@ -243,7 +244,8 @@ def attend_inputs(
     step's ``rot``, `DecodePlan.rotation` of the layer's RoPE): a
     KV-source layer's new global entries written (`_update_global`), the window keys and mask (`_window`), an
     index layer's top-k selected, and the selected main-KV entries gathered once per (KV source, index source):
-    ``(win_kv fp32 [B, W, D], win_mask bool [B, W], comp fp32 [B, K, D] | None, comp_mask bool [B, K] | None)``.
+    ``(win_kv fp32 [B, W, D], win_mask bool [B, W], comp [B, K, D] | None, comp_mask bool [B, K] | None)``,
+    ``comp`` fp32 or bf16 (`BatchTables.gather`: the same values).
 
     Raises:
         ValueError: as `_update_global` and `DecodePlan.check_pending`.
@@ -369,8 +371,8 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def _gather_main(attn: Attention, segs: list[Segment], plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's selected main-KV entries of ``kv_src``, decoded together (`BatchTables.gather`): ``(fp32
-    [B, K, D], valid)`` (zeros past a request's own k, where the top-k is invalid); the stored bytes' check joins
+    """Each request's selected main-KV entries of ``kv_src``, decoded together (`BatchTables.gather`): ``(fp32 or
+    bf16 [B, K, D], valid)`` (zeros past a request's own k, where the top-k is invalid); the stored bytes' check joins
     the step's pending ones (run before any write)."""
     info = attn.info
     idx, valid = plan.topk[info.idx_src]
