@@ -87,8 +87,12 @@ inline void dot_block(const float* xs, int64_t kp, const T* w, int64_t k, int64_
                       int64_t n) {
   const int64_t full = k / 16;
   Lanes16 acc[R][G] = {};
-  const T* next = w + (j0 + R) * k;  // the next block's R rows, contiguous: R lines of it a step, in order
-  const bool ahead = j0 + 2 * R <= n;     // only where that block is all w's (prefetches stay inside w)
+  // the next block's R rows, contiguous: R prefetches a step of 16 values, in order (a 64-byte line each for fp32,
+  // half a line for bf16: each line asked for twice). Only where that block lies within n rows: inside w for
+  // row_products, whose n is w's row count; the attention passes its logits' row stride as n, so there a
+  // prefetch may reach a few rows past a request's keys (harmless: a prefetch never faults).
+  const T* next = w + (j0 + R) * k;
+  const bool ahead = j0 + 2 * R <= n;
   if constexpr (G == 1) {  // one row of x: w's rows one after another, so the block is read in address order
     for (int r = 0; r < R; ++r) {
       const T* wr = w + (j0 + r) * k;

@@ -58,13 +58,14 @@ def decode_attend(
         sink: [H] per-head sink logits (read as fp32).
         scale: softmax scale (head_dim^-½).
     Returns:
-        fp32 [B, H, D]: the compiled kernel when it built (fp32 CPU tensors, no gradient to track), else the
-        pure-torch path with the same bits. fp64 inputs (a model run in fp64), tensors off the CPU (cuBLAS)
-        and inputs with a gradient to track go to ``attend`` (its BLAS order, in their dtype).
+        fp32 [B, H, D]: the compiled kernel when it built (fp32 CPU tensors, ``comp_kv`` fp32 or bf16, no
+        gradient to track), else the pure-torch path with the same bits. fp64 inputs (a model run in fp64),
+        tensors off the CPU (cuBLAS) and inputs with a gradient to track go to ``attend`` (its BLAS order, in
+        their dtype; bf16 entries widened to it first).
     Raises:
         ValueError: shapes that do not match as above, masks that are not bool, ``comp_kv`` without
-            ``comp_mask`` (or the reverse), q / keys of different or non-floating dtypes, or tensors on
-            different devices; raised before any work.
+            ``comp_mask`` (or the reverse), q / keys of different or non-floating dtypes (``comp_kv`` may be
+            bf16), or tensors on different devices; raised before any work.
     """
     _check(q, win_kv, win_mask, comp_kv, comp_mask, sink)
     inputs = (q, win_kv, sink) if comp_kv is None else (q, win_kv, sink, comp_kv)
