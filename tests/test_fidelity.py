@@ -193,7 +193,7 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_by_name(tmp_path: Path) -> No
     with pytest.raises(
         ValueError, match=rf"^--prompts {binary}: not UTF-8 text \(invalid start byte at byte 0\)$"
     ):
-        _prompts(args, [binary, good], object(), limit=2)  # refused before any tokenizing
+        _prompts(args, None, [binary, good], object(), limit=2)  # refused before any tokenizing
 
 
 def test_prompts_that_are_not_a_file_or_folder_are_named_as_such() -> None:
@@ -282,4 +282,27 @@ def test_an_empty_context_item_is_refused(capsys) -> None:
     assert main(argv) == 2
     assert capsys.readouterr().err == (
         "kvdiet fidelity: error: --contexts: item 2 is empty (counts are comma-separated)\n"
+    )
+
+
+def test_a_v4_flash_config_and_a_bad_token_id_are_refused_before_the_model_loads(capsys, monkeypatch) -> None:
+    """fidelity's experiments are V4.1's: a V4-Flash preset is refused by name (it crashed on the codecs after the
+    model loaded), and --prompt-ids names its bad item as generate does, both before any model is built."""
+    import kvdiet.model.build
+    from kvdiet.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvdiet.model.build, "load_model", no_load)
+    argv = ["fidelity", "--model", "v4-mini", "--prompt-ids", "1,2,3", "--contexts", "2"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvdiet fidelity: error: --model v4-mini: kvdiet fidelity measures DeepSeek-V4.1's caches, CSA2 sharing"
+        " and bounded replay; this is a V4-Flash config (give a V4.1 one, e.g. v4.1-mini)\n"
+    )
+    argv = ["fidelity", "--model", "v4.1-micro", "--prompt-ids", "3,4,...", "--contexts", "2"]
+    assert main(argv) == 2
+    assert (
+        capsys.readouterr().err == "kvdiet fidelity: error: --prompt-ids: item 3 ('...') is not an integer\n"
     )

@@ -156,7 +156,9 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         text = read_text(args.prompt_file) if args.prompt_file is not None else args.prompt
     except ValueError as exc:  # "x: no such file or directory", "x: not UTF-8 text ...", "x: more than ..."
         raise ValueError(f"--prompt-file {exc}") from None
-    prompt_ids = None if args.prompt_ids is None else _parse_ids(args.prompt_ids)  # before the model loads
+    prompt_ids = (
+        None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
+    )  # before the model loads
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:
         engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool
@@ -256,9 +258,9 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
             )
 
 
-def _parse_ids(text: str) -> list[int]:
-    """``--prompt-ids``' comma-separated token ids: plain decimal integers (ASCII digits, an optional minus;
-    the range is the model's check), named by their item number when one is not.
+def parse_prompt_ids(text: str) -> list[int]:
+    """``--prompt-ids``' comma-separated token ids (``generate``, ``fidelity``): plain decimal integers (ASCII
+    digits, an optional minus; the range is the model's check), named by their item number when one is not.
 
     Raises:
         ValueError: an empty item or one that is not such an integer.

@@ -45,11 +45,16 @@ def add_fidelity_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         epilog="examples:\n"
         "  kvdiet fidelity --model v4.1-mini --prompts /usr/lib/python3.11/json --report out/\n"
         "  kvdiet fidelity --weights /path/to/DeepSeek-V4.1-Flash --prompts docs/ --contexts 4K,16K,64K --json\n"
-        "  kvdiet fidelity --model v4.1-micro --prompt-ids 3,4,5,...   # token ids, models without a tokenizer",
+        "  kvdiet fidelity --model v4.1-micro --prompt-ids $(seq -s, 3 60) --contexts 48\n"
+        "      # token ids, for models without a tokenizer (v4.1-micro: a vocabulary of 64, 256 positions)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--model", help="preset or config path (default: --weights' config.json, else v4.1-mini)")
+    p.add_argument(
+        "--model",
+        help="a V4.1 preset or config path (default: --weights' config.json, else v4.1-mini); the experiments "
+        "measure V4.1's caches, CSA2 sharing and bounded replay, so V4-Flash configs are refused",
+    )
     p.add_argument("--weights", help="a checkpoint folder (the released layout) instead of random weights")
     add_numerics_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of random weights (default 0)")
@@ -91,6 +96,8 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
     """Run ``kvdiet fidelity``. Raises ValueError/ConfigError on bad input (before the model loads)."""
     import torch
 
+    from kvdiet.config import ModelConfig, load_config
+    from kvdiet.engine.command import parse_prompt_ids
     from kvdiet.fidelity.experiments import as_dicts, cache_precision, csa2_selection, reached, replay
     from kvdiet.model.build import load_model
 
@@ -122,7 +129,14 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
             raise ValueError(f"--report {args.report}: a file is in the way (a folder is needed)") from None
         except OSError as exc:
             raise ValueError(f"--report {args.report}: {(exc.strerror or str(exc)).lower()}") from None
+    prompt_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
     resolve_model(args)
+    cfg = load_config(args.model)
+    if isinstance(cfg, ModelConfig) and not cfg.is_v41:
+        raise ValueError(
+            f"--model {args.model}: kvdiet fidelity measures DeepSeek-V4.1's caches, CSA2 sharing and bounded replay;"
+            " this is a V4-Flash config (give a V4.1 one, e.g. v4.1-mini)"
+        )
     model, tokenizer = load_model(args.model, seed=args.seed, weights=args.weights, numerics=args.numerics)
     window = model.cfg.sliding_window
     if args.rows is None:  # the default fits every model (v4.1-micro's window is 8)
@@ -131,7 +145,7 @@ def run_fidelity(args: argparse.Namespace, console: Console) -> None:
         raise ValueError(
             f"--rows {args.rows} exceeds the sliding window {window} (bounded replay keeps that many)"
         )
-    prompts, names = _prompts(args, files, tokenizer, limit=args.max_prompts)
+    prompts, names = _prompts(args, prompt_ids, files, tokenizer, limit=args.max_prompts)
     longest = max(p.numel() for p in prompts)
     if longest < contexts[0]:
         raise ValueError(
@@ -233,14 +247,12 @@ def _prompt_files(spec: str) -> list[Path]:
     raise ValueError(f"--prompts {spec}: no such file or folder")
 
 
-def _prompts(args: argparse.Namespace, files: list[Path], tokenizer, *, limit: int) -> tuple[list, list[str]]:
+def _prompts(
+    args: argparse.Namespace, ids: list[int] | None, files: list[Path], tokenizer, *, limit: int
+) -> tuple[list, list[str]]:
     import torch
 
-    if args.prompt_ids is not None:
-        try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError as exc:
-            raise ValueError(f"--prompt-ids must be comma-separated integers: {exc}") from None
+    if ids is not None:  # --prompt-ids, parsed before the model loaded
         return [torch.tensor(ids, dtype=torch.int64)], ["--prompt-ids"]
     if tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer; give --prompt-ids")
