@@ -15,7 +15,7 @@ Then the persistent tier's write and read throughput (GB/s) for the prompt's blo
 sequential write (with fsync) and read of the same bytes in one file on the same disk. Prints a table,
 then one JSON line.
 
-    python benchmarks/bench_prefix.py                  # 32K tokens; the cold prefill takes ~10 min on 2 cores
+    python benchmarks/bench_prefix.py                  # 32K tokens; the cold prefill takes ~3 min on 2 cores
     python benchmarks/bench_prefix.py --tokens 4K      # a quick look
 """
 

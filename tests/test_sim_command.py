@@ -257,11 +257,11 @@ def test_progress_goes_to_a_log_as_lines_off_a_terminal(tmp_path: Path, capsys) 
         (["--device-size", "lots"], "lots"),
         (["--runs", "checkpoint:1000", "--sweep", "none"], "run checkpoint:1000@"),
         (["--jobs", "0"], "--jobs"),
-        (["--mode", "engine", "--max-requests", "-2"], "--max-requests must be a finite number >= 1, got -2"),
+        (["--mode", "engine", "--max-requests", "-2"], "--max-requests must be an integer >= 1, got -2"),
         (["--max-requests", "200"], "--max-requests: engine mode only"),  # the model-free study ignored it
         (["--mode", "engine", "--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--mode", "engine", "--time-scale", "nan"], "--time-scale must be a finite number >= 0, got nan"),
-        (["--mode", "engine", "--max-num-seqs", "0"], "--max-num-seqs must be"),
+        (["--mode", "engine", "--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
         (["--time-scale", "-1"], "--time-scale: engine mode only (--mode engine)"),  # before its value
         (["--mode", "engine", "--runs", "checkpoint:100@v4-mini"], "multiple of the engine block size 128"),
         (

@@ -87,7 +87,8 @@ def plan_runs(args: argparse.Namespace):
     ):
         if not (math.isfinite(value) and value >= least):
             bound = "> 0" if least == 1e-9 else f">= {least}"
-            raise ValueError(f"{flag} must be a finite number {bound}, got {value}")
+            kind = "an integer" if isinstance(value, int) else "a finite number"
+            raise ValueError(f"{flag} must be {kind} {bound}, got {value}")
     for flag in ("--device-size", "--swa-pool-size", "--persistent-size", "--kv-cache-memory"):
         text = getattr(args, flag[2:].replace("-", "_"))
         if text is None:
