@@ -306,3 +306,21 @@ def test_a_v4_flash_config_and_a_bad_token_id_are_refused_before_the_model_loads
     assert (
         capsys.readouterr().err == "kvdiet fidelity: error: --prompt-ids: item 3 ('...') is not an integer\n"
     )
+
+
+def test_coinciding_report_lines_are_drawn_once_and_named_together() -> None:
+    """Selection variants that coincide (every one at 1.0 at a single context) are one line with one legend entry
+    naming them all, as the replay report does; a line that differs keeps its own."""
+    import matplotlib.pyplot as plt
+
+    from kvdiet.fidelity.experiments import Point
+    from kvdiet.fidelity.report import _plot
+
+    points = [Point("csa2", v, "overlap", 256, value, 4) for v, value in (("a", 1.0), ("b", 1.0), ("c", 0.5))]
+    fig, ax = plt.subplots()
+    try:
+        _plot(ax, points, "selection", "share")
+        assert len(ax.get_lines()) == 2
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a\n= b (identical)", "c"]
+    finally:
+        plt.close(fig)

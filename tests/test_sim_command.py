@@ -718,3 +718,36 @@ def test_a_report_under_a_missing_folder_is_refused_before_the_run(tmp_path: Pat
     assert not (tmp_path / "typo").exists()
     assert main([*argv, str(tmp_path / "new")]) == 0
     assert (tmp_path / "new" / "report.md").is_file()  # one new level is made
+
+
+def test_the_sweep_plot_names_every_line_and_both_axes(tmp_path: Path, monkeypatch) -> None:
+    """The persistent peak (right axis) has its legend entry, the left axis its label, and the two ratios differ
+    in marker (the second hollow), so where they meet both show."""
+    from types import SimpleNamespace
+
+    import kvdiet.sim.plots as plots
+
+    kept = {}
+
+    def keep(fig, path):
+        kept["fig"] = fig
+        return str(path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    points = [
+        (size, SimpleNamespace(summary=dict(s), config=SimpleNamespace(label="bounded-replay")))
+        for size, s in (
+            ("1GB", {"hit_ratio": 0.5, "device_hit_ratio": 0.5, "persistent_bytes_peak": 2e9}),
+            ("2GB", {"hit_ratio": 0.7, "device_hit_ratio": 0.6, "persistent_bytes_peak": 3e9}),
+        )
+    ]
+    plots.plot_sweep("device-size", points, tmp_path / "sweep.png")
+    ax = kept["fig"].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "hit ratio",
+        "device hit ratio",
+        "persistent peak bytes (GB, right)",
+    ]
+    assert ax.get_ylabel() == "share of prompt tokens hit"
+    first, second = ax.get_lines()
+    assert first.get_marker() != second.get_marker() and second.get_markerfacecolor() == "none"

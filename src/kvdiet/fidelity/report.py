@@ -2,8 +2,8 @@
 
 Plots: ``cache_precision.png`` (KL and top-1 of each cache-precision variant vs context), ``selection.png``
 (CSA2 top-k overlaps and candidate-pool recall vs context), ``replay.png`` (encoder-side replay KL and
-continuation agreement vs hit length; decoder-side replay KL vs context). Every file names the weights the
-figures come from.
+continuation agreement vs hit length; decoder-side replay KL vs context). Lines that coincide are drawn once and
+named together (`kvdiet.sim.plots.same_label`). Every file names the weights the figures come from.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvdiet.fidelity.experiments import Point
+from kvdiet.sim.plots import same_label
 
 __all__ = ["points_table", "write_report"]
 
@@ -71,8 +72,13 @@ def _grouped(points: Sequence[Point], decoder_start: int | None) -> list[Point]:
 def _plot(
     ax, points: Sequence[Point], title: str, ylabel: str, *, x: str = "context", log: bool = False
 ) -> None:
+    drawn: dict[
+        tuple[tuple[float, ...], tuple[float, ...]], list[str]
+    ] = {}  # lines that coincide, drawn once
     for label, (xs, ys) in _series(points, x=x).items():
-        ax.plot(xs, [max(y, 1e-12) for y in ys] if log else ys, marker="o", label=label)
+        drawn.setdefault((tuple(xs), tuple(ys)), []).append(label)
+    for (xs, ys), labels in drawn.items():
+        ax.plot(xs, [max(y, 1e-12) for y in ys] if log else ys, marker="o", label=same_label(labels))
     ax.set_title(title + (" (0 drawn at 1e-12)" if log else ""), fontsize=9)
     ax.set_xlabel("context (tokens)" if x == "context" else "prefix-hit length (tokens)")
     ax.set_ylabel(ylabel)

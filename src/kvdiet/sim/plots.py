@@ -32,6 +32,7 @@ __all__ = [
     "plot_sweep",
     "plot_ttft",
     "plot_ttl",
+    "same_label",
 ]
 
 
@@ -97,7 +98,7 @@ def plot_persistent(runs: list[SimResult], path: Path) -> str:
     t = [x / 60 for x in runs[0].series["t_s"]]
     lines = persistent_lines(runs)
     for labels, values in lines:
-        ax.plot(t, [b / 1e9 for b in values], label=_same_label(labels))
+        ax.plot(t, [b / 1e9 for b in values], label=same_label(labels))
     if any(b > 0 for _, values in lines for b in values):  # else nothing to put on a log axis (a warning)
         ax.set_yscale("log")
     ax.set_xlabel("trace time (min)")
@@ -106,7 +107,7 @@ def plot_persistent(runs: list[SimResult], path: Path) -> str:
     return _save(fig, path)
 
 
-def _same_label(labels: list[str]) -> str:
+def same_label(labels: list[str]) -> str:
     """One legend entry for lines that coincide: ``a`` or ``a\n= b\n= c (identical)``."""
     return "\n= ".join(labels) + (" (identical)" if len(labels) > 1 else "")
 
@@ -163,14 +164,24 @@ def plot_sweep(axis: str, points: list[tuple[str, SimResult]], path: Path) -> st
     fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     labels = [label for label, _ in points]
     lines = [(key.replace("_", " "), [r.summary[key] for _, r in points]) for key in _SWEEP_RATIOS]
-    for (names, values), style in zip(identical_lines(lines), ("o-", "s--"), strict=False):
-        ax.plot(labels, values, style, label=_same_label(names))
+    # the second ratio hollow and larger: where the two meet at a point, both markers still show
+    styles = (
+        {"marker": "o", "linestyle": "-"},
+        {"marker": "s", "linestyle": "--", "markerfacecolor": "none", "ms": 9},
+    )
+    for (names, values), style in zip(identical_lines(lines), styles, strict=False):
+        ax.plot(labels, values, label=same_label(names), **style)
     ax.set_ylim(0, 1)
     ax.set_xlabel(axis)
+    ax.set_ylabel("share of prompt tokens hit")
     ax2 = ax.twinx()
-    ax2.plot(labels, [r.summary["persistent_bytes_peak"] / 1e9 for _, r in points], "^:", color="tab:red")
+    peaks = [r.summary["persistent_bytes_peak"] / 1e9 for _, r in points]
+    ax2.plot(labels, peaks, "^:", color="tab:red", label="persistent peak bytes (GB, right)")
     ax2.set_ylabel("persistent peak bytes (GB)", color="tab:red")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(
+        handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False
+    )
     ax.set_title(points[0][1].config.label, fontsize=10)
     return _save(fig, path)
 
