@@ -156,9 +156,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> None:
         text = read_text(args.prompt_file) if args.prompt_file is not None else args.prompt
     except ValueError as exc:  # "x: no such file or directory", "x: not UTF-8 text ...", "x: more than ..."
         raise ValueError(f"--prompt-file {exc}") from None
-    prompt_ids = (
-        None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
-    )  # before the model loads
+    # before the model loads
+    prompt_ids = None if args.prompt_ids is None else parse_prompt_ids(args.prompt_ids)
     engine_args = EngineArgs.from_cli_args(args)  # every cache flag checked before the model loads
     if engine_args.max_model_len is not None:
         engine_args.validate()  # in [1, max_position_embeddings] and one request of it fits the pool

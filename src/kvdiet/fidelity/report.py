@@ -72,9 +72,8 @@ def _grouped(points: Sequence[Point], decoder_start: int | None) -> list[Point]:
 def _plot(
     ax, points: Sequence[Point], title: str, ylabel: str, *, x: str = "context", log: bool = False
 ) -> None:
-    drawn: dict[
-        tuple[tuple[float, ...], tuple[float, ...]], list[str]
-    ] = {}  # lines that coincide, drawn once
+    # lines that coincide are drawn once: {(xs, ys): their labels}
+    drawn: dict[tuple[tuple[float, ...], tuple[float, ...]], list[str]] = {}
     for label, (xs, ys) in _series(points, x=x).items():
         drawn.setdefault((tuple(xs), tuple(ys)), []).append(label)
     for (xs, ys), labels in drawn.items():

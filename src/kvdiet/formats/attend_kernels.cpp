@@ -79,7 +79,7 @@ void lane_dim(const float* p, int64_t ps, const AttendKeys<T>& keys, int64_t l, 
   for (int g = 0; g < G; ++g) {
     float acc = 0.0f;
     for (int64_t j = l; j < keys.n; j += 16) {
-      const float v = j < keys.w ? keys.win[j * keys.dim + d] : value_of(keys.comp[(j - keys.w) * keys.dim + d]);
+      const float v = j < keys.w ? keys.win[j * keys.dim + d] : load(keys.comp[(j - keys.w) * keys.dim + d]);
       acc = acc + p[g * ps + j] * v;
     }
     part[g * pst] = acc;
@@ -282,8 +282,9 @@ at::Tensor attend_rows(at::Tensor q, at::Tensor win, at::Tensor win_mask, c10::o
   TORCH_CHECK(sink.dim() == 1 && sink.size(0) == heads, "attend_rows: sink [H]");
   for (at::Tensor* t : all) {
     TORCH_CHECK(t->device().is_cpu(), "attend_rows runs on the CPU");
-    const bool entries16 = comp.has_value() && t == &*comp && t->scalar_type() == at::kBFloat16;  // the gathered entries may be bf16
-    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat) || entries16,
+    // the gathered entries may be bf16
+    const bool bf16_entries = comp.has_value() && t == &*comp && t->scalar_type() == at::kBFloat16;
+    TORCH_CHECK(t->scalar_type() == (t->dim() == 2 ? at::kBool : at::kFloat) || bf16_entries,
                 "attend_rows takes float32 tensors (comp: float32 or bfloat16) and bool masks");
     *t = t->resolve_neg().contiguous();  // lazy neg views read as their values; any layout
   }

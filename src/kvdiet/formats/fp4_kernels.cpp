@@ -228,6 +228,12 @@ inline bool decode_entry(const uint8_t* pr, int64_t dim, int lo, int hi, uint32_
   return ok;
 }
 
+// fp32 values v[0..n) as bf16 bits into o: the upper half of each one's bits (exact for decoded FP4 values: an
+// E2M1 value times its scale has at most six significant bits)
+inline void to_bf16(const float* v, int64_t n, uint16_t* o) {
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bits_of(v[i]) >> 16);
+}
+
 template <typename O, int Block>
 int64_t decode_rows(const uint8_t* p, int64_t n, int64_t row_stride, int64_t dim, int lo, int hi, O* out) {
   std::atomic<int64_t> bad{INT64_MAX};
@@ -238,8 +244,7 @@ int64_t decode_rows(const uint8_t* p, int64_t n, int64_t row_stride, int64_t dim
       float* vo = std::is_same_v<O, float> ? reinterpret_cast<float*>(out + r * dim) : v.data();
       if (!decode_entry<Block>(p + r * row_stride, dim, lo, hi, c.data(), s.data(), vo)) note_row(bad, r);
       if constexpr (!std::is_same_v<O, float>) {
-        uint16_t* o16 = reinterpret_cast<uint16_t*>(out + r * dim);
-        for (int64_t i = 0; i < dim; ++i) o16[i] = static_cast<uint16_t>(bits_of(vo[i]) >> 16);  // exact in bf16
+        to_bf16(vo, dim, reinterpret_cast<uint16_t*>(out + r * dim));
       }
     }
   });

@@ -13,12 +13,7 @@
 
 namespace {
 
-// fp32 values v[0..n) as bf16 into o: the upper half of each one's bits (exact for decoded FP4 values, above)
-inline void to_bf16(const float* v, int64_t n, uint16_t* o) {
-  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bits_of(v[i]) >> 16);
-}
-
-// O: float, or uint16_t for bf16 bits
+// O: float, or uint16_t for bf16 bits (fp4_kernels.cpp's to_bf16)
 template <int Block, typename O>
 bool gather_rows(const uint8_t* p, int64_t stride, const std::vector<int64_t>& slot, int64_t dim, int lo, int hi,
                  O* out) {
@@ -82,10 +77,8 @@ bool gather_fp4(const at::Tensor& rows, const at::Tensor& table, const at::Tenso
   }
   const uint8_t* p = rows.data_ptr<uint8_t>();
   const int64_t st = rows.stride(0);
-  if (wide) {
-    float* o = out.data_ptr<float>();
+  const auto gather = [&](auto* o) {
     return recipe == kE4M3 ? gather_rows<16>(p, st, slot, dim, lo, hi, o) : gather_rows<32>(p, st, slot, dim, lo, hi, o);
-  }
-  uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
-  return recipe == kE4M3 ? gather_rows<16>(p, st, slot, dim, lo, hi, o) : gather_rows<32>(p, st, slot, dim, lo, hi, o);
+  };
+  return wide ? gather(out.data_ptr<float>()) : gather(static_cast<uint16_t*>(out.data_ptr()));
 }

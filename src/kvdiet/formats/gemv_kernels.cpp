@@ -49,9 +49,6 @@ inline Lanes16 load_lanes(const c10::BFloat16* p) {
   return v;
 }
 
-inline float value_of(float x) { return x; }
-inline float value_of(c10::BFloat16 x) { return static_cast<float>(x); }  // exact
-
 inline float fold_lanes(Lanes16 a) {
   float s8[8], s4[4], s2[2];
   for (int l = 0; l < 8; ++l) s8[l] = a[l] + a[l + 8];
@@ -139,7 +136,7 @@ void dot_rows(const float* xs, int64_t m, int64_t kp, const T* w, int64_t k, int
   if (full * 16 < k) {
     std::memset(wt, 0, sizeof wt);
     for (int r = 0; r < R; ++r) {
-      for (int64_t i = full * 16; i < k; ++i) wt[r * 16 + i - full * 16] = value_of(w[(j0 + r) * k + i]);
+      for (int64_t i = full * 16; i < k; ++i) wt[r * 16 + i - full * 16] = load(w[(j0 + r) * k + i]);  // fp4_kernels.cpp's: bf16 exact
     }
   }
   if constexpr (R > 4) {  // 16 rows of w (block_rows): one row of x at a time, its 16 outputs folded together
