@@ -1,10 +1,13 @@
-"""The compiled small batched product (``formats/chain_kernels.cpp``: ``chain_bmm``) against ``torch.bmm``: the same
-bits at the shapes kvdiet uses, an order that operands tell apart, the per-shape check and its fallback."""
+"""The compiled small products (``formats/chain_kernels.cpp``: ``chain_bmm``, ``chain_mm``) against ``torch.bmm`` and
+``torch.mm``: the same bits at the shapes kvdiet uses, an order that operands tell apart, the per-shape checks and
+their fallbacks; ``chain_mm`` against its own definition, computed exactly."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -12,12 +15,17 @@ import torch
 from kvdiet.formats import native
 from kvdiet.model import chain_products
 from kvdiet.model.chain_products import (
+    CHAIN_MM_ROWS,
+    MKL_BLOCK,
     TORCH_LOOP_BELOW,
     ChainForm,
     batched_product,
     chain_agrees,
     chain_class,
     chain_fits,
+    product_block,
+    product_fits,
+    rows_product_fits,
 )
 
 
@@ -355,30 +363,201 @@ def test_the_check_builds_fp32_cpu_operands_whatever_torchs_defaults(default):
         chain_agrees.cache_clear()
 
 
-def test_the_verdict_is_kept_per_matmul_precision_and_thread_count(monkeypatch):
+def test_the_verdict_is_kept_per_matmul_precision_and_thread_count():
     """A check under one fp32 matmul precision or thread count does not answer for another (MKL splits some shapes
     by thread count): chain_fits asks again."""
+    _assert_verdict_kept(chain_fits, chain_agrees, (4, 4, 64, True, False), (4, 4, 32, True, False))
+
+
+def _assert_verdict_kept(fits, cached, shape: tuple, other: tuple) -> None:
+    """``fits(*shape)`` asks ``cached(*shape, precision, threads)`` once per fp32 matmul precision and intra-op
+    thread count, and ``cached`` refuses a precision or thread count that is not torch's now (``other``: a class
+    not asked before, so the check itself runs)."""
     _kernels()
-    chain_agrees.cache_clear()
+    cached.cache_clear()
     old, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
     try:
-        chain_fits(4, 4, 64, True, False)  # a verdict (the BLAS's order decides which) under "highest"
+        first = fits(*shape)  # a verdict (the BLAS's order decides which) under "highest"
+        assert cached.cache_info().currsize == 1
         torch.set_float32_matmul_precision("medium")
-        assert chain_agrees.cache_info().currsize == 1
-        chain_fits(4, 4, 64, True, False)
-        assert chain_agrees.cache_info().currsize == 2
+        fits(*shape)
+        assert cached.cache_info().currsize == 2
         with pytest.raises(ValueError, match="precision 'highest'"):
-            chain_agrees(4, 4, 32, True, False, "highest", torch.get_num_threads())
+            cached(*other, "highest", threads)
         torch.set_float32_matmul_precision(old)
         torch.set_num_threads(1 if threads > 1 else 2)
-        chain_fits(4, 4, 64, True, False)
-        assert chain_agrees.cache_info().currsize == 3
+        fits(*shape)
+        assert cached.cache_info().currsize == 3
         with pytest.raises(ValueError, match=f"checking on {threads} threads"):
-            chain_agrees(4, 4, 32, True, False, old, threads)
+            cached(*other, old, threads)
         torch.set_num_threads(threads)
-        chain_fits(4, 4, 64, True, False)
-        assert chain_agrees.cache_info().currsize == 3  # the first verdict again
+        assert fits(*shape) == first
+        assert cached.cache_info().currsize == 3  # the first verdict again
     finally:
         torch.set_float32_matmul_precision(old)
         torch.set_num_threads(threads)
-        chain_agrees.cache_clear()
+        cached.cache_clear()
+
+
+def _round_fp32(x: Fraction, negative_zero: bool) -> float:
+    """The fp32 nearest ``x`` (ties to even), ±inf past the largest; an exact 0 is −0 where ``negative_zero``."""
+    if x == 0:
+        return -0.0 if negative_zero else 0.0
+    sign, a = (-1 if x < 0 else 1), abs(x)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2^e <= a < 2^(e+2)
+    if Fraction(2) ** e > a:
+        e -= 1
+    quantum = Fraction(2) ** (max(e, -126) - 23)
+    q, r = divmod(a / quantum, 1)
+    n = int(q) + (1 if r > Fraction(1, 2) or (r == Fraction(1, 2) and int(q) % 2) else 0)
+    value = n * quantum
+    if value >= Fraction(2) ** 128:
+        return sign * math.inf
+    return sign * float(value)  # n <= 2^24 times a power of two: exact in fp64 and in fp32
+
+
+def _fma32(x: float, y: float, acc: float) -> float:
+    """fp32 fma(x, y, acc): the exact x·y + acc rounded once (finite operands); an exact 0 is −0 only where x·y
+    and acc are both −0 or the exact sum is a nonzero that rounds to 0 from below (IEEE 754's rules)."""
+    exact = Fraction(x) * Fraction(y) + Fraction(acc)
+    product_negative_zero = x * y == 0 and math.copysign(1.0, x) * math.copysign(1.0, y) < 0
+    negative_zero = product_negative_zero and math.copysign(1.0, acc) < 0
+    return _round_fp32(exact, negative_zero)
+
+
+def _blocked_chains(a: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """chain_mm's definition, exactly: out[m, n] = P_0 + P_1 + ... (fp32 adds in order, P_0 as it is), P_b the fp32
+    FMA chain from +0 over block b's k in increasing k; blocks of ``block`` (the last the rest), a K of more than one
+    and at most two blocks in halves (the first ceil(K / 2))."""
+    k = a.shape[1]
+    starts = [0, (k + 1) // 2] if block < k <= 2 * block else list(range(0, k, block))
+    bounds = [*starts, k]
+    out = torch.empty(a.shape[0], w.shape[1])
+    for i in range(a.shape[0]):
+        for j in range(w.shape[1]):
+            total = None
+            for b0, b1 in itertools.pairwise(bounds):
+                acc = 0.0
+                for kk in range(b0, b1):
+                    acc = _fma32(float(a[i, kk]), float(w[kk, j]), acc)
+                total = acc if total is None else float(torch.tensor(total) + torch.tensor(acc))
+            out[i, j] = total
+    return out
+
+
+def _mm_operands(m: int, k: int, n: int, w_layout: str, gen: torch.Generator, case: int):
+    """a [m, k] (rows padded: a slice) and w [k, n] in ``w_layout``: "rows" (n contiguous), "cols" (k contiguous: a
+    transposed weight) or "strided" (neither); case 0 normal draws, 1 `_values`' zeros, subnormal products and
+    ties (finite: the definition takes finite operands), 2 underflowing products (below)."""
+    a = _values((m, k + 3), gen, case % 2)[:, :k]
+    w = _values((n, k), gen, case % 2)
+    if case == 2:  # every product nonzero, negative, below half the least subnormal: each rounds to −0 alone
+        a, w = a.abs() * 2.0**-80, -(w.abs() * 2.0**-80)
+    if w_layout == "rows":
+        return a, w.t().contiguous()
+    if w_layout == "cols":
+        return a, w.t()
+    return a, torch.cat([w.t(), w.t()], 1)[:, ::2]
+
+
+@pytest.mark.parametrize("w_layout", ["rows", "cols", "strided"])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block"),
+    [
+        (1, 1, 1, MKL_BLOCK),  # one product
+        (1, 37, 24, MKL_BLOCK),  # one chain (K <= block), a 16 + 8 output split, a partial chunk of k
+        (3, 30, 17, 16),  # one to two blocks: halves, 15 + 15
+        (5, 50, 8, 16),  # blocks of 16, 16, 16, then 2; a row past the groups of 4
+        (16, 33, 3, 8),  # sixteen rows; five blocks, the last one value
+    ],
+)
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_chain_mm_is_its_blocked_fma_chains(m, k, n, block, w_layout, case):
+    """Every output bit for bit as `_blocked_chains` computes it exactly, zeros' signs included (case 2: chains of
+    underflowing −0 products end at −0, and the first block is taken as it is, not added to +0)."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n + case)
+    a, w = _mm_operands(m, k, n, w_layout, gen, case)
+    got = kernels.chain_mm(a, w, block)
+    if native.cpu_isa() != "AVX512":  # the kernel needs AVX-512: the callers keep torch.mm
+        assert got is None
+        return
+    want = _blocked_chains(a, w, block)
+    assert got.shape == (m, n) and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(want))
+    if case == 2:
+        assert bool(torch.signbit(got).all())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("m", "k", "n", "w_layout"),
+    [
+        (1, 1024, 24, "cols"),  # v4.1-mini's mHC coefficients: [B, 4·256] · fn_t [1024, 24]
+        (16, 1024, 24, "cols"),
+        (3, 256, 24, "cols"),  # v4.1-micro's and the tiny plan's (one chain)
+        (2, 385, 24, "cols"),  # one to two blocks: halves
+        (1, 2000, 24, "cols"),  # five blocks, the last a partial one
+        (4, 256, 8, "cols"),  # the router's x · weightᵀ
+        (5, 64, 40, "rows"),
+    ],
+)
+def test_chain_mm_gives_torch_mm_bits_where_its_check_holds(m, k, n, w_layout, threads):
+    """Where `product_fits` finds chain_mm in MKL_BLOCK-long blocks (or one chain) giving torch.mm's bits at a
+    class, it does on other operands of that class (random and adversarial); where it finds none (another BLAS or
+    code path), the two orders stay within their rounding bounds of each other."""
+    kernels = _kernels()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(m * k * n + threads)
+        cols = w_layout == "cols"
+        block = product_fits(m, k, n, False, cols)
+        assert block in (0, MKL_BLOCK, k)
+        for case in range(3):
+            a, w = _mm_operands(m, k, n, w_layout, gen, case)
+            want = torch.mm(a, w)
+            if block:
+                assert torch.equal(_bits(kernels.chain_mm(a, w, block)), _bits(want))
+            elif case == 0 and native.cpu_isa() == "AVX512":
+                got = kernels.chain_mm(a, w, MKL_BLOCK)
+                assert bool(((got - want).abs() <= 2 * k * 2.0**-24 * torch.mm(a.abs(), w.abs())).all())
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_chain_mm_declines_what_it_does_not_fit():
+    kernels = _kernels()
+    a, w = torch.randn(2, 40), torch.randn(40, 24)
+    if native.cpu_isa() != "AVX512":
+        assert kernels.chain_mm(a, w, MKL_BLOCK) is None
+        return
+    assert kernels.chain_mm(a, w, MKL_BLOCK) is not None
+    assert kernels.chain_mm(a.double(), w.double(), MKL_BLOCK) is None
+    assert kernels.chain_mm(a, w[:39], MKL_BLOCK) is None  # k differs
+    assert kernels.chain_mm(torch.randn(CHAIN_MM_ROWS + 1, 40), w, MKL_BLOCK) is None
+    assert kernels.chain_mm(a[:, :0], w[:0], MKL_BLOCK) is None  # no k
+    assert kernels.chain_mm(a, w, 0) is None
+    assert (
+        kernels.chain_mm(torch._neg_view(a), w, MKL_BLOCK) is None
+    )  # a lazy negation: its data is not its value
+    assert kernels.chain_mm(a[None], w[None], MKL_BLOCK) is None
+    nan = w.clone()
+    nan[3, 5] = math.nan
+    assert kernels.chain_mm(a, nan, MKL_BLOCK) is None  # which NaN a chain keeps is not torch's to match
+    assert product_fits(CHAIN_MM_ROWS + 1, 40, 24, False, False) == 0
+    assert product_fits(0, 40, 24, False, False) == 0
+
+
+def test_the_product_verdict_is_kept_per_matmul_precision_and_thread_count():
+    """product_block answers once per class, precision and thread count (MKL may split by thread count), and
+    rows_product_fits' verdict for more than one row is the block every count of 2..16 rows found."""
+    _assert_verdict_kept(product_fits, product_block, (1, 300, 24, False, True), (1, 301, 24, False, True))
+    try:
+        first = product_fits(1, 300, 24, False, True)
+        more = rows_product_fits(300, 24, False, True, single=False)
+        each = {product_fits(m, 300, 24, False, True) for m in range(2, CHAIN_MM_ROWS + 1)}
+        assert more == (each.pop() if len(each) == 1 else 0)
+        assert rows_product_fits(300, 24, False, True, single=True) == first
+    finally:
+        product_block.cache_clear()

@@ -24,7 +24,21 @@
 //   reads rows of zeros for its missing batches and stores only its own. Such operands are declined elsewhere
 //   (fewer batches, wider matrices, no AVX-512): one output at a time there is slower than at::bmm. MKL sums these
 //   as chains too from 3 rows of a up; at 1 and 2 rows (v4.1-micro's 2 heads) it does not, which the check finds.
-//   Why: a prefill's mHC and attention make some 160 such products a chunk; at::bmm's batched-BLAS call takes
+// chain_mm(a, w, block): a float32 [M, K], w float32 [K, N] (any strides, 1 <= M <= kChainMmRows, K >= 1, block
+//   >= 1) -> float32 [M, N] (contiguous, at::mm's layout), or std::nullopt for any other input, a build without
+//   AVX-512 or a NaN output: out[m, n] = P_0 + P_1 + ... (added in order, P_0 as it is), P_b the FMA chain from +0
+//   over the k of block b in increasing k; the blocks are block values of k each (the last the rest), except that
+//   a K of more than one and at most two blocks splits in halves, the first ceil(K / 2) long. MKL's sgemm in its
+//   strict reproducible mode (which
+//   importing kvdiet asks for: kvdiet/threads.py) sums a product of a few rows that way on this build's Intel Xeon
+//   with block = 384 (found by experiment, as the chains above: [M, K] · [K, N] at M = 1 .. 16, K = 1 .. 16384 and
+//   N = 1 .. 40, zeros' signs included), so kvdiet.model.chain_products.product_block checks a shape class against at::mm once
+//   per process before its callers use this. The outputs go 16 to a vector; where w holds k contiguously (w = the
+//   transpose of a row-major weight [N, K]: the mHC coefficients' fn_t, the router's weightᵀ) 16 of its rows are
+//   transposed 16 x 16 at a time into those vectors, so the weight is read in place.
+//   Why: at::mm of one row by the mHC coefficients' [1024, 24] takes some 6.5 µs hot in MKL's strict mode (80 such
+//   a v4.1-mini decode step, 17 µs each there); the chains take about 2.
+//   Why chain_bmm: a prefill's mHC and attention make some 160 such products a chunk; at::bmm's batched-BLAS call takes
 //   21-24 µs on [256, 4, 4] x [256, 4, 64] and [256, 4, 8] x [256, 8, 64] (one thread), this loop 13-19 µs; on the
 //   scores of the 40-layer tiny plan (4 heads x 64 dims), [256, 4, 64] x [256, 64, 8], about 100 µs against 38 µs.
 
@@ -218,9 +232,107 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
       _mm512_mask_storeu_ps(out + (b0 + l) * outputs + o0, mask, reinterpret_cast<__m512>(r[l]));
   }
 }
+
+constexpr int64_t kChainMmRows = 16;  // chain_mm's most rows of a (a decode step's)
+
+// Outputs n0 .. n0 + 16 (those below n) of rows m0 .. m0 + R of a · w over k = k0 .. k1 - 1: each one FMA chain from
+// +0 in increasing k, the 16 outputs in the lanes, into out (row stride n). w's rows k for those outputs come as
+// 16 vectors a chunk of 16 k: loaded where w holds n contiguously, transposed from 16 of its columns where it
+// holds k contiguously, gathered otherwise.
+template <int R>
+void chain_mm_lanes(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws1, float* out,
+                    int64_t n, int64_t k0, int64_t k1, int64_t m0, int64_t n0) {
+  const int64_t live = std::min<int64_t>(16, n - n0);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << live) - 1u);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c0 = k0; c0 < k1; c0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, k1 - c0);
+    u32x16 wk[16];
+    if (ws1 == 1) {
+      for (int64_t c = 0; c < cnt; ++c)
+        wk[c] = reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(lanes, w + (c0 + c) * ws0 + n0));
+    } else if (ws0 == 1) {
+      const __mmask16 ks = static_cast<__mmask16>((1u << cnt) - 1u);
+      for (int64_t j = 0; j < 16; ++j)
+        wk[j] = j < live ? reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(ks, w + (n0 + j) * ws1 + c0)) : u32x16{};
+      transpose16(wk);
+    } else {
+      for (int64_t c = 0; c < cnt; ++c) {
+        alignas(64) float v[16] = {};
+        for (int64_t j = 0; j < live; ++j) v[j] = w[(c0 + c) * ws0 + (n0 + j) * ws1];
+        wk[c] = reinterpret_cast<u32x16>(_mm512_load_ps(v));
+      }
+    }
+    for (int64_t c = 0; c < cnt; ++c) {
+      const __m512 wv = reinterpret_cast<__m512>(wk[c]);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[(m0 + r) * as0 + (c0 + c) * as1]), wv, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, lanes, acc[r]);
+}
+
+// Every output of a [m, ·] · w [·, n] over k = k0 .. k1 - 1, each one chain (chain_mm_lanes), into out [m, n]
+void chain_mm_run(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws1, float* out,
+                  int64_t m, int64_t n, int64_t k0, int64_t k1) {
+  for (int64_t n0 = 0; n0 < n; n0 += 16) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= m; m0 += 4) chain_mm_lanes<4>(a, as0, as1, w, ws0, ws1, out, n, k0, k1, m0, n0);
+    switch (m - m0) {
+      case 3: chain_mm_lanes<3>(a, as0, as1, w, ws0, ws1, out, n, k0, k1, m0, n0); break;
+      case 2: chain_mm_lanes<2>(a, as0, as1, w, ws0, ws1, out, n, k0, k1, m0, n0); break;
+      case 1: chain_mm_lanes<1>(a, as0, as1, w, ws0, ws1, out, n, k0, k1, m0, n0); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 }  // namespace
+
+std::optional<at::Tensor> chain_mm(const at::Tensor& a, const at::Tensor& w, int64_t block) {
+#if defined(__AVX512F__)
+  for (const at::Tensor* t : {&a, &w})
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->is_neg() || t->is_conj() || t->dim() != 2)
+      return {};
+  const int64_t m = a.size(0), depth = a.size(1), n = w.size(1);
+  if (m < 1 || m > kChainMmRows || depth < 1 || w.size(0) != depth || block < 1) return {};
+  at::Tensor out = at::empty({m, n}, a.options());
+  if (n == 0) return out;
+  const float* ap = a.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t as0 = a.stride(0), as1 = a.stride(1), ws0 = w.stride(0), ws1 = w.stride(1);
+  // the blocks' first k: a K of one to two blocks splits in halves (the first the longer), else blocks of `block`
+  std::vector<int64_t> starts{0};
+  if (depth > block && depth <= 2 * block) {
+    starts.push_back((depth + 1) / 2);
+  } else {
+    for (int64_t k = block; k < depth; k += block) starts.push_back(k);
+  }
+  starts.push_back(depth);
+  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+  if (blocks == 1) {
+    chain_mm_run(ap, as0, as1, wp, ws0, ws1, op, m, n, 0, depth);
+  } else {
+    // each block's chains into parts [block, m, n], then added in order (on the calling thread: the blocks split
+    // over two threads measured no faster in a decode step)
+    std::vector<float> parts(blocks * m * n);
+    for (int64_t b = 0; b < blocks; ++b)
+      chain_mm_run(ap, as0, as1, wp, ws0, ws1, parts.data() + b * m * n, m, n, starts[b], starts[b + 1]);
+    for (int64_t i = 0; i < m * n; ++i) {
+      float sum = parts[i];
+      for (int64_t b = 1; b < blocks; ++b) sum = sum + parts[b * m * n + i];
+      op[i] = sum;
+    }
+  }
+  if (any_nan(op, out.numel())) return {};
+  return out;
+#else
+  return {};
+#endif
+}
 
 #undef KVDIET_CHAIN_SET1
 #undef KVDIET_CHAIN_PS

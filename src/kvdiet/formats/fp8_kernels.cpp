@@ -222,7 +222,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("engram_gate", &engram_gate, py::call_guard<py::gil_scoped_release>());
   m.def("hc_enter", &hc_enter, py::arg("h"), py::arg("fn_t"), py::arg("scale"), py::arg("base"),
         py::arg("collapse_pre"), py::arg("norm_weight"), py::arg("norm_eps"), py::arg("rms_eps"), py::arg("hc_eps"),
-        py::arg("iters"), py::arg("mix"), py::arg("any_rows") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("iters"), py::arg("mix"), py::arg("any_rows") = false, py::arg("mix_block") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("chain_mm", &chain_mm, py::call_guard<py::gil_scoped_release>());
   m.def("chain_bmm", &chain_bmm, py::arg("a"), py::arg("w"), py::arg("settle_zero") = false,
         py::arg("start_negative") = false, py::call_guard<py::gil_scoped_release>());
   m.def("hc_expand_rows", &hc_expand_rows, py::arg("x"), py::arg("residual"), py::arg("post"), py::arg("comb"),
@@ -241,10 +243,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<EntryWeights>(m, "EntryWeights")
       .def(py::init([](at::Tensor fn_t, at::Tensor scale, at::Tensor base, at::Tensor norm_weight, double norm_eps,
                        double rms_eps, double hc_eps, int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix,
-                       int64_t exit_one, int64_t exit_more) {
-        return EntryWeights{fn_t,      scale,  base,     norm_weight, norm_eps,
-                            rms_eps,   hc_eps, iters,    mix,         exit_one,
-                            exit_more, at::get_num_threads(), matmul_precision()};
+                       int64_t exit_one, int64_t exit_more, int64_t entry_one, int64_t entry_more) {
+        return EntryWeights{fn_t,      scale,      base,       norm_weight,           norm_eps,
+                            rms_eps,   hc_eps,     iters,      mix,                   exit_one,
+                            exit_more, entry_one,  entry_more, at::get_num_threads(), matmul_precision()};
       }));
   py::class_<FfnWeights>(m, "FfnWeights")
       .def(py::init<EntryWeights, at::Tensor, at::Tensor, int64_t, bool, double, std::vector<at::Tensor>,

@@ -2,7 +2,8 @@
 // kvdiet/model/hc.py. Compiled after rmsnorm_kernels.cpp into the same module (its square, any_nan and rms_norm are
 // in scope; fp8_kernels.cpp holds the bindings). Built at first use by kvdiet.formats.native.
 //
-// hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix, any_rows): h
+// hc_enter(h, fn_t, scale, base, collapse_pre, norm_weight, norm_eps, rms_eps, hc_eps, iters, mix, any_rows,
+//   mix_block): h
 //   float32 [T, hc, hidden] (contiguous, 1..16 rows, or with any_rows any number: a prefill chunk's, up to
 //   sinkhorn.py's MAX_MIX_ROWS, which the caller (hc.py's sublayer_entry) keeps; 1 <= hc <= 4), fn_t float32
 //   [hc·hidden, (2+hc)·hc] (any layout),
@@ -13,7 +14,8 @@
 //   or std::nullopt for any other input, where rms_norm declines (a NaN in x) or the mix kernel refuses. What a
 //   sublayer takes from its input streams before its own work (v41-spec §8.1a), each step as hc.py computes it:
 //   - the coefficients' product at::mm(flatten(h), fn_t): torch's own product of the same operands (at::matmul
-//     of two matrices is that call);
+//     of two matrices is that call), or with mix_block > 0 chain_mm(flatten(h), fn_t, mix_block), which the caller
+//     has checked gives its bits at that shape class (kvdiet.model.chain_products.product_fits);
 //   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
 //     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
 //   - pre, post, comb from those two: kvdiet_hc_mix_f32, the very call kvdiet.model.sinkhorn.hc_mix makes;
@@ -61,7 +63,7 @@ void add_scaled(float* o, const float* x, float c, int64_t n) {
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_enter(
     const at::Tensor& h, const at::Tensor& fn_t, const at::Tensor& scale, const at::Tensor& base,
     const at::Tensor& collapse_pre, const at::Tensor& norm_weight, double norm_eps, double rms_eps, double hc_eps,
-    int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix, bool any_rows = false) {
+    int64_t iters, std::tuple<int64_t, int64_t, int64_t> mix, bool any_rows = false, int64_t mix_block = 0) {
   for (const at::Tensor* t : {&h, &fn_t, &scale, &base, &collapse_pre, &norm_weight})
     if (!hc_float_cpu(*t)) return {};
   if (h.dim() != 3 || !h.is_contiguous()) return {};
@@ -92,8 +94,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   float* mp = mean_sq.mutable_data_ptr<float>();
   const float n = static_cast<float>(width);
   for (int64_t r = 0; r < rows; ++r) mp[r] = mp[r] / n;
-  // at::matmul of two matrices is at::mm (ATen's matmul passes them on unchanged): mm's output is contiguous
-  at::Tensor mixes = at::mm(h.view({rows, width}), fn_t);  // overwritten by the mix kernel
+  // at::matmul of two matrices is at::mm (ATen's matmul passes them on unchanged): mm's output is contiguous; or
+  // chain_mm in the blocks its caller checked against it (NaN outputs: at::mm's)
+  std::optional<at::Tensor> chained = mix_block > 0 ? chain_mm(h.view({rows, width}), fn_t, mix_block) : std::nullopt;
+  at::Tensor mixes = chained.has_value() ? *chained : at::mm(h.view({rows, width}), fn_t);  // overwritten by the mix
   // each mix's scale, hc x scale[0], hc x scale[1], hc^2 x scale[2] (hc.py's HcWeights.mix_scales), read now
   const at::Tensor scales = scale.contiguous();
   const float* s3 = scales.const_data_ptr<float>();

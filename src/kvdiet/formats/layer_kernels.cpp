@@ -8,8 +8,9 @@
 //   (kvdiet/model/ffn_binding.py and attn_binding.py check before each step that the modules still hold them):
 //   - both: an EntryWeights, the mHC entry's fn_t, scale, base (hc.py's HcWeights layout), the sublayer norm's
 //     weight and eps, the config's rms_eps, hc_eps and Sinkhorn iterations, the mix kernel's addresses
-//     (sinkhorn.py's hc_mix_address), and the chain forms of the exit's product for one row and for more (the
-//     binding's chain_fits; the threads and matmul precision are read when it is made);
+//     (sinkhorn.py's hc_mix_address), the chain forms of the exit's product for one row and for more (the
+//     binding's chain_fits) and the blocks of the entry's coefficient product for one row and for more (its
+//     product_fits; the threads and matmul precision are read when it is made);
 //   - FFN: the router's weight float32 [E, hidden], bias float32 [E], top-k, whether it normalises, its scaling
 //     factor; every routed expert's w1, w3, w2 (float32, dense) and swiglu limit, then the shared expert's (index E);
 //   - attention: wq_a, q_norm's weight and eps, wq_b, heads, head_dim; wkv, kv_norm's weight and eps; rope_dim; the
@@ -31,15 +32,18 @@ namespace {
 
 // a sublayer's mHC entry: hc_enter's arguments besides the rows and their collapse pre-mix; and its exit's
 // product, hc_expand_rows' at::bmm, as the compiled chain in the form kvdiet.model.chain_products.chain_fits found
-// for one row (exit_one) and for more (exit_more) (ChainForm: 0 none, 1 the chain, 2 settled, 3 from -0), at the
-// intra-op threads and fp32 matmul precision current when the binding was made (at::bmm where either has changed, or
-// where torch cannot name one precision)
+// for one row (exit_one) and for more (exit_more) (ChainForm: 0 none, 1 the chain, 2 settled, 3 from -0), and its
+// entry's coefficient product, at::mm, as chain_mm in the blocks kvdiet.model.chain_products.product_fits found for
+// one row (entry_one) and for more (entry_more) (0: at::mm), at the intra-op threads and fp32 matmul precision
+// current when the binding was made (at::bmm and at::mm where either has changed, or where torch cannot name one
+// precision)
 struct EntryWeights {
   at::Tensor fn_t, scale, base, norm_weight;
   double norm_eps, rms_eps, hc_eps;
   int64_t iters;
   std::tuple<int64_t, int64_t, int64_t> mix;
   int64_t exit_one = 0, exit_more = 0;
+  int64_t entry_one = 0, entry_more = 0;  // the coefficients' product as chain_mm in blocks of these (0: at::mm)
   int threads = 0;
   int precision = -1;  // matmul_precision() when the binding was made
 };
@@ -80,18 +84,23 @@ struct AttnWeights {
   at::Tensor wo_b;
 };
 
+// the intra-op threads and fp32 matmul precision are those the binding checked its products at
+bool same_settings(const EntryWeights& e) {
+  return at::get_num_threads() == e.threads && e.precision >= 0 && matmul_precision() == e.precision;
+}
+
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> enter(const at::Tensor& h,
                                                                                  const at::Tensor& collapse_pre,
                                                                                  const EntryWeights& e) {
+  const int64_t block = !same_settings(e) || h.dim() != 3 ? 0 : h.size(0) == 1 ? e.entry_one : e.entry_more;
   return hc_enter(h, e.fn_t, e.scale, e.base, collapse_pre, e.norm_weight, e.norm_eps, e.rms_eps, e.hc_eps, e.iters,
-                  e.mix, false);
+                  e.mix, false, block);
 }
 
 // the sublayer's exit (hc_expand_rows): residual h [B, hc, hidden], its output x [B, hidden]
 std::optional<at::Tensor> leave(const at::Tensor& x, const at::Tensor& h, const at::Tensor& post, const at::Tensor& comb,
                                 const EntryWeights& e) {
-  const bool same = at::get_num_threads() == e.threads && e.precision >= 0 && matmul_precision() == e.precision;
-  const int64_t form = !same || h.dim() != 3 ? 0 : h.size(0) == 1 ? e.exit_one : e.exit_more;
+  const int64_t form = !same_settings(e) || h.dim() != 3 ? 0 : h.size(0) == 1 ? e.exit_one : e.exit_more;
   return hc_expand_rows(x, h, post, comb, false, form != 0, form == 2, form == 3);
 }
 

@@ -13,8 +13,14 @@ the kernel's second form (`ChainForm.SETTLED`); one batch of 1-long chains there
 kept: the chain from −0 (`ChainForm.FROM_NEGATIVE_ZERO`). Which form, if any, gives ``torch.bmm``'s bits at a shape
 is checked here once per process and shape class (one batch, or more), before the kernel is used there; none keeps
 ``torch.bmm`` (logged at INFO: the same values, only slower; MKL's small-product order differs at some shapes, e.g.
-1 or 2 rows of q against keys, and on the Zen code path q · keysᵀ, the batch-lane classes). It knows nothing of the
-callers' formulas.
+1 or 2 rows of q against keys, and on the Zen code path q · keysᵀ, the batch-lane classes).
+
+A decode step's mHC entry multiplies its rows by the coefficients' weights (``mm(flatten(h), fn_t)``, [B, 1024] ·
+[1024, 24] on v4.1-mini) and its router by the gate's (``mm(x, weightᵀ)``): MKL in the strict reproducible mode
+kvdiet asks for (`kvdiet.threads`) spends some 6.5 µs on one row of the first. ``chain_mm`` repeats its order, found
+by experiment on an Intel Xeon: FMA chains from +0 over blocks of `MKL_BLOCK` values of k, added in order (a K of
+one to two blocks splits in halves). `product_fits` says, once per process and shape class, whether that gives
+``torch.mm``'s bits here. It knows nothing of the callers' formulas.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import enum
 import functools
 import logging
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
@@ -30,12 +37,18 @@ from kvdiet.formats import native
 
 __all__ = [
     "CHAIN_DEPTH_MAX",
+    "CHAIN_MM_ROWS",
+    "MKL_BLOCK",
     "TORCH_LOOP_BELOW",
     "ChainForm",
     "batched_product",
     "chain_agrees",
     "chain_class",
     "chain_fits",
+    "product_block",
+    "product_fits",
+    "rows_product_fits",
+    "weight_block",
 ]
 
 CHAIN_DEPTH_MAX = 64
@@ -45,6 +58,15 @@ TORCH_LOOP_BELOW = 400
 """Multiply-adds a matrix (M·K·N) below which ``torch.bmm`` on the CPU sums with its own loop of rounded products
 instead of its BLAS (ATen's ``bmm_out_or_baddbmm_``; the tests hold torch to it): `batched_product` leaves such
 shapes to ``torch.bmm`` without a check or a warning."""
+
+
+CHAIN_MM_ROWS = 16
+"""The most rows of ``a`` ``chain_mm`` takes (``kChainMmRows``: a batched decode step's)."""
+
+MKL_BLOCK = 384
+"""Values of k whose products MKL's sgemm sums as one FMA chain in its strict reproducible mode on an Intel Xeon
+(AVX-512), the chains then added in order: found by experiment on [M, K] · [K, N] products, M 1..16, K 1..16,384,
+N 1..40 (undocumented; `product_block` checks it before ``chain_mm`` stands in)."""
 
 
 class ChainForm(enum.IntEnum):
@@ -165,15 +187,7 @@ def chain_agrees(
         RuntimeError: the kernels are switched off or did not build.
         ValueError: ``precision`` or ``threads`` is not torch's at this moment (the check runs under torch's).
     """
-    kernels = native.fp4_kernels()
-    if kernels is None:
-        raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
-    if precision != torch.get_float32_matmul_precision():
-        raise ValueError(
-            f"checking under precision {precision!r} while torch's is {torch.get_float32_matmul_precision()!r}"
-        )
-    if threads != torch.get_num_threads():
-        raise ValueError(f"checking on {threads} threads while torch runs {torch.get_num_threads()}")
+    kernels = _checking_kernels(precision, threads)
     shape = (m, depth, n, a_cols, w_cols)
     batches = (1,) if single else _BATCHES
     forms = (ChainForm.CHAIN, ChainForm.SETTLED, ChainForm.FROM_NEGATIVE_ZERO)
@@ -208,6 +222,107 @@ def chain_agrees(
     first = "; ".join(f"{form.name.lower()}: batch {b}, case {c}" for form, (b, c) in failed.items())
     _log.info("compiled chain_bmm differs from torch.bmm at %s (%s); using torch.bmm", shape, first)
     return ChainForm.NONE
+
+
+def product_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> int:
+    """The block length with which ``chain_mm`` may stand in for ``torch.mm`` on fp32 CPU operands a [m, depth] · w
+    [depth, n] without autograd (``a_cols`` / ``w_cols``: whether that operand's columns are its contiguous dim, a
+    transposed weight's), for a caller that holds the kernels: 0 (keep ``torch.mm``) unless 1 ≤ m ≤
+    `CHAIN_MM_ROWS` and torch names one fp32 matmul precision, else `product_block`'s (checked once per class,
+    matmul precision and intra-op thread count).
+
+    Raises:
+        RuntimeError: the kernels are switched off or did not build (from `product_block`'s first check).
+    """
+    if not 1 <= m <= CHAIN_MM_ROWS or depth < 1 or n < 1:
+        return 0
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # per-backend precisions set: no one precision to check the chains under
+        return 0
+    return product_block(m, depth, n, a_cols, w_cols, precision, torch.get_num_threads())
+
+
+def weight_block(rows: int, weight_t: torch.Tensor) -> int:
+    """`product_fits` of contiguous rows a [rows, K] times ``weight_t`` [K, N] (a transposed weight's view, or any
+    other layout)."""
+    cols = weight_t.stride(0) == 1 and weight_t.stride(1) != 1
+    return product_fits(rows, weight_t.shape[0], weight_t.shape[1], False, cols)
+
+
+def rows_product_fits(depth: int, n: int, a_cols: bool, w_cols: bool, *, single: bool) -> int:
+    """`product_fits` for one row (``single``) or for every count of 2..`CHAIN_MM_ROWS` rows alike (the block all
+    of them found, else 0): what a decode step's binding holds for one request and for more."""
+    if single:
+        return product_fits(1, depth, n, a_cols, w_cols)
+    blocks = {product_fits(m, depth, n, a_cols, w_cols) for m in range(2, CHAIN_MM_ROWS + 1)}
+    return blocks.pop() if len(blocks) == 1 else 0
+
+
+@functools.cache
+def product_block(
+    m: int, depth: int, n: int, a_cols: bool, w_cols: bool, precision: str, threads: int
+) -> int:
+    """The block length with which ``chain_mm`` gives ``torch.mm``'s bits at this shape class on this machine
+    (`product_fits`' arguments; ``precision`` and ``threads`` as `chain_agrees` takes them), checked once per
+    process and key: `MKL_BLOCK`, else one chain over all of k (``depth``), where every check holds; else 0 (logged
+    at INFO: ``torch.mm`` keeps its work, the same values). The checks are `chain_agrees`' five cases of random and
+    adversarial operands in this layout (no NaN: the kernel declines NaN outputs); none that ran (a build without
+    AVX-512 declines them all: at DEBUG) gives 0 too.
+
+    Raises:
+        RuntimeError: the kernels are switched off or did not build.
+        ValueError: ``precision`` or ``threads`` is not torch's at this moment (the check runs under torch's).
+    """
+    kernels = _checking_kernels(precision, threads)
+    shape = (m, depth, n, a_cols, w_cols)
+    blocks = list(dict.fromkeys((MKL_BLOCK, max(depth, 1))))  # one chain is the same blocks where depth ≤ 384
+    failed: dict[int, int] = {}  # each block length's first mismatching case
+    ran = 0
+    with torch.device("cpu"):
+        checks = [(c, a[0], w[0]) for _, c, a, w in _check_operands((m, depth, n, a_cols, w_cols), (1,))]
+    for case, a, w in checks:
+        want = None
+        for block in blocks:
+            if block in failed:
+                continue
+            with torch.inference_mode():
+                got = kernels.chain_mm(a, w, block)
+                if got is None:  # a NaN output, or a build that declines: torch.mm runs such operands
+                    break
+                if want is None:
+                    want = torch.mm(a, w)
+                    ran += 1
+            if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
+                failed[block] = case
+    if ran == 0:
+        _log.debug("compiled chain_mm declined every check at %s; using torch.mm", shape)
+        return 0
+    for block in blocks:
+        if block not in failed:
+            _log.debug("compiled chain_mm (blocks of %d) gives torch.mm's bits at %s", block, shape)
+            return block
+    _log.info("compiled chain_mm differs from torch.mm at %s (cases %s); using torch.mm", shape, failed)
+    return 0
+
+
+def _checking_kernels(precision: str, threads: int) -> ModuleType:
+    """The compiled kernels, for a check under torch's ``precision`` and ``threads`` at this moment.
+
+    Raises:
+        RuntimeError: the kernels are switched off or did not build.
+        ValueError: ``precision`` or ``threads`` is not torch's now.
+    """
+    kernels = native.fp4_kernels()
+    if kernels is None:
+        raise RuntimeError("kvdiet's compiled kernels are switched off or did not build")
+    if precision != torch.get_float32_matmul_precision():
+        raise ValueError(
+            f"checking under precision {precision!r} while torch's is {torch.get_float32_matmul_precision()!r}"
+        )
+    if threads != torch.get_num_threads():
+        raise ValueError(f"checking on {threads} threads while torch runs {torch.get_num_threads()}")
+    return kernels
 
 
 def _check_operands(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.chain_products import chain_fits
+from kvdiet.model.chain_products import chain_fits, rows_product_fits
 from kvdiet.model.hc import HcWeights
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.module_reads import ModuleReads, Transient
@@ -135,9 +135,18 @@ def entry_weights(
     (``hc_expand_rows``' ``combᵀ · residual``, [B, hc, hc] · [B, hc, hidden]) runs as the compiled chain for one row
     and for more (`kvdiet.model.chain_products.chain_fits` at the current intra-op threads and matmul precision,
     which the kernel reads with them: ``torch.bmm`` runs where either has changed). The chain replaces a call of
-    some 4 µs a sublayer (0.3 ms of a v4.1-mini decode step)."""
+    some 4 µs a sublayer (0.3 ms of a v4.1-mini decode step). Likewise the blocks in which the entry's coefficient
+    product (``flatten(h) · fn_t``) runs as the compiled ``chain_mm`` for one row and for more
+    (`kvdiet.model.chain_products.rows_product_fits`; ``torch.mm`` where none or where the settings changed)."""
     hc_mult, hidden = cfg.hc_mult, cfg.hidden_size
     one, more = (chain_fits(hc_mult, hc_mult, hidden, True, False, single=single) for single in (True, False))
+    fn_cols = (
+        hc.fn_t.stride(0) == 1 and hc.fn_t.stride(1) != 1
+    )  # weight_block's class, for one row and for more
+    entry_one, entry_more = (
+        rows_product_fits(hc_mult * hidden, hc.fn_t.shape[1], False, fn_cols, single=single)
+        for single in (True, False)
+    )
     return kernels.EntryWeights(
         hc.fn_t,
         hc.scale,
@@ -150,6 +159,8 @@ def entry_weights(
         mix,
         int(one),
         int(more),
+        entry_one,
+        entry_more,
     )
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from kvdiet.config import ModelConfig
 from kvdiet.formats import native
-from kvdiet.model.chain_products import ChainForm, chain_fits
+from kvdiet.model.chain_products import ChainForm, chain_fits, weight_block
 from kvdiet.model.layers import RMSNorm, as_dtype, constant, kernels_agree, widen
 from kvdiet.model.member import member, overridden
 from kvdiet.model.sinkhorn import MAX_MIX_ROWS, hc_mix, hc_mix_address, softmax_sinkhorn
@@ -95,9 +95,9 @@ def sublayer_entry(
     v41-spec §8.1) and its own `sublayer_coefficients` ``(pre, post, comb)``, the same values bit for bit.
 
     Where it applies (fp32 streams of at most `MAX_MIX_ROWS` rows on the CPU with hc ≤ 4, no autograd: a decode
-    step's and a prefill chunk's) all of it is one compiled call (``hc_enter``, ``formats/hc_kernels.cpp``: the
-    same torch ops and kernels in the same order, `hc_mix`'s kernel included; it needs the norm kernel checked,
-    `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
+    step's and a prefill chunk's) all of it is one compiled call (``hc_enter``: torch's ops and kernels in order,
+    `hc_mix`'s included, the coefficients' product as ``chain_mm`` where `weight_block` finds torch's bits; it
+    needs the norm kernel checked, `kvdiet.model.layers.kernels_agree`); elsewhere, the functions themselves.
 
     Returns:
         (x fp32 [T, hidden], pre [T, hc], post [T, hc], comb [T, hc, hc]).
@@ -111,14 +111,14 @@ def sublayer_entry(
         and not overridden(norm, RMSNorm)  # a hook or wrapper on the norm runs on the module path
     ):
         kernels, mix = entry_kernels()
-        entered = None
         if kernels is not None and mix is not None and weights.dtype == torch.float32:
             entered = kernels.hc_enter(
                 h, weights.fn_t, weights.scale, weights.base, collapse_pre, member(norm, "weight"), norm.eps,
                 cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, mix, any_rows=h.shape[0] > KERNEL_ROWS,
+                mix_block=weight_block(h.shape[0], weights.fn_t),
             )  # fmt: skip
-        if entered is not None:
-            return entered
+            if entered is not None:
+                return entered
     return norm(hc_collapse(h, collapse_pre)), *weights.coefficients(
         h, rms_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, sinkhorn_iters=cfg.hc_sinkhorn_iters
     )
