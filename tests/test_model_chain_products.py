@@ -467,6 +467,9 @@ def _mm_operands(m: int, k: int, n: int, w_layout: str, gen: torch.Generator, ca
         (1, 1, 1, MKL_BLOCK),  # one product
         (1, 37, 24, MKL_BLOCK),  # one chain (K <= block), a 16 + 8 output split, a partial chunk of k
         (3, 30, 17, 16),  # one to two blocks: halves, 15 + 15
+        (2, 31, 5, 16),  # halves of an odd K: 16 + 15, the first the longer
+        (1, 16, 5, 16),  # K = block: one chain
+        (1, 32, 5, 16),  # K = 2 · block: two halves, which are the two blocks
         (5, 50, 8, 16),  # blocks of 16, 16, 16, then 2; a row past the groups of 4
         (16, 33, 3, 8),  # sixteen rows; five blocks, the last one value
     ],
@@ -498,7 +501,7 @@ def test_chain_mm_is_its_blocked_fma_chains(m, k, n, block, w_layout, case):
         (3, 256, 24, "cols"),  # v4.1-micro's and the tiny plan's (one chain)
         (2, 385, 24, "cols"),  # one to two blocks: halves
         (1, 2000, 24, "cols"),  # five blocks, the last a partial one
-        (4, 256, 8, "cols"),  # the router's x · weightᵀ
+        (4, 256, 8, "cols"),  # a router-shaped product, x · weightᵀ
         (5, 64, 40, "rows"),
     ],
 )
@@ -514,14 +517,22 @@ def test_chain_mm_gives_torch_mm_bits_where_its_check_holds(m, k, n, w_layout, t
         cols = w_layout == "cols"
         block = product_fits(m, k, n, False, cols)
         assert block in (0, MKL_BLOCK, k)
+        agree = (
+            native.cpu_isa() == "AVX512"
+        )  # whether chain_mm in MKL_BLOCK blocks gave torch.mm's bits on each
         for case in range(3):
             a, w = _mm_operands(m, k, n, w_layout, gen, case)
             want = torch.mm(a, w)
             if block:
                 assert torch.equal(_bits(kernels.chain_mm(a, w, block)), _bits(want))
-            elif case == 0 and native.cpu_isa() == "AVX512":
+            elif native.cpu_isa() == "AVX512":
                 got = kernels.chain_mm(a, w, MKL_BLOCK)
-                assert bool(((got - want).abs() <= 2 * k * 2.0**-24 * torch.mm(a.abs(), w.abs())).all())
+                agree &= torch.equal(_bits(got), _bits(want))
+                if case == 0:
+                    assert bool(((got - want).abs() <= 2 * k * 2.0**-24 * torch.mm(a.abs(), w.abs())).all())
+        # a BLAS that sums these as the blocked chains (random, adversarial and underflowing operands alike) must
+        # not be refused by the check
+        assert block or not agree
     finally:
         torch.set_num_threads(old)
 

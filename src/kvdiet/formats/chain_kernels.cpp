@@ -1,7 +1,8 @@
-// Batched products of small operands with at::bmm's bits where its BLAS (MKL's sgemm) sums each output as one FMA
-// chain: c[b, i, j] = fma(a[b, i, K-1], w[b, K-1, j], ... fma(a[b, i, 0], w[b, 0, j], +0)), k increasing from a +0
-// accumulator. Compiled after rmsnorm_kernels.cpp (its any_nan is in scope) and before hc_kernels.cpp (which uses
-// chain_bmm) into the same module; fp8_kernels.cpp holds the bindings. Built at first use by kvdiet.formats.native.
+// Small products with torch's bits where its BLAS (MKL's sgemm) sums each output as FMA chains: chain_bmm, at::bmm's
+// c[b, i, j] = fma(a[b, i, K-1], w[b, K-1, j], ... fma(a[b, i, 0], w[b, 0, j], +0)), k increasing from a +0
+// accumulator; chain_mm, at::mm's in MKL's strict reproducible mode, such chains over blocks of k added in order.
+// Compiled after rmsnorm_kernels.cpp (its any_nan is in scope) and before hc_kernels.cpp (which uses both) into the
+// same module; fp8_kernels.cpp holds the bindings. Built at first use by kvdiet.formats.native.
 //
 // chain_bmm(a, w, settle_zero, start_negative): a float32 [B, M, K], w float32 [B, K, N] (any strides, B >= 1,
 //   1 <= K <= kChainDepthMax) -> float32 [B, M, N] (contiguous, at::bmm's layout), or std::nullopt for any other
@@ -24,23 +25,22 @@
 //   reads rows of zeros for its missing batches and stores only its own. Such operands are declined elsewhere
 //   (fewer batches, wider matrices, no AVX-512): one output at a time there is slower than at::bmm. MKL sums these
 //   as chains too from 3 rows of a up; at 1 and 2 rows (v4.1-micro's 2 heads) it does not, which the check finds.
+//   Why: a prefill's mHC and attention make some 160 such products a chunk; at::bmm's batched-BLAS call takes
+//   21-24 µs on [256, 4, 4] x [256, 4, 64] and [256, 4, 8] x [256, 8, 64] (one thread), this loop 13-19 µs; on the
+//   scores of the 40-layer tiny plan (4 heads x 64 dims), [256, 4, 64] x [256, 64, 8], about 100 µs against 38 µs.
 // chain_mm(a, w, block): a float32 [M, K], w float32 [K, N] (any strides, 1 <= M <= kChainMmRows, K >= 1, block
 //   >= 1) -> float32 [M, N] (contiguous, at::mm's layout), or std::nullopt for any other input, a build without
 //   AVX-512 or a NaN output: out[m, n] = P_0 + P_1 + ... (added in order, P_0 as it is), P_b the FMA chain from +0
 //   over the k of block b in increasing k; the blocks are block values of k each (the last the rest), except that
 //   a K of more than one and at most two blocks splits in halves, the first ceil(K / 2) long. MKL's sgemm in its
-//   strict reproducible mode (which
-//   importing kvdiet asks for: kvdiet/threads.py) sums a product of a few rows that way on this build's Intel Xeon
-//   with block = 384 (found by experiment, as the chains above: [M, K] · [K, N] at M = 1 .. 16, K = 1 .. 16384 and
-//   N = 1 .. 40, zeros' signs included), so kvdiet.model.chain_products.product_block checks a shape class against at::mm once
-//   per process before its callers use this. The outputs go 16 to a vector; where w holds k contiguously (w = the
-//   transpose of a row-major weight [N, K]: the mHC coefficients' fn_t, the router's weightᵀ) 16 of its rows are
-//   transposed 16 x 16 at a time into those vectors, so the weight is read in place.
+//   strict reproducible mode (which importing kvdiet asks for: kvdiet/threads.py) sums a product of a few rows that
+//   way on this build's Intel Xeon with block = 384 (found by experiment, as the chains above: [M, K] · [K, N] at
+//   M = 1 .. 16, K = 1 .. 16384 and N = 1 .. 40, zeros' signs included), so kvdiet.model.chain_products.product_block
+//   checks a shape class against at::mm once per process before its callers use this. The outputs go 16 to a
+//   vector; where w holds k contiguously (w = the transpose of a row-major weight [N, K], as the mHC coefficients'
+//   fn_t) 16 of its rows are transposed 16 x 16 at a time into those vectors, so the weight is read in place.
 //   Why: at::mm of one row by the mHC coefficients' [1024, 24] takes some 6.5 µs hot in MKL's strict mode (80 such
 //   a v4.1-mini decode step, 17 µs each there); the chains take about 2.
-//   Why chain_bmm: a prefill's mHC and attention make some 160 such products a chunk; at::bmm's batched-BLAS call takes
-//   21-24 µs on [256, 4, 4] x [256, 4, 64] and [256, 4, 8] x [256, 8, 64] (one thread), this loop 13-19 µs; on the
-//   scores of the 40-layer tiny plan (4 heads x 64 dims), [256, 4, 64] x [256, 64, 8], about 100 µs against 38 µs.
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>

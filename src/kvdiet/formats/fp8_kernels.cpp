@@ -224,7 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("collapse_pre"), py::arg("norm_weight"), py::arg("norm_eps"), py::arg("rms_eps"), py::arg("hc_eps"),
         py::arg("iters"), py::arg("mix"), py::arg("any_rows") = false, py::arg("mix_block") = 0,
         py::call_guard<py::gil_scoped_release>());
-  m.def("chain_mm", &chain_mm, py::call_guard<py::gil_scoped_release>());
+  m.def("chain_mm", &chain_mm, py::arg("a"), py::arg("w"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
   m.def("chain_bmm", &chain_bmm, py::arg("a"), py::arg("w"), py::arg("settle_zero") = false,
         py::arg("start_negative") = false, py::call_guard<py::gil_scoped_release>());
   m.def("hc_expand_rows", &hc_expand_rows, py::arg("x"), py::arg("residual"), py::arg("post"), py::arg("comb"),

@@ -16,8 +16,9 @@ is checked here once per process and shape class (one batch, or more), before th
 1 or 2 rows of q against keys, and on the Zen code path q · keysᵀ, the batch-lane classes).
 
 A decode step's mHC entry multiplies its rows by the coefficients' weights (``mm(flatten(h), fn_t)``, [B, 1024] ·
-[1024, 24] on v4.1-mini) and its router by the gate's (``mm(x, weightᵀ)``): MKL in the strict reproducible mode
-kvdiet asks for (`kvdiet.threads`) spends some 6.5 µs on one row of the first. ``chain_mm`` repeats its order, found
+[1024, 24] on v4.1-mini): MKL in the strict reproducible mode kvdiet asks for (`kvdiet.threads`) spends some
+6.5 µs on one row of it (the router's ``mm(x, weightᵀ)`` is of the same form, some 0.8 µs of it a call: left to
+``torch.mm``). ``chain_mm`` repeats MKL's order, found
 by experiment on an Intel Xeon: FMA chains from +0 over blocks of `MKL_BLOCK` values of k, added in order (a K of
 one to two blocks splits in halves). `product_fits` says, once per process and shape class, whether that gives
 ``torch.mm``'s bits here. It knows nothing of the callers' formulas.
@@ -276,7 +277,9 @@ def product_block(
     """
     kernels = _checking_kernels(precision, threads)
     shape = (m, depth, n, a_cols, w_cols)
-    blocks = list(dict.fromkeys((MKL_BLOCK, max(depth, 1))))  # one chain is the same blocks where depth ≤ 384
+    blocks = (
+        [MKL_BLOCK] if depth <= MKL_BLOCK else [MKL_BLOCK, depth]
+    )  # up to MKL_BLOCK: one chain either way
     failed: dict[int, int] = {}  # each block length's first mismatching case
     ran = 0
     with torch.device("cpu"):
