@@ -70,11 +70,16 @@ def test_bound_steps_give_the_pieces_logits(micro, counted, batch) -> None:
     model = copy.deepcopy(micro)
     bound = _run(model, batch, [5, 9, 11])
     layers = len(model.layers)
+    compressors = sum(block.attn._modules.get("compressor") is not None for block in model.layers)
+    assert 0 < compressors < layers
     assert counted.calls.get("attn_head") == counted.calls.get("attn_tail") == 3 * layers
     assert "project_out_rows" not in counted.calls and "ffn_rows" not in counted.calls
+    # a layer without a compressor reads its window in attn_head; the others after their compressor step
+    assert counted.calls.get("read_fp8_window") == 3 * compressors
     counted.calls.clear()
     assert torch.equal(bound, _run(model, batch, [5, 9, 11], pieces=True))
     assert "attn_head" not in counted.calls and counted.calls.get("project_out_rows") == 3 * layers
+    assert counted.calls.get("read_fp8_window") == 3 * layers
 
 
 def _weight(model: Transformer) -> None:

@@ -255,7 +255,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<AttnWeights>(m, "AttnWeights")
       .def(py::init<EntryWeights, at::Tensor, at::Tensor, double, at::Tensor, int64_t, int64_t, at::Tensor,
                     at::Tensor, double, int64_t, at::Tensor, double, at::Tensor, int64_t, at::Tensor>());
-  m.def("attn_head", &attn_head, py::call_guard<py::gil_scoped_release>());
+  m.def("attn_head", &attn_head, py::arg("h"), py::arg("collapse_pre"), py::arg("attn"), py::arg("cis"),
+        py::arg("rings") = py::none(), py::arg("slots") = py::none(), py::arg("held") = py::none(),
+        py::arg("lo") = 0, py::arg("hi") = 0, py::arg("keys") = py::none(), py::arg("entries") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("attn_tail", &attn_tail, py::arg("q"), py::arg("win"), py::arg("win_mask"), py::arg("comp").none(true),
         py::arg("comp_mask").none(true), py::arg("h"), py::arg("post"), py::arg("comb"), py::arg("attn_pre"),
         py::arg("cis_inverse"), py::arg("attn"), py::arg("ffn").none(true), py::call_guard<py::gil_scoped_release>());

@@ -19,9 +19,11 @@
 //   float32 [B, hc] -> (new streams, this FFN's pre float32 [B, hc], the experts routed int64 [B, k]): hc_enter,
 //   route_rows, expert_groups over the experts named (increasing), hc_expand_rows. std::nullopt where one of them
 //   declines (nothing was written). The caller checks the routed experts' bindings after the call.
-// attn_head(h, collapse_pre, attn, cis) -> [x, pre, post, comb, qr, q, kv]: hc_enter, then project_rows for the
-//   queries (qr [B, q_lora], q [B, H, D] rotated) and for the window KV (kv [B, D], normed and rotated); empty where
-//   one declines.
+// attn_head(h, collapse_pre, attn, cis, rings, slots, held, lo, hi, keys, entries) -> [x, pre, post, comb, qr, q,
+//   kv] (+ [keys, entries]): hc_enter, then project_rows for the queries (qr [B, q_lora], q [B, H, D] rotated) and
+//   for the window KV (kv [B, D], normed and rotated); empty where one declines. With rings, slots, keys and entries
+//   (fp8.read_window's arguments, kvdiet/model/decode_step.py's fused_window), then read_fp8_window of kv into keys
+//   and entries, both appended where it takes them (where it declines, the caller runs its own read).
 // attn_tail(q, win, win_mask, comp, comp_mask, h, post, comb, attn_pre, cis_inverse, attn, ffn) -> [streams, pre,
 //   experts routed] with ffn, or [streams after the attention sublayer] where ffn is None or ffn_rows declines
 //   (the caller runs the FFN half), or empty where the attention's own kernels decline or its inputs do not have
@@ -159,8 +161,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   return std::make_tuple(*streams, pre, ids);
 }
 
+// fp8_kernels.cpp (compiled after this file)
+bool read_fp8_window(const std::vector<at::Tensor>& rings, const at::Tensor& slots,
+                     const std::optional<at::Tensor>& held, const at::Tensor& kv, int64_t lo, int64_t hi,
+                     at::Tensor out, at::Tensor fresh);
+
 std::vector<at::Tensor> attn_head(const at::Tensor& h, const at::Tensor& collapse_pre, const AttnWeights& a,
-                                  const at::Tensor& cis) {
+                                  const at::Tensor& cis, const std::optional<std::vector<at::Tensor>>& rings,
+                                  const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& held,
+                                  int64_t lo, int64_t hi, const std::optional<at::Tensor>& keys,
+                                  const std::optional<at::Tensor>& entries) {
   auto entered = enter(h, collapse_pre, a.entry);
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
@@ -168,7 +178,14 @@ std::vector<at::Tensor> attn_head(const at::Tensor& h, const at::Tensor& collaps
                                 a.kv_norm_weight, a.kv_norm_eps, cis, a.rope_dim);
   if (!both.has_value()) return {};
   const auto& [q, kv] = *both;
-  return {x, pre, post, comb, std::get<0>(q), std::get<1>(q), kv};
+  std::vector<at::Tensor> out{x, pre, post, comb, std::get<0>(q), std::get<1>(q), kv};
+  // the window read of the new entries kv, where asked and where it takes them (else the caller's read runs)
+  if (rings.has_value() && slots.has_value() && keys.has_value() && entries.has_value() &&
+      read_fp8_window(*rings, *slots, held, kv, lo, hi, *keys, *entries)) {
+    out.push_back(*keys);
+    out.push_back(*entries);
+  }
+  return out;
 }
 
 std::vector<at::Tensor> attn_tail(const at::Tensor& q, const at::Tensor& win, const at::Tensor& win_mask,

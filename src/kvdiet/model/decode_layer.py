@@ -4,8 +4,10 @@ then the FFN half.
 Where the layer's weights are bound (`kvdiet.model.attn_binding.AttnBinding`, `kvdiet.model.ffn_binding.FfnBinding`:
 1..16 fp32 CPU rows, no autograd, dense fp32 weights, exact module classes, no hooks, no selection observer) the
 layer is three compiled calls around its cache reads (``formats/layer_kernels.cpp``): ``attn_head`` (mHC entry,
-query and window-KV projections), `kvdiet.model.decode_step.attend_inputs` in Python (the KV-source layer's new
-global entries, the window read, the indexer's top-k, the gather of the selected entries), then ``attn_tail``
+query and window-KV projections, then on a layer without a compressor its window read: ``read_fp8_window``, as
+`kvdiet.formats.fp8.read_window` calls it), `kvdiet.model.decode_step.attend_inputs` in Python (the KV-source
+layer's new global entries, its window read, or where the fused read declined the layer's, the indexer's top-k,
+the gather of the selected entries), then ``attn_tail``
 (attention, output projection, mHC exit, and the whole FFN half): the kernels the pieces call, in their order, on
 the same operands, so the same bits. On v4.1-mini that leaves some 40 Python calls a layer of the ~190 the pieces
 make. Elsewhere, or where a kernel declines, the pieces run: `Block.entry`, the `Attention` module (its hooks
@@ -20,6 +22,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from kvdiet.formats import fp8
 from kvdiet.model.attn_binding import AttnBinding
 from kvdiet.model.decode_ffn import bound_ffn, bound_sublayer
 from kvdiet.model.decode_step import DecodePlan, attend_inputs, attend_out
@@ -82,11 +85,14 @@ def _bound_layer(
     rot = plan.rotation(attn.rope)
     if rot.rope_dim != binding.rope_dim or rope_kernels(rot.rope_dim) is None:
         return None
-    head = kernels.attn_head(h, prev_pre, binding.weights, rot.cis)
+    window = _fused_window(attn, plan, h.shape[0])
+    head = kernels.attn_head(h, prev_pre, binding.weights, rot.cis, *window)
     if not head:
         return None
-    x, attn_pre, post, comb, qr, q, kv = head
-    win_kv, win_mask, comp, comp_mask = attend_inputs(attn, x, qr, q, kv, segs, plan, rot)
+    x, attn_pre, post, comb, qr, q, kv, *read = head
+    win_kv, win_mask, comp, comp_mask = attend_inputs(
+        attn, x, qr, q, kv, segs, plan, rot, tuple(read) or None
+    )
     args = (q, win_kv, win_mask, comp, comp_mask, h, post, comb, attn_pre, rot.cis_inverse, binding.weights)
     tail = kernels.attn_tail(*args, None if ffn is None else ffn.weights)
     if len(tail) == 3 and (checked is not None or ffn.routed_current(tail[2])):
@@ -98,3 +104,21 @@ def _bound_layer(
     if not tail:  # the attention's kernels declined (or its inputs do not fit: the pieces raise the error)
         tail = [hc_expand(attend_out(attn, q, win_kv, win_mask, comp, comp_mask, rot), h, post, comb)]
     return block.ffn_half(tail[0], attn_pre, decode_step=True)
+
+
+def _fused_window(attn: nn.Module, plan: DecodePlan, rows: int) -> tuple:
+    """``attn_head``'s window-read arguments for this layer (`kvdiet.formats.fp8.read_window`'s: the rings, slots and
+    held slots, scale-byte range, the plan's key buffer and the entries to stage), so the read runs in the same call
+    as the projections; ``()`` where `attend_inputs`' own read must run: a layer with a compressor (its step and its
+    checks come first), or a window codec other than the FP8 one."""
+    codec = attn.codecs.window
+    if attn._modules.get("compressor") is not None or codec.fused_read is not fp8.read_window:
+        return ()
+    layer, (b, n) = attn.info.layer_id, plan.window_slots.shape
+    if (
+        plan.window_keys is None
+    ):  # the step's one key buffer (`DecodePlan.window_keys`): no autograd on this path
+        plan.window_keys = torch.empty(b, n + 1, codec.dim, dtype=torch.float32)
+    held = None if plan.window_held is None else plan.window_held[layer]
+    entries = torch.empty(rows, codec.width, dtype=torch.uint8)
+    return plan.layer_rings[layer], plan.window_slots, held, *fp8.SCALE_BYTES, plan.window_keys, entries

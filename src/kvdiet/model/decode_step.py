@@ -238,6 +238,7 @@ def attend_inputs(
     segs: list[Segment],
     plan: DecodePlan,
     rot: Rotation,
+    read: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """What a decode step's attention reads from the caches, after its projections (``x`` fp32 [B, hidden], the
     queries' ``qr`` [B, q_lora] and ``q`` [B, H, D], the window entries ``kv`` [B, D], normed and rotated by the
@@ -245,7 +246,9 @@ def attend_inputs(
     KV-source layer's new global entries written (`_update_global`), the window keys and mask (`_window`), an
     index layer's top-k selected, and the selected main-KV entries gathered once per (KV source, index source):
     ``(win_kv fp32 [B, W, D], win_mask bool [B, W], comp [B, K, D] | None, comp_mask bool [B, K] | None)``,
-    ``comp`` fp32 or bf16 (`BatchTables.gather`: the same values).
+    ``comp`` fp32 or bf16 (`BatchTables.gather`: the same values). ``read``: the layer's window read already made
+    with its projections (`kvdiet.model.decode_layer`'s fused read: ``(keys, entries)`` as `_window`'s read gives
+    them, on a layer without a compressor), which the plan stages as `_window` does.
 
     Raises:
         ValueError: as `_update_global` and `DecodePlan.check_pending`.
@@ -253,7 +256,10 @@ def attend_inputs(
     info, mods = attn.info, attn._modules
     if mods.get("compressor") is not None:
         _update_global(attn, x, segs, plan)
-    win_kv, win_mask = _window(attn, plan, kv)
+    if read is None:
+        win_kv, win_mask = _window(attn, plan, kv)
+    else:
+        (win_kv, plan.fresh[info.layer_id]), win_mask = read, plan.window_mask[info.layer_id]
     if mods.get("indexer") is not None:
         select_step(attn, qr, x, segs, plan, rot)
     if attn.selection_observer is not None and info.compress_ratio:
