@@ -25,7 +25,7 @@ from kvdiet.model.chain_products import (
     chain_fits,
     product_block,
     product_fits,
-    rows_product_fits,
+    weight_block,
 )
 
 
@@ -562,13 +562,16 @@ def test_chain_mm_declines_what_it_does_not_fit():
 
 def test_the_product_verdict_is_kept_per_matmul_precision_and_thread_count():
     """product_block answers once per class, precision and thread count (MKL may split by thread count), and
-    rows_product_fits' verdict for more than one row is the block every count of 2..16 rows found."""
+    weight_block's verdict for a count of rows is product_fits' at its class, for more than one row (None) the block
+    every count of 2..16 rows found."""
     _assert_verdict_kept(product_fits, product_block, (1, 300, 24, False, True), (1, 301, 24, False, True))
+    weight_t = torch.empty(24, 300).t()  # a transposed weight's view: k contiguous
     try:
         first = product_fits(1, 300, 24, False, True)
-        more = rows_product_fits(300, 24, False, True, single=False)
+        assert weight_block(1, weight_t) == first
+        assert weight_block(3, weight_t.contiguous()) == product_fits(3, 300, 24, False, False)
         each = {product_fits(m, 300, 24, False, True) for m in range(2, CHAIN_MM_ROWS + 1)}
-        assert more == (each.pop() if len(each) == 1 else 0)
-        assert rows_product_fits(300, 24, False, True, single=True) == first
+        assert weight_block(None, weight_t) == (each.pop() if len(each) == 1 else 0)
+        assert weight_block(CHAIN_MM_ROWS + 1, weight_t) == 0
     finally:
         product_block.cache_clear()

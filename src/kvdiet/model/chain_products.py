@@ -48,7 +48,6 @@ __all__ = [
     "chain_fits",
     "product_block",
     "product_fits",
-    "rows_product_fits",
     "weight_block",
 ]
 
@@ -244,19 +243,15 @@ def product_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> int:
     return product_block(m, depth, n, a_cols, w_cols, precision, torch.get_num_threads())
 
 
-def weight_block(rows: int, weight_t: torch.Tensor) -> int:
+def weight_block(rows: int | None, weight_t: torch.Tensor) -> int:
     """`product_fits` of contiguous rows a [rows, K] times ``weight_t`` [K, N] (a transposed weight's view, or any
-    other layout)."""
+    other layout); ``rows`` None: every count of 2..`CHAIN_MM_ROWS` rows alike (the block all of them found, else 0),
+    what a decode step's binding holds for more than one request."""
+    depth, n = weight_t.shape
     cols = weight_t.stride(0) == 1 and weight_t.stride(1) != 1
-    return product_fits(rows, weight_t.shape[0], weight_t.shape[1], False, cols)
-
-
-def rows_product_fits(depth: int, n: int, a_cols: bool, w_cols: bool, *, single: bool) -> int:
-    """`product_fits` for one row (``single``) or for every count of 2..`CHAIN_MM_ROWS` rows alike (the block all
-    of them found, else 0): what a decode step's binding holds for one request and for more."""
-    if single:
-        return product_fits(1, depth, n, a_cols, w_cols)
-    blocks = {product_fits(m, depth, n, a_cols, w_cols) for m in range(2, CHAIN_MM_ROWS + 1)}
+    if rows is not None:
+        return product_fits(rows, depth, n, False, cols)
+    blocks = {product_fits(m, depth, n, False, cols) for m in range(2, CHAIN_MM_ROWS + 1)}
     return blocks.pop() if len(blocks) == 1 else 0
 
 

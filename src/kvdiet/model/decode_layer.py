@@ -115,9 +115,8 @@ def _fused_window(attn: nn.Module, plan: DecodePlan, rows: int) -> tuple:
     if attn._modules.get("compressor") is not None or codec.fused_read is not fp8.read_window:
         return ()
     layer, (b, n) = attn.info.layer_id, plan.window_slots.shape
-    if (
-        plan.window_keys is None
-    ):  # the step's one key buffer (`DecodePlan.window_keys`): no autograd on this path
+    # the step's one key buffer (`DecodePlan.window_keys`; a bound layer runs without autograd)
+    if plan.window_keys is None:
         plan.window_keys = torch.empty(b, n + 1, codec.dim, dtype=torch.float32)
     held = None if plan.window_held is None else plan.window_held[layer]
     entries = torch.empty(rows, codec.width, dtype=torch.uint8)

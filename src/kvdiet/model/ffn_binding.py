@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvdiet.config import ModelConfig
-from kvdiet.model.chain_products import chain_fits, rows_product_fits
+from kvdiet.model.chain_products import chain_fits, weight_block
 from kvdiet.model.hc import HcWeights
 from kvdiet.model.layers import RMSNorm
 from kvdiet.model.module_reads import ModuleReads, Transient
@@ -137,16 +137,10 @@ def entry_weights(
     which the kernel reads with them: ``torch.bmm`` runs where either has changed). The chain replaces a call of
     some 4 µs a sublayer (0.3 ms of a v4.1-mini decode step). Likewise the blocks in which the entry's coefficient
     product (``flatten(h) · fn_t``) runs as the compiled ``chain_mm`` for one row and for more
-    (`kvdiet.model.chain_products.rows_product_fits`; ``torch.mm`` where none or where the settings changed)."""
+    (`kvdiet.model.chain_products.weight_block`; ``torch.mm`` where none or where the settings changed)."""
     hc_mult, hidden = cfg.hc_mult, cfg.hidden_size
     one, more = (chain_fits(hc_mult, hc_mult, hidden, True, False, single=single) for single in (True, False))
-    fn_cols = (
-        hc.fn_t.stride(0) == 1 and hc.fn_t.stride(1) != 1
-    )  # weight_block's class, for one row and for more
-    entry_one, entry_more = (
-        rows_product_fits(hc_mult * hidden, hc.fn_t.shape[1], False, fn_cols, single=single)
-        for single in (True, False)
-    )
+    entry_one, entry_more = weight_block(1, hc.fn_t), weight_block(None, hc.fn_t)
     return kernels.EntryWeights(
         hc.fn_t,
         hc.scale,
