@@ -96,8 +96,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   for (int64_t r = 0; r < rows; ++r) mp[r] = mp[r] / n;
   // at::matmul of two matrices is at::mm (ATen's matmul passes them on unchanged): mm's output is contiguous; or
   // chain_mm in the blocks its caller checked against it (NaN outputs: at::mm's)
-  std::optional<at::Tensor> chained = mix_block > 0 ? chain_mm(h.view({rows, width}), fn_t, mix_block) : std::nullopt;
-  at::Tensor mixes = chained.has_value() ? *chained : at::mm(h.view({rows, width}), fn_t);  // overwritten by the mix
+  const at::Tensor flat = h.view({rows, width});
+  std::optional<at::Tensor> chained = mix_block > 0 ? chain_mm(flat, fn_t, mix_block) : std::nullopt;
+  at::Tensor mixes = chained.has_value() ? *chained : at::mm(flat, fn_t);  // overwritten by the mix kernel
   // each mix's scale, hc x scale[0], hc x scale[1], hc^2 x scale[2] (hc.py's HcWeights.mix_scales), read now
   const at::Tensor scales = scale.contiguous();
   const float* s3 = scales.const_data_ptr<float>();

@@ -29,8 +29,9 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -96,6 +97,7 @@ class ChainForm(enum.IntEnum):
 _BATCHES = (3, 16, 17, 256)  # a class of more than one batch; one batch is a class of its own
 _CHECK_ELEMENTS = 1 << 22  # a check's batch counts past this many multiply-adds are skipped
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def chain_class(a: torch.Tensor, w: torch.Tensor) -> tuple[int, int, int, bool, bool]:
@@ -190,38 +192,23 @@ def chain_agrees(
     kernels = _checking_kernels(precision, threads)
     shape = (m, depth, n, a_cols, w_cols)
     batches = (1,) if single else _BATCHES
-    forms = (ChainForm.CHAIN, ChainForm.SETTLED, ChainForm.FROM_NEGATIVE_ZERO)
-    failed: dict[ChainForm, tuple[int, int]] = {}  # each form's first mismatch: (batch count, case)
-    ran = 0
+    forms = {
+        form.name.lower(): form for form in (ChainForm.CHAIN, ChainForm.SETTLED, ChainForm.FROM_NEGATIVE_ZERO)
+    }
     with torch.device("cpu"):  # the operands are made under torch's defaults: fp32 on the CPU here
-        checks = list(_check_operands(shape, batches))
-    for batch, case, a, w in checks:
-        want = None
-        for form in forms:
-            if form in failed:
-                continue
-            with torch.inference_mode():
-                got = kernels.chain_bmm(a, w, **form.kernel_flags)
-                if got is None:  # a NaN output (either form alike): torch.bmm runs such operands
-                    break
-                if want is None:
-                    want = torch.bmm(a, w)
-                    ran += 1
-            if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
-                failed[form] = (batch, case)
-        if len(failed) == len(forms):
-            break
-    if ran == 0:
-        # the kernel does not take such operands (e.g. fewer than 16 batches of q · keysᵀ): nothing to tell apart
-        _log.debug("compiled chain_bmm declined every check at %s; using torch.bmm", shape)
-        return ChainForm.NONE
-    for form in forms:
-        if form not in failed:
-            _log.debug("compiled chain_bmm (%s) gives torch.bmm's bits at %s", form.name, shape)
-            return form
-    first = "; ".join(f"{form.name.lower()}: batch {b}, case {c}" for form, (b, c) in failed.items())
-    _log.info("compiled chain_bmm differs from torch.bmm at %s (%s); using torch.bmm", shape, first)
-    return ChainForm.NONE
+        checks = [
+            (f"batch {batch}, case {case}", a, w) for batch, case, a, w in _check_operands(shape, batches)
+        ]
+    # a kernel that declines every check (e.g. fewer than 16 batches of q · keysᵀ) leaves nothing to tell apart
+    form = _first_agreeing(
+        forms,
+        checks,
+        lambda a, w, form: kernels.chain_bmm(a, w, **form.kernel_flags),
+        torch.bmm,
+        "chain_bmm",
+        shape,
+    )
+    return ChainForm.NONE if form is None else form
 
 
 def product_fits(m: int, depth: int, n: int, a_cols: bool, w_cols: bool) -> int:
@@ -272,36 +259,58 @@ def product_block(
     """
     kernels = _checking_kernels(precision, threads)
     shape = (m, depth, n, a_cols, w_cols)
-    blocks = (
-        [MKL_BLOCK] if depth <= MKL_BLOCK else [MKL_BLOCK, depth]
-    )  # up to MKL_BLOCK: one chain either way
-    failed: dict[int, int] = {}  # each block length's first mismatching case
-    ran = 0
+    blocks = {f"blocks of {MKL_BLOCK}": MKL_BLOCK}
+    if depth > MKL_BLOCK:  # up to MKL_BLOCK values of k, one chain is those blocks
+        blocks["one chain"] = depth
     with torch.device("cpu"):
-        checks = [(c, a[0], w[0]) for _, c, a, w in _check_operands((m, depth, n, a_cols, w_cols), (1,))]
-    for case, a, w in checks:
+        checks = [(f"case {case}", a[0], w[0]) for _, case, a, w in _check_operands(shape, (1,))]
+    block = _first_agreeing(blocks, checks, kernels.chain_mm, torch.mm, "chain_mm", shape)
+    return 0 if block is None else block
+
+
+def _first_agreeing(
+    candidates: dict[str, _T],
+    checks: list[tuple[str, torch.Tensor, torch.Tensor]],
+    kernel: Callable[[torch.Tensor, torch.Tensor, _T], torch.Tensor | None],
+    reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    name: str,
+    shape: tuple[int, int, int, bool, bool],
+) -> _T | None:
+    """The first of ``candidates`` (``{its name in the log: its value}``, in order) for which ``kernel(a, w,
+    candidate)`` gives ``reference(a, w)``'s bits on every check ``(label, a, w)`` the kernel takes, else None. A
+    check the kernel declines (None: a NaN output, or operands it does not take) is left to the reference for every
+    candidate; none that ran (logged at DEBUG) gives None too, and so does every candidate failing a check (logged at
+    INFO with each one's first failing check: the reference keeps its work, the same values). ``name`` and
+    ``shape`` name the kernel and the class in the log."""
+    failed: dict[str, str] = {}  # each candidate's first failing check
+    ran = 0
+    for label, a, w in checks:
         want = None
-        for block in blocks:
-            if block in failed:
+        for key, candidate in candidates.items():
+            if key in failed:
                 continue
             with torch.inference_mode():
-                got = kernels.chain_mm(a, w, block)
-                if got is None:  # a NaN output, or a build that declines: torch.mm runs such operands
+                got = kernel(a, w, candidate)
+                if got is None:
                     break
                 if want is None:
-                    want = torch.mm(a, w)
+                    want = reference(a, w)
                     ran += 1
             if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
-                failed[block] = case
+                failed[key] = label
+        if len(failed) == len(candidates):
+            break
+    ref = reference.__name__
     if ran == 0:
-        _log.debug("compiled chain_mm declined every check at %s; using torch.mm", shape)
-        return 0
-    for block in blocks:
-        if block not in failed:
-            _log.debug("compiled chain_mm (blocks of %d) gives torch.mm's bits at %s", block, shape)
-            return block
-    _log.info("compiled chain_mm differs from torch.mm at %s (cases %s); using torch.mm", shape, failed)
-    return 0
+        _log.debug("compiled %s declined every check at %s; using torch.%s", name, shape, ref)
+        return None
+    for key, candidate in candidates.items():
+        if key not in failed:
+            _log.debug("compiled %s (%s) gives torch.%s's bits at %s", name, key, ref, shape)
+            return candidate
+    first = "; ".join(f"{key}: {label}" for key, label in failed.items())
+    _log.info("compiled %s differs from torch.%s at %s (%s); using torch.%s", name, ref, shape, first, ref)
+    return None
 
 
 def _checking_kernels(precision: str, threads: int) -> ModuleType:

@@ -114,12 +114,8 @@ def _fused_window(attn: nn.Module, plan: DecodePlan, rows: int) -> tuple:
     codec = attn.codecs.window
     if attn._modules.get("compressor") is not None or codec.fused_read is not fp8.read_window:
         return ()
-    layer, (b, n) = attn.info.layer_id, plan.window_slots.shape
-    # the step's one key buffer (`DecodePlan.window_keys`; a bound layer runs without autograd), where it fits
-    if plan.window_keys is None:
-        plan.window_keys = torch.empty(b, n + 1, codec.dim, dtype=torch.float32)
-    elif plan.window_keys.shape != (b, n + 1, codec.dim):
-        return ()
+    keys = plan.key_buffer(codec.dim)  # the step's one key buffer (a bound layer runs without autograd)
+    layer = attn.info.layer_id
     held = None if plan.window_held is None else plan.window_held[layer]
     entries = torch.empty(rows, codec.width, dtype=torch.uint8)
-    return plan.layer_rings[layer], plan.window_slots, held, *fp8.SCALE_BYTES, plan.window_keys, entries
+    return plan.layer_rings[layer], plan.window_slots, held, *fp8.SCALE_BYTES, keys, entries

@@ -89,12 +89,12 @@ class DecodePlan:
             later layer writes them).
         candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
         pending: the value checks not read yet (`PendingCheck`, in the order the step made them).
-        window_keys: fp32 [B, W, D] (CPU, no autograd; None until the first layer's read), where each layer's fused
-            window read writes its keys (`_window`), over the layer's before: one buffer a step, still in cache
-            from the layer before. A layer's keys are read by its own attention only, before the next layer's read.
-            With the gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step 0.35–0.79 ms
-            faster at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither alone showed above the noise.
-            Under autograd (which may save a layer's keys or entries for backward) neither buffer is passed on.
+        window_keys: fp32 [B, W, D] (CPU, no autograd; None until the first read: `key_buffer`), where each layer's
+            fused read writes its keys (`_window`'s or `attn_head`'s), over the layer's before: one buffer a step,
+            still in cache from the layer before. A layer's keys are read by its own attention only, before the next
+            layer's read. With the gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step
+            0.35–0.79 ms faster at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither alone showed above
+            the noise. Under autograd (which may save a layer's keys or entries for backward) neither is passed on.
     """
 
     positions: torch.Tensor
@@ -152,6 +152,14 @@ class DecodePlan:
         if layer_plan is not None:
             plan.last_reads = last_reads(layer_plan)
         return plan
+
+    def key_buffer(self, dim: int) -> torch.Tensor:
+        """``window_keys``, made fp32 [B, W, ``dim``] on the CPU at its first use this step (every layer's window keys
+        have the model's head dim)."""
+        if self.window_keys is None:
+            b, n = self.window_slots.shape
+            self.window_keys = torch.empty(b, n + 1, dim, dtype=torch.float32)
+        return self.window_keys
 
     def rotation(self, rope: Rope) -> Rotation:
         """``rope.at(positions)``, computed once per step for the layers sharing ``rope``'s table (`RowTables`)."""
@@ -312,11 +320,11 @@ def _window(attn: Attention, plan: DecodePlan, kv: torch.Tensor) -> tuple[torch.
     """
     layer = attn.info.layer_id
     held = None if plan.window_held is None else plan.window_held[layer]
-    if plan.window_keys is None and kv.is_cpu and not torch.is_grad_enabled():  # autograd may save the keys
-        b, n = plan.window_slots.shape
-        plan.window_keys = torch.empty(b, n + 1, kv.shape[-1], dtype=torch.float32)
+    out = (
+        plan.key_buffer(kv.shape[-1]) if kv.is_cpu and not torch.is_grad_enabled() else None
+    )  # autograd may save them
     win_kv, plan.fresh[layer] = attn.codecs.window.read_window(
-        kv, plan.layer_rings[layer], plan.window_slots, held, pending=plan.pending, out=plan.window_keys
+        kv, plan.layer_rings[layer], plan.window_slots, held, pending=plan.pending, out=out
     )
     return win_kv, plan.window_mask[layer]
 
