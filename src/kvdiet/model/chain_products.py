@@ -18,10 +18,10 @@ is checked here once per process and shape class (one batch, or more), before th
 A decode step's mHC entry multiplies its rows by the coefficients' weights (``mm(flatten(h), fn_t)``, [B, 1024] ·
 [1024, 24] on v4.1-mini): MKL in the strict reproducible mode kvdiet asks for (`kvdiet.threads`) spends some
 6.5 µs on one row of it (the router's ``mm(x, weightᵀ)`` is of the same form, some 0.8 µs of it a call: left to
-``torch.mm``). ``chain_mm`` repeats MKL's order, found
-by experiment on an Intel Xeon: FMA chains from +0 over blocks of `MKL_BLOCK` values of k, added in order (a K of
-one to two blocks splits in halves). `product_fits` says, once per process and shape class, whether that gives
-``torch.mm``'s bits here. It knows nothing of the callers' formulas.
+``torch.mm``). ``chain_mm`` repeats MKL's order, found by experiment on an Intel Xeon: FMA chains from +0 over
+blocks of `MKL_BLOCK` values of k, added in order (a K of one to two blocks splits in halves). `product_fits`
+says, once per process and shape class, whether that gives ``torch.mm``'s bits here. It knows nothing of the
+callers' formulas.
 """
 
 from __future__ import annotations
