@@ -205,6 +205,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_scores", &index_scores, py::call_guard<py::gil_scoped_release>());
   m.def("index_integer_path", &index_integer_path);
   m.def("index_integer_groups", &index_integer_groups);
+  m.def("index_amx_path", &index_amx_path);
+  m.def("index_amx_groups", &index_amx_groups);
   m.def("select_topk", &select_topk, py::call_guard<py::gil_scoped_release>());
   m.def("block_max", &block_max, py::call_guard<py::gil_scoped_release>());
   m.def("row_products", &row_products, py::call_guard<py::gil_scoped_release>());

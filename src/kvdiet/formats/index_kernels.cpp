@@ -1,6 +1,14 @@
 // Indexer scores on stored MXFP4 index keys (v41-spec §4), in the translation unit fp4_kernels.cpp opens (its
 // helpers: float_of, grid_bits, note_row, first_noted). Built at first use by kvdiet.formats.native.
 
+#include <array>
+#include <cstdlib>
+#ifdef __AVX512F__
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 // ---- indexer scores on stored index keys (v41-spec §4): score(t, j) = sum_h relu(q[t,h] . k_j) * w[t,h] ----
@@ -359,6 +367,12 @@ struct IntQueries {
   std::vector<int32_t> rise;                 // [t, h, b]: u_b - U, or kFarUnit for a block of zeros
   std::vector<int32_t> room;                 // [t]: min_h (spread - (max_b u_b - U)), nonzero blocks
   std::vector<int32_t> least_min, least_max;  // [t]: max_h (-126 - U), min_h (104 - U)
+  // AMX tiles (amx_multiply; d = 128 only), per query and group of kAmxHeads heads: [t, group, p, r, n] = the four
+  // bytes a[8r + 2i + p] << (u_b - U), i = 0..3 (b = r / 4: the block), of the group's head n (0 past the last
+  // head): the B tile of tdpbssd that meets the entries' values 2j + p (A_p); amx_ok[t]: every head's
+  // u_b - U <= 3 over its nonzero blocks (so |a| << (u_b - U) <= 96 fits an int8).
+  std::vector<uint32_t> amx_b;
+  std::vector<uint8_t> amx_ok;
 };
 
 // Block x[0..32) as a[i] * 2^(unit) for the grid above, or false. abs_sum: sum |a[i]|. Magnitudes and zeros are
@@ -394,6 +408,35 @@ inline bool int_block(const float* x, int8_t* a, int32_t& unit, int32_t& sum, in
   }
   unit = ex - 4;
   return true;
+}
+
+constexpr int64_t kAmxHeads = 16;  // heads of one AMX product: the 16 int32 columns of a 64-byte tile row
+
+// Head h of query t's AMX tiles (IntQueries' amx_b) from its int8 values a[0..128), or amx_ok[t] = 0 where a
+// nonzero block's u_b - U exceeds 3.
+inline void amx_query(IntQueries& iq, int64_t t, int64_t h, const int8_t* a) {
+  const int64_t th = t * iq.heads + h;
+  int32_t rise[4];
+  for (int64_t b = 0; b < 4; ++b) {
+    const int32_t u = iq.below[th * 4 + b];
+    rise[b] = u == kFarUnit ? 0 : u - iq.lowest[th];
+    if (rise[b] > 3) {
+      iq.amx_ok[t] = 0;
+      return;
+    }
+  }
+  const int64_t groups = (iq.heads + kAmxHeads - 1) / kAmxHeads;
+  uint32_t* tiles = iq.amx_b.data() + (t * groups + h / kAmxHeads) * 2 * 256;
+  for (int64_t p = 0; p < 2; ++p) {
+    for (int64_t r = 0; r < 16; ++r) {
+      uint32_t word = 0;
+      for (int64_t i = 0; i < 4; ++i) {
+        const int32_t v = a[8 * r + 2 * i + p] * (1 << rise[r / 4]);  // |v| <= 96
+        word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(v))) << (8 * i);
+      }
+      tiles[p * 256 + r * 16 + h % kAmxHeads] = word;
+    }
+  }
 }
 
 // Query t of q fp32 [Q, H, d] into iq's rows (ok[t] = 0 where it is not MXFP4 or has a head of zeros; a: d int8 of
@@ -436,11 +479,12 @@ inline void int_query(const float* q, int64_t t, int64_t heads, int64_t d, IntQu
     for (int64_t i = 0; i < d; ++i) {  // value i = 8w + 2j + p: byte j of pattern 2w + p
       pat[i / 8 * 2 + i % 2] |= static_cast<uint32_t>(static_cast<uint8_t>(a[i])) << (8 * (i % 8 / 2));
     }
+    if (!iq.amx_ok.empty() && iq.amx_ok[t]) amx_query(iq, t, h, a);
   }
 }
 
-// q fp32 [Q, H, d] as IntQueries, the queries split over the threads.
-inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d) {
+// q fp32 [Q, H, d] as IntQueries, the queries split over the threads; with amx (and d = 128), its AMX tiles too.
+inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t d, bool amx) {
   IntQueries iq;
   iq.heads = heads, iq.words = d / 8, iq.blocks = d / 32;
   iq.pattern.assign(nq * heads * 2 * iq.words, 0);
@@ -452,6 +496,10 @@ inline IntQueries int_queries(const float* q, int64_t nq, int64_t heads, int64_t
   iq.lowest.resize(nq * heads);
   iq.rise.resize(nq * heads * iq.blocks);
   iq.room.resize(nq), iq.least_min.resize(nq), iq.least_max.resize(nq);
+  if (amx && d == 128) {
+    iq.amx_b.assign(nq * ((heads + kAmxHeads - 1) / kAmxHeads) * 2 * 256, 0);
+    iq.amx_ok.assign(nq, 1);
+  }
   at::parallel_for(0, nq, 16, [&](int64_t t0, int64_t t1) {
     std::vector<int8_t> a(d);
     for (int64_t t = t0; t < t1; ++t) int_query(q, t, heads, d, iq, a.data());
@@ -521,6 +569,23 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
     if (p != 0.0f || !std::signbit(p)) return 0.0f;
   }
   return -0.0f;
+}
+
+// Head h's term of 16 entries' scores added to total (the first head's sets it), from its exact dots (lanes where
+// seen; qh: the head's fp32 query, rows: the entries' rows, wh: its weight): a zero dot takes the fp32 order's sign
+// (zero_dot), then relu as score_group's x < 0 ? 0 : x: vmaxps(+0, x) is +0 where +0 > x, else x (-0 kept; the dots
+// here are exact, never NaN or subnormal).
+__attribute__((target("avx512f"))) inline void add_head(v16& total, v16 dot, __mmask16 seen, int64_t h,
+                                                        const float* qh, int64_t d, const uint8_t* const* rows,
+                                                        float wh) {
+  const __m512 zero_ps = _mm512_setzero_ps();
+  for (uint32_t zero = _mm512_mask_cmp_ps_mask(seen, reinterpret_cast<__m512>(dot), zero_ps, _CMP_EQ_OQ); zero != 0;
+       zero &= zero - 1) {
+    const int k = __builtin_ctz(zero);
+    dot[k] = zero_dot(qh, rows[k], d);
+  }
+  const v16 r = reinterpret_cast<v16>(_mm512_max_ps(zero_ps, reinterpret_cast<__m512>(dot))) * wh;
+  total = h == 0 ? r : total + r;
 }
 
 // Exact dots of heads th0 .. th0 + HG - 1 (query t's rows of iq: th0 = t H + h0) with the entries of groups
@@ -654,16 +719,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
     if ((seen[0] & ~pass) != 0) return false;  // G = 1 only: wide passes every entry
     for (int i = 0; i < G; ++i) {
       for (int64_t h = 0; h < hg; ++h) {
-        const __m512 zero_ps = _mm512_setzero_ps();
-        for (uint32_t zero = _mm512_mask_cmp_ps_mask(seen[i], reinterpret_cast<__m512>(dot[i][h]), zero_ps, _CMP_EQ_OQ);
-             zero != 0; zero &= zero - 1) {
-          const int k = __builtin_ctz(zero);
-          dot[i][h][k] = zero_dot(q + (h0 + h) * d, rows[kGroup * i + k], d);
-        }
-        // relu as score_group's x < 0 ? 0 : x (after the zero dots' signs): vmaxps(+0, x) is +0 where +0 > x,
-        // else x (-0 kept; the dots here are exact, never NaN or subnormal)
-        const v16 r = reinterpret_cast<v16>(_mm512_max_ps(zero_ps, reinterpret_cast<__m512>(dot[i][h]))) * wt[h0 + h];
-        total[i] = h0 + h == 0 ? r : total[i] + r;
+        add_head(total[i], dot[i][h], seen[i], h0 + h, q + (h0 + h) * d, d, rows + kGroup * i, wt[h0 + h]);
       }
     }
   }
@@ -671,7 +727,214 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool int_score(con
   return true;
 }
 
+// ---- AMX: the integer path's dots of 16 entries as two tile products (Intel AMX-INT8: Sapphire Rapids on) ----
+// At d = 128, where an entry's block units s_b - 128 lie within 3 of its least S (rise r_b = s_b - 128 - S) and
+// the query's within 3 of U (IntQueries' amx_ok), c << r_b and a << (u_b - U) are int8 (|c|, |a| <= 12: at most
+// 96), and one product sums a whole dot in units of 2^(S + U): sum_i (c[i] << r_b) (a[i] << (u_b - U)) =
+// sum_b I_b 2^(E_b - S - U), the wide path's integer (int_dots), so its bits. The entries are tile A (row k: entry
+// k, no transpose), its 64 bytes of codes read as two rows of values (A_0: the low nibbles, values 2j; A_1: the
+// high ones, 2j + 1), each code looked up as c << r_b in a table chosen by the entry's four rises (kRiseTables: one
+// vpshufb per 64 values, lane b holding block b's table); the query's heads are tile B's columns (IntQueries'
+// amx_b), so C = A_0 B_0 + A_1 B_1 holds, row k, column n, the dot of entry k and head n. The group-wide check
+// (group_wide) still bounds each sum below 2^24, and the same head terms follow (add_head).
+struct alignas(64) AmxScratch {  // one group in flight
+  int8_t a[2][16][64];            // A_0, A_1
+  std::vector<int32_t> c;         // [head group, 256]: C, rows of 64 bytes (16 x 4 packed where H = 4)
+  alignas(16) uint8_t table[16];  // each entry's rises r_0 | r_1 << 2 | r_2 << 4 | r_3 << 6
+  v16i least;                     // lane k: entry k's S
+  uint32_t seen = 0;              // the group's entries the query sees
+  int64_t group = 0;              // which group of the task
+};
+
+struct alignas(64) AmxConfig {  // palette 1; tile 0: C, 1 and 2: A_0 and A_1, 3 and 4: B_0 and B_1; 5, 6, 7: C, A_0, A_1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// kRiseTables[i]: vpshufb's table for rises i = r_0 | r_1 << 2 | r_2 << 4 | r_3 << 6, lane b: code -> c << r_b
+constexpr std::array<std::array<int8_t, 64>, 256> rise_tables() {
+  constexpr int8_t kValue[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // twice E2M1
+  std::array<std::array<int8_t, 64>, 256> t{};
+  for (int i = 0; i < 256; ++i) {
+    for (int b = 0; b < 4; ++b) {
+      for (int code = 0; code < 16; ++code) {
+        t[i][16 * b + code] = static_cast<int8_t>(kValue[code] * (1 << (i >> (2 * b) & 3)));
+      }
+    }
+  }
+  return t;
+}
+alignas(64) constexpr std::array<std::array<int8_t, 64>, 256> kRiseTables = rise_tables();
+
+// Whether this CPU has AMX-INT8 and Linux lets this process use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, Linux 5.16 on; asked once, for the whole process)
+inline bool amx_usable() {
+  static const bool yes = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx >> 24 & 1u) == 0 || (edx >> 25 & 1u) == 0) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return yes;
+}
+
+// Whether index_scores takes its AMX products now: usable here and not turned off (KVDIET_INDEX_AMX=0, read on each
+// call, so tests compare both ways)
+inline bool amx_wanted() {
+  const char* off = std::getenv("KVDIET_INDEX_AMX");
+  return (off == nullptr || std::strcmp(off, "0") != 0) && amx_usable();
+}
+
+// The calling thread's tiles configured for B and C of `cols` columns (a parallel task's, before its first product)
+__attribute__((target("amx-tile"))) inline void amx_begin(int64_t cols) {
+  AmxConfig config;
+  config.colsb[0] = config.colsb[3] = config.colsb[4] = config.colsb[5] = static_cast<uint16_t>(4 * cols);
+  config.colsb[1] = config.colsb[2] = config.colsb[6] = config.colsb[7] = 64;
+  for (int i = 0; i < 8; ++i) config.rows[i] = 16;
+  // GCC's _tile_loadconfig tells the compiler it reads only a pointer's worth of the config: without this barrier
+  // the stores above are dropped as dead
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+__attribute__((target("amx-tile"))) inline void amx_end() { _tile_release(); }
+
+// Query t's B tiles of head group g into tiles 3 and 4
+__attribute__((target("amx-tile"))) inline void amx_load_query(const IntQueries& iq, int64_t t, int64_t g) {
+  const uint32_t* b = iq.amx_b.data() + (t * ((iq.heads + kAmxHeads - 1) / kAmxHeads) + g) * 2 * 256;
+  _tile_loadd(3, b, 64);
+  _tile_loadd(4, b + 256, 64);
+}
+
+// The four stages of a group on the AMX path, each a group after the one before (score_tile), so that no tile load
+// or store waits on the work just before it: amx_expand writes A, amx_multiply loads it and runs the products,
+// amx_store stores C, and amx_finish reads it.
+//
+// amx_expand: the 16 entries rows[0..16) of query t's group into slot (A_0, A_1, each entry's least unit S), or
+// false where a seen entry has a scale byte outside 1..252, a rise past 3, or fails group_wide (slot unchanged).
+template <class R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool amx_expand(const IntQueries& iq, int64_t t,
+                                                                              const R& rows, uint32_t seen,
+                                                                              AmxScratch& slot) {
+  const u32x16 bytes4 = scale_dwords(rows, 128, 0);
+  v16i unit[4];
+  uint32_t bad = 0;
+  for (int b = 0; b < 4; ++b) {
+    const u32x16 sb = bytes4 >> (8 * b) & 255u;
+    bad |= mask_of(reinterpret_cast<v16i>(sb - 1u > 251u));
+    unit[b] = reinterpret_cast<v16i>(sb) - 128;
+  }
+  v16i least = unit[0], most = unit[0];
+  for (int b = 1; b < 4; ++b) {
+    least = unit[b] < least ? unit[b] : least;
+    most = unit[b] > most ? unit[b] : most;
+  }
+  const __m512i range = reinterpret_cast<__m512i>(most - least), low = reinterpret_cast<__m512i>(least);
+  __mmask16 fits = _mm512_cmple_epi32_mask(range, _mm512_set1_epi32(std::min(3, iq.room[t])));
+  fits = _mm512_mask_cmpge_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_min[t]));
+  fits = _mm512_mask_cmple_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_max[t]));
+  if ((seen & ~(static_cast<uint32_t>(fits) & ~bad)) != 0) return false;
+  const v16i table = (unit[0] - least) | (unit[1] - least) << 2 | (unit[2] - least) << 4 | (unit[3] - least) << 6;
+  _mm_store_si128(reinterpret_cast<__m128i*>(slot.table),
+                  _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(fits, reinterpret_cast<__m512i>(table))));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 16; ++k) {
+    const __m512i x = _mm512_loadu_si512(rows[k]);
+    const __m512i lut = _mm512_load_si512(kRiseTables[slot.table[k]].data());
+    _mm512_store_si512(slot.a[0][k], _mm512_shuffle_epi8(lut, _mm512_and_si512(x, nibble)));
+    _mm512_store_si512(slot.a[1][k], _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble)));
+  }
+  slot.least = least;
+  slot.seen = seen;
+  return true;
+}
+
+// amx_multiply: the products of slot's group with query t's first head group (its B tiles in tiles 3 and 4), into
+// C tile 0 from A tiles 1 and 2 (odd: 5 from 6 and 7, so that consecutive groups' tile loads need not wait for the
+// products still reading the tiles before them). amx_store, a group later, stores that C: a tile store waits for
+// its products, and waited on at once it stalls the vector work behind it. Past 16 heads (H > kAmxHeads) both run
+// at once, head group by head group.
+__attribute__((target("amx-tile,amx-int8"))) inline void amx_multiply(const IntQueries& iq, int64_t t, bool odd,
+                                                                     AmxScratch& slot) {
+  const int64_t groups = (iq.heads + kAmxHeads - 1) / kAmxHeads;
+  if (odd) {
+    _tile_loadd(6, slot.a[0], 64);
+    _tile_loadd(7, slot.a[1], 64);
+  } else {
+    _tile_loadd(1, slot.a[0], 64);
+    _tile_loadd(2, slot.a[1], 64);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    if (groups > 1) amx_load_query(iq, t, g);
+    if (odd) {
+      _tile_zero(5);
+      _tile_dpbssd(5, 6, 3);
+      _tile_dpbssd(5, 7, 4);
+    } else {
+      _tile_zero(0);
+      _tile_dpbssd(0, 1, 3);
+      _tile_dpbssd(0, 2, 4);
+    }
+    if (groups > 1 && g + 1 < groups) {
+      _tile_stored(0, slot.c.data() + g * 256, 64);  // (H > 16: never odd, see score_tile)
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-int8"))) inline void amx_store(const IntQueries& iq, bool odd, AmxScratch& slot) {
+  const int64_t stride = iq.heads == 4 ? 16 : 64;  // C packed 16 x 4 where it has 4 columns
+  int32_t* c = slot.c.data() + (iq.heads - 1) / kAmxHeads * 256;  // the last head group's
+  if (odd) {
+    _tile_stored(5, c, stride);
+  } else {
+    _tile_stored(0, c, stride);
+  }
+}
+
+// amx_finish: the scores of slot's group (rows: its entries' rows, for zero_dot) for query t (q: its fp32 values
+// [H, 128], wt: its weights), -inf where not seen
+__attribute__((target("avx512f,avx512bw"))) inline v16 amx_finish(const IntQueries& iq, int64_t t,
+                                                                  const AmxScratch& slot, const uint8_t* const* rows,
+                                                                  const float* q, const float* wt) {
+  const int64_t heads = iq.heads, groups = (heads + kAmxHeads - 1) / kAmxHeads;
+  v16 total{};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t* c = slot.c.data() + g * 256;
+    v16i dots[kAmxHeads];  // dots[n] lane k: the integer dot of entry k and head 16g + n
+    if (heads == 4) {  // C packed 16 x 4: vector j holds entries 4j .. 4j + 3, column n at lane 4(k % 4) + n
+      for (int n = 0; n < 4; ++n) {
+        const __m512i pick = _mm512_setr_epi32(n, 4 + n, 8 + n, 12 + n, 16 + n, 20 + n, 24 + n, 28 + n, 0, 0, 0, 0,
+                                               0, 0, 0, 0);
+        const __m512i lo = _mm512_permutex2var_epi32(_mm512_loadu_si512(c), pick, _mm512_loadu_si512(c + 16));
+        const __m512i hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(c + 32), pick, _mm512_loadu_si512(c + 48));
+        dots[n] = reinterpret_cast<v16i>(_mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1));
+      }
+    } else {
+      u32x16 r[16];
+      for (int k = 0; k < 16; ++k) r[k] = load_vec<u32x16>(c + 16 * k);
+      transpose16(r);
+      for (int n = 0; n < 16; ++n) dots[n] = reinterpret_cast<v16i>(r[n]);
+    }
+    for (int64_t n = 0; n < std::min(kAmxHeads, heads - g * kAmxHeads); ++n) {
+      const int64_t h = g * kAmxHeads + n;
+      const v16 unit_value =
+          reinterpret_cast<v16>(reinterpret_cast<u32x16>(slot.least + (iq.lowest[t * heads + h] + 127)) << 23);
+      add_head(total, __builtin_convertvector(dots[n], v16) * unit_value, static_cast<__mmask16>(slot.seen), h,
+               q + h * 128, 128, rows, wt[h]);
+    }
+  }
+  return lanes_of(slot.seen) != 0 ? total : v16{} - std::numeric_limits<float>::infinity();
+}
+
 std::atomic<int64_t> g_integer_groups{0};  // (query, 16-entry group) pairs scored on the integer path
+std::atomic<int64_t> g_amx_groups{0};      // of those, the pairs scored by AMX products
 
 inline bool integer_path_available() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
@@ -697,7 +960,9 @@ inline const uint8_t* row_of(const ScoreArgs& a, int64_t j) {
 struct IntPath {               // the integer path of one parallel task
   const IntQueries* queries;   // set for a task of one MXFP4 query where the path is taken (see index_scores)
   IntGroup* group;             // [2]: two groups expanded at once, scored together where both are wide
+  AmxScratch* amx = nullptr;   // [4] set where this thread's tiles are configured (amx_expand)
   int64_t scored = 0;          // (query, group) pairs it scored
+  int64_t amx_scored = 0;      // of those, by AMX products
 };
 
 // Whether this thread computes with IEEE subnormals (the exactness argument above needs them): neither
@@ -728,12 +993,15 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
   int64_t bad = -1, in_tile = -1;  // in_tile: the group decoded in tile
   bool integer[2] = {};            // group g0 + i expanded for the integer path, every scale byte valid
   // group g's reads ahead, and its expansion (into ip.group[g % 2]) or decoding (noting bad scale bytes)
-  const auto prepare = [&](int64_t g) {
-    const int64_t* gid = ids + g * kGroup;
+  const auto read_ahead = [&](int64_t g) {
     for (int64_t k = 0; ahead != nullptr && k < kGroup; ++k) {
       __builtin_prefetch(ahead[g * kGroup + k]);
       __builtin_prefetch(ahead[g * kGroup + k] + a.row_bytes - 1);
     }
+  };
+  const auto prepare = [&](int64_t g) {
+    const int64_t* gid = ids + g * kGroup;
+    read_ahead(g);
     const uint32_t present = ids_below(gid, std::numeric_limits<int64_t>::max());
     integer[g % 2] = false;
 #ifdef __AVX512F__
@@ -782,6 +1050,59 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
     store_scores(o, s, std::min(kGroup, n - g * kGroup));
   };
 #ifdef __AVX512F__
+  if constexpr (D == 128) {  // AMX products, a group's stages a group apart (amx_expand); a group they decline
+                             // takes the paths below at once
+    if (ip.amx != nullptr && ip.queries != nullptr && ip.queries->amx_ok[t0]) {  // one query: t0
+      const IntQueries& iq = *ip.queries;
+      const float *qt = a.q + t0 * a.heads * d, *wt = a.w + t0 * a.heads;
+      // group k of those taken: expanded (into slot k % 4) as it comes, its products a group later, C stored
+      // a group after that and scored a group later still. Past 16 heads, the products and the store run
+      // together on tiles 0..2 (each head group's B tiles loaded in turn): one group later, then scored.
+      const bool split = a.heads <= kAmxHeads;
+      if (split) amx_load_query(iq, t0, 0);
+      int64_t taken = 0;
+      const auto finish = [&](const AmxScratch& slot) {
+        const int64_t g = slot.group;
+        store_scores(out + g * kGroup, amx_finish(iq, t0, slot, rows + g * kGroup, qt, wt),
+                     std::min(kGroup, n - g * kGroup));
+        ++ip.scored, ++ip.amx_scored;
+      };
+      // the stages due once group k (k <= taken) is expanded
+      const auto advance = [&](int64_t k) {
+        if (split) {
+          if (k >= 1 && k - 1 < taken) amx_multiply(iq, t0, (k - 1) % 2 == 1, ip.amx[(k - 1) % 4]);
+          if (k >= 2 && k - 2 < taken) amx_store(iq, (k - 2) % 2 == 1, ip.amx[(k - 2) % 4]);
+          if (k >= 3 && k - 3 < taken) finish(ip.amx[(k - 3) % 4]);
+        } else {
+          if (k >= 1 && k - 1 < taken) {
+            amx_multiply(iq, t0, false, ip.amx[(k - 1) % 4]);
+            amx_store(iq, false, ip.amx[(k - 1) % 4]);
+          }
+          if (k >= 2 && k - 2 < taken) finish(ip.amx[(k - 2) % 4]);
+        }
+      };
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint32_t seen = ids_below(ids + g * kGroup, a.limit[t0]);
+        if (seen == 0) {
+          store_scores(out + g * kGroup, v16{} + kNeg, std::min(kGroup, n - g * kGroup));
+          continue;
+        }
+        read_ahead(g);
+        AmxScratch& slot = ip.amx[taken % 4];
+        const uint8_t* const* gr = rows + g * kGroup;
+        if (!(in_run(g) ? amx_expand(iq, t0, RowRun<S>{gr[0]}, seen, slot)
+                        : amx_expand(iq, t0, RowList{gr}, seen, slot))) {
+          prepare(g);
+          score(g, t0);
+          continue;
+        }
+        slot.group = g;
+        advance(++taken - 1);
+      }
+      for (int64_t k = taken; k < taken + 3; ++k) advance(k);
+      return bad;
+    }
+  }
   const int64_t step = ip.queries != nullptr ? 2 : 1;  // the integer path's tasks have one query
 #else
   constexpr int64_t step = 1;
@@ -882,7 +1203,7 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
   // layout), so it keeps them.
   IntQueries iq;
   if (packed && d >= 128 && (qblock == 1 || nq == 1) && integer_path_available()) {
-    iq = int_queries(a.q, nq, a.heads, d);
+    iq = int_queries(a.q, nq, a.heads, d, amx_wanted());
   }
 #endif
   at::parallel_for(0, qblocks * tiles, std::max<int64_t>(1, 2048 / (qblock * kTile)), [&](int64_t b0, int64_t b1) {
@@ -892,6 +1213,12 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     IntPath ip{nullptr, group};
     const bool integer = !iq.ok.empty() && ieee_subnormals();
     for (int i = 0; integer && i < 2; ++i) group[i].ex.resize(d / 4);
+    AmxScratch amx_slots[4];  // four groups in flight
+    if (integer && !iq.amx_ok.empty()) {  // this thread's tiles, for the task's queries that take them
+      for (AmxScratch& slot : amx_slots) slot.c.assign((a.heads + kAmxHeads - 1) / kAmxHeads * 256, 0);
+      amx_begin(std::min(a.heads, kAmxHeads));
+      ip.amx = amx_slots;
+    }
 #else
     IntPath ip;
 #endif
@@ -972,6 +1299,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     }
 #ifdef __AVX512F__
     g_integer_groups += ip.scored;
+    g_amx_groups += ip.amx_scored;
+    if (ip.amx != nullptr) amx_end();
 #endif
   });
   return first_noted(bad);
@@ -990,6 +1319,24 @@ bool index_integer_path() {
 int64_t index_integer_groups() {
 #ifdef __AVX512F__
   return g_integer_groups.load();
+#else
+  return 0;
+#endif
+}
+
+// Whether the integer path takes AMX products on this CPU (AMX-INT8, granted by Linux) now (KVDIET_INDEX_AMX=0 turns
+// them off), and of its (query, group) pairs how many they scored in this process
+bool index_amx_path() {
+#ifdef __AVX512F__
+  return integer_path_available() && amx_wanted();
+#else
+  return false;
+#endif
+}
+
+int64_t index_amx_groups() {
+#ifdef __AVX512F__
+  return g_amx_groups.load();
 #else
   return 0;
 #endif

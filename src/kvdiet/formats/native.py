@@ -94,7 +94,8 @@ _log = logging.getLogger(__name__)
 def fp4_kernels() -> ModuleType | None:
     """The built kernels (``encode_fp4``, ``decode_fp4``, ``gather_fp4``, ``index_scores`` with
     ``index_integer_path`` and ``index_integer_groups`` (whether its integer path runs on this CPU, and how often it
-    ran), ``select_topk``, ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``,
+    ran) and ``index_amx_path`` and ``index_amx_groups`` (the same for its AMX products), ``select_topk``,
+    ``block_max``, ``row_products``, ``row_products_each``, ``expert_rows``, ``route_rows``,
     ``rms_norm``, ``engram_rows``, ``engram_hashes`` and ``engram_gate`` (`kvdiet.model.engram`), ``chain_bmm``
     (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``, ``hc_expand_rows``,
     ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,

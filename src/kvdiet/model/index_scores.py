@@ -8,7 +8,8 @@ value of each of the 16 keys), and scores them against every query. On a CPU wit
 exact integer times a power of two, and where the scales prove that every partial sum of the fp32 order below is
 exact (checked per entry and head from the scale bytes), that order's result is the exact dot: the same bits (an
 exact zero takes that order's sign from a scalar pass over its products). Entries the check declines, queries that
-are not MXFP4 or have a head of zeros, and threads under flush-to-zero keep the fp32 order.
+are not MXFP4 or have a head of zeros, and threads under flush-to-zero keep the fp32 order. With AMX-INT8 (d = 128)
+a decode call takes those integers as tile products (``KVDIET_INDEX_AMX=0``: off).
 `index_scores` scores every visible entry (KV-source and candidate-source layers); `index_scores_at` only
 the entries each query names (a candidate consumer's pool: 2,048 blocks × 8 of 1M entries on V4.1).
 
@@ -17,8 +18,7 @@ are scored with it, on either path, from packed or decoded keys (an MXFP4 value 
 
 - ``q_h · k_j`` in 8 lanes: lane l sums ``q[i]·k[i]`` for i = l, l+8, … in increasing i (each product
   rounded, then added; no fused multiply-add); the lanes fold as (l, l+4), then (l, l+2), then (0, 1).
-- ``relu(x) = 0 if x < 0 else x`` (NaN kept: selection treats it as −inf); heads summed in order from
-  head 0's term.
+- ``relu(x) = 0 if x < 0 else x`` (NaN kept: selection treats it as −inf); heads summed in order from head 0's.
 
 The pure-torch path (``KVDIET_NATIVE_KERNELS=0``, non-CPU tensors, or a failed build) computes the same
 order with whole-tensor ops and gives the same bits (a NaN score at the same place, its sign bit not always the
