@@ -809,6 +809,7 @@ __attribute__((target("amx-tile"))) inline void amx_end() { _tile_release(); }
 // Query t's B tiles of head group g into tiles 3 and 4
 __attribute__((target("amx-tile"))) inline void amx_load_query(const IntQueries& iq, int64_t t, int64_t g) {
   const uint32_t* b = iq.amx_b.data() + (t * ((iq.heads + kAmxHeads - 1) / kAmxHeads) + g) * 2 * 256;
+  asm volatile("" : : "r"(b) : "memory");  // (as in amx_multiply)
   _tile_loadd(3, b, 64);
   _tile_loadd(4, b + 256, 64);
 }
@@ -864,6 +865,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool amx_expand(co
 __attribute__((target("amx-tile,amx-int8"))) inline void amx_multiply(const IntQueries& iq, int64_t t, bool odd,
                                                                      AmxScratch& slot) {
   const int64_t groups = (iq.heads + kAmxHeads - 1) / kAmxHeads;
+  // GCC's _tile_loadd, like _tile_loadconfig, declares no read of memory: the barrier keeps A's stores before it
+  asm volatile("" : : "r"(slot.a) : "memory");
   if (odd) {
     _tile_loadd(6, slot.a[0], 64);
     _tile_loadd(7, slot.a[1], 64);
@@ -1057,7 +1060,8 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
       const float *qt = a.q + t0 * a.heads * d, *wt = a.w + t0 * a.heads;
       // group k of those taken: expanded (into slot k % 4) as it comes, its products a group later, C stored
       // a group after that and scored a group later still. Past 16 heads, the products and the store run
-      // together on tiles 0..2 (each head group's B tiles loaded in turn): one group later, then scored.
+      // together on tiles 0..2 (each head group's B tiles loaded in turn): one group later, then scored. Tiles
+      // stay live across the calls between (no function they call touches the tiles).
       const bool split = a.heads <= kAmxHeads;
       if (split) amx_load_query(iq, t0, 0);
       int64_t taken = 0;
