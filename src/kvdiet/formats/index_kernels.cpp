@@ -418,8 +418,7 @@ inline void amx_query(IntQueries& iq, int64_t t, int64_t h, const int8_t* a) {
   const int64_t th = t * iq.heads + h;
   int32_t rise[4];
   for (int64_t b = 0; b < 4; ++b) {
-    const int32_t u = iq.below[th * 4 + b];
-    rise[b] = u == kFarUnit ? 0 : u - iq.lowest[th];
+    rise[b] = iq.rise[th * 4 + b] == kFarUnit ? 0 : iq.rise[th * 4 + b];  // a block of zeros: a = 0, any rise
     if (rise[b] > 3) {
       iq.amx_ok[t] = 0;
       return;
@@ -517,6 +516,32 @@ struct IntGroup {
   v16i least, range, rise[kMaxDim / 32];
 };
 
+// The block units of rows[0..16) (a RowList or RowRun; head dim d): unit[b] lane k = s_b - 128 of entry k, least
+// lane k its least over the blocks (S), range its largest minus S; returns the mask of entries holding a scale byte
+// outside 1..252.
+template <class R>
+__attribute__((target("avx512f,avx512bw"))) inline uint32_t block_units(const R& rows, int64_t d, v16i* unit,
+                                                                      v16i& least, v16i& range) {
+  const int64_t nb = d / 32;
+  uint32_t bad = 0;
+  for (int64_t b4 = 0; b4 < nb; b4 += 4) {
+    const u32x16 bytes4 = scale_dwords(rows, d, b4);
+    for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
+      const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
+      bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
+      unit[b] = reinterpret_cast<v16i>(s) - 128;
+    }
+  }
+  v16i most = unit[0];
+  least = unit[0];
+  for (int64_t b = 1; b < nb; ++b) {
+    least = unit[b] < least ? unit[b] : least;
+    most = unit[b] > most ? unit[b] : most;
+  }
+  range = most - least;
+  return bad;
+}
+
 // Expand rows[0..16) (a RowList or RowRun) into g; returns the mask of entries holding a scale byte outside 1..252.
 // D: the head dim when known at compile time (0: d).
 template <int64_t D, class R>
@@ -524,22 +549,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_expan
                                                                                  IntGroup& g) {
   if constexpr (D > 0) d = D;
   const int64_t words = d / 8, nb = d / 32;
-  uint32_t bad = 0;
-  for (int64_t b4 = 0; b4 < nb; b4 += 4) {
-    const u32x16 bytes4 = scale_dwords(rows, d, b4);
-    for (int64_t b = b4; b < std::min<int64_t>(nb, b4 + 4); ++b) {
-      const u32x16 s = bytes4 >> (8 * (b - b4)) & 255u;
-      bad |= mask_of(reinterpret_cast<v16i>(s - 1u > 251u));
-      g.unit[b] = reinterpret_cast<v16i>(s) - 128;
-    }
-  }
-  v16i least = g.unit[0], most = g.unit[0];
-  for (int64_t b = 1; b < nb; ++b) {
-    least = g.unit[b] < least ? g.unit[b] : least;
-    most = g.unit[b] > most ? g.unit[b] : most;
-  }
-  g.least = least, g.range = most - least;
-  for (int64_t b = 0; b < nb; ++b) g.rise[b] = g.unit[b] - least;
+  const uint32_t bad = block_units(rows, d, g.unit, g.least, g.range);
+  for (int64_t b = 0; b < nb; ++b) g.rise[b] = g.unit[b] - g.least;
   alignas(64) static const int8_t kLut[64] = {  // code -> c + 12, in each 128-bit lane (vpshufb's table)
       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,  // codes 0..7: +grid, 8..15: -grid
       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -681,15 +692,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline uint32_t int_dots(
   return pass;
 }
 
-// Whether every entry of seen (a mask of g's entries) passes the group-wide check for query t (int_dots' wide):
-// S >= -126 - U and S <= 104 - U and range + max_b u_b - U <= spread for every head (IntQueries' room, least_min,
-// least_max).
+// The group-wide check for query t (int_dots' wide): S >= -126 - U and S <= 104 - U and range + max_b u_b - U <=
+// spread for every head (IntQueries' room, least_min, least_max). wide_fits: the entries (least S and range as
+// block_units gives them) that pass it with their range at most room (iq.room[t], or less); group_wide: whether
+// every entry of seen (a mask of g's entries) passes it.
+__attribute__((target("avx512f"))) inline uint32_t wide_fits(const IntQueries& iq, int64_t t, const v16i& least,
+                                                             const v16i& range, int32_t room) {
+  const __m512i low = reinterpret_cast<__m512i>(least);
+  __mmask16 fits = _mm512_cmple_epi32_mask(reinterpret_cast<__m512i>(range), _mm512_set1_epi32(room));
+  fits = _mm512_mask_cmpge_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_min[t]));
+  fits = _mm512_mask_cmple_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_max[t]));
+  return fits;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool group_wide(const IntQueries& iq, int64_t t,
                                                                              const IntGroup& g, uint32_t seen) {
-  __mmask16 fits = _mm512_cmple_epi32_mask(reinterpret_cast<__m512i>(g.range), _mm512_set1_epi32(iq.room[t]));
-  fits = _mm512_mask_cmpge_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_min[t]));
-  fits = _mm512_mask_cmple_epi32_mask(fits, reinterpret_cast<__m512i>(g.least), _mm512_set1_epi32(iq.least_max[t]));
-  return (seen & ~static_cast<uint32_t>(fits)) == 0;
+  return (seen & ~wide_fits(iq, t, g.least, g.range, iq.room[t])) == 0;
 }
 
 // Scores of query t (q: its fp32 values [H, d]) against the 16 entries of each group g[0..G) (rows[16 i + k]: entry
@@ -824,27 +842,14 @@ template <class R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline bool amx_expand(const IntQueries& iq, int64_t t,
                                                                               const R& rows, uint32_t seen,
                                                                               AmxScratch& slot) {
-  const u32x16 bytes4 = scale_dwords(rows, 128, 0);
-  v16i unit[4];
-  uint32_t bad = 0;
-  for (int b = 0; b < 4; ++b) {
-    const u32x16 sb = bytes4 >> (8 * b) & 255u;
-    bad |= mask_of(reinterpret_cast<v16i>(sb - 1u > 251u));
-    unit[b] = reinterpret_cast<v16i>(sb) - 128;
-  }
-  v16i least = unit[0], most = unit[0];
-  for (int b = 1; b < 4; ++b) {
-    least = unit[b] < least ? unit[b] : least;
-    most = unit[b] > most ? unit[b] : most;
-  }
-  const __m512i range = reinterpret_cast<__m512i>(most - least), low = reinterpret_cast<__m512i>(least);
-  __mmask16 fits = _mm512_cmple_epi32_mask(range, _mm512_set1_epi32(std::min(3, iq.room[t])));
-  fits = _mm512_mask_cmpge_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_min[t]));
-  fits = _mm512_mask_cmple_epi32_mask(fits, low, _mm512_set1_epi32(iq.least_max[t]));
-  if ((seen & ~(static_cast<uint32_t>(fits) & ~bad)) != 0) return false;
+  v16i unit[4], least, range;
+  const uint32_t bad = block_units(rows, 128, unit, least, range);
+  const uint32_t fits = wide_fits(iq, t, least, range, std::min(3, iq.room[t])) & ~bad;  // rises up to 3
+  if ((seen & ~fits) != 0) return false;
   const v16i table = (unit[0] - least) | (unit[1] - least) << 2 | (unit[2] - least) << 4 | (unit[3] - least) << 6;
   _mm_store_si128(reinterpret_cast<__m128i*>(slot.table),
-                  _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(fits, reinterpret_cast<__m512i>(table))));
+                  _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(static_cast<__mmask16>(fits),
+                                                              reinterpret_cast<__m512i>(table))));
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int k = 0; k < 16; ++k) {
     const __m512i x = _mm512_loadu_si512(rows[k]);
