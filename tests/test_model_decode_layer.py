@@ -11,6 +11,7 @@ import torch
 
 from kvdiet.config import load_config
 from kvdiet.formats import native
+from kvdiet.model import decode_layer as decode_layer_module
 from kvdiet.model.attention import Selection
 from kvdiet.model.linear import Linear
 from kvdiet.model.transformer import Transformer
@@ -80,6 +81,27 @@ def test_bound_steps_give_the_pieces_logits(micro, counted, batch) -> None:
     assert torch.equal(bound, _run(model, batch, [5, 9, 11], pieces=True))
     assert "attn_head" not in counted.calls and counted.calls.get("project_out_rows") == 3 * layers
     assert counted.calls.get("read_fp8_window") == 3 * layers
+
+
+def test_a_checked_step_prepares_every_layer_before_the_first(micro, counted, monkeypatch) -> None:
+    """Where the step's bindings hold, every layer's rotation and window-read arguments are made once, before the
+    first layer runs (`prepare_step`), and each layer runs on them: no layer makes its own; the same logits."""
+    model = copy.deepcopy(micro)
+    real, made = decode_layer_module._prepare, []
+
+    def spy(binding, plan, rows):
+        made.append(counted.calls.get("attn_head", 0))  # how many layers had run
+        return real(binding, plan, rows)
+
+    monkeypatch.setattr(decode_layer_module, "_prepare", spy)
+    layers = len(model.layers)
+    states = [model.new_state() for _ in range(2)]
+    for b, state in enumerate(states):
+        model.prefill(state, PROMPT + b)
+    logits = torch.cat([model.decode(states, [t, t + 1]) for t in (5, 9, 11)])
+    # the first step binds the layers, each on its own; the later ones check them at once and prepare them all
+    assert made == list(range(layers)) + [layers] * layers + [2 * layers] * layers
+    assert torch.equal(logits, _run(copy.deepcopy(micro), 2, [5, 9, 11], pieces=True))
 
 
 def _weight(model: Transformer) -> None:

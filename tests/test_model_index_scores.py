@@ -917,12 +917,14 @@ def _three_ways(monkeypatch, fn, *args, counts: list[int] | None = None):
 
 @pytest.mark.parametrize("heads", [4, 1, 3, 16, 20, 33])
 def test_amx_products_score_with_the_other_paths_bits(both, monkeypatch, heads):
-    """Dense (contiguous and paged, power-of-two blocks and not), named entries and every limit: the same bits
-    three ways; AMX takes the plain groups, and each group holding an entry it may not take goes to the vector
-    path within the same call."""
+    """Dense (contiguous and paged, power-of-two blocks and not, smaller and larger than a group of 16), named
+    entries and every limit: the same bits three ways; AMX takes the plain groups, and each group holding an entry
+    it may not take goes to the vector path within the same call. (A dense scan finds each group's rows as it reads
+    them: a group inside one block as one run from its first row, one across a block boundary row by row.)"""
     n = 301
     query, w, packed = _amx_case(heads, heads, n)
-    layouts = [StoredKeys.contiguous(packed), _paged(packed, 8, heads), _paged(packed, 6, heads + 1)]
+    layouts = [StoredKeys.contiguous(packed)]
+    layouts += [_paged(packed, size, heads + i) for i, size in enumerate((8, 6, 32, 40))]
     counts = [0, 0, 0]
     for keys in layouts:
         for limit in (n, 200, 17, 0):
@@ -930,7 +932,7 @@ def test_amx_products_score_with_the_other_paths_bits(both, monkeypatch, heads):
             assert _same_bits(got[0], got[2]) and _same_bits(got[1], got[2])
             assert (got[0][0, limit:] == NEG).all()
     amx_groups, integer_with, integer_without = counts
-    groups = 3 * sum(-(-limit // 16) for limit in (n, 200, 17))  # (query, group) pairs: three layouts
+    groups = len(layouts) * sum(-(-limit // 16) for limit in (n, 200, 17))  # (query, group) pairs
     # the integer path (AVX-512 VNNI) takes the same groups either way, AMX some of them (a group with a spread
     # entry: not); without it, neither runs
     assert integer_with == integer_without

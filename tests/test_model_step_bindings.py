@@ -12,8 +12,7 @@ import torch
 
 from kvdiet.config import load_config
 from kvdiet.formats import native
-from kvdiet.model import step_bindings
-from kvdiet.model import transformer as transformer_module
+from kvdiet.model import decode_layer, step_bindings
 from kvdiet.model.transformer import Transformer
 
 PROMPT = torch.arange(3, 41)
@@ -37,7 +36,7 @@ def checks(monkeypatch) -> list[bool]:
         seen.append(kernels is not None)
         return kernels
 
-    monkeypatch.setattr(transformer_module, "step_kernels", spy)
+    monkeypatch.setattr(decode_layer, "step_kernels", spy)
     return seen
 
 

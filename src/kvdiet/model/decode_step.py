@@ -95,6 +95,7 @@ class DecodePlan:
             layer's read. With the gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step
             0.35–0.79 ms faster at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither alone showed above
             the noise. Under autograd (which may save a layer's keys or entries for backward) neither is passed on.
+        prepared: ``{layer: (rotation, window-read args)}``, made at once (`kvdiet.model.decode_layer.prepare_step`).
     """
 
     positions: torch.Tensor
@@ -115,6 +116,7 @@ class DecodePlan:
     pending: list[PendingCheck] = field(default_factory=list)
     window_keys: torch.Tensor | None = None
     last_reads: dict[tuple[int | None, int | None], int] = field(default_factory=dict)
+    prepared: dict[int, tuple[Rotation, tuple]] = field(default_factory=dict)
 
     @classmethod
     def for_segments(cls, segs: list[Segment], layer_plan: LayerPlan | None = None) -> DecodePlan:
@@ -138,8 +140,7 @@ class DecodePlan:
         layer_rings = [list(rows) for rows in zip(*(r.layer_rows for r in rings), strict=True)]
         pos = torch.cat([s.positions for s in segs])
         older = pos[:, None] - (window - 1) + torch.arange(window - 1, device=dev)  # [B, W−1]
-        floors = torch.tensor([s.window_floor for s in segs], device=dev)
-        slots = older % window
+        floors, slots = torch.tensor([s.window_floor for s in segs], device=dev), older % window
         ring_positions = torch.stack([r.positions for r in rings], dim=1)  # [L, B, W]
         held = ring_positions.gather(2, slots.expand(layers, b, -1)) == older
         held &= (older >= 0) & (older >= floors[:, None])

@@ -32,7 +32,7 @@ from kvdiet.model.attention import Segment, Selection
 from kvdiet.model.block import Block
 from kvdiet.model.block_ids import BlockAllocator
 from kvdiet.model.compressor_tail import CompressorTail
-from kvdiet.model.decode_layer import decode_layer
+from kvdiet.model.decode_layer import decode_layer, prepare_step
 from kvdiet.model.decode_step import DecodePlan
 from kvdiet.model.engram_hash import EngramHasher
 from kvdiet.model.hc import hc_collapse, hc_expand, hc_init_streams, hc_initial_pre
@@ -41,7 +41,6 @@ from kvdiet.model.linear import Linear
 from kvdiet.model.memory import check_fits, random_weights_bytes
 from kvdiet.model.paged_pool import DevicePool
 from kvdiet.model.state import BlockTable, PagedEntries, RequestState, WindowRings
-from kvdiet.model.step_bindings import step_kernels
 from kvdiet.model.token_ids import check_token_ids, decode_token_ids
 
 __all__ = ["Transformer"]
@@ -343,7 +342,7 @@ class Transformer(nn.Module):
         # a decode step: a row a request
         plan = DecodePlan.for_segments(segs, self.plan) if start == len(segs) else None
         h = hc_init_streams(self.embed(torch.cat(ids)), cfg.hc_mult)
-        checked = None if plan is None else step_kernels(self, h)  # every layer's bindings checked at once
+        checked = None if plan is None else prepare_step(self, plan, h)  # bindings checked, layers prepared
         prev_pre = hc_initial_pre(h.shape[0], cfg.hc_mult)
         for block in self.layers:
             layer = block.info.layer_id
