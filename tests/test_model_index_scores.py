@@ -919,8 +919,7 @@ def _three_ways(monkeypatch, fn, *args, counts: list[int] | None = None):
 def test_amx_products_score_with_the_other_paths_bits(both, monkeypatch, heads):
     """Dense (contiguous and paged, power-of-two blocks and not, smaller and larger than a group of 16), named
     entries and every limit: the same bits three ways; AMX takes the plain groups, and each group holding an entry
-    it may not take goes to the vector path within the same call. (A dense scan finds each group's rows as it reads
-    them: a group inside one block as one run from its first row, one across a block boundary row by row.)"""
+    it may not take goes to the vector path within the same call."""
     n = 301
     query, w, packed = _amx_case(heads, heads, n)
     layouts = [StoredKeys.contiguous(packed)]

@@ -102,46 +102,6 @@ struct ScoreArgs {
   const int64_t* limit;  // [Q]: entries j < limit[t] are visible to query t
 };
 
-// A dense task's entries, found as they are read instead of listed first (the AMX scan's tasks): column c0 + e is
-// entry start + e of the keys, seen for e < seen (its one query's limit; at most kTile). shift: log2 of per_block
-// where that is a power of two (-1 otherwise): a shift and a mask instead of a division per group.
-struct DenseRun {
-  const ScoreArgs* a = nullptr;
-  int64_t c0 = 0, start = 0, seen = 0;
-  int shift = -1;
-  // entry j's block and its offset there
-  std::pair<int64_t, int64_t> place(int64_t j) const {
-    const int64_t pb = a->per_block;
-    if (shift >= 0) return {j >> shift, j & (pb - 1)};
-    return {j / pb, j % pb};
-  }
-  // entry e's row (e < seen)
-  const uint8_t* row(int64_t e) const {
-    const auto [block, offset] = place(start + e);
-    return a->keys + (a->table[block] * a->per_block + offset) * a->row_bytes;
-  }
-  // group g's first row where its 16 entries are all seen and lie in one block (one after another), else nullptr
-  const uint8_t* run_base(int64_t g) const {
-    if ((g + 1) * 16 > seen) return nullptr;
-    const auto [block, offset] = place(start + g * 16);
-    return offset + 16 <= a->per_block ? a->keys + (a->table[block] * a->per_block + offset) * a->row_bytes : nullptr;
-  }
-  // the task's ids (c0 + e, -1 past seen) and rows (kZeroRow there) into ids[0..kTile) and rows[0..kTile), found
-  // per run of consecutive rows (no division per entry); returns the first run's length
-  int64_t list(int64_t* ids, const uint8_t** rows) const {
-    const int64_t pb = a->per_block;
-    int64_t lead = 0;
-    for (int64_t e = 0, block = start / pb, offset = start % pb; e < seen; ++block, offset = 0) {
-      const uint8_t* first = a->keys + (a->table[block] * pb + offset) * a->row_bytes;
-      const int64_t run = std::min(seen - e, pb - offset);  // rows one after another in the block
-      lead = e == 0 ? run : lead;
-      for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a->row_bytes;
-    }
-    for (int64_t e = seen; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
-    return lead;
-  }
-};
-
 // Bit k set where lane k of v is nonzero
 inline uint32_t mask_of(const v16i& v) {
 #ifdef __AVX512F__
@@ -626,9 +586,9 @@ inline float zero_dot(const float* qh, const uint8_t* row, int64_t d) {
 // seen; qh: the head's fp32 query, rows: the entries' rows, wh: its weight): a zero dot takes the fp32 order's sign
 // (zero_dot), then relu as score_group's x < 0 ? 0 : x: vmaxps(+0, x) is +0 where +0 > x, else x (-0 kept; the dots
 // here are exact, never NaN or subnormal).
-template <class R>
 __attribute__((target("avx512f"))) inline void add_head(v16& total, v16 dot, __mmask16 seen, int64_t h,
-                                                        const float* qh, int64_t d, const R& rows, float wh) {
+                                                        const float* qh, int64_t d, const uint8_t* const* rows,
+                                                        float wh) {
   const __m512 zero_ps = _mm512_setzero_ps();
   for (uint32_t zero = _mm512_mask_cmp_ps_mask(seen, reinterpret_cast<__m512>(dot), zero_ps, _CMP_EQ_OQ); zero != 0;
        zero &= zero - 1) {
@@ -802,9 +762,6 @@ struct alignas(64) AmxScratch {  // one group in flight
   v16i least;                     // lane k: entry k's S
   uint32_t seen = 0;              // the group's entries the query sees
   int64_t group = 0;              // which group of the task
-  const uint8_t* base = nullptr;  // its rows: a run from base (RowRun), or where base is nullptr list[0..16)
-  const uint8_t* const* list = nullptr;
-  const uint8_t* own[16];         // list where no array of the task holds the group's rows
 };
 
 struct alignas(64) AmxConfig {  // palette 1; tile 0: C, 1 and 2: A_0 and A_1, 3 and 4: B_0 and B_1; 5, 6, 7: C, A_0, A_1
@@ -951,9 +908,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void amx_store(const IntQuer
 
 // amx_finish: the scores of slot's group (rows: its entries' rows, for zero_dot) for query t (q: its fp32 values
 // [H, 128], wt: its weights), -inf where not seen
-template <class R>
 __attribute__((target("avx512f,avx512bw"))) inline v16 amx_finish(const IntQueries& iq, int64_t t,
-                                                                  const AmxScratch& slot, const R& rows,
+                                                                  const AmxScratch& slot, const uint8_t* const* rows,
                                                                   const float* q, const float* wt) {
   const int64_t heads = iq.heads, groups = (heads + kAmxHeads - 1) / kAmxHeads;
   v16 total{};
@@ -1032,9 +988,9 @@ struct IntPath {};
 // task's integer path (its queries nullptr where it is not taken; where it is, groups go two at a time, and a pair
 // whose visible entries all pass the group-wide check is scored in one int_score; else each group on its own).
 template <int64_t D>
-int64_t score_tile(const ScoreArgs& a, int64_t* ids, const uint8_t** rows, int64_t run, const DenseRun* lazy,
-                   const uint8_t* const* ahead, const DenseRun& next, int64_t n, int64_t t0, int64_t t1, float* out,
-                   int64_t out_stride, float* tile, const v16& grid, IntPath& ip) {
+int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t run,
+                   const uint8_t* const* ahead, int64_t n, int64_t t0, int64_t t1, float* out, int64_t out_stride,
+                   float* tile, const v16& grid, IntPath& ip) {
   const int64_t d = D > 0 ? D : a.dim, groups = (n + kGroup - 1) / kGroup;
   constexpr int64_t S = D > 0 ? D / 2 + D / 32 : 0;  // a packed row's bytes, where D is known
   // whether group g's rows all lie in the task's leading run of `run` rows (rows[0] on, S bytes apart): expanded
@@ -1046,19 +1002,6 @@ int64_t score_tile(const ScoreArgs& a, int64_t* ids, const uint8_t** rows, int64
   bool integer[2] = {};            // group g0 + i expanded for the integer path, every scale byte valid
   // group g's reads ahead, and its expansion (into ip.group[g % 2]) or decoding (noting bad scale bytes)
   const auto read_ahead = [&](int64_t g) {
-    if (next.seen > g * kGroup) {  // the next task's entries, not listed: its group g's rows found here
-      if (const uint8_t* base = next.run_base(g)) {
-        const uintptr_t last = reinterpret_cast<uintptr_t>(base + kGroup * a.row_bytes - 1);
-        for (uintptr_t line = reinterpret_cast<uintptr_t>(base) & ~uintptr_t{63}; line <= last; line += 64) {
-          __builtin_prefetch(reinterpret_cast<const void*>(line));
-        }
-      } else {
-        for (int64_t e = g * kGroup; e < std::min(next.seen, (g + 1) * kGroup); ++e) {
-          __builtin_prefetch(next.row(e));
-          __builtin_prefetch(next.row(e) + a.row_bytes - 1);
-        }
-      }
-    }
     for (int64_t k = 0; ahead != nullptr && k < kGroup; ++k) {
       __builtin_prefetch(ahead[g * kGroup + k]);
       __builtin_prefetch(ahead[g * kGroup + k] + a.row_bytes - 1);
@@ -1129,9 +1072,7 @@ int64_t score_tile(const ScoreArgs& a, int64_t* ids, const uint8_t** rows, int64
       int64_t taken = 0;
       const auto finish = [&](const AmxScratch& slot) {
         const int64_t g = slot.group;
-        store_scores(out + g * kGroup,
-                     slot.base != nullptr ? amx_finish(iq, t0, slot, RowRun<S>{slot.base}, qt, wt)
-                                          : amx_finish(iq, t0, slot, RowList{slot.list}, qt, wt),
+        store_scores(out + g * kGroup, amx_finish(iq, t0, slot, rows + g * kGroup, qt, wt),
                      std::min(kGroup, n - g * kGroup));
         ++ip.scored, ++ip.amx_scored;
       };
@@ -1149,32 +1090,17 @@ int64_t score_tile(const ScoreArgs& a, int64_t* ids, const uint8_t** rows, int64
           if (k >= 2 && k - 2 < taken) finish(ip.amx[(k - 2) % 4]);
         }
       };
-      bool listed = lazy == nullptr;  // ids and rows hold the task's entries
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t left = lazy == nullptr ? 0 : std::clamp<int64_t>(lazy->seen - g * kGroup, 0, kGroup);
-        const uint32_t seen = lazy == nullptr ? ids_below(ids + g * kGroup, a.limit[t0]) : (1u << left) - 1;
+        const uint32_t seen = ids_below(ids + g * kGroup, a.limit[t0]);
         if (seen == 0) {
           store_scores(out + g * kGroup, v16{} + kNeg, std::min(kGroup, n - g * kGroup));
           continue;
         }
         read_ahead(g);
         AmxScratch& slot = ip.amx[taken % 4];
-        if (lazy != nullptr) {  // the group's rows: one run, or each found (kZeroRow past what the query sees)
-          slot.base = lazy->run_base(g);
-          for (int64_t k = 0; slot.base == nullptr && k < kGroup; ++k) {
-            slot.own[k] = k < left ? lazy->row(g * kGroup + k) : kZeroRow;
-          }
-          slot.list = slot.own;
-        } else {
-          slot.base = in_run(g) ? rows[g * kGroup] : nullptr;
-          slot.list = rows + g * kGroup;
-        }
-        if (!(slot.base != nullptr ? amx_expand(iq, t0, RowRun<S>{slot.base}, seen, slot)
-                                   : amx_expand(iq, t0, RowList{slot.list}, seen, slot))) {
-          if (!listed) {  // the paths below read the lists
-            lazy->list(ids, rows);
-            listed = true;
-          }
+        const uint8_t* const* gr = rows + g * kGroup;
+        if (!(in_run(g) ? amx_expand(iq, t0, RowRun<S>{gr[0]}, seen, slot)
+                        : amx_expand(iq, t0, RowList{gr}, seen, slot))) {
           prepare(g);
           score(g, t0);
           continue;
@@ -1313,17 +1239,24 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
     int cur = 0;
     const bool pow2 = (per_block & (per_block - 1)) == 0;
     const int shift = __builtin_ctzll(static_cast<uint64_t>(per_block));
-    // a dense task's entries c0 .. c0 + n - 1, seen up to the farthest limit of its queries
-    const auto dense_run = [&](int64_t task) -> DenseRun {
+    // a dense task's entries c0 .. c0 + n - 1 (-1 past what its queries see) and their rows (kZeroRow there):
+    // rows found per run of consecutive rows, no division per entry; returns the first run's length
+    const auto dense_rows = [&](int64_t task, int64_t* ids, const uint8_t** rows) -> int64_t {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
       int64_t reach = 0;
       for (int64_t t = t0; t < t1; ++t) reach = std::max(reach, a.limit[t]);
-      return DenseRun{&a, c0, (off == nullptr ? 0 : off[t0]) + c0, std::clamp<int64_t>(reach - c0, 0, n),
-                      pow2 ? shift : -1};
-    };
-    const auto dense_rows = [&](int64_t task, int64_t* ids, const uint8_t** rows) -> int64_t {
-      return dense_run(task).list(ids, rows);
+      const int64_t seen = std::clamp<int64_t>(reach - c0, 0, n);
+      const int64_t start = (off == nullptr ? 0 : off[t0]) + c0;  // one query per task where off is set
+      int64_t lead = 0;  // the first run's rows
+      for (int64_t e = 0, block = start / per_block, offset = start % per_block; e < seen; ++block, offset = 0) {
+        const uint8_t* first = a.keys + (a.table[block] * per_block + offset) * a.row_bytes;
+        const int64_t run = std::min(seen - e, per_block - offset);  // rows one after another in the block
+        lead = e == 0 ? run : lead;
+        for (int64_t i = 0; i < run; ++i, ++e) ids[e] = c0 + e, rows[e] = first + i * a.row_bytes;
+      }
+      for (int64_t e = seen; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
+      return lead;
     };
     // a named task's entries (-1 past what its one query sees) and their rows; started at once (``now``: the
     // task about to be scored) or left to score_tile's reads ahead (the next task's, a group at a time)
@@ -1346,19 +1279,6 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       for (int64_t e = n; e < kTile; ++e) ids[e] = -1, rows[e] = kZeroRow;
       return int64_t{0};  // no run: each row on its own
     };
-    // whether a task's entries are found as its groups are read (DenseRun) instead of listed first: a dense task
-    // whose one query takes the AMX products (score_tile) on packed rows of head dim 128. Every group inside one
-    // block is then one run (a listed task's only in its first block), and no list is written and read back: a
-    // v4.1-mini decode step at 1M context 0.6 ms faster, paired in one process (29 of 40 rounds; 4K: no change).
-    const auto lazy_task = [&](int64_t task) {
-#ifdef __AVX512F__
-      const int64_t t0 = task / tiles * qblock;
-      return dense && d == 128 && packed && a.row_bytes == 68 && ip.amx != nullptr && iq.ok[t0] && iq.amx_ok[t0] &&
-             std::min(nq, t0 + qblock) - t0 == 1;
-#else
-      return false;
-#endif
-    };
     for (int64_t task = b0; task < b1; ++task) {
       const int64_t qb = task / tiles, c0 = (task % tiles) * kTile, n = std::min(kTile, width - c0);
       const int64_t t0 = qb * qblock, t1 = std::min(nq, t0 + qblock);
@@ -1369,17 +1289,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       int64_t* ids = ids_of[cur];
       const uint8_t** rows = rows_of[cur];
       const uint8_t* const* ahead = nullptr;  // the next task's rows, read ahead while this one is scored
-      const bool lazy = lazy_task(task);
-      DenseRun here, next;  // lazy: this task's entries; next: the next task's where it is lazy (else seen 0)
-      if (lazy) {
-        here = dense_run(task);
-        run_of[cur] = 0;
-      } else if (ready != task) {
-        run_of[cur] = dense ? dense_rows(task, ids, rows) : named_rows(task, ids, rows, true);
-      }
-      if (task + 1 < b1 && lazy_task(task + 1)) {  // the next task is this thread's too: read ahead as it is found
-        next = dense_run(task + 1);
-      } else if (task + 1 < b1) {  // or its rows found now
+      if (ready != task) run_of[cur] = dense ? dense_rows(task, ids, rows) : named_rows(task, ids, rows, true);
+      if (task + 1 < b1) {  // the next task is this thread's too: its rows found now
         run_of[1 - cur] = dense ? dense_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur])
                                 : named_rows(task + 1, ids_of[1 - cur], rows_of[1 - cur], false);
         ready = task + 1;
@@ -1388,11 +1299,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       float* ot = o + t0 * width + c0;
       float* tp = reinterpret_cast<float*>(tile.data());
       const int64_t run = run_of[cur];
-      const DenseRun* found = lazy ? &here : nullptr;
-      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, run, found, ahead, next, n, t0, t1, ot, width, tp,
-                                                   grid, ip)
-                                 : score_tile<0>(a, ids, rows, run, found, ahead, next, n, t0, t1, ot, width, tp,
-                                                 grid, ip);
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip)
+                                 : score_tile<0>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip);
       if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
       for (int64_t t = t0; maxima && t < t1; ++t) {  // the tile's block maxima (c0: a multiple of block)
         block_maxima(ot + (t - t0) * width, n, block, block_out + t * block_cols + c0 / block);
