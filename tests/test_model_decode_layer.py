@@ -88,12 +88,18 @@ def test_a_checked_step_prepares_every_layer_before_the_first(micro, counted, mo
     first layer runs (`prepare_step`), and each layer runs on them: no layer makes its own; the same logits."""
     model = copy.deepcopy(micro)
     real, made = decode_layer_module._prepare, []
+    real_window, windows = decode_layer_module._fused_window, []
 
     def spy(binding, plan, rows):
         made.append(counted.calls.get("attn_head", 0))  # how many layers had run
         return real(binding, plan, rows)
 
+    def window_spy(attn, plan, rows):
+        windows.append(counted.calls.get("attn_head", 0))
+        return real_window(attn, plan, rows)
+
     monkeypatch.setattr(decode_layer_module, "_prepare", spy)
+    monkeypatch.setattr(decode_layer_module, "_fused_window", window_spy)
     layers = len(model.layers)
     states = [model.new_state() for _ in range(2)]
     for b, state in enumerate(states):
@@ -101,6 +107,7 @@ def test_a_checked_step_prepares_every_layer_before_the_first(micro, counted, mo
     logits = torch.cat([model.decode(states, [t, t + 1]) for t in (5, 9, 11)])
     # the first step binds the layers, each on its own; the later ones check them at once and prepare them all
     assert made == list(range(layers)) + [layers] * layers + [2 * layers] * layers
+    assert windows == made  # each layer's window arguments too: made once, with the rest
     assert torch.equal(logits, _run(copy.deepcopy(micro), 2, [5, 9, 11], pieces=True))
 
 

@@ -72,7 +72,7 @@ class DecodePlan:
         window_mask: per layer l, bool [B, W], which of its window keys request b reads (``window_held``, then its
             new entry, always).
         tables: the batch's block tables (`BatchTables`).
-        rows: the step's `RowTables`: each RoPE table's ``Rope.at(positions)``, made by its first layer.
+        rows: the step's `RowTables`: each RoPE table's ``Rope.at(positions)``, made by its first use.
         groups: per compressor ratio r > 1, `closing_groups`' requests, their groups' first positions int64 [M]
             and the rotations there (`RowTables`), made by the ratio's first layer.
         topk: ``{index source: (idx int64 [B, k], valid bool [B, k])}`` published during the step (request b's
@@ -89,13 +89,13 @@ class DecodePlan:
             later layer writes them).
         candidate_ids: ``{block_size: entries int64 [B, Kb·block_size]}``, `candidate_entries` of ``candidates``.
         pending: the value checks not read yet (`PendingCheck`, in the order the step made them).
-        window_keys: fp32 [B, W, D] (CPU, no autograd; None until the first read: `key_buffer`), where each layer's
+        window_keys: fp32 [B, W, D] (CPU, no autograd; None until first asked: `key_buffer`), where each layer's
             fused read writes its keys (`_window`'s or `attn_head`'s), over the layer's before: one buffer a step,
             still in cache from the layer before. A layer's keys are read by its own attention only, before the next
             layer's read. With the gathered pairs' buffers passed on, paired against fresh tensors: a v4.1-mini step
             0.35–0.79 ms faster at 4K (18 and 22 of 24 rounds), 0.31 ms at 1M (13 of 16); neither alone showed above
             the noise. Under autograd (which may save a layer's keys or entries for backward) neither is passed on.
-        prepared: ``{layer: (rotation, window-read args)}``, made at once (`kvdiet.model.decode_layer.prepare_step`).
+        prepared: ``{layer: (rotation, window-read args) or None}`` of a checked step (`decode_layer.prepare_step`).
     """
 
     positions: torch.Tensor
@@ -116,7 +116,7 @@ class DecodePlan:
     pending: list[PendingCheck] = field(default_factory=list)
     window_keys: torch.Tensor | None = None
     last_reads: dict[tuple[int | None, int | None], int] = field(default_factory=dict)
-    prepared: dict[int, tuple[Rotation, tuple]] = field(default_factory=dict)
+    prepared: dict[int, tuple[Rotation, tuple] | None] = field(default_factory=dict)
 
     @classmethod
     def for_segments(cls, segs: list[Segment], layer_plan: LayerPlan | None = None) -> DecodePlan:

@@ -11,7 +11,8 @@ the `HcWeights` they hold, each sublayer's mHC parameters still the ones those w
 version counters and storage (`HcWeights.current`), and the model's layers still the blocks gathered, each exactly a
 `Block`. What the step itself must satisfy (the compiled kernels on, 1..16 fp32 CPU rows, no autograd, nothing the
 pieces call patched: `kvdiet.model.block.pieces_unpatched`) is checked by `step_kernels`. The check is made before
-the step: a change made during it (by a hook of a module the step still calls, an Engram's, say) is not seen.
+the step: a change made during it (by a hook of a module the step still calls, an Engram's, say) is not seen, nor
+one to a layer's codecs or compressor, read then for its inputs (`kvdiet.model.decode_layer.prepare_step`).
 """
 
 from __future__ import annotations
