@@ -42,8 +42,8 @@ def prepare_step(model: nn.Module, plan: DecodePlan, h: torch.Tensor) -> ModuleT
     once), and where they hold, every bound layer's rotation and window-read arguments (`_prepare`) made at once into
     ``plan.prepared``. Made layer by layer, between compiled calls that stream each layer's weights and caches
     through the CPU's caches, those few Python lines ran cold: some 21 µs a layer in a v4.1-mini step at 1M context
-    (2 µs hot), against some 5 µs a layer in this loop; paired in one process, a step 0.64 ms faster at 4K (36 of 40
-    rounds) and 0.59 ms at 1M (28 of 40)."""
+    (2 µs hot), against some 5 µs a layer in this loop; paired in one process, a 4K step 0.53-0.64 ms faster (38 and
+    36 of 40 rounds); at 1M 0.59 ms (28 of 40) once, and the medians level (faster in 27 of 40 rounds) once."""
     kernels = step_kernels(model, h)
     for block in () if kernels is None else model._modules["layers"]:
         binding = block.__dict__["attn_binding"]
