@@ -34,8 +34,6 @@ from kvdiet.model.step_bindings import step_kernels
 
 __all__ = ["decode_layer", "prepare_step"]
 
-_UNMADE = object()  # a layer `prepare_step` did not reach
-
 
 def prepare_step(model: nn.Module, plan: DecodePlan, h: torch.Tensor) -> ModuleType | None:
     """`step_kernels` for a decode step's streams ``h`` fp32 [B, hc, hidden] (every layer's bindings checked at
@@ -47,7 +45,7 @@ def prepare_step(model: nn.Module, plan: DecodePlan, h: torch.Tensor) -> ModuleT
     kernels = step_kernels(model, h)
     for block in () if kernels is None else model._modules["layers"]:
         binding = block.__dict__["attn_binding"]
-        plan.prepared[binding.attn.info.layer_id] = _prepare(binding, plan, h.shape[0])  # None: not taken
+        plan.prepared[binding.attn.info.layer_id] = _prepare(binding, plan, h.shape[0])  # None: the pieces
     return kernels
 
 
@@ -64,9 +62,8 @@ def decode_layer(
     Args:
         h: streams fp32 [B, hc, hidden], one row per request of ``segs``; prev_pre: the pre-mix that feeds this
             attention sublayer [B, hc] (the previous FFN's, v41-spec §8.1); plan: the step's `DecodePlan`;
-            checked: the compiled kernels where the model's `StepBindings` held for this step
-            (`kvdiet.model.step_bindings.step_kernels`: the layer's bindings are not checked again, and its inputs
-            are those `prepare_step` made).
+            checked: `prepare_step`'s kernels where the model's `StepBindings` held for this step (the layer's
+            bindings are not checked again, and its inputs are those `prepare_step` made into ``plan``).
     Returns:
         (new streams [B, hc, hidden], this FFN's pre [B, hc]), the bits of the pieces.
     Raises:
@@ -100,8 +97,7 @@ def _bound_layer(
         kernels, binding = bound
         ffn = None if (got := bound_ffn(block, h)) is None else got[1]
     attn = binding.attn
-    made = plan.prepared.get(attn.info.layer_id, _UNMADE) if checked is not None else _UNMADE
-    made = _prepare(binding, plan, h.shape[0]) if made is _UNMADE else made
+    made = plan.prepared[attn.info.layer_id] if checked is not None else _prepare(binding, plan, h.shape[0])
     if made is None:
         return None
     rot, window = made
