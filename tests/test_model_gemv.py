@@ -126,6 +126,26 @@ def test_row_products_each_gives_each_pairs_bits(both):
         assert got.shape == (x.shape[0], w.shape[0])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_rows_split_over_threads_keep_each_pairs_bits(both, threads):
+    """Calls of 64K products or more (elements of w times rows of x) split over the threads, a batch of 16 rows
+    of a small weight too: each pair's outputs are still its own products, in the written-out order."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(16, 67, 64), (5, 130, 48), (16, 9, 64), (1, 300, 32)]  # 68K, 31K, 9K and 9.6K products
+    xs = [torch.randn(m, k, generator=gen) * 2.0 ** float(m % 7) for m, _, k in shapes]
+    ws = [torch.randn(n, k, generator=gen) for _, n, k in shapes]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        compiled, pure = both(row_products_each, xs, ws)
+        alone = row_products(xs[0], ws[0])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, _written_out(xs[0], ws[0]))
+    for got, want, x, w in zip(compiled, pure, xs, ws, strict=True):
+        assert torch.equal(got, want) and torch.equal(got, _written_out(x, w))
+
+
 def test_row_products_each_names_the_bad_pair():
     good = torch.zeros(1, 8), torch.zeros(2, 8)
     with pytest.raises(ValueError, match=r"pair 1"):
