@@ -250,6 +250,12 @@ def test_a_persistent_dir_that_cannot_be_a_folder_is_refused_before_the_model_lo
         == f"kvdiet generate: error: --persistent-dir: {str(afile)!r} is not a folder\n"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]  # nothing made
+    if os.path.isdir("/proc/self"):  # a pseudo file system: root passed os.access, then the tier turned off
+        assert main([*argv, "/proc"]) == 2
+        assert capsys.readouterr().err == (
+            "kvdiet generate: error: --persistent-dir: '/proc' is not writable by this process and holds no "
+            "persistent tier to read (index.sqlite3)\n"
+        )
 
 
 def test_check_folder_takes_a_folder_to_be_made_and_makes_nothing(tmp_path) -> None:
@@ -261,15 +267,44 @@ def test_check_folder_takes_a_folder_to_be_made_and_makes_nothing(tmp_path) -> N
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     try:
-        assert check_folder(str(locked)) == str(
+        assert check_folder(str(locked), writes=False) == str(
             locked
-        )  # it exists: the tier decides (a read-only one is off)
+        )  # --persistent-read-only: nothing written
         if os.access(locked, os.W_OK):  # root: permissions are not checked; the mode says nothing
+            assert check_folder(str(locked)) == str(locked)
             assert check_folder(str(locked / "kv")) == str(locked / "kv")
         else:
+            with pytest.raises(
+                ValueError, match=r"is not writable by this process and holds no persistent tier"
+            ):
+                check_folder(str(locked))
             with pytest.raises(
                 ValueError, match=r"cannot be made: its nearest existing part, .* is not writable"
             ):
                 check_folder(str(locked / "kv"))
     finally:
         locked.chmod(0o700)
+    assert sorted(p.name for p in locked.iterdir()) == []  # the probes were removed
+    (locked / "index.sqlite3").write_bytes(b"")
+    locked.chmod(0o500)
+    try:  # a tier's index in a folder it may not write: opened read-only (the tier decides)
+        assert check_folder(str(locked)) == str(locked)
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system (Linux)")
+def test_check_folder_refuses_a_pseudo_file_system_even_as_root() -> None:
+    """``--persistent-dir /sys/...`` passed as root (``os.access`` grants root everything) and the tier then
+    turned itself off with a warning: nothing can be made in /proc or /sys, whoever asks."""
+    from kvdiet.storage.folders import check_folder
+
+    with pytest.raises(
+        ValueError, match=r"'/proc' is not writable by this process and holds no persistent tier"
+    ):
+        check_folder("/proc")
+    with pytest.raises(
+        ValueError, match=r"cannot be made: its nearest existing part, '/proc', is not writable"
+    ):
+        check_folder("/proc/kvdiet-kv")
+    assert check_folder("/proc", writes=False) == "/proc"

@@ -6,6 +6,7 @@ by its flag (`kvdiet.engine.args.EngineArgs` calls both)."""
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 from kvdiet.cache.options import CacheOptions
@@ -117,7 +118,9 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
     # is an error (the default one's failure is a warning when it opens: the tier is then off)
     persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
-        parse_flag("--persistent-dir", check_folder, persistent)
+        parse_flag(
+            "--persistent-dir", partial(check_folder, writes=not args.persistent_read_only), persistent
+        )
     if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
         off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
         what = f"{persistent!r} is no folder to read" if persistent else off or "no --persistent-dir is given"

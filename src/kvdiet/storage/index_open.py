@@ -15,7 +15,10 @@ from kvdiet.storage.clock import Clock
 from kvdiet.storage.index_recovery import damaged, damaged_hint, move_aside, recovered_text
 from kvdiet.storage.persistent_index import connect, connect_read_only
 
-__all__ = ["open_index"]
+INDEX_NAME = "index.sqlite3"
+"""The persistent tier's index file, in its folder."""
+
+__all__ = ["INDEX_NAME", "open_index"]
 
 _log = logging.getLogger("kvdiet.storage.persistent")  # the store's own logger: its warnings, one voice
 
@@ -29,7 +32,7 @@ def open_index(
     creation, by ``clock``). ``read_only``, or a folder this process may not write (``os.access``: root passes
     but a read-only volume does not), or an index that will not open for writing there: opened read-only
     (`kvdiet.storage.persistent_index.connect_read_only`), nothing made or changed."""
-    index = directory / "index.sqlite3"
+    index = directory / INDEX_NAME
     if read_only:
         return _read_only(directory, blocks, None)
     if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
@@ -67,7 +70,7 @@ def _read_only(directory: Path, blocks: Path, why: str | None) -> tuple[sqlite3.
     """The folder's index opened read-only, or None (a warning says why: a folder of entry files without an index
     says so, as a writable one would rebuild it); ``why`` the tier was not asked to be read-only, said in a
     warning."""
-    index = directory / "index.sqlite3"
+    index = directory / INDEX_NAME
     try:
         db = connect_read_only(index)
     except sqlite3.Error as exc:
