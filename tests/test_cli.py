@@ -85,17 +85,22 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
     looped = tmp_path / "looped.txt"
     looped.write_text(f"--max-tokens\n3\n@{looped}\n")
     cases = [
-        (["generate", f"@{tmp_path / 'none.txt'}"], f"kvdiet: error: @{tmp_path / 'none.txt'}: no such file"),
+        (
+            ["generate", f"@{tmp_path / 'none.txt'}"],
+            f"kvdiet generate: error: @{tmp_path / 'none.txt'}: no such file",
+        ),
         (
             ["generate", f"@{binary}"],
-            f"kvdiet: error: @{binary}: not UTF-8 text (invalid start byte at byte 0)",
+            f"kvdiet generate: error: @{binary}: not UTF-8 text (invalid start byte at byte 0)",
         ),
         # one that never ends (all the memory went), one that names itself (a RecursionError traceback)
         (
             ["generate", "@/dev/zero"],
-            "kvdiet: error: @/dev/zero: more than 67,108,864 bytes, the most a text file",
+            "kvdiet generate: error: @/dev/zero: more than 67,108,864 bytes, the most a text file",
         ),
-        (["generate", f"@{looped}"], f"kvdiet: error: @{looped}: @FILE nested more than 16 deep"),
+        (["generate", f"@{looped}"], f"kvdiet generate: error: @{looped}: @FILE nested more than 16 deep"),
+        # a file named before any command: the top-level parser's line
+        ([f"@{tmp_path / 'none.txt'}"], f"kvdiet: error: @{tmp_path / 'none.txt'}: no such file"),
         (["golden", str(binary)], f"kvdiet golden: error: {binary}: a file, not a folder"),
         # an empty path read as the working folder ("no reference_outputs.safetensors in .")
         (["golden", ""], "kvdiet golden: error: the golden folder's path is empty"),

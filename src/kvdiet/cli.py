@@ -105,27 +105,36 @@ class ArgumentParser(argparse.ArgumentParser):
                 unknown.append(arg)
         return unknown
 
-    def _read_args_from_files(self, arg_strings: list[str], depth: int = 0) -> list[str]:
+    def _read_args_from_files(
+        self, arg_strings: list[str], depth: int = 0, before: list[str] | None = None
+    ) -> list[str]:
         """argparse's ``@FILE`` expansion (one argument per line, an ``@FILE`` inside read in turn), each file read
         once through `kvdiet.text_files.read_text`: a file that cannot be read, is not text or never ends
         (``@/dev/zero`` took all the memory) is one line naming it (argparse printed the bare OSError,
-        ``[Errno 2] No such file or directory: 'x'``, or a traceback), and so is a file that names itself."""
-        expanded = []
+        ``[Errno 2] No such file or directory: 'x'``, or a traceback), and so is a file that names itself; the
+        line is the command's (``kvdiet generate: error: ...``, with its usage) where one is named before the
+        file (``before``: the arguments expanded ahead of ``arg_strings``)."""
+        expanded = [] if before is None else before
         for arg in arg_strings:
             if not (arg[:1] and arg[0] in (self.fromfile_prefix_chars or "")):
                 expanded.append(arg)
                 continue
             if depth >= _MAX_FILE_DEPTH:
-                self.error(
+                self._command_parser(expanded).error(
                     f"{arg}: @FILE nested more than {_MAX_FILE_DEPTH} deep (a file that names itself?)"
                 )
             try:
                 text = read_text(arg[1:])
             except ValueError as exc:
-                self.error(f"@{exc} (@FILE reads arguments from FILE)")
+                self._command_parser(expanded).error(f"@{exc} (@FILE reads arguments from FILE)")
             lines = [a for line in text.splitlines() for a in self.convert_arg_line_to_args(line)]
-            expanded.extend(self._read_args_from_files(lines, depth + 1))
+            self._read_args_from_files(lines, depth + 1, expanded)
         return expanded
+
+    def _command_parser(self, args: list[str]) -> argparse.ArgumentParser:
+        """The parser of the first command named in ``args`` (a sub-command's), else this one."""
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        return next((commands[arg] for arg in args if arg in commands), self)
 
 
 class _CommandLines(logging.Handler):
