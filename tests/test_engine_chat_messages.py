@@ -50,3 +50,30 @@ def test_a_message_object_is_taken_as_its_model_dump_and_anything_else_is_named_
             "messages.1: must be a message: an object with role and content (from Python a dict, or an object "
             f"whose model_dump() gives one, as the OpenAI SDK's messages do), got {kind}"
         ), said
+
+
+def test_text_that_is_not_valid_unicode_is_named_at_its_own_path_and_character() -> None:
+    """An unpaired surrogate was found in the rendered conversation: the error gave its offset in the chat
+    template's text (character 29 for the first character of the first message) and no path."""
+    cases = [
+        ([{"role": "user", "content": "\udfff"}], "messages.0.content: ", "U+DFFF at character 0"),
+        (
+            [
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "abc\ud800"}],
+                },
+            ],
+            "messages.1.content.1.text: ",
+            "U+D800 at character 3",
+        ),
+    ]
+    for messages, path, where in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            check_conversation(messages)
+        assert str(info.value) == f"{path}the text is not valid Unicode: unpaired surrogate {where}"
+        assert info.value.param == "messages"
+    assert check_conversation([{"role": "user", "content": "h\u00e9llo \U0001f600"}])[0]["content"][0][
+        "text"
+    ] == ("h\u00e9llo \U0001f600")

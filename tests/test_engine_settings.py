@@ -252,6 +252,40 @@ def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) ->
     )
 
 
+def test_serves_default_persistent_dir_that_cannot_be_used_is_one_warning_and_no_tier(
+    tmp_path, caplog
+) -> None:
+    """``kvdiet serve``'s default folder (under ``$HOME``) that cannot be made was found only when the tier
+    opened, after the model loaded, as "cannot open the index ... No such file or directory"; the same folder
+    given with ``--persistent-dir`` is an error. It is now checked with the flags: one warning saying why, and
+    no tier; a default that can be made is kept, and nothing is made before the tier opens."""
+    import argparse
+    import logging
+
+    def options(default: str, *argv: str) -> CacheOptions:
+        parser = EngineArgs.add_cli_args(argparse.ArgumentParser(), persistent_default=default)
+        parser.add_argument("--model", default="v4.1-micro")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--device", default="cpu")
+        return EngineArgs.from_cli_args(parser.parse_args(list(argv))).cache
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="kvdiet"):
+        assert options(str(afile / "kv")).persistent_dir is None
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [
+        f"the default --persistent-dir cannot be used: {str(afile / 'kv')!r} lies under {str(afile)!r}, which is "
+        "not a folder; the persistent tier is off"
+    ]
+    caplog.clear()
+    fine = tmp_path / "home" / "kv"
+    assert options(str(fine)).persistent_dir == str(fine) and not (tmp_path / "home").exists()
+    with pytest.raises(ValueError, match=r"^--persistent-dir: .* lies under .* which is not a folder"):
+        options(str(fine), "--persistent-dir", str(afile / "kv"))  # given: an error, as before
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_python_takes_unbounded_where_the_command_line_does() -> None:
     """``persistent_size`` (default None: unbounded) takes ``unbounded`` as ``--persistent-size`` does; it was
     refused as "needs a bound ... taken only where it is the default", its own default. Other sizes refuse it."""

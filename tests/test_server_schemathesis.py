@@ -122,7 +122,7 @@ def test_schemathesis_finds_no_5xx_and_every_4xx_is_an_openai_error(
         (
             "/v1/chat/completions",
             '{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}], "max_tokens": 1}',
-            "messages",
+            "messages.0.content",  # the text's own path (it was "messages", the character's place in the template)
         ),
     ],
 )
@@ -132,6 +132,7 @@ def test_an_unpaired_surrogate_is_a_400_naming_it(base_url: str, path: str, body
     assert status == 400, out
     error = out["error"]
     assert "not valid Unicode: unpaired surrogate U+D" in error["message"], error
+    assert error["message"].endswith(" at character 4"), error  # in the text as sent, not a rendered template
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, 400)
 
 

@@ -6,6 +6,7 @@ by its flag (`kvdiet.engine.args.EngineArgs` calls both)."""
 from __future__ import annotations
 
 import argparse
+import logging
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from kvdiet.storage.swa_pool_factory import check_swa_pool_spec
 from kvdiet.units import parse_bytes, parse_bytes_or_unbounded, parse_duration, parse_flag
 
 __all__ = ["add_cache_args", "cache_options"]
+
+_log = logging.getLogger("kvdiet.engine")
 
 
 def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | None = None) -> None:
@@ -115,12 +118,17 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
     if args.global_pool is None and (given := [flag for flag, value in pool_flags.items() if value]):
         raise ValueError(f"{given[0]}: no --global-pool is given (mooncake://HOST[:PORT])")
     # none in any case (NONE made a folder of that name); a folder given on the command line that cannot be used
-    # is an error (the default one's failure is a warning when it opens: the tier is then off)
+    # is an error; the default one (serve's) gets one warning naming why, and the tier is off
     persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
+    check = partial(check_folder, writes=not args.persistent_read_only)
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
-        parse_flag(
-            "--persistent-dir", partial(check_folder, writes=not args.persistent_read_only), persistent
-        )
+        parse_flag("--persistent-dir", check, persistent)
+    elif persistent is not None:
+        try:
+            check(persistent)
+        except ValueError as exc:
+            _log.warning("the default --persistent-dir cannot be used: %s; the persistent tier is off", exc)
+            persistent = None
     if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
         off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
         what = f"{persistent!r} is no folder to read" if persistent else off or "no --persistent-dir is given"

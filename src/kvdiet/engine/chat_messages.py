@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvdiet.engine.prepared import InvalidRequestError
+from kvdiet.tokenizer import unicode_fault
 
 __all__ = ["ChatMessage", "PromptCacheBreakpoint", "TextPart", "check_conversation", "json_type"]
 
@@ -62,6 +63,16 @@ class PromptCacheBreakpoint(BaseModel):
     ttl: Literal["30m", "12h"] | None = None
 
 
+def _valid_unicode(text: str) -> str:
+    """``text`` where it is valid Unicode, else an error at its own path (``messages.0.content``,
+    ``messages.0.content.1.text``) naming the character in it (`kvdiet.tokenizer.unicode_fault`): found in the
+    rendered conversation, it was placed in the chat template's text."""
+    fault = unicode_fault(text)
+    if fault is not None:
+        raise PydanticCustomError("unicode", "{fault}", {"fault": fault})
+    return text
+
+
 class TextPart(BaseModel):
     """A content part: ``{"type": "text", "text": ...}``, the only kind the chat template takes, with the OpenAI
     SDK's optional ``prompt_cache_breakpoint`` (null: none, as a part the SDK returns dumps it)."""
@@ -69,7 +80,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: StrictStr
+    text: Annotated[StrictStr, AfterValidator(_valid_unicode)]
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
     @model_validator(mode="before")
@@ -95,7 +106,7 @@ def _content_parts(value: Any) -> Any:
     it (its schema's ``minItems: 1``; a string, even empty, is the way to send no text); anything else, null
     included, is refused whole."""
     if isinstance(value, str):
-        return [{"type": "text", "text": value}]
+        return [{"type": "text", "text": _valid_unicode(value)}]
     if isinstance(value, list) and value:
         return value
     if isinstance(value, list):
