@@ -101,6 +101,37 @@ def test_restart_reads_entries_of_previous_instance(tmp_path: Path, clock: Manua
         assert second.counters.hits == 3 and second.counters.entries_written == 0
 
 
+def test_an_index_that_does_not_open_leaves_no_folder_made(
+    tmp_path: Path, clock: ManualClock, caplog, monkeypatch
+) -> None:
+    """The tier off with its warning changed the folder all the same: ``blocks/`` (and the missing folders above
+    it) was made before the index failed to open."""
+    import sqlite3
+
+    from kvdiet.storage import index_open
+
+    given = tmp_path / "given"
+    (given / "index.sqlite3").mkdir(parents=True)  # a folder where the index file goes
+    with (
+        caplog.at_level(logging.WARNING, logger="kvdiet"),
+        PersistentStore(given, IDENTITY, clock=clock) as s,
+    ):
+        assert not s.enabled
+    assert [p.name for p in given.iterdir()] == ["index.sqlite3"]
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(index_open, "connect", fails)
+    with (
+        caplog.at_level(logging.WARNING, logger="kvdiet"),
+        PersistentStore(tmp_path / "new" / "kv", IDENTITY, clock=clock) as s,
+    ):
+        assert not s.enabled
+    assert sum("cannot open the index" in r.getMessage() for r in caplog.records) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["given"]  # new/, new/kv/ and new/kv/blocks/ removed
+
+
 def test_ttl_edges_single_and_batch_agree(tmp_path: Path, clock: ManualClock) -> None:
     store = PersistentStore(tmp_path, IDENTITY, ttl_s=10.0, clock=clock)
     store.open()

@@ -5,6 +5,7 @@ plain open is named in one warning."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -28,15 +29,17 @@ def open_index(
 ) -> tuple[sqlite3.Connection, bool] | None:
     """``(the index of directory, whether it is open read-only)``, or None where it cannot be opened (the tier is
     off; a warning names the index file and the error). For writing, the folder and ``blocks`` are made where
-    missing and a new index is filled from the entry files under ``blocks`` (entries ``ttl_s`` seconds from their
-    creation, by ``clock``). ``read_only``, or a folder this process may not write (``os.access``: root passes
-    but a read-only volume does not), or an index that will not open for writing there: opened read-only
-    (`kvdiet.storage.persistent_index.connect_read_only`), nothing made or changed."""
+    missing (and removed again where the index then does not open) and a new index is filled from the entry
+    files under ``blocks`` (entries ``ttl_s`` seconds from their creation, by ``clock``). ``read_only``, or a
+    folder this process may not write (``os.access``: root passes but a read-only volume does not), or an index
+    that will not open for writing there: opened read-only (`kvdiet.storage.persistent_index.connect_read_only`),
+    nothing made or changed."""
     index = directory / INDEX_NAME
     if read_only:
         return _read_only(directory, blocks, None)
     if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
         return _read_only(directory, blocks, "the folder is not writable by this process")
+    made = _missing(blocks)  # the folders made below, to be removed again where the index does not open
     try:
         blocks.mkdir(parents=True, exist_ok=True)
         try:
@@ -62,8 +65,20 @@ def open_index(
             return _read_only(directory, blocks, f"the index will not open for writing ({exc})")
         hint = damaged_hint(exc, index)
         _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
+        for folder in made:  # deepest first; one that is no longer empty stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return None
     return db, False
+
+
+def _missing(folder: Path) -> list[Path]:
+    """``folder`` and its ancestors that do not exist, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _read_only(directory: Path, blocks: Path, why: str | None) -> tuple[sqlite3.Connection, bool] | None:
