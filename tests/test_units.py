@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvdiet import units
-from kvdiet.units import format_bytes, format_tokens, parse_bytes, parse_count
+from kvdiet.units import echo_count, format_bytes, format_tokens, parse_bytes, parse_count
 
 
 def test_parse() -> None:
@@ -48,6 +48,21 @@ def test_format_tokens_counts_one_token_as_one() -> None:
         "2 tokens",
         "131,072 tokens",
     ]
+
+
+def test_a_count_past_24_digits_is_named_by_its_length_not_written_out() -> None:
+    """A client's 4,000-digit ``max_tokens`` (JSON allows it) came back whole in the context-length error: some
+    5,000 characters of message."""
+    from kvdiet.engine.prepared import ContextLengthError
+
+    assert echo_count(10**24 - 1) == "999,999,999,999,999,999,999,999"
+    assert echo_count(10**24) == "a 25-digit number"
+    assert format_tokens(10**30) == "a 31-digit number of tokens"
+    said = str(ContextLengthError(12, int("9" * 4000), 1_048_576, "max_model_len"))
+    assert said == (
+        "prompt (12 tokens) + max_tokens (a 4,000-digit number) = a 4,001-digit number of tokens > max_model_len "
+        "1,048,576; shorten the prompt or lower max_tokens"
+    )
 
 
 def test_durations_are_case_insensitive_but_a_capital_m_is_refused() -> None:

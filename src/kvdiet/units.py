@@ -20,6 +20,7 @@ from typing import TypeVar
 __all__ = [
     "comma_items",
     "count_list",
+    "echo_count",
     "format_bytes",
     "format_count",
     "format_duration",
@@ -242,8 +243,24 @@ def format_count(num: int) -> str:
     return f"{num:,}" if abs(num) < 10**15 else f"{num:.3e}"
 
 
+_LONGEST_ECHO = 24
+"""The most digits of a count an error writes out; a longer one (a client's 4,000-digit ``max_tokens``, JSON
+allows it) is named by its length."""
+
+
+def echo_count(num: int) -> str:
+    """A count a client sent, as an error message gives it back: ``131072`` → ``'131,072'``; past `_LONGEST_ECHO`
+    digits ``'a 4,000-digit number'`` (the number itself filled some 5,000 characters of an error message, and
+    past 308 digits it is no float: `format_count` cannot take it)."""
+    digits = len(str(abs(num)))
+    return f"{num:,}" if digits <= _LONGEST_ECHO else f"a {digits:,}-digit number"
+
+
 def format_tokens(num: int) -> str:
-    """``1`` → ``'1 token'``, ``131072`` → ``'131,072 tokens'``."""
+    """``1`` → ``'1 token'``, ``131072`` → ``'131,072 tokens'``, past `_LONGEST_ECHO` digits ``'a 4,000-digit
+    number of tokens'``."""
+    if len(str(abs(num))) > _LONGEST_ECHO:
+        return f"{echo_count(num)} of tokens"
     return f"{num:,} token{'' if num == 1 else 's'}"
 
 
