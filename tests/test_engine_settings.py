@@ -481,6 +481,13 @@ def test_fp8_numerics_without_a_checkpoint_is_refused(capsys) -> None:
     assert capsys.readouterr().err == (
         "kvdiet generate: error: --numerics fp8 goes with --weights (random weights are always bf16)\n"
     )
+    # serve refuses it with its other flags, before the port is bound and before "loading v4.1-micro" is logged
+    assert main(["serve", "--model", "v4.1-micro", "--numerics", "fp8", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "kvdiet serve: error: --numerics fp8 goes with --weights (random weights are always bf16)\n"
+    )
+    assert "loading" not in err
 
 
 def test_the_kv_memory_check_counts_the_random_weights(monkeypatch) -> None:
