@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvdiet import units
-from kvdiet.units import echo_count, format_bytes, format_tokens, parse_bytes, parse_count
+from kvdiet.units import format_bytes, format_count, format_tokens, parse_bytes, parse_count
 
 
 def test_parse() -> None:
@@ -50,18 +50,18 @@ def test_format_tokens_counts_one_token_as_one() -> None:
     ]
 
 
-def test_a_count_past_24_digits_is_named_by_its_length_not_written_out() -> None:
+def test_a_count_past_a_floats_range_is_still_short() -> None:
     """A client's 4,000-digit ``max_tokens`` (JSON allows it) came back whole in the context-length error: some
-    5,000 characters of message."""
+    5,000 characters of message; `format_count` itself raised OverflowError past 1e308."""
     from kvdiet.engine.prepared import ContextLengthError
 
-    assert echo_count(10**24 - 1) == "999,999,999,999,999,999,999,999"
-    assert echo_count(10**24) == "a 25-digit number"
-    assert format_tokens(10**30) == "a 31-digit number of tokens"
+    assert format_count(10**400) == "1.000e+400"
+    assert format_count(-(10**400)) == "-1.000e+400"
+    assert format_tokens(10**30) == "1.000e+30 tokens"
     said = str(ContextLengthError(12, int("9" * 4000), 1_048_576, "max_model_len"))
     assert said == (
-        "prompt (12 tokens) + max_tokens (a 4,000-digit number) = a 4,001-digit number of tokens > max_model_len "
-        "1,048,576; shorten the prompt or lower max_tokens"
+        "prompt (12 tokens) + max_tokens (1.000e+4000) = 1.000e+4000 tokens > max_model_len 1,048,576; shorten "
+        "the prompt or lower max_tokens"
     )
 
 

@@ -14,13 +14,13 @@ import math
 import re
 import string
 from collections.abc import Callable
+from decimal import Decimal
 from fractions import Fraction
 from typing import TypeVar
 
 __all__ = [
     "comma_items",
     "count_list",
-    "echo_count",
     "format_bytes",
     "format_count",
     "format_duration",
@@ -239,29 +239,17 @@ def _short(value: float) -> str:
 
 def format_count(num: int) -> str:
     """``131072`` → ``'131,072'``; from 1e15 on in scientific notation, as `format_gb` past 1e12:
-    ``68582439384096780988899371414137`` → ``'6.858e+31'`` (a count that long reads as nothing but its length)."""
-    return f"{num:,}" if abs(num) < 10**15 else f"{num:.3e}"
-
-
-_LONGEST_ECHO = 24
-"""The most digits of a count an error writes out; a longer one (a client's 4,000-digit ``max_tokens``, JSON
-allows it) is named by its length."""
-
-
-def echo_count(num: int) -> str:
-    """A count a client sent, as an error message gives it back: ``131072`` → ``'131,072'``; past `_LONGEST_ECHO`
-    digits ``'a 4,000-digit number'`` (the number itself filled some 5,000 characters of an error message, and
-    past 308 digits it is no float: `format_count` cannot take it)."""
-    digits = len(str(abs(num)))
-    return f"{num:,}" if digits <= _LONGEST_ECHO else f"a {digits:,}-digit number"
+    ``68582439384096780988899371414137`` → ``'6.858e+31'`` (a count that long reads as nothing but its length), and
+    so past a float's range (``'1.000e+4000'``: a client's 4,000-digit ``max_tokens``, which JSON allows, came back
+    whole in an error, some 5,000 characters)."""
+    if abs(num) < 10**15:
+        return f"{num:,}"
+    return f"{num:.3e}" if abs(num) < 10**308 else f"{Decimal(num):.3e}"
 
 
 def format_tokens(num: int) -> str:
-    """``1`` → ``'1 token'``, ``131072`` → ``'131,072 tokens'``, past `_LONGEST_ECHO` digits ``'a 4,000-digit
-    number of tokens'``."""
-    if len(str(abs(num))) > _LONGEST_ECHO:
-        return f"{echo_count(num)} of tokens"
-    return f"{num:,} token{'' if num == 1 else 's'}"
+    """``1`` → ``'1 token'``, ``131072`` → ``'131,072 tokens'`` (`format_count`: from 1e15 on scientific)."""
+    return f"{format_count(num)} token{'' if num == 1 else 's'}"
 
 
 _T = TypeVar("_T")

@@ -23,7 +23,7 @@ from kvdiet.engine.cache_args import add_cache_args, cache_options
 from kvdiet.engine.pool_specs import check_pool_specs
 from kvdiet.engine.weights_args import add_weights_args, expert_cache_bytes, resolve_model
 from kvdiet.layer_plan import LayerPlan
-from kvdiet.setting_error import ConfigSettingError, SettingError
+from kvdiet.setting_error import SettingError
 from kvdiet.units import parse_count, parse_flag
 
 if TYPE_CHECKING:
@@ -161,9 +161,9 @@ class EngineArgs:
         """
         from kvdiet.engine.max_model_len import check_max_model_len
         from kvdiet.engine.runner import pool_num_blocks
+        from kvdiet.model.build import check_numerics
 
-        if self.numerics == "fp8" and self.weights is None:  # load_model's own refusal, before anything loads
-            raise ConfigSettingError("{numerics=fp8} goes with {weights} (random weights are always bf16)")
+        check_numerics(self.numerics, self.weights)  # load_model's own refusal, before anything loads
         geometry = self.check_kv_memory()
         if geometry is None:
             return  # create_engine refuses the model with its own message

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvdiet.engine.sampling import SamplingParams
-from kvdiet.units import echo_count, format_tokens
+from kvdiet.units import format_count, format_tokens
 
 __all__ = [
     "ContextLengthError",
@@ -77,7 +77,7 @@ class ContextLengthError(InvalidRequestError):
         least = "at least " if at_least else ""
         total = prompt_tokens + max_tokens
         super().__init__(
-            f"prompt ({least}{format_tokens(prompt_tokens)}) + max_tokens ({echo_count(max_tokens)}{origin})"
+            f"prompt ({least}{format_tokens(prompt_tokens)}) + max_tokens ({format_count(max_tokens)}{origin})"
             f" = {least}{format_tokens(total)} > {limit_name} {limit:,}; shorten the prompt or lower max_tokens",
             param="prompt",
         )

@@ -30,7 +30,18 @@ from kvdiet.model.weight_arena import pack_weights
 from kvdiet.setting_error import ConfigSettingError
 from kvdiet.tokenizer import Tokenizer
 
-__all__ = ["load_model"]
+__all__ = ["check_numerics", "load_model"]
+
+
+def check_numerics(numerics: str, weights: str | Path | None) -> None:
+    """Refuse ``numerics="fp8"`` without ``weights``: random weights are dense fp32, with no FP8 linear to run
+    (`load_model` and `kvdiet.engine.args.EngineArgs.validate`, before anything loads).
+
+    Raises:
+        ConfigSettingError: as above.
+    """
+    if numerics == "fp8" and weights is None:
+        raise ConfigSettingError("{numerics=fp8} goes with {weights} (random weights are always bf16)")
 
 
 def load_model(
@@ -72,8 +83,7 @@ def load_model(
     same values).
     """
     check_device(device)
-    if numerics == "fp8" and weights is None:  # random weights are dense fp32: no FP8 linear to run
-        raise ConfigSettingError("{numerics=fp8} goes with {weights} (random weights are always bf16)")
+    check_numerics(numerics, weights)
     if device == "cpu":
         native.fp4_kernels()
     if name_or_path is None:

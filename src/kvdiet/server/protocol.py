@@ -44,7 +44,7 @@ from pydantic_core import PydanticCustomError
 from kvdiet.engine.chat_messages import ChatMessage, json_type
 from kvdiet.engine.sampling import SamplingParams
 from kvdiet.tokenizer import unicode_fault
-from kvdiet.units import echo_count
+from kvdiet.units import format_count
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "error_body"]
 
@@ -272,7 +272,7 @@ class ChatCompletionRequest(_Common):
         both = self.max_tokens, self.max_completion_tokens
         if None not in both and both[0] != both[1]:
             return (
-                f"max_tokens ({echo_count(both[0])}) and max_completion_tokens ({echo_count(both[1])}) differ: "
+                f"max_tokens ({format_count(both[0])}) and max_completion_tokens ({format_count(both[1])}) differ: "
                 "give one (max_tokens is deprecated in favour of max_completion_tokens)",
                 "max_tokens",
             )
