@@ -85,6 +85,29 @@ def test_decode_steps_run_the_four_kernels_with_the_module_paths_bits(micro, mon
         assert any(ids != sorted(ids) for ids in fetched[-decode_layers:])  # routing order, not increasing
 
 
+@pytest.mark.parametrize("batch", [1, 16])
+def test_the_router_beside_the_shared_experts_products_keeps_one_threads_bits(micro, batch) -> None:
+    """At two threads the router runs beside the shared expert's gate and up products (one a thread); at one, in
+    turn: the same logits bit for bit, and both the module path's (the hooked steps)."""
+    if native.fp4_kernels() is None:
+        pytest.fail("the compiled kernels did not build")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = _steps(micro, batch)
+        torch.set_num_threads(1)
+        one = _steps(micro, batch)
+        hooks = [block.ffn.register_forward_pre_hook(lambda module, args: None) for block in micro.layers]
+        try:
+            module_path = _steps(micro, batch)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two, one) and torch.equal(one, module_path)
+
+
 def test_it_declines_where_the_module_path_must_run(micro, monkeypatch) -> None:
     """17 rows, autograd, fp64, the pure-torch path: None; the module path's bits where it applies (rows of
     random streams), also where the experts' kernel declines (the MoE module computes them then)."""

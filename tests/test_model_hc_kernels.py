@@ -129,6 +129,42 @@ def test_entry_equals_the_collapse_norm_and_coefficients_bit_for_bit(hc, rows, h
             _assert_same(chained, want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_entry_with_chained_coefficients_has_the_formulas_bits_at_one_and_two_threads(threads, rows):
+    # at two threads the chained coefficients run beside the collapse, its norm and the squares' mean (one a
+    # thread); at one, in turn: the formulas' bits both ways, NaN-free and with specials
+    kernels = _kernels()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for hc, hidden, specials in ((4, 256, False), (4, 64, True), (2, 17, False)):
+            gen = torch.Generator().manual_seed(7 * threads + 100 * rows + hidden)
+            block, cfg, norm = _block(hc, hidden, gen, specials=specials)
+            h = _values(rows * hc * hidden, gen, specials=specials).view(rows, hc, hidden)
+            collapse_pre = _values(rows * hc, gen, specials=specials).view(rows, hc)
+            want = _formulas(block, cfg, norm, h, collapse_pre)
+            with torch.no_grad():
+                _assert_same(
+                    sublayer_entry(block, cfg, h, "attn", collapse_pre, norm), want
+                )  # binds hc_weights
+            weights = block.hc_weights["attn"]
+            cols = weights.fn_t.stride(0) == 1 and weights.fn_t.stride(1) != 1
+            chain_block = product_fits(rows, hc * hidden, weights.fn_t.shape[1], False, cols)
+            assert chain_block, (hc, hidden, rows)  # the class this entry runs chained in a decode step
+            with torch.no_grad():
+                got = kernels.hc_enter(
+                    h, weights.fn_t, weights.scale, weights.base, collapse_pre, norm.weight, norm.eps,
+                    RMS_EPS, HC_EPS, ITERS, hc_mix_address(), mix_block=chain_block,
+                )  # fmt: skip
+            if specials and got is None:  # a NaN in x: declined, as rms_norm declines it
+                continue
+            assert got is not None
+            _assert_same(got, want)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("hc", [1, 4])
 def test_entry_collapse_of_signed_zero_products_keeps_torchs_sign(hc):
     """The collapse Σ_i pre_i·h_i sums from +0 as torch does: columns whose products are all −0 (h = −0 under a

@@ -1,5 +1,5 @@
-"""The compiled softmax of narrow rows (``formats/softmax_kernels.cpp``) against torch.softmax: the same bits over
-adversarial rows, torch.softmax wherever the kernel declines, and `attend` unchanged with it."""
+"""The compiled softmax of narrow and wide rows (``formats/softmax_kernels.cpp``) against torch.softmax: the same
+bits over adversarial rows, torch.softmax wherever the kernel declines, and `attend` unchanged with it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from kvdiet.formats import native
 from kvdiet.model import narrow_softmax
 from kvdiet.model.attention import attend
+from kvdiet.model.decode_attend import decode_attend
 from kvdiet.model.narrow_softmax import WIDTH_MAX, kernel_agrees, softmax_last
 
 
@@ -122,4 +123,63 @@ def test_attend_of_a_prefill_has_the_same_bits_without_the_kernels(monkeypatch):
         compiled = attend(q, win, win_mask, c, cm, sink, 0.125)
         monkeypatch.setenv(native.ENV, "0")
         assert _same_bits(compiled, attend(q, win, win_mask, c, cm, sink, 0.125))
+        monkeypatch.delenv(native.ENV)
+
+
+# widths around whole vectors and their tails, v4.1-mini's decode logits (128 + 512 + 1), and long rows
+_WIDE = [*range(16, 50), 63, 64, 65, 127, 128, 129, 255, 640, 641, 642, 1000, 2049, 4097]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_wide_equals_torch_softmax_at_wide_widths(threads):
+    # torch's vector reduction (16 lanes, a last partial vector, the AVX-512 fold) on 1 to 300 rows (a few hundred
+    # rows of 641 split over the threads), from all-underflow to all-ties, with −inf keys, ±0 and subnormals
+    kernels = _kernels()
+    assert kernels.softmax_wide_agrees()
+    gen = torch.Generator().manual_seed(10 + threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in _WIDE:
+            for shape in ((1, n), (3, 4, n), (300, n)) if n in (641, 4097) else ((1, n), (3, 4, n)):
+                for scale in (1e-30, 1.0, 8.0, 100.0, 1e30):
+                    x = _rows(shape, gen, scale)
+                    got = kernels.softmax_wide(x)
+                    assert got is not None
+                    assert _same_bits(got, torch.softmax(x, -1)), (n, shape, scale)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_softmax_wide_declines_what_torch_must_compute():
+    kernels = _kernels()
+    x = torch.randn(5, 641)
+    one_nan = x.clone()
+    one_nan[3, 200] = math.nan  # one row with a NaN: the whole call goes to torch
+    for bad in (
+        torch.full((5, 641), math.nan),  # NaN in
+        one_nan,
+        torch.cat([x[:, :640], torch.full((5, 1), math.inf)], 1),  # +inf: inf − inf
+        torch.full((5, 641), -math.inf),  # a row of −inf only
+        torch.randn(5, 15),  # under one vector: softmax_rows' order
+        torch.randn(641, 5).t(),  # not contiguous
+        x.double(),
+    ):
+        assert kernels.softmax_wide(bad) is None
+
+
+def test_decode_attention_takes_the_wide_softmax_with_torchs_bits(monkeypatch):
+    # v4.1-mini's decode shape: 4 heads over 128 window keys and 512 entries (+ sink), one and three requests,
+    # masked slots in both, against the pure-torch path
+    gen = torch.Generator().manual_seed(2)
+    for b in (1, 3):
+        q = torch.randn(b, 4, 512, generator=gen)
+        win = torch.randn(b, 128, 512, generator=gen)
+        comp = torch.randn(b, 512, 512, generator=gen).bfloat16()
+        win_mask = torch.rand(b, 128, generator=gen) < 0.8
+        comp_mask = torch.rand(b, 512, generator=gen) < 0.9
+        sink = torch.randn(4, generator=gen)
+        compiled = decode_attend(q, win, win_mask, comp, comp_mask, sink, 0.044)
+        monkeypatch.setenv(native.ENV, "0")
+        assert _same_bits(compiled, decode_attend(q, win, win_mask, comp, comp_mask, sink, 0.044)), b
         monkeypatch.delenv(native.ENV)

@@ -10,9 +10,10 @@
 //   - logit[b, h, j] = dot(q[b, h], k_j) · float(scale), the dot in row_products's order (16 lanes over D, the
 //     fold (l, l+8), (l, l+4), (l, l+2), (0, 1): gemv_kernels.cpp's dot_rows), then one fp32 multiply; a masked
 //     key's logit is −inf; logit[b, h, W + K] = sink[h].
-//   - p = at::softmax(logits, −1) on the contiguous [B, H, W + K + 1] logits (on each group of requests below, a
+//   - p = softmax(logits, −1) on the contiguous [B, H, W + K + 1] logits (on each group of requests below, a
 //     contiguous [b, H, W + K + 1] slice: a row's softmax does not depend on the rows beside it), outside any
-//     parallel region: torch's own softmax, so its bits are torch.softmax's by construction.
+//     parallel region: softmax_kernels.cpp's rows with torch.softmax's bits where it takes them (wide rows once
+//     softmax_wide_agrees), else at::softmax itself.
 //   - o[b, h, d] = Σ_j p[b, h, j] · k_j[d] over the W + K keys (the sink's value is 0) as ONE sum in the same
 //     order with j as the summed index: 16 lanes, lane l summing the keys j = l, l + 16, … in increasing j from
 //     +0 (each product rounded, then added; no FMA: the module is built with -ffp-contract=off), then the fold
@@ -34,6 +35,9 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+// softmax_kernels.cpp (compiled after this file): rows x [rows, n] into out with torch.softmax's bits, or false
+bool softmax_logits(const float* x, float* out, int64_t rows, int64_t n);
 
 namespace {
 
@@ -195,6 +199,7 @@ at::Tensor attend_body(const at::Tensor& q, const at::Tensor& win, const at::Ten
   const int64_t hd = heads * dim;
   // a round's lane partials [request, lane, H, D], uninitialised: every one is written before the fold reads it
   std::unique_ptr<float[]> parts(lanes ? new float[std::min(chunk, b) * 16 * hd] : nullptr);
+  std::unique_ptr<float[]> probs_buf(new float[std::min(chunk, b) * heads * n1]);  // a round's probabilities
   const int64_t hg = (heads + kAttendHeads - 1) / kAttendHeads, db = (dim + kAttendDims - 1) / kAttendDims;
   for (int64_t r0 = 0; r0 < b; r0 += chunk) {
     const int64_t rn = std::min(chunk, b - r0);
@@ -215,9 +220,14 @@ at::Tensor attend_body(const at::Tensor& q, const at::Tensor& win, const at::Ten
     });
     for (int64_t r = r0; r < r0 + rn; ++r)
       for (int64_t h = 0; h < heads; ++h) lp[(r * heads + h) * n1 + n] = sp[h];
-    // torch's softmax of each row (a row's bits do not depend on the rows beside it)
-    const at::Tensor probs = at::softmax(logits.narrow(0, r0, rn), -1);
-    const float* pp = probs.const_data_ptr<float>();
+    // torch's softmax of each row (a row's bits do not depend on the rows beside it): the compiled one with its
+    // bits (softmax_kernels.cpp) where it takes the rows, else torch's own
+    at::Tensor probs;
+    const float* pp = probs_buf.get();
+    if (!softmax_logits(lp + r0 * heads * n1, probs_buf.get(), rn * heads, n1)) {
+      probs = at::softmax(logits.narrow(0, r0, rn), -1);
+      pp = probs.const_data_ptr<float>();
+    }
     if (!lanes) {  // row tasks: (request, 4 heads, 64 dims)
       at::parallel_for(0, rn * hg * db, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {

@@ -28,6 +28,9 @@
 //   a weight is not contiguous float32 on the CPU or is a lazily negated view (checked here, not per weight in
 //   Python: 27 a layer at 16 rows).
 //   Throws on an id not in experts, a group of more than 16 rows, or k >= 16 (MoE checks first).
+// expert_groups_with(..., shared_gate_up): expert_groups with the shared expert's gate and up products made already
+//   (its [T, inter] gate rows, then its up rows; layer_kernels.cpp's ffn_rows makes them beside the router) or
+//   nullptr; run_experts copies them in place of its own two products for the last expert (the same values).
 
 namespace {
 
@@ -49,7 +52,7 @@ constexpr int64_t kVectorChunk = 32;
 at::Tensor run_experts(const std::vector<const float*>& x, const std::vector<int64_t>& m,
                        const std::vector<int64_t>& hidden, const std::vector<at::Tensor>& w1s,
                        const std::vector<at::Tensor>& w3s, const std::vector<at::Tensor>& w2s, const at::Tensor& wcol,
-                       size_t weighted, const std::vector<double>& limits) {
+                       size_t weighted, const std::vector<double>& limits, const float* last_gate_up = nullptr) {
   const size_t n = x.size();
   std::vector<int64_t> inter(n), act_at(n + 1, 0), out_at(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
@@ -70,7 +73,12 @@ at::Tensor run_experts(const std::vector<const float*>& x, const std::vector<int
   float *gp = gate.data_ptr<float>(), *upp = up.data_ptr<float>();
   std::vector<RowProduct> ps;
   for (size_t i = 0; i < n; ++i) {
-    const int64_t k = hidden[i], kp = (k + 15) / 16 * 16;
+    const int64_t k = hidden[i], kp = (k + 15) / 16 * 16, size = act_at[i + 1] - act_at[i];
+    if (i + 1 == n && last_gate_up != nullptr) {  // the last expert's products, made already: the same values
+      std::memcpy(gp + act_at[i], last_gate_up, size * sizeof(float));
+      std::memcpy(upp + act_at[i], last_gate_up + size, size * sizeof(float));
+      continue;
+    }
     ps.push_back({x[i], m[i], k, kp, inter[i], w1s[i].data_ptr<float>(), gp + act_at[i]});
     ps.push_back({x[i], m[i], k, kp, inter[i], w3s[i].data_ptr<float>(), upp + act_at[i]});
   }
@@ -158,9 +166,12 @@ std::vector<at::Tensor> expert_rows(std::vector<at::Tensor> xs, std::vector<at::
   return outs;
 }
 
-std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                         std::vector<int64_t> experts, std::vector<at::Tensor> w1s, std::vector<at::Tensor> w3s,
-                         std::vector<at::Tensor> w2s, std::vector<double> limits) {
+// expert_groups, with the shared expert's gate and up products made already where shared_gate_up is given (its
+// [T, inter] gate rows, then its up rows: layer_kernels.cpp's ffn_rows makes them beside the router)
+std::optional<at::Tensor> expert_groups_with(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                                             const std::vector<int64_t>& experts, const std::vector<at::Tensor>& w1s,
+                                             const std::vector<at::Tensor>& w3s, const std::vector<at::Tensor>& w2s,
+                                             const std::vector<double>& limits, const float* shared_gate_up) {
   const int64_t used = static_cast<int64_t>(experts.size());
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 16 && x.dtype() == at::kFloat && x.device().is_cpu(),
               "expert_groups: x float32 [T, hidden] on the CPU, 1..16 rows");
@@ -209,7 +220,7 @@ std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& i
     std::memcpy(gathered.data() + (at_row + r) * kp, xp + r * hidden, hidden * sizeof(float));
   for (int64_t g = 0; g <= used; ++g)
     TORCH_CHECK(w2s[g].dim() == 2 && w2s[g].size(0) == hidden, "expert_groups: w2 [hidden, inter] (expert ", g, ")");
-  const at::Tensor outs = run_experts(starts, m, hiddens, w1s, w3s, w2s, wcol, used, limits);
+  const at::Tensor outs = run_experts(starts, m, hiddens, w1s, w3s, w2s, wcol, used, limits, shared_gate_up);
   const float* op_routed = outs.const_data_ptr<float>();
   at::Tensor slot_outs = at::empty({rows, k, hidden}, outs.options());  // (row, slot) order
   float* sp = slot_outs.mutable_data_ptr<float>();
@@ -224,4 +235,11 @@ std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& i
   for (int64_t i = 0; i < rows * hidden; ++i)
     if (op[i] != op[i]) return {};
   return out;
+}
+
+std::optional<at::Tensor> expert_groups(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                                        std::vector<int64_t> experts, std::vector<at::Tensor> w1s,
+                                        std::vector<at::Tensor> w3s, std::vector<at::Tensor> w2s,
+                                        std::vector<double> limits) {
+  return expert_groups_with(x, ids, weights, experts, w1s, w3s, w2s, limits, nullptr);
 }

@@ -239,6 +239,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_query_rows", &index_query_rows, py::call_guard<py::gil_scoped_release>());
   m.def("attend_rows", &attend_rows, py::call_guard<py::gil_scoped_release>());
   m.def("softmax_rows", &softmax_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("softmax_wide", &softmax_wide, py::call_guard<py::gil_scoped_release>());
+  m.def("softmax_wide_agrees", &softmax_wide_agrees, py::call_guard<py::gil_scoped_release>());
   m.def("parallel_threads", &parallel_threads, py::call_guard<py::gil_scoped_release>());
   m.def("reads_hold", &reads_hold);  // these two hold the GIL: they read Python objects
   m.def("stamps_hold", &stamps_hold);

@@ -99,7 +99,9 @@ def fp4_kernels() -> ModuleType | None:
     ``rms_norm``, ``engram_rows``, ``engram_hashes`` and ``engram_gate`` (`kvdiet.model.engram`), ``chain_bmm``
     (small batched products, called by `kvdiet.model.chain_products`), ``hc_enter``, ``hc_expand_rows``,
     ``rope_rotate``, ``project_rows``, ``project_out_rows``, ``index_query_rows``,
-    ``attend_rows``, ``attn_head``, ``attn_tail`` and ``ffn_rows`` (a decode step's layer, through ``EntryWeights``,
+    ``attend_rows``, ``softmax_rows``, ``softmax_wide`` and ``softmax_wide_agrees`` (torch.softmax's bits over narrow
+    and wide rows: `kvdiet.model.narrow_softmax`, and ``attend_rows`` itself), ``attn_head``, ``attn_tail`` and
+    ``ffn_rows`` (a decode step's layer, through ``EntryWeights``,
     ``AttnWeights`` and ``FfnWeights``), ``encode_fp8``, ``decode_fp8``, ``read_fp8_window``, ``reads_hold`` and
     ``stamps_hold`` (a decode binding's checks, `kvdiet.model.module_reads`), and ``parallel_threads``: how many
     threads they run on), or None for the pure-torch path.
