@@ -39,6 +39,23 @@
 //   calls on the same operands, so the same bits; at::sum inside the region runs on its thread, as it does outside
 //   at these sizes (fewer than GRAIN_SIZE elements).
 
+// first() on the calling thread and second() on another at once, where two of torch's threads are free (outside any
+// parallel region: at::parallel_for gives task 0 to the calling thread), else one after the other. For two
+// independent parts of a decode step's serial work (this file's hc_enter, layer_kernels.cpp's ffn_rows): the
+// calling thread takes the chain of small steps that wait on their own reads, the other a product that streams its
+// weights; the other way round measured slower. Each part runs the same calls on either thread.
+template <class First, class Second>
+void beside(const First& first, const Second& second) {
+  if (at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) task == 0 ? first() : second();
+    });
+  } else {
+    first();
+    second();
+  }
+}
+
 namespace {
 
 constexpr int64_t kHcRowsMax = 16;
@@ -87,9 +104,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   const at::Tensor pre_in = collapse_pre.contiguous();
   const float* cp = pre_in.const_data_ptr<float>();
   const at::Tensor flat = h.view({rows, width});
-  // two independent parts, one a thread where there are two (each output is the same call on either thread, so
-  // the same bits; a one-thread pool runs them in turn): the coefficients' product, which reads fn_t from memory,
-  // beside the collapse, its norm and the squares' mean, a chain of small steps that wait on their own reads
+  // two independent parts (`beside`): the collapse, its norm and the squares' mean, and the coefficients' product,
+  // which reads fn_t from memory
   std::optional<at::Tensor> x, chained;
   at::Tensor mean_sq;
   const auto collapse_and_mean = [&] {
@@ -107,13 +123,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   };
   // chain_mm in the blocks its caller checked against at::mm (NaN outputs: at::mm's, below)
   const auto coefficients = [&] { chained = chain_mm(flat, fn_t, mix_block); };
-  if (mix_block > 0 && at::get_num_threads() > 1 && !at::in_parallel_region()) {
-    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) task == 0 ? collapse_and_mean() : coefficients();
-    });
+  if (mix_block > 0) {
+    beside(collapse_and_mean, coefficients);
   } else {
     collapse_and_mean();
-    if (mix_block > 0) coefficients();
   }
   if (!x.has_value()) return {};
   const float* mp = mean_sq.const_data_ptr<float>();

@@ -21,9 +21,10 @@
 //   declines (nothing was written). The caller checks the routed experts' bindings after the call. Where two
 //   threads are free, the router runs beside the shared expert's gate and up products, which need no routing (one
 //   a thread: the router's small ops wait on their reads while the products stream 256 KB at v4.1-mini; a decode
-//   step 0.3-0.5 ms faster); expert_groups then takes them as made. The same calls on the same operands, so the
-//   same bits: each product output is one dot_rows call on either thread, and the router's one-row product
-//   (MKL's, nested in the region: one thread) gives the same bits at one and two threads (kvdiet/threads.py).
+//   step 0.3-0.5 ms faster; hc_kernels.cpp's beside); expert_groups then takes them as made. The same calls on the
+//   same operands, so the same bits: each product output is one dot_rows call on either thread, and the router's
+//   one-row product (MKL's, nested in the region: one thread) gives the same bits at one and two threads
+//   (kvdiet/threads.py).
 // attn_head(h, collapse_pre, attn, cis, rings, slots, held, lo, hi, keys, entries) -> [x, pre, post, comb, qr, q,
 //   kv] (+ [keys, entries]): hc_enter, then project_rows for the queries (qr [B, q_lora], q [B, H, D] rotated) and
 //   for the window KV (kv [B, D], normed and rotated); empty where one declines. With rings, slots, keys and entries
@@ -143,30 +144,28 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   auto entered = enter(h, attn_pre, f.entry);
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
-  // the router beside the shared expert's gate and up products, which need no routing (one a thread where there are
-  // two: each output is the same call on either thread, so the same bits; MKL's one-row product in the router gives
-  // the same bits at one and two threads, kvdiet/threads.py)
+  // the router beside the shared expert's gate and up products, which need no routing (each output is the same call
+  // on either thread, so the same bits; MKL's one-row product in the router gives the same bits at one and two
+  // threads, kvdiet/threads.py)
   std::optional<std::tuple<at::Tensor, at::Tensor>> routed;
   const auto route = [&] { routed = route_rows(x, f.gate_weight, f.gate_bias, f.topk, f.normalize, f.route_scale); };
   const at::Tensor &sw1 = f.w1s[experts], &sw3 = f.w3s[experts];
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const bool beside = at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() &&
-                      rows <= 16 && float_cpu(sw1) && float_cpu(sw3) && !sw1.is_neg() && !sw3.is_neg() &&
-                      sw1.is_contiguous() && sw3.is_contiguous() && sw1.dim() == 2 && sw1.sizes() == sw3.sizes() &&
-                      sw1.size(1) == hidden;
+  const bool shared_fits = x.is_contiguous() && rows <= 16 && float_cpu(sw1) && float_cpu(sw3) && !sw1.is_neg() &&
+                           !sw3.is_neg() && sw1.is_contiguous() && sw3.is_contiguous() && sw1.dim() == 2 &&
+                           sw1.sizes() == sw3.sizes() && sw1.size(1) == hidden;
   std::vector<float> shared_gate_up;  // [T, inter] gate rows, then up rows
-  if (beside) {
+  if (shared_fits) {
     const int64_t inter = sw1.size(0), kp = (hidden + 15) / 16 * 16;
     shared_gate_up.resize(2 * rows * inter);
     std::vector<float> padded;
     const float* xs = chunk_rows(x.const_data_ptr<float>(), rows, hidden, padded);
     const auto shared = [&] {
-      run_row_products({{xs, rows, hidden, kp, inter, sw1.const_data_ptr<float>(), shared_gate_up.data()},
-                        {xs, rows, hidden, kp, inter, sw3.const_data_ptr<float>(), shared_gate_up.data() + rows * inter}});
+      float* gate = shared_gate_up.data();
+      run_row_products({{xs, rows, hidden, kp, inter, sw1.const_data_ptr<float>(), gate},
+                        {xs, rows, hidden, kp, inter, sw3.const_data_ptr<float>(), gate + rows * inter}});
     };
-    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) task == 0 ? route() : shared();
-    });
+    beside(route, shared);  // hc_kernels.cpp
   } else {
     route();
   }
@@ -186,7 +185,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   w1s.push_back(f.w1s[experts]), w3s.push_back(f.w3s[experts]), w2s.push_back(f.w2s[experts]);
   limits.push_back(f.limits[experts]);
   std::optional<at::Tensor> out =
-      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits, beside ? shared_gate_up.data() : nullptr);
+      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits, shared_fits ? shared_gate_up.data() : nullptr);
   if (!out.has_value()) return {};
   std::optional<at::Tensor> streams = leave(*out, h, post, comb, f.entry);
   if (!streams.has_value()) return {};

@@ -129,7 +129,9 @@ bool softmax_rows_into(const float* x, float* out, int64_t rows, int64_t n) {
   const int64_t grain = n < 16 ? 1024 : std::max<int64_t>(1, (int64_t{1} << 16) / n);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const bool ok = n < 16 ? softmax_row_narrow(x + r * n, out + r * n, n) : softmax_row_wide(x + r * n, out + r * n, n);
+      const float* in = x + r * n;
+      float* o = out + r * n;
+      const bool ok = n < 16 ? softmax_row_narrow(in, o, n) : softmax_row_wide(in, o, n);
       if (!ok) {
         declined.store(1);
         return;
