@@ -37,24 +37,30 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+def _assert_torchs_bits(kernel, cases, scales, threads: int, seed: int) -> None:
+    """``kernel(x)`` gives torch.softmax's bits on `_rows` of every ``(shapes)`` of ``cases`` at every scale, run at
+    ``threads`` torch threads."""
+    gen = torch.Generator().manual_seed(seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shapes in cases:
+            for shape in shapes:
+                for scale in scales:
+                    x = _rows(shape, gen, scale)
+                    got = kernel(x)
+                    assert got is not None
+                    assert _same_bits(got, torch.softmax(x, -1)), (shape, scale)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_softmax_rows_equals_torch_softmax_at_every_narrow_width(threads):
     # every width 1..15 (torch's reduction under one vector), scales from all-underflow to all-ties, on 1 to
     # 4,099 rows (split over the threads); the exp is torch's Sleef exp, the sum left to right
-    kernels = _kernels()
-    gen = torch.Generator().manual_seed(threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in range(1, WIDTH_MAX + 1):
-            for shape in ((1, n), (4099, n), (37, 4, n)):
-                for scale in (1e-30, 1.0, 8.0, 1e3, 1e30):
-                    x = _rows(shape, gen, scale)
-                    got = kernels.softmax_rows(x)
-                    assert got is not None
-                    assert _same_bits(got, torch.softmax(x, -1)), (n, shape, scale)
-    finally:
-        torch.set_num_threads(before)
+    cases = [((1, n), (4099, n), (37, 4, n)) for n in range(1, WIDTH_MAX + 1)]
+    _assert_torchs_bits(_kernels().softmax_rows, cases, (1e-30, 1.0, 8.0, 1e3, 1e30), threads, seed=threads)
     assert kernel_agrees()
 
 
@@ -136,19 +142,10 @@ def test_softmax_wide_equals_torch_softmax_at_wide_widths(threads):
     # rows of 641 split over the threads), from all-underflow to all-ties, with −inf keys, ±0 and subnormals
     kernels = _kernels()
     assert kernels.softmax_wide_agrees()
-    gen = torch.Generator().manual_seed(10 + threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for n in _WIDE:
-            for shape in ((1, n), (3, 4, n), (300, n)) if n in (641, 4097) else ((1, n), (3, 4, n)):
-                for scale in (1e-30, 1.0, 8.0, 100.0, 1e30):
-                    x = _rows(shape, gen, scale)
-                    got = kernels.softmax_wide(x)
-                    assert got is not None
-                    assert _same_bits(got, torch.softmax(x, -1)), (n, shape, scale)
-    finally:
-        torch.set_num_threads(before)
+    cases = [((1, n), (3, 4, n), (300, n)) if n in (641, 4097) else ((1, n), (3, 4, n)) for n in _WIDE]
+    _assert_torchs_bits(
+        kernels.softmax_wide, cases, (1e-30, 1.0, 8.0, 100.0, 1e30), threads, seed=10 + threads
+    )
 
 
 def test_softmax_wide_declines_what_torch_must_compute():

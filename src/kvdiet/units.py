@@ -242,9 +242,7 @@ def format_count(num: int) -> str:
     ``68582439384096780988899371414137`` → ``'6.858e+31'`` (a count that long reads as nothing but its length), and
     so past a float's range (``'1.000e+4000'``: a client's 4,000-digit ``max_tokens``, which JSON allows, came back
     whole in an error, some 5,000 characters)."""
-    if abs(num) < 10**15:
-        return f"{num:,}"
-    return f"{num:.3e}" if abs(num) < 10**308 else f"{Decimal(num):.3e}"
+    return f"{num:,}" if abs(num) < 10**15 else f"{Decimal(num):.3e}"  # exact, past a float's range too
 
 
 def format_tokens(num: int) -> str:

@@ -36,8 +36,9 @@
 //   in chain_mm and two threads are free, the entry's two independent parts run one a thread: chain_mm, which
 //   reads fn_t from memory (96 KB at v4.1-mini), beside the collapse, its norm and the squares' mean, a chain of
 //   small steps that wait on their own reads (a v4.1-mini decode step 0.7 ms faster: 80 entries a step). The same
-//   calls on the same operands, so the same bits; at::sum inside the region runs on its thread, as it does outside
-//   at these sizes (fewer than GRAIN_SIZE elements).
+//   calls on the same operands, so the same bits; only where the squares hold fewer than GRAIN_SIZE elements, as
+//   at::sum inside the region runs on its thread and torch splits a longer row over the threads outside one (one
+//   row of 65,536 floats measured other bits at two threads than at one).
 
 // first() on the calling thread and second() on another at once, where two of torch's threads are free (outside any
 // parallel region: at::parallel_for gives task 0 to the calling thread), else one after the other. For two
@@ -123,10 +124,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   };
   // chain_mm in the blocks its caller checked against at::mm (NaN outputs: at::mm's, below)
   const auto coefficients = [&] { chained = chain_mm(flat, fn_t, mix_block); };
-  if (mix_block > 0) {
+  // beside only where the sums inside (at::sum of the squares, rms_norm's) run on one thread outside a parallel
+  // region too (fewer than GRAIN_SIZE elements: a longer one torch splits over the threads, in another order)
+  if (mix_block > 0 && rows * width < at::internal::GRAIN_SIZE) {
     beside(collapse_and_mean, coefficients);
   } else {
     collapse_and_mean();
+    if (mix_block > 0) coefficients();
   }
   if (!x.has_value()) return {};
   const float* mp = mean_sq.const_data_ptr<float>();
