@@ -406,6 +406,30 @@ def test_router_kernel_declines_what_it_does_not_fit(micro):
     assert weights.grad_fn is not None
 
 
+def test_the_routers_region_check_follows_torchs_thread_count():
+    """`route_scores_agree` (whether the router may run inside a parallel region, where MKL takes one thread) finds
+    the bits the same at one thread, where inside and outside run alike; and where torch's own product of a shape
+    takes other bits at one thread than at two (v4.1-micro's two-row router on an AMD EPYC), not the same at two."""
+    kernels = native.fp4_kernels()
+    shapes = [(1, 64, 4), (2, 64, 4), (2, 64, 6), (4, 64, 16), (4, 256, 8)]
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        torch.set_num_threads(1)
+        assert all(kernels.route_scores_agree(*shape) for shape in shapes)
+        for rows, hidden, experts in shapes:
+            x, w = torch.randn(rows, hidden, generator=gen), torch.randn(experts, hidden, generator=gen)
+            torch.set_num_threads(1)
+            one = x @ w.T
+            torch.set_num_threads(2)
+            if not torch.equal(one, x @ w.T):
+                assert not kernels.route_scores_agree(rows, hidden, experts)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="must be >= 1"):
+        kernels.route_scores_agree(0, 64, 4)
+
+
 @pytest.mark.parametrize("topk", [1, 2, 3, 6, 8])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 @pytest.mark.parametrize("hidden", [64, 80])

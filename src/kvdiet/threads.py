@@ -23,7 +23,9 @@ the machine. Two things go wrong when another process shares those cores:
   (its run-queue wait, ``/proc/thread-self/schedstat``, over a tenth of its runnable time) and doubles it back,
   up to the default, once that wait is gone; the engine's runner asks it before every forward
   (`adaptive_threads` makes one for ``generate`` and ``serve``). 1 and 2 threads gave the same bits on the
-  presets tested (``tests/test_threads.py``).
+  presets tested (``tests/test_threads.py``), but not on every shape everywhere: on the AMD EPYC (Zen 4), MKL's
+  products of a few rows by a few columns ([2, 64]·[64, 4]: v4.1-micro's router of two rows) gave other bits at
+  one thread than at two even in the strict mode below; v4.1-mini's and V4.1-Flash's products did not.
 - Intel MKL (torch's BLAS on x86) may split a product's sums by the thread count: on an Intel Xeon VM (2 cores)
   the mHC coefficients' product of 16 or more rows ([T, 1024] · [1024, 24]: a prefill chunk, a batched decode
   step) gave other bits at 2 threads than at 1, so a pool that adapts would have changed results; on the AMD EPYC

@@ -214,6 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_rows", &expert_rows, py::call_guard<py::gil_scoped_release>());
   m.def("expert_groups", &expert_groups, py::call_guard<py::gil_scoped_release>());
   m.def("route_rows", &route_rows, py::call_guard<py::gil_scoped_release>());
+  m.def("route_scores_agree", &route_scores_agree, py::call_guard<py::gil_scoped_release>());
   m.def("encode_fp8", &encode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("decode_fp8", &decode_fp8, py::call_guard<py::gil_scoped_release>());
   m.def("read_fp8_window", &read_fp8_window, py::call_guard<py::gil_scoped_release>());

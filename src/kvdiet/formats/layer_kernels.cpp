@@ -1,7 +1,8 @@
 // A decode step's layer in three calls (kvdiet/model/decode_layer.py and decode_ffn.py): the attention sublayer's
 // head and tail and the FFN half, each a chain of the very kernels the Python path calls, in its order, on the same
 // operands, so the bits are that path's. Compiled last before fp8_kernels.cpp (which holds the bindings), so
-// hc_enter, hc_expand_rows, route_rows, expert_groups, project_rows, project_out_rows and attend_rows are in scope.
+// hc_enter, hc_expand_rows, route_rows, route_scores_agree, expert_groups, project_rows, project_out_rows and
+// attend_rows are in scope.
 // Built at first use by kvdiet.formats.native.
 //
 // FfnWeights / AttnWeights: what one layer's FFN half / attention sublayer reads besides its rows, bound once
@@ -23,8 +24,9 @@
 //   a thread: the router's small ops wait on their reads while the products stream 256 KB at v4.1-mini; a decode
 //   step 0.3-0.5 ms faster; hc_kernels.cpp's beside); expert_groups then takes them as made. The same calls on the
 //   same operands, so the same bits: each product output is one dot_rows call on either thread, and the router's
-//   one-row product (MKL's, nested in the region: one thread) gives the same bits at one and two threads
-//   (kvdiet/threads.py).
+//   product (MKL's, nested in the region: one thread) runs there only where route_scores_agree finds its bits the
+//   same inside a region as outside for that shape (router_kernels.cpp; on an AMD EPYC v4.1-micro's two-row router
+//   did not), else the router runs first, outside any region.
 // attn_head(h, collapse_pre, attn, cis, rings, slots, held, lo, hi, keys, entries) -> [x, pre, post, comb, qr, q,
 //   kv] (+ [keys, entries]): hc_enter, then project_rows for the queries (qr [B, q_lora], q [B, H, D] rotated) and
 //   for the window KV (kv [B, D], normed and rotated); empty where one declines. With rings, slots, keys and entries
@@ -145,8 +147,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   if (!entered.has_value()) return {};
   const auto& [x, pre, post, comb] = *entered;
   // the router beside the shared expert's gate and up products, which need no routing (each output is the same call
-  // on either thread, so the same bits; MKL's one-row product in the router gives the same bits at one and two
-  // threads, kvdiet/threads.py)
+  // on either thread, so the same bits)
   std::optional<std::tuple<at::Tensor, at::Tensor>> routed;
   const auto route = [&] { routed = route_rows(x, f.gate_weight, f.gate_bias, f.topk, f.normalize, f.route_scale); };
   const at::Tensor &sw1 = f.w1s[experts], &sw3 = f.w3s[experts];
@@ -155,7 +156,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
                            !sw3.is_neg() && sw1.is_contiguous() && sw3.is_contiguous() && sw1.dim() == 2 &&
                            sw1.sizes() == sw3.sizes() && sw1.size(1) == hidden;
   std::vector<float> shared_gate_up;  // [T, inter] gate rows, then up rows
-  if (shared_fits) {
+  // beside only where the router's product takes the same bits inside a region as outside (route_scores_agree)
+  if (shared_fits && (at::get_num_threads() == 1 || at::in_parallel_region() ||
+                      route_scores_agree(rows, hidden, f.gate_weight.size(0)))) {
     const int64_t inter = sw1.size(0), kp = (hidden + 15) / 16 * 16;
     shared_gate_up.resize(2 * rows * inter);
     std::vector<float> padded;

@@ -14,7 +14,20 @@
 //   - weights = the chosen scores; with normalize and topk > 1 each divided by (at::sum of the row's chosen
 //     scores, torch's own sum of the same [T, topk] tensor, + float(1e-20)); then times float(scale).
 //   Why: Gate.forward is some twelve torch ops of 5-15 µs dispatch each on a few dozen floats per row.
+// route_scores_agree(rows, hidden, experts): whether route_rows' scores (at::sqrt(at::softplus(at::mm(x, weightᵀ))),
+//   x [rows, hidden], weight [experts, hidden], both contiguous) take the same bits on the calling thread inside a
+//   parallel region as outside one at torch's present thread count, on probe rows (fixed pseudo-random values at
+//   three scales), checked once per (shape, thread count) in a process. layer_kernels.cpp's ffn_rows runs the router
+//   beside other work (inside a region) only where they do. Why: torch's BLAS (MKL) may split a product of a few
+//   rows over the threads outside a region and run it on one inside, in another order. Measured on an AMD EPYC
+//   (Zen 4; oneMKL 2024.0, in the strict CNR mode kvdiet/threads.py sets): [2, 64]·[64, 4], [2, 64]·[64, 6] and
+//   [4, 64]·[64, 16] (v4.1-micro's router of two rows) gave other bits at one thread than at two, every probe; the
+//   routers of v4.1-mini (hidden 256, 8 experts) and V4.1-Flash (4,096, 256) at 1..16 rows did not, nor did any
+//   shape on an Intel Xeon VM.
 
+#include <array>
+#include <map>
+#include <mutex>
 #include <numeric>
 
 namespace {
@@ -71,4 +84,38 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> route_rows(const at::Tensor& x
   }
   for (int64_t i = 0; i < rows * topk; ++i) cp[i] = cp[i] * factor;
   return std::make_tuple(chosen, ids);
+}
+
+bool route_scores_agree(int64_t rows, int64_t hidden, int64_t experts) {
+  TORCH_CHECK(rows >= 1 && hidden >= 1 && experts >= 1, "route_scores_agree: rows, hidden and experts must be >= 1");
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 4>, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::array<int64_t, 4> key{rows, hidden, experts, at::get_num_threads()};
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  uint64_t state = 0x9E3779B97F4A7C15ull;  // a fixed LCG: the same probes in every process
+  const auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<float>(static_cast<uint32_t>(state >> 40)) / 16777216.0f - 0.5f) * 2.0f;  // [-1, 1)
+  };
+  bool same = true;
+  for (const float scale : {1.0f, 1e-3f, 30.0f}) {
+    const auto options = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor x = at::empty({rows, hidden}, options), weight = at::empty({experts, hidden}, options);
+    for (at::Tensor* t : {&x, &weight}) {
+      float* p = t->mutable_data_ptr<float>();
+      for (int64_t i = 0; i < t->numel(); ++i) p[i] = next() * scale;
+    }
+    const auto scores = [&] { return at::sqrt(at::softplus(at::mm(x, weight.t()))).contiguous(); };
+    const at::Tensor outside = scores();
+    at::Tensor inside;
+    at::parallel_for(0, 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task)
+        if (task == 0) inside = scores();  // on the calling thread, as ffn_rows' router (hc_kernels.cpp's beside)
+    });
+    same = same && std::memcmp(outside.const_data_ptr<float>(), inside.const_data_ptr<float>(),
+                               outside.numel() * sizeof(float)) == 0;
+  }
+  known.emplace(key, same);
+  return same;
 }
