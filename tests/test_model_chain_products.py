@@ -16,6 +16,7 @@ from kvdiet.formats import native
 from kvdiet.model import chain_products
 from kvdiet.model.chain_products import (
     CHAIN_MM_ROWS,
+    FOUR_LANES,
     MKL_BLOCK,
     TORCH_LOOP_BELOW,
     ChainForm,
@@ -492,6 +493,56 @@ def test_chain_mm_is_its_blocked_fma_chains(m, k, n, block, w_layout, case):
         assert bool(torch.signbit(got).all())
 
 
+def _four_lanes(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """chain_mm's four-lane form, exactly (fp32 operations one at a time): each product rounded; k = 0 and then k = 1,
+    5, 9, … added to lane 0, k = 2, 6, … to lane 1, and so on up to k = 4q, each lane from +0 in increasing k; the
+    lanes summed as (0 + 2) + (1 + 3); then the last (K − 1) mod 4 products added in order."""
+    k = a.shape[1]
+    tail = 1 + (k - 1) // 4 * 4
+    out = torch.empty(a.shape[0], w.shape[1])
+    for i in range(a.shape[0]):
+        products = a[i, :, None] * w  # [k, n] fp32, each rounded once
+        lanes = [torch.zeros(w.shape[1]) for _ in range(4)]
+        for kk in range(tail):
+            lane = 0 if kk == 0 else (kk - 1) % 4
+            lanes[lane] = lanes[lane] + products[kk]
+        total = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+        for kk in range(tail, k):
+            total = total + products[kk]
+        out[i] = total
+    return out
+
+
+@pytest.mark.parametrize("w_layout", ["rows", "cols", "strided"])
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        (1, 1, 1),  # one product: lane 0 alone
+        (1, 4, 5),  # no whole group of four: k = 1 .. 3 the tail
+        (1, 5, 24),  # one group; outputs 16 + 8 (strided), six vectors of four (cols)
+        (1, 1024, 24),  # v4.1-mini's mHC coefficients: [1, 4·256] · fn_t [1024, 24], three products the tail
+        (1, 1024, 64),  # v4.1-mini's output projection of one group: [1, 1024] · wo_aᵀ [1024, 64]
+        (3, 30, 17),  # rows side by side; 17 outputs (the last vector of four holds one)
+        (16, 45, 7),  # sixteen rows; groups of 16 k with a partial last chunk of whole groups
+    ],
+)
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_chain_mm_four_lanes_is_its_definition(m, k, n, w_layout, case):
+    """With block `FOUR_LANES` every output bit for bit as `_four_lanes` computes it, zeros' signs included (case 2:
+    every product −0, so each lane sum from +0 reads +0, and so do the outputs), in every layout of w."""
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n + case)
+    a, w = _mm_operands(m, k, n, w_layout, gen, case)
+    got = kernels.chain_mm(a, w, FOUR_LANES)
+    if native.cpu_isa() != "AVX512":
+        assert got is None
+        return
+    assert got.shape == (m, n) and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(_four_lanes(a, w)))
+    if case == 2:
+        assert not bool(torch.signbit(got).any())
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("m", "k", "n", "w_layout"),
@@ -516,7 +567,7 @@ def test_chain_mm_gives_torch_mm_bits_where_its_check_holds(m, k, n, w_layout, t
         gen = torch.Generator().manual_seed(m * k * n + threads)
         cols = w_layout == "cols"
         block = product_fits(m, k, n, False, cols)
-        assert block in (0, MKL_BLOCK, k)
+        assert block in (0, MKL_BLOCK, k, FOUR_LANES)
         agree = (
             native.cpu_isa() == "AVX512"
         )  # whether chain_mm in MKL_BLOCK blocks gave torch.mm's bits on each
@@ -549,6 +600,7 @@ def test_chain_mm_declines_what_it_does_not_fit():
     assert kernels.chain_mm(torch.randn(CHAIN_MM_ROWS + 1, 40), w, MKL_BLOCK) is None
     assert kernels.chain_mm(a[:, :0], w[:0], MKL_BLOCK) is None  # no k
     assert kernels.chain_mm(a, w, 0) is None
+    assert kernels.chain_mm(a, w, -3) is None  # a negative block other than FOUR_LANES
     assert (
         kernels.chain_mm(torch._neg_view(a), w, MKL_BLOCK) is None
     )  # a lazy negation: its data is not its value

@@ -14,7 +14,7 @@
 //   or std::nullopt for any other input, where rms_norm declines (a NaN in x) or the mix kernel refuses. What a
 //   sublayer takes from its input streams before its own work (v41-spec §8.1a), each step as hc.py computes it:
 //   - the coefficients' product at::mm(flatten(h), fn_t): torch's own product of the same operands (at::matmul
-//     of two matrices is that call), or with mix_block > 0 chain_mm(flatten(h), fn_t, mix_block), which the caller
+//     of two matrices is that call), or with mix_block != 0 chain_mm(flatten(h), fn_t, mix_block), which the caller
 //     has checked gives its bits at that shape class (kvdiet.model.chain_products.product_fits);
 //   - their mean(flatten(h)²): the squares one IEEE product each, their sum at::sum over the contiguous
 //     [T, hc·hidden] squares, then divided by float(hc·hidden) (torch's CPU mean is that sum, then div_);
@@ -126,11 +126,11 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> hc_ent
   const auto coefficients = [&] { chained = chain_mm(flat, fn_t, mix_block); };
   // beside only where the sums inside (at::sum of the squares, rms_norm's) run on one thread outside a parallel
   // region too (fewer than GRAIN_SIZE elements: a longer one torch splits over the threads, in another order)
-  if (mix_block > 0 && rows * width < at::internal::GRAIN_SIZE) {
+  if (mix_block != 0 && rows * width < at::internal::GRAIN_SIZE) {
     beside(collapse_and_mean, coefficients);
   } else {
     collapse_and_mean();
-    if (mix_block > 0) coefficients();
+    if (mix_block != 0) coefficients();
   }
   if (!x.has_value()) return {};
   const float* mp = mean_sq.const_data_ptr<float>();

@@ -40,6 +40,7 @@ from kvdiet.formats import native
 __all__ = [
     "CHAIN_DEPTH_MAX",
     "CHAIN_MM_ROWS",
+    "FOUR_LANES",
     "MKL_BLOCK",
     "TORCH_LOOP_BELOW",
     "ChainForm",
@@ -68,6 +69,16 @@ MKL_BLOCK = 384
 """Values of k whose products MKL's sgemm sums as one FMA chain in its strict reproducible mode on an Intel Xeon
 (AVX-512), the chains then added in order: found by experiment on [M, K] · [K, N] products, M 1..16, K 1..16,384,
 N 1..40 (undocumented; `product_block` checks it before ``chain_mm`` stands in)."""
+
+FOUR_LANES = -4
+"""``chain_mm``'s block for the four-lane form: each product rounded, then added to its lane's sum (k = 0 and then
+k = 1, 5, 9, … to lane 0, k = 2, 6, … to lane 1, and so on up to k = 4q, each lane from +0 in increasing k), the
+lanes summed as (0 + 2) + (1 + 3), then the last (K − 1) mod 4 products added in order. MKL's order for one row
+by a transposed weight ([1, K] · [K, N], k contiguous in both) on an AMD EPYC (Zen 4; oneMKL 2024.0 in its strict
+mode, where it takes a generic code path of 4-float vectors): found by experiment (cancelling ±2³⁰ pairs placed to
+reveal which products meet first, then random operands at K 1..4,096 and N a multiple of 4; it held at every
+alignment of either operand; other N took another order for their last outputs, which the check finds).
+`product_block` checks it before ``chain_mm`` stands in."""
 
 
 class ChainForm(enum.IntEnum):
@@ -248,10 +259,10 @@ def product_block(
 ) -> int:
     """The block length with which ``chain_mm`` gives ``torch.mm``'s bits at this shape class on this machine
     (`product_fits`' arguments; ``precision`` and ``threads`` as `chain_agrees` takes them), checked once per
-    process and key: `MKL_BLOCK`, else one chain over all of k (``depth``), where every check holds; else 0 (logged
-    at INFO: ``torch.mm`` keeps its work, the same values). The checks are `chain_agrees`' five cases of random and
-    adversarial operands in this layout (no NaN: the kernel declines NaN outputs); none that ran (a build without
-    AVX-512 declines them all: at DEBUG) gives 0 too.
+    process and key: `MKL_BLOCK`, else one chain over all of k (``depth``), else `FOUR_LANES`, where every check
+    holds; else 0 (logged at INFO: ``torch.mm`` keeps its work, the same values). The checks are `chain_agrees`'
+    five cases of random and adversarial operands in this layout (no NaN: the kernel declines NaN outputs); none
+    that ran (a build without AVX-512 declines them all: at DEBUG) gives 0 too.
 
     Raises:
         RuntimeError: the kernels are switched off or did not build.
@@ -262,6 +273,7 @@ def product_block(
     blocks = {f"blocks of {MKL_BLOCK}": MKL_BLOCK}
     if depth > MKL_BLOCK:  # up to MKL_BLOCK values of k, one chain is those blocks
         blocks["one chain"] = depth
+    blocks["four lanes"] = FOUR_LANES
     with torch.device("cpu"):
         checks = [(f"case {case}", a[0], w[0]) for _, case, a, w in _check_operands(shape, (1,))]
     block = _first_agreeing(blocks, checks, kernels.chain_mm, torch.mm, "chain_mm", shape)
