@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvdiet.cli import ArgumentParser
-from kvdiet.device import add_device_arg, check_device, seconds
+from kvdiet.device import add_device_arg, check_device, machine_name, seconds
 from kvdiet.formats import native
 from kvdiet.model.build import load_model
 from kvdiet.model.paged_pool import DevicePool
@@ -277,6 +277,7 @@ def main() -> None:
         "bench": "decode",
         "model": "v4.1-mini",
         "device": args.device,
+        "machine": machine_name(args.device),
         "read_gb_per_s": bandwidth / 1e9,
         "read_gb_per_s_each": [b / 1e9 for b in bandwidths],
         "decode": rows,
@@ -287,7 +288,9 @@ def main() -> None:
     }
     if not args.json_only:
         console = Console(width=170)
-        table = Table(title=f"v4.1-mini decode step (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+        table = Table(
+            title=f"v4.1-mini decode step on {result['machine']} (read bandwidth {bandwidth / 1e9:.1f} GB/s)"
+        )
         for col in (
             "context",
             "global KV",

@@ -33,7 +33,7 @@ from rich.table import Table
 
 from kvdiet.cli import ArgumentParser
 from kvdiet.config import ConfigError, load_config
-from kvdiet.device import add_device_arg, check_device, seconds
+from kvdiet.device import add_device_arg, check_device, machine_name, seconds
 from kvdiet.model.placement import place
 from kvdiet.model.transformer import Transformer
 from kvdiet.threads import check_threads, set_threads
@@ -168,8 +168,8 @@ def main() -> None:
     for s in scaling:
         s["x_single"] = round(s["tok_s"] / one, 2) if one else None
 
-    name = Path(args.config).parent.name
-    t1 = Table(title=f"prefill and decode, {name} (fp32, {threads} threads)")
+    name, machine = Path(args.config).parent.name, machine_name(args.device)
+    t1 = Table(title=f"prefill and decode, {name} (fp32, {threads} threads) on {machine}")
     for col in (
         "tokens",
         "full prefill s",
@@ -205,6 +205,7 @@ def main() -> None:
                 "config": name,
                 "threads": threads,
                 "device": args.device,
+                "machine": machine,
                 "rows": rows,
                 "batch_scaling": scaling,
             }

@@ -214,3 +214,23 @@ def test_a_bad_device_is_one_line_before_anything_loads(device: str, message: st
     assert capsys.readouterr().err.strip() == f"kvdiet generate: error: {message}"
     assert main(["replay", "trace.jsonl", "--device", device]) == 2  # model-free too: checked, as --threads
     assert capsys.readouterr().err.strip() == f"kvdiet replay: error: {message}"
+
+
+def test_the_machine_is_named_from_cpuinfo_or_else_the_platform(tmp_path, monkeypatch) -> None:
+    """`machine_name`: the first ``model name`` of cpuinfo and the cores this process may use; without one (or
+    without the file), the platform's processor, else "unknown CPU"."""
+    import platform
+
+    from kvdiet.device import machine_name
+    from kvdiet.threads import available_cores
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: avx512f\n\nmodel name\t: other\n"
+    )
+    assert machine_name(cpuinfo=info) == f"AMD EPYC 9R14, {available_cores()} cores"
+    monkeypatch.setattr(platform, "processor", lambda: "x86_64")
+    assert machine_name(cpuinfo=tmp_path / "missing") == f"x86_64, {available_cores()} cores"
+    info.write_text("processor\t: 0\n")
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert machine_name(cpuinfo=info) == f"unknown CPU, {available_cores()} cores"

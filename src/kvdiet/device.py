@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import platform
 import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiet.setting_error import SettingError
@@ -31,6 +33,7 @@ __all__ = [
     "add_device_arg",
     "check_device",
     "device_scope",
+    "machine_name",
     "seconds",
     "synchronize",
     "to_host",
@@ -107,3 +110,24 @@ def seconds(fn: Callable[[], object], device: torch.device | str) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+def machine_name(device: torch.device | str = "cpu", *, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The machine a benchmark runs on, in words, for its table and JSON line: the CPU's model (the first
+    ``model name`` of Linux's ``cpuinfo``, else ``platform.processor()``, else "unknown CPU"), the cores this
+    process may use (`kvdiet.threads.available_cores`) and, on a CUDA ``device``, the GPU's name. Figures from
+    machines that differ (an Intel Xeon and an AMD EPYC VM gave one build other bits and speeds) then say which."""
+    from kvdiet.threads import available_cores
+
+    cpu = ""
+    try:
+        match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(errors="replace"), re.MULTILINE)
+        cpu = match.group(1).strip() if match else ""
+    except OSError:
+        pass
+    name = f"{cpu or platform.processor() or 'unknown CPU'}, {available_cores()} cores"
+    if str(device).startswith("cuda"):
+        import torch
+
+        name += f", {torch.cuda.get_device_name(torch.device(device))}"
+    return name
