@@ -339,6 +339,41 @@ def test_fallbacks_and_refusals(monkeypatch):
         batched_product(torch.randn(2, 4, 4), torch.randn(2, 5, 64))
 
 
+def test_a_candidate_is_taken_only_on_checks_it_ran_and_matched(caplog):
+    """`_first_agreeing`: a candidate declining a check (None) leaves that check to the reference for itself alone:
+    the candidates after it are still compared on it (a wrong one fails there), and one that declined every check
+    is never taken; a check every candidate declines is skipped."""
+    a, w = torch.ones(1, 2), torch.ones(2, 3)
+    checks = [("first", a, w), ("second", a, 2 * w)]
+    right = lambda a, w, c: None if c == "shy" else torch.mm(a, w)  # noqa: E731
+    wrong_after_a_decline = lambda a, w, c: (  # noqa: E731
+        None if (c == "shy" or (c == "late" and w[0, 0] == 1)) else torch.mm(a, w) + (c == "late")
+    )
+    agreeing = chain_products._first_agreeing
+    assert agreeing({"shy": "shy", "ok": "ok"}, checks, right, torch.mm, "k", (1, 2, 3, False, False)) == "ok"
+    # "late" declines the first check and is wrong on the second: the check after a decline still fails it
+    assert (
+        agreeing({"late": "late", "ok": "ok"}, checks, wrong_after_a_decline, torch.mm, "k", (1,) * 5) == "ok"
+    )
+    assert agreeing({"shy": "shy"}, checks, right, torch.mm, "k", (1, 2, 3, False, False)) is None
+    with caplog.at_level(logging.INFO, logger="kvdiet.model.chain_products"):
+        assert agreeing({"late": "late"}, checks, wrong_after_a_decline, torch.mm, "k", (1,) * 5) is None
+    assert "late: second" in caplog.text
+
+
+def test_four_lanes_take_an_infinite_first_value():
+    """The packed four-lane path multiplies only lane 0 by a[0]: an infinite a[0] gives the definition's ±inf, not a
+    NaN from the zeros beside it (which would decline)."""
+    kernels = _kernels()
+    if native.cpu_isa() != "AVX512":
+        return
+    a = torch.rand(1, 2) + 1
+    a[0, 0] = float("inf")
+    w = (torch.rand(2, 6) + 1).t().contiguous().t()  # k contiguous: the packed path
+    got = kernels.chain_mm(a, w, FOUR_LANES)
+    assert got is not None and torch.equal(_bits(got), _bits(_four_lanes(a, w)))
+
+
 def _refuse(*args: object) -> bool:
     raise AssertionError(f"chain_agrees called with {args}")
 

@@ -231,6 +231,8 @@ def test_the_machine_is_named_from_cpuinfo_or_else_the_platform(tmp_path, monkey
     assert machine_name(cpuinfo=info) == f"AMD EPYC 9R14, {available_cores()} cores"
     monkeypatch.setattr(platform, "processor", lambda: "x86_64")
     assert machine_name(cpuinfo=tmp_path / "missing") == f"x86_64, {available_cores()} cores"
+    info.write_text("processor\t: 0\nmodel name\t:\nstepping\t: 1\n")  # an empty name: not the next line
+    assert machine_name(cpuinfo=info) == f"x86_64, {available_cores()} cores"
     info.write_text("processor\t: 0\n")
     monkeypatch.setattr(platform, "processor", lambda: "")
     assert machine_name(cpuinfo=info) == f"unknown CPU, {available_cores()} cores"

@@ -121,7 +121,7 @@ def machine_name(device: torch.device | str = "cpu", *, cpuinfo: Path = Path("/p
 
     cpu = ""
     try:
-        match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(errors="replace"), re.MULTILINE)
+        match = re.search(r"^model name[ \t]*:[ \t]*(.*)$", cpuinfo.read_text(errors="replace"), re.MULTILINE)
         cpu = match.group(1).strip() if match else ""
     except OSError:
         pass

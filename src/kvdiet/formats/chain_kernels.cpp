@@ -352,7 +352,8 @@ void four_lanes_packed(const float* a, const float* w, int64_t ws1, float* out, 
   for (int g = 0; g < G; ++g) {  // k = 0 to lane 0 of each output
     const __m512 first = _mm512_set_ps(0, 0, 0, rows[g][3][0], 0, 0, 0, rows[g][2][0], 0, 0, 0, rows[g][1][0], 0, 0,
                                        0, rows[g][0][0]);
-    sum[g] = _mm512_add_ps(_mm512_setzero_ps(), _mm512_mul_ps(x0, first));
+    // lane 0 of each output only (an infinite a[0] times the zeros beside it would be NaN)
+    sum[g] = _mm512_add_ps(_mm512_setzero_ps(), _mm512_maskz_mul_ps(0x1111, x0, first));
   }
   for (int64_t k = 1; k < tail; k += 16) {
     const int64_t blocks = std::min<int64_t>(16, tail - k) / 4;  // whole blocks of 4 (the last chunk may hold fewer)

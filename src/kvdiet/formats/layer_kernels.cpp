@@ -155,7 +155,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   const bool shared_fits = x.is_contiguous() && rows <= 16 && float_cpu(sw1) && float_cpu(sw3) && !sw1.is_neg() &&
                            !sw3.is_neg() && sw1.is_contiguous() && sw3.is_contiguous() && sw1.dim() == 2 &&
                            sw1.sizes() == sw3.sizes() && sw1.size(1) == hidden;
-  std::vector<float> shared_gate_up;  // [T, inter] gate rows, then up rows
+  std::vector<float> shared_gate_up;  // [T, inter] gate rows, then up rows (made beside the router, else empty)
   // beside only where the router's product takes the same bits inside a region as outside (route_scores_agree)
   if (shared_fits && (at::get_num_threads() == 1 || at::in_parallel_region() ||
                       route_scores_agree(rows, hidden, f.gate_weight.size(0)))) {
@@ -188,7 +188,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   w1s.push_back(f.w1s[experts]), w3s.push_back(f.w3s[experts]), w2s.push_back(f.w2s[experts]);
   limits.push_back(f.limits[experts]);
   std::optional<at::Tensor> out =
-      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits, shared_fits ? shared_gate_up.data() : nullptr);
+      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits, shared_gate_up.empty() ? nullptr : shared_gate_up.data());
   if (!out.has_value()) return {};
   std::optional<at::Tensor> streams = leave(*out, h, post, comb, f.entry);
   if (!streams.has_value()) return {};

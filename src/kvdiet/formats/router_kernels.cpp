@@ -17,7 +17,8 @@
 // route_scores_agree(rows, hidden, experts): whether route_rows' scores (at::sqrt(at::softplus(at::mm(x, weightᵀ))),
 //   x [rows, hidden], weight [experts, hidden], both contiguous) take the same bits on the calling thread inside a
 //   parallel region as outside one at torch's present thread count, on probe rows (fixed pseudo-random values at
-//   three scales), checked once per (shape, thread count) in a process. layer_kernels.cpp's ffn_rows runs the router
+//   three scales), checked once per (shape, thread count) in a process (false, unchecked, inside a parallel region).
+//   layer_kernels.cpp's ffn_rows runs the router
 //   beside other work (inside a region) only where they do. Why: torch's BLAS (MKL) may split a product of a few
 //   rows over the threads outside a region and run it on one inside, in another order. Measured on an AMD EPYC
 //   (Zen 4; oneMKL 2024.0, in the strict CNR mode kvdiet/threads.py sets): [2, 64]·[64, 4], [2, 64]·[64, 6] and
@@ -88,6 +89,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> route_rows(const at::Tensor& x
 
 bool route_scores_agree(int64_t rows, int64_t hidden, int64_t experts) {
   TORCH_CHECK(rows >= 1 && hidden >= 1 && experts >= 1, "route_scores_agree: rows, hidden and experts must be >= 1");
+  if (at::in_parallel_region()) return false;  // no "outside a region" to compare here (and nothing kept)
   static std::mutex mutex;
   static std::map<std::array<int64_t, 4>, bool> known;
   const std::lock_guard<std::mutex> lock(mutex);

@@ -289,13 +289,14 @@ def _first_agreeing(
     shape: tuple[int, int, int, bool, bool],
 ) -> _T | None:
     """The first of ``candidates`` (``{its name in the log: its value}``, in order) for which ``kernel(a, w,
-    candidate)`` gives ``reference(a, w)``'s bits on every check ``(label, a, w)`` the kernel takes, else None. A
-    check the kernel declines (None: a NaN output, or operands it does not take) is left to the reference for every
-    candidate; none that ran (logged at DEBUG) gives None too, and so does every candidate failing a check (logged at
+    candidate)`` gives ``reference(a, w)``'s bits on every check ``(label, a, w)`` the kernel takes for it, else
+    None. A check a candidate declines (None: a NaN output, or operands it does not take) is left to the
+    reference for that candidate, the others still compared on it; a candidate that ran no check is never taken,
+    and none that ran (logged at DEBUG) gives None too, and so does every candidate failing a check (logged at
     INFO with each one's first failing check: the reference keeps its work, the same values). ``name`` and
     ``shape`` name the kernel and the class in the log."""
     failed: dict[str, str] = {}  # each candidate's first failing check
-    ran = 0
+    compared = dict.fromkeys(candidates, 0)  # the checks each candidate ran and matched
     for label, a, w in checks:
         want = None
         for key, candidate in candidates.items():
@@ -304,20 +305,21 @@ def _first_agreeing(
             with torch.inference_mode():
                 got = kernel(a, w, candidate)
                 if got is None:
-                    break
+                    continue  # declined: this check is the reference's alone for this candidate
                 if want is None:
                     want = reference(a, w)
-                    ran += 1
-            if not (got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))):
+            if got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                compared[key] += 1
+            else:
                 failed[key] = label
         if len(failed) == len(candidates):
             break
     ref = reference.__name__
-    if ran == 0:
+    if not any(compared.values()) and not failed:
         _log.debug("compiled %s declined every check at %s; using torch.%s", name, shape, ref)
         return None
     for key, candidate in candidates.items():
-        if key not in failed:
+        if key not in failed and compared[key]:
             _log.debug("compiled %s (%s) gives torch.%s's bits at %s", name, key, ref, shape)
             return candidate
     first = "; ".join(f"{key}: {label}" for key, label in failed.items())
