@@ -46,8 +46,9 @@
 //   four lane sums from +0 (k = 0 and k = 1, 5, 9, ... to lane 0, k = 2, 6, ... to lane 1, and so on up to
 //   k = 4q), the lanes summed as (0 + 2) + (1 + 3), then the last (K - 1) mod 4 products added in order: MKL's order
 //   for one row by a transposed weight on an AMD EPYC (Zen 4), where its strict mode takes a generic path of 4-float
-//   vectors (found by experiment as the chains; kvdiet.model.chain_products.FOUR_LANES). Where a and w both hold k
-//   contiguously it reads w's rows in place, four outputs a vector (four_lanes_packed).
+//   vectors (found by experiment as the chains; kvdiet.model.chain_products.FOUR_LANES). Only where a and w both
+//   hold k contiguously, the layout that order was found for (std::nullopt for any other): w's rows read in place,
+//   four outputs a vector.
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -243,31 +244,10 @@ void chain_batch_lanes(const float* a, int64_t as0, int64_t as1, const float* w,
 constexpr int64_t kChainMmRows = 16;  // chain_mm's most rows of a (a decode step's)
 constexpr int64_t kFourLanes = -4;    // chain_mm's block for the four-lane form (four_lanes)
 
-// w's rows k = c0 .. c0 + cnt - 1 (cnt <= 16) for outputs n0 .. n0 + live - 1 (live <= 16) as 16-float vectors
-// wk[c] (lanes past live zero): loaded where w holds n contiguously, transposed from 16 of its columns where it
-// holds k contiguously, gathered otherwise.
-inline void w_rows(const float* w, int64_t ws0, int64_t ws1, int64_t n0, int64_t live, int64_t c0, int64_t cnt,
-                   u32x16* wk) {
-  const __mmask16 lanes = static_cast<__mmask16>((1u << live) - 1u);
-  if (ws1 == 1) {
-    for (int64_t c = 0; c < cnt; ++c)
-      wk[c] = reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(lanes, w + (c0 + c) * ws0 + n0));
-  } else if (ws0 == 1) {
-    const __mmask16 ks = static_cast<__mmask16>((1u << cnt) - 1u);
-    for (int64_t j = 0; j < 16; ++j)
-      wk[j] = j < live ? reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(ks, w + (n0 + j) * ws1 + c0)) : u32x16{};
-    transpose16(wk);
-  } else {
-    for (int64_t c = 0; c < cnt; ++c) {
-      alignas(64) float v[16] = {};
-      for (int64_t j = 0; j < live; ++j) v[j] = w[(c0 + c) * ws0 + (n0 + j) * ws1];
-      wk[c] = reinterpret_cast<u32x16>(_mm512_load_ps(v));
-    }
-  }
-}
-
 // Outputs n0 .. n0 + 16 (those below n) of rows m0 .. m0 + R of a · w over k = k0 .. k1 - 1: each one FMA chain from
-// +0 in increasing k, the 16 outputs in the lanes, into out (row stride n); w's rows 16 k at a time (w_rows).
+// +0 in increasing k, the 16 outputs in the lanes, into out (row stride n). w's rows k for those outputs come as
+// 16 vectors a chunk of 16 k: loaded where w holds n contiguously, transposed from 16 of its columns where it
+// holds k contiguously, gathered otherwise.
 template <int R>
 void chain_mm_lanes(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws1, float* out,
                     int64_t n, int64_t k0, int64_t k1, int64_t m0, int64_t n0) {
@@ -278,7 +258,21 @@ void chain_mm_lanes(const float* a, int64_t as0, int64_t as1, const float* w, in
   for (int64_t c0 = k0; c0 < k1; c0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, k1 - c0);
     u32x16 wk[16];
-    w_rows(w, ws0, ws1, n0, live, c0, cnt, wk);
+    if (ws1 == 1) {
+      for (int64_t c = 0; c < cnt; ++c)
+        wk[c] = reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(lanes, w + (c0 + c) * ws0 + n0));
+    } else if (ws0 == 1) {
+      const __mmask16 ks = static_cast<__mmask16>((1u << cnt) - 1u);
+      for (int64_t j = 0; j < 16; ++j)
+        wk[j] = j < live ? reinterpret_cast<u32x16>(_mm512_maskz_loadu_ps(ks, w + (n0 + j) * ws1 + c0)) : u32x16{};
+      transpose16(wk);
+    } else {
+      for (int64_t c = 0; c < cnt; ++c) {
+        alignas(64) float v[16] = {};
+        for (int64_t j = 0; j < live; ++j) v[j] = w[(c0 + c) * ws0 + (n0 + j) * ws1];
+        wk[c] = reinterpret_cast<u32x16>(_mm512_load_ps(v));
+      }
+    }
     for (int64_t c = 0; c < cnt; ++c) {
       const __m512 wv = reinterpret_cast<__m512>(wk[c]);
       for (int r = 0; r < R; ++r)
@@ -288,61 +282,16 @@ void chain_mm_lanes(const float* a, int64_t as0, int64_t as1, const float* w, in
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, lanes, acc[r]);
 }
 
-// Outputs n0 .. n0 + 16 (those below n) of rows m0 .. m0 + R of a · w over all `depth` values of k in the four-lane
-// form (chain_mm's kFourLanes): each product rounded, then added to its lane's sum (k = 0 to lane 0, k = 1 .. 4q to
-// lane (k - 1) mod 4, each lane from +0 in increasing k), the lanes summed as (0 + 2) + (1 + 3), then the last
-// (depth - 1) mod 4 products added in order; the 16 outputs in the vector lanes, w read as chain_mm_lanes reads it.
-template <int R>
-void four_lanes(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws1, float* out,
-                int64_t n, int64_t depth, int64_t m0, int64_t n0) {
-  const int64_t live = std::min<int64_t>(16, n - n0);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << live) - 1u);
-  const int64_t tail = 1 + (depth - 1) / 4 * 4;  // the first k past the four lanes
-  __m512 sum[R][4], total[R];
-  for (int r = 0; r < R; ++r) {
-    for (int u = 0; u < 4; ++u) sum[r][u] = _mm512_setzero_ps();
-    total[r] = _mm512_setzero_ps();
-  }
-  const auto fold = [&] {
-    for (int r = 0; r < R; ++r)
-      total[r] = _mm512_add_ps(_mm512_add_ps(sum[r][0], sum[r][2]), _mm512_add_ps(sum[r][1], sum[r][3]));
-  };
-  for (int64_t c0 = 0; c0 < depth; c0 += 16) {
-    const int64_t cnt = std::min<int64_t>(16, depth - c0);
-    u32x16 wk[16];
-    w_rows(w, ws0, ws1, n0, live, c0, cnt, wk);
-    for (int64_t c = 0; c < cnt; ++c) {
-      const int64_t k = c0 + c;
-      const __m512 wv = reinterpret_cast<__m512>(wk[c]);
-      if (k == tail) fold();
-      for (int r = 0; r < R; ++r) {
-        const __m512 product = _mm512_mul_ps(_mm512_set1_ps(a[(m0 + r) * as0 + k * as1]), wv);
-        if (k >= tail) {
-          total[r] = _mm512_add_ps(total[r], product);
-          continue;
-        }
-        switch (k == 0 ? 0 : (k - 1) & 3) {  // constant lanes: the sums stay in registers
-          case 0: sum[r][0] = _mm512_add_ps(sum[r][0], product); break;
-          case 1: sum[r][1] = _mm512_add_ps(sum[r][1], product); break;
-          case 2: sum[r][2] = _mm512_add_ps(sum[r][2], product); break;
-          default: sum[r][3] = _mm512_add_ps(sum[r][3], product); break;
-        }
-      }
-    }
-  }
-  if (tail == depth) fold();
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * n + n0, lanes, total[r]);
-}
-
-// four_lanes where a and w both hold k contiguously (as1 = ws0 = 1: a transposed weight's view, as the mHC
-// coefficients' fn_t), without a transpose: outputs n0 .. n0 + 4G - 1 of one row of a, each four of them with their
-// lane sums in one vector (output i in its 128-bit lane i). Each 16 values of k are four vectors of products (one an
-// output), their 128-bit lanes transposed so that vector b holds every output's products 4b .. 4b + 3 of the 16,
-// added in b order: each lane sum takes its products in increasing k, as four_lanes does. G groups of four outputs go
-// side by side, so their chains of adds overlap.
+// Outputs n0 .. n0 + 4G - 1 of one row of a · w in the four-lane form (chain_mm's kFourLanes), a and w both holding
+// k contiguously (a transposed weight's view, as the mHC coefficients' fn_t; w's rows read in place): each product
+// rounded, then added to its lane's sum (k = 0 to lane 0, k = 1 .. 4q to lane (k - 1) mod 4, each lane from +0 in
+// increasing k), the lanes summed as (0 + 2) + (1 + 3), then the last (depth - 1) mod 4 products added in order.
+// Each four outputs keep their lane sums in one vector (output i in its 128-bit lane i); each 16 values of k are four
+// vectors of products (one an output), their 128-bit lanes transposed so that vector b holds every output's products
+// 4b .. 4b + 3 of the 16, added in b order, so each lane sum takes its products in increasing k. G groups of four
+// outputs go side by side, so their chains of adds overlap.
 template <int G>
-void four_lanes_packed(const float* a, const float* w, int64_t ws1, float* out, int64_t n, int64_t depth,
-                       int64_t n0) {
+void four_lanes(const float* a, const float* w, int64_t ws1, float* out, int64_t n, int64_t depth, int64_t n0) {
   const int64_t tail = 1 + (depth - 1) / 4 * 4;
   const float* rows[G][4];
   for (int g = 0; g < G; ++g)
@@ -388,26 +337,13 @@ void four_lanes_packed(const float* a, const float* w, int64_t ws1, float* out, 
   }
 }
 
-// Every output of a [m, ·] · w [·, n] in the four-lane form (four_lanes), into out [m, n]
-void four_lanes_run(const float* a, int64_t as0, int64_t as1, const float* w, int64_t ws0, int64_t ws1, float* out,
-                    int64_t m, int64_t n, int64_t depth) {
-  if (as1 == 1 && ws0 == 1) {
-    for (int64_t r = 0; r < m; ++r) {
-      int64_t n0 = 0;
-      for (; n0 + 8 < n; n0 += 12) four_lanes_packed<3>(a + r * as0, w, ws1, out + r * n, n, depth, n0);
-      for (; n0 < n; n0 += 4) four_lanes_packed<1>(a + r * as0, w, ws1, out + r * n, n, depth, n0);
-    }
-    return;
-  }
-  for (int64_t n0 = 0; n0 < n; n0 += 16) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= m; m0 += 4) four_lanes<4>(a, as0, as1, w, ws0, ws1, out, n, depth, m0, n0);
-    switch (m - m0) {
-      case 3: four_lanes<3>(a, as0, as1, w, ws0, ws1, out, n, depth, m0, n0); break;
-      case 2: four_lanes<2>(a, as0, as1, w, ws0, ws1, out, n, depth, m0, n0); break;
-      case 1: four_lanes<1>(a, as0, as1, w, ws0, ws1, out, n, depth, m0, n0); break;
-      default: break;
-    }
+// Every output of a [m, ·] · w [·, n] in the four-lane form (four_lanes), into out [m, n] (a's and w's k strides 1)
+void four_lanes_run(const float* a, int64_t as0, const float* w, int64_t ws1, float* out, int64_t m, int64_t n,
+                    int64_t depth) {
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t n0 = 0;
+    for (; n0 + 8 < n; n0 += 12) four_lanes<3>(a + r * as0, w, ws1, out + r * n, n, depth, n0);
+    for (; n0 < n; n0 += 4) four_lanes<1>(a + r * as0, w, ws1, out + r * n, n, depth, n0);
   }
 }
 
@@ -443,7 +379,8 @@ std::optional<at::Tensor> chain_mm(const at::Tensor& a, const at::Tensor& w, int
   float* op = out.mutable_data_ptr<float>();
   const int64_t as0 = a.stride(0), as1 = a.stride(1), ws0 = w.stride(0), ws1 = w.stride(1);
   if (block == kFourLanes) {
-    four_lanes_run(ap, as0, as1, wp, ws0, ws1, op, m, n, depth);
+    if (as1 != 1 || ws0 != 1) return {};  // the form is MKL's for operands holding k contiguously
+    four_lanes_run(ap, as0, wp, ws1, op, m, n, depth);
     if (any_nan(op, out.numel())) return {};
     return out;
   }

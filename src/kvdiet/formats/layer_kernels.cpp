@@ -157,8 +157,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
                            sw1.sizes() == sw3.sizes() && sw1.size(1) == hidden;
   std::vector<float> shared_gate_up;  // [T, inter] gate rows, then up rows (made beside the router, else empty)
   // beside only where the router's product takes the same bits inside a region as outside (route_scores_agree)
-  if (shared_fits && (at::get_num_threads() == 1 || at::in_parallel_region() ||
-                      route_scores_agree(rows, hidden, f.gate_weight.size(0)))) {
+  if (shared_fits && route_scores_agree(rows, hidden, f.gate_weight.size(0))) {
     const int64_t inter = sw1.size(0), kp = (hidden + 15) / 16 * 16;
     shared_gate_up.resize(2 * rows * inter);
     std::vector<float> padded;
@@ -188,7 +187,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> ffn_rows(const at:
   w1s.push_back(f.w1s[experts]), w3s.push_back(f.w3s[experts]), w2s.push_back(f.w2s[experts]);
   limits.push_back(f.limits[experts]);
   std::optional<at::Tensor> out =
-      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits, shared_gate_up.empty() ? nullptr : shared_gate_up.data());
+      expert_groups_with(x, ids, weights, used, w1s, w3s, w2s, limits,
+                         shared_gate_up.empty() ? nullptr : shared_gate_up.data());
   if (!out.has_value()) return {};
   std::optional<at::Tensor> streams = leave(*out, h, post, comb, f.entry);
   if (!streams.has_value()) return {};

@@ -17,14 +17,14 @@
 // route_scores_agree(rows, hidden, experts): whether route_rows' scores (at::sqrt(at::softplus(at::mm(x, weightᵀ))),
 //   x [rows, hidden], weight [experts, hidden], both contiguous) take the same bits on the calling thread inside a
 //   parallel region as outside one at torch's present thread count, on probe rows (fixed pseudo-random values at
-//   three scales), checked once per (shape, thread count) in a process (false, unchecked, inside a parallel region).
-//   layer_kernels.cpp's ffn_rows runs the router
-//   beside other work (inside a region) only where they do. Why: torch's BLAS (MKL) may split a product of a few
-//   rows over the threads outside a region and run it on one inside, in another order. Measured on an AMD EPYC
-//   (Zen 4; oneMKL 2024.0, in the strict CNR mode kvdiet/threads.py sets): [2, 64]·[64, 4], [2, 64]·[64, 6] and
-//   [4, 64]·[64, 16] (v4.1-micro's router of two rows) gave other bits at one thread than at two, every probe; the
-//   routers of v4.1-mini (hidden 256, 8 experts) and V4.1-Flash (4,096, 256) at 1..16 rows did not, nor did any
-//   shape on an Intel Xeon VM.
+//   three scales), checked once per (shape, thread count) in a process; true at one thread (the region runs inline),
+//   false, unchecked, inside a parallel region. layer_kernels.cpp's ffn_rows runs the router beside other work
+//   (inside a region) only where they agree. Why: torch's BLAS (MKL) may split a product of a few rows over the
+//   threads outside a region and run it on one inside, in another order. Measured on an AMD EPYC (Zen 4; oneMKL
+//   2024.0, in the strict CNR mode kvdiet/threads.py sets): [2, 64]·[64, 4], [2, 64]·[64, 6] and [4, 64]·[64, 16]
+//   (v4.1-micro's router of two rows) gave other bits at one thread than at two, every probe; the routers of
+//   v4.1-mini (hidden 256, 8 experts) and V4.1-Flash (4,096, 256) at 1..16 rows did not. On an Intel Xeon VM the
+//   decode tests that compare the two passed with the router always beside.
 
 #include <array>
 #include <map>
