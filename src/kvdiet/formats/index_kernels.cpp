@@ -983,16 +983,14 @@ struct IntPath {};
 // Score entries ids[0..n) (id < 0: not scored; ids[n..kTile) are -1) for queries t0..t1; out[t][e] at
 // out + (t - t0) * out_stride + e. rows[e]: entry e's row (kZeroRow where ids[e] < 0); ahead: nullptr or the
 // next tile's kTile rows, prefetched a group at a time (each group's reads then start a tile ahead, spread over
-// the tile instead of all at once, which stalls on the few outstanding misses a core can track); ahead_run: how many
-// of ahead's leading rows lie one after another (a.row_bytes apart), whose groups are read a cache line at a time
-// (17 lines for 16 rows of 68 bytes, not two reads a row and a pointer load each). Returns -1 or
+// the tile instead of all at once, which stalls on the few outstanding misses a core can track). Returns -1 or
 // the first entry with a scale byte outside 1..252. D: the head dim when known at compile time (0: a.dim). ip: this
 // task's integer path (its queries nullptr where it is not taken; where it is, groups go two at a time, and a pair
 // whose visible entries all pass the group-wide check is scored in one int_score; else each group on its own).
 template <int64_t D>
 int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const* rows, int64_t run,
-                   const uint8_t* const* ahead, int64_t ahead_run, int64_t n, int64_t t0, int64_t t1, float* out,
-                   int64_t out_stride, float* tile, const v16& grid, IntPath& ip) {
+                   const uint8_t* const* ahead, int64_t n, int64_t t0, int64_t t1, float* out, int64_t out_stride,
+                   float* tile, const v16& grid, IntPath& ip) {
   const int64_t d = D > 0 ? D : a.dim, groups = (n + kGroup - 1) / kGroup;
   constexpr int64_t S = D > 0 ? D / 2 + D / 32 : 0;  // a packed row's bytes, where D is known
   // whether group g's rows all lie in the task's leading run of `run` rows (rows[0] on, S bytes apart): expanded
@@ -1004,16 +1002,7 @@ int64_t score_tile(const ScoreArgs& a, const int64_t* ids, const uint8_t* const*
   bool integer[2] = {};            // group g0 + i expanded for the integer path, every scale byte valid
   // group g's reads ahead, and its expansion (into ip.group[g % 2]) or decoding (noting bad scale bytes)
   const auto read_ahead = [&](int64_t g) {
-    if (ahead == nullptr) return;
-    if ((g + 1) * kGroup <= ahead_run) {  // the group's rows one after another: each cache line of them once
-      const uintptr_t first = reinterpret_cast<uintptr_t>(ahead[g * kGroup]);
-      const uintptr_t last = first + kGroup * a.row_bytes - 1;
-      for (uintptr_t line = first & ~uintptr_t{63}; line <= last; line += 64) {
-        __builtin_prefetch(reinterpret_cast<const void*>(line));
-      }
-      return;
-    }
-    for (int64_t k = 0; k < kGroup; ++k) {
+    for (int64_t k = 0; ahead != nullptr && k < kGroup; ++k) {
       __builtin_prefetch(ahead[g * kGroup + k]);
       __builtin_prefetch(ahead[g * kGroup + k] + a.row_bytes - 1);
     }
@@ -1310,10 +1299,8 @@ int64_t index_scores(at::Tensor q, at::Tensor w, at::Tensor keys, at::Tensor tab
       float* ot = o + t0 * width + c0;
       float* tp = reinterpret_cast<float*>(tile.data());
       const int64_t run = run_of[cur];
-      const int64_t ahead_run = ahead != nullptr ? run_of[1 - cur] : 0;
-      const int64_t r =
-          d == 128 ? score_tile<128>(a, ids, rows, run, ahead, ahead_run, n, t0, t1, ot, width, tp, grid, ip)
-                   : score_tile<0>(a, ids, rows, run, ahead, ahead_run, n, t0, t1, ot, width, tp, grid, ip);
+      const int64_t r = d == 128 ? score_tile<128>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip)
+                                 : score_tile<0>(a, ids, rows, run, ahead, n, t0, t1, ot, width, tp, grid, ip);
       if (r >= 0) note_row(bad, r + (off == nullptr ? 0 : off[t0]));  // off: one query per task
       for (int64_t t = t0; maxima && t < t1; ++t) {  // the tile's block maxima (c0: a multiple of block)
         block_maxima(ot + (t - t0) * width, n, block, block_out + t * block_cols + c0 / block);
