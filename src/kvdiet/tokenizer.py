@@ -14,10 +14,19 @@ import functools
 import hashlib
 import importlib.resources
 import json
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHEAP_TEXT_BYTES", "Tokenizer", "TokenizerUnavailableError", "unicode_fault"]
+__all__ = [
+    "CHEAP_TEXT_BYTES",
+    "PIECE_CHARS",
+    "Tokenizer",
+    "TokenizerUnavailableError",
+    "TooManyTokensError",
+    "unicode_fault",
+]
 
 
 def unicode_fault(text: str) -> str | None:
@@ -44,6 +53,33 @@ def unicode_fault(text: str) -> str | None:
 CHEAP_TEXT_BYTES = 1 << 20
 """Text shorter than this (UTF-8 bytes) is tokenized to learn its length (well under a second); longer text is first
 held to `Tokenizer.least_tokens`' bound."""
+
+PIECE_CHARS = 1 << 18
+"""Characters per piece where `Tokenizer.encode` is given a most and tokenizes a long text piece by piece (some 0.2 s
+and 100 MB of the tokenizer's working memory a piece, where the whole of a 30 MB text took 20 s and 8 GB)."""
+
+# Where DeepSeek's pre-tokenizer (its sha256 below: three Split regexes, then ByteLevel without a prefix space) always
+# ends a piece: after an ASCII letter before a space or a newline. The letter ends a letter run (the regex's
+# `[punct][A-Za-z]+` or `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, the only alternatives that take a letter), which
+# the space or newline ends whether or not text follows; no regex alternative looks behind, so the text after the cut
+# splits as it does in the whole; the digit and CJK splits never join a letter to a space; the BPE model merges
+# within a piece. The ids of the pieces, one after another, are then the whole text's (tests hold them so).
+_CUT = re.compile(r"(?<=[A-Za-z])(?=[ \n])")
+_EXACT_CUT_PRE_TOKENIZER = "d8d32910cbb77e54a181e9b3f9a6808eed7fc330747bbcd913ef8c390bc1c9f9"
+_LONG_TEXT = threading.BoundedSemaphore(1)  # one long text tokenized whole at a time: each takes gigabytes
+
+
+class TooManyTokensError(ValueError):
+    """`Tokenizer.encode` stopped: the text has more tokens than the ``most`` it was given.
+
+    Attributes:
+        at_least: the tokens found before it stopped, more than ``most``: a lower bound on the text's count.
+    """
+
+    def __init__(self, at_least: int, most: int) -> None:
+        super().__init__(f"the text has at least {at_least:,} tokens, more than {most:,}")
+        self.at_least = at_least
+
 
 # pre-tokenizers that hand the model all of the text (split, or bytes mapped one to a symbol), so a token's string
 # bounds the text it covers (`Tokenizer.longest_token_bytes`)
@@ -112,18 +148,68 @@ class Tokenizer:
         """Number of ids including added special tokens (129,280 for DeepSeek's file; ids 0..vocab_size−1)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, most: int | None = None) -> list[int]:
         """Token ids of ``text``; no BOS/EOS is added.
+
+        ``most``: the most tokens the caller can take. A text of more than `PIECE_CHARS` characters is then
+        tokenized a piece at a time where this tokenizer has cuts that split nothing (`exact_cuts`; the same ids),
+        and tokenizing stops after the first piece that takes the count past ``most`` with text left: a long text
+        that cannot fit costs about the tokens that fit, not the whole text's. The ids are returned whole, even
+        past ``most``, where the count is exact. Elsewhere a text of `CHEAP_TEXT_BYTES` or more is tokenized
+        whole, one such text at a time in the process (each can take gigabytes).
 
         Raises:
             ValueError: ``text`` is not valid Unicode (an unpaired surrogate such as ``"\\ud800"``, which
                 JSON can carry and UTF-8 cannot); the message names the code point and its index.
+            TooManyTokensError: (a ValueError) with ``most``, tokenizing stopped with text left and more tokens
+                than that; its ``at_least`` is a lower bound on the count.
         """
         if (fault := unicode_fault(text)) is not None:
             raise ValueError(fault)
+        if most is not None and len(text) > PIECE_CHARS and self.exact_cuts:
+            ids: list[int] = []
+            start = 0
+            while start < len(text):
+                cut = _CUT.search(text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else None
+                end = cut.start() if cut is not None else len(text)
+                ids.extend(self._ids(text[start:end]))
+                if len(ids) > most and end < len(
+                    text
+                ):  # (at the end the count is exact: the caller's to judge)
+                    raise TooManyTokensError(len(ids), most)
+                start = end
+            return ids
+        if (
+            len(text) < CHEAP_TEXT_BYTES // 4
+        ):  # under the size in bytes too (4 UTF-8 bytes a character at most)
+            return self._ids(text)
+        with _LONG_TEXT:
+            return self._ids(text)
+
+    def _ids(self, text: str) -> list[int]:
         # encode_batch of one text: the same ids, and it lets go of the GIL while it works (encode holds it,
         # so a server's other threads and its event loop stood still behind a long prompt)
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def exact_cuts(self) -> bool:
+        """Whether `encode` may tokenize a long text a piece at a time, cut where `_CUT` finds, with the whole
+        text's ids: a BPE model with no dropout or truncation, no normalizer, DeepSeek's pre-tokenizer (compared
+        by the sha256 of its JSON: the cuts were shown to split nothing for it alone), and no added token that
+        holds a space or newline or takes the spaces beside it (``lstrip``/``rstrip``), so none spans a cut."""
+        spec = json.loads(self._tok.to_str())
+        norm, pre, model = spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("model") or {}
+        if norm is not None and norm != {"type": "Sequence", "normalizers": []}:
+            return False
+        if spec.get("truncation") is not None or model.get("type") != "BPE" or model.get("dropout"):
+            return False
+        digest = hashlib.sha256(json.dumps(pre, sort_keys=True).encode()).hexdigest()
+        if digest != _EXACT_CUT_PRE_TOKENIZER:
+            return False
+        return not any(
+            t.get("lstrip") or t.get("rstrip") or " " in t.get("content", "") or "\n" in t.get("content", "")
+            for t in spec.get("added_tokens") or []
+        )
 
     @functools.cached_property
     def longest_token_bytes(self) -> int | None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvdiet.engine.prepared import ContextLengthError, InvalidRequestError
+from kvdiet.tokenizer import TooManyTokensError
 
 if TYPE_CHECKING:
     from kvdiet.tokenizer import Tokenizer
@@ -104,7 +105,11 @@ def chat_prompt_ids(
             least, fit[1], fit[0], "max_model_len", max_tokens_origin=fit[2], at_least=True
         )
     try:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, most=None if fit is None else max(0, fit[0] - fit[1]))
+    except TooManyTokensError as exc:  # (fit given) stopped with text left: a lower bound, as least_tokens'
+        raise ContextLengthError(
+            exc.at_least, fit[1], fit[0], "max_model_len", max_tokens_origin=fit[2], at_least=True
+        ) from None
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from None
 

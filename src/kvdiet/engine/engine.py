@@ -40,11 +40,11 @@ from kvdiet.engine.prepared import (
 )
 from kvdiet.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from kvdiet.engine.runner import ModelRunner
-from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.engine.sampling import SamplingParams, sample, sampling_generator
 from kvdiet.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from kvdiet.model.token_ids import check_vocab_ids
 from kvdiet.model.transformer import Transformer
-from kvdiet.tokenizer import Tokenizer
+from kvdiet.tokenizer import Tokenizer, TooManyTokensError
 
 __all__ = ["EngineObserver", "EngineStats", "LLMEngine"]
 
@@ -144,8 +144,15 @@ class LLMEngine:
             # a long text whose tokens cannot fit is refused before it is tokenized (seconds and gigabytes)
             if least := self.tokenizer.least_tokens(prompt):
                 fit_context_length(1 + least, params, self.max_model_len, "max_model_len", at_least=True)
+            # tokenizing stops once the tokens cannot fit with BOS and the reply (the one token at least)
+            most = self.max_model_len - 1 - (1 if params.max_tokens is None else params.max_tokens)
             try:
-                ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt)]
+                ids = [self.tokenizer.bos_token_id, *self.tokenizer.encode(prompt, most=max(0, most))]
+            except TooManyTokensError as exc:
+                fit_context_length(
+                    1 + exc.at_least, params, self.max_model_len, "max_model_len", at_least=True
+                )
+                raise AssertionError("a prompt past its most fits") from None  # fit_context_length raised
             except ValueError as exc:  # not valid Unicode (an unpaired surrogate)
                 raise InvalidRequestError(str(exc), param="prompt") from None
         else:
@@ -187,7 +194,7 @@ class LLMEngine:
             ids,
             params,
             time.monotonic(),
-            torch.Generator().manual_seed(seed),
+            sampling_generator(seed),
             IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
             if self.tokenizer is not None and params.detokenize
             else None,
