@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.engine.sampling import SamplingParams, sample, sampling_generator
 
 
 @pytest.mark.parametrize(
@@ -168,3 +168,23 @@ def test_vllm_only_arguments_are_taken_at_their_defaults_and_named_otherwise() -
             SamplingParams(**{name: value})
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_beam_search'"):
         SamplingParams(use_beam_search=False)
+
+
+def test_every_bit_of_a_seed_changes_the_draws() -> None:
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 1 and 2**32 + 1, -1 and 2**32 - 1, 0 and 2**63
+    drew the same tokens. `sampling_generator` draws as torch does for seeds in [0, 2**32) and differently for
+    seeds that differ only in their high bits (or in sign); the range is checked."""
+
+    def draws(seed: int) -> torch.Tensor:
+        return torch.rand(8, generator=sampling_generator(seed))
+
+    for seed in (0, 1, 7, 2**31, 2**32 - 1):
+        assert torch.equal(draws(seed), torch.rand(8, generator=torch.Generator().manual_seed(seed)))
+    seeds = [0, 1, -1, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 7, 7, 2**40 + 1, 2**63, 2**63 - 1, -(2**62)]
+    assert len({tuple(draws(s).tolist()) for s in seeds}) == len(seeds)
+    assert torch.equal(draws(-1), draws(2**64 - 1)) and torch.equal(
+        draws(-(2**63)), draws(2**63)
+    )  # mod 2**64
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed must be in"):
+            sampling_generator(bad)

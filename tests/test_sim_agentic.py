@@ -137,6 +137,7 @@ def test_session_start_modes_by_hand(tmp_path: Path) -> None:
         ("B", 5.0),
     ]
     assert str(parse_session_start("poisson:0.5")) == "poisson:0.5"
+    assert str(parse_session_start("poisson:1e-9")) == "poisson:1e-09"  # the least rate taken
     for bad in (
         "",
         "later",
@@ -146,6 +147,9 @@ def test_session_start_modes_by_hand(tmp_path: Path) -> None:
         "staggered:nan",
         "poisson:0",
         "poisson:inf",
+        "poisson:1e-300",  # a span of 3e300 s: a session's requests rounded to one time
+        "poisson:9.9e-10",
+        "poisson:1.1e9",
     ):
         with pytest.raises(ValueError, match="--session-start"):
             parse_session_start(bad)

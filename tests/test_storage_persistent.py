@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiet.storage import persistent
+from kvdiet.storage import entry_reads, persistent
 from kvdiet.storage.clock import ManualClock
 from kvdiet.storage.persistent import PersistentStore, StoreIdentity
 
@@ -99,6 +99,24 @@ def test_restart_reads_entries_of_previous_instance(tmp_path: Path, clock: Manua
             payload_of(i) for i in range(3)
         ]
         assert second.counters.hits == 3 and second.counters.entries_written == 0
+
+
+def test_a_file_where_the_entry_folder_goes_is_named_as_that(
+    tmp_path: Path, clock: ManualClock, caplog
+) -> None:
+    """``blocks`` a plain file: the tier is off with a warning naming the entry folder (it named the index, with
+    the entry folder's error), and nothing is made."""
+    given = tmp_path / "given"
+    given.mkdir()
+    (given / "blocks").write_bytes(b"not a folder")
+    with (
+        caplog.at_level(logging.WARNING, logger="kvdiet"),
+        PersistentStore(given, IDENTITY, clock=clock) as s,
+    ):
+        assert not s.enabled
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot make the entry folder" in warnings[0] and "index" not in warnings[0]
+    assert [p.name for p in given.iterdir()] == ["blocks"]
 
 
 def test_an_index_that_does_not_open_leaves_no_folder_made(
@@ -247,6 +265,54 @@ def test_missing_file_is_a_plain_miss(store: PersistentStore) -> None:
     entry_path(store.directory, key_of(0)).unlink()
     assert store.get(key_of(0), tokens_of(0)) is None
     assert store.counters.corrupt_dropped == 0 and len(store) == 0
+
+
+@pytest.mark.parametrize("fault", ["directory", "permission"])
+def test_an_unreadable_entry_is_a_miss_and_a_counter_and_the_tier_stays_on(
+    store: PersistentStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    """One entry file that cannot be read (a directory in its place; another user's file, mode 0600) is a miss
+    counted in ``read_errors`` and warned of once; the entries beside it are served, later writes stored, and
+    the entry is left as it is (one bad file turned the whole tier off for the process)."""
+    assert store.put_many(_items([0, 1, 2])) == 3
+    bad = entry_path(store.directory, key_of(1))
+    if fault == "directory":
+        bad.unlink()
+        bad.mkdir()
+    else:
+        real = entry_reads.read_file
+
+        def refuse(path: str, size: int) -> bytes:
+            if path == str(bad):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return real(path, size)
+
+        monkeypatch.setattr(entry_reads, "read_file", refuse)
+    keys, tokens = [key_of(i) for i in range(3)], [tokens_of(i) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.get_many(keys, tokens) == [payload_of(0), None, payload_of(2)]
+        assert store.get(key_of(1), tokens_of(1)) is None
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 1 and key_of(1).hex() in warnings[0] and "cannot be read" in warnings[0]
+    assert store.enabled and store.counters.read_errors == 2 and store.counters.corrupt_dropped == 0
+    assert store.counters.hits == 2 and len(store) == 3 and (bad.is_dir() if fault == "directory" else True)
+    assert store.put(*_items([3])[0]) and store.get(key_of(3), tokens_of(3)) == payload_of(3)
+
+
+def test_a_place_that_takes_no_file_is_one_write_error_not_the_tiers_end(
+    store: PersistentStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory where an entry's file goes: that entry is not stored (one ``write_errors``, a warning), the
+    rest of its batch is, and the tier stays on."""
+    entry_path(store.directory, key_of(5)).mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.put_many(_items([4, 5, 6])) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 1 and "cannot be written" in warnings[0] and key_of(5).hex() in warnings[0]
+    assert store.enabled and store.counters.write_errors == 1 and store.counters.entries_written == 2
+    assert len(store) == 2 and store.get(key_of(5), tokens_of(5)) is None and store.counters.read_errors == 0
+    assert [store.get(key_of(i), tokens_of(i)) for i in (4, 6)] == [payload_of(4), payload_of(6)]
+    assert not [p for p in block_files(store.directory) if p.name.endswith(".tmp")]  # no temp file left
 
 
 @pytest.mark.parametrize(

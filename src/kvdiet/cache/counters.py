@@ -25,9 +25,12 @@ class TierCounters:
         expirations: entries found or swept past their TTL.
         corrupt_dropped: entries dropped because they failed validation (truncated, checksum,
             wrong fingerprint/format/key, token mismatch).
-        write_errors: writes that failed (disk full, unwritable directory, backend down).
+        write_errors: writes that failed (disk full, unwritable directory, backend down; or one entry's
+            place that takes no file: a directory there, another user's file in a sticky directory).
         backend_errors: calls to a remote backend that failed (connection refused or lost, timeout, an
             error reply); each one is also a miss or a write error. Local tiers leave it at 0.
+        read_errors: entry reads that failed on that entry alone (its file unreadable: another user's,
+            a directory in its place); each one a miss, the entry left as it is.
     """
 
     query_tokens: int = 0
@@ -42,6 +45,7 @@ class TierCounters:
     corrupt_dropped: int = 0
     write_errors: int = 0
     backend_errors: int = 0
+    read_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

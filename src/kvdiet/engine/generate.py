@@ -12,8 +12,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from kvdiet.cache.plan import Provenance
 from kvdiet.engine.prepared import (
     InvalidRequestError,
@@ -23,7 +21,7 @@ from kvdiet.engine.prepared import (
 )
 from kvdiet.engine.progress import DEFAULT_INTERVAL_S, StepProgress
 from kvdiet.engine.runner import CacheOptions, ModelRunner
-from kvdiet.engine.sampling import SamplingParams, sample
+from kvdiet.engine.sampling import SamplingParams, sample, sampling_generator
 from kvdiet.model.state import CacheBytes
 from kvdiet.model.token_ids import check_vocab_ids
 from kvdiet.model.transformer import Transformer
@@ -164,7 +162,7 @@ def generate_prepared(
         with StepProgress(len(ids), done=done, enabled=progress, interval_s=progress_interval_s) as bar:
             logits = cache.prefill(session, chunk_size=chunk_size, progress=bar)
         prefill_s = time.perf_counter() - start
-        generator = torch.Generator().manual_seed(params.seed or 0)
+        generator = sampling_generator(params.seed or 0)
         out: list[int] = []
         finish = "length"
         start = time.perf_counter()

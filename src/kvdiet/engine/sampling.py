@@ -13,7 +13,7 @@ import torch
 from kvdiet.engine.vllm_args import check_vllm_only
 from kvdiet.tokenizer import unicode_fault
 
-__all__ = ["GREEDY_BELOW", "SamplingParams", "sample"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "sample", "sampling_generator"]
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``)."""
@@ -200,6 +200,26 @@ class SamplingParams:
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{what} {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def sampling_generator(seed: int) -> torch.Generator:
+    """A CPU generator for a request's ``seed`` in [-2**63, 2**64), its state from all 64 bits.
+
+    torch's CPU generator seeds its Mersenne Twister from the seed's low 32 bits alone, so seeds 1 and 2**32 + 1
+    (and -1 and 2**32 - 1) drew the same tokens. The seed, read mod 2**64, keeps its low 32 bits where the high
+    ones are 0 (every seed in [0, 2**32) draws as it did); else the high 32 bits, mixed (times 0x9E3779B1, then
+    MurmurHash3's 32-bit finalizer steps: a bijection, 0 only at 0), are XORed into them, so seeds that differ
+    only in their high bits draw differently. Raises ValueError for a seed outside the range."""
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
+    mask = 0xFFFFFFFF
+    wrapped = seed % 2**64
+    low, high = wrapped & mask, wrapped >> 32
+    mixed = (high * 0x9E3779B1) & mask
+    mixed ^= mixed >> 16
+    mixed = (mixed * 0x85EBCA6B) & mask
+    mixed ^= mixed >> 13
+    return torch.Generator().manual_seed(low ^ mixed)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

@@ -163,6 +163,12 @@ class _SnapshotCollector:
             _TIERS[1:],
         )
         yield by_tier(
+            "cache_read_errors",
+            "Entry reads that failed on that entry alone (unreadable file; a miss), by tier.",
+            lambda t: t.read_errors,
+            _TIERS[1:],
+        )
+        yield by_tier(
             "cache_bytes_written", "Bytes written to a tier.", lambda t: t.bytes_written, _TIERS[1:]
         )
         yield by_tier("cache_bytes_read", "Bytes read back from a tier.", lambda t: t.bytes_read, _TIERS[1:])

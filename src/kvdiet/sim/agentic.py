@@ -80,12 +80,14 @@ class SessionStart:
 
 
 MAX_START_VALUE = 1e9
-"""The largest ``staggered`` gap (s, ~32 years) or ``poisson`` rate (per s) taken: beyond it start times stop
-being finite numbers."""
+"""The largest ``staggered`` gap (s, ~32 years) or ``poisson`` rate (per s) taken, and the inverse of the least
+``poisson`` rate (a mean gap of 1e9 s at most): past a gap of that order start times lose the seconds between a
+session's requests to float rounding (``poisson:1e-300`` gave a span of 3e300 s and its sessions' requests all at
+one time), and past a rate of 1e9 they stop being finite numbers."""
 
 
 def parse_session_start(text: str) -> SessionStart:
-    """``together``, ``staggered:SECONDS`` (≥ 0) or ``poisson:RATE`` (sessions per second, > 0).
+    """``together``, ``staggered:SECONDS`` (0 to 1e9) or ``poisson:RATE`` (sessions per second, 1e-9 to 1e9).
 
     Raises:
         ValueError: another form, a non-finite or out-of-range number (one line naming the flag).
@@ -100,13 +102,13 @@ def parse_session_start(text: str) -> SessionStart:
             value = math.nan
         if (
             math.isfinite(value)
-            and (value > 0 if mode == "poisson" else value >= 0)
+            and (value >= 1 / MAX_START_VALUE if mode == "poisson" else value >= 0)
             and value <= MAX_START_VALUE
         ):
             return SessionStart(mode, value)
     raise ValueError(
         f"--session-start {text!r}: expected together, staggered:SECONDS (0 to 1e9) or poisson:RATE "
-        "(sessions per second, > 0, at most 1e9)"
+        "(sessions per second, 1e-9 to 1e9)"
     )
 
 

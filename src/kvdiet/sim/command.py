@@ -70,7 +70,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="agentic-sessions only: where each session (files by name) starts, as sessions carry no "
         "absolute time. Default together: every session at 0 — no invented arrival process, and the most "
         "overlap, so the tiers' capacities are under the most pressure; staggered:S starts session i at "
-        "i*S seconds; poisson:R draws exponential gaps at R sessions/s from a fixed seed",
+        "i*S seconds (S 0 to 1e9); poisson:R draws exponential gaps at R sessions/s (1e-9 to 1e9) from a fixed seed",
     )
     rep.add_argument(
         "--strict",

@@ -74,6 +74,18 @@ def write_temp(path: str, parts: Sequence[bytes | memoryview]) -> str:
     return tmp
 
 
+def place(tmp: str, path: str) -> OSError | None:
+    """Rename the temp file ``tmp`` over ``path``: None, or the error of a place that takes no file (a directory
+    there; another user's file in a sticky directory: that entry alone), the temp file then removed. Raises any
+    other OSError (the temp file left to the caller)."""
+    try:
+        os.replace(tmp, path)
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        unlink(tmp)
+        return exc
+    return None
+
+
 def unlink(path: str) -> None:
     """Remove a file; a missing one or a failure leaves an orphan the index never serves."""
     with suppress(OSError):

@@ -1,7 +1,21 @@
 """`open_index`: the persistent tier's index opened for its store (`kvdiet.storage.persistent.PersistentStore`):
 for writing (created where new; a damaged one moved aside and rebuilt from the entry files), or read-only where
 asked, or where the folder or the index may not be written (a read-only volume, permissions). Every outcome but a
-plain open is named in one warning."""
+plain open is named in one warning.
+
+A damaged index (``index.sqlite3`` that SQLite cannot read) is not the end of the tier: `open_index` moves it aside
+(``index.sqlite3.damaged-<time>``, under a lock file so processes opening together do it once), starts a new
+index and fills it from the entry files' own headers (`kvdiet.storage.index_recovery`), with one warning
+naming both files. A new index in a directory that already holds entry files (the index deleted by hand) is
+filled the same way. An index written by a newer kvdiet (a higher schema version) is left alone: the tier is
+off, and the warning says so.
+
+Read-only (``read_only``, ``--persistent-read-only``; taken as well, with one warning, where the folder exists but
+this process may not write it, or its index will not open for writing, as on a read-only volume): the index opens
+as an immutable file (`persistent_index.connect_read_only`: a snapshot no process writes meanwhile), reads serve
+its entries (an expired, missing or corrupt one is a miss, left in place; a corrupt one counted once and warned
+of) and change nothing, writes store nothing.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +55,14 @@ def open_index(
         return _read_only(directory, blocks, "the folder is not writable by this process")
     made = _missing(blocks)  # the folders made below, to be removed again where the index does not open
     try:
-        blocks.mkdir(parents=True, exist_ok=True)
+        try:
+            blocks.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # named as the entry folder's fault, not the index's
+            _log.warning("persistent tier disabled: cannot make the entry folder %s: %s", blocks, exc)
+            for folder in made:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            return None
         try:
             db, recovered = connect(index, blocks, ttl_s=ttl_s, clock=clock)
         except sqlite3.DatabaseError as exc:

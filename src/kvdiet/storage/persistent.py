@@ -20,18 +20,11 @@ others' files are replaced), an eviction or expiry in one process never removes 
 just written, and a committed row always has its file (until a crash or an outside hand removes it: then a
 miss). Counters are per process; so are the pending read times (`persistent_index.PendingReads`).
 
-A damaged index (``index.sqlite3`` that SQLite cannot read) is not the end of the tier: `open` moves it aside
-(``index.sqlite3.damaged-<time>``, under a lock file so processes opening together do it once), starts a new
-index and fills it from the entry files' own headers (`kvdiet.storage.index_recovery`), with one warning
-naming both files. A new index in a directory that already holds entry files (the index deleted by hand) is
-filled the same way. An index written by a newer kvdiet (a higher schema version) is left alone: the tier is
-off, and the warning says so.
-
-Read-only (``read_only``, ``--persistent-read-only``; taken as well, with one warning, where the folder exists but
-this process may not write it, or its index will not open for writing, as on a read-only volume): the index opens
-as an immutable file (`persistent_index.connect_read_only`: a snapshot no process writes meanwhile), reads serve
-its entries (an expired, missing or corrupt one is a miss, left in place; a corrupt one counted once and warned
-of) and change nothing, writes store nothing.
+A damaged index, an index of a newer kvdiet, and read-only opening: `kvdiet.storage.index_open`. Read-only,
+reads serve the entries (an expired, missing or corrupt one is a miss, left in place; a corrupt one counted once and
+warned of) and change nothing; writes store nothing. One entry file that cannot be read (another user's, a
+directory in its place) is a miss and a ``read_errors``, or a place that takes no file one entry not stored and a
+``write_errors``: the tier stays on.
 
 Not known here: what the payload means (the caller packs and unpacks it), how keys are chained, and
 which tokens a prompt has (query/hit token counts belong to the cache manager).
@@ -50,7 +43,8 @@ from pathlib import Path
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import FORMAT_VERSION, KEY_BYTES, EntryCodec, StoreIdentity
-from kvdiet.storage.entry_files import entry_path, read_file, remove_stale_temp_files, unlink, write_temp
+from kvdiet.storage.entry_files import entry_path, place, remove_stale_temp_files, unlink, write_temp
+from kvdiet.storage.entry_reads import Dropped, read_entries
 from kvdiet.storage.index_open import open_index
 from kvdiet.storage.index_recovery import damaged_hint
 from kvdiet.storage.persistent_index import (
@@ -67,8 +61,6 @@ from kvdiet.storage.persistent_index import (
 __all__ = ["FORMAT_VERSION", "KEY_BYTES", "PersistentStore", "StoreIdentity"]
 
 _log = logging.getLogger(__name__)
-
-_Dropped = tuple[bytes, float, bool]  # key, created (of the row read), corrupt (else: file missing)
 
 
 class PersistentStore:
@@ -110,6 +102,7 @@ class PersistentStore:
         self._db: sqlite3.Connection | None = None
         self._reads = PendingReads()
         self._corrupt_kept: set[bytes] = set()  # read-only: the corrupt entries found (counted once)
+        self._unreadable: set[bytes] = set()  # entries whose read failed on them alone (warned of once)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -166,16 +159,19 @@ class PersistentStore:
         least recently read entries down to capacity once (this batch's entries are the most recent;
         among them the lowest keys go first). An unexpired entry of this identity is kept as is (its TTL
         is not extended); a key repeated in the batch is written once, from its first item. Returns how
-        many items are stored (``len(items)``), or 0 when disabled or on failure: an OSError or
-        sqlite3.Error logs one warning, counts one ``write_errors``, disables the store and removes the
-        files this batch wrote. Raises ValueError on any bad item, before any state change.
+        many items are stored (``len(items)``, less any whose place takes no file: a directory there, or
+        another user's file in a sticky directory; each counts one ``write_errors`` and is warned of), or 0
+        when disabled or on failure: any other OSError or an sqlite3.Error logs one warning, counts one
+        ``write_errors``, disables the store and removes the files this batch wrote. Raises ValueError on
+        any bad item, before any state change.
         """
         checked = [self._codec.check_item(item) for item in items]
         if not self.enabled or not checked or self.read_only:
             return 0
         now = float(self.clock.now())
         written: list[tuple[bytes, int, str]] = []  # key, file size (B), temp file (until renamed)
-        placed: list[bytes] = []  # keys whose temp file was renamed into place
+        placed: set[bytes] = set()  # keys whose temp file was renamed into place
+        blocked: list[tuple[bytes, OSError]] = []  # keys whose place takes no file (a miss later, no more)
         recorded = False
         try:
             with self._lock:
@@ -198,17 +194,19 @@ class PersistentStore:
                 with transaction(self._db) as db:  # files move with their rows, under the write lock
                     self._reads.flush(db)
                     for key, _, tmp in written:
-                        os.replace(tmp, self._path(key))
-                        placed.append(key)
-                    db.executemany(
-                        INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n, _ in written]
-                    )
+                        if (exc := place(tmp, self._path(key))) is None:
+                            placed.add(key)
+                        else:
+                            blocked.append((key, exc))
+                    stored = [(k, n) for k, n, _ in written if k in placed]
+                    db.executemany(INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in stored])
                     expired, evicted = make_room(db, now, self.capacity_bytes)
                     for old in (*expired, *evicted):
                         unlink(self._path(old))
                 recorded = True
-                self.counters.entries_written += len(written)
-                self.counters.bytes_written += sum(n for _, n, _ in written)
+                self.counters.entries_written += len(stored)
+                self.counters.bytes_written += sum(n for _, n in stored)
+                self.counters.write_errors += len(blocked)
                 self.counters.expirations += len(expired)
                 self.counters.evictions += len(evicted)
         except (OSError, sqlite3.Error) as exc:
@@ -218,7 +216,8 @@ class PersistentStore:
             if not recorded:
                 for key, _, tmp in written:
                     unlink(self._path(key) if key in placed else tmp)
-        return len(checked)
+        self._warn_entries("cannot be written (not stored)", blocked)
+        return len(checked) - len(blocked)
 
     def sweep(self) -> int:
         """Delete expired entries (rows and files, every identity) and temp files a crash left over
@@ -250,9 +249,10 @@ class PersistentStore:
 
         A miss when disabled, absent, expired (``now >= expires``: the entry is deleted and counted
         in ``expirations``), written by another identity, or its file is missing or fails validation
-        (bad magic/version, truncated, checksum, other key or token ids: deleted, ``corrupt_dropped``).
-        A hit marks the entry as read (LRU) without extending its TTL. Raises ValueError on bad
-        arguments only, never on bad data.
+        (bad magic/version, truncated, checksum, other key or token ids: deleted, ``corrupt_dropped``),
+        or its file cannot be read (another user's, a directory in its place: ``read_errors``, warned of
+        once, the entry left as it is; the tier stays on). A hit marks the entry as read (LRU) without
+        extending its TTL. Raises ValueError on bad arguments only, never on bad data.
         """
         return self.get_many([key], [tokens])[0]
 
@@ -268,53 +268,30 @@ class PersistentStore:
         if not self.enabled or not checked:
             return out
         now = self.clock.now()
-        hits: list[bytes] = []
-        expired: list[bytes] = []  # rows to delete if still expired
-        dropped: list[_Dropped] = []  # rows to delete if not rewritten since
-        gone: set[bytes] = set()  # keys an earlier item deleted
-        nread = 0
         try:
             with self._lock:
                 if self._db is None:
                     return out
                 self.counters.lookups += len(checked)
-                rows = {k: row for k, *row in select_in(self._db, ROWS, [k for k, _ in checked])}
-            for i, (key, ids) in enumerate(checked):
-                if (row := rows.get(key)) is None or key in gone:
-                    continue
-                identity, size, created, expires = row
-                if now >= expires:  # deleted whatever its identity: a read never revives an entry
-                    gone.add(key)
-                    expired.append(key)
-                    continue
-                if identity != self._tag:
-                    continue
-                try:
-                    blob = read_file(self._path(key), size)
-                except FileNotFoundError:
-                    gone.add(key)
-                    dropped.append((key, created, False))
-                    continue
-                verdict, out[i] = self._codec.unpack(blob, key, ids, created=created)
-                if verdict == "corrupt":
-                    gone.add(key)
-                    dropped.append((key, created, True))
-                elif verdict == "ok":
-                    hits.append(key)
-                    nread += len(blob)
+                rows = {k: tuple(row) for k, *row in select_in(self._db, ROWS, [k for k, _ in checked])}
+            found = read_entries(checked, rows, now=now, tag=self._tag, codec=codec, path_of=self._path)
             with self._lock:
                 if self._db is None:
-                    return [None] * len(checked)
+                    return out
                 if not self.read_only:
-                    self._record_reads(self._db, now, hits, expired, dropped)
+                    self._record_reads(self._db, now, found.hits, found.expired, found.dropped)
                 else:
-                    self._note_corrupt_kept(dropped)
-                self.counters.hits += len(hits)
-                self.counters.bytes_read += nread
+                    self._note_corrupt_kept(found.dropped)
+                self.counters.hits += len(found.hits)
+                self.counters.bytes_read += found.nread
+                self.counters.read_errors += len(found.unreadable)
+                new = [(k, e) for k, e in found.unreadable if k not in self._unreadable]
+                self._unreadable.update(k for k, _ in new)
         except (OSError, sqlite3.Error) as exc:
             self._disable("read", exc)
             return [None] * len(checked)
-        return out
+        self._warn_entries("cannot be read (a miss)", new)
+        return found.out
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have an unexpired entry of this identity (index only: no file is
@@ -350,7 +327,7 @@ class PersistentStore:
         now: float,
         hits: list[bytes],
         expired: list[bytes],
-        dropped: list[_Dropped],
+        dropped: list[Dropped],
     ) -> None:
         """Note the read time of ``hits``; in one transaction, when there is anything to delete or the
         pending read times are due: write those, delete the rows of ``expired`` (if still expired) and
@@ -368,12 +345,16 @@ class PersistentStore:
                 unlink(self._path(key))
         self.counters.expirations += len(expired)
 
-    def _note_corrupt_kept(self, dropped: list[_Dropped]) -> None:
+    def _note_corrupt_kept(self, dropped: list[Dropped]) -> None:
         """Read-only: each corrupt entry counted once (``corrupt_dropped``, its file left in place), and warned of."""
         if new := {key for key, _, corrupt in dropped if corrupt} - self._corrupt_kept:
             self._corrupt_kept |= new
             self.counters.corrupt_dropped += len(new)
             _log.warning("read-only persistent tier %s: corrupt entries kept: %d", self.directory, len(new))
+
+    def _warn_entries(self, what: str, failed: list[tuple[bytes, OSError]]) -> None:
+        for key, exc in failed:
+            _log.warning("persistent tier %s: entry %s %s: %s", self.directory, key.hex(), what, exc)
 
     def _disable(self, what: str, exc: BaseException, *, write_error: bool = False) -> None:
         """Turn the tier off; the warning is logged once, by whoever turns it off."""
