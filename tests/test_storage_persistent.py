@@ -272,8 +272,9 @@ def test_an_unreadable_entry_is_a_miss_and_a_counter_and_the_tier_stays_on(
     store: PersistentStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fault: str
 ) -> None:
     """One entry file that cannot be read (a directory in its place; another user's file, mode 0600) is a miss
-    counted in ``read_errors`` and warned of once; the entries beside it are served, later writes stored, and
-    the entry is left as it is (one bad file turned the whole tier off for the process)."""
+    counted in ``read_errors`` and warned of, its row dropped as a missing file's and the file left alone; the
+    entries beside it are served and the tier stays on (one bad file turned the whole tier off for the process).
+    A later write of it replaces the file where it can (healed), else is one entry not stored."""
     assert store.put_many(_items([0, 1, 2])) == 3
     bad = entry_path(store.directory, key_of(1))
     if fault == "directory":
@@ -288,31 +289,54 @@ def test_an_unreadable_entry_is_a_miss_and_a_counter_and_the_tier_stays_on(
             return real(path, size)
 
         monkeypatch.setattr(entry_reads, "read_file", refuse)
-    keys, tokens = [key_of(i) for i in range(3)], [tokens_of(i) for i in range(3)]
+    keys, tokens = [key_of(i) for i in (0, 1, 2, 1)], [tokens_of(i) for i in (0, 1, 2, 1)]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert store.get_many(keys, tokens) == [payload_of(0), None, payload_of(2)]
-        assert store.get(key_of(1), tokens_of(1)) is None
+        assert store.get_many(keys, tokens) == [payload_of(0), None, payload_of(2), None]
+        assert store.get(key_of(1), tokens_of(1)) is None  # its row gone: a plain miss
     warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert len(warnings) == 1 and key_of(1).hex() in warnings[0] and "cannot be read" in warnings[0]
-    assert store.enabled and store.counters.read_errors == 2 and store.counters.corrupt_dropped == 0
-    assert store.counters.hits == 2 and len(store) == 3 and (bad.is_dir() if fault == "directory" else True)
-    assert store.put(*_items([3])[0]) and store.get(key_of(3), tokens_of(3)) == payload_of(3)
+    assert store.enabled and store.counters.read_errors == 1 and store.counters.corrupt_dropped == 0
+    assert store.counters.hits == 2 and len(store) == 2 and bad.exists()
+    monkeypatch.undo()
+    if fault == "directory":
+        assert not store.put(*_items([1])[0]) and store.counters.write_errors == 1 and bad.is_dir()
+    else:
+        assert store.put(*_items([1])[0]) and store.get(key_of(1), tokens_of(1)) == payload_of(1)
+    assert (
+        store.enabled and store.put(*_items([3])[0]) and store.get(key_of(3), tokens_of(3)) == payload_of(3)
+    )
 
 
-def test_a_place_that_takes_no_file_is_one_write_error_not_the_tiers_end(
+def test_an_entry_whose_file_or_folder_cannot_be_used_is_not_stored_and_the_rest_is(
     store: PersistentStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A directory where an entry's file goes: that entry is not stored (one ``write_errors``, a warning), the
-    rest of its batch is, and the tier stays on."""
+    """A directory where an entry's file goes (the rename fails) or a file where its folder goes (the temp file
+    cannot be made): that entry is not stored (a ``write_errors`` each, warned of), the rest of its batch is, its
+    count leaves out every item of those keys (a key given twice counted twice), and the tier stays on."""
     entry_path(store.directory, key_of(5)).mkdir(parents=True)
+    shard = entry_path(store.directory, key_of(7)).parent
+    assert not shard.exists()
+    shard.write_bytes(b"a file where a folder goes")
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert store.put_many(_items([4, 5, 6])) == 2
+        assert store.put_many(_items([4, 5, 5, 6, 7])) == 2
     warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(warnings) == 1 and "cannot be written" in warnings[0] and key_of(5).hex() in warnings[0]
-    assert store.enabled and store.counters.write_errors == 1 and store.counters.entries_written == 2
+    assert len(warnings) == 2 and all("cannot be written" in w for w in warnings)
+    assert store.enabled and store.counters.write_errors == 2 and store.counters.entries_written == 2
     assert len(store) == 2 and store.get(key_of(5), tokens_of(5)) is None and store.counters.read_errors == 0
     assert [store.get(key_of(i), tokens_of(i)) for i in (4, 6)] == [payload_of(4), payload_of(6)]
     assert not [p for p in block_files(store.directory) if p.name.endswith(".tmp")]  # no temp file left
+    assert store.put_many(_items([7])) == 0 and store.counters.write_errors == 3  # alone in its batch too
+
+
+def test_entry_warnings_stop_after_twenty(store: PersistentStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A folder of entries that cannot be written warns of the first 20 and once more, and counts them all."""
+    for i in range(30):
+        entry_path(store.directory, key_of(i)).mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.put_many(_items(list(range(30)))) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 21 and "only counted from here" in warnings[-1]
+    assert store.enabled and store.counters.write_errors == 30
 
 
 @pytest.mark.parametrize(

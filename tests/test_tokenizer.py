@@ -212,11 +212,11 @@ def _spy_pieces(tok: Tokenizer, monkeypatch) -> list[int]:
 
 
 def test_a_long_text_tokenized_in_pieces_has_the_whole_texts_ids(tok, monkeypatch) -> None:
-    """Cut after an ASCII letter before a space or newline, DeepSeek's pre-tokenizer splits nothing: the pieces'
-    ids, one after another, are the whole text's, on text built to cross every split (digit runs of 1-3 begun
-    anywhere, CJK runs, letters with marks, punctuation before letters, space runs before a newline or a letter,
-    tabs, CRLF, emoji, apostrophes, special tokens' text); pieces of 3..40 characters put a cut at nearly every
-    place one can go."""
+    """Cut after a letter before a space or newline, or after a newline before anything but whitespace,
+    DeepSeek's pre-tokenizer splits nothing: the pieces' ids, one after another, are the whole text's, on text
+    built to cross every split (digit runs of 1-3 begun anywhere, numerals, CJK runs, letters of five scripts
+    with marks, punctuation before letters, space runs before a newline or a letter, tabs, CRLF, U+2028, emoji,
+    apostrophes, special tokens' text); pieces of 3..40 characters put a cut at nearly every place one can go."""
     import random
 
     import kvdiet.tokenizer as module
@@ -226,7 +226,8 @@ def test_a_long_text_tokenized_in_pieces_has_the_whole_texts_ids(tok, monkeypatc
     parts = [
         "a", "Z", "word", " word", "  ", "   ", "\n", "\n\n", " \n", "\r\n", "\t", "1", "12", "1234567", "深度",
         "求索", "é", "e\u0301", "ß", ".", "...", "'s", "n't", ",x", "(", "#define", "🙂", "<｜begin▁of▁sentence｜>",
-        "<｜User｜>", "ИИ", " ", "\u00a0", "x1", "\u3000",
+        "<｜User｜>", "ИИ", " ", "\u00a0", "x1", "\u3000", "привет", "αβγ", "한국어", "مرحبا", "नमस्ते", "²", "Ⅻ", "½",
+        "\n1,2,3;", "\n\t", "\n ", "\u2028", "\x0b", "_", "a_b", "\n.", "\n<think>", "一二", "\ufeff", "\u200d",
     ]  # fmt: skip
     for size in (3, 7, 40):
         monkeypatch.setattr(module, "PIECE_CHARS", size)
@@ -255,6 +256,29 @@ def test_a_long_text_past_its_most_stops_after_the_piece_that_takes_it_past(tok,
     assert whole > caught.value.at_least
     assert len(tok.encode(text, most=whole - 1)) == whole  # past its most only at the end: exact, returned
     assert tok.encode(text, most=whole) == tok.encode(text)
+
+
+def test_a_long_text_with_no_cut_is_tokenized_whole_one_at_a_time(tok, monkeypatch) -> None:
+    """Chinese without a newline has no cut: with ``most`` it is one piece, tokenized whole under the process's
+    one-at-a-time hold (it was tokenized outside it, several at once); a text of small pieces never takes it."""
+    import kvdiet.tokenizer as module
+
+    held: list[int] = []
+
+    class Hold:
+        def __enter__(self) -> None:
+            held.append(1)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(module, "_LONG_TEXT", Hold())
+    monkeypatch.setattr(module, "PIECE_CHARS", 50)
+    monkeypatch.setattr(module, "_HELD_CHARS", 200)
+    chinese = "深度求索的模型" * 100  # 700 characters, no cut
+    assert tok.encode(chinese, most=10) == tok._ids(chinese) and held == [1]
+    english = "The cache keeps every token. " * 30  # 870 characters, pieces of some 50
+    assert tok.encode(english, most=10**6) == tok._ids(english) and held == [1]  # no piece held
 
 
 def test_other_tokenizers_are_tokenized_whole(tmp_path, monkeypatch) -> None:

@@ -59,14 +59,19 @@ PIECE_CHARS = 1 << 18
 and 100 MB of the tokenizer's working memory a piece, where the whole of a 30 MB text took 20 s and 8 GB)."""
 
 # Where DeepSeek's pre-tokenizer (its sha256 below: three Split regexes, then ByteLevel without a prefix space) always
-# ends a piece: after an ASCII letter before a space or a newline. The letter ends a letter run (the regex's
-# `[punct][A-Za-z]+` or `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, the only alternatives that take a letter), which
-# the space or newline ends whether or not text follows; no regex alternative looks behind, so the text after the cut
-# splits as it does in the whole; the digit and CJK splits never join a letter to a space; the BPE model merges
+# ends a piece: after a letter before a space or a newline, and after a newline before anything but whitespace.
+# A letter ends a letter run (the regex's `[punct][A-Za-z]+` or `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, the only
+# alternatives that take a letter), which the space or newline ends whether or not text follows. A newline ends the
+# whitespace run it closes (`\s*[\r\n]+`, or the `[\r\n]*` after punctuation), and no alternative takes a newline
+# before anything else (their optional first characters exclude it). No alternative looks behind, so the text after
+# a cut splits as it does in the whole; the digit and CJK splits isolate runs no cut splits; the BPE model merges
 # within a piece. The ids of the pieces, one after another, are then the whole text's (tests hold them so).
-_CUT = re.compile(r"(?<=[A-Za-z])(?=[ \n])")
+# `[^\W\d_]`: Python's letters, and numerals that are not digits (which the digit split isolates).
+_CUT = re.compile(r"(?<=[^\W\d_])(?=[ \n])|(?<=\n)(?=\S)")
 _EXACT_CUT_PRE_TOKENIZER = "d8d32910cbb77e54a181e9b3f9a6808eed7fc330747bbcd913ef8c390bc1c9f9"
-_LONG_TEXT = threading.BoundedSemaphore(1)  # one long text tokenized whole at a time: each takes gigabytes
+# a longer text or piece is tokenized one at a time in the process (each takes gigabytes)
+_HELD_CHARS = 1 << 20
+_LONG_TEXT = threading.BoundedSemaphore(1)
 
 
 class TooManyTokensError(ValueError):
@@ -152,11 +157,13 @@ class Tokenizer:
         """Token ids of ``text``; no BOS/EOS is added.
 
         ``most``: the most tokens the caller can take. A text of more than `PIECE_CHARS` characters is then
-        tokenized a piece at a time where this tokenizer has cuts that split nothing (`exact_cuts`; the same ids),
-        and tokenizing stops after the first piece that takes the count past ``most`` with text left: a long text
-        that cannot fit costs about the tokens that fit, not the whole text's. The ids are returned whole, even
-        past ``most``, where the count is exact. Elsewhere a text of `CHEAP_TEXT_BYTES` or more is tokenized
-        whole, one such text at a time in the process (each can take gigabytes).
+        tokenized in pieces of at least that many, each ending at the first cut past it, where this tokenizer
+        has cuts that split nothing (`exact_cuts`, `_CUT`; the same ids), and tokenizing stops after the first
+        piece that takes the count past ``most`` with text left: a long text that cannot fit costs the tokens
+        of the pieces that fit and one more, not the whole text's. The ids are returned whole, even past
+        ``most``, where the count is exact. A text or piece of more than 1,048,576 characters (a text with no
+        cut: Chinese without a newline, minified JSON) is tokenized whole, one such at a time in the process
+        (each can take gigabytes).
 
         Raises:
             ValueError: ``text`` is not valid Unicode (an unpaired surrogate such as ``"\\ud800"``, which
@@ -166,22 +173,22 @@ class Tokenizer:
         """
         if (fault := unicode_fault(text)) is not None:
             raise ValueError(fault)
-        if most is not None and len(text) > PIECE_CHARS and self.exact_cuts:
-            ids: list[int] = []
-            start = 0
-            while start < len(text):
-                cut = _CUT.search(text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else None
-                end = cut.start() if cut is not None else len(text)
-                ids.extend(self._ids(text[start:end]))
-                if len(ids) > most and end < len(
-                    text
-                ):  # (at the end the count is exact: the caller's to judge)
-                    raise TooManyTokensError(len(ids), most)
-                start = end
-            return ids
-        if (
-            len(text) < CHEAP_TEXT_BYTES // 4
-        ):  # under the size in bytes too (4 UTF-8 bytes a character at most)
+        if most is None or len(text) <= PIECE_CHARS or not self.exact_cuts:
+            return self._held_ids(text)
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            cut = _CUT.search(text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else None
+            end = cut.start() if cut is not None else len(text)
+            ids.extend(self._held_ids(text[start:end]))
+            if len(ids) > most and end < len(text):  # (at the end the count is exact: the caller's to judge)
+                raise TooManyTokensError(len(ids), most)
+            start = end
+        return ids
+
+    def _held_ids(self, text: str) -> list[int]:
+        """`_ids`, a text of more than `_HELD_CHARS` characters one at a time in the process."""
+        if len(text) <= _HELD_CHARS:
             return self._ids(text)
         with _LONG_TEXT:
             return self._ids(text)

@@ -74,13 +74,18 @@ def write_temp(path: str, parts: Sequence[bytes | memoryview]) -> str:
     return tmp
 
 
+ENTRY_FAULTS = (IsADirectoryError, NotADirectoryError, PermissionError)
+"""The errors of one entry's file or folder, not of the tier: a directory where its file goes, a file where its folder
+goes, another user's file or folder (entries are written mode 0600). Its read is a miss, its write not stored."""
+
+
 def place(tmp: str, path: str) -> OSError | None:
     """Rename the temp file ``tmp`` over ``path``: None, or the error of a place that takes no file (a directory
     there; another user's file in a sticky directory: that entry alone), the temp file then removed. Raises any
     other OSError (the temp file left to the caller)."""
     try:
         os.replace(tmp, path)
-    except (IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+    except ENTRY_FAULTS as exc:
         unlink(tmp)
         return exc
     return None

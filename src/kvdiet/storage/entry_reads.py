@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvdiet.storage.entry import EntryCodec
-from kvdiet.storage.entry_files import read_file
+from kvdiet.storage.entry_files import ENTRY_FAULTS, read_file
 
 __all__ = ["Dropped", "EntryReads", "read_entries"]
 
@@ -25,7 +25,7 @@ class EntryReads:
         expired: keys whose row was past its TTL (to delete if still expired).
         dropped: entries whose file is missing or corrupt (to delete if not rewritten since).
         unreadable: entries whose file could not be read on its own (another user's, a directory in its
-            place), with the error: a miss each, the entry left as it is.
+            place), with the error: a miss each, dropped as a missing file is (their row, not their file).
         nread: bytes read for hits.
     """
 
@@ -48,8 +48,9 @@ def read_entries(
 ) -> EntryReads:
     """Read the entries of ``checked`` (key, token ids) found in ``rows`` (key → identity tag, size in bytes,
     created and expiry times in seconds) at time ``now``: an expired row is deleted whatever its identity (a read
-    never revives an entry); another identity's is a plain miss; a missing or corrupt file is dropped; a key an
-    earlier item dropped or expired is a plain miss. Raises any OSError but a file's own (missing, unreadable)."""
+    never revives an entry); another identity's is a plain miss; a missing, unreadable or corrupt file is dropped;
+    a key an earlier item dropped or expired is a plain miss. Raises any OSError but a file's own (`ENTRY_FAULTS`,
+    missing)."""
     found = EntryReads([None] * len(checked))
     gone: set[bytes] = set()  # keys an earlier item deleted
     for i, (key, ids) in enumerate(checked):
@@ -68,7 +69,9 @@ def read_entries(
             gone.add(key)
             found.dropped.append((key, created, False))
             continue
-        except (PermissionError, IsADirectoryError, NotADirectoryError) as exc:  # this entry's file alone
+        except ENTRY_FAULTS as exc:  # this entry's file alone: as if missing, and counted
+            gone.add(key)
+            found.dropped.append((key, created, False))
             found.unreadable.append((key, exc))
             continue
         verdict, found.out[i] = codec.unpack(blob, key, ids, created=created)

@@ -20,11 +20,9 @@ others' files are replaced), an eviction or expiry in one process never removes 
 just written, and a committed row always has its file (until a crash or an outside hand removes it: then a
 miss). Counters are per process; so are the pending read times (`persistent_index.PendingReads`).
 
-A damaged index, an index of a newer kvdiet, and read-only opening: `kvdiet.storage.index_open`. Read-only,
-reads serve the entries (an expired, missing or corrupt one is a miss, left in place; a corrupt one counted once and
-warned of) and change nothing; writes store nothing. One entry file that cannot be read (another user's, a
-directory in its place) is a miss and a ``read_errors``, or a place that takes no file one entry not stored and a
-``write_errors``: the tier stays on.
+A damaged index, an index of a newer kvdiet, and read-only opening: `kvdiet.storage.index_open`. One entry whose
+file or folder cannot be used (`entry_files.ENTRY_FAULTS`) is a miss (``read_errors``) or not stored
+(``write_errors``): the tier stays on.
 
 Not known here: what the payload means (the caller packs and unpacks it), how keys are chained, and
 which tokens a prompt has (query/hit token counts belong to the cache manager).
@@ -43,7 +41,14 @@ from pathlib import Path
 from kvdiet.cache.counters import TierCounters
 from kvdiet.storage.clock import Clock, SystemClock
 from kvdiet.storage.entry import FORMAT_VERSION, KEY_BYTES, EntryCodec, StoreIdentity
-from kvdiet.storage.entry_files import entry_path, place, remove_stale_temp_files, unlink, write_temp
+from kvdiet.storage.entry_files import (
+    ENTRY_FAULTS,
+    entry_path,
+    place,
+    remove_stale_temp_files,
+    unlink,
+    write_temp,
+)
 from kvdiet.storage.entry_reads import Dropped, read_entries
 from kvdiet.storage.index_open import open_index
 from kvdiet.storage.index_recovery import damaged_hint
@@ -61,6 +66,7 @@ from kvdiet.storage.persistent_index import (
 __all__ = ["FORMAT_VERSION", "KEY_BYTES", "PersistentStore", "StoreIdentity"]
 
 _log = logging.getLogger(__name__)
+_ENTRY_WARNINGS = 20  # warnings of single entries that cannot be read or written, a process
 
 
 class PersistentStore:
@@ -102,7 +108,7 @@ class PersistentStore:
         self._db: sqlite3.Connection | None = None
         self._reads = PendingReads()
         self._corrupt_kept: set[bytes] = set()  # read-only: the corrupt entries found (counted once)
-        self._unreadable: set[bytes] = set()  # entries whose read failed on them alone (warned of once)
+        self._warned = 0  # entry warnings logged (`_warn_entries`)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -159,11 +165,10 @@ class PersistentStore:
         least recently read entries down to capacity once (this batch's entries are the most recent;
         among them the lowest keys go first). An unexpired entry of this identity is kept as is (its TTL
         is not extended); a key repeated in the batch is written once, from its first item. Returns how
-        many items are stored (``len(items)``, less any whose place takes no file: a directory there, or
-        another user's file in a sticky directory; each counts one ``write_errors`` and is warned of), or 0
-        when disabled or on failure: any other OSError or an sqlite3.Error logs one warning, counts one
-        ``write_errors``, disables the store and removes the files this batch wrote. Raises ValueError on
-        any bad item, before any state change.
+        many items are stored (``len(items)`` less those whose file or folder cannot be used,
+        `entry_files.ENTRY_FAULTS`: a ``write_errors`` each), or 0 when disabled or on failure: any other
+        OSError or an sqlite3.Error logs one warning, counts one ``write_errors``, disables the store and
+        removes the files this batch wrote. Raises ValueError on any bad item, before any state change.
         """
         checked = [self._codec.check_item(item) for item in items]
         if not self.enabled or not checked or self.read_only:
@@ -171,7 +176,7 @@ class PersistentStore:
         now = float(self.clock.now())
         written: list[tuple[bytes, int, str]] = []  # key, file size (B), temp file (until renamed)
         placed: set[bytes] = set()  # keys whose temp file was renamed into place
-        blocked: list[tuple[bytes, OSError]] = []  # keys whose place takes no file (a miss later, no more)
+        blocked: list[tuple[bytes, OSError]] = []  # keys whose file or folder cannot be used: not stored
         recorded = False
         try:
             with self._lock:
@@ -184,13 +189,18 @@ class PersistentStore:
                     todo.setdefault(key, (tokens, view))
             for key, (tokens, view) in todo.items():  # the slow part, outside every lock
                 head, trailer = self._codec.pack(key, tokens, now, view)
-                tmp = write_temp(self._path(key), (head, view, trailer))
+                try:
+                    tmp = write_temp(self._path(key), (head, view, trailer))
+                except ENTRY_FAULTS as exc:  # this entry's folder alone (a file there, another user's)
+                    blocked.append((key, exc))
+                    continue
                 written.append((key, len(head) + len(view) + len(trailer), tmp))
-            if not written:
-                return len(checked)
             with self._lock:
                 if self._db is None:
                     return 0
+                if not written:
+                    self.counters.write_errors += len(blocked)
+                    return self._stored(checked, blocked)
                 with transaction(self._db) as db:  # files move with their rows, under the write lock
                     self._reads.flush(db)
                     for key, _, tmp in written:
@@ -216,8 +226,7 @@ class PersistentStore:
             if not recorded:
                 for key, _, tmp in written:
                     unlink(self._path(key) if key in placed else tmp)
-        self._warn_entries("cannot be written (not stored)", blocked)
-        return len(checked) - len(blocked)
+        return self._stored(checked, blocked)
 
     def sweep(self) -> int:
         """Delete expired entries (rows and files, every identity) and temp files a crash left over
@@ -250,9 +259,9 @@ class PersistentStore:
         A miss when disabled, absent, expired (``now >= expires``: the entry is deleted and counted
         in ``expirations``), written by another identity, or its file is missing or fails validation
         (bad magic/version, truncated, checksum, other key or token ids: deleted, ``corrupt_dropped``),
-        or its file cannot be read (another user's, a directory in its place: ``read_errors``, warned of
-        once, the entry left as it is; the tier stays on). A hit marks the entry as read (LRU) without
-        extending its TTL. Raises ValueError on bad arguments only, never on bad data.
+        or unreadable (another user's, a directory there: ``read_errors``, its row dropped, the file left
+        alone). A hit marks the entry as read (LRU) without extending its TTL. Raises ValueError on bad
+        arguments only, never on bad data.
         """
         return self.get_many([key], [tokens])[0]
 
@@ -285,12 +294,10 @@ class PersistentStore:
                 self.counters.hits += len(found.hits)
                 self.counters.bytes_read += found.nread
                 self.counters.read_errors += len(found.unreadable)
-                new = [(k, e) for k, e in found.unreadable if k not in self._unreadable]
-                self._unreadable.update(k for k, _ in new)
         except (OSError, sqlite3.Error) as exc:
             self._disable("read", exc)
             return [None] * len(checked)
-        self._warn_entries("cannot be read (a miss)", new)
+        self._warn_entries("cannot be read (a miss)", found.unreadable)
         return found.out
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -352,9 +359,22 @@ class PersistentStore:
             self.counters.corrupt_dropped += len(new)
             _log.warning("read-only persistent tier %s: corrupt entries kept: %d", self.directory, len(new))
 
+    def _stored(
+        self, checked: list[tuple[bytes, list[int], memoryview]], blocked: list[tuple[bytes, OSError]]
+    ):
+        """`put_many`'s count: its items but those of a key that could not be written, which are warned of."""
+        self._warn_entries("cannot be written (not stored)", blocked)
+        refused = {key for key, _ in blocked}
+        return sum(key not in refused for key, _, _ in checked)
+
     def _warn_entries(self, what: str, failed: list[tuple[bytes, OSError]]) -> None:
-        for key, exc in failed:
-            _log.warning("persistent tier %s: entry %s %s: %s", self.directory, key.hex(), what, exc)
+        """A warning an entry, the first `_ENTRY_WARNINGS` of a store (the counters count all), then one more."""
+        for key, exc in dict(failed).items():
+            if self._warned < _ENTRY_WARNINGS:
+                _log.warning("persistent tier %s: entry %s %s: %s", self.directory, key.hex(), what, exc)
+            elif self._warned == _ENTRY_WARNINGS:
+                _log.warning("persistent tier %s: more entries fail; only counted from here", self.directory)
+            self._warned += 1
 
     def _disable(self, what: str, exc: BaseException, *, write_error: bool = False) -> None:
         """Turn the tier off; the warning is logged once, by whoever turns it off."""
