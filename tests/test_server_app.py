@@ -1004,3 +1004,31 @@ def test_metrics_export_the_global_pool_as_its_own_tier() -> None:
     assert samples[("kvdiet:cache_backend_errors_total", "global_pool")] == g.backend_errors == 411
     assert ("kvdiet:cache_backend_errors_total", "persistent") not in samples  # a local tier
     assert samples[("kvdiet:cache_read_errors_total", "persistent")] == snap.persistent.read_errors == 212
+
+
+def test_long_prompts_queue_on_their_own_thread_and_never_hold_up_short_ones() -> None:
+    """Ten long prompts (each held 0.3 s here; a text with no place to cut takes up to a minute) wait on the one
+    thread kept for long texts, not on the default pool's few threads: a short prompt's preparation beside them
+    runs at once (it waited 17 s behind ten 4.5 MB prompts)."""
+    import threading
+
+    from kvdiet.server import routes
+
+    def prepare(tag: str) -> tuple[str, str]:
+        if tag == "long":
+            time.sleep(0.3)
+        return tag, threading.current_thread().name
+
+    async def main() -> tuple[list, float]:
+        big = routes._LONG_TEXT_CHARS + 1
+        longs = [asyncio.ensure_future(routes._prepared_in_worker(big, prepare, "long")) for _ in range(10)]
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        short = await routes._prepared_in_worker(10, prepare, "short")
+        waited = time.perf_counter() - start
+        return [short, *await asyncio.gather(*longs)], waited
+
+    results, waited = asyncio.run(main())
+    assert waited < 0.25  # not behind even one long prompt
+    assert results[0][0] == "short" and not results[0][1].startswith("kvdiet-long-text")
+    assert {name for _, name in results[1:]} == {"kvdiet-long-text_0"}  # one thread, in turn

@@ -328,6 +328,36 @@ def test_an_entry_whose_file_or_folder_cannot_be_used_is_not_stored_and_the_rest
     assert store.put_many(_items([7])) == 0 and store.counters.write_errors == 3  # alone in its batch too
 
 
+def test_a_fifo_or_a_symlink_loop_in_an_entrys_place_is_a_miss_at_once(store: PersistentStore) -> None:
+    """A FIFO where an entry's file goes (its open waited for a writer forever: the engine hung) and a symlink
+    loop where its folder goes (ELOOP turned the tier off) are misses counted in ``read_errors``; a dangling
+    symlink where a folder goes is one entry not stored (FileExistsError turned the tier off)."""
+    assert store.put_many(_items([0, 1, 2])) == 3
+    fifo = entry_path(store.directory, key_of(1))
+    fifo.unlink()
+    os.mkfifo(fifo)
+    shard = entry_path(store.directory, key_of(2)).parent
+    for other in shard.iterdir():
+        other.unlink()
+    shard.rmdir()
+    shard.symlink_to(shard.name)  # blocks/xx -> xx: a loop
+    result: list = []
+    reader = threading.Thread(
+        target=lambda: result.append(
+            store.get_many([key_of(i) for i in range(3)], [tokens_of(i) for i in range(3)])
+        )
+    )
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and result == [[payload_of(0), None, None]]
+    assert store.enabled and store.counters.read_errors == 2 and len(store) == 1
+    dangling = entry_path(store.directory, key_of(9)).parent
+    assert not dangling.exists()  # key 9's folder: none of the keys above
+    dangling.symlink_to("/nonexistent/kvdiet-test")
+    assert store.put_many(_items([9, 3])) == 1 and store.counters.write_errors == 1 and store.enabled
+    assert store.get(key_of(0), tokens_of(0)) == payload_of(0)
+
+
 def test_entry_warnings_stop_after_twenty(store: PersistentStore, caplog: pytest.LogCaptureFixture) -> None:
     """A folder of entries that cannot be written warns of the first 20 and once more, and counts them all."""
     for i in range(30):

@@ -15,12 +15,23 @@ Not known here: what a file holds (`kvdiet.storage.entry`) and which files are l
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from collections.abc import Sequence
 from contextlib import suppress
 
-__all__ = ["entry_path", "read_file", "remove_stale_temp_files", "unlink", "write_temp"]
+__all__ = [
+    "ENTRY_FAULTS",
+    "EntryFileError",
+    "entry_path",
+    "place",
+    "read_file",
+    "remove_stale_temp_files",
+    "unlink",
+    "write_temp",
+]
 
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_S = 3600.0  # wall-clock age after which a temp file is taken for a crash's leftover
@@ -32,11 +43,26 @@ def entry_path(blocks: str, key: bytes) -> str:
     return f"{blocks}/{name[:2]}/{name}.kvb"
 
 
+class EntryFileError(OSError):
+    """Where one entry's file or folder goes, something the tier never made: not a regular file (a FIFO, whose open
+    would wait for a writer forever; a device), a symlink loop, a dangling symlink where its folder goes."""
+
+
+def _entry_error(exc: OSError, path: str) -> OSError:
+    """``exc`` as an `EntryFileError` where it is a symlink loop (ELOOP has no OSError subclass of its own)."""
+    return EntryFileError(exc.errno, exc.strerror, path) if exc.errno == errno.ELOOP else exc
+
+
 def read_file(path: str, size: int) -> bytes:
     """The bytes of the file at ``path``, expected to be ``size`` long (then one read). Raises OSError
-    (FileNotFoundError when it is missing)."""
-    fd = os.open(path, os.O_RDONLY)
+    (FileNotFoundError when it is missing; `EntryFileError` where it is no regular file, opened without waiting)."""
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open returns at once
+    except OSError as exc:
+        raise _entry_error(exc, path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise EntryFileError(errno.EINVAL, "not a regular file", path)
         data = os.read(fd, size + 1)
         if len(data) <= size:  # a short read of a regular file is its end
             return data
@@ -55,10 +81,13 @@ def write_temp(path: str, parts: Sequence[bytes | memoryview]) -> str:
     directory, name = os.path.split(path)
     tmp = f"{directory}/.{name.removesuffix('.kvb')}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileNotFoundError:
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)  # FileExistsError where a dangling symlink stands
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise _entry_error(exc, tmp) from None
     try:
         try:
             for part in parts:
@@ -74,9 +103,10 @@ def write_temp(path: str, parts: Sequence[bytes | memoryview]) -> str:
     return tmp
 
 
-ENTRY_FAULTS = (IsADirectoryError, NotADirectoryError, PermissionError)
-"""The errors of one entry's file or folder, not of the tier: a directory where its file goes, a file where its folder
-goes, another user's file or folder (entries are written mode 0600). Its read is a miss, its write not stored."""
+ENTRY_FAULTS = (IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError, EntryFileError)
+"""The errors of one entry's file or folder, not of the tier: a directory where its file goes, a file or a dangling
+symlink where its folder goes, another user's file or folder (entries are written mode 0600), an `EntryFileError`.
+Its read is a miss, its write not stored."""
 
 
 def place(tmp: str, path: str) -> OSError | None:
