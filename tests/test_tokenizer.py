@@ -212,11 +212,13 @@ def _spy_pieces(tok: Tokenizer, monkeypatch) -> list[int]:
 
 
 def test_a_long_text_tokenized_in_pieces_has_the_whole_texts_ids(tok, monkeypatch) -> None:
-    """Cut after a letter before a space or newline, or after a newline before anything but whitespace,
-    DeepSeek's pre-tokenizer splits nothing: the pieces' ids, one after another, are the whole text's, on text
-    built to cross every split (digit runs of 1-3 begun anywhere, numerals, CJK runs, letters of five scripts
-    with marks, punctuation before letters, space runs before a newline or a letter, tabs, CRLF, U+2028, emoji,
-    apostrophes, special tokens' text); pieces of 3..40 characters put a cut at nearly every place one can go."""
+    """Cut after a letter before an ASCII non-letter, after a newline before anything but whitespace, or after a
+    CJK run, where no added token's text spans the cut, DeepSeek's pre-tokenizer splits nothing: the pieces' ids,
+    one after another, are the whole text's, on text built to cross every split (digit runs of 1-3 begun
+    anywhere, numerals such as 〇 inside them, CJK runs, letters of five scripts with marks, punctuation before
+    letters, space runs before a newline or a letter, tabs, CRLF, U+2028, emoji, apostrophes, JSON and base64,
+    special tokens' text with letters before underscores inside); pieces of 3..40 characters put a cut at nearly
+    every place one can go."""
     import random
 
     import kvdiet.tokenizer as module
@@ -228,6 +230,7 @@ def test_a_long_text_tokenized_in_pieces_has_the_whole_texts_ids(tok, monkeypatc
         "求索", "é", "e\u0301", "ß", ".", "...", "'s", "n't", ",x", "(", "#define", "🙂", "<｜begin▁of▁sentence｜>",
         "<｜User｜>", "ИИ", " ", "\u00a0", "x1", "\u3000", "привет", "αβγ", "한국어", "مرحبا", "नमस्ते", "²", "Ⅻ", "½",
         "\n1,2,3;", "\n\t", "\n ", "\u2028", "\x0b", "_", "a_b", "\n.", "\n<think>", "一二", "\ufeff", "\u200d",
+        "〇", "٣", "５", "{\"k\":", "a/b+c=", "<|place_holder_mm_span_0036|>", "</think>", "，", "。", "ｱ", "\x00",
     ]  # fmt: skip
     for size in (3, 7, 40):
         monkeypatch.setattr(module, "PIECE_CHARS", size)
@@ -279,6 +282,17 @@ def test_a_long_text_with_no_cut_is_tokenized_whole_one_at_a_time(tok, monkeypat
     assert tok.encode(chinese, most=10) == tok._ids(chinese) and held == [1]
     english = "The cache keeps every token. " * 30  # 870 characters, pieces of some 50
     assert tok.encode(english, most=10**6) == tok._ids(english) and held == [1]  # no piece held
+
+
+def test_a_text_of_added_tokens_alone_has_no_cut_and_is_held(tok, monkeypatch) -> None:
+    """Added tokens' texts one after another (letters before underscores inside each, never a cut between): no
+    cut is taken inside one, the search gives up after `_CUT_TRIES` places, and the text is one held piece."""
+    import kvdiet.tokenizer as module
+
+    monkeypatch.setattr(module, "PIECE_CHARS", 30)
+    text = "<|place_holder_mm_span_0036|>" * 200  # 5,800 characters, 4 places a token inside
+    assert tok._next_cut(text, 30) is None
+    assert tok.encode(text, most=10**6) == tok._ids(text) and len(tok._ids(text)) == 200
 
 
 def test_other_tokenizers_are_tokenized_whole(tmp_path, monkeypatch) -> None:

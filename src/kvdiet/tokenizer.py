@@ -59,15 +59,22 @@ PIECE_CHARS = 1 << 18
 and 100 MB of the tokenizer's working memory a piece, where the whole of a 30 MB text took 20 s and 8 GB)."""
 
 # Where DeepSeek's pre-tokenizer (its sha256 below: three Split regexes, then ByteLevel without a prefix space) always
-# ends a piece: after a letter before a space or a newline, and after a newline before anything but whitespace.
+# ends a piece: after a letter before an ASCII character that is no letter or digit, after a newline before anything but
+# whitespace, and after a CJK run (its second split's class) before anything outside it; `_next_cut` takes one that
+# no added token's text spans (those are matched on the raw text first: an added token is one token).
 # A letter ends a letter run (the regex's `[punct][A-Za-z]+` or `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`, the only
-# alternatives that take a letter), which the space or newline ends whether or not text follows. A newline ends the
-# whitespace run it closes (`\s*[\r\n]+`, or the `[\r\n]*` after punctuation), and no alternative takes a newline
-# before anything else (their optional first characters exclude it). No alternative looks behind, so the text after
-# a cut splits as it does in the whole; the digit and CJK splits isolate runs no cut splits; the BPE model merges
-# within a piece. The ids of the pieces, one after another, are then the whole text's (tests hold them so).
-# `[^\W\d_]`: Python's letters, and numerals that are not digits (which the digit split isolates).
-_CUT = re.compile(r"(?<=[^\W\d_])(?=[ \n])|(?<=\n)(?=\S)")
+# alternatives that take a letter), which an ASCII non-letter (never a mark) ends whether or not text follows. A
+# newline ends the whitespace run it closes (`\s*[\r\n]+`, or the `[\r\n]*` after punctuation), and no alternative
+# takes a newline before anything else (their optional first characters exclude it). The CJK split isolates each
+# run as a piece of its own. No alternative looks behind, so the text after a cut splits as it does in the whole;
+# the digit split isolates runs no cut splits; the BPE model merges within a piece. The ids of the pieces, one
+# after another, are then the whole text's (tests hold them so). `[^\W\d_]`: Python's letters, and numerals that
+# are not digits (〇, Ⅻ: the digit split's runs of 1-3, which a digit after them would continue, so none follows).
+_CJK = "一-龥぀-ゟ゠-ヿ"
+_CUT = re.compile(
+    rf"(?<=[^\W\d_])(?=[\x00-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f])|(?<=\n)(?=\S)|(?<=[{_CJK}])(?=[^{_CJK}])"
+)
+_CUT_TRIES = 256  # places `_next_cut` looks at before it takes the rest of the text as one piece
 _EXACT_CUT_PRE_TOKENIZER = "d8d32910cbb77e54a181e9b3f9a6808eed7fc330747bbcd913ef8c390bc1c9f9"
 # a longer text or piece is tokenized one at a time in the process (each takes gigabytes)
 _HELD_CHARS = 1 << 20
@@ -162,7 +169,7 @@ class Tokenizer:
         piece that takes the count past ``most`` with text left: a long text that cannot fit costs the tokens
         of the pieces that fit and one more, not the whole text's. The ids are returned whole, even past
         ``most``, where the count is exact. A text or piece of more than 1,048,576 characters (a text with no
-        cut: Chinese without a newline, minified JSON) is tokenized whole, one such at a time in the process
+        cut: CJK without punctuation, one giant word) is tokenized whole, one such at a time in the process
         (each can take gigabytes).
 
         Raises:
@@ -178,8 +185,8 @@ class Tokenizer:
         ids: list[int] = []
         start = 0
         while start < len(text):
-            cut = _CUT.search(text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else None
-            end = cut.start() if cut is not None else len(text)
+            cut = self._next_cut(text, start + PIECE_CHARS) if len(text) - start > PIECE_CHARS else None
+            end = cut if cut is not None else len(text)
             ids.extend(self._held_ids(text[start:end]))
             if len(ids) > most and end < len(text):  # (at the end the count is exact: the caller's to judge)
                 raise TooManyTokensError(len(ids), most)
@@ -197,6 +204,32 @@ class Tokenizer:
         # encode_batch of one text: the same ids, and it lets go of the GIL while it works (encode holds it,
         # so a server's other threads and its event loop stood still behind a long prompt)
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _next_cut(self, text: str, at: int) -> int | None:
+        """The first place from ``at`` where `_CUT` finds a cut that no added token's text spans, among the next
+        `_CUT_TRIES` it finds; None where there is none (the rest is one piece)."""
+        added, longest = self._added_tokens
+        for tried, found in enumerate(_CUT.finditer(text, at)):
+            if tried == _CUT_TRIES:
+                return None
+            cut = found.start()
+            # the longest added token starting at each place before the cut (sorted longest first): one across it?
+            if not any(
+                (hit := added.match(text, start)) is not None and hit.end() > cut
+                for start in range(max(0, cut - longest + 1), cut)
+            ):
+                return cut
+        return None
+
+    @functools.cached_property
+    def _added_tokens(self) -> tuple[re.Pattern[str], int]:
+        """The added tokens' texts as one pattern, longest first, and the longest one's length in characters."""
+        contents = sorted(
+            {t["content"] for t in json.loads(self._tok.to_str()).get("added_tokens") or []}, key=len
+        )
+        return re.compile("|".join(map(re.escape, reversed(contents))) or "(?!)"), max(
+            map(len, contents), default=0
+        )
 
     @functools.cached_property
     def exact_cuts(self) -> bool:
