@@ -1020,7 +1020,7 @@ def test_long_prompts_queue_on_their_own_thread_and_never_hold_up_short_ones() -
         return tag, threading.current_thread().name
 
     async def main() -> tuple[list, float]:
-        big = routes._LONG_TEXT_CHARS + 1
+        big = routes.HELD_CHARS + 1
         longs = [asyncio.ensure_future(routes._prepared_in_worker(big, prepare, "long")) for _ in range(10)]
         await asyncio.sleep(0.05)
         start = time.perf_counter()

@@ -277,7 +277,7 @@ def test_a_long_text_with_no_cut_is_tokenized_whole_one_at_a_time(tok, monkeypat
 
     monkeypatch.setattr(module, "_LONG_TEXT", Hold())
     monkeypatch.setattr(module, "PIECE_CHARS", 50)
-    monkeypatch.setattr(module, "_HELD_CHARS", 200)
+    monkeypatch.setattr(module, "HELD_CHARS", 200)
     chinese = "深度求索的模型" * 100  # 700 characters, no cut
     assert tok.encode(chinese, most=10) == tok._ids(chinese) and held == [1]
     english = "The cache keeps every token. " * 30  # 870 characters, pieces of some 50

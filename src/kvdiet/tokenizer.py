@@ -21,6 +21,7 @@ from typing import Any
 
 __all__ = [
     "CHEAP_TEXT_BYTES",
+    "HELD_CHARS",
     "PIECE_CHARS",
     "Tokenizer",
     "TokenizerUnavailableError",
@@ -76,9 +77,11 @@ _CUT = re.compile(
 )
 _CUT_TRIES = 256  # places `_next_cut` looks at before it takes the rest of the text as one piece
 _EXACT_CUT_PRE_TOKENIZER = "d8d32910cbb77e54a181e9b3f9a6808eed7fc330747bbcd913ef8c390bc1c9f9"
-# a longer text or piece is tokenized one at a time in the process (each takes gigabytes)
-_HELD_CHARS = 1 << 20
-_LONG_TEXT = threading.BoundedSemaphore(1)
+_LONG_TEXT = threading.BoundedSemaphore(1)  # held while a text past HELD_CHARS is tokenized
+
+HELD_CHARS = 1 << 20
+"""Characters past which `Tokenizer.encode` tokenizes a text (or piece) one at a time in the process: each can take
+seconds and gigabytes (a 30 MB text with nowhere to cut: 30-50 s, 4-11 GB)."""
 
 
 class TooManyTokensError(ValueError):
@@ -180,7 +183,7 @@ class Tokenizer:
         """
         if (fault := unicode_fault(text)) is not None:
             raise ValueError(fault)
-        if most is None or len(text) <= PIECE_CHARS or not self.exact_cuts:
+        if most is None or len(text) <= PIECE_CHARS or self._added_tokens is None:
             return self._held_ids(text)
         ids: list[int] = []
         start = 0
@@ -194,8 +197,8 @@ class Tokenizer:
         return ids
 
     def _held_ids(self, text: str) -> list[int]:
-        """`_ids`, a text of more than `_HELD_CHARS` characters one at a time in the process."""
-        if len(text) <= _HELD_CHARS:
+        """`_ids`, a text of more than `HELD_CHARS` characters one at a time in the process."""
+        if len(text) <= HELD_CHARS:
             return self._ids(text)
         with _LONG_TEXT:
             return self._ids(text)
@@ -207,7 +210,7 @@ class Tokenizer:
 
     def _next_cut(self, text: str, at: int) -> int | None:
         """The first place from ``at`` where `_CUT` finds a cut that no added token's text spans, among the next
-        `_CUT_TRIES` it finds; None where there is none (the rest is one piece)."""
+        `_CUT_TRIES` it finds; None where there is none (the rest is one piece). Only where `exact_cuts`."""
         added, longest = self._added_tokens
         for tried, found in enumerate(_CUT.finditer(text, at)):
             if tried == _CUT_TRIES:
@@ -221,35 +224,32 @@ class Tokenizer:
                 return cut
         return None
 
-    @functools.cached_property
-    def _added_tokens(self) -> tuple[re.Pattern[str], int]:
-        """The added tokens' texts as one pattern, longest first, and the longest one's length in characters."""
-        contents = sorted(
-            {t["content"] for t in json.loads(self._tok.to_str()).get("added_tokens") or []}, key=len
-        )
-        return re.compile("|".join(map(re.escape, reversed(contents))) or "(?!)"), max(
-            map(len, contents), default=0
-        )
+    @property
+    def exact_cuts(self) -> bool:
+        """Whether `encode` may tokenize a long text a piece at a time, cut where `_CUT` finds and no added token's
+        text spans, with the whole text's ids: a BPE model with no dropout or truncation, no normalizer, DeepSeek's
+        pre-tokenizer (compared by the sha256 of its JSON: the cuts were shown to split nothing for it alone), and
+        no added token that takes the spaces beside it (``lstrip``/``rstrip``)."""
+        return self._added_tokens is not None
 
     @functools.cached_property
-    def exact_cuts(self) -> bool:
-        """Whether `encode` may tokenize a long text a piece at a time, cut where `_CUT` finds, with the whole
-        text's ids: a BPE model with no dropout or truncation, no normalizer, DeepSeek's pre-tokenizer (compared
-        by the sha256 of its JSON: the cuts were shown to split nothing for it alone), and no added token that
-        holds a space or newline or takes the spaces beside it (``lstrip``/``rstrip``), so none spans a cut."""
+    def _added_tokens(self) -> tuple[re.Pattern[str], int] | None:
+        """Where `exact_cuts`: the added tokens' texts as one pattern, longest first, and the longest one's length
+        in characters (`_next_cut`); else None. Read from the file's JSON once."""
         spec = json.loads(self._tok.to_str())
         norm, pre, model = spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("model") or {}
+        added = spec.get("added_tokens") or []
         if norm is not None and norm != {"type": "Sequence", "normalizers": []}:
-            return False
+            return None
         if spec.get("truncation") is not None or model.get("type") != "BPE" or model.get("dropout"):
-            return False
-        digest = hashlib.sha256(json.dumps(pre, sort_keys=True).encode()).hexdigest()
-        if digest != _EXACT_CUT_PRE_TOKENIZER:
-            return False
-        return not any(
-            t.get("lstrip") or t.get("rstrip") or " " in t.get("content", "") or "\n" in t.get("content", "")
-            for t in spec.get("added_tokens") or []
-        )
+            return None
+        if hashlib.sha256(json.dumps(pre, sort_keys=True).encode()).hexdigest() != _EXACT_CUT_PRE_TOKENIZER:
+            return None
+        if any(t.get("lstrip") or t.get("rstrip") for t in added):
+            return None
+        contents = sorted({t["content"] for t in added}, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, contents)) or "(?!)")
+        return pattern, max(map(len, contents), default=0)
 
     @functools.cached_property
     def longest_token_bytes(self) -> int | None:

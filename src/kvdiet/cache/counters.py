@@ -25,12 +25,13 @@ class TierCounters:
         expirations: entries found or swept past their TTL.
         corrupt_dropped: entries dropped because they failed validation (truncated, checksum,
             wrong fingerprint/format/key, token mismatch).
-        write_errors: writes that failed (disk full, unwritable directory, backend down; or one entry's
-            place that takes no file: a directory there, another user's file in a sticky directory).
+        write_errors: writes that failed (disk full, unwritable directory, backend down; or one entry whose
+            file or folder cannot be used: a directory where its file goes, a file, a dangling symlink or
+            another user's folder where its folder goes).
         backend_errors: calls to a remote backend that failed (connection refused or lost, timeout, an
             error reply); each one is also a miss or a write error. Local tiers leave it at 0.
-        read_errors: entry reads that failed on that entry alone (its file unreadable: another user's,
-            a directory in its place); each one a miss, the entry left as it is.
+        read_errors: entry reads that failed on that entry alone (its file another user's; a directory, FIFO
+            or symlink loop in its place); each one a miss, its row dropped and its file left alone.
     """
 
     query_tokens: int = 0

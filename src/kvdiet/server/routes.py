@@ -35,12 +35,14 @@ from kvdiet.server.errors import ApiError, AsciiJSONResponse
 from kvdiet.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvdiet.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body
 from kvdiet.server.streaming import final_output, sse_response, usage_body
+from kvdiet.tokenizer import HELD_CHARS
 
 __all__ = ["ServerContext", "router"]
 
 _COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
-_LONG_TEXT_CHARS = 1 << 20  # a prompt of more characters is prepared on the one thread kept for long texts
-_long_texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdiet-long-text")
+_long_texts = ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="kvdiet-long-text"
+)  # prompts past HELD_CHARS
 _DEFAULT_ORIGIN = "the default when a completion gives none"  # named in a length refusal
 
 
@@ -315,14 +317,14 @@ def _include_usage(body: _Common) -> bool:
 
 
 async def _prepared_in_worker(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a worker thread: a prompt of more than `_LONG_TEXT_CHARS` characters (``size``)
+    """``fn(*args, **kwargs)`` in a worker thread: a prompt of more than `HELD_CHARS` characters (``size``)
     on the one thread kept for long texts, then the memory its tokenizing freed handed back to the system
     (`_trim`), the rest in asyncio's default pool. A long text can take a minute and gigabytes (one with no place
     to cut, `Tokenizer.encode`): queued on their own thread, ten of them hold none of the default pool's six
     threads (on 2 cores), which every other request's preparation needs (a 5-token prompt waited 17 s behind ten
     4.5 MB ones), and their memory is one thread's, returned after each (8 sequential 30 MB prompts left 10.6 GB
     resident, spread over the pool's threads)."""
-    if size <= _LONG_TEXT_CHARS:
+    if size <= HELD_CHARS:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     def run() -> Any:

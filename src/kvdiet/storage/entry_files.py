@@ -110,9 +110,9 @@ Its read is a miss, its write not stored."""
 
 
 def place(tmp: str, path: str) -> OSError | None:
-    """Rename the temp file ``tmp`` over ``path``: None, or the error of a place that takes no file (a directory
-    there; another user's file in a sticky directory: that entry alone), the temp file then removed. Raises any
-    other OSError (the temp file left to the caller)."""
+    """Rename the temp file ``tmp`` over ``path``: None, or an `ENTRY_FAULTS` error of that entry alone (a directory
+    there; another user's file in a sticky directory), the temp file then removed. Raises any other OSError (the
+    temp file left to the caller)."""
     try:
         os.replace(tmp, path)
     except ENTRY_FAULTS as exc:

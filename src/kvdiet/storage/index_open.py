@@ -55,14 +55,7 @@ def open_index(
         return _read_only(directory, blocks, "the folder is not writable by this process")
     made = _missing(blocks)  # the folders made below, to be removed again where the index does not open
     try:
-        try:
-            blocks.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # named as the entry folder's fault, not the index's
-            _log.warning("persistent tier disabled: cannot make the entry folder %s: %s", blocks, exc)
-            for folder in made:
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            return None
+        blocks.mkdir(parents=True, exist_ok=True)
         try:
             db, recovered = connect(index, blocks, ttl_s=ttl_s, clock=clock)
         except sqlite3.DatabaseError as exc:
@@ -84,8 +77,11 @@ def open_index(
     except (OSError, sqlite3.Error) as exc:
         if index.is_file() and _read_only_error(exc):
             return _read_only(directory, blocks, f"the index will not open for writing ({exc})")
-        hint = damaged_hint(exc, index)
-        _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
+        if not blocks.is_dir():  # the entry folder's fault, not the index's
+            _log.warning("persistent tier disabled: cannot make the entry folder %s: %s", blocks, exc)
+        else:
+            hint = damaged_hint(exc, index)
+            _log.warning("persistent tier disabled: cannot open the index %s: %s%s", index, exc, hint)
         for folder in made:  # deepest first; one that is no longer empty stays
             with contextlib.suppress(OSError):
                 folder.rmdir()

@@ -198,27 +198,27 @@ class PersistentStore:
             with self._lock:
                 if self._db is None:
                     return 0
-                if not written:
-                    self.counters.write_errors += len(blocked)
-                    return self._stored(checked, blocked)
-                with transaction(self._db) as db:  # files move with their rows, under the write lock
-                    self._reads.flush(db)
-                    for key, _, tmp in written:
-                        if (exc := place(tmp, self._path(key))) is None:
-                            placed.add(key)
-                        else:
-                            blocked.append((key, exc))
-                    stored = [(k, n) for k, n, _ in written if k in placed]
-                    db.executemany(INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in stored])
-                    expired, evicted = make_room(db, now, self.capacity_bytes)
-                    for old in (*expired, *evicted):
-                        unlink(self._path(old))
+                if written:
+                    with transaction(self._db) as db:  # files move with their rows, under the write lock
+                        self._reads.flush(db)
+                        for key, _, tmp in written:
+                            if (exc := place(tmp, self._path(key))) is None:
+                                placed.add(key)
+                            else:
+                                blocked.append((key, exc))
+                        stored = [(k, n) for k, n, _ in written if k in placed]
+                        db.executemany(
+                            INSERT, [(k, self._tag, n, now, now + self.ttl_s, now) for k, n in stored]
+                        )
+                        expired, evicted = make_room(db, now, self.capacity_bytes)
+                        for old in (*expired, *evicted):
+                            unlink(self._path(old))
+                    self.counters.entries_written += len(stored)
+                    self.counters.bytes_written += sum(n for _, n in stored)
+                    self.counters.expirations += len(expired)
+                    self.counters.evictions += len(evicted)
                 recorded = True
-                self.counters.entries_written += len(stored)
-                self.counters.bytes_written += sum(n for _, n in stored)
                 self.counters.write_errors += len(blocked)
-                self.counters.expirations += len(expired)
-                self.counters.evictions += len(evicted)
         except (OSError, sqlite3.Error) as exc:
             self._disable("write", exc, write_error=True)
             return 0
@@ -361,7 +361,7 @@ class PersistentStore:
 
     def _stored(
         self, checked: list[tuple[bytes, list[int], memoryview]], blocked: list[tuple[bytes, OSError]]
-    ):
+    ) -> int:
         """`put_many`'s count: its items but those of a key that could not be written, which are warned of."""
         self._warn_entries("cannot be written (not stored)", blocked)
         refused = {key for key, _ in blocked}
