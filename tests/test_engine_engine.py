@@ -35,7 +35,7 @@ class LetterTokenizer:
     def encode(self, text: str, *, most: int | None = None) -> list[int]:
         return [_ALPHABET.index(c) for c in text]
 
-    def least_tokens(self, text: str) -> int:
+    def least_tokens(self, text: str, *, enough: int | None = None) -> int:
         return 0  # no bound without tokenizing (`Tokenizer.least_tokens` for short text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:

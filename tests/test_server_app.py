@@ -583,8 +583,10 @@ def test_request_refusals_name_the_field_that_caused_them(mini, path, body, para
 
 
 def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(mini, monkeypatch) -> None:
-    """2 MiB of text holds at least 8,192 tokens (no token of DeepSeek's covers more than 256 bytes): past
-    max_model_len 4096 without tokenizing it (a 30 MB prompt took 20 s and 8 GB to tokenize, then was refused)."""
+    """2 MiB of a's holds at least 262,144 tokens (no token of DeepSeek's covers more than 8 a's:
+    `kvdiet.token_cover`), 2 MiB of Chinese without punctuation (no place to cut it) some 700,000: past
+    max_model_len 4096 without tokenizing them (30 MB of either took 30-50 s and 4-11 GB to tokenize, then was
+    refused)."""
     base, loop = mini
 
     def never(text: str) -> list[int]:
@@ -594,15 +596,19 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(mini, monkeypa
     status, err = _post(base, "/v1/completions", {"prompt": "a" * (2 << 20), "max_tokens": 1})
     assert (status, err["error"]["param"]) == (400, "prompt")
     assert err["error"]["message"] == (
-        "prompt (at least 8,193 tokens) + max_tokens (1) = at least 8,194 tokens > max_model_len 4,096; "
+        "prompt (at least 262,145 tokens) + max_tokens (1) = at least 262,146 tokens > max_model_len 4,096; "
         "shorten the prompt or lower max_tokens"
     )
     chat = {"messages": [{"role": "user", "content": "a" * (2 << 20)}], "max_completion_tokens": 5}
     status, err = _post(base, "/v1/chat/completions", chat)
     assert (status, err["error"]["param"]) == (400, "messages")
     assert err["error"]["message"].startswith(
-        "prompt (at least 8,193 tokens) + max_tokens (5, sent as max_completion"
+        "prompt (at least 262,148 tokens) + max_tokens (5, sent as max_completion"  # the template's text too
     )
+    chinese = "".join(chr(0x4E00 + (i * 7919) % 20902) for i in range(700_000))  # 2.1 MB, no place to cut
+    status, err = _post(base, "/v1/completions", {"prompt": chinese, "max_tokens": 1})
+    assert (status, err["error"]["param"]) == (400, "prompt")
+    assert int(err["error"]["message"].split()[3].replace(",", "")) > 600_000
     monkeypatch.undo()
     status, ok = _post(base, "/v1/completions", {"prompt": "a" * 4000, "max_tokens": 1})  # fits: tokenized
     assert status == 200 and ok["usage"]["prompt_tokens"] < 4096

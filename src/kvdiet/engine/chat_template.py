@@ -100,7 +100,7 @@ def chat_prompt_ids(
         text = render_chat(messages, thinking=thinking)
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="messages") from None
-    if fit is not None and (least := tokenizer.least_tokens(text)) and least + fit[1] > fit[0]:
+    if fit is not None and (least := tokenizer.least_tokens(text, enough=fit[0])) and least + fit[1] > fit[0]:
         raise ContextLengthError(
             least, fit[1], fit[0], "max_model_len", max_tokens_origin=fit[2], at_least=True
         )

@@ -142,7 +142,7 @@ class LLMEngine:
                     "this model has no tokenizer: give the prompt as token ids", param="prompt"
                 )
             # a long text whose tokens cannot fit is refused before it is tokenized (seconds and gigabytes)
-            if least := self.tokenizer.least_tokens(prompt):
+            if least := self.tokenizer.least_tokens(prompt, enough=self.max_model_len):
                 fit_context_length(1 + least, params, self.max_model_len, "max_model_len", at_least=True)
             # tokenizing stops once the tokens cannot fit with BOS and the reply (the one token at least)
             most = self.max_model_len - 1 - (1 if params.max_tokens is None else params.max_tokens)
