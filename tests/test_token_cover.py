@@ -31,7 +31,7 @@ def fewest_tokens(tokens: list[bytes], text: bytes) -> int:
 @pytest.mark.parametrize(
     "table_bits", [19, 3]
 )  # the tables as built, and 8 slots a table: nearly all collide
-def test_the_steps_never_undercount_the_fewest_tokens(monkeypatch, table_bits: int) -> None:
+def test_the_bound_is_never_over_the_fewest_tokens(monkeypatch, table_bits: int) -> None:
     """On random vocabularies and texts over a few bytes (so long tokens match often), the bound is at most the
     fewest tokens that cover the text, with the tables' slots shared or not. Where every token's beginnings are
     tokens too (as BPE merges make them) and fit the tables' prefix, any step up to the longest is a token, and
@@ -99,7 +99,8 @@ def tok() -> Tokenizer:
 
 def test_only_a_byte_level_bpe_that_hands_the_model_every_byte_has_tables(tok) -> None:
     """DeepSeek's file has tables; a prefix space added, a normalizer, a Metaspace, a removing split, a byte
-    symbol missing from the vocabulary, or an added token taking the spaces beside it: none."""
+    symbol missing from the vocabulary, an added token taking the spaces beside it, or first symbols that are not
+    bytes (a subword prefix, an end-of-word suffix): none."""
     spec = json.loads(tok._tok.to_str())
     assert TokenCover.from_spec(spec) is not None
 
@@ -117,8 +118,12 @@ def test_only_a_byte_level_bpe_that_hands_the_model_every_byte_has_tables(tok) -
         lambda s: s["model"]["vocab"].pop("Ġ"),
         lambda s: s["added_tokens"][0].update(lstrip=True),
         lambda s: s.update(pre_tokenizer=None),
+        lambda s: s["model"].update(continuing_subword_prefix="##"),  # "##c" missing: c dropped
+        lambda s: s["model"].update(end_of_word_suffix="</w>"),
     ):
         assert TokenCover.from_spec(changed(change)) is None
+    for model_change in ({"continuing_subword_prefix": "##"}, {"end_of_word_suffix": "</w>"}):
+        assert module.longest_token_bytes(changed(lambda s, c=model_change: s["model"].update(c))) is None
 
 
 def test_deepseeks_bound_is_close_on_text_with_no_place_to_cut(tok) -> None:

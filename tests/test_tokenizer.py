@@ -171,14 +171,35 @@ def _tiny_bpe(tmp_path, **changes) -> Tokenizer:
 @pytest.mark.parametrize(
     ("changes", "text"),
     [
-        ({"normalizer": {"type": "NFKC"}}, "\ufb01"),  # "ﬁ" (3 bytes) becomes "fi"
-        ({"added_lstrip": True}, " " * 4000 + "</s>"),  # one token for the spaces and "</s>"
-        ({"unk_token": "<unk>", "fuse_unk": True}, "é"),  # one <unk> for a run of unknown characters
-        ({"pre_tokenizer": {"type": "Punctuation", "behavior": "Removed"}}, "."),  # the dots vanish
+        (  # ten x's become one "a"
+            {
+                "unk_token": "<unk>",
+                "normalizer": {"type": "Replace", "pattern": {"String": "x" * 10}, "content": "a"},
+            },
+            "x" * 10,
+        ),
         (
-            {"truncation": {"max_length": 10, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}},
+            {"unk_token": "<unk>", "added_lstrip": True},
+            " " * 4000 + "</s>",
+        ),  # one token: the spaces and "</s>"
+        ({"unk_token": "<unk>", "fuse_unk": True}, "é"),  # one <unk> for a run of unknown characters
+        (
+            {"unk_token": "<unk>", "pre_tokenizer": {"type": "Punctuation", "behavior": "Removed"}},
+            ".",
+        ),  # vanish
+        (
+            {
+                "unk_token": "<unk>",
+                "truncation": {
+                    "max_length": 10,
+                    "strategy": "LongestFirst",
+                    "stride": 0,
+                    "direction": "Right",
+                },
+            },
             "ab",
         ),
+        ({}, "c"),  # no token for "c" and no <unk>: dropped
     ],
 )
 def test_a_tokenizer_whose_tokens_can_cover_any_length_gives_no_bound(
@@ -196,7 +217,6 @@ def test_a_tokenizer_whose_tokens_can_cover_any_length_gives_no_bound(
 
 
 def test_a_plain_bpe_is_bounded_by_its_longest_string_or_an_unk(tmp_path) -> None:
-    assert _tiny_bpe(tmp_path).longest_token_bytes == 5  # "<unk>" as a string
     tok = _tiny_bpe(tmp_path, unk_token="<unk>")  # unfused: one <unk> a character, 4 bytes at most
     assert tok.longest_token_bytes == 5
     text = "ab" * CHEAP_TEXT_BYTES

@@ -25,7 +25,8 @@ import numpy as np
 __all__ = ["PREFIX_BYTES", "TokenCover", "longest_token_bytes"]
 
 PREFIX_BYTES = 8
-"""Bytes of a token's beginning the tables key on: two CJK characters and a byte, or eight ASCII characters."""
+"""Bytes of a token's beginning the tables key on: two CJK characters and two bytes of a third, or eight ASCII
+characters."""
 _TABLE_BITS = 19  # slots a table (2^19 of 2 bytes: 1 MiB each, 8 MiB in all)
 _CHUNK = 1 << 22  # text positions a pass (its working arrays some 200 MB)
 _MUL = np.uint64(0x100000001B3)  # FNV-1's prime: the prefix key, a byte at a time
@@ -39,14 +40,32 @@ _WHOLE_TEXT_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Metaspa
 
 
 def _plain_bpe(spec: dict[str, Any]) -> bool:
-    """A BPE model that sees the text as written (no normalizer, or an empty sequence; no truncation) with no added
-    token that takes the spaces beside it (``lstrip``/``rstrip``)."""
+    """A BPE model that sees the text as written (no normalizer, or an empty sequence; no truncation), whose first
+    symbols are the text's characters or bytes (no ``continuing_subword_prefix`` or ``end_of_word_suffix``: with
+    them a character whose ``##c`` or ``c</w>`` is not in the vocabulary is dropped), with no added token that takes
+    the spaces beside it (``lstrip``/``rstrip``)."""
     norm, model = spec.get("normalizer"), spec.get("model") or {}
     if norm is not None and norm != {"type": "Sequence", "normalizers": []}:
         return False
     if spec.get("truncation") is not None or model.get("type") != "BPE":
         return False
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        return False
     return not any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or [])
+
+
+def _nothing_dropped(spec: dict[str, Any]) -> bool:
+    """Whether every character of a text reaches its ids (HF's BPE drops one it has no token for): the model has an
+    ``<unk>`` for it, or the ``<0xXX>`` tokens of its bytes (byte fallback, all 256 in the vocabulary), or a
+    ByteLevel pre-tokenizer writes the text as byte symbols, all 256 in the vocabulary."""
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    if model.get("unk_token") is not None:
+        return True
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return True
+    byte_level = any(step.get("type") == "ByteLevel" for step in _pre_tokenizers(spec))
+    return byte_level and all(symbol in vocab for symbol in _byte_symbols())
 
 
 def _pre_tokenizers(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,17 +77,20 @@ def longest_token_bytes(spec: dict[str, Any]) -> int | None:
     """The most UTF-8 bytes of text one token can stand for, from a ``tokenizer.json``'s parsed JSON; None where no
     such bound holds.
 
-    A bound holds for a plain BPE (`_plain_bpe`) without a fused ``<unk>`` whose pre-tokenizers only split text or
-    map its bytes one to a symbol (ByteLevel, Split, Digits, Metaspace, Punctuation, none of them ``Removed``): the
-    text then reaches the model whole, and each token's vocabulary string (byte-level symbols, ``▁`` for a space,
-    ``<0x0A>`` byte fallbacks: each at least as long in UTF-8 as the text it stands for), added token's content or
+    A bound holds for a plain BPE (`_plain_bpe`) that drops no character (`_nothing_dropped`), has no fused
+    ``<unk>`` and whose pre-tokenizers only split text or map its bytes one to a symbol (ByteLevel, Split, Digits,
+    Metaspace, Punctuation, none of them ``Removed``): the text then reaches the model whole, and each token's
+    vocabulary string (byte-level symbols, ``▁`` for a space, ``<0x0A>`` byte fallbacks: each at least as long in
+    UTF-8 as the text it stands for), added token's content or
     ``<unk>`` (one character, 4 bytes at most) covers at most that many bytes. DeepSeek's file: 256 (128 spaces, as
     128 two-byte ``Ġ``). No bound where text can shrink or vanish before the model (a normalizer, a ``Removed``
-    split), where one token covers a run of any length (a fused ``<unk>``, an added token eating the spaces beside
-    it), or where the file truncates.
+    split, a character with no token and no ``<unk>``), where one token covers a run of any length (a fused
+    ``<unk>``, an added token eating the spaces beside it), or where the file truncates.
     """
     model = spec.get("model") or {}
-    if not _plain_bpe(spec) or (model.get("unk_token") is not None and model.get("fuse_unk")):
+    if not _plain_bpe(spec) or not _nothing_dropped(spec):
+        return None
+    if model.get("unk_token") is not None and model.get("fuse_unk"):
         return None
     for step in _pre_tokenizers(spec):
         if step.get("type") not in _WHOLE_TEXT_PRE_TOKENIZERS or step.get("behavior") == "Removed":
@@ -125,7 +147,7 @@ class TokenCover:
         ``add_prefix_space``, alone or last of a sequence of Split, Digits or Punctuation that remove nothing. A
         vocabulary string of other characters counts as its UTF-8 bytes (which can only lengthen a step).
         """
-        if not _plain_bpe(spec):
+        if not _plain_bpe(spec) or not _nothing_dropped(spec):
             return None
         steps = _pre_tokenizers(spec)
         if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
