@@ -275,3 +275,40 @@ def test_a_snapshot_can_keep_the_resident_figures_of_an_earlier_one(loop: Engine
         num_cached_blocks=fresh.num_cached_blocks + 11,
     )  # fmt: skip
     assert fresh.generation_tokens == 2 and fresh.swa_pool_entries != 12345
+
+
+def test_requests_count_as_waiting_from_the_moment_they_are_submitted() -> None:
+    """While the engine thread is inside a long step, requests submitted meanwhile are not in the engine yet:
+    the snapshot counts them as waiting at once (16 at once had shown as 2 running, 0 waiting for seconds), and
+    still counts them during the next step, after they are taken in and before it ends."""
+    import threading
+
+    loop = EngineLoop(ARGS.create_engine(), refresh_s=3600.0).start()  # no timed refresh: only the events
+    engine, gate, inside = loop.engine, threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        inside.set()
+        assert gate.wait(10)
+        return step()
+
+    engine.step = held_step
+    try:
+        params = SamplingParams(max_tokens=2)
+        rids = ["first", *(f"r{i}" for i in range(5))]
+        loop.submit(engine.prepare([1, 2, 3], params), lambda out: None, rids[0])
+        assert inside.wait(10)  # the first request's step has begun and waits
+        for rid in rids[1:]:
+            loop.submit(engine.prepare([4, 5, 6], params), lambda out: None, rid)
+        s = loop.snapshot
+        assert s.num_running + s.num_waiting == 6 and s.num_waiting >= 5
+        inside.clear()
+        gate.set()
+        assert inside.wait(10)  # the next step: the five are in the engine now
+        gate.clear()
+        s = loop.snapshot
+        assert s.num_running + s.num_waiting == 6
+        gate.set()
+    finally:
+        gate.set()
+        loop.close()

@@ -8,15 +8,18 @@ leaving it early (a client disconnect cancels it) aborts the request, so its blo
 the next step boundary.
 
 The loop also keeps `snapshot`, an immutable `EngineSnapshot` of engine and cache figures taken on the
-engine thread (at most every ``refresh_s`` seconds, and before a request's final output is handed over, so a
-caller that has its final output never finds it counted as running or waiting), so metrics scrapes never
-touch the engine or its tiers from another thread. If a step raises, the loop stops serving (`healthy`
+engine thread between steps (at most every ``refresh_s`` seconds, when requests enter the engine, and before a
+request's final output is handed over, so a caller that has its final output never finds it counted as running
+or waiting), so metrics scrapes never touch the engine or its tiers from another thread; a request submitted
+and not yet taken in counts as waiting from the moment it is queued (16 at once had shown as 2 running, 0
+waiting for four seconds). If a step raises, the loop stops serving (`healthy`
 turns False; pending requests get the error) rather than continue on a state it cannot trust.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -46,10 +49,6 @@ class EngineLoop:
         engine: the engine; after `start`, only the loop thread touches it.
         refresh_s: minimum seconds between two `snapshot` refreshes.
     Attributes:
-        snapshot: the latest `EngineSnapshot` (None before `start`); replaced whole, never mutated, so any
-            thread may read it. Taken again before any final output is delivered (a finished or aborted
-            request is out of its request and block figures by then; the tiers' resident bytes and entries
-            and the cached-block count are kept from the last full refresh).
         error: the exception that stopped the engine thread, or None.
     """
 
@@ -64,7 +63,8 @@ class EngineLoop:
         self._accepting = threading.Lock()  # orders `submit` against the loop stopping
         self._closed = False
         self.error: BaseException | None = None
-        self.snapshot: EngineSnapshot | None = None
+        self._snapshot: EngineSnapshot | None = None
+        self._queued = 0  # requests submitted and not yet taken into the engine (under _accepting)
 
     # --- lifecycle ---
 
@@ -89,7 +89,7 @@ class EngineLoop:
         self._refuse_queued(EngineDeadError("the engine loop is closed"))
         aborted = [(rid, self.engine.abort_request(rid)) for rid in list(self.engine.requests)]
         if aborted:
-            self._take_finished()
+            self._retake()
         for rid, out in aborted:
             deliver = self._deliver.pop(rid, None)
             if deliver is not None and out is not None:
@@ -101,6 +101,18 @@ class EngineLoop:
         return (
             not self._closed and self._thread is not None and self._thread.is_alive() and self.error is None
         )
+
+    @property
+    def snapshot(self) -> EngineSnapshot | None:
+        """The latest `EngineSnapshot` (None before `start`), with the requests submitted and not yet taken into
+        the engine counted as waiting; never mutated, so any thread may read it. Taken again before any final
+        output is delivered (a finished or aborted request is out of its request and block figures by then;
+        the tiers' resident bytes and entries and the cached-block count are kept from the last full refresh).
+        """
+        taken, queued = self._snapshot, self._queued
+        if taken is None or queued == 0:
+            return taken
+        return dataclasses.replace(taken, num_waiting=taken.num_waiting + queued)
 
     # --- requests (any thread) ---
 
@@ -115,6 +127,7 @@ class EngineLoop:
             if not self.healthy:
                 raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
             self._commands.put(AddRequest(request_id, request, deliver))
+            self._queued += 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (unknown or finished ids are ignored)."""
@@ -165,7 +178,7 @@ class EngineLoop:
                 if engine.has_unfinished:
                     outputs = engine.step()
                     if any(out.finished for out in outputs):
-                        self._take_finished()
+                        self._retake()
                     for out in outputs:
                         self._send(out)
                 self._refresh()
@@ -186,6 +199,8 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(cmd, AddRequest):
+                with self._accepting:
+                    self._queued -= 1
                 _delivered(cmd.deliver, error)
 
     def _drain(self, *, block: bool) -> None:
@@ -193,12 +208,18 @@ class EngineLoop:
             cmd = self._commands.get(timeout=self.refresh_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
+        added = 0
         while True:
             self._apply(cmd)
+            added += isinstance(cmd, AddRequest)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+        if added:  # in the engine's figures before they leave the queued count (not out of both meanwhile)
+            self._retake()
+            with self._accepting:
+                self._queued -= added
 
     def _apply(self, cmd: Command) -> None:
         match cmd:
@@ -220,7 +241,7 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         out = self.engine.abort_request(request_id)
         if out is not None:
-            self._take_finished()
+            self._retake()
             self._send(out)
 
     def _send(self, out: RequestOutput) -> None:
@@ -230,18 +251,19 @@ class EngineLoop:
             self._deliver.pop(rid, None)  # nobody listens any more (its event loop closed)
             self.engine.abort_request(rid)
 
-    def _take_finished(self) -> None:
-        """A snapshot without the requests that just finished, before their callers hear of it (the figures
-        that cost a scan, the tiers' resident ones and the cached-block count, come from the last full refresh;
-        the ``refresh_s`` clock runs on)."""
-        self.snapshot = EngineSnapshot.take(self.engine, resident=self.snapshot)
+    def _retake(self) -> None:
+        """A snapshot of the request and block figures now: without the requests that just finished, before
+        their callers hear of it, or with those just taken in (the figures that cost a scan, the tiers'
+        resident ones and the cached-block count, come from the last full refresh; the ``refresh_s`` clock
+        runs on)."""
+        self._snapshot = EngineSnapshot.take(self.engine, resident=self._snapshot)
 
     def _refresh(self, *, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._refreshed < self.refresh_s:
             return
         self._refreshed = now
-        self.snapshot = EngineSnapshot.take(self.engine)
+        self._snapshot = EngineSnapshot.take(self.engine)
 
 
 def _delivered(deliver: Deliver, item: RequestOutput | BaseException) -> bool:
