@@ -41,6 +41,16 @@ def test_parse_rejects(bad: str) -> None:
         parse_count(bad)
 
 
+def test_a_negative_count_or_size_is_named_as_negative() -> None:
+    """``--context -5`` said it could not parse '-5'; it is a count, below 0."""
+    with pytest.raises(ValueError, match=r"^token count must be >= 0, got '-5'$"):
+        parse_count("-5")
+    with pytest.raises(ValueError, match=r"^byte size must be >= 0, got '-2GiB'$"):
+        parse_bytes("-2GiB")
+    with pytest.raises(ValueError, match="cannot parse token count '--5'"):
+        parse_count("--5")
+
+
 def test_format_tokens_counts_one_token_as_one() -> None:
     assert [format_tokens(n) for n in (0, 1, 2, 131072)] == [
         "0 tokens",

@@ -191,6 +191,8 @@ def _parse(text: str | int, *, what: str, strip_b: bool) -> int:
         body = raw[:-1] if strip_b and raw.strip().upper().endswith("B") else raw
         match = _PATTERN.match(body)
         if not match:
+            if body.strip().startswith("-") and _PATTERN.match(body.strip()[1:]):  # a negative one: say so
+                raise ValueError(f"{what} must be >= 0, got {raw.strip()!r}")
             examples = "4GiB, 141GB, 512MB, 1000" if strip_b else "4096, 128K, 1Mi"
             raise ValueError(f"cannot parse {what} {raw!r} (examples: {examples})")
         number, suffix = match.groups()

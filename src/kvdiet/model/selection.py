@@ -61,7 +61,8 @@ def visibility_mask(positions: torch.Tensor, num_entries: int, compress_ratio: i
 def select_topk(
     scores: torch.Tensor, k: int, *, maxima: tuple[torch.Tensor, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``min(k, N)`` highest finite scores of each row, ties to the lowest index, sorted by index.
+    """The ``min(k, N)`` highest scores of each row other than ``-inf`` and NaN (``+inf`` the highest of all), ties
+    to the lowest index, sorted by index.
 
     Args:
         scores: fp32 [Q, N] (another float dtype is compared as fp32: the indexer's scores are fp32); ``-inf``

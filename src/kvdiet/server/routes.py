@@ -188,15 +188,9 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
     prepared = await _prepare(ctx, prompt_ids, params, field="messages", max_tokens_origin=origin)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    first = [True]
 
-    def chunk(out: RequestOutput) -> dict:
-        delta: dict[str, Any] = {"content": out.new_text}
-        if first[0]:  # the first chunk also names the role
-            delta, first[0] = {"role": "assistant"} | delta, False
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(out)}
-        if body.return_token_ids:
-            choice["token_ids"] = list(out.new_token_ids)
+    def event(delta: dict[str, Any], finish_reason: str | None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -204,6 +198,12 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
             "model": ctx.model_name,
             "choices": [choice],
         }
+
+    def chunk(out: RequestOutput) -> dict:
+        event_ = event({"content": out.new_text}, _finish_reason(out))
+        if body.return_token_ids:
+            event_["choices"][0]["token_ids"] = list(out.new_token_ids)
+        return event_
 
     def final(out: RequestOutput) -> dict:
         return {
@@ -223,7 +223,10 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
             "usage": usage_body(out),
         } | ({"prompt_token_ids": list(prepared.prompt_ids)} if body.return_token_ids else {})
 
-    return await _respond(ctx, body, request, prepared, rid, created, "chat.completion.chunk", chunk, final)
+    opening = event({"role": "assistant", "content": ""}, None)  # the role alone first, as OpenAI and vLLM
+    return await _respond(
+        ctx, body, request, prepared, rid, created, "chat.completion.chunk", chunk, final, opening=opening
+    )
 
 
 async def _respond(
@@ -236,9 +239,12 @@ async def _respond(
     kind: str,
     chunk: Callable[[RequestOutput], dict],
     final: Callable[[RequestOutput], dict],
+    *,
+    opening: dict | None = None,
 ) -> Response:
-    """Run the request: with ``stream``, server-sent events of ``chunk(out)`` (``kind`` names the usage
-    chunk's object); else ``final(out)`` of the last output as JSON, or 499 when the client left first."""
+    """Run the request: with ``stream``, server-sent events of ``opening`` (if given) then ``chunk(out)``
+    (``kind`` names the usage chunk's object); else ``final(out)`` of the last output as JSON, or 499 when the
+    client left first."""
     if body.stream:
         return sse_response(
             ctx.loop,
@@ -249,6 +255,7 @@ async def _respond(
             created=created,
             model_name=ctx.model_name,
             kind=kind,
+            opening=opening,
         )
     out = await final_output(ctx.loop, prepared, rid, request)
     if out is None:

@@ -95,13 +95,17 @@ def sse_response(
     created: int,
     model_name: str,
     kind: str,
+    opening: dict | None = None,
 ) -> StreamingResponse:
-    """Server-sent events: ``chunk(out)`` per output, the usage chunk if asked (``kind`` is its ``object``,
-    ``created`` its Unix time in seconds), then ``[DONE]``; an engine failure or refusal is one error event
-    before ``[DONE]``. A disconnect cancels the generator, which aborts the request."""
+    """Server-sent events: ``opening`` if given (a chat's role-only first chunk, as OpenAI and vLLM send it),
+    ``chunk(out)`` per output, the usage chunk if asked (``kind`` is its ``object``, ``created`` its Unix time in
+    seconds), then ``[DONE]``; an engine failure or refusal is one error event before ``[DONE]``. A disconnect
+    cancels the generator, which aborts the request."""
 
     async def events() -> AsyncIterator[str]:
         last = None
+        if opening is not None:
+            yield f"data: {json.dumps(opening)}\n\n"
         try:
             async with contextlib.aclosing(loop.generate(prepared, request_id=rid)) as outputs:
                 async for out in outputs:
