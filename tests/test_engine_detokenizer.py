@@ -30,20 +30,20 @@ def test_invalid_bytes_are_released_after_four_tokens_and_at_the_end() -> None:
 
 
 def test_find_stop_takes_the_earliest_stop() -> None:
-    assert find_stop("hello world", ["world", "lo"]) == 3
+    assert find_stop("hello world", ["world", "lo"]) == (3, "lo")
     assert find_stop("hello world", ["xyz"]) is None
-    assert find_stop("abcabc", ["abc"], start=1) == 3
+    assert find_stop("abcabc", ["abc"], start=1) == (3, "abc")
 
 
 def test_find_stop_with_include_ends_after_the_stop_string() -> None:
-    assert find_stop("hello world", ["world", "lo"], include=True) == 5  # "lo" begins first
-    assert find_stop("xabcd", ["abc", "ab"], include=True) == 3  # same start: the shorter appeared first
-    assert find_stop("xabcd", ["abc", "ab"]) == 1
+    assert find_stop("hello world", ["world", "lo"], include=True) == (5, "lo")  # "lo" begins first
+    assert find_stop("xabcd", ["abc", "ab"], include=True) == (3, "ab")  # same start: the shorter came first
+    assert find_stop("xabcd", ["abc", "ab"]) == (1, "ab")
     assert find_stop("hello", ["xyz"], include=True) is None
     # one token "xabc" or four: the output is the same, "xab" ("b" is complete before "abc" is)
-    assert find_stop("xabc", ["abc", "b"], include=True) == 3
-    assert find_stop("xab", ["abc", "b"], include=True) == 3
-    assert find_stop("xabcd", ["abcd", "c"], include=True) == 4
+    assert find_stop("xabc", ["abc", "b"], include=True) == (3, "b")
+    assert find_stop("xab", ["abc", "b"], include=True) == (3, "b")
+    assert find_stop("xabcd", ["abcd", "c"], include=True) == (4, "c")
 
 
 def test_safe_length_holds_a_possible_stop_prefix() -> None:

@@ -182,9 +182,10 @@ def test_stop_token_max_tokens_and_scoring_only(micro: Transformer) -> None:
     first = ref.index(stop)
     (out,) = _run(engine, [p], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
     assert list(out.output_ids) == ref[: first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop  # the stop token id (vLLM's stop_reason)
     computed = engine.runner.stats.computed_tokens
     (score,) = _run(engine, [_ids(9, seed=10)], SamplingParams(max_tokens=0))
-    assert score.output_ids == () and score.finish_reason == "length"
+    assert score.output_ids == () and score.finish_reason == "length" and score.stop_reason is None
     assert engine.runner.stats.computed_tokens == computed + 9  # the prompt was prefilled
 
 
@@ -205,7 +206,7 @@ def test_stop_strings_cut_the_text_and_never_stream_a_part_of_one(micro: Transfo
             deltas.append(o.new_text)
             assert stop not in "".join(deltas)
             final = o
-    assert final.finish_reason == "stop" and final.text == ref_text[:cut]
+    assert final.finish_reason == "stop" and final.text == ref_text[:cut] and final.stop_reason == stop
     assert "".join(deltas) == final.text
     assert list(final.output_ids) == ref[: len(final.output_ids)]
 
@@ -261,6 +262,11 @@ def test_eos_stops_unless_ignored(micro: Transformer) -> None:
     engine = _engine(micro, tokenizer=tok)
     (out,) = _run(engine, [p], SamplingParams(max_tokens=6))
     assert list(out.output_ids) == ref[: ref.index(ref[2]) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason is None  # EOS is no stop reason (vLLM's), even when also a stop token id
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6, stop_token_ids=(ref[2],)))
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    (out,) = _run(engine, [p], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=(ref[2],)))
+    assert out.stop_reason == ref[2]  # EOS ignored: the stop token id is the reason
     (out,) = _run(engine, [p], SamplingParams(max_tokens=6, ignore_eos=True))
     assert list(out.output_ids) == ref and out.finish_reason == "length"
 
@@ -317,7 +323,7 @@ def test_b28_prompt_at_the_context_limit(micro: Transformer) -> None:
     ):
         engine.add_request(_ids(32, seed=2), SamplingParams(max_tokens=1))
     (score,) = _run(engine, [_ids(32, seed=2)], SamplingParams(max_tokens=0))  # scoring only: 32 <= 32
-    assert score.output_ids == () and score.finish_reason == "length"
+    assert score.output_ids == () and score.finish_reason == "length" and score.stop_reason is None
     with pytest.raises(ValueError, match=r"= 33 tokens > max_model_len 32"):
         engine.add_request(_ids(33, seed=3), SamplingParams(max_tokens=0))
 

@@ -145,7 +145,8 @@ def test_completion_and_stream_with_the_openai_client(mini, client) -> None:
 
 def test_a_stop_string_is_cut_or_kept_as_include_stop_str_in_output_says(mini, client) -> None:
     """vLLM's ``include_stop_str_in_output`` over HTTP: without it the text ends before the first stop string,
-    with it just after; a stream adds up to the same text."""
+    with it just after; a stream adds up to the same text; ``stop_reason`` names the stop string (vLLM's), and
+    is null where the output ended on length."""
     ask = {"model": "v4.1-mini", "prompt": "Bounded replay rebuilds", "max_tokens": 8, "temperature": 0}
     full = client.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].text
     stop = next(full[i : i + 2] for i in range(len(full) // 3, len(full) - 1) if full[i : i + 2].strip())
@@ -154,8 +155,13 @@ def test_a_stop_string_is_cut_or_kept_as_include_stop_str_in_output_says(mini, c
         extra = {"ignore_eos": True, "include_stop_str_in_output": include}
         r = client.completions.create(**ask, stop=[stop], extra_body=extra)
         assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop"), (full, stop, include)
-        chunks = client.completions.create(**ask, stop=[stop], stream=True, extra_body=extra)
+        assert r.choices[0].model_extra["stop_reason"] == stop
+        chunks = list(client.completions.create(**ask, stop=[stop], stream=True, extra_body=extra))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        reasons = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices]
+        assert reasons[-1] == stop and not any(reasons[:-1])
+    plain = client.completions.create(**ask, stop=["no such text"], extra_body={"ignore_eos": True})
+    assert (plain.choices[0].finish_reason, plain.choices[0].model_extra["stop_reason"]) == ("length", None)
 
 
 def test_chat_completion_and_stream(mini, client) -> None:
@@ -196,6 +202,10 @@ def test_a_reply_from_the_sdks_stream_helper_can_be_sent_back(mini, client) -> N
         model="v4.1-mini", messages=first, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
     )
     stop = {"stop_token_ids": greedy.choices[0].model_extra["token_ids"]}
+    stopped = client.chat.completions.create(
+        model="v4.1-mini", messages=first, max_tokens=4, temperature=0, extra_body=stop
+    )
+    assert stopped.choices[0].model_extra["stop_reason"] == stop["stop_token_ids"][0]  # the id, as vLLM's
     with client.chat.completions.stream(
         model="v4.1-mini", messages=first, max_tokens=4, temperature=0, extra_body=stop
     ) as s:

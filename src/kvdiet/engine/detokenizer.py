@@ -61,16 +61,22 @@ class IncrementalDetokenizer:
         return piece
 
 
-def find_stop(text: str, stops: Sequence[str], start: int = 0, *, include: bool = False) -> int | None:
-    """Where the output in ``text`` ends on a stop string, searching from ``start`` (chars), or None when no stop
-    string is there: the index where the earliest stop string begins, or with ``include`` (vLLM's
-    ``include_stop_str_in_output``) where the first stop string to be complete ends (the earliest end: text
-    past it would have been generated after the output stopped, so the result does not depend on how the
-    text was split into tokens; of stop strings that begin at one place, the shortest)."""
-    hits = [(i, i + len(s)) for s in stops if (i := text.find(s, start)) != -1]
+def find_stop(
+    text: str, stops: Sequence[str], start: int = 0, *, include: bool = False
+) -> tuple[int, str] | None:
+    """Where the output in ``text`` ends on a stop string, searching from ``start`` (chars), and which stop
+    string it is; None when no stop string is there. The index is where the earliest stop string begins (of
+    those that begin at one place, the shortest), or with ``include`` (vLLM's ``include_stop_str_in_output``)
+    where the first stop string to be complete ends (the earliest end: text past it would have been generated
+    after the output stopped, so the result does not depend on how the text was split into tokens)."""
+    hits = [(i, i + len(s), s) for s in stops if (i := text.find(s, start)) != -1]
     if not hits:
         return None
-    return min(end for _, end in hits) if include else min(hits)[0]
+    if include:
+        _, end, stop = min(hits, key=lambda hit: (hit[1], hit[0]))
+        return end, stop
+    begin, _, stop = min(hits)
+    return begin, stop
 
 
 def safe_length(text: str, stops: Sequence[str]) -> int:

@@ -288,13 +288,14 @@ class LLMEngine:
             req.detokenizer.add(token)
             text = req.detokenizer.text
             start = max(0, req.emitted_text - max(map(len, p.stop), default=0))
-            cut = find_stop(text, p.stop, start, include=p.include_stop_str_in_output)
-            if cut is not None:
-                req.text = text[:cut]
+            found = find_stop(text, p.stop, start, include=p.include_stop_str_in_output)
+            if found is not None:
+                req.text, req.stop_reason = text[: found[0]], found[1]
                 self._end(req, FinishReason.STOP, flush=False)  # held-back ids lie past the cut
                 return
             req.text = text
-        if stop_token:
+        if stop_token:  # a stop token id is the reason; the EOS token is none (vLLM's stop_reason)
+            req.stop_reason = None if token == self._eos and not p.ignore_eos else token
             self._end(req, FinishReason.STOP)
         elif len(req.output_ids) >= p.max_tokens:
             self._end(req, FinishReason.LENGTH)
@@ -333,6 +334,7 @@ class LLMEngine:
             req.first_provenance,
             req.num_preemptions,
             (req.first_token_time - req.arrival_time) if req.first_token_time is not None else None,
+            req.stop_reason,
         )
 
     # --- whole runs ---

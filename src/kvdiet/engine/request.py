@@ -59,6 +59,7 @@ class Request:
             a resumption's own lookup and replay show only in the cache counters).
         num_preemptions: times it lost its blocks and went back to the queue.
         first_token_time / last_token_time: `time.monotonic()` of the first and latest output token.
+        stop_reason: the stop token id or stop string it finished on (None: EOS, length, abort, or running).
     """
 
     request_id: str
@@ -80,6 +81,7 @@ class Request:
     text: str = ""  # output text so far (with a tokenizer)
     emitted_text: int = 0  # characters of ``text`` already reported (stop-string hold-back)
     emitted_tokens: int = 0  # output ids already reported
+    stop_reason: int | str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -121,6 +123,8 @@ class RequestOutput:
         provenance: where the prompt's tokens came from (device / persistent / window source / replayed).
         num_preemptions: times it was preempted.
         ttft_s: seconds from arrival to the first output token (None before it).
+        stop_reason: the stop token id (int) or stop string (str) that ended it; None for the EOS token, a
+            length, an abort or a running request (vLLM's ``stop_reason``).
     """
 
     request_id: str
@@ -134,6 +138,7 @@ class RequestOutput:
     provenance: Provenance | None
     num_preemptions: int
     ttft_s: float | None
+    stop_reason: int | str | None = None
 
     @property
     def cached_tokens(self) -> int:

@@ -139,6 +139,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Context) -
             "text": out.text if final else out.new_text,
             "logprobs": None,
             "finish_reason": _finish_reason(out),
+            "stop_reason": out.stop_reason,
         }
         if with_ids:
             choice["token_ids"] = list(out.output_ids if final else out.new_token_ids)
@@ -217,6 +218,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
                     "message": {"role": "assistant", "content": out.text},
                     "logprobs": None,
                     "finish_reason": _finish_reason(out),
+                    "stop_reason": out.stop_reason,
                 }
                 | ({"token_ids": list(out.output_ids)} if body.return_token_ids else {})
             ],
