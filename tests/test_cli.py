@@ -110,7 +110,7 @@ def test_an_unreadable_args_file_and_misnamed_flags_are_one_line(tmp_path: Path,
         ),
         (
             ["fidelity", "--prompts", str(prompts), "--hits", "-1"],
-            "kvdiet fidelity: error: --hits: cannot parse",
+            "kvdiet fidelity: error: --hits: token count must be >= 0, got '-1'",
         ),
         (
             ["fidelity", "--prompts", str(prompts), "--chunk", "x"],

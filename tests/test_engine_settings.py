@@ -226,7 +226,7 @@ def test_cache_options_take_sizes_and_ttls_as_the_flags_do_and_refuse_bad_ones()
     assert info.value.as_flags() == "--expert-cache-size must be >= 0 bytes, got -5"
 
 
-def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) -> None:
+def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys, tmp_path) -> None:
     """``--persistent-size`` (default unbounded) takes ``unbounded`` in any case as its default; a TTL needs a
     bound and says so."""
     import argparse
@@ -236,7 +236,7 @@ def test_persistent_size_takes_unbounded_and_a_ttl_refuses_it_by_name(capsys) ->
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     for spelled, want in (("UNBOUNDED", None), ("unbounded", None), ("2MB", 2 * 10**6)):
-        args = parser.parse_args(["--persistent-size", spelled])
+        args = parser.parse_args(["--persistent-dir", str(tmp_path), "--persistent-size", spelled])
         assert EngineArgs.from_cli_args(args).cache.persistent_size == want
     assert EngineArgs.from_cli_args(parser.parse_args([])).cache.persistent_size is None
     for spelled in ("none", "NONE", "None"):  # NONE made a folder of that name

@@ -47,6 +47,25 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
 
 
 @pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--persistent-ttl", "1h"], "--persistent-ttl: no --persistent-dir is given"),
+        (["--persistent-size", "1GB"], "--persistent-size: no --persistent-dir is given"),
+        (
+            ["--persistent-dir", "none", "--persistent-size", "1GB"],
+            "--persistent-size: the persistent tier is off (--persistent-dir none)",
+        ),
+    ],
+)
+def test_persistent_settings_without_the_tier_are_refused(capsys, flags: list[str], needle: str) -> None:
+    """A TTL or size for a persistent tier that is off was ignored without a word (``--persistent-read-only``
+    there was already an error): refused, as the global pool's settings without ``--global-pool`` are."""
+    assert main(["generate", "--model", "v4.1-micro", "--prompt-ids", "1,2,3", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvdiet generate: error: {needle}\n"
+
+
+@pytest.mark.parametrize(
     ("flag", "value", "needle"),
     [
         ("--swa-policy", "lru", "unknown SWA policy"),
@@ -56,6 +75,7 @@ def test_second_process_gets_a_persistent_hit_and_replays_the_window(tmp_path) -
             "--swa-policy: checkpoint period 6 must be a multiple of the block size",
         ),
         ("--persistent-ttl", "soon", "cannot parse duration"),
+        ("--persistent-size", "0", "--persistent-size must be > 0 bytes: a tier that keeps nothing is off"),
         ("--kv-cache-memory", "10B", "below one block"),
         ("--block-size", "3", "multiple of every compress ratio"),
         ("--block-size", "0", "multiple of every compress ratio [1, 2]"),

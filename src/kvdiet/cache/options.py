@@ -144,6 +144,10 @@ def _check_sizes_and_ttls(opts: CacheOptions) -> None:
         value = getattr(opts, name)
         if value is not None:
             whole(name, value, 1 if name == "block_size" else 0)
+    if opts.persistent_size == 0:  # (a tier that keeps nothing, every write evicted at once)
+        raise SettingError(
+            "{persistent_size} must be > 0 bytes: a tier that keeps nothing is off ({persistent_dir} none)"
+        )
     for name in ("persistent_ttl_s", "swa_pool_ttl_s", "global_pool_ttl_s"):
         value = getattr(opts, name)
         if isinstance(value, str):

@@ -53,7 +53,6 @@ def add_cache_args(group: argparse._ArgumentGroup, *, persistent_default: str | 
     )
     group.add_argument(
         "--persistent-ttl",
-        default="72h",
         help="persistent-tier TTL of the entries this process writes, from their writing (default 72h); an entry "
         "keeps the TTL it was written with: a shorter one later does not expire older entries",
     )
@@ -121,6 +120,7 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
     # is an error; the default one (serve's) gets one warning naming why, and the tier is off
     persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
     check = partial(check_folder, writes=not args.persistent_read_only)
+    off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
         parse_flag("--persistent-dir", check, persistent)
     elif persistent is not None:
@@ -128,17 +128,23 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
             check(persistent)
         except ValueError as exc:
             _log.warning("the default --persistent-dir cannot be used: %s; the persistent tier is off", exc)
-            persistent = None
+            persistent, off = None, "the default --persistent-dir cannot be used"
     if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
-        off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
         what = f"{persistent!r} is no folder to read" if persistent else off or "no --persistent-dir is given"
         raise ValueError(f"--persistent-read-only: {what}")
+    ttl = parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl or "72h")
+    size = parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size)
+    # the tier's settings where the command line turned it off, or gave it no folder, were ignored: refused
+    tier_flags = {"--persistent-ttl": args.persistent_ttl, "--persistent-size": args.persistent_size}
+    given = [flag for flag, value in tier_flags.items() if value is not None]
+    if persistent is None and given and not off.startswith("the default"):
+        raise ValueError(f"{given[0]}: {off or 'no --persistent-dir is given'}")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,  # None: the model's (for_model)
         persistent_dir=persistent,
-        persistent_ttl_s=parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl),
-        persistent_size=parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size),
+        persistent_ttl_s=ttl,
+        persistent_size=size,
         persistent_read_only=args.persistent_read_only,
         swa_pool=check_swa_pool_spec(args.swa_pool),
         swa_pool_size=parse_flag("--swa-pool-size", _bytes_or_none, args.swa_pool_size),
