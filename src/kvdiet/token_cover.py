@@ -188,7 +188,7 @@ class TokenCover:
             reach = np.maximum.accumulate(positions + self._steps(text, start, end))
             reach = np.maximum(reach, farthest)
             farthest = int(reach[-1])
-            ends = memoryview(reach)  # (indexed some 2x faster than the array)
+            ends = memoryview(reach)  # (indexed some 1.5x faster than the array)
             while covered < end:  # (covered >= start: each pass ends past its chunk)
                 covered = ends[covered - start]
                 steps += 1
