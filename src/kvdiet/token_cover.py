@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PREFIX_BYTES", "TokenCover", "longest_token_bytes"]
+__all__ = ["PREFIX_BYTES", "TokenCover", "longest_token_bytes", "plain_bpe"]
 
 PREFIX_BYTES = 8
 """Bytes of a token's beginning the tables key on: two CJK characters and two bytes of a third, or eight ASCII
@@ -39,7 +39,7 @@ _SHIFT = np.uint64(64 - _TABLE_BITS)
 _WHOLE_TEXT_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Metaspace", "Punctuation"})
 
 
-def _plain_bpe(spec: dict[str, Any]) -> bool:
+def plain_bpe(spec: dict[str, Any]) -> bool:
     """A BPE model that sees the text as written (no normalizer, or an empty sequence; no truncation), whose first
     symbols are the text's characters or bytes (no ``continuing_subword_prefix`` or ``end_of_word_suffix``: with
     them a character whose ``##c`` or ``c</w>`` is not in the vocabulary is dropped), with no added token that takes
@@ -77,7 +77,7 @@ def longest_token_bytes(spec: dict[str, Any]) -> int | None:
     """The most UTF-8 bytes of text one token can stand for, from a ``tokenizer.json``'s parsed JSON; None where no
     such bound holds.
 
-    A bound holds for a plain BPE (`_plain_bpe`) that drops no character (`_nothing_dropped`), has no fused
+    A bound holds for a plain BPE (`plain_bpe`) that drops no character (`_nothing_dropped`), has no fused
     ``<unk>`` and whose pre-tokenizers only split text or map its bytes one to a symbol (ByteLevel, Split, Digits,
     Metaspace, Punctuation, none of them ``Removed``): the text then reaches the model whole, and each token's
     vocabulary string (byte-level symbols, ``▁`` for a space, ``<0x0A>`` byte fallbacks: each at least as long in
@@ -88,7 +88,7 @@ def longest_token_bytes(spec: dict[str, Any]) -> int | None:
     ``<unk>``, an added token eating the spaces beside it), or where the file truncates.
     """
     model = spec.get("model") or {}
-    if not _plain_bpe(spec) or not _nothing_dropped(spec):
+    if not plain_bpe(spec) or not _nothing_dropped(spec):
         return None
     if model.get("unk_token") is not None and model.get("fuse_unk"):
         return None
@@ -147,7 +147,7 @@ class TokenCover:
         ``add_prefix_space``, alone or last of a sequence of Split, Digits or Punctuation that remove nothing. A
         vocabulary string of other characters counts as its UTF-8 bytes (which can only lengthen a step).
         """
-        if not _plain_bpe(spec) or not _nothing_dropped(spec):
+        if not plain_bpe(spec):  # (all 256 byte symbols, checked below: nothing is dropped)
             return None
         steps = _pre_tokenizers(spec)
         if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvdiet.token_cover import TokenCover, longest_token_bytes
+from kvdiet.token_cover import TokenCover, longest_token_bytes, plain_bpe
 
 __all__ = [
     "CHEAP_TEXT_BYTES",
@@ -225,48 +225,35 @@ class Tokenizer:
     @property
     def exact_cuts(self) -> bool:
         """Whether `encode` may tokenize a long text a piece at a time, cut where `_CUT` finds and no added token's
-        text spans, with the whole text's ids: a BPE model with no dropout or truncation, no normalizer, DeepSeek's
-        pre-tokenizer (compared by the sha256 of its JSON: the cuts were shown to split nothing for it alone), and
-        no added token that takes the spaces beside it (``lstrip``/``rstrip``)."""
+        text spans, with the whole text's ids: a plain BPE (`kvdiet.token_cover.plain_bpe`: no normalizer or
+        truncation, no subword prefix or suffix, no added token that takes the spaces beside it) with no dropout
+        and DeepSeek's pre-tokenizer (compared by the sha256 of its JSON: the cuts were shown to split nothing for
+        it alone)."""
         return self._added_tokens is not None
 
     @functools.cached_property
-    def _added_tokens(self) -> tuple[re.Pattern[str], int] | None:
-        """Where `exact_cuts`: the added tokens' texts as one pattern, longest first, and the longest one's length
-        in characters (`_next_cut`); else None. Read from the file's JSON once."""
+    def _long_text_rules(self) -> tuple[tuple[re.Pattern[str], int] | None, TokenCover | None, int | None]:
+        """What long texts need from the file's JSON, read once, at the first text past `PIECE_CHARS` characters
+        (some 1 s for DeepSeek's 129,280 tokens): `_exact_cut_tokens`, `TokenCover.from_spec` and
+        `longest_token_bytes`."""
         spec = json.loads(self._tok.to_str())
-        norm, pre, model = spec.get("normalizer"), spec.get("pre_tokenizer"), spec.get("model") or {}
-        added = spec.get("added_tokens") or []
-        if norm is not None and norm != {"type": "Sequence", "normalizers": []}:
-            return None
-        if spec.get("truncation") is not None or model.get("type") != "BPE" or model.get("dropout"):
-            return None
-        if hashlib.sha256(json.dumps(pre, sort_keys=True).encode()).hexdigest() != _EXACT_CUT_PRE_TOKENIZER:
-            return None
-        if any(t.get("lstrip") or t.get("rstrip") for t in added):
-            return None
-        contents = sorted({t["content"] for t in added}, key=len, reverse=True)
-        pattern = re.compile("|".join(map(re.escape, contents)) or "(?!)")
-        return pattern, max(map(len, contents), default=0)
+        return _exact_cut_tokens(spec), TokenCover.from_spec(spec), longest_token_bytes(spec)
 
-    @functools.cached_property
-    def _bounds(self) -> tuple[TokenCover | None, int | None]:
-        """`TokenCover.from_spec` and `longest_token_bytes` of the file, its JSON read once (some 1 s for
-        DeepSeek's 129,280 tokens, at the first text that needs them)."""
-        spec = json.loads(self._tok.to_str())
-        return TokenCover.from_spec(spec), longest_token_bytes(spec)
+    @property
+    def _added_tokens(self) -> tuple[re.Pattern[str], int] | None:
+        return self._long_text_rules[0]
 
     @property
     def longest_token_bytes(self) -> int | None:
         """The most UTF-8 bytes of text one token can stand for, or None where no such bound holds
         (`kvdiet.token_cover.longest_token_bytes`; DeepSeek's file: 256, 128 spaces as 128 two-byte ``Ġ``)."""
-        return self._bounds[1]
+        return self._long_text_rules[2]
 
     def least_tokens(self, text: str, *, enough: int | None = None) -> int:
         """A lower bound on ``len(encode(text))`` found without tokenizing, for text of `CHEAP_TEXT_BYTES` or more:
-        the fewest steps covering its bytes (`TokenCover`: 0.99 of the count on random CJK, 0.7 on English prose,
-        0.24 on Python source)
-        where the tokenizer is a byte-level BPE, else ``⌈UTF-8 bytes / longest_token_bytes⌉``. 0 for shorter text
+        the fewest steps covering its bytes where the tokenizer is a byte-level BPE (`TokenCover`: 0.99 of the
+        count on random CJK, 0.7 on English prose, 0.24 on Python source), else ``⌈UTF-8 bytes /
+        longest_token_bytes⌉``. 0 for shorter text
         (tokenizing it is cheap and gives the exact count), where the tokenizer gives no bound, and for text that is
         not valid Unicode (`encode` names its fault). ``enough``: counting may stop once the bound passes it. Lets a
         prompt far past the context be refused before a tokenization that would take seconds and gigabytes (30 MB
@@ -280,7 +267,7 @@ class Tokenizer:
             return 0
         if len(data) < CHEAP_TEXT_BYTES:
             return 0
-        cover, longest = self._bounds
+        _, cover, longest = self._long_text_rules
         if cover is not None:
             return cover.least_tokens(data, enough)
         return -(-len(data) // longest) if longest is not None else 0
@@ -311,6 +298,19 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _exact_cut_tokens(spec: dict[str, Any]) -> tuple[re.Pattern[str], int] | None:
+    """Where `Tokenizer.exact_cuts`: the added tokens' texts as one pattern, longest first, and the longest one's
+    length in characters (`Tokenizer._next_cut`); else None (from a ``tokenizer.json``'s parsed JSON)."""
+    if not plain_bpe(spec) or (spec.get("model") or {}).get("dropout"):
+        return None
+    pre = spec.get("pre_tokenizer")
+    if hashlib.sha256(json.dumps(pre, sort_keys=True).encode()).hexdigest() != _EXACT_CUT_PRE_TOKENIZER:
+        return None
+    contents = sorted({t["content"] for t in spec.get("added_tokens") or []}, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, contents)) or "(?!)")
+    return pattern, max(map(len, contents), default=0)
 
 
 def _special_token_names(config_path: Path) -> dict[str, str]:

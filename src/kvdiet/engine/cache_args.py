@@ -120,7 +120,12 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
     # is an error; the default one (serve's) gets one warning naming why, and the tier is off
     persistent = None if str(args.persistent_dir).lower() == "none" else args.persistent_dir
     check = partial(check_folder, writes=not args.persistent_read_only)
-    off = "the persistent tier is off (--persistent-dir none)" if args.persistent_dir else ""
+    off = (
+        "the persistent tier is off (--persistent-dir none)"
+        if args.persistent_dir
+        else "no --persistent-dir is given"
+    )
+    fell_back = False  # the default folder could not be used (warned of; its tier's other settings go unused)
     if persistent is not None and persistent != getattr(args, "persistent_default", None):
         parse_flag("--persistent-dir", check, persistent)
     elif persistent is not None:
@@ -128,17 +133,17 @@ def cache_options(args: argparse.Namespace) -> CacheOptions:
             check(persistent)
         except ValueError as exc:
             _log.warning("the default --persistent-dir cannot be used: %s; the persistent tier is off", exc)
-            persistent, off = None, "the default --persistent-dir cannot be used"
+            persistent, off, fell_back = None, "the default --persistent-dir cannot be used", True
     if args.persistent_read_only and (persistent is None or not Path(persistent).expanduser().is_dir()):
-        what = f"{persistent!r} is no folder to read" if persistent else off or "no --persistent-dir is given"
+        what = f"{persistent!r} is no folder to read" if persistent else off
         raise ValueError(f"--persistent-read-only: {what}")
     ttl = parse_flag("--persistent-ttl", parse_duration, args.persistent_ttl or "72h")
     size = parse_flag("--persistent-size", parse_bytes_or_unbounded, args.persistent_size)
     # the tier's settings where the command line turned it off, or gave it no folder, were ignored: refused
     tier_flags = {"--persistent-ttl": args.persistent_ttl, "--persistent-size": args.persistent_size}
     given = [flag for flag, value in tier_flags.items() if value is not None]
-    if persistent is None and given and not off.startswith("the default"):
-        raise ValueError(f"{given[0]}: {off or 'no --persistent-dir is given'}")
+    if persistent is None and given and not fell_back:
+        raise ValueError(f"{given[0]}: {off}")
     return CacheOptions(
         kv_cache_memory=parse_flag("--kv-cache-memory", parse_bytes, args.kv_cache_memory),
         block_size=args.block_size,  # None: the model's (for_model)

@@ -201,10 +201,10 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Context) -> R
         }
 
     def chunk(out: RequestOutput) -> dict:
-        event_ = event({"content": out.new_text}, _finish_reason(out))
+        sent = event({"content": out.new_text}, _finish_reason(out))
         if body.return_token_ids:
-            event_["choices"][0]["token_ids"] = list(out.new_token_ids)
-        return event_
+            sent["choices"][0]["token_ids"] = list(out.new_token_ids)
+        return sent
 
     def final(out: RequestOutput) -> dict:
         return {
